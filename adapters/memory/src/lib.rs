@@ -1,0 +1,1 @@
+//! `memory://` backend (in progress).

@@ -1,0 +1,190 @@
+//! Dedup (idempotency) stores: the [`DedupStore`] trait and the built-in `memory` and
+//! `embedded` stores.
+//!
+//! A key moves through two states. A **claim** takes a key for one worker with a lease (the key
+//! is *in progress*); the worker runs its handler, renewing the lease while it runs, then
+//! **completes** the key (it is *done* and stays so for the store's dedup window) or
+//! **releases** it (the key is free again, so a redelivery runs the handler again). Every claim
+//! returns a **fencing token**, strictly increasing per key while the key is stored: renew,
+//! complete and release carry it, and the store refuses them when the token is no longer the
+//! current holder's (the lease expired and another worker took the key over).
+//!
+//! Every operation is batched (one round trip for many keys); the single-key helpers on
+//! [`DedupStoreExt`] call the batched ones.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::error::Result;
+
+pub mod embedded;
+pub mod memory;
+
+pub use embedded::EmbeddedStore;
+pub use memory::MemoryStore;
+
+/// A fingerprint of a payload: 128-bit XXH3 of the bytes. The same key arriving with a different
+/// fingerprint is a [`ClaimOutcome::Mismatch`], not a duplicate.
+pub type Fingerprint = u128;
+
+/// Computes the [`Fingerprint`] of a payload.
+pub fn fingerprint(payload: &[u8]) -> Fingerprint {
+    xxhash_rust::xxh3::xxh3_128(payload)
+}
+
+/// Fencing token of a claim: strictly increasing per key while the key is stored.
+pub type FencingToken = u64;
+
+/// One key to claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// The idempotency key.
+    pub key: String,
+    /// The worker asking. A worker may re-claim a key it already holds (after a restart with the
+    /// same worker id) and gets a new token.
+    pub owner: String,
+    /// How long the claim holds without renewal.
+    pub lease: Duration,
+    /// Payload fingerprint to compare with the stored one, if fingerprints are on.
+    pub fingerprint: Option<Fingerprint>,
+}
+
+/// Result of one claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The key is now held by the caller; run the handler, then complete or release with this
+    /// token.
+    Claimed {
+        /// The fencing token of this claim.
+        token: FencingToken,
+    },
+    /// The key was completed before: skip the message. Carries the stored result, if any.
+    Duplicate {
+        /// Result stored on completion.
+        result: Option<Bytes>,
+    },
+    /// Another worker holds the key and its lease has not expired.
+    InProgress {
+        /// The holder.
+        owner: String,
+        /// Time left on its lease.
+        expires_in: Duration,
+    },
+    /// The key is known with a different payload fingerprint.
+    Mismatch {
+        /// Fingerprint stored with the key.
+        stored: Fingerprint,
+        /// Fingerprint of this request.
+        given: Fingerprint,
+    },
+}
+
+/// One completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The idempotency key.
+    pub key: String,
+    /// Token returned by the claim.
+    pub token: FencingToken,
+    /// Result to return to later duplicates (optional).
+    pub result: Option<Bytes>,
+}
+
+/// Stored state of a key, as returned by [`DedupStore::get`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyState {
+    /// Claimed and not finished.
+    InProgress {
+        /// Holder.
+        owner: String,
+        /// Current fencing token.
+        token: FencingToken,
+        /// Time left on the lease (zero if expired but not yet taken over).
+        expires_in: Duration,
+        /// Stored fingerprint.
+        fingerprint: Option<Fingerprint>,
+    },
+    /// Completed within the dedup window.
+    Completed {
+        /// Token of the claim that completed it.
+        token: FencingToken,
+        /// Stored result.
+        result: Option<Bytes>,
+        /// Stored fingerprint.
+        fingerprint: Option<Fingerprint>,
+    },
+}
+
+/// A dedup store. Implementations must be linearisable per key: two concurrent claims of one
+/// free key give exactly one [`ClaimOutcome::Claimed`].
+///
+/// Errors are of kind [`crate::ErrorKind::DedupStore`] (or `Connect`/`Timeout` for a store
+/// that cannot be reached).
+#[async_trait]
+pub trait DedupStore: Send + Sync {
+    /// Store name for logs and metrics (`memory`, `embedded`, `redis`, `postgres`).
+    fn name(&self) -> &'static str;
+
+    /// How long a completed key is remembered.
+    fn window(&self) -> Duration;
+
+    /// Claims keys; one outcome per request, in order. A key that is free, whose lease expired,
+    /// or that the same owner holds is claimed with a new, higher token.
+    async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>>;
+
+    /// Extends leases to `lease` from now. `false` where the token is no longer the holder's.
+    async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>>;
+
+    /// Marks keys done (remembered for the window). `false` where the token is stale: the
+    /// completion is refused and the key is left as it is.
+    async fn complete(&self, completions: &[Completion]) -> Result<Vec<bool>>;
+
+    /// Frees keys so the next claim runs the handler again. `false` where the token is stale.
+    async fn release(&self, claims: &[(String, FencingToken)]) -> Result<Vec<bool>>;
+
+    /// Reads keys' states; `None` for unknown or expired keys.
+    async fn get(&self, keys: &[String]) -> Result<Vec<Option<KeyState>>>;
+}
+
+/// Single-key conveniences over the batched [`DedupStore`] operations.
+#[async_trait]
+pub trait DedupStoreExt: DedupStore {
+    /// Claims one key.
+    async fn claim_one(&self, request: ClaimRequest) -> Result<ClaimOutcome> {
+        Ok(self.claim(std::slice::from_ref(&request)).await?.remove(0))
+    }
+    /// Renews one lease.
+    async fn renew_one(&self, key: &str, token: FencingToken, lease: Duration) -> Result<bool> {
+        Ok(self.renew(&[(key.to_string(), token)], lease).await?.remove(0))
+    }
+    /// Completes one key.
+    async fn complete_one(
+        &self,
+        key: &str,
+        token: FencingToken,
+        result: Option<Bytes>,
+    ) -> Result<bool> {
+        let c = Completion {
+            key: key.to_string(),
+            token,
+            result,
+        };
+        Ok(self.complete(std::slice::from_ref(&c)).await?.remove(0))
+    }
+    /// Releases one key.
+    async fn release_one(&self, key: &str, token: FencingToken) -> Result<bool> {
+        Ok(self.release(&[(key.to_string(), token)]).await?.remove(0))
+    }
+    /// Reads one key.
+    async fn get_one(&self, key: &str) -> Result<Option<KeyState>> {
+        Ok(self.get(&[key.to_string()]).await?.remove(0))
+    }
+}
+
+impl<T: DedupStore + ?Sized> DedupStoreExt for T {}
+
+/// Shared handle to a store.
+pub type SharedDedupStore = Arc<dyn DedupStore>;

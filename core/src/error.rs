@@ -1,0 +1,256 @@
+//! One error type for every platform: an [`ErrorKind`], a message naming the value at fault,
+//! whether a retry can succeed, and the native client's error as [`std::error::Error::source`].
+
+use std::fmt;
+
+/// Boxed error from a native client or a user handler, kept as the `source()` of an [`Error`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with onceflow's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong, independent of the platform.
+///
+/// Bindings map each kind to one stable code: Python raises one subclass of
+/// `onceflow.OnceflowError` per kind, Node throws an `Error` whose `code` is
+/// [`ErrorKind::code`].
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// Bad configuration or input: an unknown URL scheme, an invalid option, a negative count,
+    /// an oversized message, a malformed header. Never retriable.
+    Config,
+    /// The platform or store could not be reached. Usually retriable.
+    Connect,
+    /// An operation did not finish in time; its outcome may be unknown (see [`Error::outcome_unknown`]).
+    Timeout,
+    /// This worker lost its right to act: a newer producer epoch took its transactional id, its
+    /// lease or partition moved to another worker, or its fencing token is stale.
+    Fenced,
+    /// A transaction was aborted; nothing it wrote is visible to read-committed readers.
+    Aborted,
+    /// A payload, header or position could not be encoded or decoded.
+    Serialization,
+    /// The dedup (idempotency) store failed or refused an operation.
+    DedupStore,
+    /// The same idempotency key arrived with a different payload fingerprint.
+    Conflict,
+    /// The platform does not offer this capability (see `Capabilities`).
+    Unsupported,
+    /// A topic, stream, subscription or key does not exist.
+    NotFound,
+    /// A user handler or transform returned an error.
+    Handler,
+    /// The handle was closed or the engine is shutting down.
+    Closed,
+    /// Any other error reported by the platform's client.
+    Platform,
+}
+
+impl ErrorKind {
+    /// Every kind, in declaration order (for bindings that generate one class per kind).
+    pub const ALL: [ErrorKind; 13] = [
+        ErrorKind::Config,
+        ErrorKind::Connect,
+        ErrorKind::Timeout,
+        ErrorKind::Fenced,
+        ErrorKind::Aborted,
+        ErrorKind::Serialization,
+        ErrorKind::DedupStore,
+        ErrorKind::Conflict,
+        ErrorKind::Unsupported,
+        ErrorKind::NotFound,
+        ErrorKind::Handler,
+        ErrorKind::Closed,
+        ErrorKind::Platform,
+    ];
+
+    /// Stable code string, e.g. `"ONCEFLOW_FENCED"`: Node's `err.code`, and the prefix of
+    /// `Display`.
+    pub fn code(self) -> &'static str {
+        match self {
+            ErrorKind::Config => "ONCEFLOW_CONFIG",
+            ErrorKind::Connect => "ONCEFLOW_CONNECT",
+            ErrorKind::Timeout => "ONCEFLOW_TIMEOUT",
+            ErrorKind::Fenced => "ONCEFLOW_FENCED",
+            ErrorKind::Aborted => "ONCEFLOW_ABORTED",
+            ErrorKind::Serialization => "ONCEFLOW_SERIALIZATION",
+            ErrorKind::DedupStore => "ONCEFLOW_DEDUP_STORE",
+            ErrorKind::Conflict => "ONCEFLOW_CONFLICT",
+            ErrorKind::Unsupported => "ONCEFLOW_UNSUPPORTED",
+            ErrorKind::NotFound => "ONCEFLOW_NOT_FOUND",
+            ErrorKind::Handler => "ONCEFLOW_HANDLER",
+            ErrorKind::Closed => "ONCEFLOW_CLOSED",
+            ErrorKind::Platform => "ONCEFLOW_PLATFORM",
+        }
+    }
+
+    /// Whether errors of this kind are retriable unless the constructor says otherwise.
+    fn default_retriable(self) -> bool {
+        matches!(self, ErrorKind::Connect | ErrorKind::Timeout)
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.code())
+    }
+}
+
+/// onceflow's error: a [`kind`](Error::kind), a message that names the value at fault, whether
+/// retrying the same operation can succeed, and the native cause as `source()`.
+///
+/// Native client error types are never part of the public API; they are only reachable through
+/// `source()`.
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    retriable: bool,
+    outcome_unknown: bool,
+    source: Option<BoxError>,
+}
+
+impl Error {
+    /// A new error of `kind` with a message naming the value at fault and what was expected.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error {
+            kind,
+            message: message.into(),
+            retriable: kind.default_retriable(),
+            outcome_unknown: false,
+            source: None,
+        }
+    }
+
+    /// Shorthand for [`ErrorKind::Config`].
+    pub fn config(message: impl Into<String>) -> Self {
+        Error::new(ErrorKind::Config, message)
+    }
+
+    /// Shorthand for [`ErrorKind::Unsupported`].
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Error::new(ErrorKind::Unsupported, message)
+    }
+
+    /// Shorthand for [`ErrorKind::DedupStore`].
+    pub fn dedup_store(message: impl Into<String>) -> Self {
+        Error::new(ErrorKind::DedupStore, message)
+    }
+
+    /// Wraps an error returned by a user handler or transform ([`ErrorKind::Handler`],
+    /// retriable: the engine retries handlers with backoff).
+    pub fn handler(source: impl Into<BoxError>) -> Self {
+        let source = source.into();
+        Error::new(ErrorKind::Handler, source.to_string())
+            .with_source_box(source)
+            .retriable(true)
+    }
+
+    /// Attaches the native cause.
+    pub fn with_source(self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.with_source_box(Box::new(source))
+    }
+
+    /// Attaches an already boxed cause.
+    pub fn with_source_box(mut self, source: BoxError) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// Overrides whether a retry of the same operation can succeed.
+    pub fn retriable(mut self, retriable: bool) -> Self {
+        self.retriable = retriable;
+        self
+    }
+
+    /// Marks an operation whose outcome is unknown (a transaction commit that timed out:
+    /// it may or may not have committed).
+    pub fn with_outcome_unknown(mut self) -> Self {
+        self.outcome_unknown = true;
+        self
+    }
+
+    /// The kind of failure.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The message, naming the value at fault.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether retrying the same operation can succeed.
+    pub fn is_retriable(&self) -> bool {
+        self.retriable
+    }
+
+    /// Whether the operation may have taken effect even though it reported failure.
+    pub fn outcome_unknown(&self) -> bool {
+        self.outcome_unknown
+    }
+
+    /// Prefixes the message with context, keeping kind, source and flags.
+    pub fn context(mut self, context: impl fmt::Display) -> Self {
+        self.message = format!("{context}: {}", self.message);
+        self
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Error");
+        d.field("kind", &self.kind)
+            .field("message", &self.message)
+            .field("retriable", &self.retriable);
+        if self.outcome_unknown {
+            d.field("outcome_unknown", &true);
+        }
+        if let Some(s) = &self.source {
+            d.field("source", &s.to_string());
+        }
+        d.finish()
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.code(), self.message)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|s| s as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_unique_and_display_names_kind() {
+        let mut codes: Vec<_> = ErrorKind::ALL.iter().map(|k| k.code()).collect();
+        codes.sort();
+        codes.dedup();
+        assert_eq!(codes.len(), ErrorKind::ALL.len());
+        let e = Error::config("bad value 'x', expected a number");
+        assert_eq!(
+            e.to_string(),
+            "ONCEFLOW_CONFIG: bad value 'x', expected a number"
+        );
+        assert!(!e.is_retriable());
+        assert!(Error::new(ErrorKind::Timeout, "t").is_retriable());
+    }
+
+    #[test]
+    fn source_is_chained() {
+        let io = std::io::Error::other("disk full");
+        let e = Error::dedup_store("write failed").with_source(io);
+        let src = std::error::Error::source(&e).unwrap();
+        assert_eq!(src.to_string(), "disk full");
+    }
+}

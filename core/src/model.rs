@@ -1,0 +1,538 @@
+//! The unified message model: [`Message`] (what a consumer reads), [`Record`] (what a producer
+//! sends), [`Headers`], [`Position`], [`TopicPartition`], [`Delivery`] and [`StartFrom`].
+
+use std::cmp::Ordering;
+use std::fmt;
+use std::str::FromStr;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Milliseconds since the Unix epoch (UTC), the unit every platform here can express.
+pub type TimestampMs = i64;
+
+/// Current wall-clock time in milliseconds since the Unix epoch.
+pub fn now_ms() -> TimestampMs {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// One header: a name and a value that is either absent (`None`, a "null" header) or bytes
+/// (possibly empty). Null and empty are distinct.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Header {
+    /// Header name, case kept as given.
+    pub name: String,
+    /// Header value; `None` is a null header, distinct from `Some(empty)`.
+    pub value: Option<Bytes>,
+}
+
+/// Ordered message headers. Repeated names are kept in order; values are bytes; a null value is
+/// distinct from an empty one. Name comparison in [`Headers::get`] is exact (case-sensitive),
+/// because Kafka and JetStream headers are case-sensitive.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Headers(Vec<Header>);
+
+impl Headers {
+    /// No headers.
+    pub fn new() -> Self {
+        Headers(Vec::new())
+    }
+
+    /// Appends a header with a value, keeping any earlier header of the same name.
+    pub fn insert(&mut self, name: impl Into<String>, value: impl Into<Bytes>) -> &mut Self {
+        self.0.push(Header {
+            name: name.into(),
+            value: Some(value.into()),
+        });
+        self
+    }
+
+    /// Appends a null header (no value, distinct from an empty one).
+    pub fn insert_null(&mut self, name: impl Into<String>) -> &mut Self {
+        self.0.push(Header {
+            name: name.into(),
+            value: None,
+        });
+        self
+    }
+
+    /// Builder-style [`Headers::insert`].
+    pub fn with(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.insert(name, value);
+        self
+    }
+
+    /// Replaces every header called `name` with exactly one header carrying `value`, at the
+    /// position of the first one (or at the end).
+    pub fn set(&mut self, name: &str, value: impl Into<Bytes>) -> &mut Self {
+        let value = Some(value.into());
+        match self.0.iter().position(|h| h.name == name) {
+            Some(first) => {
+                self.0[first].value = value;
+                let mut i = 0;
+                self.0.retain(|h| {
+                    let keep = i <= first || h.name != name;
+                    i += 1;
+                    keep
+                });
+            }
+            None => self.0.push(Header {
+                name: name.to_string(),
+                value,
+            }),
+        }
+        self
+    }
+
+    /// Removes every header called `name`; returns how many were removed.
+    pub fn remove(&mut self, name: &str) -> usize {
+        let before = self.0.len();
+        self.0.retain(|h| h.name != name);
+        before - self.0.len()
+    }
+
+    /// The first header called `name`: `None` if absent, `Some(None)` if present and null.
+    pub fn get(&self, name: &str) -> Option<Option<&Bytes>> {
+        self.0
+            .iter()
+            .find(|h| h.name == name)
+            .map(|h| h.value.as_ref())
+    }
+
+    /// The first non-null value of `name` as UTF-8 text, if it is valid UTF-8.
+    pub fn get_str(&self, name: &str) -> Option<&str> {
+        self.get(name)
+            .flatten()
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+
+    /// Every value of `name`, in order.
+    pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = Option<&'a Bytes>> + 'a {
+        self.0
+            .iter()
+            .filter(move |h| h.name == name)
+            .map(|h| h.value.as_ref())
+    }
+
+    /// All headers in order.
+    pub fn iter(&self) -> std::slice::Iter<'_, Header> {
+        self.0.iter()
+    }
+
+    /// Number of headers (repeated names counted each time).
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there are no headers.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Total encoded size in bytes (names plus values), for size limits.
+    pub fn size_bytes(&self) -> usize {
+        self.0
+            .iter()
+            .map(|h| h.name.len() + h.value.as_ref().map_or(0, |v| v.len()))
+            .sum()
+    }
+}
+
+impl FromIterator<Header> for Headers {
+    fn from_iter<T: IntoIterator<Item = Header>>(iter: T) -> Self {
+        Headers(iter.into_iter().collect())
+    }
+}
+
+impl IntoIterator for Headers {
+    type Item = Header;
+    type IntoIter = std::vec::IntoIter<Header>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a Headers {
+    type Item = &'a Header;
+    type IntoIter = std::slice::Iter<'a, Header>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+/// Where a message sits in its partition, typed per platform, behind one orderable and
+/// serialisable type.
+///
+/// Positions are ordered only within one partition of one platform: comparing positions of
+/// different variants gives `None` from `partial_cmp`.
+///
+/// The string form (`Display` / `FromStr`) is stable and round-trips:
+/// `offset:42`, `seq:42`, `kinesis:49590338271490256608559692538361571095921575989136588898`,
+/// `pulsar:LEDGER:ENTRY:PARTITION:BATCH`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Position {
+    /// Kafka (and `memory://`) offset, `0..`.
+    Offset(i64),
+    /// JetStream stream sequence, `1..`.
+    Sequence(u64),
+    /// Kinesis sequence number: a decimal string of up to 128 digits, compared numerically.
+    SequenceNumber(String),
+    /// Pulsar `MessageId` (ledger id, entry id, partition index, batch index; `-1` where absent).
+    MessageId {
+        /// Ledger id.
+        ledger: u64,
+        /// Entry id within the ledger.
+        entry: u64,
+        /// Partition index, `-1` for a non-partitioned topic.
+        partition: i32,
+        /// Index within a batch message, `-1` if not batched.
+        batch: i32,
+    },
+}
+
+impl Position {
+    /// The position right after this one, where the platform can compute it (offsets and stream
+    /// sequences); `None` for Kinesis sequence numbers and Pulsar message ids.
+    pub fn next(&self) -> Option<Position> {
+        match self {
+            Position::Offset(o) => Some(Position::Offset(o + 1)),
+            Position::Sequence(s) => Some(Position::Sequence(s + 1)),
+            _ => None,
+        }
+    }
+
+    /// The Kafka-style offset, if this is one.
+    pub fn as_offset(&self) -> Option<i64> {
+        match self {
+            Position::Offset(o) => Some(*o),
+            _ => None,
+        }
+    }
+
+    /// The JetStream stream sequence, if this is one.
+    pub fn as_sequence(&self) -> Option<u64> {
+        match self {
+            Position::Sequence(s) => Some(*s),
+            _ => None,
+        }
+    }
+}
+
+fn cmp_decimal(a: &str, b: &str) -> Ordering {
+    let a = a.trim_start_matches('0');
+    let b = b.trim_start_matches('0');
+    a.len().cmp(&b.len()).then_with(|| a.cmp(b))
+}
+
+impl PartialOrd for Position {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        match (self, other) {
+            (Position::Offset(a), Position::Offset(b)) => Some(a.cmp(b)),
+            (Position::Sequence(a), Position::Sequence(b)) => Some(a.cmp(b)),
+            (Position::SequenceNumber(a), Position::SequenceNumber(b)) => Some(cmp_decimal(a, b)),
+            (
+                Position::MessageId {
+                    ledger: l1,
+                    entry: e1,
+                    partition: p1,
+                    batch: b1,
+                },
+                Position::MessageId {
+                    ledger: l2,
+                    entry: e2,
+                    partition: p2,
+                    batch: b2,
+                },
+            ) if p1 == p2 => Some((l1, e1, b1).cmp(&(l2, e2, b2))),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Position::Offset(o) => write!(f, "offset:{o}"),
+            Position::Sequence(s) => write!(f, "seq:{s}"),
+            Position::SequenceNumber(s) => write!(f, "kinesis:{s}"),
+            Position::MessageId {
+                ledger,
+                entry,
+                partition,
+                batch,
+            } => write!(f, "pulsar:{ledger}:{entry}:{partition}:{batch}"),
+        }
+    }
+}
+
+impl FromStr for Position {
+    type Err = Error;
+
+    /// Parses the `Display` form. Errors with [`ErrorKind::Config`] naming the input.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::new(
+                ErrorKind::Config,
+                format!(
+                    "invalid position '{s}': expected offset:N, seq:N, kinesis:DIGITS or \
+                     pulsar:LEDGER:ENTRY:PARTITION:BATCH"
+                ),
+            )
+        };
+        let (tag, rest) = s.split_once(':').ok_or_else(bad)?;
+        match tag {
+            "offset" => rest
+                .parse::<i64>()
+                .ok()
+                .filter(|o| *o >= 0)
+                .map(Position::Offset)
+                .ok_or_else(bad),
+            "seq" => rest.parse::<u64>().map(Position::Sequence).map_err(|_| bad()),
+            "kinesis" => {
+                if !rest.is_empty() && rest.len() <= 128 && rest.bytes().all(|b| b.is_ascii_digit())
+                {
+                    Ok(Position::SequenceNumber(rest.to_string()))
+                } else {
+                    Err(bad())
+                }
+            }
+            "pulsar" => {
+                let parts: Vec<&str> = rest.split(':').collect();
+                if parts.len() != 4 {
+                    return Err(bad());
+                }
+                Ok(Position::MessageId {
+                    ledger: parts[0].parse().map_err(|_| bad())?,
+                    entry: parts[1].parse().map_err(|_| bad())?,
+                    partition: parts[2].parse().map_err(|_| bad())?,
+                    batch: parts[3].parse().map_err(|_| bad())?,
+                })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// A topic (stream) and one of its partitions (Kafka partition, Pulsar partition index, Kinesis
+/// shard number — `shardId-000000000007` is 7 —, JetStream partition of a subject-mapped stream,
+/// `0` when unpartitioned).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TopicPartition {
+    /// Topic, stream or subject name.
+    pub topic: String,
+    /// Partition number, `0..`.
+    pub partition: i32,
+}
+
+impl TopicPartition {
+    /// `topic`/`partition`.
+    pub fn new(topic: impl Into<String>, partition: i32) -> Self {
+        TopicPartition {
+            topic: topic.into(),
+            partition,
+        }
+    }
+}
+
+impl fmt::Display for TopicPartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}[{}]", self.topic, self.partition)
+    }
+}
+
+/// A message as read by a consumer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Topic (Kafka, Pulsar), stream (Kinesis) or subject (JetStream) it was read from.
+    pub topic: String,
+    /// Partition (see [`TopicPartition`]).
+    pub partition: i32,
+    /// Position within the partition.
+    pub position: Position,
+    /// Message key (Kafka key, Kinesis partition key, Pulsar key), if any.
+    pub key: Option<Bytes>,
+    /// Payload bytes.
+    pub payload: Bytes,
+    /// Headers, in order.
+    pub headers: Headers,
+    /// Broker or producer timestamp in ms since the epoch, if the platform has one.
+    pub timestamp: Option<TimestampMs>,
+    /// How many times the platform says it has delivered this message (1 on first delivery),
+    /// where it tracks that (JetStream, Pulsar, `memory://`); `1` otherwise.
+    pub delivery_count: u32,
+}
+
+impl Message {
+    /// The message's topic and partition.
+    pub fn topic_partition(&self) -> TopicPartition {
+        TopicPartition::new(self.topic.clone(), self.partition)
+    }
+}
+
+/// A message to send.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Record {
+    /// Destination topic / stream / subject.
+    pub topic: String,
+    /// Key: selects the partition by hash unless `partition` is set.
+    pub key: Option<Bytes>,
+    /// Payload bytes.
+    pub payload: Bytes,
+    /// Headers, in order (trace context is added on send).
+    pub headers: Headers,
+    /// Explicit partition; `None` = by key hash (round-robin / sticky without a key).
+    pub partition: Option<i32>,
+    /// Producer timestamp in ms; `None` = the platform's default.
+    pub timestamp: Option<TimestampMs>,
+    /// Idempotency key of this record: written to the `idempotency-key` header and used as the
+    /// platform's message id where it has one (JetStream `Nats-Msg-Id`). Deterministic ids make
+    /// retries and replays deduplicable.
+    pub idempotency_key: Option<String>,
+}
+
+impl Record {
+    /// A record for `topic` with a payload.
+    pub fn new(topic: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Record {
+            topic: topic.into(),
+            payload: payload.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Sets the key.
+    pub fn key(mut self, key: impl Into<Bytes>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Appends a header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+
+    /// Sets the partition explicitly.
+    pub fn partition(mut self, partition: i32) -> Self {
+        self.partition = Some(partition);
+        self
+    }
+
+    /// Sets the idempotency key.
+    pub fn idempotency_key(mut self, key: impl Into<String>) -> Self {
+        self.idempotency_key = Some(key.into());
+        self
+    }
+
+    /// Approximate size in bytes (key + payload + headers), for size limits.
+    pub fn size_bytes(&self) -> usize {
+        self.key.as_ref().map_or(0, |k| k.len()) + self.payload.len() + self.headers.size_bytes()
+    }
+}
+
+/// What a successful send returns: where the record landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// Topic written to.
+    pub topic: String,
+    /// Partition written to.
+    pub partition: i32,
+    /// Position assigned by the platform.
+    pub position: Position,
+    /// Timestamp assigned, ms since the epoch, if known.
+    pub timestamp: Option<TimestampMs>,
+    /// The platform recognised this record as a duplicate of one already written (JetStream
+    /// `duplicate` publish ack); the position is the original one.
+    pub duplicate: bool,
+}
+
+/// Where a consumer starts in a partition that has no committed position (or always, for the
+/// explicit variants).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StartFrom {
+    /// The group's committed position; where there is none, the fallback.
+    Committed {
+        /// Where to start without a committed position: `Earliest` or `Latest`.
+        fallback: Box<StartFrom>,
+    },
+    /// The oldest retained message.
+    Earliest,
+    /// Only messages written after the consumer started.
+    Latest,
+    /// A given position (inclusive).
+    Position(Position),
+    /// The first message with a timestamp at or after this time (ms since the epoch); when no
+    /// message is that late, the end of the partition.
+    Timestamp(TimestampMs),
+}
+
+impl StartFrom {
+    /// Committed, else earliest: the usual default for a new consumer group.
+    pub fn committed_or_earliest() -> Self {
+        StartFrom::Committed {
+            fallback: Box::new(StartFrom::Earliest),
+        }
+    }
+
+    /// Committed, else latest.
+    pub fn committed_or_latest() -> Self {
+        StartFrom::Committed {
+            fallback: Box::new(StartFrom::Latest),
+        }
+    }
+}
+
+impl Default for StartFrom {
+    fn default() -> Self {
+        StartFrom::committed_or_earliest()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_keep_order_repeats_and_null() {
+        let mut h = Headers::new();
+        h.insert("a", "1").insert("b", "").insert_null("c").insert("a", "2");
+        assert_eq!(h.len(), 4);
+        let all: Vec<_> = h.get_all("a").collect();
+        assert_eq!(all, vec![Some(&Bytes::from("1")), Some(&Bytes::from("2"))]);
+        assert_eq!(h.get("b"), Some(Some(&Bytes::new())));
+        assert_eq!(h.get("c"), Some(None));
+        assert_eq!(h.get("d"), None);
+        h.set("a", "3");
+        assert_eq!(h.get_all("a").count(), 1);
+        assert_eq!(h.iter().next().unwrap().name, "a");
+        assert_eq!(h.get_str("a"), Some("3"));
+    }
+
+    #[test]
+    fn positions_round_trip_and_order() {
+        for s in [
+            "offset:0",
+            "seq:7",
+            "kinesis:49590338271490256608559692538361571095921575989136588898",
+            "pulsar:12:3:-1:-1",
+        ] {
+            let p: Position = s.parse().unwrap();
+            assert_eq!(p.to_string(), s);
+        }
+        assert!(Position::Offset(1) < Position::Offset(2));
+        assert!(Position::SequenceNumber("99".into()) < Position::SequenceNumber("100".into()));
+        assert_eq!(
+            Position::Offset(1).partial_cmp(&Position::Sequence(1)),
+            None
+        );
+        let e = "offset:-3".parse::<Position>().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("offset:-3"));
+        assert!("kinesis:12a".parse::<Position>().is_err());
+    }
+}

@@ -1,0 +1,2 @@
+//! onceflow facade.
+pub use onceflow_core::*;

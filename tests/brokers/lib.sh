@@ -1,0 +1,222 @@
+# shellcheck shell=bash
+# Shared helpers for the broker harness scripts under tests/brokers/.
+# Sourced by tests/brokers/{up,down,env}.sh and tests/brokers/NAME/up.sh.
+#
+# Contract (every NAME/up.sh follows it):
+#   - stdout carries only KEY=VALUE lines (ONCEFLOW_..._URL=...), via emit_env;
+#     progress goes to stderr (log).
+#   - a service already running (pid alive AND answering) just re-prints its env.
+#   - processes are started with start_bg: own session, PID == process group id,
+#     pid in $RUN_DIR/NAME.pid, output in $RUN_DIR/NAME.log.
+#   - data lives in $RUN_DIR/NAME-data (fresh each start), downloads in $CACHE_DIR.
+#   - everything binds to 127.0.0.1 only.
+#
+# Default ports (each overridable by the env variable named):
+#   kafka     19092  ONCEFLOW_KAFKA_PORT,  controller 19093 ONCEFLOW_KAFKA_CONTROLLER_PORT
+#   nats      14222  ONCEFLOW_NATS_PORT,   monitor 18222    ONCEFLOW_NATS_MONITOR_PORT
+#   redis     16379  ONCEFLOW_REDIS_PORT
+#   postgres  15432  ONCEFLOW_POSTGRES_PORT
+#   pulsar    16650  ONCEFLOW_PULSAR_PORT, admin 18080      ONCEFLOW_PULSAR_ADMIN_PORT
+#   kinesis   14567  ONCEFLOW_KINESIS_PORT
+
+RUN_DIR=${ONCEFLOW_RUN_DIR:-/tmp/onceflow-brokers}
+CACHE_DIR=${ONCEFLOW_CACHE_DIR:-$HOME/.cache/onceflow}
+# shellcheck disable=SC2034  # used by the scripts that source this file
+BROKERS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+mkdir -p "$RUN_DIR" "$CACHE_DIR"
+
+# Name of the service whose log `die` shows; set by start_bg (or by the script).
+LAST_STARTED=${LAST_STARTED:-}
+
+log() {
+    printf '[brokers] %s\n' "$*" >&2
+}
+
+# Seconds since the epoch at which process PID started (empty if unknown).
+_proc_start_epoch() {
+    local pid=$1 stat btime ticks
+    stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }                      # drop "pid (comm) "; field 3 is now $1
+    # shellcheck disable=SC2086
+    set -- $stat
+    ticks=${20}                            # field 22: starttime, in clock ticks after boot
+    btime=$(awk '/^btime/ {print $2}' /proc/stat)
+    echo $((btime + ticks / $(getconf CLK_TCK)))
+}
+
+# Prints the pid recorded for NAME if that process is alive and is the one we
+# started (a process group leader that did not start after the pid file was
+# written, so a recycled pid is not mistaken for ours).
+service_pid() {
+    local name=$1 pidfile="$RUN_DIR/$1.pid" pid pgid start mtime
+    [[ -s $pidfile ]] || return 1
+    pid=$(<"$pidfile")
+    [[ $pid =~ ^[0-9]+$ ]] || return 1
+    kill -0 "$pid" 2>/dev/null || return 1
+    pgid=$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ') || return 1
+    [[ $pgid == "$pid" ]] || return 1
+    start=$(_proc_start_epoch "$pid") || return 1
+    mtime=$(stat -c %Y "$pidfile")
+    ((start <= mtime + 2)) || return 1
+    echo "$pid"
+}
+
+# is_running NAME: pid file exists and that process is alive.
+is_running() {
+    service_pid "$1" >/dev/null
+}
+
+# start_bg NAME cmd...: start cmd in a new session (PID == PGID), output to
+# $RUN_DIR/NAME.log, pid to $RUN_DIR/NAME.pid.
+start_bg() {
+    local name=$1 pidfile="$RUN_DIR/$1.pid" i
+    shift
+    rm -f "$pidfile"
+    LAST_STARTED=$name
+    # The new session leader writes its own pid and then execs cmd, so the pid
+    # is right whether or not setsid had to fork.
+    # shellcheck disable=SC2016  # expanded by the inner bash
+    ONCEFLOW_BROKER=$name setsid bash -c 'echo $$ >"$0.tmp" && mv "$0.tmp" "$0" && exec "$@"' \
+        "$pidfile" "$@" </dev/null >"$RUN_DIR/$name.log" 2>&1 &
+    for ((i = 0; i < 100; i++)); do
+        [[ -s $pidfile ]] && return 0
+        sleep 0.05
+    done
+    die "$name: no pid file after start"
+}
+
+# stop_service NAME: SIGTERM the process group recorded in $RUN_DIR/NAME.pid,
+# wait up to ${STOP_TIMEOUT_S:-20} s, then SIGKILL. Removes the pid and env files.
+stop_service() {
+    local name=$1 pid i timeout=${STOP_TIMEOUT_S:-20}
+    if pid=$(service_pid "$name"); then
+        log "stopping $name (pgid $pid)"
+        kill -TERM -- "-$pid" 2>/dev/null || true
+        for ((i = 0; i < timeout * 10; i++)); do
+            kill -0 -- "-$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        if kill -0 -- "-$pid" 2>/dev/null; then
+            log "$name did not stop within ${timeout}s, sending SIGKILL"
+            kill -KILL -- "-$pid" 2>/dev/null || true
+            for ((i = 0; i < 50; i++)); do
+                kill -0 -- "-$pid" 2>/dev/null || break
+                sleep 0.1
+            done
+        fi
+    elif [[ -s $RUN_DIR/$name.pid ]]; then
+        pid=$(<"$RUN_DIR/$name.pid")
+        # The leader is gone but members of its group may be left. While the
+        # group exists Linux does not hand its id out as a new pid, so it is ours.
+        if [[ $pid =~ ^[0-9]+$ ]] && ! kill -0 "$pid" 2>/dev/null &&
+            kill -0 -- "-$pid" 2>/dev/null; then
+            log "$name: leader $pid gone, killing what is left of its group"
+            kill -KILL -- "-$pid" 2>/dev/null || true
+        else
+            log "$name: stale pid file, nothing to stop"
+        fi
+    fi
+    rm -f "$RUN_DIR/$name.pid" "$RUN_DIR/$name.env"
+}
+
+# True while the service started last by this script is still alive (or when
+# this script started nothing); lets the waits below fail fast on a crash.
+_last_started_alive() {
+    [[ -z $LAST_STARTED ]] || is_running "$LAST_STARTED"
+}
+
+# wait_until TIMEOUT_S cmd...: retry cmd (quietly) until it succeeds.
+wait_until() {
+    local timeout=$1 deadline
+    shift
+    deadline=$((SECONDS + timeout))
+    while true; do
+        "$@" >/dev/null 2>&1 && return 0
+        _last_started_alive || { log "$LAST_STARTED exited"; return 1; }
+        ((SECONDS < deadline)) || return 1
+        sleep 0.25
+    done
+}
+
+_port_open() {
+    (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null
+}
+
+# wait_for_port HOST PORT TIMEOUT_S
+wait_for_port() {
+    wait_until "$3" _port_open "$1" "$2"
+}
+
+# port_in_use PORT: something already listens on 127.0.0.1:PORT.
+port_in_use() {
+    _port_open 127.0.0.1 "$1"
+}
+
+# emit_env NAME KEY=VALUE...: write $RUN_DIR/NAME.env and print the lines.
+emit_env() {
+    local name=$1
+    shift
+    printf '%s\n' "$@" >"$RUN_DIR/$name.env.tmp"
+    mv "$RUN_DIR/$name.env.tmp" "$RUN_DIR/$name.env"
+    printf '%s\n' "$@"
+}
+
+# already_up NAME probe_cmd...: if NAME runs, answers the probe and has an env
+# file, re-print its env and succeed. If it runs but does not answer within
+# ${ALREADY_UP_WAIT_S:-15} s (it may still be starting), stop it and fail so
+# the caller starts it afresh.
+already_up() {
+    local name=$1
+    shift
+    is_running "$name" || return 1
+    if [[ -s $RUN_DIR/$name.env ]] && { "$@" >/dev/null 2>&1 ||
+        LAST_STARTED=$name wait_until "${ALREADY_UP_WAIT_S:-15}" "$@"; }; then
+        log "$name already running"
+        cat "$RUN_DIR/$name.env"
+        return 0
+    fi
+    log "$name runs but does not answer: restarting it"
+    stop_service "$name"
+    return 1
+}
+
+# die msg: print msg and the tail of the log of the service being started to
+# stderr, stop that half-started service, exit 1.
+die() {
+    local name=${SERVICE:-$LAST_STARTED}
+    log "ERROR: $*"
+    if [[ -n $name && -s $RUN_DIR/$name.log ]]; then
+        log "last lines of $RUN_DIR/$name.log:"
+        tail -n "${DIE_LOG_LINES:-40}" "$RUN_DIR/$name.log" >&2
+    fi
+    if [[ -n $LAST_STARTED ]]; then
+        STOP_TIMEOUT_S=5 stop_service "$LAST_STARTED" || true
+    fi
+    exit 1
+}
+
+# fresh_data_dir NAME: empty $RUN_DIR/NAME-data and print its path.
+fresh_data_dir() {
+    local dir="$RUN_DIR/$1-data"
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    echo "$dir"
+}
+
+# apt_install PKG...: install Debian packages without letting their services start.
+apt_install() {
+    local policy=/usr/sbin/policy-rc.d added=
+    [[ $EUID -eq 0 ]] || die "need root to apt-get install $*"
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy" && added=1
+    fi
+    log "apt-get install $*"
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >&2; then
+        apt-get update -q >&2 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >&2 || {
+            [[ -z $added ]] || rm -f "$policy"
+            die "apt-get install $* failed"
+        }
+    fi
+    [[ -z $added ]] || rm -f "$policy"
+}

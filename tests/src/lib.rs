@@ -1,0 +1,3 @@
+//! onceflow conformance suites: one for platform backends, one for dedup stores. Each suite is
+//! written once against the traits; a backend or store plugs in through a harness and a macro
+//! that expands to one `#[tokio::test]` per case.
