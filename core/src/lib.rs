@@ -8,17 +8,27 @@
 //! opens platforms by URL.
 
 pub mod backend;
+pub mod client;
 pub mod dedup;
+pub mod engine;
 pub mod error;
+pub mod metrics;
 pub mod model;
+pub mod trace;
 
 pub use backend::{
     AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, GroupMetadata, Guarantee,
     Isolation, PartitionLag, PlatformBackend, ProducerBackend, ProducerConfig, RebalanceListener,
     TopicDescription, TopicSpec, TransactionBackend,
 };
+pub use client::{Admin, Client, Consumer, Producer, Transaction, IDEMPOTENCY_KEY_HEADER};
 pub use dedup::{DedupStore, DedupStoreExt};
+pub use engine::{
+    handler_fn, EngineConfig, Handler, IdempotentConsumer, KeyStrategy, OnFailure, Pipeline,
+    PipelineConfig, PipelineMode, RunSummary, Transform,
+};
 pub use error::{BoxError, Error, ErrorKind, Result};
+pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{
     now_ms, Delivery, Header, Headers, Message, Position, Record, StartFrom, TimestampMs,
     TopicPartition,

@@ -1,0 +1,532 @@
+//! Public handles over the backend traits: [`Client`] (a connected platform), [`Producer`],
+//! [`Transaction`], [`Consumer`] and [`Admin`]. They hold every platform-neutral rule —
+//! validation, the `idempotency-key` header, trace propagation — so adapters stay translations.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{
+    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, GroupMetadata, Guarantee,
+    PartitionLag, PlatformBackend, ProducerBackend, ProducerConfig, TopicDescription, TopicSpec,
+    TransactionBackend,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::model::{Delivery, Message, Position, Record, StartFrom, TopicPartition};
+use crate::trace;
+
+/// Header that carries a record's idempotency key (see [`Record::idempotency_key`]); the
+/// idempotent consumer reads it by default.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+
+/// A connected platform: makes producers, consumers and the admin handle.
+#[derive(Clone)]
+pub struct Client {
+    backend: Arc<dyn PlatformBackend>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("platform", &self.backend.name())
+            .finish()
+    }
+}
+
+impl Client {
+    /// Wraps an adapter's platform backend.
+    pub fn new(backend: Arc<dyn PlatformBackend>) -> Self {
+        Client { backend }
+    }
+
+    /// Platform name (`kafka`, `jetstream`, `pulsar`, `kinesis`, `memory`).
+    pub fn platform(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// What the platform can do.
+    pub fn capabilities(&self) -> Capabilities {
+        self.backend.capabilities()
+    }
+
+    /// The backend, for adapter-specific extensions.
+    pub fn backend(&self) -> &Arc<dyn PlatformBackend> {
+        &self.backend
+    }
+
+    /// Creates a producer.
+    ///
+    /// Errors: [`ErrorKind::Config`] for invalid options, [`ErrorKind::Connect`] when the
+    /// platform cannot be reached.
+    pub async fn producer(&self, config: ProducerConfig) -> Result<Producer> {
+        let transactional = config.transactional_id.is_some();
+        let inner = self.backend.producer(config).await?;
+        Ok(Producer {
+            inner,
+            platform: self.backend.clone(),
+            transactional,
+        })
+    }
+
+    /// Creates a consumer that joins `config.group` and subscribes to `config.topics`.
+    ///
+    /// Errors: [`ErrorKind::Config`] for an empty group or topic list or invalid options.
+    pub async fn consumer(&self, config: ConsumerConfig) -> Result<Consumer> {
+        if config.group.is_empty() {
+            return Err(Error::config(
+                "consumer group is empty: expected a group name",
+            ));
+        }
+        if config.topics.is_empty() || config.topics.iter().any(|t| t.is_empty()) {
+            return Err(Error::config(format!(
+                "topics {:?}: expected at least one non-empty topic name",
+                config.topics
+            )));
+        }
+        let group = config.group.clone();
+        let inner = self.backend.consumer(config).await?;
+        Ok(Consumer {
+            inner,
+            system: self.backend.name(),
+            group,
+        })
+    }
+
+    /// The admin handle.
+    pub async fn admin(&self) -> Result<Admin> {
+        Ok(Admin {
+            inner: self.backend.admin().await?,
+        })
+    }
+}
+
+/// A producer. Cheap to clone; clones share the native producer.
+#[derive(Clone)]
+pub struct Producer {
+    inner: Arc<dyn ProducerBackend>,
+    platform: Arc<dyn PlatformBackend>,
+    transactional: bool,
+}
+
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer")
+            .field("platform", &self.platform.name())
+            .field("transactional", &self.transactional)
+            .finish()
+    }
+}
+
+impl Producer {
+    /// What this producer can do.
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    /// Platform name.
+    pub fn platform(&self) -> &'static str {
+        self.platform.name()
+    }
+
+    /// The guarantee a write through this producer has: exactly-once inside transactions,
+    /// effectively-once where the platform deduplicates retries (idempotent producer or message
+    /// ids), at-least-once otherwise.
+    pub fn guarantee(&self) -> Guarantee {
+        let caps = self.capabilities();
+        if self.transactional && caps.transactions {
+            Guarantee::ExactlyOnce
+        } else if caps.idempotent_producer || caps.dedup_by_id {
+            Guarantee::EffectivelyOnce
+        } else {
+            Guarantee::AtLeastOnce
+        }
+    }
+
+    /// The backend, for adapter-specific extensions.
+    pub fn backend(&self) -> &Arc<dyn PlatformBackend> {
+        &self.platform
+    }
+
+    /// Validates a record and writes the platform-neutral headers: `idempotency-key` and
+    /// trace context. Returns the send span's context.
+    fn prepare(&self, record: &mut Record) -> Result<opentelemetry::Context> {
+        prepare_record(self.platform.as_ref(), record)
+    }
+
+    /// Sends one record and waits for the platform's acknowledgement.
+    ///
+    /// Errors: [`ErrorKind::Config`] for an empty topic, a record over the platform's size limit
+    /// (naming the size and the limit) or an invalid header; the platform's errors otherwise.
+    pub async fn send(&self, mut record: Record) -> Result<Delivery> {
+        let cx = self.prepare(&mut record)?;
+        let result = self.inner.send(record).await;
+        trace::end_send(&cx, result.as_ref());
+        result
+    }
+
+    /// Sends records pipelined; one result per record, in order. A record that fails validation
+    /// gets its error without stopping the others.
+    pub async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        let mut results: Vec<Option<Result<Delivery>>> = Vec::with_capacity(records.len());
+        let mut valid = Vec::with_capacity(records.len());
+        let mut spans = Vec::with_capacity(records.len());
+        for mut r in records {
+            match self.prepare(&mut r) {
+                Ok(cx) => {
+                    results.push(None);
+                    spans.push(cx);
+                    valid.push(r);
+                }
+                Err(e) => results.push(Some(Err(e))),
+            }
+        }
+        let mut sent = self.inner.send_batch(valid).await.into_iter();
+        let mut spans = spans.into_iter();
+        results
+            .into_iter()
+            .map(|slot| match slot {
+                Some(err) => err,
+                None => {
+                    let r = sent.next().unwrap_or_else(|| {
+                        Err(Error::new(ErrorKind::Platform, "missing delivery report"))
+                    });
+                    if let Some(cx) = spans.next() {
+                        trace::end_send(&cx, r.as_ref());
+                    }
+                    r
+                }
+            })
+            .collect()
+    }
+
+    /// Writes all records or none (platforms with [`Capabilities::atomic_batch`]).
+    pub async fn send_atomic(&self, mut records: Vec<Record>) -> Result<Vec<Delivery>> {
+        let mut spans = Vec::with_capacity(records.len());
+        for r in records.iter_mut() {
+            spans.push(self.prepare(r)?);
+        }
+        let result = self.inner.send_atomic(records).await;
+        for cx in &spans {
+            trace::end(cx, result.as_ref().err());
+        }
+        result
+    }
+
+    /// Starts a transaction. Needs a producer created with a transactional id on a platform
+    /// with transactions; otherwise [`ErrorKind::Unsupported`] or [`ErrorKind::Config`].
+    pub async fn begin(&self) -> Result<Transaction> {
+        if !self.capabilities().transactions {
+            return Err(Error::unsupported(format!(
+                "transactions are not supported on {}",
+                self.platform.name()
+            )));
+        }
+        if !self.transactional {
+            return Err(Error::config(
+                "this producer has no transactional id: set ProducerConfig::transactional_id",
+            ));
+        }
+        Ok(Transaction {
+            inner: Some(self.inner.begin().await?),
+            platform: self.platform.clone(),
+        })
+    }
+
+    /// Waits until everything sent is acknowledged, at most `timeout`.
+    pub async fn flush(&self, timeout: Duration) -> Result<()> {
+        self.inner.flush(timeout).await
+    }
+
+    /// Flushes and releases the producer.
+    pub async fn close(&self) -> Result<()> {
+        self.inner.close().await
+    }
+}
+
+pub(crate) fn prepare_record(
+    platform: &dyn PlatformBackend,
+    record: &mut Record,
+) -> Result<opentelemetry::Context> {
+    if record.topic.is_empty() {
+        return Err(Error::config(
+            "record topic is empty: expected a topic name",
+        ));
+    }
+    if let Some(k) = &record.idempotency_key {
+        if k.is_empty() {
+            return Err(Error::config(
+                "record idempotency key is empty: expected a non-empty key or None",
+            ));
+        }
+        record
+            .headers
+            .set(IDEMPOTENCY_KEY_HEADER, k.clone().into_bytes());
+    }
+    for h in record.headers.iter() {
+        platform.validate_header(&h.name, h.value.as_deref())?;
+    }
+    let cx = trace::on_send(platform.name(), record);
+    let size = record.size_bytes();
+    let limit = platform.max_record_bytes();
+    if size > limit {
+        trace::end(&cx, None);
+        return Err(Error::config(format!(
+            "record for topic '{}' is {size} bytes (key + payload + headers): the limit on {} is {limit} bytes",
+            record.topic,
+            platform.name()
+        )));
+    }
+    Ok(cx)
+}
+
+/// An open transaction. Dropping it without [`Transaction::commit`] aborts it.
+pub struct Transaction {
+    inner: Option<Box<dyn TransactionBackend>>,
+    platform: Arc<dyn PlatformBackend>,
+}
+
+impl std::fmt::Debug for Transaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transaction")
+            .field("open", &self.inner.is_some())
+            .finish()
+    }
+}
+
+impl Transaction {
+    fn inner(&mut self) -> Result<&mut Box<dyn TransactionBackend>> {
+        self.inner
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Closed, "transaction already finished"))
+    }
+
+    /// Sends a record inside the transaction.
+    pub async fn send(&mut self, mut record: Record) -> Result<Delivery> {
+        let cx = prepare_record(self.platform.as_ref(), &mut record)?;
+        let result = self.inner()?.send(record).await;
+        trace::end_send(&cx, result.as_ref());
+        result
+    }
+
+    /// Commits the consumer's positions (for each partition, the last processed message) with
+    /// the transaction (Kafka `send_offsets_to_transaction`, KIP-447).
+    pub async fn commit_offsets(
+        &mut self,
+        group: &GroupMetadata,
+        positions: &[(TopicPartition, Position)],
+    ) -> Result<()> {
+        self.inner()?.commit_offsets(group, positions).await
+    }
+
+    /// Commits the transaction.
+    pub async fn commit(mut self) -> Result<()> {
+        let inner = self
+            .inner
+            .take()
+            .ok_or_else(|| Error::new(ErrorKind::Closed, "transaction already finished"))?;
+        inner.commit().await
+    }
+
+    /// Aborts the transaction.
+    pub async fn abort(mut self) -> Result<()> {
+        match self.inner.take() {
+            Some(inner) => inner.abort().await,
+            None => Ok(()),
+        }
+    }
+}
+
+/// A consumer: one member of a consumer group.
+#[derive(Clone)]
+pub struct Consumer {
+    inner: Arc<dyn ConsumerBackend>,
+    system: &'static str,
+    group: String,
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("platform", &self.system)
+            .field("group", &self.group)
+            .finish()
+    }
+}
+
+impl Consumer {
+    /// Platform name.
+    pub fn platform(&self) -> &'static str {
+        self.system
+    }
+
+    /// The consumer group.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// The backend (the engine installs its rebalance listener through it).
+    pub fn backend(&self) -> &Arc<dyn ConsumerBackend> {
+        &self.inner
+    }
+
+    /// What this consumer can do.
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    /// Fetches up to `max` messages, waiting at most `timeout` for the first (empty on timeout).
+    pub async fn poll(&self, max: usize, timeout: Duration) -> Result<Vec<Message>> {
+        if max == 0 {
+            return Err(Error::config("poll max is 0: expected at least 1 message"));
+        }
+        self.inner.poll(max, timeout).await
+    }
+
+    /// Commits, per partition, the last finished message's position (the group resumes after it).
+    pub async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
+        self.inner.commit(positions).await
+    }
+
+    /// Commits everything up to and including `message` in its partition.
+    pub async fn commit_message(&self, message: &Message) -> Result<()> {
+        self.inner
+            .commit(&[(message.topic_partition(), message.position.clone())])
+            .await
+    }
+
+    /// The group's committed position (next to read) per partition.
+    pub async fn committed(
+        &self,
+        partitions: &[TopicPartition],
+    ) -> Result<Vec<(TopicPartition, Option<Position>)>> {
+        self.inner.committed(partitions).await
+    }
+
+    /// Moves the fetch position of an assigned partition (replay).
+    pub async fn seek(&self, partition: &TopicPartition, to: &StartFrom) -> Result<()> {
+        self.inner.seek(partition, to).await
+    }
+
+    /// Stops fetching from partitions.
+    pub async fn pause(&self, partitions: &[TopicPartition]) -> Result<()> {
+        self.inner.pause(partitions).await
+    }
+
+    /// Resumes fetching from partitions.
+    pub async fn resume(&self, partitions: &[TopicPartition]) -> Result<()> {
+        self.inner.resume(partitions).await
+    }
+
+    /// Partitions assigned to this member now.
+    pub fn assignment(&self) -> Vec<TopicPartition> {
+        self.inner.assignment()
+    }
+
+    /// Lag per assigned partition (high watermark − committed position).
+    pub async fn lag(&self) -> Result<Vec<PartitionLag>> {
+        self.inner.lag().await
+    }
+
+    /// Group metadata for transactional offset commits.
+    pub fn group_metadata(&self) -> Option<GroupMetadata> {
+        self.inner.group_metadata()
+    }
+
+    /// Asks for a message to be delivered again after `delay`.
+    pub async fn nack(&self, message: &Message, delay: Duration) -> Result<()> {
+        self.inner.nack(message, delay).await
+    }
+
+    /// Leaves the group and releases the consumer (does not commit).
+    pub async fn close(&self) -> Result<()> {
+        self.inner.close().await
+    }
+}
+
+/// Topic administration.
+#[derive(Clone)]
+pub struct Admin {
+    inner: Arc<dyn AdminBackend>,
+}
+
+impl Admin {
+    /// Creates a topic (partitions ≥ 1).
+    pub async fn create_topic(&self, spec: &TopicSpec) -> Result<()> {
+        if spec.name.is_empty() {
+            return Err(Error::config("topic name is empty: expected a name"));
+        }
+        if spec.partitions == 0 {
+            return Err(Error::config(format!(
+                "topic '{}' with 0 partitions: expected at least 1",
+                spec.name
+            )));
+        }
+        self.inner.create_topic(spec).await
+    }
+
+    /// Describes a topic ([`ErrorKind::NotFound`] if missing).
+    pub async fn describe_topic(&self, name: &str) -> Result<TopicDescription> {
+        self.inner.describe_topic(name).await
+    }
+
+    /// Deletes a topic ([`ErrorKind::NotFound`] if missing).
+    pub async fn delete_topic(&self, name: &str) -> Result<()> {
+        self.inner.delete_topic(name).await
+    }
+}
+
+impl ProducerConfig {
+    /// A producer configuration with platform defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the transactional id.
+    pub fn transactional_id(mut self, id: impl Into<String>) -> Self {
+        self.transactional_id = Some(id.into());
+        self
+    }
+
+    /// Adds a raw option for the native client.
+    pub fn option(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.options.insert(key.into(), value.into());
+        self
+    }
+}
+
+impl ConsumerConfig {
+    /// A consumer of `group` on `topics`, starting from the committed position or the earliest.
+    pub fn new<T: Into<String>>(
+        group: impl Into<String>,
+        topics: impl IntoIterator<Item = T>,
+    ) -> Self {
+        ConsumerConfig {
+            group: group.into(),
+            topics: topics.into_iter().map(Into::into).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Sets where to start.
+    pub fn start(mut self, start: StartFrom) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// Sets the member name.
+    pub fn client_id(mut self, id: impl Into<String>) -> Self {
+        self.client_id = Some(id.into());
+        self
+    }
+
+    /// Sets the session timeout.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = Some(timeout);
+        self
+    }
+
+    /// Adds a raw option for the native client.
+    pub fn option(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.options.insert(key.into(), value.into());
+        self
+    }
+}

@@ -1,0 +1,701 @@
+//! The idempotent consumer: at-least-once delivery plus a dedup store.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::join_all;
+use opentelemetry::context::FutureExt as _;
+use parking_lot::Mutex;
+
+use super::tracker::{CommitOnRevoke, Tracker};
+use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
+use crate::backend::{Guarantee, PartitionLag};
+use crate::client::{Consumer, Producer};
+use crate::dedup::{
+    fingerprint, ClaimOutcome, ClaimRequest, Completion, DedupStore, DedupStoreExt, FencingToken,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::metrics::{Metric, Metrics, MetricsSnapshot};
+use crate::model::{Message, TopicPartition};
+use crate::trace;
+
+/// Claims a chunk holds: key and fencing token.
+type Held = Mutex<Vec<(String, FencingToken)>>;
+
+/// How a run ended.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    /// Counters at the end of the run.
+    pub metrics: MetricsSnapshot,
+    /// The guarantee the run had.
+    pub guarantee: Guarantee,
+    /// Whether shutdown finished all work in flight before its deadline.
+    pub drained: bool,
+}
+
+/// Consumes with at-least-once delivery and runs a [`Handler`] once per idempotency key.
+///
+/// For every message: a **claim** of its key in the dedup store (with a lease and a fencing
+/// token) before the handler; **complete** after the handler succeeds; **release** when it
+/// fails for good, so a redelivery runs it again. Duplicates of completed keys are skipped and
+/// counted. Leases are renewed while handlers run. Positions are committed per partition, in
+/// order, only up to the last message whose work is finished; on revocation finished work is
+/// committed first and in-flight work of the partition is fenced.
+///
+/// Guarantee: [`Guarantee::EffectivelyOnce`] with a store: the handler runs once per key,
+/// except when the process dies after a handler's side effect and before the key is completed
+/// (then the redelivery runs it again: keep side effects idempotent, or write them in the same
+/// transaction as the key with a transactional store). [`Guarantee::AtLeastOnce`] without one.
+pub struct IdempotentConsumer {
+    core: Arc<Core>,
+}
+
+pub(crate) struct Core {
+    pub(crate) consumer: Consumer,
+    pub(crate) store: Option<Arc<dyn DedupStore>>,
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) config: EngineConfig,
+    pub(crate) dlq: Option<Producer>,
+    pub(crate) metrics: Metrics,
+    pub(crate) tracker: Tracker,
+    namespace: String,
+    last_commit: Mutex<Instant>,
+}
+
+impl IdempotentConsumer {
+    /// An idempotent consumer over `consumer`, deduplicating through `store` (`None`: plain
+    /// at-least-once), running `handler`. Installs its rebalance listener on the consumer.
+    pub fn new(
+        consumer: Consumer,
+        store: Option<Arc<dyn DedupStore>>,
+        handler: impl Handler + 'static,
+    ) -> Self {
+        Self::build(
+            consumer,
+            store,
+            Arc::new(handler),
+            EngineConfig::default(),
+            None,
+        )
+        .expect("default engine config is valid")
+    }
+
+    /// Like [`IdempotentConsumer::new`] with explicit settings and a producer for the
+    /// dead-letter topic (required by [`OnFailure::DeadLetter`]).
+    ///
+    /// Errors: [`ErrorKind::Config`] for invalid settings.
+    pub fn with_config(
+        consumer: Consumer,
+        store: Option<Arc<dyn DedupStore>>,
+        handler: Arc<dyn Handler>,
+        config: EngineConfig,
+        dead_letter_producer: Option<Producer>,
+    ) -> Result<Self> {
+        Self::build(consumer, store, handler, config, dead_letter_producer)
+    }
+
+    fn build(
+        consumer: Consumer,
+        store: Option<Arc<dyn DedupStore>>,
+        handler: Arc<dyn Handler>,
+        config: EngineConfig,
+        dlq: Option<Producer>,
+    ) -> Result<Self> {
+        config.validate()?;
+        if matches!(config.on_failure, OnFailure::DeadLetter(_)) && dlq.is_none() {
+            return Err(Error::config(
+                "on_failure is DeadLetter but no dead-letter producer was given",
+            ));
+        }
+        let core = Core::new(consumer, store, handler, config, dlq, false);
+        Ok(IdempotentConsumer {
+            core: Arc::new(core),
+        })
+    }
+
+    /// Counters of this consumer (live: read them while it runs).
+    pub fn metrics(&self) -> Metrics {
+        self.core.metrics.clone()
+    }
+
+    /// The guarantee this consumer runs with.
+    pub fn guarantee(&self) -> Guarantee {
+        if self.core.store.is_some() {
+            Guarantee::EffectivelyOnce
+        } else {
+            Guarantee::AtLeastOnce
+        }
+    }
+
+    /// Lag per assigned partition, also recorded on the `onceflow.lag` gauge.
+    pub async fn lag(&self) -> Result<Vec<PartitionLag>> {
+        let lag = self.core.consumer.lag().await?;
+        self.core.metrics.record_lag(&lag);
+        Ok(lag)
+    }
+
+    /// Polls once, handles what arrived and commits if a commit is due. Returns how many
+    /// messages were polled.
+    pub async fn step(&self) -> Result<usize> {
+        let n = self.core.step().await?;
+        self.core.maybe_commit(false).await?;
+        Ok(n)
+    }
+
+    /// Runs until an error stops it or `shutdown` resolves; then stops fetching, finishes work
+    /// in flight (within [`EngineConfig::shutdown_deadline`]), commits and closes the consumer.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<RunSummary> {
+        let guarantee = self.guarantee();
+        let core = self.core;
+        let drained = drive(&core, shutdown, |c| Box::pin(c.step())).await?;
+        Ok(RunSummary {
+            metrics: core.metrics.snapshot(),
+            guarantee,
+            drained,
+        })
+    }
+
+    /// Runs until an error stops it (see [`IdempotentConsumer::run_until`]).
+    pub async fn run(self) -> Result<RunSummary> {
+        self.run_until(std::future::pending()).await
+    }
+}
+
+type StepFuture<'a> = std::pin::Pin<Box<dyn Future<Output = Result<usize>> + Send + 'a>>;
+
+/// The run loop shared by the idempotent consumer and the non-transactional pipeline: step until
+/// shutdown or error, then drain within the deadline, commit and close.
+pub(crate) async fn drive<'a>(
+    core: &'a Arc<Core>,
+    shutdown: impl Future<Output = ()>,
+    step: impl Fn(&'a Core) -> StepFuture<'a>,
+) -> Result<bool> {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut stopping = false;
+    let mut drained = true;
+    let outcome: Result<()> = loop {
+        if stopping {
+            break Ok(());
+        }
+        let mut fut = step(core);
+        let r = tokio::select! {
+            biased;
+            r = &mut fut => Some(r),
+            _ = &mut shutdown => None,
+        };
+        let r = match r {
+            Some(r) => r,
+            None => {
+                stopping = true;
+                match tokio::time::timeout(core.config.shutdown_deadline, fut).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        drained = false;
+                        tracing::warn!(
+                            "shutdown deadline passed with work in flight; it is not committed"
+                        );
+                        Ok(0)
+                    }
+                }
+            }
+        };
+        if let Err(e) = r {
+            break Err(e);
+        }
+        if let Err(e) = core.maybe_commit(false).await {
+            break Err(e);
+        }
+    };
+    // Commit what is finished, whatever stopped us, unless the consumer itself is gone.
+    let closed = matches!(&outcome, Err(e) if e.kind() == ErrorKind::Closed);
+    if !closed {
+        let commit = core.maybe_commit(true).await;
+        let close = core.consumer.close().await;
+        outcome?;
+        commit?;
+        close?;
+    } else {
+        outcome?;
+    }
+    Ok(drained)
+}
+
+/// What happened to one message.
+enum Done {
+    /// Finished: handled, skipped as duplicate, or dead-lettered.
+    Finished,
+    /// Handed back to the platform (nack); on platforms without per-message nack the rest of
+    /// the partition's chunk is abandoned.
+    Redelivered,
+    /// Fenced: lease or partition lost; abandon the chunk.
+    Fenced,
+}
+
+impl Core {
+    pub(crate) fn new(
+        consumer: Consumer,
+        store: Option<Arc<dyn DedupStore>>,
+        handler: Arc<dyn Handler>,
+        config: EngineConfig,
+        dlq: Option<Producer>,
+        transactional: bool,
+    ) -> Self {
+        let metrics = Metrics::new(consumer.platform(), consumer.group());
+        let tracker = Tracker::new(metrics.clone());
+        consumer
+            .backend()
+            .set_rebalance_listener(Arc::new(CommitOnRevoke {
+                tracker: tracker.clone(),
+                transactional,
+            }));
+        let namespace = config
+            .namespace
+            .clone()
+            .unwrap_or_else(|| consumer.group().to_string());
+        Core {
+            consumer,
+            store,
+            handler,
+            config,
+            dlq,
+            metrics,
+            tracker,
+            namespace,
+            last_commit: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// The store key of a message, if it has an idempotency key.
+    pub(crate) fn store_key(&self, m: &Message) -> Option<String> {
+        self.config
+            .key
+            .key_of(m)
+            .map(|k| format!("{}/{k}", self.namespace))
+    }
+
+    pub(crate) fn claim_request(&self, key: String, m: &Message) -> ClaimRequest {
+        ClaimRequest {
+            key,
+            owner: self.config.worker_id.clone(),
+            lease: self.config.lease,
+            fingerprint: self.config.fingerprint.then(|| fingerprint(&m.payload)),
+        }
+    }
+
+    /// Polls once and handles the batch; partitions concurrently, each in order.
+    pub(crate) async fn step(&self) -> Result<usize> {
+        let msgs = self
+            .consumer
+            .poll(self.config.batch_size, self.config.poll_timeout)
+            .await?;
+        let n = msgs.len();
+        if n == 0 {
+            return Ok(0);
+        }
+        self.metrics.add(Metric::Consumed, n as u64);
+        let chunks = split_by_partition(msgs);
+        if chunks.len() == 1 {
+            let (tp, chunk) = chunks.into_iter().next().expect("one chunk");
+            self.process_chunk(tp, chunk).await?;
+        } else {
+            let results = join_all(
+                chunks
+                    .into_iter()
+                    .map(|(tp, chunk)| self.process_chunk(tp, chunk)),
+            )
+            .await;
+            for r in results {
+                r?;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Handles one partition's messages in order.
+    async fn process_chunk(&self, tp: TopicPartition, msgs: Vec<Message>) -> Result<()> {
+        let generation = self.tracker.generation(&tp);
+        let keys: Vec<Option<String>> = msgs.iter().map(|m| self.store_key(m)).collect();
+        let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
+        if let Some(store) = &self.store {
+            let reqs: Vec<ClaimRequest> = msgs
+                .iter()
+                .zip(&keys)
+                .filter_map(|(m, k)| k.clone().map(|k| self.claim_request(k, m)))
+                .collect();
+            if !reqs.is_empty() {
+                let mut claimed = store.claim(&reqs).await?.into_iter();
+                for (slot, k) in outcomes.iter_mut().zip(&keys) {
+                    if k.is_some() {
+                        *slot = claimed.next();
+                    }
+                }
+            }
+        }
+        // Claims this chunk holds (renewed while handlers run).
+        let held: Held = Mutex::new(
+            keys.iter()
+                .zip(&outcomes)
+                .filter_map(|(k, o)| match (k, o) {
+                    (Some(k), Some(ClaimOutcome::Claimed { token })) => Some((k.clone(), *token)),
+                    _ => None,
+                })
+                .collect(),
+        );
+        let work = self.handle_chunk(&tp, generation, &msgs, &keys, outcomes, &held);
+        let result = if held.lock().is_empty() {
+            work.await
+        } else {
+            self.with_renewal(&held, msgs.last(), work).await
+        };
+        // Whatever is still held was not completed: free it for the redelivery.
+        let leftover = std::mem::take(&mut *held.lock());
+        if let (Some(store), false) = (&self.store, leftover.is_empty()) {
+            store.release(&leftover).await?;
+        }
+        result
+    }
+
+    /// Runs `work`, renewing the held claims (and telling the platform the message is in
+    /// progress) every third of the lease until it finishes.
+    async fn with_renewal<T>(
+        &self,
+        held: &Held,
+        current: Option<&Message>,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let mut work = std::pin::pin!(work);
+        if let std::task::Poll::Ready(v) = futures::poll!(&mut work) {
+            return v;
+        }
+        let period = self.config.lease / 3;
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        loop {
+            tokio::select! {
+                v = &mut work => return v,
+                _ = ticker.tick() => {
+                    let claims = held.lock().clone();
+                    if let Some(store) = &self.store {
+                        match store.renew(&claims, self.config.lease).await {
+                            Ok(ok) => {
+                                let lost = ok.iter().filter(|b| !**b).count();
+                                if lost > 0 {
+                                    self.metrics.add(Metric::Fenced, lost as u64);
+                                    tracing::warn!(lost, "leases lost while handling; completions will be refused");
+                                }
+                            }
+                            Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
+                        }
+                    }
+                    if let Some(m) = current {
+                        if let Err(e) = self.consumer.backend().in_progress(m).await {
+                            tracing::debug!(error = %e, "in-progress ack failed");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn handle_chunk(
+        &self,
+        tp: &TopicPartition,
+        generation: u64,
+        msgs: &[Message],
+        keys: &[Option<String>],
+        outcomes: Vec<Option<ClaimOutcome>>,
+        held: &Held,
+    ) -> Result<()> {
+        let per_message_nack = self.consumer.capabilities().per_message_nack;
+        let mut completions: Vec<Completion> = Vec::new();
+        // Index one past the last message whose work is done (completions pending flush).
+        let mut done_upto = 0usize;
+        let mut stop: Option<Error> = None;
+        for (i, (msg, mut outcome)) in msgs.iter().zip(outcomes).enumerate() {
+            if self.tracker.generation(tp) != generation {
+                self.metrics.add(Metric::Fenced, 1);
+                break;
+            }
+            let key = keys[i].as_deref();
+            // Wait out another worker's lease on this key.
+            while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
+                let wait = (*expires_in)
+                    .min(self.config.lease / 3)
+                    .max(Duration::from_millis(10));
+                tokio::time::sleep(wait).await;
+                if self.tracker.generation(tp) != generation {
+                    break;
+                }
+                let store = self.store.as_ref().expect("in-progress implies a store");
+                let req = self.claim_request(key.expect("claim implies key").to_string(), msg);
+                let o = store.claim_one(req).await?;
+                if let ClaimOutcome::Claimed { token } = &o {
+                    held.lock().push((key.expect("key").to_string(), *token));
+                }
+                outcome = Some(o);
+            }
+            if self.tracker.generation(tp) != generation {
+                self.metrics.add(Metric::Fenced, 1);
+                break;
+            }
+            let step = match outcome {
+                Some(ClaimOutcome::Duplicate { result }) => {
+                    self.metrics.add(Metric::DuplicateSkipped, 1);
+                    self.handler.on_duplicate(msg, result).await;
+                    Ok(Done::Finished)
+                }
+                Some(ClaimOutcome::Mismatch { stored, given }) => {
+                    let err = Error::new(
+                        ErrorKind::Conflict,
+                        format!(
+                            "idempotency key '{}' at {} {} was seen before with another payload \
+                             (fingerprint {stored:032x}, this one {given:032x})",
+                            key.unwrap_or_default(),
+                            tp,
+                            msg.position
+                        ),
+                    );
+                    self.give_up(tp, msg, None, err, 1, true).await
+                }
+                Some(ClaimOutcome::Claimed { token }) => {
+                    match self.run_handler(tp, generation, msg).await {
+                        Ok(result) => {
+                            completions.push(Completion {
+                                key: key.expect("claimed implies key").to_string(),
+                                token,
+                                result,
+                            });
+                            Ok(Done::Finished)
+                        }
+                        Err((err, attempts)) => {
+                            let k = key.expect("claimed implies key").to_string();
+                            self.give_up(tp, msg, Some((k, token, held)), err, attempts, false)
+                                .await
+                        }
+                    }
+                }
+                Some(ClaimOutcome::InProgress { .. }) => Ok(Done::Fenced),
+                None => match self.run_handler(tp, generation, msg).await {
+                    Ok(_) => {
+                        self.metrics.add(Metric::Processed, 1);
+                        Ok(Done::Finished)
+                    }
+                    Err((err, attempts)) => self.give_up(tp, msg, None, err, attempts, false).await,
+                },
+            };
+            match step {
+                Ok(Done::Finished) => done_upto = i + 1,
+                Ok(Done::Redelivered) if per_message_nack => done_upto = i + 1,
+                Ok(Done::Redelivered) | Ok(Done::Fenced) => break,
+                Err(e) => {
+                    stop = Some(e);
+                    break;
+                }
+            }
+        }
+        // Complete the keys handled, then record progress up to the first refused completion.
+        let mut finished_upto = done_upto;
+        if !completions.is_empty() {
+            let store = self.store.as_ref().expect("completions imply a store");
+            let ok = store.complete(&completions).await?;
+            {
+                let mut h = held.lock();
+                h.retain(|(k, _)| !completions.iter().any(|c| &c.key == k));
+            }
+            if let Some(bad) = ok.iter().position(|b| !*b) {
+                let refused = &completions[bad];
+                self.metrics.add(Metric::Fenced, 1);
+                tracing::warn!(key = %refused.key, "completion refused: lease lost to another worker");
+                // Commit only up to the message before the refused one, and rewind to it.
+                if let Some(idx) = keys
+                    .iter()
+                    .position(|k| k.as_deref() == Some(refused.key.as_str()))
+                {
+                    finished_upto = finished_upto.min(idx);
+                    self.tracker.bump(tp);
+                    self.consumer
+                        .nack(&msgs[idx], Duration::ZERO)
+                        .await
+                        .map_err(|e| e.context("rewinding after a refused completion"))?;
+                }
+            }
+            self.metrics
+                .add(Metric::Processed, ok.iter().filter(|b| **b).count() as u64);
+        }
+        if finished_upto > 0 {
+            self.tracker
+                .finish(tp, generation, msgs[finished_upto - 1].position.clone());
+        }
+        match stop {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs the handler with retries. Err carries the last error and the attempts made.
+    async fn run_handler(
+        &self,
+        tp: &TopicPartition,
+        generation: u64,
+        msg: &Message,
+    ) -> std::result::Result<Option<Bytes>, (Error, u32)> {
+        let mut delays = self.config.backoff();
+        let mut attempt = 1u32;
+        loop {
+            let result = if self.config.tracing {
+                let cx =
+                    trace::process_context(self.consumer.platform(), self.consumer.group(), msg);
+                let r = self
+                    .handler
+                    .handle(msg)
+                    .with_context(cx.clone())
+                    .await
+                    .map_err(Error::handler);
+                trace::end(&cx, r.as_ref().err());
+                r
+            } else {
+                self.handler.handle(msg).await.map_err(Error::handler)
+            };
+            match result {
+                Ok(r) => return Ok(r),
+                Err(e) => {
+                    self.metrics.add(Metric::HandlerError, 1);
+                    tracing::debug!(error = %e, %tp, position = %msg.position, attempt, "handler failed");
+                    if !e.is_retriable() {
+                        return Err((e, attempt));
+                    }
+                    match delays.next() {
+                        Some(d) => {
+                            tokio::time::sleep(d).await;
+                            if self.tracker.generation(tp) != generation {
+                                return Err((
+                                    Error::new(
+                                        ErrorKind::Fenced,
+                                        "partition revoked during retries",
+                                    ),
+                                    attempt,
+                                ));
+                            }
+                            self.metrics.add(Metric::Retry, 1);
+                            attempt += 1;
+                        }
+                        None => return Err((e, attempt)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Retries are exhausted (or the failure is not retriable): release the claim and apply
+    /// [`EngineConfig::on_failure`].
+    async fn give_up(
+        &self,
+        tp: &TopicPartition,
+        msg: &Message,
+        claim: Option<(String, FencingToken, &Held)>,
+        err: Error,
+        attempts: u32,
+        conflict: bool,
+    ) -> Result<Done> {
+        if err.kind() == ErrorKind::Fenced {
+            return Ok(Done::Fenced);
+        }
+        if let Some((key, token, held)) = claim {
+            held.lock().retain(|(k, _)| *k != key);
+            if let Some(store) = &self.store {
+                store.release_one(&key, token).await?;
+            }
+        }
+        match &self.config.on_failure {
+            OnFailure::DeadLetter(topic) => {
+                let producer = self.dlq.as_ref().expect("checked at construction");
+                producer
+                    .send(dead_letter_record(topic, msg, &err, attempts))
+                    .await
+                    .map_err(|e| {
+                        e.context(format!(
+                            "sending {tp} {} to dead-letter topic '{topic}'",
+                            msg.position
+                        ))
+                    })?;
+                self.metrics.add(Metric::DeadLettered, 1);
+                Ok(Done::Finished)
+            }
+            OnFailure::Redeliver if !conflict => {
+                self.metrics.add(Metric::RedeliveryRequested, 1);
+                if !self.consumer.capabilities().per_message_nack {
+                    self.tracker.bump(tp);
+                }
+                self.consumer
+                    .nack(msg, self.config.redelivery_delay)
+                    .await
+                    .map_err(|e| {
+                        e.context(format!("asking redelivery of {tp} {}", msg.position))
+                    })?;
+                Ok(Done::Redelivered)
+            }
+            _ => Err(err.context(format!("{tp} {} after {attempts} attempt(s)", msg.position))),
+        }
+    }
+
+    /// Commits finished positions if due (or always with `force`).
+    pub(crate) async fn maybe_commit(&self, force: bool) -> Result<()> {
+        let (positions, pending) = self.tracker.uncommitted();
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let due = {
+            let mut last = self.last_commit.lock();
+            let due = force
+                || pending >= self.config.commit_every
+                || last.elapsed() >= self.config.commit_interval;
+            if due {
+                *last = Instant::now();
+            }
+            due
+        };
+        if !due {
+            return Ok(());
+        }
+        match self.consumer.commit(&positions).await {
+            Ok(()) => {
+                self.tracker.committed(&positions);
+                self.metrics.add(Metric::Commit, 1);
+                Ok(())
+            }
+            Err(e) if e.kind() == ErrorKind::Fenced => {
+                self.metrics.add(Metric::Fenced, 1);
+                tracing::warn!(error = %e, "commit fenced: partitions moved; their work is dropped");
+                for (tp, _) in &positions {
+                    if !self.consumer.assignment().contains(tp) {
+                        self.tracker.forget(tp);
+                    }
+                }
+                Ok(())
+            }
+            Err(e) if e.is_retriable() => {
+                tracing::warn!(error = %e, "commit failed; retrying with the next commit");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn split_by_partition(msgs: Vec<Message>) -> Vec<(TopicPartition, Vec<Message>)> {
+    let mut chunks: Vec<(TopicPartition, Vec<Message>)> = Vec::new();
+    for m in msgs {
+        match chunks
+            .iter_mut()
+            .find(|(tp, _)| tp.partition == m.partition && tp.topic == m.topic)
+        {
+            Some((_, v)) => v.push(m),
+            None => {
+                let tp = m.topic_partition();
+                chunks.push((tp, vec![m]));
+            }
+        }
+    }
+    chunks
+}

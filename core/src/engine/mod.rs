@@ -1,0 +1,260 @@
+//! The engine: [`IdempotentConsumer`] (at-least-once delivery plus a dedup store) and
+//! [`Pipeline`] (consume-transform-produce with the strongest mechanism the platform offers).
+//!
+//! Both process the messages of one partition in order and different partitions concurrently,
+//! and commit a partition's position only when every message before it is finished (handled,
+//! dead-lettered, or skipped as a duplicate).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::client::IDEMPOTENCY_KEY_HEADER;
+use crate::error::{BoxError, Error, Result};
+use crate::model::{Message, Record};
+
+mod idempotent;
+mod pipeline;
+pub(crate) mod tracker;
+
+pub use idempotent::{IdempotentConsumer, RunSummary};
+pub use pipeline::{Pipeline, PipelineConfig, PipelineMode, Transform};
+
+/// A user function giving a message's idempotency key.
+pub type KeyFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
+
+/// Where the idempotency key of a message comes from.
+#[derive(Clone)]
+pub enum KeyStrategy {
+    /// A header (default `idempotency-key`); a message without it falls back to its own
+    /// coordinates (topic, partition, position), so it is deduplicated against its own
+    /// redeliveries and never against another message.
+    Header(String),
+    /// The message's coordinates: `topic/partition/position`.
+    Coordinates,
+    /// A user function; `None` means "no key": the message is handled without dedup.
+    Custom(KeyFn),
+}
+
+impl Default for KeyStrategy {
+    fn default() -> Self {
+        KeyStrategy::Header(IDEMPOTENCY_KEY_HEADER.to_string())
+    }
+}
+
+impl std::fmt::Debug for KeyStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyStrategy::Header(h) => write!(f, "Header({h:?})"),
+            KeyStrategy::Coordinates => f.write_str("Coordinates"),
+            KeyStrategy::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+impl KeyStrategy {
+    /// The idempotency key of `message`, or `None` when it has none.
+    pub fn key_of(&self, message: &Message) -> Option<String> {
+        match self {
+            KeyStrategy::Header(name) => match message.headers.get(name) {
+                Some(Some(v)) if !v.is_empty() => Some(String::from_utf8_lossy(v).into_owned()),
+                _ => Some(coordinates(message)),
+            },
+            KeyStrategy::Coordinates => Some(coordinates(message)),
+            KeyStrategy::Custom(f) => f(message),
+        }
+    }
+}
+
+fn coordinates(m: &Message) -> String {
+    format!("@{}/{}/{}", m.topic, m.partition, m.position)
+}
+
+/// What to do with a message whose handler still fails after the last retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Send it to this dead-letter topic with the error in headers (`onceflow-error`,
+    /// `onceflow-error-kind`, `onceflow-source-topic`, `onceflow-source-partition`,
+    /// `onceflow-source-position`, `onceflow-attempts`), then treat it as finished.
+    DeadLetter(String),
+    /// Release its claim and ask the platform to deliver it again (nack; a rewind of the
+    /// partition on platforms without per-message nack). Nothing is lost. The default.
+    Redeliver,
+    /// Release its claim and stop the consumer with the error (finished work is committed).
+    Stop,
+}
+
+/// Engine settings shared by [`IdempotentConsumer`] and [`Pipeline`].
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Where idempotency keys come from.
+    pub key: KeyStrategy,
+    /// Prefix of keys in the dedup store, so groups sharing a store do not see each other's
+    /// keys. Default: the consumer group.
+    pub namespace: Option<String>,
+    /// This worker's identity for claims. A restarted worker with the same id takes over its
+    /// own leases at once. Default: random per process.
+    pub worker_id: String,
+    /// Lease of a claim; renewed every third of it while the handler runs. Default 30 s.
+    pub lease: Duration,
+    /// Compare payload fingerprints: the same key with a different payload is an
+    /// [`crate::ErrorKind::Conflict`] instead of a silent skip. Default on.
+    pub fingerprint: bool,
+    /// Handler attempts per delivery (1 = no retry). Default 5.
+    pub max_attempts: u32,
+    /// First retry delay; doubles up to `max_backoff`, with jitter. Default 100 ms.
+    pub min_backoff: Duration,
+    /// Longest retry delay. Default 5 s.
+    pub max_backoff: Duration,
+    /// What to do when retries are exhausted.
+    pub on_failure: OnFailure,
+    /// Delay asked of the platform for a redelivery. Default 1 s.
+    pub redelivery_delay: Duration,
+    /// Messages per poll. Default 500.
+    pub batch_size: usize,
+    /// Longest wait for a poll. Default 100 ms.
+    pub poll_timeout: Duration,
+    /// Commit finished positions at least this often. Default 1 s.
+    pub commit_interval: Duration,
+    /// ... or after this many finished messages. Default 10 000.
+    pub commit_every: u64,
+    /// On shutdown, time allowed to finish work in flight. Default 30 s.
+    pub shutdown_deadline: Duration,
+    /// Trace every message (extract context, `process` span). Default on.
+    pub tracing: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            key: KeyStrategy::default(),
+            namespace: None,
+            worker_id: format!("worker-{:016x}", rand::random::<u64>()),
+            lease: Duration::from_secs(30),
+            fingerprint: true,
+            max_attempts: 5,
+            min_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            on_failure: OnFailure::Redeliver,
+            redelivery_delay: Duration::from_secs(1),
+            batch_size: 500,
+            poll_timeout: Duration::from_millis(100),
+            commit_interval: Duration::from_secs(1),
+            commit_every: 10_000,
+            shutdown_deadline: Duration::from_secs(30),
+            tracing: true,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks the settings; [`crate::ErrorKind::Config`] naming the bad value.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_attempts == 0 {
+            return Err(Error::config("max_attempts is 0: expected at least 1"));
+        }
+        if self.batch_size == 0 {
+            return Err(Error::config("batch_size is 0: expected at least 1"));
+        }
+        if self.lease < Duration::from_millis(100) {
+            return Err(Error::config(format!(
+                "lease {:?} is too short: expected at least 100 ms",
+                self.lease
+            )));
+        }
+        if self.worker_id.is_empty() {
+            return Err(Error::config("worker_id is empty: expected an identifier"));
+        }
+        if let OnFailure::DeadLetter(t) = &self.on_failure {
+            if t.is_empty() {
+                return Err(Error::config(
+                    "dead-letter topic is empty: expected a topic name",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn backoff(&self) -> impl Iterator<Item = Duration> {
+        use backon::BackoffBuilder;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(self.min_backoff)
+            .with_max_delay(self.max_backoff)
+            .with_jitter()
+            .with_max_times(self.max_attempts.saturating_sub(1) as usize)
+            .build()
+    }
+}
+
+/// A message handler for [`IdempotentConsumer`].
+#[async_trait]
+pub trait Handler: Send + Sync {
+    /// Handles one message. The returned bytes, if any, are stored with the completed key and
+    /// given to [`Handler::on_duplicate`] for later duplicates. An error is retried with backoff
+    /// (see [`EngineConfig::max_attempts`]).
+    async fn handle(&self, message: &Message) -> std::result::Result<Option<Bytes>, BoxError>;
+
+    /// Called for a message skipped as a duplicate, with the result stored by the first run.
+    async fn on_duplicate(&self, message: &Message, result: Option<Bytes>) {
+        let _ = (message, result);
+    }
+}
+
+type HandlerFuture =
+    Pin<Box<dyn Future<Output = std::result::Result<Option<Bytes>, BoxError>> + Send>>;
+
+/// Adapts a closure taking an owned [`Message`] into a [`Handler`].
+pub fn handler_fn<F, Fut>(f: F) -> impl Handler
+where
+    F: Fn(Message) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<Option<Bytes>, BoxError>> + Send + 'static,
+{
+    struct FnHandler<F>(F);
+    #[async_trait]
+    impl<F> Handler for FnHandler<F>
+    where
+        F: Fn(Message) -> HandlerFuture + Send + Sync,
+    {
+        async fn handle(&self, message: &Message) -> std::result::Result<Option<Bytes>, BoxError> {
+            (self.0)(message.clone()).await
+        }
+    }
+    FnHandler(move |m: Message| -> HandlerFuture { Box::pin(f(m)) })
+}
+
+/// Builds the dead-letter record for `message` that failed with `error` after `attempts`.
+pub(crate) fn dead_letter_record(
+    topic: &str,
+    message: &Message,
+    error: &Error,
+    attempts: u32,
+) -> Record {
+    let mut r = Record {
+        topic: topic.to_string(),
+        key: message.key.clone(),
+        payload: message.payload.clone(),
+        headers: message.headers.clone(),
+        ..Default::default()
+    };
+    r.headers
+        .set("onceflow-error", error.to_string().into_bytes())
+        .set(
+            "onceflow-error-kind",
+            error.kind().code().as_bytes().to_vec(),
+        )
+        .set("onceflow-source-topic", message.topic.clone().into_bytes())
+        .set(
+            "onceflow-source-partition",
+            message.partition.to_string().into_bytes(),
+        )
+        .set(
+            "onceflow-source-position",
+            message.position.to_string().into_bytes(),
+        )
+        .set("onceflow-attempts", attempts.to_string().into_bytes());
+    r
+}

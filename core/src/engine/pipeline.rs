@@ -1,0 +1,649 @@
+//! Consume-transform-produce with the strongest mechanism the platform offers.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::idempotent::{drive, Core, RunSummary};
+use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
+use crate::backend::Guarantee;
+use crate::client::{Consumer, Producer, Transaction};
+use crate::dedup::{ClaimOutcome, Completion, DedupStore, DedupStoreExt, FencingToken};
+use crate::error::{BoxError, Error, ErrorKind, Result};
+use crate::metrics::{Metric, Metrics};
+use crate::model::{Message, Position, Record, StartFrom, TopicPartition};
+
+/// Turns one input message into zero or more output records.
+#[async_trait]
+pub trait Transform: Send + Sync {
+    /// The outputs of `message`. Errors are retried with backoff (see
+    /// [`EngineConfig::max_attempts`]). Output idempotency keys are set by the pipeline
+    /// (`{input key}:{index}`); any set here are replaced.
+    async fn transform(&self, message: &Message) -> std::result::Result<Vec<Record>, BoxError>;
+}
+
+#[async_trait]
+impl<F> Transform for F
+where
+    F: Fn(&Message) -> std::result::Result<Vec<Record>, BoxError> + Send + Sync,
+{
+    async fn transform(&self, message: &Message) -> std::result::Result<Vec<Record>, BoxError> {
+        self(message)
+    }
+}
+
+/// Which mechanism a pipeline uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PipelineMode {
+    /// Transactions when producer and consumer support them, else idempotent output ids.
+    #[default]
+    Auto,
+    /// Platform transactions: outputs and input positions committed atomically
+    /// ([`Guarantee::ExactlyOnce`]). Errors at construction where unavailable.
+    Transactional,
+    /// Deterministic output ids (`{input key}:{index}`) plus the dedup store; outputs of one
+    /// input are written atomically where the platform has atomic batches.
+    Idempotent,
+}
+
+/// Pipeline settings.
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    /// Engine settings (keys, leases, retries, commits, polling).
+    pub engine: EngineConfig,
+    /// Mechanism choice.
+    pub mode: PipelineMode,
+    /// Transactional mode: commit a transaction at least this often. Default 100 ms.
+    pub transaction_interval: Duration,
+    /// Transactional mode: ... or after this many inputs. Default 10 000.
+    pub max_transaction_inputs: usize,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        PipelineConfig {
+            engine: EngineConfig::default(),
+            mode: PipelineMode::Auto,
+            transaction_interval: Duration::from_millis(100),
+            max_transaction_inputs: 10_000,
+        }
+    }
+}
+
+/// Consume-transform-produce. In transactional mode each transaction carries the outputs of a
+/// run of inputs and those inputs' positions (Kafka EOS v2, KIP-447); an abort rewinds the
+/// consumer to the committed positions. In idempotent mode each input is claimed in the dedup
+/// store, its outputs get deterministic ids `{input key}:{index}` (so a platform that
+/// deduplicates by id — JetStream `Nats-Msg-Id` — drops the rewrite of a replay), and its
+/// position is committed after the outputs are acknowledged.
+///
+/// With a dedup store, redeliveries are skipped in both modes. [`Pipeline::guarantee`] and
+/// [`Pipeline::mechanism`] say what runs.
+pub struct Pipeline {
+    core: Arc<Core>,
+    producer: Producer,
+    transform: Arc<dyn Transform>,
+    config: PipelineConfig,
+    transactional: bool,
+}
+
+struct OutputHandler {
+    producer: Producer,
+    transform: Arc<dyn Transform>,
+    key: super::KeyStrategy,
+    atomic: bool,
+}
+
+fn set_output_ids(input_key: Option<&str>, outputs: &mut [Record]) {
+    if let Some(k) = input_key {
+        for (i, r) in outputs.iter_mut().enumerate() {
+            r.idempotency_key = Some(format!("{k}:{i}"));
+        }
+    }
+}
+
+#[async_trait]
+impl Handler for OutputHandler {
+    async fn handle(&self, message: &Message) -> std::result::Result<Option<Bytes>, BoxError> {
+        let mut outputs = self.transform.transform(message).await?;
+        set_output_ids(self.key.key_of(message).as_deref(), &mut outputs);
+        if outputs.is_empty() {
+            return Ok(None);
+        }
+        if self.atomic && outputs.len() > 1 {
+            self.producer.send_atomic(outputs).await?;
+        } else {
+            for r in self.producer.send_batch(outputs).await {
+                r?;
+            }
+        }
+        Ok(None)
+    }
+}
+
+struct NoHandler;
+
+#[async_trait]
+impl Handler for NoHandler {
+    async fn handle(&self, _message: &Message) -> std::result::Result<Option<Bytes>, BoxError> {
+        Err("the transactional pipeline runs its transform directly".into())
+    }
+}
+
+impl Pipeline {
+    /// A pipeline from `consumer` through `transform` to `producer`, deduplicating inputs in
+    /// `store` if given, with default settings (mode [`PipelineMode::Auto`]).
+    pub fn new(
+        consumer: Consumer,
+        producer: Producer,
+        store: Option<Arc<dyn DedupStore>>,
+        transform: impl Transform + 'static,
+    ) -> Result<Self> {
+        Self::with_config(
+            consumer,
+            producer,
+            store,
+            Arc::new(transform),
+            PipelineConfig::default(),
+        )
+    }
+
+    /// A pipeline with explicit settings.
+    ///
+    /// Errors: [`ErrorKind::Config`] for invalid settings or [`PipelineMode::Transactional`]
+    /// without a transactional producer; [`ErrorKind::Unsupported`] where the platform has no
+    /// transactions.
+    pub fn with_config(
+        consumer: Consumer,
+        producer: Producer,
+        store: Option<Arc<dyn DedupStore>>,
+        transform: Arc<dyn Transform>,
+        config: PipelineConfig,
+    ) -> Result<Self> {
+        config.engine.validate()?;
+        let can_tx =
+            producer.guarantee() == Guarantee::ExactlyOnce && consumer.group_metadata().is_some();
+        let transactional = match config.mode {
+            PipelineMode::Auto => can_tx,
+            PipelineMode::Idempotent => false,
+            PipelineMode::Transactional => {
+                if !producer.capabilities().transactions {
+                    return Err(Error::unsupported(format!(
+                        "transactional pipeline: {} has no transactions",
+                        producer.platform()
+                    )));
+                }
+                if !can_tx {
+                    return Err(Error::config(
+                        "transactional pipeline needs a producer with a transactional id and a consumer group",
+                    ));
+                }
+                true
+            }
+        };
+        let handler: Arc<dyn Handler> = if transactional {
+            Arc::new(NoHandler)
+        } else {
+            Arc::new(OutputHandler {
+                producer: producer.clone(),
+                transform: transform.clone(),
+                key: config.engine.key.clone(),
+                atomic: producer.capabilities().atomic_batch,
+            })
+        };
+        let dlq =
+            matches!(config.engine.on_failure, OnFailure::DeadLetter(_)).then(|| producer.clone());
+        let core = Core::new(
+            consumer,
+            store,
+            handler,
+            config.engine.clone(),
+            dlq,
+            transactional,
+        );
+        Ok(Pipeline {
+            core: Arc::new(core),
+            producer,
+            transform,
+            config,
+            transactional,
+        })
+    }
+
+    /// The guarantee this pipeline runs with.
+    pub fn guarantee(&self) -> Guarantee {
+        if self.transactional {
+            Guarantee::ExactlyOnce
+        } else if self.producer.capabilities().dedup_by_id {
+            Guarantee::EffectivelyOnce
+        } else {
+            Guarantee::AtLeastOnce
+        }
+    }
+
+    /// The mechanism, in words, for reports.
+    pub fn mechanism(&self) -> &'static str {
+        let caps = self.producer.capabilities();
+        match (
+            self.transactional,
+            caps.dedup_by_id,
+            caps.atomic_batch,
+            self.core.store.is_some(),
+        ) {
+            (true, _, _, true) => {
+                "transactions (outputs + input positions atomic) + dedup store for redeliveries"
+            }
+            (true, _, _, false) => "transactions (outputs + input positions atomic)",
+            (false, true, true, _) => {
+                "atomic batch per input + deterministic message ids deduplicated by the platform"
+            }
+            (false, true, false, _) => "deterministic message ids deduplicated by the platform",
+            (false, false, _, true) => {
+                "dedup store + deterministic output ids (readers deduplicate by idempotency-key)"
+            }
+            (false, false, _, false) => "at-least-once (no transactions, no dedup)",
+        }
+    }
+
+    /// Counters (live).
+    pub fn metrics(&self) -> Metrics {
+        self.core.metrics.clone()
+    }
+
+    /// Runs until an error stops it or `shutdown` resolves, then drains, commits and closes.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<RunSummary> {
+        let guarantee = self.guarantee();
+        let core = self.core.clone();
+        let drained = if self.transactional {
+            let tx = TxLoop {
+                core: &core,
+                producer: &self.producer,
+                transform: self.transform.as_ref(),
+                config: &self.config,
+                state: tokio::sync::Mutex::new(TxState::default()),
+            };
+            tx.run(shutdown).await?
+        } else {
+            drive(&core, shutdown, |c| Box::pin(c.step())).await?
+        };
+        Ok(RunSummary {
+            metrics: core.metrics.snapshot(),
+            guarantee,
+            drained,
+        })
+    }
+
+    /// Runs until an error stops it.
+    pub async fn run(self) -> Result<RunSummary> {
+        self.run_until(std::future::pending()).await
+    }
+}
+
+#[derive(Default)]
+struct TxState {
+    tx: Option<Transaction>,
+    started: Option<Instant>,
+    inputs: usize,
+    /// Last input position per partition in the open transaction.
+    positions: HashMap<TopicPartition, Position>,
+    /// First input position per partition in the open transaction (rewind target).
+    first: HashMap<TopicPartition, Position>,
+    claims: Vec<Completion>,
+}
+
+struct TxLoop<'a> {
+    core: &'a Arc<Core>,
+    producer: &'a Producer,
+    transform: &'a dyn Transform,
+    config: &'a PipelineConfig,
+    state: tokio::sync::Mutex<TxState>,
+}
+
+impl TxLoop<'_> {
+    async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<bool> {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let deadline = self.config.engine.shutdown_deadline;
+        let mut drained = true;
+        let result: Result<()> = loop {
+            let step = self.step();
+            let r = tokio::select! {
+                biased;
+                r = step => r,
+                _ = &mut shutdown => {
+                    // Finish the open transaction (its inputs are processed) within the deadline.
+                    match tokio::time::timeout(deadline, self.commit_open()).await {
+                        Ok(r) => break r,
+                        Err(_) => { drained = false; break Ok(()) }
+                    }
+                }
+            };
+            if let Err(e) = r {
+                break Err(e);
+            }
+        };
+        let mut st = self.state.lock().await;
+        if let Some(tx) = st.tx.take() {
+            let _ = tx.abort().await;
+            self.release(&mut st).await;
+        }
+        drop(st);
+        if !matches!(&result, Err(e) if e.kind() == ErrorKind::Closed) {
+            let close = self.core.consumer.close().await;
+            result?;
+            close?;
+        } else {
+            result?;
+        }
+        Ok(drained)
+    }
+
+    async fn commit_open(&self) -> Result<()> {
+        let mut st = self.state.lock().await;
+        self.commit(&mut st).await
+    }
+
+    async fn step(&self) -> Result<()> {
+        let core = self.core;
+        let cfg = &core.config;
+        let msgs = core.consumer.poll(cfg.batch_size, cfg.poll_timeout).await?;
+        let mut st = self.state.lock().await;
+        if core.tracker.take_revoked_flag() && st.tx.is_some() {
+            // Partitions moved while a transaction was open: its positions may belong to
+            // another member now. Abort and re-read what we still own.
+            self.abort_and_rewind(&mut st, "partitions revoked").await?;
+            return Ok(());
+        }
+        if !msgs.is_empty() {
+            core.metrics.add(Metric::Consumed, msgs.len() as u64);
+            if st.tx.is_none() {
+                st.tx = Some(self.producer.begin().await?);
+                st.started = Some(Instant::now());
+            }
+            let keys: Vec<Option<String>> = msgs.iter().map(|m| core.store_key(m)).collect();
+            let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
+            if let Some(store) = &core.store {
+                let reqs: Vec<_> = msgs
+                    .iter()
+                    .zip(&keys)
+                    .filter_map(|(m, k)| k.clone().map(|k| core.claim_request(k, m)))
+                    .collect();
+                if !reqs.is_empty() {
+                    let mut it = store.claim(&reqs).await?.into_iter();
+                    for (slot, k) in outcomes.iter_mut().zip(&keys) {
+                        if k.is_some() {
+                            *slot = it.next();
+                        }
+                    }
+                }
+            }
+            for ((msg, key), mut outcome) in msgs.iter().zip(&keys).zip(outcomes) {
+                while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
+                    let wait = (*expires_in)
+                        .min(cfg.lease / 3)
+                        .max(Duration::from_millis(10));
+                    tokio::time::sleep(wait).await;
+                    let store = core.store.as_ref().expect("in-progress implies a store");
+                    let req = core.claim_request(key.clone().expect("key"), msg);
+                    outcome = Some(store.claim_one(req).await?);
+                }
+                match outcome {
+                    Some(ClaimOutcome::Duplicate { .. }) => {
+                        core.metrics.add(Metric::DuplicateSkipped, 1);
+                    }
+                    Some(ClaimOutcome::Mismatch { stored, given }) => {
+                        let err = Error::new(
+                            ErrorKind::Conflict,
+                            format!(
+                                "idempotency key '{}' at {} {} was seen before with another payload (fingerprint {stored:032x}, this one {given:032x})",
+                                key.as_deref().unwrap_or_default(),
+                                msg.topic_partition(),
+                                msg.position
+                            ),
+                        );
+                        if !self.dead_letter(&mut st, msg, &err, 1).await? {
+                            self.abort_and_rewind(&mut st, "conflict").await?;
+                            return Err(err);
+                        }
+                    }
+                    Some(ClaimOutcome::Claimed { token }) => {
+                        let k = key.clone().expect("claimed implies key");
+                        st.claims.push(Completion {
+                            key: k,
+                            token,
+                            result: None,
+                        });
+                        if !self.process(&mut st, msg, key.as_deref()).await? {
+                            return Ok(());
+                        }
+                    }
+                    Some(ClaimOutcome::InProgress { .. }) => unreachable!("waited out above"),
+                    None => {
+                        if !self.process(&mut st, msg, key.as_deref()).await? {
+                            return Ok(());
+                        }
+                    }
+                }
+                let tp = msg.topic_partition();
+                st.first
+                    .entry(tp.clone())
+                    .or_insert_with(|| msg.position.clone());
+                st.positions.insert(tp, msg.position.clone());
+                st.inputs += 1;
+            }
+        }
+        let due = st.tx.is_some()
+            && (st.inputs >= self.config.max_transaction_inputs
+                || st
+                    .started
+                    .is_some_and(|s| s.elapsed() >= self.config.transaction_interval));
+        if due {
+            self.commit(&mut st).await?;
+        }
+        Ok(())
+    }
+
+    /// Transforms `msg` and sends its outputs in the open transaction. `Ok(false)` when the
+    /// transaction was aborted (the batch is abandoned and re-read).
+    async fn process(&self, st: &mut TxState, msg: &Message, key: Option<&str>) -> Result<bool> {
+        let core = self.core;
+        let mut delays = core.config.backoff();
+        let mut attempt = 1u32;
+        let outputs = loop {
+            match self.transform.transform(msg).await {
+                Ok(o) => break o,
+                Err(e) => {
+                    let e = Error::handler(e);
+                    core.metrics.add(Metric::HandlerError, 1);
+                    match delays.next() {
+                        Some(d) if e.is_retriable() => {
+                            core.metrics.add(Metric::Retry, 1);
+                            attempt += 1;
+                            tokio::time::sleep(d).await;
+                        }
+                        _ => {
+                            if self.dead_letter(st, msg, &e, attempt).await? {
+                                // Finished by the dead-letter record in this transaction; free
+                                // the key so a later replay of the message runs again.
+                                let _ = key;
+                                if let (Some(store), Some(k)) = (&core.store, core.store_key(msg)) {
+                                    if let Some(i) = st.claims.iter().position(|c| c.key == k) {
+                                        let c = st.claims.remove(i);
+                                        store.release_one(&c.key, c.token).await?;
+                                    }
+                                }
+                                return Ok(true);
+                            }
+                            self.abort_and_rewind(st, "transform failed").await?;
+                            if core.config.on_failure == OnFailure::Stop {
+                                return Err(e.context(format!(
+                                    "{} {} after {attempt} attempt(s)",
+                                    msg.topic_partition(),
+                                    msg.position
+                                )));
+                            }
+                            core.metrics.add(Metric::RedeliveryRequested, 1);
+                            tokio::time::sleep(core.config.redelivery_delay).await;
+                            return Ok(false);
+                        }
+                    }
+                }
+            }
+        };
+        let mut outputs = outputs;
+        set_output_ids(core.config.key.key_of(msg).as_deref(), &mut outputs);
+        let n = outputs.len() as u64;
+        let tx = st.tx.as_mut().expect("open transaction");
+        for r in outputs {
+            if let Err(e) = tx.send(r).await {
+                self.abort_and_rewind(st, "send failed").await?;
+                if e.kind() == ErrorKind::Fenced || !e.is_retriable() {
+                    return Err(e);
+                }
+                return Ok(false);
+            }
+        }
+        core.metrics.add(Metric::Produced, n);
+        core.metrics.add(Metric::Processed, 1);
+        Ok(true)
+    }
+
+    /// Sends `msg` to the dead-letter topic inside the transaction if one is configured.
+    async fn dead_letter(
+        &self,
+        st: &mut TxState,
+        msg: &Message,
+        err: &Error,
+        attempts: u32,
+    ) -> Result<bool> {
+        let OnFailure::DeadLetter(topic) = &self.core.config.on_failure else {
+            return Ok(false);
+        };
+        let tx = st.tx.as_mut().expect("open transaction");
+        tx.send(dead_letter_record(topic, msg, err, attempts))
+            .await?;
+        self.core.metrics.add(Metric::DeadLettered, 1);
+        Ok(true)
+    }
+
+    async fn commit(&self, st: &mut TxState) -> Result<()> {
+        let core = self.core;
+        let Some(mut tx) = st.tx.take() else {
+            return Ok(());
+        };
+        let positions: Vec<(TopicPartition, Position)> = st
+            .positions
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let result = async {
+            if !positions.is_empty() {
+                let md = core.consumer.group_metadata().ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Fenced,
+                        "consumer has no group metadata (left the group)",
+                    )
+                })?;
+                tx.commit_offsets(&md, &positions).await?;
+            }
+            tx.commit().await
+        }
+        .await;
+        match result {
+            Ok(()) => {
+                core.metrics.add(Metric::TransactionCommitted, 1);
+                core.metrics.add(Metric::Commit, 1);
+                if let Some(store) = &core.store {
+                    if !st.claims.is_empty() {
+                        let ok = store.complete(&st.claims).await?;
+                        let refused = ok.iter().filter(|b| !**b).count();
+                        if refused > 0 {
+                            core.metrics.add(Metric::Fenced, refused as u64);
+                        }
+                    }
+                }
+                st.claims.clear();
+                st.positions.clear();
+                st.first.clear();
+                st.inputs = 0;
+                st.started = None;
+                Ok(())
+            }
+            Err(e) => {
+                core.metrics.add(Metric::TransactionAborted, 1);
+                tracing::warn!(error = %e, "transaction commit failed; rewinding");
+                self.release(st).await;
+                self.rewind(st).await?;
+                if e.kind() == ErrorKind::Fenced {
+                    Err(e)
+                } else if e.is_retriable() || e.outcome_unknown() || e.kind() == ErrorKind::Aborted
+                {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    async fn release(&self, st: &mut TxState) {
+        if let Some(store) = &self.core.store {
+            let claims: Vec<(String, FencingToken)> =
+                st.claims.drain(..).map(|c| (c.key, c.token)).collect();
+            if !claims.is_empty() {
+                if let Err(e) = store.release(&claims).await {
+                    tracing::warn!(error = %e, "releasing claims after an abort failed; they expire with their lease");
+                }
+            }
+        }
+        st.claims.clear();
+    }
+
+    async fn abort_and_rewind(&self, st: &mut TxState, why: &str) -> Result<()> {
+        tracing::debug!(why, "aborting transaction");
+        if let Some(tx) = st.tx.take() {
+            let r = tx.abort().await;
+            self.core.metrics.add(Metric::TransactionAborted, 1);
+            if let Err(e) = r {
+                if e.kind() == ErrorKind::Fenced {
+                    return Err(e);
+                }
+                tracing::warn!(error = %e, "abort failed");
+            }
+        }
+        self.release(st).await;
+        self.rewind(st).await
+    }
+
+    /// Seeks every partition of the aborted transaction back to the group's committed position
+    /// (or, where none is committed, to the transaction's first input).
+    async fn rewind(&self, st: &mut TxState) -> Result<()> {
+        let consumer = &self.core.consumer;
+        let assigned = consumer.assignment();
+        let tps: Vec<TopicPartition> = st
+            .first
+            .keys()
+            .filter(|tp| assigned.contains(tp))
+            .cloned()
+            .collect();
+        self.core.tracker.rewind_all();
+        if !tps.is_empty() {
+            let committed = consumer.committed(&tps).await?;
+            for (tp, pos) in committed {
+                let target = match pos {
+                    Some(p) => StartFrom::Position(p),
+                    None => StartFrom::Position(st.first[&tp].clone()),
+                };
+                consumer.seek(&tp, &target).await?;
+            }
+        }
+        st.positions.clear();
+        st.first.clear();
+        st.inputs = 0;
+        st.started = None;
+        Ok(())
+    }
+}

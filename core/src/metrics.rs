@@ -1,0 +1,306 @@
+//! Engine metrics: counted in-process (readable in code through [`Metrics::snapshot`]) and
+//! exported through the globally installed OpenTelemetry meter provider, with the instrument
+//! names below (`onceflow.*`). Without a meter provider the OpenTelemetry side is a no-op.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use opentelemetry::metrics::{Counter, Gauge};
+use opentelemetry::{global, KeyValue};
+
+use crate::backend::PartitionLag;
+
+/// A point-in-time copy of the engine's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    /// Messages received from the platform (redeliveries included).
+    pub consumed: u64,
+    /// Messages whose handler (or transform) ran to success.
+    pub processed: u64,
+    /// Messages skipped because their idempotency key was already completed.
+    pub duplicates_skipped: u64,
+    /// Handler (or transform) invocations that returned an error.
+    pub handler_errors: u64,
+    /// Handler retries (invocations after the first for one delivery).
+    pub retries: u64,
+    /// Messages sent to the dead-letter topic.
+    pub dead_lettered: u64,
+    /// Messages handed back to the platform for redelivery (nack / rewind).
+    pub redelivery_requests: u64,
+    /// Transactions committed.
+    pub transactions_committed: u64,
+    /// Transactions aborted.
+    pub transactions_aborted: u64,
+    /// Assignment changes seen (assigned, revoked or lost events).
+    pub rebalances: u64,
+    /// Completions refused or work dropped because this worker was fenced.
+    pub fenced: u64,
+    /// Position commits sent to the platform.
+    pub commits: u64,
+    /// Records produced by a pipeline.
+    pub produced: u64,
+}
+
+#[derive(Default)]
+struct Counts {
+    consumed: AtomicU64,
+    processed: AtomicU64,
+    duplicates_skipped: AtomicU64,
+    handler_errors: AtomicU64,
+    retries: AtomicU64,
+    dead_lettered: AtomicU64,
+    redelivery_requests: AtomicU64,
+    transactions_committed: AtomicU64,
+    transactions_aborted: AtomicU64,
+    rebalances: AtomicU64,
+    fenced: AtomicU64,
+    commits: AtomicU64,
+    produced: AtomicU64,
+}
+
+struct Instruments {
+    consumed: Counter<u64>,
+    processed: Counter<u64>,
+    duplicates: Counter<u64>,
+    handler_errors: Counter<u64>,
+    retries: Counter<u64>,
+    dead_lettered: Counter<u64>,
+    transactions: Counter<u64>,
+    rebalances: Counter<u64>,
+    fenced: Counter<u64>,
+    lag: Gauge<u64>,
+}
+
+/// Which counter to bump.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// [`MetricsSnapshot::consumed`]
+    Consumed,
+    /// [`MetricsSnapshot::processed`]
+    Processed,
+    /// [`MetricsSnapshot::duplicates_skipped`]
+    DuplicateSkipped,
+    /// [`MetricsSnapshot::handler_errors`]
+    HandlerError,
+    /// [`MetricsSnapshot::retries`]
+    Retry,
+    /// [`MetricsSnapshot::dead_lettered`]
+    DeadLettered,
+    /// [`MetricsSnapshot::redelivery_requests`]
+    RedeliveryRequested,
+    /// [`MetricsSnapshot::transactions_committed`]
+    TransactionCommitted,
+    /// [`MetricsSnapshot::transactions_aborted`]
+    TransactionAborted,
+    /// [`MetricsSnapshot::rebalances`]
+    Rebalance,
+    /// [`MetricsSnapshot::fenced`]
+    Fenced,
+    /// [`MetricsSnapshot::commits`]
+    Commit,
+    /// [`MetricsSnapshot::produced`]
+    Produced,
+}
+
+/// Counters of one engine instance (an idempotent consumer or a pipeline). Cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    counts: Arc<Counts>,
+    otel: Arc<Instruments>,
+    attrs: Arc<[KeyValue]>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("snapshot", &self.snapshot())
+            .finish()
+    }
+}
+
+impl Metrics {
+    /// Metrics for a consumer of `group` on `system` (OpenTelemetry attributes
+    /// `messaging.system` and `messaging.consumer.group.name`).
+    pub fn new(system: &'static str, group: &str) -> Self {
+        let meter = global::meter(crate::trace::SCOPE);
+        let otel = Instruments {
+            consumed: meter
+                .u64_counter("onceflow.consumed")
+                .with_description("Messages received, redeliveries included")
+                .with_unit("{message}")
+                .build(),
+            processed: meter
+                .u64_counter("onceflow.processed")
+                .with_description("Messages handled successfully")
+                .with_unit("{message}")
+                .build(),
+            duplicates: meter
+                .u64_counter("onceflow.duplicates_skipped")
+                .with_description("Messages skipped as duplicates of a completed idempotency key")
+                .with_unit("{message}")
+                .build(),
+            handler_errors: meter
+                .u64_counter("onceflow.handler_errors")
+                .with_unit("{error}")
+                .build(),
+            retries: meter
+                .u64_counter("onceflow.retries")
+                .with_unit("{retry}")
+                .build(),
+            dead_lettered: meter
+                .u64_counter("onceflow.dead_lettered")
+                .with_unit("{message}")
+                .build(),
+            transactions: meter
+                .u64_counter("onceflow.transactions")
+                .with_description("Transactions by outcome (attribute onceflow.outcome)")
+                .with_unit("{transaction}")
+                .build(),
+            rebalances: meter
+                .u64_counter("onceflow.rebalances")
+                .with_unit("{event}")
+                .build(),
+            fenced: meter
+                .u64_counter("onceflow.fenced")
+                .with_unit("{event}")
+                .build(),
+            lag: meter
+                .u64_gauge("onceflow.lag")
+                .with_description(
+                    "Messages between the committed position and the high watermark, per partition",
+                )
+                .with_unit("{message}")
+                .build(),
+        };
+        Metrics {
+            counts: Arc::default(),
+            otel: Arc::new(otel),
+            attrs: Arc::from(vec![
+                KeyValue::new("messaging.system", system),
+                KeyValue::new("messaging.consumer.group.name", group.to_string()),
+            ]),
+        }
+    }
+
+    /// Adds `n` to a counter.
+    pub fn add(&self, metric: Metric, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let c = &self.counts;
+        let o = &self.otel;
+        let a = &self.attrs;
+        match metric {
+            Metric::Consumed => {
+                c.consumed.fetch_add(n, Ordering::Relaxed);
+                o.consumed.add(n, a);
+            }
+            Metric::Processed => {
+                c.processed.fetch_add(n, Ordering::Relaxed);
+                o.processed.add(n, a);
+            }
+            Metric::DuplicateSkipped => {
+                c.duplicates_skipped.fetch_add(n, Ordering::Relaxed);
+                o.duplicates.add(n, a);
+            }
+            Metric::HandlerError => {
+                c.handler_errors.fetch_add(n, Ordering::Relaxed);
+                o.handler_errors.add(n, a);
+            }
+            Metric::Retry => {
+                c.retries.fetch_add(n, Ordering::Relaxed);
+                o.retries.add(n, a);
+            }
+            Metric::DeadLettered => {
+                c.dead_lettered.fetch_add(n, Ordering::Relaxed);
+                o.dead_lettered.add(n, a);
+            }
+            Metric::RedeliveryRequested => {
+                c.redelivery_requests.fetch_add(n, Ordering::Relaxed);
+            }
+            Metric::TransactionCommitted => {
+                c.transactions_committed.fetch_add(n, Ordering::Relaxed);
+                o.transactions.add(n, &self.with_outcome("committed"));
+            }
+            Metric::TransactionAborted => {
+                c.transactions_aborted.fetch_add(n, Ordering::Relaxed);
+                o.transactions.add(n, &self.with_outcome("aborted"));
+            }
+            Metric::Rebalance => {
+                c.rebalances.fetch_add(n, Ordering::Relaxed);
+                o.rebalances.add(n, a);
+            }
+            Metric::Fenced => {
+                c.fenced.fetch_add(n, Ordering::Relaxed);
+                o.fenced.add(n, a);
+            }
+            Metric::Commit => {
+                c.commits.fetch_add(n, Ordering::Relaxed);
+            }
+            Metric::Produced => {
+                c.produced.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn with_outcome(&self, outcome: &'static str) -> Vec<KeyValue> {
+        let mut v = self.attrs.to_vec();
+        v.push(KeyValue::new("onceflow.outcome", outcome));
+        v
+    }
+
+    /// Records per-partition lag on the `onceflow.lag` gauge.
+    pub fn record_lag(&self, lag: &[PartitionLag]) {
+        for l in lag {
+            let mut attrs = self.attrs.to_vec();
+            attrs.push(KeyValue::new(
+                "messaging.destination.name",
+                l.partition.topic.clone(),
+            ));
+            attrs.push(KeyValue::new(
+                "messaging.destination.partition.id",
+                l.partition.partition.to_string(),
+            ));
+            self.otel.lag.record(l.messages, &attrs);
+        }
+    }
+
+    /// Current counter values.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let c = &self.counts;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        MetricsSnapshot {
+            consumed: l(&c.consumed),
+            processed: l(&c.processed),
+            duplicates_skipped: l(&c.duplicates_skipped),
+            handler_errors: l(&c.handler_errors),
+            retries: l(&c.retries),
+            dead_lettered: l(&c.dead_lettered),
+            redelivery_requests: l(&c.redelivery_requests),
+            transactions_committed: l(&c.transactions_committed),
+            transactions_aborted: l(&c.transactions_aborted),
+            rebalances: l(&c.rebalances),
+            fenced: l(&c.fenced),
+            commits: l(&c.commits),
+            produced: l(&c.produced),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_add_up() {
+        let m = Metrics::new("memory", "g");
+        m.add(Metric::Consumed, 3);
+        m.add(Metric::DuplicateSkipped, 1);
+        m.add(Metric::TransactionCommitted, 2);
+        let s = m.snapshot();
+        assert_eq!(s.consumed, 3);
+        assert_eq!(s.duplicates_skipped, 1);
+        assert_eq!(s.transactions_committed, 2);
+        assert_eq!(s.processed, 0);
+    }
+}

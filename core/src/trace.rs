@@ -1,0 +1,280 @@
+//! W3C trace context propagation (`traceparent`, `tracestate`, `baggage`) through the
+//! OpenTelemetry propagator API, and spans named after the OpenTelemetry messaging semantic
+//! conventions (<https://opentelemetry.io/docs/specs/semconv/messaging/messaging-spans/>).
+//!
+//! - On send, a `send {topic}` span of kind `Producer` is started as a child of the current
+//!   context (or, when there is none, of a valid `traceparent` the caller put in the record's
+//!   headers), and its context is injected: a record ends up with exactly one `traceparent`.
+//! - On receive, the context is extracted from the message headers; a `process {topic}` span of
+//!   kind `Consumer` is its child for one-message handling, or carries links to every message's
+//!   context for batch handling.
+//! - A malformed `traceparent` is ignored and counted ([`malformed_traceparents`]); it never
+//!   stops consumption.
+//!
+//! Spans go to the globally installed OpenTelemetry tracer provider; without one, no span is
+//! recorded but the caller's context still propagates (the no-op tracer keeps parent contexts).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use opentelemetry::baggage::BaggageExt;
+use opentelemetry::propagation::{
+    Extractor, Injector, TextMapCompositePropagator, TextMapPropagator,
+};
+use opentelemetry::trace::{Link, SpanKind, TraceContextExt, Tracer};
+use opentelemetry::{global, Context, KeyValue};
+use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
+
+use crate::model::{Headers, Message, Record};
+
+/// Header carrying the W3C trace parent.
+pub const TRACEPARENT: &str = "traceparent";
+/// Header carrying the W3C trace state.
+pub const TRACESTATE: &str = "tracestate";
+/// Header carrying W3C baggage.
+pub const BAGGAGE: &str = "baggage";
+
+/// Instrumentation scope name of onceflow's spans and metrics.
+pub const SCOPE: &str = "onceflow";
+
+static MALFORMED: AtomicU64 = AtomicU64::new(0);
+
+/// How many malformed `traceparent` headers were ignored in this process.
+pub fn malformed_traceparents() -> u64 {
+    MALFORMED.load(Ordering::Relaxed)
+}
+
+fn propagator() -> &'static TextMapCompositePropagator {
+    static P: OnceLock<TextMapCompositePropagator> = OnceLock::new();
+    P.get_or_init(|| {
+        TextMapCompositePropagator::new(vec![
+            Box::new(TraceContextPropagator::new()),
+            Box::new(BaggagePropagator::new()),
+        ])
+    })
+}
+
+struct HeaderReader<'a>(&'a Headers);
+
+impl Extractor for HeaderReader<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        // W3C header names are case-insensitive on HTTP; messaging headers are exact, but accept
+        // other casings written by other clients.
+        self.0
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(key))
+            .and_then(|h| h.value.as_ref())
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.iter().map(|h| h.name.as_str()).collect()
+    }
+}
+
+struct HeaderWriter<'a>(&'a mut Headers);
+
+impl Injector for HeaderWriter<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.set(key, value.into_bytes());
+    }
+}
+
+fn has_trace_headers(headers: &Headers) -> bool {
+    headers
+        .iter()
+        .any(|h| h.name.eq_ignore_ascii_case(TRACEPARENT) || h.name.eq_ignore_ascii_case(BAGGAGE))
+}
+
+/// Extracts the trace context carried by `headers` (W3C trace context and baggage). Returns an
+/// empty context when there is none; a malformed `traceparent` is counted and ignored.
+pub fn extract(headers: &Headers) -> Context {
+    if !has_trace_headers(headers) {
+        return Context::new();
+    }
+    let cx = propagator().extract_with_context(&Context::new(), &HeaderReader(headers));
+    if HeaderReader(headers).get(TRACEPARENT).is_some() && !cx.span().span_context().is_valid() {
+        MALFORMED.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!("ignoring malformed traceparent header");
+    }
+    cx
+}
+
+/// Writes `cx` into `headers`, replacing any earlier `traceparent`, `tracestate` and `baggage`.
+/// A context without a valid span writes no `traceparent`.
+pub fn inject(cx: &Context, headers: &mut Headers) {
+    headers.remove(TRACEPARENT);
+    headers.remove(TRACESTATE);
+    if cx.span().span_context().is_valid() || !cx.baggage().is_empty() {
+        propagator().inject_context(cx, &mut HeaderWriter(headers));
+    }
+}
+
+fn parent_for_send(record: &Record) -> Context {
+    let current = Context::current();
+    if current.span().span_context().is_valid() {
+        return current;
+    }
+    let from_headers = extract(&record.headers);
+    if from_headers.span().span_context().is_valid() {
+        from_headers
+    } else {
+        current
+    }
+}
+
+/// Starts the producer span for `record` on `system` (`kafka`, `nats`, `pulsar`,
+/// `aws_kinesis`, `memory`) and injects its context into the record's headers. Returns the span
+/// context to end when the send completes.
+pub fn on_send(system: &'static str, record: &mut Record) -> Context {
+    let parent = parent_for_send(record);
+    let tracer = global::tracer(SCOPE);
+    let span = tracer
+        .span_builder(format!("send {}", record.topic))
+        .with_kind(SpanKind::Producer)
+        .with_attributes([
+            KeyValue::new("messaging.system", system),
+            KeyValue::new("messaging.operation.type", "send"),
+            KeyValue::new("messaging.operation.name", "send"),
+            KeyValue::new("messaging.destination.name", record.topic.clone()),
+            KeyValue::new("messaging.message.body.size", record.payload.len() as i64),
+        ])
+        .start_with_context(&tracer, &parent);
+    let cx = parent.with_span(span);
+    inject(&cx, &mut record.headers);
+    cx
+}
+
+/// Records the outcome of a send on the span started by [`on_send`] and ends it.
+pub fn end_send(cx: &Context, result: Result<&crate::Delivery, &crate::Error>) {
+    let span = cx.span();
+    match result {
+        Ok(d) => {
+            span.set_attribute(KeyValue::new(
+                "messaging.destination.partition.id",
+                d.partition.to_string(),
+            ));
+            span.set_attribute(KeyValue::new(
+                "messaging.message.id",
+                d.position.to_string(),
+            ));
+        }
+        Err(e) => {
+            span.set_status(opentelemetry::trace::Status::error(e.to_string()));
+            span.set_attribute(KeyValue::new("error.type", e.kind().code()));
+        }
+    }
+    span.end();
+}
+
+fn process_attributes(system: &'static str, message: &Message, group: &str) -> Vec<KeyValue> {
+    vec![
+        KeyValue::new("messaging.system", system),
+        KeyValue::new("messaging.operation.type", "process"),
+        KeyValue::new("messaging.operation.name", "process"),
+        KeyValue::new("messaging.destination.name", message.topic.clone()),
+        KeyValue::new(
+            "messaging.destination.partition.id",
+            message.partition.to_string(),
+        ),
+        KeyValue::new("messaging.consumer.group.name", group.to_string()),
+        KeyValue::new("messaging.message.id", message.position.to_string()),
+        KeyValue::new("messaging.message.body.size", message.payload.len() as i64),
+    ]
+}
+
+/// Starts a `process {topic}` span (kind `Consumer`) as a child of the context the message
+/// carries, and returns the context to run the handler in.
+pub fn process_context(system: &'static str, group: &str, message: &Message) -> Context {
+    let parent = extract(&message.headers);
+    let tracer = global::tracer(SCOPE);
+    let span = tracer
+        .span_builder(format!("process {}", message.topic))
+        .with_kind(SpanKind::Consumer)
+        .with_attributes(process_attributes(system, message, group))
+        .start_with_context(&tracer, &parent);
+    parent.with_span(span)
+}
+
+/// Starts one `process {topic}` span for a batch, with a link to every message's context (the
+/// semantic conventions' rule for batch processing), as a child of the current context.
+pub fn process_batch_context(system: &'static str, group: &str, messages: &[Message]) -> Context {
+    let tracer = global::tracer(SCOPE);
+    let links: Vec<Link> = messages
+        .iter()
+        .filter_map(|m| {
+            let sc = extract(&m.headers).span().span_context().clone();
+            sc.is_valid().then(|| Link::with_context(sc))
+        })
+        .collect();
+    let topic = messages.first().map(|m| m.topic.as_str()).unwrap_or("");
+    let span = tracer
+        .span_builder(format!("process {topic}"))
+        .with_kind(SpanKind::Consumer)
+        .with_links(links)
+        .with_attributes([
+            KeyValue::new("messaging.system", system),
+            KeyValue::new("messaging.operation.type", "process"),
+            KeyValue::new("messaging.destination.name", topic.to_string()),
+            KeyValue::new("messaging.consumer.group.name", group.to_string()),
+            KeyValue::new("messaging.batch.message_count", messages.len() as i64),
+        ])
+        .start(&tracer);
+    Context::current().with_span(span)
+}
+
+/// Ends the span of `cx`, marking it failed when `error` is given.
+pub fn end(cx: &Context, error: Option<&crate::Error>) {
+    let span = cx.span();
+    if let Some(e) = error {
+        span.set_status(opentelemetry::trace::Status::error(e.to_string()));
+        span.set_attribute(KeyValue::new("error.type", e.kind().code()));
+    }
+    span.end();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::TraceId;
+
+    const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn extract_valid_and_malformed() {
+        let h = Headers::new().with(TRACEPARENT, TP);
+        let cx = extract(&h);
+        assert_eq!(
+            cx.span().span_context().trace_id(),
+            TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap()
+        );
+        let before = malformed_traceparents();
+        let cx = extract(&Headers::new().with(TRACEPARENT, "garbage"));
+        assert!(!cx.span().span_context().is_valid());
+        assert!(malformed_traceparents() > before);
+    }
+
+    #[test]
+    fn send_keeps_exactly_one_traceparent() {
+        let mut r = Record::new("t", "x")
+            .header(TRACEPARENT, TP)
+            .header(TRACEPARENT, TP);
+        let cx = on_send("memory", &mut r);
+        end_send(&cx, Err(&crate::Error::config("x")));
+        assert_eq!(r.headers.get_all(TRACEPARENT).count(), 1);
+        // With the no-op tracer the caller's context is what propagates.
+        assert!(r
+            .headers
+            .get_str(TRACEPARENT)
+            .unwrap()
+            .contains("4bf92f3577b34da6a3ce929d0e0e4736"));
+    }
+
+    #[test]
+    fn send_without_context_adds_nothing() {
+        let mut r = Record::new("t", "x");
+        let cx = on_send("memory", &mut r);
+        end(&cx, None);
+        assert!(r.headers.is_empty());
+    }
+}
