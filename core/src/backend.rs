@@ -195,12 +195,16 @@ pub trait ProducerBackend: Send + Sync {
     /// Writes all records or none ([`Capabilities::atomic_batch`]).
     async fn send_atomic(&self, records: Vec<Record>) -> Result<Vec<Delivery>> {
         let _ = records;
-        Err(Error::unsupported("atomic batch publish is not supported by this platform"))
+        Err(Error::unsupported(
+            "atomic batch publish is not supported by this platform",
+        ))
     }
 
     /// Starts a transaction ([`Capabilities::transactions`]; needs a transactional id).
     async fn begin(&self) -> Result<Box<dyn TransactionBackend>> {
-        Err(Error::unsupported("transactions are not supported by this platform"))
+        Err(Error::unsupported(
+            "transactions are not supported by this platform",
+        ))
     }
 
     /// Waits until everything sent so far is acknowledged, at most `timeout`.
@@ -373,7 +377,9 @@ pub trait PlatformBackend: Send + Sync {
     fn validate_header(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
         let _ = value;
         if name.is_empty() {
-            return Err(Error::config("header name is empty: expected a non-empty name"));
+            return Err(Error::config(
+                "header name is empty: expected a non-empty name",
+            ));
         }
         Ok(())
     }

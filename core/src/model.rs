@@ -292,7 +292,10 @@ impl FromStr for Position {
                 .filter(|o| *o >= 0)
                 .map(Position::Offset)
                 .ok_or_else(bad),
-            "seq" => rest.parse::<u64>().map(Position::Sequence).map_err(|_| bad()),
+            "seq" => rest
+                .parse::<u64>()
+                .map(Position::Sequence)
+                .map_err(|_| bad()),
             "kinesis" => {
                 if !rest.is_empty() && rest.len() <= 128 && rest.bytes().all(|b| b.is_ascii_digit())
                 {
@@ -500,7 +503,10 @@ mod tests {
     #[test]
     fn headers_keep_order_repeats_and_null() {
         let mut h = Headers::new();
-        h.insert("a", "1").insert("b", "").insert_null("c").insert("a", "2");
+        h.insert("a", "1")
+            .insert("b", "")
+            .insert_null("c")
+            .insert("a", "2");
         assert_eq!(h.len(), 4);
         let all: Vec<_> = h.get_all("a").collect();
         assert_eq!(all, vec![Some(&Bytes::from("1")), Some(&Bytes::from("2"))]);
