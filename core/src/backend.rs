@@ -355,6 +355,14 @@ pub trait AdminBackend: Send + Sync {
     async fn describe_topic(&self, name: &str) -> Result<TopicDescription>;
     /// Deletes a topic; [`crate::ErrorKind::NotFound`] if it does not exist.
     async fn delete_topic(&self, name: &str) -> Result<()>;
+    /// Lag of consumer group `group` on every partition of `topic`, read without joining the
+    /// group (so the group is not rebalanced).
+    async fn group_lag(&self, group: &str, topic: &str) -> Result<Vec<PartitionLag>> {
+        let _ = (group, topic);
+        Err(Error::unsupported(
+            "reading a group's lag without joining it is not supported by this platform",
+        ))
+    }
 }
 
 /// A connected platform: the factory of producers, consumers and the admin handle.

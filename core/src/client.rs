@@ -472,6 +472,11 @@ impl Admin {
     pub async fn delete_topic(&self, name: &str) -> Result<()> {
         self.inner.delete_topic(name).await
     }
+
+    /// Lag of a consumer group on every partition of a topic, without joining the group.
+    pub async fn group_lag(&self, group: &str, topic: &str) -> Result<Vec<PartitionLag>> {
+        self.inner.group_lag(group, topic).await
+    }
 }
 
 impl ProducerConfig {
