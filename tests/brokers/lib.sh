@@ -73,10 +73,16 @@ start_bg() {
     shift
     rm -f "$pidfile"
     LAST_STARTED=$name
-    # The new session leader writes its own pid and then execs cmd, so the pid
-    # is right whether or not setsid had to fork.
+    # The new session leader closes every inherited fd above 2 (a caller's pipe
+    # or lock must not live on in the daemon), writes its own pid and then execs
+    # cmd, so the pid is right whether or not setsid had to fork.
     # shellcheck disable=SC2016  # expanded by the inner bash
-    ONCEFLOW_BROKER=$name setsid bash -c 'echo $$ >"$0.tmp" && mv "$0.tmp" "$0" && exec "$@"' \
+    ONCEFLOW_BROKER=$name setsid bash -c '
+        for fd in /proc/$$/fd/*; do
+            fd=${fd##*/}
+            if ((fd > 2)); then eval "exec $fd>&-"; fi
+        done
+        echo $$ >"$0.tmp" && mv "$0.tmp" "$0" && exec "$@"' \
         "$pidfile" "$@" </dev/null >"$RUN_DIR/$name.log" 2>&1 &
     for ((i = 0; i < 100; i++)); do
         [[ -s $pidfile ]] && return 0

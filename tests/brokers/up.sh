@@ -19,7 +19,7 @@ for name in "${names[@]}"; do
     # One up.sh per service at a time (parallel callers wait for each other).
     exec {lock}>"$RUN_DIR/$name.lock"
     flock "$lock"
-    if ! bash "$BROKERS_DIR/$name/up.sh"; then
+    if ! bash "$BROKERS_DIR/$name/up.sh" {lock}>&-; then
         log "$name failed to start"
         exit 1
     fi
