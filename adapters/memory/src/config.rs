@@ -1,0 +1,188 @@
+//! `memory://NAME?key=value&…` parsing.
+
+use onceflow_core::{Error, Result};
+
+/// Default largest record accepted (key + payload + headers): 1 MiB, close to Kafka's default
+/// `message.max.bytes` (1048588).
+pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
+
+/// Settings of one `memory://` connection (the broker is shared per name; these settings are the
+/// connection's: two handles on the same broker may auto-create topics with different defaults).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryOptions {
+    /// Partitions of topics created automatically on first produce (URL `partitions`, default 1;
+    /// Kafka's `num.partitions`).
+    pub partitions: u32,
+    /// Whether producing to a missing topic creates it (URL `auto_create`, default `true`;
+    /// Kafka's `auto.create.topics.enable`). When `false` it is a
+    /// [`onceflow_core::ErrorKind::NotFound`] error naming the topic.
+    pub auto_create: bool,
+    /// Largest record accepted, in bytes (key + payload + headers) (URL `max_record_bytes`,
+    /// default 1 MiB).
+    pub max_record_bytes: usize,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> Self {
+        MemoryOptions {
+            partitions: 1,
+            auto_create: true,
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+        }
+    }
+}
+
+/// Name of the broker selected by `memory://` with no name.
+pub const DEFAULT_BROKER: &str = "default";
+
+const KNOWN: &str = "partitions, auto_create, max_record_bytes";
+
+/// Parses `memory://NAME?partitions=N&auto_create=BOOL&max_record_bytes=N` into the broker name
+/// and the options. Errors are [`onceflow_core::ErrorKind::Config`] naming the value at fault.
+pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
+    let rest = match url.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("memory") => rest,
+        Some((scheme, _)) => {
+            return Err(Error::config(format!(
+                "unsupported URL scheme '{scheme}' in '{url}': the memory backend expects memory://NAME"
+            )))
+        }
+        None => {
+            return Err(Error::config(format!(
+                "invalid URL '{url}': expected memory://NAME?partitions=N"
+            )))
+        }
+    };
+    let (name, query) = match rest.split_once('?') {
+        Some((n, q)) => (n, Some(q)),
+        None => (rest, None),
+    };
+    let name = name.trim_end_matches('/');
+    let name = if name.is_empty() {
+        DEFAULT_BROKER
+    } else {
+        name
+    };
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(Error::config(format!(
+            "invalid broker name '{name}' in '{url}': expected letters, digits, '-', '_' or '.'"
+        )));
+    }
+    let mut options = MemoryOptions::default();
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        match key {
+            "partitions" => {
+                options.partitions =
+                    value
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|n| *n >= 1)
+                        .ok_or_else(|| {
+                            Error::config(format!(
+                                "invalid partitions '{value}' in '{url}': expected an integer >= 1"
+                            ))
+                        })?;
+            }
+            "auto_create" => {
+                options.auto_create = match value {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    _ => {
+                        return Err(Error::config(format!(
+                            "invalid auto_create '{value}' in '{url}': expected true or false"
+                        )))
+                    }
+                };
+            }
+            "max_record_bytes" => {
+                options.max_record_bytes = value
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| {
+                        Error::config(format!(
+                            "invalid max_record_bytes '{value}' in '{url}': expected an integer >= 1"
+                        ))
+                    })?;
+            }
+            _ => {
+                return Err(Error::config(format!(
+                    "unknown parameter '{key}' in '{url}': expected one of {KNOWN}"
+                )))
+            }
+        }
+    }
+    Ok((name.to_string(), options))
+}
+
+/// Kafka's legal topic names: 1 to 249 characters out of `[a-zA-Z0-9._-]`, not `.` or `..`.
+pub(crate) fn validate_topic_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 249
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::config(format!(
+            "invalid topic name '{name}': expected 1 to 249 characters out of letters, digits, \
+             '.', '_' and '-' (not '.' or '..')"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use onceflow_core::ErrorKind;
+
+    #[test]
+    fn parses_names_and_params() {
+        let (n, o) = parse_url("memory://").unwrap();
+        assert_eq!(n, "default");
+        assert_eq!(o, MemoryOptions::default());
+        let (n, o) =
+            parse_url("memory://orders?partitions=4&auto_create=false&max_record_bytes=10")
+                .unwrap();
+        assert_eq!(n, "orders");
+        assert_eq!(o.partitions, 4);
+        assert!(!o.auto_create);
+        assert_eq!(o.max_record_bytes, 10);
+        assert_eq!(parse_url("MEMORY://x/").unwrap().0, "x");
+    }
+
+    #[test]
+    fn bad_params_name_the_value() {
+        for (url, needle) in [
+            ("memory://x?partitions=0", "'0'"),
+            ("memory://x?partitions=abc", "'abc'"),
+            ("memory://x?auto_create=maybe", "'maybe'"),
+            ("memory://x?colour=red", "'colour'"),
+            ("kafka://x", "'kafka'"),
+            ("memory://a b", "'a b'"),
+            ("nothing", "'nothing'"),
+        ] {
+            let e = parse_url(url).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Config, "{url}");
+            assert!(e.message().contains(needle), "{url}: {}", e.message());
+        }
+    }
+
+    #[test]
+    fn topic_names_follow_kafka() {
+        assert!(validate_topic_name("orders.v1-a_b").is_ok());
+        for bad in ["", ".", "..", "a b", "a/b", &"x".repeat(250)] {
+            assert_eq!(
+                validate_topic_name(bad).unwrap_err().kind(),
+                ErrorKind::Config
+            );
+        }
+    }
+}
