@@ -1,3 +1,6 @@
 //! onceflow conformance suites: one for platform backends, one for dedup stores. Each suite is
 //! written once against the traits; a backend or store plugs in through a harness and a macro
 //! that expands to one `#[tokio::test]` per case.
+
+pub mod backend_suite;
+pub mod harness;

@@ -1,0 +1,199 @@
+//! How a platform plugs into the backend conformance suite ([`crate::backend_suite`]).
+//!
+//! A [`Harness`] gives the suite a connected [`PlatformBackend`], names no other test uses, the
+//! platform's timings and any setup (topics created through the admin API). [`PlatformHarness`]
+//! is the ready-made harness for a platform that needs nothing more than a backend handle.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use onceflow_core::{Error, ErrorKind, PlatformBackend, Result, TopicSpec};
+
+/// How long things take on a platform. Cases wait in poll loops until a deadline rather than
+/// sleeping, so generous values only slow down failures, never passing runs; only
+/// [`quiet`](Timings::quiet) (watching that something does *not* happen) is always spent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timings {
+    /// Longest wait for something expected: a message, an assignment, a rebalance, a topic.
+    pub wait: Duration,
+    /// How long to watch for something that must not arrive (an aborted record, a paused
+    /// partition's message).
+    pub quiet: Duration,
+    /// Timeout of one `poll` call inside a loop.
+    pub poll: Duration,
+    /// A short session timeout, for the cases that have a member removed from its group by not
+    /// polling (the platform's minimum, e.g. Kafka's `group.min.session.timeout.ms`, 6 s).
+    pub session_timeout: Duration,
+    /// Upper bound of one case, after which it fails.
+    pub case_timeout: Duration,
+}
+
+impl Timings {
+    /// An in-process backend (`memory://`): everything is immediate.
+    pub fn in_process() -> Timings {
+        Timings {
+            wait: Duration::from_secs(5),
+            quiet: Duration::from_millis(150),
+            poll: Duration::from_millis(20),
+            session_timeout: Duration::from_millis(300),
+            case_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// A real broker on loopback.
+    pub fn broker() -> Timings {
+        Timings {
+            wait: Duration::from_secs(30),
+            quiet: Duration::from_secs(3),
+            poll: Duration::from_millis(250),
+            session_timeout: Duration::from_secs(6),
+            case_timeout: Duration::from_secs(180),
+        }
+    }
+}
+
+/// A random lowercase hex suffix, so names never collide between tests or runs.
+pub fn random_suffix() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// What the backend suite needs from a platform.
+#[async_trait]
+pub trait Harness: Send + Sync {
+    /// The connected platform under test.
+    fn platform(&self) -> Arc<dyn PlatformBackend>;
+
+    /// How long things take on this platform.
+    fn timings(&self) -> Timings {
+        Timings::broker()
+    }
+
+    /// A name no other test uses: `prefix` and a random suffix, out of `[a-z0-9-]` (legal for
+    /// Kafka topics, JetStream streams, Pulsar topics and Kinesis streams).
+    fn unique_name(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", random_suffix())
+    }
+
+    /// A new consumer group name.
+    fn group(&self) -> String {
+        self.unique_name("suite-group")
+    }
+
+    /// A new transactional id.
+    fn transactional_id(&self) -> String {
+        self.unique_name("suite-tx")
+    }
+
+    /// Creates a new topic with `partitions` partitions and returns its name once the platform
+    /// describes it. The default creates it through the admin API and waits for it.
+    async fn topic(&self, partitions: u32) -> Result<String> {
+        let name = self.unique_name("suite-topic");
+        let admin = self.platform().admin().await?;
+        admin
+            .create_topic(&TopicSpec::new(name.clone(), partitions))
+            .await?;
+        let deadline = tokio::time::Instant::now() + self.timings().wait;
+        loop {
+            match admin.describe_topic(&name).await {
+                Ok(d) if d.partitions == partitions => return Ok(name),
+                Ok(_) | Err(_) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(self.timings().poll).await;
+                }
+                Ok(d) => {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "topic '{name}' has {} partitions after {:?}, expected {partitions}",
+                            d.partitions,
+                            self.timings().wait
+                        ),
+                    ))
+                }
+                Err(e) => return Err(e.context(format!("topic '{name}' never appeared"))),
+            }
+        }
+    }
+
+    /// Whether read-uncommitted consumers see records of open and aborted transactions here
+    /// (Kafka yes; Pulsar has no such isolation level). Only asked where the platform has
+    /// transactions.
+    fn read_uncommitted(&self) -> bool {
+        true
+    }
+
+    /// A reason to skip every case (no broker configured, for example); `None` runs them.
+    fn skip_all(&self) -> Option<String> {
+        None
+    }
+
+    /// Whether a skipped case fails instead (for a backend expected to pass every case).
+    fn forbid_skips(&self) -> bool {
+        false
+    }
+}
+
+/// A harness over a platform handle: topics through its admin API, names with a random suffix.
+#[derive(Clone)]
+pub struct PlatformHarness {
+    platform: Arc<dyn PlatformBackend>,
+    timings: Timings,
+    read_uncommitted: bool,
+    forbid_skips: bool,
+    skip_all: Option<String>,
+}
+
+impl PlatformHarness {
+    /// A harness for `platform` with `timings`.
+    pub fn new(platform: Arc<dyn PlatformBackend>, timings: Timings) -> PlatformHarness {
+        PlatformHarness {
+            platform,
+            timings,
+            read_uncommitted: true,
+            forbid_skips: false,
+            skip_all: None,
+        }
+    }
+
+    /// Makes any skipped case fail (the backend is expected to pass all of them).
+    pub fn forbid_skips(mut self) -> Self {
+        self.forbid_skips = true;
+        self
+    }
+
+    /// Declares that read-uncommitted consumers do not see open or aborted transactional
+    /// records on this platform.
+    pub fn without_read_uncommitted(mut self) -> Self {
+        self.read_uncommitted = false;
+        self
+    }
+
+    /// Skips every case with `reason`.
+    pub fn skip_all(mut self, reason: impl Into<String>) -> Self {
+        self.skip_all = Some(reason.into());
+        self
+    }
+}
+
+#[async_trait]
+impl Harness for PlatformHarness {
+    fn platform(&self) -> Arc<dyn PlatformBackend> {
+        self.platform.clone()
+    }
+
+    fn timings(&self) -> Timings {
+        self.timings
+    }
+
+    fn read_uncommitted(&self) -> bool {
+        self.read_uncommitted
+    }
+
+    fn skip_all(&self) -> Option<String> {
+        self.skip_all.clone()
+    }
+
+    fn forbid_skips(&self) -> bool {
+        self.forbid_skips
+    }
+}
