@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# Start Apache Pulsar standalone (broker + one bookie + RocksDB metadata, one JVM)
+# on loopback for the tests. Prints only KEY=VALUE lines on stdout:
+#   ONCEFLOW_PULSAR_URL=pulsar://127.0.0.1:16650
+#   ONCEFLOW_PULSAR_ADMIN_URL=http://127.0.0.1:18080
+# Jars come from Maven Central (pom.xml here), cached in $CACHE_DIR/pulsar/libs.
+# Ports: ONCEFLOW_PULSAR_PORT (16650), ONCEFLOW_PULSAR_ADMIN_PORT (18080),
+# ONCEFLOW_PULSAR_BOOKIE_PORT (13181). Extra JVM flags: ONCEFLOW_PULSAR_JAVA_OPTS.
+# Java: ONCEFLOW_PULSAR_JAVA, else $JAVA_HOME/bin/java, else java on PATH (>= 17).
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=../lib.sh
+source "$HERE/../lib.sh"
+
+PORT=${ONCEFLOW_PULSAR_PORT:-16650}
+ADMIN_PORT=${ONCEFLOW_PULSAR_ADMIN_PORT:-18080}
+BOOKIE_PORT=${ONCEFLOW_PULSAR_BOOKIE_PORT:-13181}
+START_TIMEOUT_S=${ONCEFLOW_PULSAR_START_TIMEOUT_S:-180}
+ADMIN_URL=http://127.0.0.1:$ADMIN_PORT
+PROBE_TOPIC=$ADMIN_URL/admin/v2/persistent/public/default/onceflow-probe
+LIBS=$CACHE_DIR/pulsar/libs
+
+# The broker answers admin calls and owns public/default.
+answers() {
+    curl -sf -m 5 -o /dev/null "$ADMIN_URL/admin/v2/brokers/ready" &&
+        curl -sf -m 5 -o /dev/null "$ADMIN_URL/admin/v2/persistent/public/default"
+}
+
+# A topic can really be created (metadata store, bookie and namespace bundle
+# ownership all work) and its stats read.
+probe_topic() {
+    local code
+    code=$(curl -s -m 10 -o /dev/null -w '%{http_code}' -X PUT "$PROBE_TOPIC") || return 1
+    [[ $code == 204 || $code == 409 ]] || return 1
+    curl -sf -m 10 -o /dev/null "$PROBE_TOPIC/stats"
+}
+
+if already_up pulsar answers; then
+    exit 0
+fi
+
+# --- java ---------------------------------------------------------------------
+# ONCEFLOW_PULSAR_JAVA if set, else the newest Java >= 17 found (JAVA_HOME, PATH,
+# /usr/lib/jvm): on a newer JDK the class-data archive below is kept up to date
+# by the JVM itself, which about halves the CPU the broker needs to start.
+java_major() {
+    "$1" -XshowSettings:properties -version 2>&1 |
+        awk -F' = ' '/java.specification.version/ {print $2; exit}'
+}
+JAVA=
+JAVA_MAJOR=0
+if [[ -n ${ONCEFLOW_PULSAR_JAVA:-} ]]; then
+    JAVA=$ONCEFLOW_PULSAR_JAVA
+    JAVA_MAJOR=$(java_major "$JAVA") || die "ONCEFLOW_PULSAR_JAVA=$JAVA does not run"
+else
+    for candidate in "${JAVA_HOME:+$JAVA_HOME/bin/java}" "$(command -v java || true)" /usr/lib/jvm/*/bin/java; do
+        [[ -n $candidate && -x $candidate ]] || continue
+        major=$(java_major "$candidate") || continue
+        if [[ $major =~ ^[0-9]+$ ]] && ((major > JAVA_MAJOR)); then
+            JAVA=$candidate
+            JAVA_MAJOR=$major
+        fi
+    done
+fi
+if ! [[ $JAVA_MAJOR =~ ^[0-9]+$ ]] || ((JAVA_MAJOR < 17)); then
+    die "pulsar needs Java 17 or newer (found: ${JAVA:-none}; set ONCEFLOW_PULSAR_JAVA)"
+fi
+
+# --- jars (cached; refetched when pom.xml changes) ------------------------------
+POM_SUM=$(sha256sum "$HERE/pom.xml" | cut -d' ' -f1)
+if [[ $(cat "$LIBS/.pom.sha256" 2>/dev/null) != "$POM_SUM" ]]; then
+    mkdir -p "$CACHE_DIR/pulsar"
+    exec {dl_lock}>"$CACHE_DIR/pulsar/.lock"
+    flock "$dl_lock"
+    if [[ $(cat "$LIBS/.pom.sha256" 2>/dev/null) != "$POM_SUM" ]]; then
+        command -v mvn >/dev/null || die "mvn not found: needed once to fetch the Pulsar jars"
+        log "fetching Pulsar jars from Maven Central into $LIBS (once)"
+        rm -rf "$LIBS.tmp"
+        mvn -q -B -Dstyle.color=never -f "$HERE/pom.xml" dependency:copy-dependencies \
+            -DincludeScope=runtime -DoutputDirectory="$LIBS.tmp" >&2 ||
+            die "mvn could not fetch the Pulsar jars"
+        echo "$POM_SUM" >"$LIBS.tmp/.pom.sha256"
+        rm -rf "$LIBS"
+        mv "$LIBS.tmp" "$LIBS"
+    fi
+    exec {dl_lock}>&-
+fi
+
+# --- start ----------------------------------------------------------------------
+for p in "$PORT" "$ADMIN_PORT" "$BOOKIE_PORT"; do
+    ! port_in_use "$p" || die "port $p on 127.0.0.1 is already in use (not by our pulsar)"
+done
+
+DATA=$(fresh_data_dir pulsar)
+sed -e "s/^brokerServicePort=.*/brokerServicePort=$PORT/" \
+    -e "s/^webServicePort=.*/webServicePort=$ADMIN_PORT/" \
+    "$HERE/standalone.conf" >"$DATA/standalone.conf"
+
+java_opts=(
+    -Xms256m -Xmx1g -XX:MaxDirectMemorySize=384m
+    -XX:+UseG1GC -XX:ParallelGCThreads=2 -XX:ConcGCThreads=1
+    -XX:TieredStopAtLevel=1 -Xss512k
+    # what Pulsar's own launcher passes on Java 17+
+    --add-opens java.base/java.io=ALL-UNNAMED
+    --add-opens java.base/java.util.zip=ALL-UNNAMED
+    --add-opens java.base/sun.net=ALL-UNNAMED
+    --add-opens java.management/sun.management=ALL-UNNAMED
+    --add-opens jdk.management/com.sun.management.internal=ALL-UNNAMED
+    --add-opens java.base/jdk.internal.misc=ALL-UNNAMED
+    --add-opens java.base/java.nio=ALL-UNNAMED
+    --add-opens java.base/java.lang=ALL-UNNAMED
+    --add-exports java.base/jdk.internal.platform=ALL-UNNAMED
+    -Dio.netty.tryReflectionSetAccessible=true
+    -Djava.net.preferIPv4Stack=true
+    -Dpulsar.allocator.exit_on_oom=true
+    -Dlog4j.configurationFile="$HERE/log4j2.xml"
+    -Dlog4j2.shutdownHookEnabled=false
+    -Djava.io.tmpdir="$DATA"
+)
+if ((JAVA_MAJOR >= 19)); then
+    # dynamic class-data archive, written by the JVM at exit, reused next start
+    jsa=java$JAVA_MAJOR-${POM_SUM:0:12}.jsa
+    mkdir -p "$CACHE_DIR/pulsar/cds"
+    find "$CACHE_DIR/pulsar/cds" -name '*.jsa' ! -name "$jsa" -delete
+    java_opts+=(-XX:+AutoCreateSharedArchive -XX:SharedArchiveFile="$CACHE_DIR/pulsar/cds/$jsa"
+        -Xlog:cds=off -Xlog:cds+dynamic=off)
+fi
+if ((JAVA_MAJOR >= 24)); then
+    # netty and rocksdb still use sun.misc.Unsafe and JNI: keep the log quiet
+    java_opts+=(--enable-native-access=ALL-UNNAMED --sun-misc-unsafe-memory-access=allow)
+fi
+# shellcheck disable=SC2206 # word splitting of the extra flags is wanted
+java_opts+=(${ONCEFLOW_PULSAR_JAVA_OPTS:-})
+
+broker_jar=$(cd "$LIBS" && echo pulsar-broker-[0-9]*.jar)
+broker_jar=${broker_jar#pulsar-broker-}
+log "starting pulsar ${broker_jar%.jar} with $JAVA"
+cd "$DATA"
+start_bg pulsar "$JAVA" "${java_opts[@]}" -cp "$LIBS/*" org.apache.pulsar.PulsarStandaloneStarter \
+    --config "$DATA/standalone.conf" \
+    --metadata-dir "$DATA/metadata" \
+    --bookkeeper-dir "$DATA/bookkeeper" \
+    --bookkeeper-port "$BOOKIE_PORT" \
+    --no-functions-worker \
+    --no-stream-storage
+
+wait_until "$START_TIMEOUT_S" probe_topic ||
+    die "pulsar exited, or did not accept a topic within ${START_TIMEOUT_S}s"
+log "pulsar ready after ${SECONDS}s"
+
+emit_env pulsar \
+    "ONCEFLOW_PULSAR_URL=pulsar://127.0.0.1:$PORT" \
+    "ONCEFLOW_PULSAR_ADMIN_URL=$ADMIN_URL"
