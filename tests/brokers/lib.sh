@@ -20,13 +20,14 @@
 #   kinesis   14567  ONCEFLOW_KINESIS_PORT
 
 RUN_DIR=${ONCEFLOW_RUN_DIR:-/tmp/onceflow-brokers}
-CACHE_DIR=${ONCEFLOW_CACHE_DIR:-$HOME/.cache/onceflow}
+CACHE_DIR=${ONCEFLOW_CACHE_DIR:-${HOME:-/tmp}/.cache/onceflow}
 # shellcheck disable=SC2034  # used by the scripts that source this file
 BROKERS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mkdir -p "$RUN_DIR" "$CACHE_DIR"
 
 # Name of the service whose log `die` shows; set by start_bg (or by the script).
 LAST_STARTED=${LAST_STARTED:-}
+_LIB_T0=$(date +%s)
 
 log() {
     printf '[brokers] %s\n' "$*" >&2
@@ -93,11 +94,18 @@ start_bg() {
 
 # stop_service NAME: SIGTERM the process group recorded in $RUN_DIR/NAME.pid,
 # wait up to ${STOP_TIMEOUT_S:-20} s, then SIGKILL. Removes the pid and env files.
+# A service whose clean stop needs another signal (postgres: SIGTERM is its
+# "smart" shutdown, which waits for every client to leave) names it in
+# $RUN_DIR/NAME.stopsignal.
 stop_service() {
-    local name=$1 pid i timeout=${STOP_TIMEOUT_S:-20}
+    local name=$1 pid i timeout=${STOP_TIMEOUT_S:-20} sig=TERM
+    if [[ -s $RUN_DIR/$name.stopsignal ]]; then
+        sig=$(<"$RUN_DIR/$name.stopsignal")
+        [[ $sig =~ ^[A-Z0-9]+$ ]] || sig=TERM
+    fi
     if pid=$(service_pid "$name"); then
-        log "stopping $name (pgid $pid)"
-        kill -TERM -- "-$pid" 2>/dev/null || true
+        log "stopping $name (pgid $pid, SIG$sig)"
+        kill -"$sig" -- "-$pid" 2>/dev/null || true
         for ((i = 0; i < timeout * 10; i++)); do
             kill -0 -- "-$pid" 2>/dev/null || break
             sleep 0.1
@@ -119,10 +127,10 @@ stop_service() {
             log "$name: leader $pid gone, killing what is left of its group"
             kill -KILL -- "-$pid" 2>/dev/null || true
         else
-            log "$name: stale pid file, nothing to stop"
+            log "$name: not running (removing its pid file)"
         fi
     fi
-    rm -f "$RUN_DIR/$name.pid" "$RUN_DIR/$name.env"
+    rm -f "$RUN_DIR/$name.pid" "$RUN_DIR/$name.env" "$RUN_DIR/$name.stopsignal"
 }
 
 # True while the service started last by this script is still alive (or when
@@ -187,11 +195,12 @@ already_up() {
 }
 
 # die msg: print msg and the tail of the log of the service being started to
-# stderr, stop that half-started service, exit 1.
+# stderr (if this run wrote that log), stop that half-started service, exit 1.
 die() {
-    local name=${SERVICE:-$LAST_STARTED}
+    local name=${LAST_STARTED:-${SERVICE:-}}
     log "ERROR: $*"
-    if [[ -n $name && -s $RUN_DIR/$name.log ]]; then
+    if [[ -n $name && -s $RUN_DIR/$name.log ]] &&
+        (($(stat -c %Y "$RUN_DIR/$name.log") >= _LIB_T0)); then
         log "last lines of $RUN_DIR/$name.log:"
         tail -n "${DIE_LOG_LINES:-40}" "$RUN_DIR/$name.log" >&2
     fi
