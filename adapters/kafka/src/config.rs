@@ -1,0 +1,163 @@
+//! `kafka://` URLs and the typed configuration with its raw librdkafka pass-through.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use onceflow_core::{Error, Result};
+use rdkafka::ClientConfig;
+
+/// Largest record accepted when `message.max.bytes` is not given: 1 MiB.
+pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
+
+/// Default bound of blocking calls (transaction commit, synchronous offset commit, metadata).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Room librdkafka needs beyond the record itself (batch and record framing) when onceflow
+/// sets `message.max.bytes` from [`DEFAULT_MAX_RECORD_BYTES`].
+const FRAMING_ALLOWANCE: usize = 16 * 1024;
+
+/// Configuration of a Kafka connection: typed fields plus raw librdkafka properties.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`: comma-separated `host:port` list.
+    pub bootstrap_servers: String,
+    /// Raw librdkafka properties applied to every client (producer, consumer, admin). Per-client
+    /// options ([`onceflow_core::ProducerConfig::options`], [`onceflow_core::ConsumerConfig::options`])
+    /// override them.
+    pub properties: BTreeMap<String, String>,
+    /// Largest record accepted, in bytes (key + payload + headers); from `message.max.bytes`.
+    pub max_record_bytes: usize,
+    /// Bound of blocking calls; from `onceflow.timeout.ms`.
+    pub timeout: Duration,
+}
+
+impl KafkaConfig {
+    /// A configuration for `bootstrap_servers` with defaults otherwise.
+    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
+        KafkaConfig {
+            bootstrap_servers: bootstrap_servers.into(),
+            properties: BTreeMap::new(),
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Adds a raw librdkafka property (`key=value`) for every client.
+    pub fn option(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(key.into(), value.into());
+        self
+    }
+
+    /// The native client configuration: bootstrap servers, the connection's properties, then
+    /// `overrides` (per-client options) on top.
+    pub(crate) fn client_config(&self, overrides: &BTreeMap<String, String>) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.bootstrap_servers);
+        for (k, v) in self.properties.iter().chain(overrides.iter()) {
+            c.set(k, v);
+        }
+        if c.get("message.max.bytes").is_none() {
+            c.set(
+                "message.max.bytes",
+                (self.max_record_bytes + FRAMING_ALLOWANCE).to_string(),
+            );
+        }
+        c
+    }
+
+    /// Whether `key` was set on the connection or in `overrides`.
+    pub(crate) fn is_set(&self, key: &str, overrides: &BTreeMap<String, String>) -> bool {
+        self.properties.contains_key(key) || overrides.contains_key(key)
+    }
+}
+
+/// Parses `kafka://HOST:PORT[,HOST:PORT…][?KEY=VALUE&…]`. [`onceflow_core::ErrorKind::Config`]
+/// naming the value for anything else.
+pub fn parse_url(url: &str) -> Result<KafkaConfig> {
+    let rest = url.strip_prefix("kafka://").ok_or_else(|| {
+        Error::config(format!(
+            "invalid Kafka URL '{url}': expected kafka://HOST:PORT[,HOST:PORT][?KEY=VALUE]"
+        ))
+    })?;
+    let (hosts, query) = match rest.split_once('?') {
+        Some((h, q)) => (h, q),
+        None => (rest, ""),
+    };
+    let hosts = hosts.trim_end_matches('/');
+    if hosts.is_empty() {
+        return Err(Error::config(format!(
+            "invalid Kafka URL '{url}': no broker given, expected kafka://HOST:PORT"
+        )));
+    }
+    for h in hosts.split(',') {
+        let ok = h
+            .rsplit_once(':')
+            .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !ok {
+            return Err(Error::config(format!(
+                "invalid broker '{h}' in Kafka URL '{url}': expected HOST:PORT"
+            )));
+        }
+    }
+    let mut config = KafkaConfig::new(hosts);
+    for (k, v) in url::form_urlencoded::parse(query.as_bytes()) {
+        let (k, v) = (k.into_owned(), v.into_owned());
+        match k.as_str() {
+            "" => {}
+            "onceflow.timeout.ms" => {
+                let ms: u64 = v.parse().map_err(|_| {
+                    Error::config(format!(
+                        "invalid onceflow.timeout.ms '{v}' in Kafka URL: expected milliseconds"
+                    ))
+                })?;
+                config.timeout = Duration::from_millis(ms);
+            }
+            _ => {
+                if k == "message.max.bytes" {
+                    config.max_record_bytes = v.parse().map_err(|_| {
+                        Error::config(format!(
+                            "invalid message.max.bytes '{v}' in Kafka URL: expected a number of \
+                             bytes"
+                        ))
+                    })?;
+                }
+                config.properties.insert(k, v);
+            }
+        }
+    }
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_hosts_and_raw_properties() {
+        let c =
+            parse_url("kafka://a:1,b:2?linger.ms=5&message.max.bytes=2048&onceflow.timeout.ms=700")
+                .unwrap();
+        assert_eq!(c.bootstrap_servers, "a:1,b:2");
+        assert_eq!(c.properties.get("linger.ms").unwrap(), "5");
+        assert_eq!(c.max_record_bytes, 2048);
+        assert_eq!(c.timeout, Duration::from_millis(700));
+        assert!(!c.properties.contains_key("onceflow.timeout.ms"));
+        let d = parse_url("kafka://127.0.0.1:19092").unwrap();
+        assert_eq!(d.max_record_bytes, DEFAULT_MAX_RECORD_BYTES);
+    }
+
+    #[test]
+    fn rejects_bad_urls_naming_the_value() {
+        for bad in [
+            "nats://a:1",
+            "kafka://",
+            "kafka://host",
+            "kafka://h:notaport",
+        ] {
+            let e = parse_url(bad).unwrap_err();
+            assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{bad}");
+        }
+        let e = parse_url("kafka://h:1?message.max.bytes=lots").unwrap_err();
+        assert!(e.message().contains("lots"));
+    }
+}

@@ -1,0 +1,742 @@
+//! The consumer: one member of a Kafka consumer group on rdkafka's `BaseConsumer`, with a
+//! `ConsumerContext` whose rebalance callback (served inside [`ConsumerBackend::poll`]) drives
+//! onceflow's [`RebalanceListener`] with KIP-429 incremental cooperative assignment.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use onceflow_core::{
+    Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, GroupMetadata, Header,
+    Headers, Isolation, Message, PartitionLag, Position, RebalanceListener, Result, StartFrom,
+    TopicPartition,
+};
+use parking_lot::{Mutex, RwLock};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::{BorrowedMessage, Headers as _};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, Message as _, Offset, TopicPartitionList};
+
+use crate::config::KafkaConfig;
+use crate::errors;
+use crate::CAPABILITIES;
+
+/// State shared between the consumer handle and librdkafka's callbacks.
+pub(crate) struct Ctx {
+    listener: RwLock<Option<Arc<dyn RebalanceListener>>>,
+    start: StartFrom,
+    /// Partitions this handle has been assigned before (explicit starts apply once).
+    seen: Mutex<HashSet<TopicPartition>>,
+    assignment: Mutex<BTreeSet<TopicPartition>>,
+    /// Counts assignment changes seen by this member (librdkafka does not expose the group
+    /// generation; the broker checks the real one in `send_offsets_to_transaction`).
+    generation: AtomicI64,
+    timeout: Duration,
+    group: String,
+}
+
+impl ClientContext for Ctx {}
+
+fn tps_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
+    tpl.elements()
+        .iter()
+        .map(|e| TopicPartition::new(e.topic(), e.partition()))
+        .collect()
+}
+
+fn tpl_of(tps: &[TopicPartition]) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::with_capacity(tps.len());
+    for tp in tps {
+        tpl.add_partition(&tp.topic, tp.partition);
+    }
+    tpl
+}
+
+/// The offset a timestamp resolves to: the first record at or after it, else the end.
+fn offset_for_time(
+    c: &BaseConsumer<Ctx>,
+    tp: &TopicPartition,
+    ts: i64,
+    timeout: Duration,
+) -> KafkaResult<Offset> {
+    let mut q = TopicPartitionList::with_capacity(1);
+    q.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(ts))?;
+    let r = c.offsets_for_times(q, timeout)?;
+    Ok(
+        match r
+            .find_partition(&tp.topic, tp.partition)
+            .map(|e| e.offset())
+        {
+            Some(Offset::Offset(o)) if o >= 0 => Offset::Offset(o),
+            _ => Offset::End,
+        },
+    )
+}
+
+/// Resolves a start position; `None` = librdkafka's default (committed, else
+/// `auto.offset.reset`).
+fn resolve_start(
+    c: &BaseConsumer<Ctx>,
+    tp: &TopicPartition,
+    start: &StartFrom,
+    timeout: Duration,
+) -> KafkaResult<Option<Offset>> {
+    Ok(match start {
+        StartFrom::Committed { fallback } => match **fallback {
+            StartFrom::Earliest | StartFrom::Latest => None,
+            ref f => {
+                let committed = c.committed_offsets(tpl_of(std::slice::from_ref(tp)), timeout)?;
+                match committed
+                    .find_partition(&tp.topic, tp.partition)
+                    .map(|e| e.offset())
+                {
+                    Some(Offset::Offset(_)) => None,
+                    _ => resolve_start(c, tp, f, timeout)?,
+                }
+            }
+        },
+        StartFrom::Earliest => Some(Offset::Beginning),
+        StartFrom::Latest => Some(Offset::End),
+        StartFrom::Position(p) => Some(Offset::Offset(p.as_offset().unwrap_or(0))),
+        StartFrom::Timestamp(ts) => Some(offset_for_time(c, tp, *ts, timeout)?),
+    })
+}
+
+impl Ctx {
+    fn listener(&self) -> Option<Arc<dyn RebalanceListener>> {
+        self.listener.read().clone()
+    }
+
+    fn assign(&self, c: &BaseConsumer<Ctx>, tpl: &mut TopicPartitionList) {
+        let tps = tps_of(tpl);
+        let fresh: Vec<TopicPartition> = {
+            let seen = self.seen.lock();
+            tps.iter()
+                .filter(|tp| !seen.contains(tp))
+                .cloned()
+                .collect()
+        };
+        for tp in &fresh {
+            match resolve_start(c, tp, &self.start, self.timeout) {
+                Ok(Some(o)) => {
+                    if let Err(e) = tpl.set_partition_offset(&tp.topic, tp.partition, o) {
+                        tracing::warn!(%tp, error = %e, "kafka: cannot set start offset");
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(%tp, error = %e, "kafka: cannot resolve start position, using the committed offset or auto.offset.reset");
+                }
+            }
+        }
+        let res = match c.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => c.incremental_assign(tpl),
+            _ => c.assign(tpl),
+        };
+        if let Err(e) = res {
+            tracing::error!(error = %e, "kafka: assign failed");
+            return;
+        }
+        self.seen.lock().extend(fresh);
+        self.assignment.lock().extend(tps.iter().cloned());
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        if let Some(l) = self.listener() {
+            l.on_assigned(&tps);
+        }
+    }
+
+    fn revoke(&self, c: &BaseConsumer<Ctx>, tpl: &TopicPartitionList) {
+        let tps = tps_of(tpl);
+        if let Some(l) = self.listener() {
+            if c.assignment_lost() {
+                l.on_lost(&tps);
+            } else {
+                let positions = l.on_revoked(&tps);
+                if !positions.is_empty() {
+                    match commit_tpl(&positions) {
+                        Ok(ctpl) => {
+                            if let Err(e) = c.commit(&ctpl, CommitMode::Sync) {
+                                tracing::warn!(group = %self.group, error = %e, "kafka: commit on revocation failed");
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(group = %self.group, error = %e, "kafka: bad position on revocation");
+                        }
+                    }
+                }
+            }
+        }
+        let res = match c.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => c.incremental_unassign(tpl),
+            _ => c.unassign(),
+        };
+        if let Err(e) = res {
+            tracing::error!(error = %e, "kafka: unassign failed");
+        }
+        {
+            let mut a = self.assignment.lock();
+            if matches!(c.rebalance_protocol(), RebalanceProtocol::Cooperative) {
+                for tp in &tps {
+                    a.remove(tp);
+                }
+            } else {
+                a.clear();
+            }
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+impl ConsumerContext for Ctx {
+    fn rebalance(&self, c: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => self.assign(c, tpl),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => self.revoke(c, tpl),
+            other => {
+                tracing::error!(group = %self.group, error = ?other, "kafka: rebalance error, dropping the assignment");
+                let lost: Vec<TopicPartition> = std::mem::take(&mut *self.assignment.lock())
+                    .into_iter()
+                    .collect();
+                if let Some(l) = self.listener() {
+                    if !lost.is_empty() {
+                        l.on_lost(&lost);
+                    }
+                }
+                let _ = c.unassign();
+                self.generation.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+/// Offsets to commit for "last finished" positions: the next offset to read (offset + 1).
+fn commit_tpl(positions: &[(TopicPartition, Position)]) -> Result<TopicPartitionList> {
+    let mut tpl = TopicPartitionList::with_capacity(positions.len());
+    for (tp, p) in positions {
+        let o = offset_of(p)?;
+        tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(o + 1))
+            .map_err(|e| errors::map(e, format_args!("offset {} of {tp}", o + 1)))?;
+    }
+    Ok(tpl)
+}
+
+fn offset_of(p: &Position) -> Result<i64> {
+    p.as_offset().filter(|o| *o >= 0).ok_or_else(|| {
+        Error::config(format!(
+            "position '{p}' is not a Kafka offset: expected offset:N"
+        ))
+    })
+}
+
+fn check_start(start: &StartFrom) -> Result<()> {
+    match start {
+        StartFrom::Committed { fallback } => match **fallback {
+            StartFrom::Committed { .. } => Err(Error::config(
+                "start position Committed { fallback: Committed { .. } }: expected a fallback of \
+                 Earliest, Latest, Position or Timestamp",
+            )),
+            ref f => check_start(f),
+        },
+        StartFrom::Position(p) => offset_of(p).map(|_| ()),
+        _ => Ok(()),
+    }
+}
+
+fn convert(m: &BorrowedMessage<'_>) -> Message {
+    let headers: Headers = m
+        .headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| Header {
+                    name: h.key.to_string(),
+                    value: h.value.map(Bytes::copy_from_slice),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Message {
+        topic: m.topic().to_string(),
+        partition: m.partition(),
+        position: Position::Offset(m.offset()),
+        key: m.key().map(Bytes::copy_from_slice),
+        payload: m.payload().map(Bytes::copy_from_slice).unwrap_or_default(),
+        headers,
+        timestamp: m.timestamp().to_millis(),
+        delivery_count: 1,
+    }
+}
+
+/// A member of a Kafka consumer group.
+pub struct KafkaConsumer {
+    native: Option<Arc<BaseConsumer<Ctx>>>,
+    offsets: Option<Arc<BaseConsumer>>,
+    group: String,
+    client_id: String,
+    timeout: Duration,
+    closed: AtomicBool,
+}
+
+impl std::fmt::Debug for KafkaConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConsumer")
+            .field("group", &self.group)
+            .field("client_id", &self.client_id)
+            .finish()
+    }
+}
+
+impl KafkaConsumer {
+    pub(crate) async fn new(kafka: KafkaConfig, config: ConsumerConfig) -> Result<Arc<Self>> {
+        if config.group.is_empty() {
+            return Err(Error::config(
+                "consumer group is empty: expected a group id",
+            ));
+        }
+        if config.topics.is_empty() || config.topics.iter().any(|t| t.is_empty()) {
+            return Err(Error::config(format!(
+                "consumer of group '{}' with topics {:?}: expected at least one non-empty topic",
+                config.group, config.topics
+            )));
+        }
+        check_start(&config.start)?;
+        let opts = &config.options;
+        let mut c = kafka.client_config(opts);
+        let set_default = |c: &mut rdkafka::ClientConfig, k: &str, v: &str| {
+            if !kafka.is_set(k, opts) {
+                c.set(k, v);
+            }
+        };
+        c.set("group.id", &config.group);
+        set_default(&mut c, "enable.auto.commit", "false");
+        set_default(&mut c, "enable.auto.offset.store", "false");
+        set_default(
+            &mut c,
+            "partition.assignment.strategy",
+            "cooperative-sticky",
+        );
+        set_default(
+            &mut c,
+            "isolation.level",
+            match config.isolation {
+                Isolation::ReadCommitted => "read_committed",
+                Isolation::ReadUncommitted => "read_uncommitted",
+            },
+        );
+        let reset = match &config.start {
+            StartFrom::Committed { fallback } if **fallback == StartFrom::Latest => "latest",
+            StartFrom::Latest => "latest",
+            _ => "earliest",
+        };
+        set_default(&mut c, "auto.offset.reset", reset);
+        let client_id = config
+            .client_id
+            .clone()
+            .unwrap_or_else(|| format!("onceflow-{}", config.group));
+        set_default(&mut c, "client.id", &client_id);
+        if let Some(st) = config.session_timeout {
+            // A member that does not poll for this long leaves the group too (librdkafka keeps
+            // heartbeating from its own thread, so without this only max.poll.interval.ms, 5
+            // minutes by default, would notice).
+            let ms = st.as_millis().to_string();
+            set_default(&mut c, "session.timeout.ms", &ms);
+            set_default(&mut c, "max.poll.interval.ms", &ms);
+        }
+        // Reads committed offsets without waiting for pending transactional ones (KIP-447
+        // `require_stable` applies only to read_committed consumers): `committed()` and `lag()`
+        // report what is committed now. It never joins the group.
+        let mut oc = kafka.client_config(opts);
+        oc.set("group.id", &config.group);
+        oc.set("enable.auto.commit", "false");
+        oc.set("isolation.level", "read_uncommitted");
+        oc.set("client.id", format!("{client_id}-offsets"));
+        let offsets: BaseConsumer = oc.create().map_err(|e| {
+            errors::map(
+                e,
+                format_args!("creating offset reader of group '{}'", config.group),
+            )
+        })?;
+        let ctx = Ctx {
+            listener: RwLock::new(None),
+            start: config.start.clone(),
+            seen: Mutex::new(HashSet::new()),
+            assignment: Mutex::new(BTreeSet::new()),
+            generation: AtomicI64::new(0),
+            timeout: kafka.timeout,
+            group: config.group.clone(),
+        };
+        let native: BaseConsumer<Ctx> = c.create_with_context(ctx).map_err(|e| {
+            errors::map(
+                e,
+                format_args!("creating consumer of group '{}'", config.group),
+            )
+        })?;
+        let topics: Vec<&str> = config.topics.iter().map(|s| s.as_str()).collect();
+        native.subscribe(&topics).map_err(|e| {
+            errors::map(
+                e,
+                format_args!(
+                    "subscribing group '{}' to {:?}",
+                    config.group, config.topics
+                ),
+            )
+        })?;
+        Ok(Arc::new(KafkaConsumer {
+            native: Some(Arc::new(native)),
+            offsets: Some(Arc::new(offsets)),
+            group: config.group,
+            client_id,
+            timeout: kafka.timeout,
+            closed: AtomicBool::new(false),
+        }))
+    }
+
+    fn native(&self) -> Result<Arc<BaseConsumer<Ctx>>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                format!(
+                    "consumer '{}' of group '{}' is closed",
+                    self.client_id, self.group
+                ),
+            ));
+        }
+        Ok(self.native.clone().expect("set until drop"))
+    }
+
+    fn ctx(&self) -> &Ctx {
+        self.native.as_ref().expect("set until drop").context()
+    }
+
+    fn check_assigned(&self, tps: &[TopicPartition]) -> Result<()> {
+        let a = self.ctx().assignment.lock();
+        match tps.iter().find(|tp| !a.contains(tp)) {
+            Some(tp) => Err(Error::config(format!(
+                "partition {tp} is not assigned to this member of group '{}': expected one of \
+                 assignment()",
+                self.group
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&BaseConsumer<Ctx>) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let n = self.native()?;
+        tokio::task::spawn_blocking(move || f(&n))
+            .await
+            .map_err(|e| errors::join(e, what))?
+    }
+
+    async fn seek_to(&self, tp: &TopicPartition, to: StartFrom) -> Result<()> {
+        let timeout = self.timeout;
+        let tp = tp.clone();
+        self.blocking("seek", move |c| {
+            let offset = match &to {
+                StartFrom::Position(p) => {
+                    let o = offset_of(p)?;
+                    let (low, high) = c
+                        .fetch_watermarks(&tp.topic, tp.partition, timeout)
+                        .map_err(|e| errors::map(e, format_args!("watermarks of {tp}")))?;
+                    if o > high || o < low {
+                        return Err(Error::config(format!(
+                            "cannot seek {tp} to '{p}': expected an offset from {low} to {high}"
+                        )));
+                    }
+                    Offset::Offset(o)
+                }
+                StartFrom::Committed { .. } => {
+                    match resolve_start(c, &tp, &to, timeout)
+                        .map_err(|e| errors::map(e, format_args!("start of {tp}")))?
+                    {
+                        Some(o) => o,
+                        None => {
+                            let committed = c
+                                .committed_offsets(tpl_of(std::slice::from_ref(&tp)), timeout)
+                                .map_err(|e| errors::map(e, format_args!("committed of {tp}")))?;
+                            match committed
+                                .find_partition(&tp.topic, tp.partition)
+                                .map(|e| e.offset())
+                            {
+                                Some(Offset::Offset(o)) => Offset::Offset(o),
+                                _ => match &to {
+                                    StartFrom::Committed { fallback }
+                                        if **fallback == StartFrom::Latest =>
+                                    {
+                                        Offset::End
+                                    }
+                                    _ => Offset::Beginning,
+                                },
+                            }
+                        }
+                    }
+                }
+                other => resolve_start(c, &tp, other, timeout)
+                    .map_err(|e| errors::map(e, format_args!("start of {tp}")))?
+                    .unwrap_or(Offset::Stored),
+            };
+            seek_retrying(c, &tp, offset, timeout)
+        })
+        .await
+    }
+}
+
+/// `rd_kafka_seek` fails with `_STATE` until the partition's fetcher has started right after an
+/// assignment; retry briefly.
+fn seek_retrying(
+    c: &BaseConsumer<Ctx>,
+    tp: &TopicPartition,
+    offset: Offset,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match c.seek(&tp.topic, tp.partition, offset, timeout) {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() < deadline && is_state_error(&e) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                return Err(errors::map(e, format_args!("seek of {tp} to {offset:?}")));
+            }
+        }
+    }
+}
+
+fn is_state_error(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Seek(s) if s.contains("state"))
+}
+
+#[async_trait]
+impl ConsumerBackend for KafkaConsumer {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn set_rebalance_listener(&self, listener: Arc<dyn RebalanceListener>) {
+        *self.ctx().listener.write() = Some(listener);
+    }
+
+    async fn poll(&self, max: usize, timeout: Duration) -> Result<Vec<Message>> {
+        let max = max.max(1);
+        let group = self.group.clone();
+        self.blocking("poll", move |c| {
+            let deadline = Instant::now() + timeout;
+            let mut out = Vec::new();
+            while out.len() < max {
+                let wait = if out.is_empty() {
+                    deadline.saturating_duration_since(Instant::now())
+                } else {
+                    Duration::ZERO
+                };
+                match c.poll(wait) {
+                    Some(Ok(m)) => out.push(convert(&m)),
+                    Some(Err(KafkaError::PartitionEOF(_))) => {}
+                    Some(Err(e @ KafkaError::MessageConsumptionFatal(_))) => {
+                        return Err(errors::map(e, format_args!("poll of group '{group}'")));
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(group = %group, error = %e, "kafka: poll error");
+                    }
+                    None => {
+                        if !out.is_empty() || Instant::now() >= deadline {
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let tpl = commit_tpl(positions)?;
+        {
+            let a = self.ctx().assignment.lock();
+            if let Some((tp, _)) = positions.iter().find(|(tp, _)| !a.contains(tp)) {
+                return Err(Error::new(
+                    ErrorKind::Fenced,
+                    format!(
+                        "commit of {tp} by '{}' of group '{}' is fenced: the partition is not \
+                         assigned to this member",
+                        self.client_id, self.group
+                    ),
+                ));
+            }
+        }
+        let group = self.group.clone();
+        self.blocking("commit", move |c| {
+            c.commit(&tpl, CommitMode::Sync)
+                .map_err(|e| errors::map(e, format_args!("commit of group '{group}'")))
+        })
+        .await
+    }
+
+    async fn committed(
+        &self,
+        partitions: &[TopicPartition],
+    ) -> Result<Vec<(TopicPartition, Option<Position>)>> {
+        let tps = partitions.to_vec();
+        let timeout = self.timeout;
+        let group = self.group.clone();
+        let oc = self.offsets.clone().expect("set until drop");
+        self.blocking("committed", move |_| {
+            let r = oc.committed_offsets(tpl_of(&tps), timeout).map_err(|e| {
+                errors::map(e, format_args!("committed offsets of group '{group}'"))
+            })?;
+            Ok(tps
+                .into_iter()
+                .map(|tp| {
+                    let p = match r
+                        .find_partition(&tp.topic, tp.partition)
+                        .map(|e| e.offset())
+                    {
+                        Some(Offset::Offset(o)) if o >= 0 => Some(Position::Offset(o)),
+                        _ => None,
+                    };
+                    (tp, p)
+                })
+                .collect())
+        })
+        .await
+    }
+
+    async fn seek(&self, partition: &TopicPartition, to: &StartFrom) -> Result<()> {
+        check_start(to)?;
+        self.check_assigned(std::slice::from_ref(partition))?;
+        self.seek_to(partition, to.clone()).await
+    }
+
+    async fn pause(&self, partitions: &[TopicPartition]) -> Result<()> {
+        self.check_assigned(partitions)?;
+        let tpl = tpl_of(partitions);
+        self.native()?
+            .pause(&tpl)
+            .map_err(|e| errors::map(e, format_args!("pause of {partitions:?}")))
+    }
+
+    async fn resume(&self, partitions: &[TopicPartition]) -> Result<()> {
+        self.check_assigned(partitions)?;
+        let tpl = tpl_of(partitions);
+        self.native()?
+            .resume(&tpl)
+            .map_err(|e| errors::map(e, format_args!("resume of {partitions:?}")))
+    }
+
+    fn assignment(&self) -> Vec<TopicPartition> {
+        self.ctx().assignment.lock().iter().cloned().collect()
+    }
+
+    async fn lag(&self) -> Result<Vec<PartitionLag>> {
+        let tps = self.assignment();
+        let timeout = self.timeout;
+        let oc = self.offsets.clone().expect("set until drop");
+        self.blocking("lag", move |c| {
+            let committed = oc
+                .committed_offsets(tpl_of(&tps), timeout)
+                .map_err(|e| errors::map(e, "committed offsets for lag"))?;
+            let mut out = Vec::with_capacity(tps.len());
+            for tp in tps {
+                let (low, high) = c
+                    .fetch_watermarks(&tp.topic, tp.partition, timeout)
+                    .map_err(|e| errors::map(e, format_args!("watermarks of {tp}")))?;
+                let com = match committed
+                    .find_partition(&tp.topic, tp.partition)
+                    .map(|e| e.offset())
+                {
+                    Some(Offset::Offset(o)) if o >= 0 => Some(o),
+                    _ => None,
+                };
+                out.push(PartitionLag {
+                    partition: tp,
+                    committed: com.map(Position::Offset),
+                    high_watermark: Some(Position::Offset(high)),
+                    messages: (high - com.unwrap_or(low)).max(0) as u64,
+                    millis: None,
+                });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    fn group_metadata(&self) -> Option<GroupMetadata> {
+        let n = self.native.as_ref()?;
+        let md = n.group_metadata()?;
+        Some(GroupMetadata {
+            group: self.group.clone(),
+            generation: n.context().generation.load(Ordering::Acquire),
+            member_id: self.client_id.clone(),
+            native: Some(Arc::new(md)),
+        })
+    }
+
+    async fn nack(&self, message: &Message, delay: Duration) -> Result<()> {
+        let offset = offset_of(&message.position)?;
+        let tp = message.topic_partition();
+        if self.check_assigned(std::slice::from_ref(&tp)).is_err() {
+            // Not ours any more: its new owner reads from the committed position.
+            return Ok(());
+        }
+        let native = self.native()?;
+        if !delay.is_zero() {
+            native
+                .pause(&tpl_of(std::slice::from_ref(&tp)))
+                .map_err(|e| errors::map(e, format_args!("pause of {tp}")))?;
+        }
+        self.seek_to(&tp, StartFrom::Position(Position::Offset(offset)))
+            .await?;
+        if !delay.is_zero() {
+            let weak = Arc::downgrade(&native);
+            drop(native);
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                if let Some(n) = weak.upgrade() {
+                    if n.context().assignment.lock().contains(&tp) {
+                        let _ = n.resume(&tpl_of(std::slice::from_ref(&tp)));
+                    }
+                }
+            });
+        }
+        Ok(())
+    }
+
+    async fn close(&self) -> Result<()> {
+        let Ok(n) = self.native() else {
+            return Ok(());
+        };
+        self.closed.store(true, Ordering::Release);
+        tokio::task::spawn_blocking(move || {
+            n.unsubscribe();
+            // Serve the revocation so the group hands the partitions on now.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !n.context().assignment.lock().is_empty() && Instant::now() < deadline {
+                let _ = n.poll(Duration::from_millis(50));
+            }
+        })
+        .await
+        .map_err(|e| errors::join(e, "close"))?;
+        Ok(())
+    }
+}
+
+impl Drop for KafkaConsumer {
+    fn drop(&mut self) {
+        // librdkafka's consumer close blocks until the group is left: not on the executor.
+        let n = self.native.take();
+        let o = self.offsets.take();
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn_blocking(move || drop((n, o)));
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Mapping of librdkafka errors onto onceflow's [`ErrorKind`]s. The native error stays the
+//! `source()`; rdkafka types never appear in the public API.
+
+use onceflow_core::{Error, ErrorKind};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
+
+/// Codes meaning "this producer or group member lost its right to act" (KIP-98 producer
+/// epochs, KIP-447 consumer-group fencing of transactional offset commits).
+pub(crate) fn is_fencing(code: C) -> bool {
+    matches!(
+        code,
+        C::Fenced
+            | C::ProducerFenced
+            | C::InvalidProducerEpoch
+            | C::InvalidProducerIdMapping
+            | C::IllegalGeneration
+            | C::UnknownMemberId
+            | C::FencedInstanceId
+            | C::RebalanceInProgress
+            | C::TransactionalIdAuthorizationFailed
+    )
+}
+
+fn is_timeout(code: C) -> bool {
+    matches!(
+        code,
+        C::OperationTimedOut | C::RequestTimedOut | C::MessageTimedOut
+    )
+}
+
+fn is_connect(code: C) -> bool {
+    matches!(
+        code,
+        C::BrokerTransportFailure | C::AllBrokersDown | C::Resolve | C::NetworkException
+    )
+}
+
+fn is_not_found(code: C) -> bool {
+    matches!(
+        code,
+        C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition
+    )
+}
+
+/// Maps an rdkafka error; `what` names the operation and the value at fault.
+pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
+    let message = format!("{what}: {err}");
+    let e = match &err {
+        KafkaError::Transaction(t) => {
+            let code = t.code();
+            if is_fencing(code) {
+                Error::new(ErrorKind::Fenced, message).retriable(false)
+            } else if t.txn_requires_abort() {
+                Error::new(
+                    ErrorKind::Aborted,
+                    format!("{message} (the transaction must be aborted)"),
+                )
+                .retriable(false)
+            } else if is_timeout(code) {
+                Error::new(ErrorKind::Timeout, message).retriable(t.is_retriable())
+            } else if t.is_fatal() {
+                Error::new(ErrorKind::Platform, format!("{message} (fatal)")).retriable(false)
+            } else {
+                Error::new(ErrorKind::Platform, message).retriable(t.is_retriable())
+            }
+        }
+        KafkaError::ClientConfig(..) => Error::new(ErrorKind::Config, message),
+        KafkaError::ClientCreation(_) => Error::new(ErrorKind::Config, message),
+        KafkaError::Canceled => Error::new(ErrorKind::Closed, message),
+        other => match other.rdkafka_error_code() {
+            Some(C::MessageSizeTooLarge) | Some(C::InvalidRecord) => {
+                Error::new(ErrorKind::Config, message)
+            }
+            Some(code) if is_fencing(code) => Error::new(ErrorKind::Fenced, message),
+            Some(code) if is_timeout(code) => Error::new(ErrorKind::Timeout, message),
+            Some(code) if is_connect(code) => Error::new(ErrorKind::Connect, message),
+            Some(code) if is_not_found(code) => Error::new(ErrorKind::NotFound, message),
+            Some(C::TopicAlreadyExists) => Error::new(ErrorKind::Config, message),
+            Some(
+                C::NotEnoughReplicas
+                | C::NotEnoughReplicasAfterAppend
+                | C::LeaderNotAvailable
+                | C::NotLeaderForPartition
+                | C::CoordinatorNotAvailable
+                | C::NotCoordinator
+                | C::CoordinatorLoadInProgress
+                | C::QueueFull,
+            ) => Error::new(ErrorKind::Platform, message).retriable(true),
+            _ => Error::new(ErrorKind::Platform, message),
+        },
+    };
+    e.with_source(err)
+}
+
+/// The error of a blocking task that panicked or was cancelled.
+pub(crate) fn join(err: tokio::task::JoinError, what: &str) -> Error {
+    Error::new(
+        ErrorKind::Platform,
+        format!("{what}: blocking task failed: {err}"),
+    )
+}

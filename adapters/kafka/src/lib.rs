@@ -1,0 +1,170 @@
+//! # onceflow-kafka
+//!
+//! The `kafka://` backend of onceflow, on [rdkafka](https://docs.rs/rdkafka) with its bundled
+//! librdkafka.
+//!
+//! ```no_run
+//! # async fn demo() -> onceflow_core::Result<()> {
+//! use onceflow_core::{PlatformBackend, ProducerConfig, Record};
+//! let platform = onceflow_kafka::connect("kafka://127.0.0.1:9092?linger.ms=5")?;
+//! let producer = platform.producer(ProducerConfig::default()).await?;
+//! let d = producer.send(Record::new("orders", "hello").key("k1")).await?;
+//! println!("written at {}[{}] {}", d.topic, d.partition, d.position);
+//! # Ok(()) }
+//! ```
+//!
+//! ## URL
+//! `kafka://HOST:PORT[,HOST:PORT…][?KEY=VALUE&…]`. The hosts become `bootstrap.servers`; every
+//! query parameter is handed verbatim to librdkafka as a client property on producers, consumers
+//! and the admin client (for example `?compression.type=lz4&linger.ms=5`). Two keys are read by
+//! onceflow as well: `message.max.bytes` sets [`PlatformBackend::max_record_bytes`] (default
+//! 1 MiB), and `onceflow.timeout.ms` (not passed to librdkafka) bounds blocking calls such as
+//! transaction commits and synchronous offset commits (default 30 s). See [`KafkaConfig`].
+//!
+//! ## Semantics
+//! - **Producer**: idempotent by default (`enable.idempotence=true`, KIP-98), so retries never
+//!   duplicate or reorder; [`ProducerConfig::idempotent`] `Some(false)` turns it off. Every
+//!   send waits for its delivery report. Batching and compression are librdkafka's
+//!   (`linger.ms`, `batch.size`, `compression.type` via [`ProducerConfig::options`] or the URL).
+//!   Headers map one to one onto Kafka record headers (KIP-82): binary values, null distinct
+//!   from empty, repeated names kept in order.
+//! - **Transactions** (KIP-98, EOS v2 of KIP-447): a [`ProducerConfig::transactional_id`] turns
+//!   the producer transactional. `init_transactions` runs once per native producer (fencing
+//!   older producers with the same id); `begin` / `send` / `commit_offsets`
+//!   (`send_offsets_to_transaction` with the consumer's `ConsumerGroupMetadata`, carried in
+//!   [`GroupMetadata::native`]) / `commit` / `abort`. librdkafka's blocking transaction calls run
+//!   on `tokio::task::spawn_blocking`, never on the async executor. Errors map as follows:
+//!   fenced (`PRODUCER_FENCED`, `INVALID_PRODUCER_EPOCH`, `_FENCED`, and consumer-group
+//!   fencing of KIP-447 such as `ILLEGAL_GENERATION`) → [`ErrorKind::Fenced`], and the producer
+//!   refuses further transactions; abortable (`txn_requires_abort`) → [`ErrorKind::Aborted`]
+//!   (a failed commit is aborted for you); retriable → retriable errors; fatal →
+//!   [`ErrorKind::Platform`] and a fresh native producer for the next transaction; a commit
+//!   that times out → [`ErrorKind::Timeout`] with [`onceflow_core::Error::outcome_unknown`],
+//!   and the native producer is re-created and re-initialised before the next transaction
+//!   (which completes or aborts the pending one on the broker).
+//! - **Consumer**: a consumer group with `partition.assignment.strategy=cooperative-sticky`
+//!   (KIP-429 incremental cooperative rebalancing) by default, `enable.auto.commit=false`,
+//!   `isolation.level=read_committed` unless [`Isolation::ReadUncommitted`]. Rebalance callbacks
+//!   run inside [`ConsumerBackend::poll`]: on revocation the listener's positions are committed
+//!   synchronously before the partitions are given up; on a lost assignment `on_lost` is called.
+//!   Commits take the last finished position and commit the next offset to read (offset + 1).
+//!   Start positions: committed (else `auto.offset.reset` earliest/latest, or an explicit
+//!   offset or timestamp fallback), earliest, latest, an offset, or a timestamp (ListOffsets
+//!   by time, KIP-79; when no record is at or after it, the partition's end, never 0). Explicit
+//!   start positions apply the first time this consumer handle is assigned a partition;
+//!   afterwards the committed position wins. `nack` rewinds the partition to the message
+//!   (Kafka has no per-message redelivery): librdkafka drops the already fetched later
+//!   messages of that partition. Lag is the high watermark minus the committed offset (log
+//!   start when nothing is committed).
+//! - **Admin**: create / describe / delete topics with partitions, `retention.ms`,
+//!   `retention.bytes` and `cleanup.policy=compact`; the replication factor is the broker's
+//!   default (KIP-464) unless `replication.factor` is given in [`TopicSpec::options`].
+//!
+//! [`ProducerConfig::options`]: onceflow_core::ProducerConfig::options
+//! [`ProducerConfig::idempotent`]: onceflow_core::ProducerConfig::idempotent
+//! [`ProducerConfig::transactional_id`]: onceflow_core::ProducerConfig::transactional_id
+//! [`GroupMetadata::native`]: onceflow_core::GroupMetadata::native
+//! [`ErrorKind::Fenced`]: onceflow_core::ErrorKind::Fenced
+//! [`ErrorKind::Aborted`]: onceflow_core::ErrorKind::Aborted
+//! [`ErrorKind::Platform`]: onceflow_core::ErrorKind::Platform
+//! [`ErrorKind::Timeout`]: onceflow_core::ErrorKind::Timeout
+//! [`Isolation::ReadUncommitted`]: onceflow_core::Isolation::ReadUncommitted
+//! [`ConsumerBackend::poll`]: onceflow_core::ConsumerBackend::poll
+//! [`TopicSpec::options`]: onceflow_core::TopicSpec::options
+
+mod admin;
+mod config;
+mod consumer;
+mod errors;
+mod producer;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use onceflow_core::{
+    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, PlatformBackend, ProducerBackend,
+    ProducerConfig, Result,
+};
+
+pub use admin::KafkaAdmin;
+pub use config::{parse_url, KafkaConfig, DEFAULT_MAX_RECORD_BYTES, DEFAULT_TIMEOUT};
+pub use consumer::KafkaConsumer;
+pub use producer::KafkaProducer;
+
+/// What Kafka can do through this adapter.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    transactions: true,
+    idempotent_producer: true,
+    dedup_by_id: false,
+    atomic_batch: false,
+    native_headers: true,
+    consumer_groups: true,
+    seek_by_timestamp: true,
+    pause_resume: true,
+    per_message_nack: false,
+    compaction: true,
+    lag_ms: false,
+};
+
+/// Opens a Kafka cluster from a `kafka://` URL (see the crate docs). Nothing is contacted
+/// until the first producer, consumer or admin call.
+pub fn connect(url: &str) -> Result<Arc<KafkaPlatform>> {
+    Ok(Arc::new(KafkaPlatform {
+        config: parse_url(url)?,
+    }))
+}
+
+/// A Kafka cluster: the factory of producers, consumers and the admin handle.
+#[derive(Debug, Clone)]
+pub struct KafkaPlatform {
+    config: KafkaConfig,
+}
+
+impl KafkaPlatform {
+    /// A platform from a typed configuration.
+    pub fn new(config: KafkaConfig) -> Arc<KafkaPlatform> {
+        Arc::new(KafkaPlatform { config })
+    }
+
+    /// This connection's configuration.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.config
+    }
+
+    /// A producer as its concrete type.
+    pub async fn kafka_producer(&self, config: ProducerConfig) -> Result<KafkaProducer> {
+        KafkaProducer::new(self.config.clone(), config).await
+    }
+
+    /// A consumer as its concrete type.
+    pub async fn kafka_consumer(&self, config: ConsumerConfig) -> Result<Arc<KafkaConsumer>> {
+        KafkaConsumer::new(self.config.clone(), config).await
+    }
+}
+
+#[async_trait]
+impl PlatformBackend for KafkaPlatform {
+    fn name(&self) -> &'static str {
+        "kafka"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    async fn producer(&self, config: ProducerConfig) -> Result<Arc<dyn ProducerBackend>> {
+        Ok(Arc::new(self.kafka_producer(config).await?))
+    }
+
+    async fn consumer(&self, config: ConsumerConfig) -> Result<Arc<dyn ConsumerBackend>> {
+        Ok(self.kafka_consumer(config).await?)
+    }
+
+    async fn admin(&self) -> Result<Arc<dyn AdminBackend>> {
+        Ok(Arc::new(KafkaAdmin::new(self.config.clone())?))
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.config.max_record_bytes
+    }
+}

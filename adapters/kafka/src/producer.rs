@@ -1,0 +1,581 @@
+//! The producer: rdkafka's `FutureProducer` (its own poll thread serves delivery reports),
+//! idempotent by default, transactional with a `transactional.id` (KIP-98, KIP-447).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use onceflow_core::{
+    Capabilities, Delivery, Error, ErrorKind, GroupMetadata, Position, ProducerBackend,
+    ProducerConfig, Record, Result, TopicPartition, TransactionBackend,
+};
+use parking_lot::Mutex;
+use rdkafka::consumer::ConsumerGroupMetadata;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::config::KafkaConfig;
+use crate::errors;
+use crate::CAPABILITIES;
+
+/// How long a send may wait for room in librdkafka's local queue before failing.
+const QUEUE_TIMEOUT: Duration = Duration::from_secs(30);
+
+type Native = Arc<FutureProducer>;
+
+#[derive(Default)]
+struct TxnState {
+    /// `init_transactions` succeeded on the current native producer.
+    initialized: bool,
+    /// The next transaction needs a fresh native producer (after an unknown commit outcome, a
+    /// fatal error, or a transaction dropped while open).
+    needs_reinit: bool,
+    /// Why this producer is fenced, once it is: it never writes again.
+    fenced: Option<String>,
+    /// A transaction is open.
+    open: bool,
+}
+
+struct Shared {
+    kafka: KafkaConfig,
+    transactional_id: Option<String>,
+    native_config: rdkafka::ClientConfig,
+    native: Mutex<Native>,
+    state: Mutex<TxnState>,
+    /// Serialises `begin` (initialisation and re-creation of the native producer).
+    init_lock: tokio::sync::Mutex<()>,
+}
+
+/// A Kafka producer. Cheap to share; every send waits for its delivery report.
+pub struct KafkaProducer {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for KafkaProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaProducer")
+            .field("bootstrap_servers", &self.shared.kafka.bootstrap_servers)
+            .field("transactional_id", &self.shared.transactional_id)
+            .finish()
+    }
+}
+
+fn create_native(config: &rdkafka::ClientConfig) -> Result<Native> {
+    config
+        .create::<FutureProducer>()
+        .map(Arc::new)
+        .map_err(|e| errors::map(e, "creating the Kafka producer"))
+}
+
+/// Drops a native producer off the executor (librdkafka's destroy can block while it flushes).
+fn drop_native(native: Native) {
+    if let Ok(h) = tokio::runtime::Handle::try_current() {
+        h.spawn_blocking(move || drop(native));
+    }
+}
+
+fn headers_of(record: &Record) -> Option<OwnedHeaders> {
+    if record.headers.is_empty() {
+        return None;
+    }
+    let mut h = OwnedHeaders::new_with_capacity(record.headers.len());
+    for header in record.headers.iter() {
+        h = h.insert(Header {
+            key: header.name.as_str(),
+            value: header.value.as_deref(),
+        });
+    }
+    Some(h)
+}
+
+pub(crate) async fn send_on(
+    native: &FutureProducer,
+    record: &Record,
+    max_record_bytes: usize,
+) -> Result<Delivery> {
+    let size = record.size_bytes();
+    if size > max_record_bytes {
+        return Err(Error::config(format!(
+            "record of {size} bytes (key + payload + headers) for topic '{}' exceeds the limit of \
+             {max_record_bytes} bytes (message.max.bytes): expected at most {max_record_bytes}",
+            record.topic
+        )));
+    }
+    let mut fr: FutureRecord<'_, [u8], [u8]> =
+        FutureRecord::to(&record.topic).payload(&record.payload[..]);
+    if let Some(k) = &record.key {
+        fr = fr.key(&k[..]);
+    }
+    if let Some(p) = record.partition {
+        fr = fr.partition(p);
+    }
+    if let Some(ts) = record.timestamp {
+        fr = fr.timestamp(ts);
+    }
+    if let Some(h) = headers_of(record) {
+        fr = fr.headers(h);
+    }
+    match native.send(fr, Timeout::After(QUEUE_TIMEOUT)).await {
+        Ok(d) => Ok(Delivery {
+            topic: record.topic.clone(),
+            partition: d.partition,
+            position: Position::Offset(d.offset),
+            timestamp: d.timestamp.to_millis(),
+            duplicate: false,
+        }),
+        Err((e, _)) => Err(errors::map(
+            e,
+            format_args!("send to topic '{}'", record.topic),
+        )),
+    }
+}
+
+fn run_blocking_err(e: KafkaError, what: &str) -> Error {
+    errors::map(e, what)
+}
+
+fn is_producer_fenced(err: &KafkaError) -> bool {
+    matches!(
+        err.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::Fenced
+                | RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+        )
+    ) || matches!(err, KafkaError::Transaction(t) if matches!(t.code(),
+            RDKafkaErrorCode::Fenced | RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch))
+}
+
+fn is_fatal(err: &KafkaError) -> bool {
+    matches!(err, KafkaError::Transaction(t) if t.is_fatal())
+}
+
+impl KafkaProducer {
+    pub(crate) async fn new(kafka: KafkaConfig, config: ProducerConfig) -> Result<KafkaProducer> {
+        let mut native_config = kafka.client_config(&config.options);
+        if let Some(id) = &config.client_id {
+            if !kafka.is_set("client.id", &config.options) {
+                native_config.set("client.id", id);
+            }
+        }
+        let transactional = config.transactional_id.is_some();
+        if let Some(id) = &config.transactional_id {
+            if id.is_empty() {
+                return Err(Error::config(
+                    "transactional id is empty: expected a non-empty id or None",
+                ));
+            }
+            native_config.set("transactional.id", id);
+        }
+        if config.idempotent == Some(false) && transactional {
+            return Err(Error::config(format!(
+                "producer with transactional id '{}' and idempotent = false: Kafka \
+                 transactions need the idempotent producer",
+                config.transactional_id.as_deref().unwrap_or_default()
+            )));
+        }
+        if !kafka.is_set("enable.idempotence", &config.options) {
+            let on = config.idempotent.unwrap_or(true) || transactional;
+            native_config.set("enable.idempotence", if on { "true" } else { "false" });
+        }
+        let native = create_native(&native_config)?;
+        let producer = KafkaProducer {
+            shared: Arc::new(Shared {
+                kafka,
+                transactional_id: config.transactional_id,
+                native_config,
+                native: Mutex::new(native),
+                state: Mutex::new(TxnState::default()),
+                init_lock: tokio::sync::Mutex::new(()),
+            }),
+        };
+        if transactional {
+            // KIP-98: once per producer, at creation, so a new producer fences an older one
+            // with the same transactional id right away.
+            producer.ensure_initialized().await?;
+        }
+        Ok(producer)
+    }
+
+    fn native(&self) -> Native {
+        self.shared.native.lock().clone()
+    }
+
+    fn check_plain_send(&self) -> Result<()> {
+        if let Some(id) = &self.shared.transactional_id {
+            let st = self.shared.state.lock();
+            if let Some(why) = &st.fenced {
+                return Err(Error::new(ErrorKind::Fenced, why.clone()));
+            }
+            if !st.open {
+                return Err(Error::config(format!(
+                    "send on transactional producer '{id}' outside a transaction: expected \
+                     begin() first (a transactional producer writes only inside transactions)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Initialises transactions on the current native producer, re-creating it first when the
+    /// previous transaction left it in an unknown or fatal state.
+    async fn ensure_initialized(&self) -> Result<Native> {
+        let id = self.shared.transactional_id.clone().unwrap_or_default();
+        let _guard = self.shared.init_lock.lock().await;
+        let (initialized, reinit) = {
+            let st = self.shared.state.lock();
+            if let Some(why) = &st.fenced {
+                return Err(Error::new(ErrorKind::Fenced, why.clone()));
+            }
+            (st.initialized, st.needs_reinit)
+        };
+        if initialized && !reinit {
+            return Ok(self.native());
+        }
+        if reinit {
+            let fresh = create_native(&self.shared.native_config)?;
+            let old = std::mem::replace(&mut *self.shared.native.lock(), fresh);
+            drop_native(old);
+            let mut st = self.shared.state.lock();
+            st.initialized = false;
+            st.needs_reinit = false;
+        }
+        let native = self.native();
+        let timeout = self.shared.kafka.timeout;
+        let n = native.clone();
+        let res = tokio::task::spawn_blocking(move || n.init_transactions(timeout))
+            .await
+            .map_err(|e| errors::join(e, "init_transactions"))?;
+        match res {
+            Ok(()) => {
+                self.shared.state.lock().initialized = true;
+                Ok(native)
+            }
+            Err(e) => {
+                let what = format!("init_transactions for transactional id '{id}'");
+                if is_producer_fenced(&e) {
+                    self.shared.state.lock().fenced = Some(format!("{what}: fenced: {e}"));
+                } else if is_fatal(&e) {
+                    self.shared.state.lock().needs_reinit = true;
+                }
+                Err(errors::map(e, what))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl ProducerBackend for KafkaProducer {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    async fn send(&self, record: Record) -> Result<Delivery> {
+        self.check_plain_send()?;
+        let native = self.native();
+        send_on(&native, &record, self.shared.kafka.max_record_bytes).await
+    }
+
+    async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        if let Err(e) = self.check_plain_send() {
+            let msg = e.to_string();
+            return records
+                .iter()
+                .map(|_| Err(Error::new(e.kind(), msg.clone())))
+                .collect();
+        }
+        let native = self.native();
+        // Every record is enqueued on the first poll of its future, in order; librdkafka
+        // pipelines them and the idempotent producer keeps their order per partition.
+        futures::future::join_all(
+            records
+                .iter()
+                .map(|r| send_on(&native, r, self.shared.kafka.max_record_bytes)),
+        )
+        .await
+    }
+
+    async fn begin(&self) -> Result<Box<dyn TransactionBackend>> {
+        let Some(id) = self.shared.transactional_id.clone() else {
+            return Err(Error::config(
+                "begin() on a producer without transactional id: expected \
+                 ProducerConfig::transactional_id",
+            ));
+        };
+        if self.shared.state.lock().open {
+            return Err(Error::config(format!(
+                "begin() on transactional producer '{id}' while a transaction is open: \
+                 expected commit() or abort() first"
+            )));
+        }
+        let native = self.ensure_initialized().await?;
+        if let Err(e) = native.begin_transaction() {
+            if is_producer_fenced(&e) {
+                self.shared.state.lock().fenced = Some(format!("begin_transaction: {e}"));
+            } else if is_fatal(&e) {
+                self.shared.state.lock().needs_reinit = true;
+            }
+            return Err(errors::map(
+                e,
+                format_args!("begin_transaction for transactional id '{id}'"),
+            ));
+        }
+        self.shared.state.lock().open = true;
+        Ok(Box::new(KafkaTransaction {
+            shared: self.shared.clone(),
+            native,
+            id,
+            done: false,
+            offsets: Vec::new(),
+        }))
+    }
+
+    async fn flush(&self, timeout: Duration) -> Result<()> {
+        let native = self.native();
+        tokio::task::spawn_blocking(move || native.flush(timeout))
+            .await
+            .map_err(|e| errors::join(e, "flush"))?
+            .map_err(|e| run_blocking_err(e, "flush of the Kafka producer"))
+    }
+
+    async fn close(&self) -> Result<()> {
+        self.flush(self.shared.kafka.timeout).await
+    }
+}
+
+/// An open Kafka transaction. Dropped without commit or abort, it is aborted in the background
+/// and the producer is re-initialised before its next transaction.
+struct KafkaTransaction {
+    shared: Arc<Shared>,
+    native: Native,
+    id: String,
+    done: bool,
+    /// Positions to commit with the transaction, per group: sent with
+    /// `send_offsets_to_transaction` right before `commit_transaction`, so the group
+    /// coordinator checks the member's generation at commit time (KIP-447 fencing).
+    offsets: Vec<PendingOffsets>,
+}
+
+struct PendingOffsets {
+    group: String,
+    metadata: Arc<dyn std::any::Any + Send + Sync>,
+    offsets: std::collections::BTreeMap<(String, i32), i64>,
+}
+
+impl KafkaTransaction {
+    async fn send_offsets(&self, pending: PendingOffsets) -> Result<()> {
+        let mut tpl = TopicPartitionList::with_capacity(pending.offsets.len());
+        for ((topic, partition), next) in &pending.offsets {
+            tpl.add_partition_offset(topic, *partition, Offset::Offset(*next))
+                .map_err(|e| {
+                    errors::map(e, format_args!("offset {next} of {topic}[{partition}]"))
+                })?;
+        }
+        let native = self.native.clone();
+        let timeout = self.shared.kafka.timeout;
+        let md = pending.metadata;
+        let res = tokio::task::spawn_blocking(move || {
+            let md = md
+                .downcast_ref::<ConsumerGroupMetadata>()
+                .expect("checked in commit_offsets");
+            native.send_offsets_to_transaction(&tpl, md, timeout)
+        })
+        .await
+        .map_err(|e| errors::join(e, "send_offsets_to_transaction"))?;
+        res.map_err(|e| {
+            self.note(&e, "send_offsets_to_transaction");
+            errors::map(
+                e,
+                format_args!(
+                    "send_offsets_to_transaction for group '{}' in the transaction of '{}'",
+                    pending.group, self.id
+                ),
+            )
+        })
+    }
+
+    fn finish(&mut self) {
+        self.done = true;
+        self.shared.state.lock().open = false;
+    }
+
+    /// Records what an error means for the producer's next transaction.
+    fn note(&self, e: &KafkaError, what: &str) {
+        let mut st = self.shared.state.lock();
+        if is_producer_fenced(e) {
+            st.fenced = Some(format!(
+                "{what} of transactional id '{}': fenced: {e}",
+                self.id
+            ));
+        } else if is_fatal(e) {
+            st.needs_reinit = true;
+        }
+    }
+}
+
+#[async_trait]
+impl TransactionBackend for KafkaTransaction {
+    async fn send(&mut self, record: Record) -> Result<Delivery> {
+        if let Some(why) = &self.shared.state.lock().fenced {
+            return Err(Error::new(ErrorKind::Fenced, why.clone()));
+        }
+        let res = send_on(&self.native, &record, self.shared.kafka.max_record_bytes).await;
+        if let Err(e) = &res {
+            if e.kind() == ErrorKind::Fenced {
+                self.shared.state.lock().fenced = Some(e.message().to_string());
+            }
+        }
+        res
+    }
+
+    async fn commit_offsets(
+        &mut self,
+        group: &GroupMetadata,
+        positions: &[(TopicPartition, Position)],
+    ) -> Result<()> {
+        let native_md = group
+            .native
+            .clone()
+            .filter(|n| n.is::<ConsumerGroupMetadata>())
+            .ok_or_else(|| {
+                Error::config(format!(
+                    "group metadata of group '{}' is not from a Kafka consumer: expected \
+                     KafkaConsumer::group_metadata()",
+                    group.group
+                ))
+            })?;
+        let mut parsed = Vec::with_capacity(positions.len());
+        for (tp, p) in positions {
+            let o = p.as_offset().filter(|o| *o >= 0).ok_or_else(|| {
+                Error::config(format!(
+                    "position '{p}' of {tp} is not a Kafka offset: expected offset:N"
+                ))
+            })?;
+            parsed.push(((tp.topic.clone(), tp.partition), o + 1));
+        }
+        let idx = match self.offsets.iter().position(|p| p.group == group.group) {
+            Some(i) => {
+                // The newest metadata of the group wins.
+                self.offsets[i].metadata = native_md;
+                i
+            }
+            None => {
+                self.offsets.push(PendingOffsets {
+                    group: group.group.clone(),
+                    metadata: native_md,
+                    offsets: Default::default(),
+                });
+                self.offsets.len() - 1
+            }
+        };
+        self.offsets[idx].offsets.extend(parsed);
+        Ok(())
+    }
+
+    async fn commit(mut self: Box<Self>) -> Result<()> {
+        let native = self.native.clone();
+        let timeout = self.shared.kafka.timeout;
+        for pending in std::mem::take(&mut self.offsets) {
+            if let Err(e) = self.send_offsets(pending).await {
+                // Fenced (KIP-447) or otherwise failed: nothing of this transaction may show.
+                let producer_fenced = self.shared.state.lock().fenced.is_some();
+                if !producer_fenced {
+                    let n = self.native.clone();
+                    let aborted =
+                        tokio::task::spawn_blocking(move || n.abort_transaction(timeout)).await;
+                    if !matches!(aborted, Ok(Ok(()))) {
+                        self.shared.state.lock().needs_reinit = true;
+                    }
+                }
+                self.finish();
+                return Err(e);
+            }
+        }
+        let res = tokio::task::spawn_blocking(move || native.commit_transaction(timeout))
+            .await
+            .map_err(|e| errors::join(e, "commit_transaction"));
+        self.finish();
+        let e = match res? {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        self.note(&e, "commit_transaction");
+        let mapped = errors::map(
+            e,
+            format_args!("commit of the transaction of '{}'", self.id),
+        );
+        match mapped.kind() {
+            ErrorKind::Aborted => {
+                // Abortable: abort now, so nothing of it becomes visible.
+                let native = self.native.clone();
+                let aborted =
+                    tokio::task::spawn_blocking(move || native.abort_transaction(timeout)).await;
+                if !matches!(aborted, Ok(Ok(()))) {
+                    self.shared.state.lock().needs_reinit = true;
+                }
+                Err(mapped)
+            }
+            ErrorKind::Fenced => Err(mapped),
+            _ => {
+                // Timed out or otherwise unknown: it may have committed. The next transaction
+                // starts on a fresh producer whose init_transactions settles this one.
+                self.shared.state.lock().needs_reinit = true;
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{}; the outcome is unknown and the producer is re-initialised before \
+                         the next transaction",
+                        mapped.message()
+                    ),
+                )
+                .with_outcome_unknown()
+                .with_source(mapped))
+            }
+        }
+    }
+
+    async fn abort(mut self: Box<Self>) -> Result<()> {
+        let native = self.native.clone();
+        let timeout = self.shared.kafka.timeout;
+        let res = tokio::task::spawn_blocking(move || native.abort_transaction(timeout))
+            .await
+            .map_err(|e| errors::join(e, "abort_transaction"));
+        self.finish();
+        match res? {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.note(&e, "abort_transaction");
+                if !is_producer_fenced(&e) {
+                    self.shared.state.lock().needs_reinit = true;
+                }
+                Err(errors::map(
+                    e,
+                    format_args!("abort of the transaction of '{}'", self.id),
+                ))
+            }
+        }
+    }
+}
+
+impl Drop for KafkaTransaction {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut st = self.shared.state.lock();
+        st.open = false;
+        st.needs_reinit = true;
+        drop(st);
+        let native = self.native.clone();
+        let timeout = self.shared.kafka.timeout;
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn_blocking(move || {
+                let _ = native.abort_transaction(timeout);
+            });
+        }
+    }
+}
