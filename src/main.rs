@@ -1,1 +1,88 @@
-fn main() {}
+//! The `onceflow` command line: `demo`, `produce`, `consume`, `tail`, `lag`, `replay` on any
+//! platform URL.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cli;
+mod demo;
+
+/// onceflow: idempotent consumers and transactional producers on Kafka, Kinesis, Pulsar and
+/// NATS JetStream.
+#[derive(Parser, Debug)]
+#[command(name = "onceflow", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Produce keyed order events, run an exactly-once consume-transform-produce with injected
+    /// redeliveries and simulated crashes, and check every input reached the output once.
+    Demo(demo::DemoArgs),
+    /// Send messages (one per argument or stdin line).
+    Produce(cli::ProduceArgs),
+    /// Read messages as a member of a consumer group, committing what was printed.
+    Consume(cli::ConsumeArgs),
+    /// Follow a topic from its end without joining a group's commits.
+    Tail(cli::TailArgs),
+    /// Show a consumer group's lag per partition.
+    Lag(cli::LagArgs),
+    /// Re-read a topic from a position or a time, printing it or copying it to another topic.
+    Replay(cli::ReplayArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("onceflow: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Demo(a) => demo::run(a).await,
+            Command::Produce(a) => cli::produce(a).await,
+            Command::Consume(a) => cli::consume(a).await,
+            Command::Tail(a) => cli::tail(a).await,
+            Command::Lag(a) => cli::lag(a).await,
+            Command::Replay(a) => cli::replay(a).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("onceflow: {e}");
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                eprintln!("  caused by: {s}");
+                src = s.source();
+            }
+            // Bad input (config) exits 2, like a usage error; everything else 1.
+            if e.kind() == onceflow::ErrorKind::Config
+                || e.kind() == onceflow::ErrorKind::Unsupported
+            {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
+        }
+    }
+}

@@ -319,16 +319,30 @@ impl Core {
         let keys: Vec<Option<String>> = msgs.iter().map(|m| self.store_key(m)).collect();
         let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
         if let Some(store) = &self.store {
+            // A key repeated within the chunk (a redelivery arriving with its original) is
+            // claimed once; later copies are duplicates of the first.
+            let mut seen = std::collections::HashSet::with_capacity(msgs.len());
+            let mut first = vec![false; msgs.len()];
             let reqs: Vec<ClaimRequest> = msgs
                 .iter()
                 .zip(&keys)
-                .filter_map(|(m, k)| k.clone().map(|k| self.claim_request(k, m)))
+                .enumerate()
+                .filter_map(|(i, (m, k))| {
+                    let k = k.as_ref()?;
+                    if !seen.insert(k.as_str()) {
+                        return None;
+                    }
+                    first[i] = true;
+                    Some(self.claim_request(k.clone(), m))
+                })
                 .collect();
             if !reqs.is_empty() {
                 let mut claimed = store.claim(&reqs).await?.into_iter();
-                for (slot, k) in outcomes.iter_mut().zip(&keys) {
-                    if k.is_some() {
+                for (i, (slot, k)) in outcomes.iter_mut().zip(&keys).enumerate() {
+                    if first[i] {
                         *slot = claimed.next();
+                    } else if k.is_some() {
+                        *slot = Some(ClaimOutcome::Duplicate { result: None });
                     }
                 }
             }

@@ -293,6 +293,8 @@ struct TxState {
     /// First input position per partition in the open transaction (rewind target).
     first: HashMap<TopicPartition, Position>,
     claims: Vec<Completion>,
+    /// Keys of inputs in the open transaction.
+    inflight: std::collections::HashSet<String>,
 }
 
 struct TxLoop<'a> {
@@ -366,17 +368,33 @@ impl TxLoop<'_> {
             let keys: Vec<Option<String>> = msgs.iter().map(|m| core.store_key(m)).collect();
             let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
             if let Some(store) = &core.store {
+                // Keys already in the open transaction (a redelivery of an input in flight) or
+                // repeated in this batch are duplicates: if the transaction commits, so does the
+                // input; if it aborts, the rewind reads it again.
+                let mut first = vec![false; msgs.len()];
                 let reqs: Vec<_> = msgs
                     .iter()
                     .zip(&keys)
-                    .filter_map(|(m, k)| k.clone().map(|k| core.claim_request(k, m)))
-                    .collect();
-                if !reqs.is_empty() {
-                    let mut it = store.claim(&reqs).await?.into_iter();
-                    for (slot, k) in outcomes.iter_mut().zip(&keys) {
-                        if k.is_some() {
-                            *slot = it.next();
+                    .enumerate()
+                    .filter_map(|(i, (m, k))| {
+                        let k = k.as_ref()?;
+                        if !st.inflight.insert(k.clone()) {
+                            return None;
                         }
+                        first[i] = true;
+                        Some(core.claim_request(k.clone(), m))
+                    })
+                    .collect();
+                let mut it = if reqs.is_empty() {
+                    Vec::new().into_iter()
+                } else {
+                    store.claim(&reqs).await?.into_iter()
+                };
+                for (i, (slot, k)) in outcomes.iter_mut().zip(&keys).enumerate() {
+                    if first[i] {
+                        *slot = it.next();
+                    } else if k.is_some() {
+                        *slot = Some(ClaimOutcome::Duplicate { result: None });
                     }
                 }
             }
@@ -566,6 +584,7 @@ impl TxLoop<'_> {
                     }
                 }
                 st.claims.clear();
+                st.inflight.clear();
                 st.positions.clear();
                 st.first.clear();
                 st.inputs = 0;
@@ -642,6 +661,7 @@ impl TxLoop<'_> {
         }
         st.positions.clear();
         st.first.clear();
+        st.inflight.clear();
         st.inputs = 0;
         st.started = None;
         Ok(())

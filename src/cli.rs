@@ -1,0 +1,456 @@
+//! The everyday verbs: produce, consume, tail, lag, replay.
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use onceflow::{
+    Consumer, ConsumerConfig, Error, Message, ProducerConfig, Record, Result, StartFrom,
+};
+
+/// Where to connect.
+#[derive(Args, Debug, Clone)]
+pub struct Target {
+    /// Platform URL: memory://NAME, kafka://HOST:PORT, nats://HOST:PORT, pulsar://…, kinesis://…
+    #[arg(long, env = "ONCEFLOW_URL", default_value = "memory://")]
+    pub url: String,
+}
+
+/// `onceflow produce`
+#[derive(Args, Debug)]
+pub struct ProduceArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Topic (stream, subject) to write to.
+    #[arg(long, short)]
+    topic: String,
+    /// Message key (selects the partition).
+    #[arg(long, short)]
+    key: Option<String>,
+    /// Header NAME=VALUE; repeat for more (repeated names are kept in order).
+    #[arg(long = "header", short = 'H')]
+    headers: Vec<String>,
+    /// Idempotency key (written to the `idempotency-key` header and used as the platform's
+    /// message id where it has one). With several messages, `-N` is appended per message.
+    #[arg(long)]
+    idempotency_key: Option<String>,
+    /// Messages to send; without any, one message per line of standard input.
+    messages: Vec<String>,
+}
+
+/// `onceflow consume`
+#[derive(Args, Debug)]
+pub struct ConsumeArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Topics to read; repeat for more.
+    #[arg(long, short, required = true)]
+    topic: Vec<String>,
+    /// Consumer group.
+    #[arg(long, short)]
+    group: String,
+    /// Where to start without a committed position: earliest, latest, committed, ts:MS_SINCE_EPOCH
+    /// or a position (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B).
+    #[arg(long, default_value = "earliest")]
+    from: String,
+    /// Stop after this many messages.
+    #[arg(long)]
+    max: Option<u64>,
+    /// Stop after this long without a message (ms).
+    #[arg(long, default_value_t = 5000)]
+    idle_ms: u64,
+    /// Print as JSON lines instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `onceflow tail`
+#[derive(Args, Debug)]
+pub struct TailArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Topic to follow.
+    #[arg(long, short)]
+    topic: String,
+    /// Stop after this many messages.
+    #[arg(long)]
+    max: Option<u64>,
+    /// Stop after this long without a message (ms); 0 = never.
+    #[arg(long, default_value_t = 0)]
+    idle_ms: u64,
+    /// Print as JSON lines.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `onceflow lag`
+#[derive(Args, Debug)]
+pub struct LagArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Topic.
+    #[arg(long, short)]
+    topic: String,
+    /// Consumer group.
+    #[arg(long, short)]
+    group: String,
+}
+
+/// `onceflow replay`
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Topic to re-read.
+    #[arg(long, short)]
+    topic: String,
+    /// Start: ts:MS_SINCE_EPOCH, earliest, or a position (offset:N, seq:N, …) applied to every
+    /// partition.
+    #[arg(long)]
+    from: String,
+    /// Copy the messages to this topic instead of printing them.
+    #[arg(long)]
+    to_topic: Option<String>,
+    /// Stop after this many messages.
+    #[arg(long)]
+    max: Option<u64>,
+    /// Stop after this long without a message (ms).
+    #[arg(long, default_value_t = 3000)]
+    idle_ms: u64,
+    /// Print as JSON lines.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Parses `--from`.
+pub fn parse_start(s: &str) -> Result<StartFrom> {
+    match s {
+        "earliest" => Ok(StartFrom::Earliest),
+        "latest" => Ok(StartFrom::Latest),
+        "committed" => Ok(StartFrom::committed_or_earliest()),
+        _ => {
+            if let Some(ms) = s.strip_prefix("ts:") {
+                return ms.parse::<i64>().map(StartFrom::Timestamp).map_err(|_| {
+                    Error::config(format!(
+                        "--from '{s}': expected ts:MILLISECONDS_SINCE_EPOCH"
+                    ))
+                });
+            }
+            s.parse().map(StartFrom::Position).map_err(|_| {
+                Error::config(format!(
+                    "--from '{s}': expected earliest, latest, committed, ts:MS or a position \
+                     (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B)"
+                ))
+            })
+        }
+    }
+}
+
+fn parse_header(h: &str) -> Result<(String, String)> {
+    match h.split_once('=') {
+        Some((n, v)) if !n.is_empty() => Ok((n.to_string(), v.to_string())),
+        _ => Err(Error::config(format!(
+            "--header '{h}': expected NAME=VALUE with a non-empty name"
+        ))),
+    }
+}
+
+/// `onceflow produce`
+pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
+    let headers = a
+        .headers
+        .iter()
+        .map(|h| parse_header(h))
+        .collect::<Result<Vec<_>>>()?;
+    let client = onceflow::connect(&a.target.url).await?;
+    let producer = client.producer(ProducerConfig::new()).await?;
+    let payloads: Vec<String> = if a.messages.is_empty() {
+        std::io::stdin()
+            .lock()
+            .lines()
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| Error::config("cannot read standard input").with_source(e))?
+    } else {
+        a.messages.clone()
+    };
+    let many = payloads.len() > 1;
+    let mut out = std::io::stdout().lock();
+    let mut failed = 0;
+    for (i, p) in payloads.into_iter().enumerate() {
+        let mut r = Record::new(a.topic.clone(), p.into_bytes());
+        if let Some(k) = &a.key {
+            r = r.key(k.clone().into_bytes());
+        }
+        for (n, v) in &headers {
+            r = r.header(n.clone(), v.clone().into_bytes());
+        }
+        if let Some(id) = &a.idempotency_key {
+            r = r.idempotency_key(if many {
+                format!("{id}-{i}")
+            } else {
+                id.clone()
+            });
+        }
+        match producer.send(r).await {
+            Ok(d) => {
+                let _ = writeln!(
+                    out,
+                    "{}[{}] {}{}",
+                    d.topic,
+                    d.partition,
+                    d.position,
+                    if d.duplicate { " (duplicate)" } else { "" }
+                );
+            }
+            Err(e) => {
+                failed += 1;
+                eprintln!("onceflow: message {i} not sent: {e}");
+            }
+        }
+    }
+    producer.flush(Duration::from_secs(30)).await?;
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn print_message(out: &mut impl Write, m: &Message, json: bool) {
+    if json {
+        let headers: Vec<serde_json::Value> = m
+            .headers
+            .iter()
+            .map(|h| {
+                serde_json::json!([
+                    h.name,
+                    h.value
+                        .as_ref()
+                        .map(|v| String::from_utf8_lossy(v).into_owned())
+                ])
+            })
+            .collect();
+        let v = serde_json::json!({
+            "topic": m.topic,
+            "partition": m.partition,
+            "position": m.position.to_string(),
+            "key": m.key.as_ref().map(|k| String::from_utf8_lossy(k).into_owned()),
+            "payload": String::from_utf8_lossy(&m.payload),
+            "headers": headers,
+            "timestamp": m.timestamp,
+        });
+        let _ = writeln!(out, "{v}");
+    } else {
+        let key = m
+            .key
+            .as_ref()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{}[{}] {} key={} {}",
+            m.topic,
+            m.partition,
+            m.position,
+            key,
+            String::from_utf8_lossy(&m.payload)
+        );
+    }
+}
+
+/// Reads until `max` messages or `idle` without one; calls `each` per batch.
+async fn read_loop(
+    consumer: &Consumer,
+    max: Option<u64>,
+    idle: Option<Duration>,
+    mut each: impl FnMut(&[Message]) -> Result<()>,
+) -> Result<u64> {
+    let mut n = 0u64;
+    let mut last = Instant::now();
+    loop {
+        let want = max.map(|m| (m - n).min(500) as usize).unwrap_or(500);
+        if want == 0 {
+            break;
+        }
+        let batch = consumer.poll(want, Duration::from_millis(200)).await?;
+        if batch.is_empty() {
+            if idle.is_some_and(|i| last.elapsed() >= i) {
+                break;
+            }
+            continue;
+        }
+        last = Instant::now();
+        n += batch.len() as u64;
+        each(&batch)?;
+        if let Some(last_msg) = batch.last() {
+            let _ = last_msg;
+        }
+    }
+    Ok(n)
+}
+
+fn last_positions(batch: &[Message]) -> Vec<(onceflow::TopicPartition, onceflow::Position)> {
+    let mut v: Vec<(onceflow::TopicPartition, onceflow::Position)> = Vec::new();
+    for m in batch {
+        let tp = m.topic_partition();
+        match v.iter_mut().find(|(t, _)| *t == tp) {
+            Some((_, p)) => *p = m.position.clone(),
+            None => v.push((tp, m.position.clone())),
+        }
+    }
+    v
+}
+
+/// `onceflow consume`
+pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
+    let start = match parse_start(&a.from)? {
+        StartFrom::Committed { fallback } => StartFrom::Committed { fallback },
+        other => StartFrom::Committed {
+            fallback: Box::new(other),
+        },
+    };
+    let client = onceflow::connect(&a.target.url).await?;
+    let consumer = client
+        .consumer(ConsumerConfig::new(a.group.clone(), a.topic.clone()).start(start))
+        .await?;
+    let mut out = std::io::stdout().lock();
+    let mut to_commit = Vec::new();
+    let n = read_loop(
+        &consumer,
+        a.max,
+        Some(Duration::from_millis(a.idle_ms)),
+        |batch| {
+            for m in batch {
+                print_message(&mut out, m, a.json);
+            }
+            to_commit = last_positions(batch);
+            Ok(())
+        },
+    )
+    .await;
+    // Commit what was printed, then leave the group.
+    if !to_commit.is_empty() {
+        consumer.commit(&to_commit).await?;
+    }
+    let n = n?;
+    consumer.close().await?;
+    eprintln!(
+        "onceflow: {n} message(s) read and committed for group '{}'",
+        a.group
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn scratch_group(what: &str) -> String {
+    format!("onceflow-{what}-{:08x}", rand::random::<u32>())
+}
+
+/// `onceflow tail`
+pub async fn tail(a: TailArgs) -> Result<ExitCode> {
+    let client = onceflow::connect(&a.target.url).await?;
+    let consumer = client
+        .consumer(
+            ConsumerConfig::new(scratch_group("tail"), [a.topic.clone()]).start(StartFrom::Latest),
+        )
+        .await?;
+    let mut out = std::io::stdout().lock();
+    let idle = (a.idle_ms > 0).then(|| Duration::from_millis(a.idle_ms));
+    read_loop(&consumer, a.max, idle, |batch| {
+        for m in batch {
+            print_message(&mut out, m, a.json);
+        }
+        let _ = out.flush();
+        Ok(())
+    })
+    .await?;
+    consumer.close().await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceflow lag`
+pub async fn lag(a: LagArgs) -> Result<ExitCode> {
+    let client = onceflow::connect(&a.target.url).await?;
+    let admin = client.admin().await?;
+    let lag = admin.group_lag(&a.group, &a.topic).await?;
+    println!(
+        "{:<30} {:>9} {:>24} {:>24} {:>10}",
+        "PARTITION", "", "COMMITTED", "END", "LAG"
+    );
+    let mut total = 0u64;
+    for l in &lag {
+        total += l.messages;
+        println!(
+            "{:<40} {:>24} {:>24} {:>10}",
+            l.partition.to_string(),
+            l.committed
+                .as_ref()
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "-".into()),
+            l.high_watermark
+                .as_ref()
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "-".into()),
+            l.messages
+        );
+    }
+    println!(
+        "total lag for group '{}' on '{}': {total} message(s)",
+        a.group, a.topic
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `onceflow replay`
+pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
+    let start = parse_start(&a.from)?;
+    if matches!(start, StartFrom::Committed { .. }) {
+        return Err(Error::config(format!(
+            "--from '{}': replay needs a position, a time (ts:MS) or earliest",
+            a.from
+        )));
+    }
+    let client = onceflow::connect(&a.target.url).await?;
+    let consumer = client
+        .consumer(ConsumerConfig::new(scratch_group("replay"), [a.topic.clone()]).start(start))
+        .await?;
+    let producer = match &a.to_topic {
+        Some(_) => Some(client.producer(ProducerConfig::new()).await?),
+        None => None,
+    };
+    let mut out = std::io::stdout().lock();
+    let mut copies: Vec<Record> = Vec::new();
+    let n = read_loop(
+        &consumer,
+        a.max,
+        Some(Duration::from_millis(a.idle_ms)),
+        |batch| {
+            for m in batch {
+                match &a.to_topic {
+                    Some(t) => copies.push(Record {
+                        topic: t.clone(),
+                        key: m.key.clone(),
+                        payload: m.payload.clone(),
+                        headers: m.headers.clone(),
+                        ..Default::default()
+                    }),
+                    None => print_message(&mut out, m, a.json),
+                }
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    if let Some(p) = producer {
+        for r in p.send_batch(std::mem::take(&mut copies)).await {
+            r?;
+        }
+        p.flush(Duration::from_secs(30)).await?;
+        eprintln!(
+            "onceflow: replayed {n} message(s) into '{}'",
+            a.to_topic.unwrap_or_default()
+        );
+    }
+    consumer.close().await?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,392 @@
+//! `onceflow demo`: the main job. Produces keyed order events (with duplicate sends mixed in,
+//! as a retrying upstream producer would), runs an exactly-once consume-transform-produce
+//! pipeline with injected redeliveries and simulated crashes and restarts, then reads the
+//! output back and checks that every order is there exactly once.
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use onceflow::{
+    BoxError, ConsumerConfig, EngineConfig, Error, Guarantee, Message, MetricsSnapshot, Pipeline,
+    PipelineConfig, ProducerConfig, Record, Result, StartFrom, TopicSpec, Transform,
+};
+
+/// `onceflow demo` options.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Platform URL to run on.
+    #[arg(long, env = "ONCEFLOW_URL", default_value = "memory://demo")]
+    url: String,
+    /// Number of distinct order events to produce (≥ 1).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    messages: u64,
+    /// Dedup store URL: memory://, a file path / embedded:///path (default: an embedded store in
+    /// a temporary directory).
+    #[arg(long)]
+    dedup: Option<String>,
+    /// Simulate a crash after every K processed messages (0 = never; default: a third of the
+    /// messages).
+    #[arg(long)]
+    crash_every: Option<u64>,
+    /// Partitions of the demo topics (≥ 1).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    partitions: u32,
+}
+
+fn order_payload(id: u64) -> Vec<u8> {
+    let customer = id % 977;
+    let amount = 100 + (id * 7919) % 50_000;
+    format!(r#"{{"order_id":{id},"customer":"c{customer}","amount_cents":{amount}}}"#).into_bytes()
+}
+
+/// Turns an order into its billed total (amount plus 8% tax), keyed by customer.
+struct BillOrder {
+    out_topic: String,
+    processed: Arc<AtomicU64>,
+    crash_at: Option<u64>,
+    crash: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl Transform for BillOrder {
+    async fn transform(&self, m: &Message) -> std::result::Result<Vec<Record>, BoxError> {
+        let v: serde_json::Value = serde_json::from_slice(&m.payload)?;
+        let id = v["order_id"].as_u64().ok_or("order without order_id")?;
+        let amount = v["amount_cents"]
+            .as_u64()
+            .ok_or("order without amount_cents")?;
+        let customer = v["customer"].as_str().unwrap_or_default().to_string();
+        let n = self.processed.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.crash_at == Some(n) {
+            self.crash.notify_one();
+        }
+        let total = amount + amount * 8 / 100;
+        let payload =
+            format!(r#"{{"order_id":{id},"customer":"{customer}","total_cents":{total}}}"#);
+        Ok(vec![Record::new(
+            self.out_topic.clone(),
+            payload.into_bytes(),
+        )
+        .key(customer.into_bytes())])
+    }
+}
+
+fn add(a: &mut MetricsSnapshot, b: MetricsSnapshot) {
+    a.consumed += b.consumed;
+    a.processed += b.processed;
+    a.duplicates_skipped += b.duplicates_skipped;
+    a.transactions_committed += b.transactions_committed;
+    a.transactions_aborted += b.transactions_aborted;
+    a.rebalances += b.rebalances;
+    a.produced += b.produced;
+}
+
+/// Runs the demo; exit 0 when every order reached the output exactly once.
+pub async fn run(a: DemoArgs) -> Result<ExitCode> {
+    let started = Instant::now();
+    let n = a.messages;
+    let run_id = format!("{:08x}", rand::random::<u32>());
+    let input = format!("orders-{run_id}");
+    let output = format!("order-totals-{run_id}");
+    let group = format!("billing-{run_id}");
+    let tx_id = format!("billing-pipeline-{run_id}");
+    let worker = format!("billing-worker-{run_id}");
+
+    let client = onceflow::connect(&a.url).await?;
+    let admin = client.admin().await?;
+    admin
+        .create_topic(&TopicSpec::new(&input, a.partitions))
+        .await?;
+    admin
+        .create_topic(&TopicSpec::new(&output, a.partitions))
+        .await?;
+
+    let tmp = tempfile::tempdir()
+        .map_err(|e| Error::config("cannot create a temporary directory").with_source(e))?;
+    let store_url = match &a.dedup {
+        Some(u) => u.clone(),
+        None => tmp.path().join("dedup.db").display().to_string(),
+    };
+    let store = onceflow::dedup_store(&store_url, Duration::from_secs(3600)).await?;
+
+    eprintln!(
+        "onceflow demo on {} ({} partitions), dedup store {} ({})",
+        a.url,
+        a.partitions,
+        store.name(),
+        store_url
+    );
+
+    // 1. Produce the orders, with ~1% sent twice (same idempotency key) like a retrying producer.
+    let producer = client.producer(ProducerConfig::new()).await?;
+    let dup_every = 100u64;
+    let total_records = n + n / dup_every;
+    let bar = progress(total_records, "produce");
+    let mut batch = Vec::with_capacity(1000);
+    let mut sent = 0u64;
+    for id in 1..=n {
+        let rec = |id: u64| {
+            Record::new(input.clone(), order_payload(id))
+                .key(format!("c{}", id % 977).into_bytes())
+                .idempotency_key(format!("order-{id}"))
+        };
+        batch.push(rec(id));
+        if id % dup_every == 0 {
+            batch.push(rec(id - dup_every / 2));
+        }
+        if batch.len() >= 1000 || id == n {
+            let k = batch.len() as u64;
+            for r in producer.send_batch(std::mem::take(&mut batch)).await {
+                r?;
+            }
+            sent += k;
+            bar.set_position(sent);
+        }
+    }
+    producer.flush(Duration::from_secs(60)).await?;
+    bar.finish_and_clear();
+
+    // 2. Fault injection where the platform allows it (memory://): redeliver ~1 in 50 polls.
+    #[cfg(feature = "memory")]
+    let faults = if a.url.starts_with("memory://") {
+        let f = onceflow::memory::connect(&a.url)?.faults();
+        f.redeliver_every(50);
+        Some(f)
+    } else {
+        None
+    };
+
+    // 3. Run the pipeline; crash it every K processed messages and restart it.
+    let crash_every = a.crash_every.unwrap_or((n / 3).max(1));
+    let session = if a.url.starts_with("memory://") {
+        1_000
+    } else {
+        6_000
+    };
+    let mut totals = MetricsSnapshot::default();
+    let mut crashes = 0u64;
+    let mut report: Option<(Guarantee, &'static str)>;
+    let bar = progress(n, "pipeline");
+    let done_total = Arc::new(AtomicU64::new(0));
+    loop {
+        let consumer = client
+            .consumer(
+                ConsumerConfig::new(group.clone(), [input.clone()])
+                    .start(StartFrom::committed_or_earliest())
+                    .client_id(worker.clone())
+                    .session_timeout(Duration::from_millis(session)),
+            )
+            .await?;
+        let producer = client
+            .producer(ProducerConfig::new().transactional_id(tx_id.clone()))
+            .await?;
+        let processed = Arc::new(AtomicU64::new(0));
+        let crash = Arc::new(tokio::sync::Notify::new());
+        let transform = BillOrder {
+            out_topic: output.clone(),
+            processed: processed.clone(),
+            crash_at: (crash_every > 0).then_some(crash_every),
+            crash: crash.clone(),
+        };
+        let mut engine = EngineConfig {
+            worker_id: worker.clone(),
+            lease: Duration::from_secs(10),
+            ..EngineConfig::default()
+        };
+        engine.commit_interval = Duration::from_millis(200);
+        let config = PipelineConfig {
+            engine,
+            ..PipelineConfig::default()
+        };
+        let pipeline = Pipeline::with_config(
+            consumer.clone(),
+            producer,
+            Some(store.clone()),
+            Arc::new(transform),
+            config,
+        )?;
+        report = Some((pipeline.guarantee(), pipeline.mechanism()));
+        let metrics = pipeline.metrics();
+        let finished = Arc::new(tokio::sync::Notify::new());
+        // Watch progress: done when the group has committed everything on every partition.
+        let watcher = {
+            let consumer = consumer.clone();
+            let finished = finished.clone();
+            let bar = bar.clone();
+            let metrics = metrics.clone();
+            let base = done_total.load(Ordering::Relaxed);
+            let partitions = a.partitions as usize;
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let s = metrics.snapshot();
+                    bar.set_position((base + s.processed).min(n));
+                    if consumer.assignment().len() < partitions {
+                        continue;
+                    }
+                    if let Ok(lag) = consumer.lag().await {
+                        if lag.len() >= partitions && lag.iter().all(|l| l.messages == 0) {
+                            finished.notify_one();
+                            return;
+                        }
+                    }
+                }
+            })
+        };
+        let run = pipeline.run_until(finished.notified());
+        let crashed = tokio::select! {
+            r = run => { r?; false }
+            _ = crash.notified() => true,
+        };
+        watcher.abort();
+        let s = metrics.snapshot();
+        done_total.fetch_add(s.processed, Ordering::Relaxed);
+        add(&mut totals, s);
+        if !crashed {
+            break;
+        }
+        // The run future was dropped mid-flight: no commit, no close, no abort, like a killed
+        // process. On memory://, its open transaction stays open until the restarted producer
+        // (same transactional id) fences it.
+        crashes += 1;
+        #[cfg(feature = "memory")]
+        if a.url.starts_with("memory://") {
+            onceflow::memory::connect(&a.url)?
+                .faults()
+                .crash_producer(&tx_id);
+        }
+        bar.println(format!(
+            "simulated crash #{crashes} after {} processed messages in this run; restarting",
+            processed.load(Ordering::Relaxed)
+        ));
+    }
+    bar.finish_and_clear();
+    let (guarantee, mechanism) = report.unwrap_or((Guarantee::AtLeastOnce, ""));
+    #[cfg(feature = "memory")]
+    let redelivered_by_faults = faults.as_ref().map(|f| {
+        f.stop_redelivery();
+        f.redelivered()
+    });
+    #[cfg(not(feature = "memory"))]
+    let redelivered_by_faults: Option<u64> = None;
+
+    // 4. Read the output back (read-committed) and check every order is there exactly once.
+    let verify = client
+        .consumer(
+            ConsumerConfig::new(format!("verify-{run_id}"), [output.clone()])
+                .start(StartFrom::Earliest),
+        )
+        .await?;
+    let mut seen: HashMap<u64, u32> = HashMap::with_capacity(n as usize);
+    let mut physical = 0u64;
+    let mut idle = Instant::now();
+    while idle.elapsed() < Duration::from_secs(3) {
+        let batch = verify.poll(1000, Duration::from_millis(200)).await?;
+        if batch.is_empty() {
+            if seen.len() as u64 >= n {
+                // Everything is there; wait a moment for stragglers that would be duplicates.
+                if idle.elapsed() > Duration::from_millis(500) {
+                    break;
+                }
+            }
+            continue;
+        }
+        idle = Instant::now();
+        for m in batch {
+            physical += 1;
+            let v: serde_json::Value = serde_json::from_slice(&m.payload).map_err(|e| {
+                Error::new(onceflow::ErrorKind::Serialization, "unreadable output").with_source(e)
+            })?;
+            if let Some(id) = v["order_id"].as_u64() {
+                *seen.entry(id).or_default() += 1;
+            }
+        }
+    }
+    verify.close().await?;
+    let distinct = seen.len() as u64;
+    let missing = (1..=n).filter(|id| !seen.contains_key(id)).count() as u64;
+    let duplicated = seen.values().filter(|c| **c > 1).count() as u64;
+    let redelivered = totals.consumed.saturating_sub(total_records);
+
+    let elapsed = started.elapsed();
+    println!();
+    println!("  onceflow demo — {}", a.url);
+    println!("  ───────────────────────────────────────────────────────────────");
+    let row = |k: &str, v: String| println!("  {k:<38} {v}");
+    row("platform", client.platform().to_string());
+    row("guarantee", guarantee.to_string());
+    row("mechanism", mechanism.to_string());
+    row("dedup store", format!("{} ({store_url})", store.name()));
+    row("orders (distinct inputs)", n.to_string());
+    row(
+        "input records incl. duplicate sends",
+        total_records.to_string(),
+    );
+    row("deliveries to the pipeline", totals.consumed.to_string());
+    row(
+        "redelivered (beyond the first read)",
+        redelivered.to_string(),
+    );
+    if let Some(r) = redelivered_by_faults {
+        row("  of which injected by faults", r.to_string());
+    }
+    row(
+        "duplicates skipped (dedup store)",
+        totals.duplicates_skipped.to_string(),
+    );
+    row(
+        "simulated crashes / restarts",
+        format!("{crashes} / {crashes}"),
+    );
+    row(
+        "transactions committed / aborted",
+        format!(
+            "{} / {}",
+            totals.transactions_committed, totals.transactions_aborted
+        ),
+    );
+    row("output records read (read-committed)", physical.to_string());
+    row("distinct orders in output", distinct.to_string());
+    row(
+        "missing / duplicated orders",
+        format!("{missing} / {duplicated}"),
+    );
+    row(
+        "elapsed",
+        format!(
+            "{:.2} s ({:.0} orders/s)",
+            elapsed.as_secs_f64(),
+            n as f64 / elapsed.as_secs_f64()
+        ),
+    );
+    println!();
+    let exact =
+        missing == 0 && distinct == n && (physical == n || guarantee < Guarantee::EffectivelyOnce);
+    let verdict = if exact { "OK" } else { "FAILED" };
+    println!(
+        "exactly-once: {verdict} input={n} output={} redelivered={redelivered} duplicates_skipped={}",
+        if guarantee < Guarantee::EffectivelyOnce { distinct } else { physical },
+        totals.duplicates_skipped
+    );
+    Ok(if exact {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn progress(len: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>9} [{bar:40}] {pos}/{len} ({per_sec}, eta {eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(what.to_string());
+    bar
+}
