@@ -33,13 +33,15 @@ log() {
     printf '[brokers] %s\n' "$*" >&2
 }
 
-# Seconds since the epoch at which process PID started (empty if unknown).
+# Seconds since the epoch at which process PID started; fails if PID is gone
+# or a zombie (killed but not yet reaped).
 _proc_start_epoch() {
     local pid=$1 stat btime ticks
     stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
     stat=${stat##*) }                      # drop "pid (comm) "; field 3 is now $1
     # shellcheck disable=SC2086
     set -- $stat
+    [[ $1 != [ZX] ]] || return 1           # field 3: state
     ticks=${20}                            # field 22: starttime, in clock ticks after boot
     btime=$(awk '/^btime/ {print $2}' /proc/stat)
     echo $((btime + ticks / $(getconf CLK_TCK)))
@@ -106,6 +108,7 @@ stop_service() {
     if pid=$(service_pid "$name"); then
         log "stopping $name (pgid $pid, SIG$sig)"
         kill -"$sig" -- "-$pid" 2>/dev/null || true
+        kill -CONT -- "-$pid" 2>/dev/null || true # a stopped process acts on it too
         for ((i = 0; i < timeout * 10; i++)); do
             kill -0 -- "-$pid" 2>/dev/null || break
             sleep 0.1
@@ -139,7 +142,8 @@ _last_started_alive() {
     [[ -z $LAST_STARTED ]] || is_running "$LAST_STARTED"
 }
 
-# wait_until TIMEOUT_S cmd...: retry cmd (quietly) until it succeeds.
+# wait_until TIMEOUT_S cmd...: retry cmd (quietly) until it succeeds. Each try
+# must end by itself (give probes their own timeouts).
 wait_until() {
     local timeout=$1 deadline
     shift

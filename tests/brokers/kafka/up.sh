@@ -107,7 +107,7 @@ log4j_conf INFO >"$RUN_DIR/kafka-log4j2.properties"
 log4j_conf WARN >"$RUN_DIR/kafka-tools-log4j2.properties"
 
 tool() { # MAIN_CLASS args...: run a Kafka command-line tool
-    "$JAVA" -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC \
+    timeout 90 "$JAVA" -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC \
         -Dlog4j2.configurationFile="$RUN_DIR/kafka-tools-log4j2.properties" \
         -cp "$LIBS/*" "$@"
 }

@@ -23,7 +23,7 @@ find_bindir() {
 }
 
 probe() {
-    PGCONNECT_TIMEOUT=3 "$BIN/psql" "$URL" -XAtqc 'select 1' 2>/dev/null | grep -qx 1
+    PGCONNECT_TIMEOUT=3 timeout 5 "$BIN/psql" "$URL" -XAtqc 'select 1' 2>/dev/null | grep -qx 1
 }
 
 BIN=$(find_bindir || true)
@@ -70,7 +70,7 @@ start_bg postgres "${as_pg[@]}" "$BIN/postgres" -D "$data" \
     -c listen_addresses=127.0.0.1 -c port="$PORT" -c unix_socket_directories="$SOCK_DIR" \
     -c shared_buffers=32MB -c max_connections=100 -c fsync=on -c synchronous_commit=on \
     -c logging_collector=off -c log_destination=stderr
-wait_until 60 "$BIN/pg_isready" -q -h 127.0.0.1 -p "$PORT" ||
+wait_until 60 "$BIN/pg_isready" -q -t 3 -h 127.0.0.1 -p "$PORT" ||
     die "postgres not ready on port $PORT"
 "$BIN/psql" -h "$SOCK_DIR" -p "$PORT" -U "$USER_NAME" -d postgres -XAtq \
     -c "create database $DB" >&2 || die "create database $DB failed"

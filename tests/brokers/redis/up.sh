@@ -9,7 +9,7 @@ PORT=${ONCEFLOW_REDIS_PORT:-16379}
 URL="redis://127.0.0.1:$PORT"
 
 probe() {
-    [[ $(redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]]
+    [[ $(timeout 3 redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null) == PONG ]]
 }
 
 already_up redis probe && exit 0
