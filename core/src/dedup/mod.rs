@@ -158,7 +158,10 @@ pub trait DedupStoreExt: DedupStore {
     }
     /// Renews one lease.
     async fn renew_one(&self, key: &str, token: FencingToken, lease: Duration) -> Result<bool> {
-        Ok(self.renew(&[(key.to_string(), token)], lease).await?.remove(0))
+        Ok(self
+            .renew(&[(key.to_string(), token)], lease)
+            .await?
+            .remove(0))
     }
     /// Completes one key.
     async fn complete_one(
@@ -188,3 +191,114 @@ impl<T: DedupStore + ?Sized> DedupStoreExt for T {}
 
 /// Shared handle to a store.
 pub type SharedDedupStore = Arc<dyn DedupStore>;
+
+/// Opens a dedup store from a URL, remembering completed keys for `window` (must be > 0).
+///
+/// - `memory://` or `memory://?capacity=N`: a new, bounded in-process [`MemoryStore`]
+///   (default capacity [`memory::DEFAULT_CAPACITY`] keys). Each call creates a new store.
+/// - `embedded:///absolute/path.db` (percent-escapes decoded) or a plain file path such as
+///   `./dedup.db`: an on-disk [`EmbeddedStore`] that survives restarts.
+///
+/// Errors: [`crate::ErrorKind::Unsupported`] for `redis://`, `rediss://`, `postgres://` and
+/// `postgresql://` (their stores live in the `onceflow-redis` / `onceflow-postgres` crates,
+/// opened by the `onceflow` facade with its `redis` / `postgres` feature);
+/// [`crate::ErrorKind::Config`] for any other scheme, a bad option or a zero window, naming the
+/// value and listing the supported forms; [`crate::ErrorKind::DedupStore`] for an embedded path
+/// that cannot be opened, naming the path.
+pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
+    use crate::error::Error;
+    const SUPPORTED: &str = "memory://[?capacity=N], embedded:///absolute/path.db, a plain file \
+         path, redis://… or postgres://… (the last two through the onceflow facade)";
+    if window.is_zero() {
+        return Err(Error::config(format!(
+            "dedup window for '{url}' is 0: expected a positive duration (how long completed \
+             keys are remembered)"
+        )));
+    }
+    let trimmed = url.trim();
+    if trimmed.is_empty() {
+        return Err(Error::config(format!(
+            "empty dedup store URL: expected one of {SUPPORTED}"
+        )));
+    }
+    let Some((scheme, rest)) = trimmed.split_once("://") else {
+        return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
+    };
+    match scheme.to_ascii_lowercase().as_str() {
+        "memory" => {
+            let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+            if !path.is_empty() && path != "/" {
+                return Err(Error::config(format!(
+                    "memory dedup store URL '{url}' names '{path}', but a memory store has no \
+                     name (every open creates a new one): expected memory:// or \
+                     memory://?capacity=N"
+                )));
+            }
+            let mut capacity = memory::DEFAULT_CAPACITY;
+            for (k, v) in url::form_urlencoded::parse(query.as_bytes()) {
+                match &*k {
+                    "capacity" => {
+                        capacity = v.parse().ok().filter(|c| *c > 0).ok_or_else(|| {
+                            Error::config(format!(
+                                "capacity '{v}' in '{url}' is not a positive whole number of keys"
+                            ))
+                        })?;
+                    }
+                    other => {
+                        return Err(Error::config(format!(
+                            "unknown option '{other}' in memory dedup store URL '{url}': \
+                             expected capacity=N"
+                        )))
+                    }
+                }
+            }
+            Ok(Arc::new(MemoryStore::new(window, capacity)))
+        }
+        "embedded" => {
+            if !rest.starts_with('/') || rest.contains(['?', '#']) {
+                return Err(Error::config(format!(
+                    "embedded dedup store URL '{url}' must be embedded:///absolute/path.db \
+                     (three slashes, no options), or give a plain file path"
+                )));
+            }
+            let bytes = rest.as_bytes();
+            let mut decoded = Vec::with_capacity(bytes.len());
+            let mut i = 0;
+            while i < bytes.len() {
+                let hex = bytes
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok())
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                match (bytes[i], hex) {
+                    (b'%', Some(b)) => {
+                        decoded.push(b);
+                        i += 3;
+                    }
+                    (b, _) => {
+                        decoded.push(b);
+                        i += 1;
+                    }
+                }
+            }
+            let path = String::from_utf8(decoded).map_err(|_| {
+                Error::config(format!(
+                    "embedded dedup store URL '{url}' decodes to a path that is not UTF-8"
+                ))
+            })?;
+            Ok(Arc::new(EmbeddedStore::open(path, window).await?))
+        }
+        s @ ("redis" | "rediss") => Err(Error::unsupported(format!(
+            "dedup store URL scheme '{s}://' ('{url}') is provided by the onceflow-redis crate: \
+             open it with onceflow::dedup_store and the facade's `redis` feature; \
+             onceflow-core opens memory:// and embedded stores only"
+        ))),
+        s @ ("postgres" | "postgresql") => Err(Error::unsupported(format!(
+            "dedup store URL scheme '{s}://' ('{url}') is provided by the onceflow-postgres \
+             crate: open it with onceflow::dedup_store and the facade's `postgres` feature; \
+             onceflow-core opens memory:// and embedded stores only"
+        ))),
+        _ => Err(Error::config(format!(
+            "unknown dedup store URL scheme '{scheme}://' in '{url}': expected one of {SUPPORTED}"
+        ))),
+    }
+}
