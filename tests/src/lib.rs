@@ -3,4 +3,5 @@
 //! that expands to one `#[tokio::test]` per case.
 
 pub mod backend_suite;
+pub mod dedup_suite;
 pub mod harness;

@@ -1,0 +1,128 @@
+//! `onceflow_core::dedup::open`: store URLs, and clear errors for the ones it cannot open.
+
+use std::time::Duration;
+
+use onceflow_core::dedup::{open, ClaimOutcome, ClaimRequest, DedupStoreExt};
+use onceflow_core::ErrorKind;
+
+const WINDOW: Duration = Duration::from_secs(60);
+
+async fn err(url: &str) -> onceflow_core::Error {
+    match open(url, WINDOW).await {
+        Ok(store) => panic!("'{url}' opened a {} store", store.name()),
+        Err(e) => e,
+    }
+}
+
+#[tokio::test]
+async fn memory_urls() {
+    for url in [
+        "memory://",
+        "memory:///",
+        "MEMORY://",
+        "memory://?capacity=5",
+    ] {
+        let store = open(url, WINDOW).await.unwrap();
+        assert_eq!(store.name(), "memory", "{url}");
+        assert_eq!(store.window(), WINDOW);
+    }
+    for (url, named) in [
+        ("memory://?capacity=0", "'0'"),
+        ("memory://?capacity=-3", "'-3'"),
+        ("memory://?capacity=ten", "'ten'"),
+        ("memory://?size=5", "'size'"),
+        ("memory://shared-name", "'shared-name'"),
+    ] {
+        let e = err(url).await;
+        assert_eq!(e.kind(), ErrorKind::Config, "{url}: {e}");
+        assert!(e.message().contains(named), "{url}: {e}");
+    }
+}
+
+#[tokio::test]
+async fn embedded_urls_and_plain_paths_open_the_same_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a b.db");
+    let url = format!("embedded://{}", dir.path().join("a%20b.db").display());
+    let store = open(&url, WINDOW).await.unwrap();
+    assert_eq!(store.name(), "embedded");
+    let ClaimOutcome::Claimed { token } = store
+        .claim_one(ClaimRequest {
+            key: "k".into(),
+            owner: "w".into(),
+            lease: WINDOW,
+            fingerprint: None,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!("not claimed")
+    };
+    assert!(store.complete_one("k", token, None).await.unwrap());
+    drop(store);
+    assert!(path.exists(), "percent-escapes not decoded");
+    let store = open(path.to_str().unwrap(), WINDOW).await.unwrap();
+    assert!(matches!(
+        store.get_one("k").await.unwrap(),
+        Some(onceflow_core::dedup::KeyState::Completed { .. })
+    ));
+}
+
+#[tokio::test]
+async fn embedded_url_without_absolute_path_is_a_config_error() {
+    for url in ["embedded://relative/x.db", "embedded:///tmp/x.db?sync=full"] {
+        let e = err(url).await;
+        assert_eq!(e.kind(), ErrorKind::Config, "{url}: {e}");
+        assert!(e.message().contains(url), "{url}: {e}");
+    }
+}
+
+#[tokio::test]
+async fn unusable_path_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("no-such-dir").join("d.db");
+    let e = err(path.to_str().unwrap()).await;
+    assert_eq!(e.kind(), ErrorKind::DedupStore);
+    assert!(e.message().contains(path.to_str().unwrap()), "{e}");
+}
+
+#[tokio::test]
+async fn shared_store_schemes_are_unsupported_here_and_name_their_crate() {
+    for (url, krate) in [
+        ("redis://127.0.0.1:6379", "onceflow-redis"),
+        ("rediss://cache.example:6380", "onceflow-redis"),
+        ("postgres://u@localhost/db", "onceflow-postgres"),
+        ("postgresql://u@localhost/db", "onceflow-postgres"),
+    ] {
+        let e = err(url).await;
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{url}: {e}");
+        assert!(e.message().contains(krate), "{url}: {e}");
+    }
+}
+
+#[tokio::test]
+async fn unknown_scheme_lists_the_supported_ones() {
+    let e = err("bogus://x").await;
+    assert_eq!(e.kind(), ErrorKind::Config);
+    for needle in [
+        "'bogus://'",
+        "bogus://x",
+        "memory://",
+        "embedded://",
+        "redis://",
+        "postgres://",
+    ] {
+        assert!(e.message().contains(needle), "missing {needle}: {e}");
+    }
+    assert_eq!(err("").await.kind(), ErrorKind::Config);
+}
+
+#[tokio::test]
+async fn zero_window_is_a_config_error() {
+    let e = match open("memory://", Duration::ZERO).await {
+        Ok(_) => panic!("zero window accepted"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains("window"), "{e}");
+}
