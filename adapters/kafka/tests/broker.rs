@@ -1,0 +1,243 @@
+//! Kafka-specific behaviour on a real broker, beyond the shared conformance suite: topic
+//! settings, transactional producer rules, raw option pass-through and the exactly-once
+//! pipeline of the engine. Runs when `ONCEFLOW_KAFKA_URL` is set
+//! (`tests/brokers/up.sh kafka`); otherwise each test prints that it skipped and why.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use onceflow_core::{
+    BoxError, Client, ConsumerConfig, ErrorKind, Guarantee, Isolation, Message, Pipeline,
+    PlatformBackend, ProducerConfig, Record, StartFrom, TopicSpec, Transform,
+};
+use onceflow_kafka::KafkaPlatform;
+
+const URL_VAR: &str = "ONCEFLOW_KAFKA_URL";
+
+fn platform(test: &str) -> Option<Arc<KafkaPlatform>> {
+    match std::env::var(URL_VAR) {
+        Ok(url) if !url.is_empty() => Some(onceflow_kafka::connect(&url).expect("Kafka URL")),
+        _ => {
+            // Straight to stderr, past the test harness's capture, so the skip is seen.
+            let _ = writeln!(
+                std::io::stderr(),
+                "onceflow-kafka: SKIPPED {test}: {URL_VAR} is not set (start a broker with \
+                 tests/brokers/up.sh kafka)"
+            );
+            None
+        }
+    }
+}
+
+fn name(prefix: &str) -> String {
+    format!("{prefix}-{:016x}", rand::random::<u64>())
+}
+
+async fn topic(p: &KafkaPlatform, partitions: u32) -> String {
+    let t = name("kafka-test");
+    p.admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(t.clone(), partitions))
+        .await
+        .unwrap();
+    t
+}
+
+/// Reads `n` messages (read_committed) from `topic` with a new group, or fewer after 30 s.
+async fn read(p: &KafkaPlatform, topic: &str, n: usize) -> Vec<Message> {
+    let c = p
+        .consumer(ConsumerConfig {
+            group: name("kafka-reader"),
+            topics: vec![topic.to_string()],
+            start: StartFrom::Earliest,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    while out.len() < n && tokio::time::Instant::now() < deadline {
+        out.extend(c.poll(100, Duration::from_millis(250)).await.unwrap());
+    }
+    // Anything more that shows up soon is a duplicate or an aborted record.
+    out.extend(c.poll(100, Duration::from_secs(2)).await.unwrap());
+    c.close().await.unwrap();
+    out
+}
+
+fn payload(m: &Message) -> String {
+    String::from_utf8_lossy(&m.payload).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topic_settings_round_trip() {
+    let Some(p) = platform("topic_settings_round_trip") else {
+        return;
+    };
+    let admin = p.admin().await.unwrap();
+    let t = name("kafka-admin");
+    let spec = TopicSpec {
+        retention_ms: Some(3_600_000),
+        retention_bytes: Some(10 * 1024 * 1024),
+        compacted: true,
+        ..TopicSpec::new(t.clone(), 2)
+    };
+    admin.create_topic(&spec).await.unwrap();
+    let d = admin.describe_topic(&t).await.unwrap();
+    assert_eq!(d.partitions, 2);
+    assert_eq!(d.retention_ms, Some(3_600_000));
+    assert_eq!(d.retention_bytes, Some(10 * 1024 * 1024));
+    assert!(d.compacted);
+    assert_eq!(
+        d.options.get("cleanup.policy").map(String::as_str),
+        Some("compact")
+    );
+    admin.create_topic(&spec).await.unwrap();
+    let e = admin
+        .create_topic(&TopicSpec::new(t.clone(), 2))
+        .await
+        .expect_err("same name, not compacted");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    let e = admin
+        .create_topic(&TopicSpec::new("bad name!", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains("bad name!"), "{e}");
+    admin.delete_topic(&t).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_producer_rules() {
+    let Some(p) = platform("transactional_producer_rules") else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let producer = p
+        .producer(ProducerConfig {
+            transactional_id: Some(name("kafka-tx")),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let e = producer
+        .send(Record::new(t.clone(), "outside"))
+        .await
+        .expect_err("a transactional producer writes only inside transactions");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+
+    // A transaction dropped while open is aborted; the producer goes on.
+    {
+        let mut tx = producer.begin().await.unwrap();
+        tx.send(Record::new(t.clone(), "dropped")).await.unwrap();
+    }
+    let mut tx = producer.begin().await.unwrap();
+    tx.send(Record::new(t.clone(), "kept")).await.unwrap();
+    tx.commit().await.unwrap();
+    let got = read(&p, &t, 1).await;
+    assert_eq!(got.iter().map(payload).collect::<Vec<_>>(), ["kept"]);
+
+    let e = p
+        .producer(ProducerConfig {
+            transactional_id: Some(name("kafka-tx")),
+            idempotent: Some(false),
+            ..Default::default()
+        })
+        .await
+        .err()
+        .expect("transactions need idempotence");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_options_reach_librdkafka() {
+    let Some(p) = platform("raw_options_reach_librdkafka") else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let mut config = ProducerConfig::default();
+    config
+        .options
+        .insert("compression.type".into(), "lz4".into());
+    config.options.insert("linger.ms".into(), "20".into());
+    let producer = p.producer(config).await.unwrap();
+    let records = (0..50)
+        .map(|i| Record::new(t.clone(), format!("m{i}")))
+        .collect();
+    for r in producer.send_batch(records).await {
+        r.unwrap();
+    }
+    assert_eq!(read(&p, &t, 50).await.len(), 50);
+
+    let mut bad = ProducerConfig::default();
+    bad.options
+        .insert("compression.type".into(), "nonsense".into());
+    let e = p.producer(bad).await.err().expect("invalid property");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.message().contains("nonsense"), "{e}");
+}
+
+/// The engine's pipeline on Kafka runs exactly-once (transactions with the input offsets) and
+/// writes every input once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_pipeline() {
+    let Some(p) = platform("exactly_once_pipeline") else {
+        return;
+    };
+    let input = topic(&p, 2).await;
+    let output = topic(&p, 1).await;
+    let client = Client::new(p.clone());
+    let plain = client.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..100 {
+        plain
+            .send(Record::new(input.clone(), format!("in-{i}")).key(format!("k{i}")))
+            .await
+            .unwrap();
+    }
+    let consumer = client
+        .consumer(ConsumerConfig {
+            group: name("kafka-pipeline"),
+            topics: vec![input.clone()],
+            isolation: Isolation::ReadCommitted,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let producer = client
+        .producer(ProducerConfig {
+            transactional_id: Some(name("kafka-pipeline-tx")),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let out_topic = output.clone();
+    let transform = UpperTo(out_topic);
+    let pipeline = Pipeline::new(consumer, producer, None, transform).unwrap();
+    assert_eq!(pipeline.guarantee(), Guarantee::ExactlyOnce);
+    let summary = pipeline
+        .run_until(tokio::time::sleep(Duration::from_secs(15)))
+        .await
+        .unwrap();
+    assert_eq!(summary.guarantee, Guarantee::ExactlyOnce);
+    let got = read(&p, &output, 100).await;
+    let set: BTreeSet<String> = got.iter().map(payload).collect();
+    assert_eq!(got.len(), 100, "every input once: {:?}", got.len());
+    assert_eq!(set.len(), 100);
+    assert!(set.contains("IN-0") && set.contains("IN-99"));
+}
+
+struct UpperTo(String);
+
+#[async_trait]
+impl Transform for UpperTo {
+    async fn transform(&self, m: &Message) -> Result<Vec<Record>, BoxError> {
+        Ok(vec![Record::new(
+            self.0.clone(),
+            m.payload.to_ascii_uppercase(),
+        )])
+    }
+}
