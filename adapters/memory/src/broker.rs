@@ -162,6 +162,11 @@ pub(crate) struct State {
     pub faults: FaultState,
 }
 
+#[inline]
+fn promote(b: &Bytes) {
+    drop(b.clone());
+}
+
 /// Validation done before taking the lock: size, header names, timestamp.
 pub(crate) fn validate_record(record: &Record, max: usize) -> Result<()> {
     if record.topic.is_empty() {
@@ -292,6 +297,17 @@ impl State {
             None => EntryState::Plain,
             Some(id) => EntryState::Open(id),
         };
+        // `Bytes` built from a `Vec` or `String` allocate their shared header on first clone.
+        // Pay that here, once, so every poll only bumps reference counts.
+        promote(&record.payload);
+        if let Some(k) = &record.key {
+            promote(k);
+        }
+        for h in record.headers.iter() {
+            if let Some(v) = &h.value {
+                promote(v);
+            }
+        }
         log.entries.push(Entry {
             key: record.key,
             payload: record.payload,
