@@ -1,0 +1,630 @@
+//! Durable pull consumers, one per group and partition.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::message::AckKind;
+use async_nats::jetstream::{self, stream::Stream};
+use async_trait::async_trait;
+use futures::StreamExt;
+use onceflow_core::{
+    Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, GroupMetadata, Message,
+    PartitionLag, Position, RebalanceListener, Result, StartFrom, TopicPartition,
+};
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, Notify};
+use tokio::task::JoinHandle;
+
+use crate::config::JetStreamOptions;
+use crate::convert::{self, nats_err};
+use crate::naming;
+use crate::{Shared, CAPABILITIES};
+
+/// One assigned partition: its durable, the fetch task feeding it, and the messages delivered
+/// by `poll` that are neither committed nor nacked.
+struct Partition {
+    tp: TopicPartition,
+    stream: Stream,
+    subject: String,
+    durable: String,
+    inner: Mutex<PartitionInner>,
+}
+
+struct PartitionInner {
+    rx: mpsc::Receiver<jetstream::Message>,
+    task: JoinHandle<()>,
+    paused: bool,
+    /// Delivered by `poll`, not yet acked or nacked, by stream sequence.
+    pending: BTreeMap<u64, jetstream::Message>,
+}
+
+/// A member of a consumer group on JetStream (see the crate docs for the mapping).
+pub struct JetStreamConsumer {
+    shared: Arc<Shared>,
+    group: String,
+    member_id: String,
+    options: JetStreamOptions,
+    partitions: Vec<Partition>,
+    listener: Mutex<Option<Arc<dyn RebalanceListener>>>,
+    announced: AtomicBool,
+    closed: AtomicBool,
+    notify: Arc<Notify>,
+    rotate: AtomicUsize,
+}
+
+fn deliver_policy(start: &StartFrom) -> Result<DeliverPolicy> {
+    Ok(match start {
+        StartFrom::Committed { fallback } => deliver_policy(fallback)?,
+        StartFrom::Earliest => DeliverPolicy::All,
+        StartFrom::Latest => DeliverPolicy::New,
+        StartFrom::Position(Position::Sequence(s)) => DeliverPolicy::ByStartSequence {
+            start_sequence: (*s).max(1),
+        },
+        StartFrom::Position(p) => {
+            return Err(Error::config(format!(
+                "position {p} is not a JetStream position: expected seq:N"
+            )))
+        }
+        StartFrom::Timestamp(ms) => DeliverPolicy::ByStartTime {
+            start_time: time::OffsetDateTime::from_unix_timestamp_nanos(
+                i128::from(*ms) * 1_000_000,
+            )
+            .map_err(|_| Error::config(format!("timestamp {ms} ms is out of range")))?,
+        },
+    })
+}
+
+impl JetStreamConsumer {
+    pub(crate) async fn join(shared: Arc<Shared>, config: ConsumerConfig) -> Result<Arc<Self>> {
+        let mut options = shared.options.clone();
+        options.apply(&config.options)?;
+        if !options.backoff.is_empty()
+            && options.max_deliver >= 0
+            && options.max_deliver <= options.backoff.len() as i64
+        {
+            return Err(Error::config(format!(
+                "max_deliver={} with {} backoff steps: JetStream needs max_deliver > backoff steps",
+                options.max_deliver,
+                options.backoff.len()
+            )));
+        }
+        let notify = Arc::new(Notify::new());
+        let mut partitions = Vec::new();
+        for topic in &config.topics {
+            let n = shared.partitions(topic).await?;
+            let stream = shared.get_stream(topic).await?;
+            for p in 0..n as i32 {
+                let subject = naming::subject(topic, n, p);
+                let durable = naming::durable(&config.group, p);
+                let start = resolve_start(&stream, &subject, &config.start).await?;
+                let consumer =
+                    ensure_durable(&stream, &durable, &subject, &options, &start).await?;
+                let (rx, task) = spawn_fetch(consumer, &options, notify.clone());
+                partitions.push(Partition {
+                    tp: TopicPartition::new(topic.clone(), p),
+                    stream: stream.clone(),
+                    subject,
+                    durable,
+                    inner: Mutex::new(PartitionInner {
+                        rx,
+                        task,
+                        paused: false,
+                        pending: BTreeMap::new(),
+                    }),
+                });
+            }
+        }
+        Ok(Arc::new(JetStreamConsumer {
+            shared,
+            group: config.group,
+            member_id: config
+                .client_id
+                .unwrap_or_else(|| format!("member-{:016x}", rand::random::<u64>())),
+            options,
+            partitions,
+            listener: Mutex::new(None),
+            announced: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            notify,
+            rotate: AtomicUsize::new(0),
+        }))
+    }
+
+    fn partition(&self, tp: &TopicPartition) -> Result<&Partition> {
+        self.partitions.iter().find(|p| &p.tp == tp).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Fenced,
+                format!(
+                    "partition {tp} is not assigned to this member of group '{}'",
+                    self.group
+                ),
+            )
+        })
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::new(ErrorKind::Closed, "consumer is closed"));
+        }
+        Ok(())
+    }
+
+    /// Stream sequence of the next message the durable of `partition` resumes at (ack floor +
+    /// 1), `None` when it has acked nothing or does not exist.
+    async fn committed_of(&self, stream: &Stream, durable: &str) -> Result<Option<Position>> {
+        match stream.consumer_info(durable).await {
+            Ok(info) => Ok((info.ack_floor.stream_sequence > 0)
+                .then(|| Position::Sequence(info.ack_floor.stream_sequence + 1))),
+            Err(e) => {
+                let err = nats_err(format!("consumer '{durable}'"), e);
+                if err.kind() == ErrorKind::NotFound {
+                    Ok(None)
+                } else {
+                    Err(err)
+                }
+            }
+        }
+    }
+}
+
+/// The first message of `subject` at or after `seq`: (sequence, timestamp ms).
+async fn next_at(stream: &Stream, subject: &str, seq: u64) -> Option<(u64, i64)> {
+    let m = stream
+        .raw_message_builder()
+        .sequence(seq)
+        .next_by_subject(subject.to_string())
+        .send()
+        .await
+        .ok()?;
+    let ts = convert::read_headers(Some(&m.headers))
+        .2
+        .unwrap_or((m.time.unix_timestamp_nanos() / 1_000_000) as i64);
+    Some((m.sequence, ts))
+}
+
+/// The stream sequence of the first message of `subject` whose timestamp is at or after `t`
+/// (binary search, assuming timestamps grow with the sequence); `None` when none is that late.
+async fn sequence_at_time(stream: &Stream, subject: &str, t: i64) -> Result<Option<u64>> {
+    let info = stream
+        .get_info()
+        .await
+        .map_err(|e| nats_err(format!("stream info of '{subject}'"), e))?;
+    let (mut lo, mut hi) = (
+        info.state.first_sequence.max(1),
+        info.state.last_sequence + 1,
+    );
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match next_at(stream, subject, mid).await {
+            Some((seq, ts)) if seq < hi => {
+                if ts >= t {
+                    hi = mid;
+                } else {
+                    lo = seq + 1;
+                }
+            }
+            _ => hi = mid,
+        }
+    }
+    Ok(match next_at(stream, subject, lo).await {
+        Some((seq, ts)) if ts >= t => Some(seq),
+        _ => None,
+    })
+}
+
+/// Replaces a timestamp start by the stream sequence it resolves to (or `Latest`).
+async fn resolve_start(stream: &Stream, subject: &str, start: &StartFrom) -> Result<StartFrom> {
+    Ok(match start {
+        StartFrom::Timestamp(t) => match sequence_at_time(stream, subject, *t).await? {
+            Some(seq) => StartFrom::Position(Position::Sequence(seq)),
+            None => StartFrom::Latest,
+        },
+        StartFrom::Committed { fallback } => StartFrom::Committed {
+            fallback: Box::new(Box::pin(resolve_start(stream, subject, fallback)).await?),
+        },
+        other => other.clone(),
+    })
+}
+
+/// Gets the durable (resuming it) or creates it. With an explicit start the durable is created
+/// again with that deliver policy: JetStream cannot update a deliver policy
+/// (<https://docs.nats.io/nats-concepts/jetstream/consumers#deliverpolicy>).
+async fn ensure_durable(
+    stream: &Stream,
+    durable: &str,
+    subject: &str,
+    options: &JetStreamOptions,
+    start: &StartFrom,
+) -> Result<PullConsumer> {
+    let config = PullConfig {
+        durable_name: Some(durable.to_string()),
+        filter_subject: subject.to_string(),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: options.ack_wait,
+        max_deliver: options.max_deliver,
+        max_ack_pending: options.max_ack_pending,
+        backoff: options.backoff.clone(),
+        deliver_policy: deliver_policy(start)?,
+        ..Default::default()
+    };
+    if matches!(start, StartFrom::Committed { .. }) {
+        match stream.get_consumer::<PullConfig>(durable).await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                let err = nats_err(format!("consumer '{durable}'"), e);
+                if err.kind() != ErrorKind::NotFound {
+                    return Err(err);
+                }
+            }
+        }
+    } else if let Err(e) = stream.delete_consumer(durable).await {
+        let err = nats_err(format!("deleting consumer '{durable}'"), e);
+        if err.kind() != ErrorKind::NotFound {
+            return Err(err);
+        }
+    }
+    match stream.create_consumer(config).await {
+        Ok(c) => Ok(c),
+        // Another member created it at the same time: use theirs.
+        Err(e) => match stream.get_consumer::<PullConfig>(durable).await {
+            Ok(c) => Ok(c),
+            Err(_) => Err(nats_err(format!("creating consumer '{durable}'"), e)),
+        },
+    }
+}
+
+/// Starts the task that pulls from `consumer` (continuous pull with heartbeats,
+/// <https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#pull-consumers>) into
+/// a bounded channel.
+fn spawn_fetch(
+    consumer: PullConsumer,
+    options: &JetStreamOptions,
+    notify: Arc<Notify>,
+) -> (mpsc::Receiver<jetstream::Message>, JoinHandle<()>) {
+    let batch = options.fetch_batch;
+    let (tx, rx) = mpsc::channel(batch);
+    let task = tokio::spawn(async move {
+        loop {
+            let stream = consumer
+                .stream()
+                .max_messages_per_batch(batch)
+                .heartbeat(Duration::from_secs(5))
+                .expires(Duration::from_secs(30))
+                .messages()
+                .await;
+            match stream {
+                Ok(mut messages) => {
+                    while let Some(m) = messages.next().await {
+                        match m {
+                            Ok(m) => {
+                                if tx.send(m).await.is_err() {
+                                    return;
+                                }
+                                notify.notify_one();
+                            }
+                            Err(e) => {
+                                tracing::debug!(error = %e, "JetStream pull stream error");
+                                if tx.is_closed() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot start pulling; retrying"),
+            }
+            if tx.is_closed() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    (rx, task)
+}
+
+fn ack_err(what: &str, tp: &TopicPartition, seq: u64, e: async_nats::Error) -> Error {
+    let text = e.to_string();
+    let kind = if text.to_lowercase().contains("timed out") {
+        ErrorKind::Timeout
+    } else {
+        ErrorKind::Platform
+    };
+    Error::new(kind, format!("{what} of {tp} seq:{seq}: {text}"))
+        .with_source_box(e)
+        .retriable(true)
+}
+
+#[async_trait]
+impl ConsumerBackend for JetStreamConsumer {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn set_rebalance_listener(&self, listener: Arc<dyn RebalanceListener>) {
+        *self.listener.lock() = Some(listener);
+    }
+
+    async fn poll(&self, max: usize, timeout: Duration) -> Result<Vec<Message>> {
+        self.check_open()?;
+        if !self.announced.swap(true, Ordering::AcqRel) {
+            let listener = self.listener.lock().clone();
+            if let Some(l) = listener {
+                l.on_assigned(&self.assignment());
+            }
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        let k = self.partitions.len();
+        let mut out = Vec::new();
+        loop {
+            if k > 0 {
+                let start = self.rotate.fetch_add(1, Ordering::Relaxed) % k;
+                for j in 0..k {
+                    let part = &self.partitions[(start + j) % k];
+                    let mut inner = part.inner.lock();
+                    if inner.paused {
+                        continue;
+                    }
+                    while out.len() < max {
+                        match inner.rx.try_recv() {
+                            Ok(m) => {
+                                let msg = convert::message(&part.tp.topic, &m)?;
+                                if let Position::Sequence(s) = msg.position {
+                                    inner.pending.insert(s, m);
+                                }
+                                out.push(msg);
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    if out.len() >= max {
+                        break;
+                    }
+                }
+            }
+            let now = tokio::time::Instant::now();
+            if !out.is_empty() || now >= deadline {
+                return Ok(out);
+            }
+            let _ = tokio::time::timeout(deadline - now, self.notify.notified()).await;
+        }
+    }
+
+    /// Double-acks ([`AckSync`](https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#delivery-reliability))
+    /// every message of the partition delivered by `poll` up to the position and not nacked.
+    async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
+        self.check_open()?;
+        let mut first_err = None;
+        for (tp, pos) in positions {
+            let part = self.partition(tp)?;
+            let seq = pos.as_sequence().ok_or_else(|| {
+                Error::config(format!(
+                    "position {pos} of {tp} is not a JetStream position: expected seq:N"
+                ))
+            })?;
+            let msgs: Vec<(u64, jetstream::Message)> = {
+                let mut inner = part.inner.lock();
+                let rest = inner.pending.split_off(&(seq + 1));
+                let taken = std::mem::replace(&mut inner.pending, rest);
+                taken.into_iter().collect()
+            };
+            let results = futures::future::join_all(msgs.iter().map(|(_, m)| m.double_ack())).await;
+            let mut failed = Vec::new();
+            for ((s, m), r) in msgs.into_iter().zip(results) {
+                if let Err(e) = r {
+                    if first_err.is_none() {
+                        first_err = Some(ack_err("commit (double ack)", tp, s, e));
+                    }
+                    failed.push((s, m));
+                }
+            }
+            if !failed.is_empty() {
+                let mut inner = part.inner.lock();
+                for (s, m) in failed {
+                    inner.pending.entry(s).or_insert(m);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    async fn committed(
+        &self,
+        partitions: &[TopicPartition],
+    ) -> Result<Vec<(TopicPartition, Option<Position>)>> {
+        let mut out = Vec::with_capacity(partitions.len());
+        for tp in partitions {
+            let pos = match self.partition(tp) {
+                Ok(p) => self.committed_of(&p.stream, &p.durable).await?,
+                Err(_) => match self.shared.get_stream(&tp.topic).await {
+                    Ok(s) => {
+                        self.committed_of(&s, &naming::durable(&self.group, tp.partition))
+                            .await?
+                    }
+                    Err(e) if e.kind() == ErrorKind::NotFound => None,
+                    Err(e) => return Err(e),
+                },
+            };
+            out.push((tp.clone(), pos));
+        }
+        Ok(out)
+    }
+
+    /// Recreates the partition's durable with the deliver policy of `to` (JetStream cannot
+    /// move a durable); `Committed` resumes at the durable's ack floor + 1.
+    async fn seek(&self, partition: &TopicPartition, to: &StartFrom) -> Result<()> {
+        self.check_open()?;
+        let part = self.partition(partition)?;
+        let target = match to {
+            StartFrom::Committed { fallback } => {
+                match self.committed_of(&part.stream, &part.durable).await? {
+                    Some(p) => StartFrom::Position(p),
+                    None => (**fallback).clone(),
+                }
+            }
+            other => other.clone(),
+        };
+        let target = resolve_start(&part.stream, &part.subject, &target).await?;
+        // Validate before touching the durable.
+        deliver_policy(&target)?;
+        let target = match target {
+            StartFrom::Committed { .. } => StartFrom::Earliest,
+            t => t,
+        };
+        {
+            let inner = part.inner.lock();
+            inner.task.abort();
+        }
+        let consumer = ensure_durable(
+            &part.stream,
+            &part.durable,
+            &part.subject,
+            &self.options,
+            &target,
+        )
+        .await?;
+        let (rx, task) = spawn_fetch(consumer, &self.options, self.notify.clone());
+        let mut inner = part.inner.lock();
+        inner.task.abort();
+        inner.task = task;
+        inner.rx = rx;
+        inner.pending.clear();
+        Ok(())
+    }
+
+    async fn pause(&self, partitions: &[TopicPartition]) -> Result<()> {
+        for tp in partitions {
+            self.partition(tp)?.inner.lock().paused = true;
+        }
+        Ok(())
+    }
+
+    async fn resume(&self, partitions: &[TopicPartition]) -> Result<()> {
+        for tp in partitions {
+            self.partition(tp)?.inner.lock().paused = false;
+        }
+        self.notify.notify_one();
+        Ok(())
+    }
+
+    fn assignment(&self) -> Vec<TopicPartition> {
+        if self.closed.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        self.partitions.iter().map(|p| p.tp.clone()).collect()
+    }
+
+    /// `num_pending + num_ack_pending` of each partition's durable
+    /// (<https://docs.nats.io/nats-concepts/jetstream/consumers>).
+    async fn lag(&self) -> Result<Vec<PartitionLag>> {
+        let mut out = Vec::with_capacity(self.partitions.len());
+        for p in &self.partitions {
+            let info = p
+                .stream
+                .consumer_info(&p.durable)
+                .await
+                .map_err(|e| nats_err(format!("consumer '{}' of {}", p.durable, p.tp), e))?;
+            let high = p
+                .stream
+                .get_last_raw_message_by_subject(&p.subject)
+                .await
+                .ok()
+                .map(|m| Position::Sequence(m.sequence + 1));
+            out.push(PartitionLag {
+                partition: p.tp.clone(),
+                committed: (info.ack_floor.stream_sequence > 0)
+                    .then(|| Position::Sequence(info.ack_floor.stream_sequence + 1)),
+                high_watermark: high,
+                messages: info.num_pending + info.num_ack_pending as u64,
+                millis: None,
+            });
+        }
+        Ok(out)
+    }
+
+    fn group_metadata(&self) -> Option<GroupMetadata> {
+        Some(GroupMetadata {
+            group: self.group.clone(),
+            generation: 0,
+            member_id: self.member_id.clone(),
+            native: None,
+        })
+    }
+
+    /// `-NAK` with the delay ([ADR-15](https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-15.md)).
+    async fn nack(&self, message: &Message, delay: Duration) -> Result<()> {
+        self.check_open()?;
+        let part = self.partition(&message.topic_partition())?;
+        let seq = message.position.as_sequence().ok_or_else(|| {
+            Error::config(format!(
+                "position {} is not a JetStream position: expected seq:N",
+                message.position
+            ))
+        })?;
+        let m = part.inner.lock().pending.remove(&seq);
+        match m {
+            Some(m) => {
+                let kind = AckKind::Nak((!delay.is_zero()).then_some(delay));
+                m.ack_with(kind)
+                    .await
+                    .map_err(|e| ack_err("nack", &part.tp, seq, e))
+            }
+            None => {
+                tracing::debug!(tp = %part.tp, seq, "nack of a message not pending (already acked or nacked)");
+                Ok(())
+            }
+        }
+    }
+
+    /// `+WPI`: restarts the message's `ack_wait`.
+    async fn in_progress(&self, message: &Message) -> Result<()> {
+        let part = self.partition(&message.topic_partition())?;
+        let seq = message.position.as_sequence().unwrap_or(0);
+        let m = part.inner.lock().pending.get(&seq).cloned();
+        match m {
+            Some(m) => m
+                .ack_with(AckKind::Progress)
+                .await
+                .map_err(|e| ack_err("in-progress ack", &part.tp, seq, e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Stops the fetch tasks and naks (without delay) what was delivered but not committed and
+    /// what was fetched but not delivered, so other members get it at once. Durables stay.
+    async fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let mut to_nak = Vec::new();
+        for p in &self.partitions {
+            let mut inner = p.inner.lock();
+            inner.task.abort();
+            to_nak.extend(std::mem::take(&mut inner.pending).into_values());
+            inner.rx.close();
+            while let Ok(m) = inner.rx.try_recv() {
+                to_nak.push(m);
+            }
+        }
+        // In sequence order, so the server redelivers them in order.
+        for m in &to_nak {
+            let _ = m.ack_with(AckKind::Nak(None)).await;
+        }
+        let _ = self.shared.client.flush().await;
+        Ok(())
+    }
+}
+
+impl Drop for JetStreamConsumer {
+    fn drop(&mut self) {
+        for p in &self.partitions {
+            p.inner.lock().task.abort();
+        }
+    }
+}

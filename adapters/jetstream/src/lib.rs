@@ -1,0 +1,326 @@
+//! # onceflow-jetstream
+//!
+//! The NATS JetStream backend of onceflow (`nats://`), on [async-nats]. It maps onceflow's
+//! model onto JetStream as follows.
+//!
+//! ## URL
+//! `nats://host:port[,host:port]?key=value&…`, keys in [`JetStreamOptions`] (for example
+//! `nats://127.0.0.1:4222?partitions=4&ack_wait_ms=10000`). Unknown keys are a `Config` error.
+//!
+//! ## Topics, partitions, order
+//! - A **topic is a stream** of the same name (stream names cannot hold `.`, `*`, `>`,
+//!   whitespace, `/` or `\`; such topic names are a `Config` error).
+//! - **Partitions are subjects**: a topic with one partition owns the subject `<topic>` (partition
+//!   0); a topic with `N > 1` partitions owns `<topic>.*` and partition `p` is the subject
+//!   `<topic>.<p>`. The partition count is stored in the stream metadata
+//!   (`onceflow.partitions`, [ADR-33]). A keyed record goes to partition
+//!   `xxh3_64(key) % N`, an unkeyed one round-robin, an explicit partition wins. Other clients
+//!   (nats-py, the `nats` CLI) publish to these subjects directly.
+//! - **Order**: JetStream orders a stream; onceflow consumes each partition through its own
+//!   durable consumer (filter subject = the partition subject), so a group gets every partition
+//!   in order and different partitions in parallel. Members of one group share the durables
+//!   (JetStream hands each message to one of them), so with several members a partition's
+//!   messages are spread over them: order per partition holds for one member per group.
+//! - **Positions** are stream sequences ([`onceflow_core::Position::Sequence`]).
+//! - The record key travels in the `onceflow-key` header (`onceflow-key-hex` when it is not
+//!   text), the record timestamp in `onceflow-timestamp`: JetStream messages have neither. A
+//!   message's timestamp is the record's, else the server's publish time.
+//!
+//! ## Producer
+//! - Every record carries `Nats-Msg-Id` ([ADR-31], [JetStream dedup]): its
+//!   [`onceflow_core::Record::idempotency_key`], or a random id per `send` when it has none
+//!   (so a retry of that send is deduplicated too). A publish that times out is retried with the
+//!   same id (`publish_retries`); a `duplicate` ack is success, and
+//!   [`onceflow_core::Delivery::duplicate`] reports it (the position is the original one).
+//!   Dedup holds within the stream's duplicate window (`duplicate_window_ms`, server default
+//!   2 min): a dedup store whose window is shorter loses nothing but a platform-side replay
+//!   older than the window is not deduplicated by the server.
+//! - `send_atomic` uses atomic batch publish ([ADR-50], nats-server ≥ 2.12, streams created
+//!   with `allow_atomic`, the default here): `Nats-Batch-Id`, `Nats-Batch-Sequence`,
+//!   `Nats-Batch-Commit`; all records are stored or none (at most 1000 per batch, server limit).
+//! - No transactions: [`Capabilities::transactions`] is `false`; pipelines run
+//!   effectively-once (atomic batch + deterministic `Nats-Msg-Id`).
+//! - `max_record_bytes` is the server's `max_payload` minus 512 bytes for the headers onceflow
+//!   adds.
+//!
+//! ## Consumer
+//! - One **durable pull consumer per group and partition** (`<group>-<partition>`, [ADR-13]),
+//!   explicit ack, `ack_wait`, `max_deliver`, `backoff`, `max_ack_pending` from the options.
+//!   A consumer that reconnects resumes its durable; with
+//!   [`StartFrom::Committed`](onceflow_core::StartFrom::Committed) an existing durable is never
+//!   recreated. The fallback (`Earliest` / `Latest`) is the deliver policy of a new durable.
+//! - **commit** double-acks ([`AckSync`][ack]) every delivered, not nacked message of the
+//!   partition up to the position: the server confirms each ack.
+//! - **nack** is a per-message `-NAK` with the delay ([ack]); a nacked message is not acked by a
+//!   later commit. **in_progress** is `+WPI`, which restarts the message's `ack_wait`.
+//! - **seek / explicit start** (`Earliest`, `Latest`, `Position`, `Timestamp`): JetStream cannot
+//!   change a durable's deliver policy, so the durable is deleted and created again with
+//!   `DeliverPolicy::All` / `New` / `ByStartSequence`. A timestamp is resolved to a stream
+//!   sequence first: a binary search over the partition's messages (`STREAM.MSG.GET`
+//!   `next_by_subject`) for the first one whose timestamp (record or publish time) is at or
+//!   after it, assuming timestamps grow with the sequence as Kafka's time index does; none →
+//!   the end. Messages fetched but not returned are dropped.
+//! - **committed** is the ack floor + 1; **lag** is `num_pending + num_ack_pending`
+//!   ([consumer info]).
+//! - **Headers** are native NATS headers, names with their case ([ADR-4]). NATS header values
+//!   are text lines and have no null, and async-nats reads headers into a map, so onceflow adds
+//!   `onceflow-headers` (names in order, null and hex marks) and rebuilds the exact list from it:
+//!   order, repeats, null vs empty and binary values survive. Values that are not single-line
+//!   UTF-8 are hex on the wire. Messages from other clients get their headers sorted by name.
+//! - Every member is assigned every partition of its topics (there is no group coordinator);
+//!   [`ConsumerBackend::group_metadata`] returns the group and member, generation 0, for
+//!   information (no transactions on JetStream).
+//!
+//! [async-nats]: https://docs.rs/async-nats
+//! [ADR-4]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-4.md
+//! [ADR-13]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-13.md
+//! [ADR-31]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-31.md
+//! [ADR-33]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-33.md
+//! [ADR-50]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-50.md
+//! [JetStream dedup]: https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication
+//! [ack]: https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#delivery-reliability
+//! [consumer info]: https://docs.nats.io/nats-concepts/jetstream/consumers
+
+mod admin;
+mod config;
+mod consumer;
+mod convert;
+mod naming;
+mod producer;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream::Stream};
+use async_trait::async_trait;
+use onceflow_core::{
+    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, PlatformBackend,
+    ProducerBackend, ProducerConfig, Result, TopicSpec,
+};
+use parking_lot::Mutex;
+
+pub use admin::JetStreamAdmin;
+pub use config::{parse_url, JetStreamOptions};
+pub use consumer::JetStreamConsumer;
+pub use naming::{
+    durable, partition_for_key, partition_of_subject, subject, KEY_HEADER, KEY_HEX_HEADER,
+    ORDER_HEADER, PARTITIONS_METADATA, TIMESTAMP_HEADER,
+};
+pub use producer::JetStreamProducer;
+
+/// Bytes of `max_payload` kept for the headers onceflow adds (`Nats-Msg-Id`, key, order).
+const HEADER_ROOM: usize = 512;
+
+/// What JetStream can do through this adapter.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    transactions: false,
+    idempotent_producer: true,
+    dedup_by_id: true,
+    atomic_batch: true,
+    native_headers: true,
+    consumer_groups: true,
+    seek_by_timestamp: true,
+    pause_resume: true,
+    per_message_nack: true,
+    compaction: false,
+    lag_ms: false,
+};
+
+/// Connects to the server named in `url` (see the crate docs).
+pub async fn connect(url: &str) -> Result<Arc<JetStreamPlatform>> {
+    JetStreamPlatform::connect(url).await
+}
+
+/// State shared by the producers, consumers and admin handle of one connection.
+pub(crate) struct Shared {
+    pub(crate) client: async_nats::Client,
+    pub(crate) js: jetstream::Context,
+    pub(crate) options: JetStreamOptions,
+    /// Partition count per topic, as read from (or created on) the server.
+    topics: Mutex<HashMap<String, u32>>,
+}
+
+/// Partition count of a stream: its `onceflow.partitions` metadata, else 1.
+pub(crate) fn partitions_of(cfg: &jetstream::stream::Config) -> u32 {
+    cfg.metadata
+        .get(PARTITIONS_METADATA)
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n >= 1)
+        .unwrap_or(1)
+}
+
+impl Shared {
+    /// Largest record accepted: the server's `max_payload` minus room for onceflow's headers.
+    pub(crate) fn max_record_bytes(&self) -> usize {
+        self.client
+            .server_info()
+            .max_payload
+            .saturating_sub(HEADER_ROOM)
+    }
+
+    pub(crate) fn forget_topic(&self, topic: &str) {
+        self.topics.lock().remove(topic);
+    }
+
+    /// The stream of `topic`, `NotFound` naming it if there is none.
+    pub(crate) async fn get_stream(&self, topic: &str) -> Result<Stream> {
+        self.js.get_stream(topic).await.map_err(|e| {
+            let err = convert::nats_err(format!("stream '{topic}'"), e);
+            if err.kind() == ErrorKind::NotFound {
+                Error::new(
+                    ErrorKind::NotFound,
+                    format!("topic '{topic}' does not exist (no JetStream stream of that name)"),
+                )
+            } else {
+                err
+            }
+        })
+    }
+
+    /// Partition count of `topic`; creates the stream when it is missing and `auto_create` is on.
+    pub(crate) async fn partitions(&self, topic: &str) -> Result<u32> {
+        if let Some(n) = self.topics.lock().get(topic) {
+            return Ok(*n);
+        }
+        naming::check_topic(topic)?;
+        let n = match self.get_stream(topic).await {
+            Ok(s) => partitions_of(&s.cached_info().config),
+            Err(e) if e.kind() == ErrorKind::NotFound && self.options.auto_create => {
+                let spec = TopicSpec::new(topic, self.options.partitions);
+                let cfg = admin::stream_config(self, &spec)?;
+                match self.js.create_stream(cfg).await {
+                    Ok(info) => partitions_of(&info.cached_info().config),
+                    // Created concurrently by someone else: read it.
+                    Err(_) => partitions_of(&self.get_stream(topic).await?.cached_info().config),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        self.topics.lock().insert(topic.to_string(), n);
+        Ok(n)
+    }
+}
+
+/// A connection to a NATS server with JetStream: the factory of producers, consumers and the
+/// admin handle.
+pub struct JetStreamPlatform {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for JetStreamPlatform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JetStreamPlatform")
+            .field("servers", &self.shared.options.servers)
+            .finish()
+    }
+}
+
+impl JetStreamPlatform {
+    /// Connects to `url` (`nats://host:port?…`). `Config` for a bad URL, `Connect` when the
+    /// server cannot be reached or has no JetStream.
+    pub async fn connect(url: &str) -> Result<Arc<JetStreamPlatform>> {
+        let options = parse_url(url)?;
+        Self::connect_with(options).await
+    }
+
+    /// Connects with typed options.
+    pub async fn connect_with(options: JetStreamOptions) -> Result<Arc<JetStreamPlatform>> {
+        let mut co = async_nats::ConnectOptions::new()
+            .connection_timeout(options.request_timeout)
+            .request_timeout(Some(options.request_timeout))
+            .max_reconnects(None);
+        if let (Some(u), Some(p)) = (&options.user, &options.password) {
+            co = co.user_and_password(u.clone(), p.clone());
+        }
+        if let Some(t) = &options.token {
+            co = co.token(t.clone());
+        }
+        if let Some(c) = &options.creds {
+            co = co.credentials_file(c).await.map_err(|e| {
+                Error::config(format!("cannot read NATS credentials file '{c}': {e}"))
+            })?;
+        }
+        let servers: Vec<String> = options.servers.split(',').map(String::from).collect();
+        let client = co.connect(servers.clone()).await.map_err(|e| {
+            Error::new(
+                ErrorKind::Connect,
+                format!("cannot connect to NATS at {}: {e}", options.servers),
+            )
+            .with_source(e)
+        })?;
+        let mut js = jetstream::new(client.clone());
+        js.set_timeout(options.request_timeout);
+        js.query_account().await.map_err(|e| {
+            Error::new(
+                ErrorKind::Connect,
+                format!(
+                    "NATS at {} does not answer JetStream requests (is it started with -js?): {e}",
+                    options.servers
+                ),
+            )
+            .with_source(e)
+        })?;
+        Ok(Arc::new(JetStreamPlatform {
+            shared: Arc::new(Shared {
+                client,
+                js,
+                options,
+                topics: Mutex::new(HashMap::new()),
+            }),
+        }))
+    }
+
+    /// The connection's options.
+    pub fn options(&self) -> &JetStreamOptions {
+        &self.shared.options
+    }
+
+    /// The async-nats client, for anything onceflow does not cover.
+    pub fn nats_client(&self) -> async_nats::Client {
+        self.shared.client.clone()
+    }
+
+    /// The duplicate window of the stream of `topic` (`Nats-Msg-Id` dedup horizon), for
+    /// comparing with a dedup store's window.
+    pub async fn duplicate_window(&self, topic: &str) -> Result<Duration> {
+        let s = self.shared.get_stream(topic).await?;
+        Ok(s.cached_info().config.duplicate_window)
+    }
+}
+
+#[async_trait]
+impl PlatformBackend for JetStreamPlatform {
+    fn name(&self) -> &'static str {
+        "jetstream"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    async fn producer(&self, config: ProducerConfig) -> Result<Arc<dyn ProducerBackend>> {
+        Ok(Arc::new(JetStreamProducer::new(
+            self.shared.clone(),
+            config,
+        )?))
+    }
+
+    async fn consumer(&self, config: ConsumerConfig) -> Result<Arc<dyn ConsumerBackend>> {
+        Ok(JetStreamConsumer::join(self.shared.clone(), config).await?)
+    }
+
+    async fn admin(&self) -> Result<Arc<dyn AdminBackend>> {
+        Ok(Arc::new(JetStreamAdmin {
+            shared: self.shared.clone(),
+        }))
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.shared.max_record_bytes()
+    }
+
+    fn validate_header(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
+        convert::validate_header(name, value)
+    }
+}
