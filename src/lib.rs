@@ -52,6 +52,9 @@ pub fn supported_schemes() -> Vec<&'static str> {
     if cfg!(feature = "kafka") {
         v.push("kafka://");
     }
+    if cfg!(feature = "jetstream") {
+        v.push("nats://");
+    }
     v
 }
 
@@ -75,6 +78,8 @@ pub async fn connect(url: &str) -> Result<Client> {
         }
         #[cfg(feature = "kafka")]
         "kafka" => Ok(Client::new(onceflow_kafka::connect(url)?)),
+        #[cfg(feature = "jetstream")]
+        "nats" => Ok(Client::new(onceflow_jetstream::connect(url).await?)),
         s if KNOWN_SCHEMES.contains(&s) => Err(Error::unsupported(format!(
             "'{scheme}://' is not compiled into this build of onceflow (enable its cargo feature); supported here: {}",
             supported_schemes().join(", ")
