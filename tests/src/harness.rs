@@ -1,4 +1,4 @@
-//! How a platform plugs into the backend conformance suite ([`crate::backend_suite`]).
+//! How a platform plugs into the backend conformance suite ([`mod@crate::backend_suite`]).
 //!
 //! A [`Harness`] gives the suite a connected [`PlatformBackend`], names no other test uses, the
 //! platform's timings and any setup (topics created through the admin API). [`PlatformHarness`]
