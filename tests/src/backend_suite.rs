@@ -62,10 +62,10 @@ where
 {
     let platform = harness.platform().name();
     let skipped = |reason: &str| {
-        let _ = writeln!(
-            std::io::stderr(),
-            "backend_suite: SKIPPED {name} on {platform}: {reason}"
-        );
+        // Straight to stderr (libtest captures only the print macros), in one write so the line
+        // does not interleave with libtest's own output.
+        let line = format!("backend_suite: SKIPPED {name} on {platform}: {reason}\n");
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
         assert!(
             !harness.forbid_skips(),
             "case {name} on {platform} was skipped ({reason}), but this harness forbids skips"
