@@ -197,3 +197,32 @@ impl Harness for PlatformHarness {
         self.forbid_skips
     }
 }
+
+/// A harness for the broker whose URL is in the environment variable `var` (set by
+/// `tests/brokers/up.sh`). Without it, every case is skipped with that reason — unless
+/// `ONCEFLOW_REQUIRE_BROKERS=1` (set by `make test`), where a missing broker is a failure.
+pub fn env_harness(
+    var: &str,
+    service: &str,
+    connect: impl Fn(&str) -> Result<Arc<dyn PlatformBackend>>,
+    placeholder_url: &str,
+) -> PlatformHarness {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => {
+            let platform =
+                connect(&url).unwrap_or_else(|e| panic!("{var}='{url}' cannot be opened: {e}"));
+            PlatformHarness::new(platform, Timings::broker())
+        }
+        _ => {
+            let reason =
+                format!("{var} is not set: start the broker with tests/brokers/up.sh {service}");
+            assert!(
+                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+                "ONCEFLOW_REQUIRE_BROKERS=1 but {reason}"
+            );
+            // Nothing is contacted: no case runs.
+            let platform = connect(placeholder_url).expect("placeholder URL");
+            PlatformHarness::new(platform, Timings::broker()).skip_all(reason)
+        }
+    }
+}

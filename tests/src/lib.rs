@@ -4,4 +4,5 @@
 
 pub mod backend_suite;
 pub mod dedup_suite;
+pub mod engine_suite;
 pub mod harness;

@@ -1,5 +1,6 @@
 //! The idempotent consumer: at-least-once delivery plus a dedup store.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -321,30 +322,32 @@ impl Core {
         if let Some(store) = &self.store {
             // A key repeated within the chunk (a redelivery arriving with its original) is
             // claimed once; later copies are duplicates of the first.
-            let mut seen = std::collections::HashSet::with_capacity(msgs.len());
+            let mut seen: HashMap<&str, Option<u128>> = HashMap::with_capacity(msgs.len());
             let mut first = vec![false; msgs.len()];
-            let reqs: Vec<ClaimRequest> = msgs
-                .iter()
-                .zip(&keys)
-                .enumerate()
-                .filter_map(|(i, (m, k))| {
-                    let k = k.as_ref()?;
-                    if !seen.insert(k.as_str()) {
-                        return None;
-                    }
-                    first[i] = true;
-                    Some(self.claim_request(k.clone(), m))
-                })
-                .collect();
-            if !reqs.is_empty() {
-                let mut claimed = store.claim(&reqs).await?.into_iter();
-                for (i, (slot, k)) in outcomes.iter_mut().zip(&keys).enumerate() {
-                    if first[i] {
-                        *slot = claimed.next();
-                    } else if k.is_some() {
-                        *slot = Some(ClaimOutcome::Duplicate { result: None });
+            let mut repeats: Vec<(usize, ClaimOutcome)> = Vec::new();
+            let mut reqs: Vec<ClaimRequest> = Vec::with_capacity(msgs.len());
+            for (i, (m, k)) in msgs.iter().zip(&keys).enumerate() {
+                let Some(k) = k else { continue };
+                let req = self.claim_request(k.clone(), m);
+                match seen.get(k.as_str()) {
+                    Some(fp) => repeats.push((i, repeat_outcome(*fp, req.fingerprint))),
+                    None => {
+                        seen.insert(k.as_str(), req.fingerprint);
+                        first[i] = true;
+                        reqs.push(req);
                     }
                 }
+            }
+            if !reqs.is_empty() {
+                let mut claimed = store.claim(&reqs).await?.into_iter();
+                for (i, slot) in outcomes.iter_mut().enumerate() {
+                    if first[i] {
+                        *slot = claimed.next();
+                    }
+                }
+            }
+            for (i, o) in repeats {
+                outcomes[i] = Some(o);
             }
         }
         // Claims this chunk holds (renewed while handlers run).
@@ -694,6 +697,15 @@ impl Core {
             }
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Outcome for a key seen again while its first copy is in flight: a duplicate, or a mismatch
+/// when fingerprints are on and differ.
+pub(crate) fn repeat_outcome(first: Option<u128>, this: Option<u128>) -> ClaimOutcome {
+    match (first, this) {
+        (Some(stored), Some(given)) if stored != given => ClaimOutcome::Mismatch { stored, given },
+        _ => ClaimOutcome::Duplicate { result: None },
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::idempotent::{drive, Core, RunSummary};
+use super::idempotent::{drive, repeat_outcome, Core, RunSummary};
 use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
 use crate::backend::Guarantee;
 use crate::client::{Consumer, Producer, Transaction};
@@ -294,7 +294,7 @@ struct TxState {
     first: HashMap<TopicPartition, Position>,
     claims: Vec<Completion>,
     /// Keys of inputs in the open transaction.
-    inflight: std::collections::HashSet<String>,
+    inflight: HashMap<String, Option<u128>>,
 }
 
 struct TxLoop<'a> {
@@ -311,13 +311,18 @@ impl TxLoop<'_> {
         let deadline = self.config.engine.shutdown_deadline;
         let mut drained = true;
         let result: Result<()> = loop {
-            let step = self.step();
+            let mut step = std::pin::pin!(self.step());
             let r = tokio::select! {
                 biased;
-                r = step => r,
+                r = &mut step => r,
                 _ = &mut shutdown => {
-                    // Finish the open transaction (its inputs are processed) within the deadline.
-                    match tokio::time::timeout(deadline, self.commit_open()).await {
+                    // Stop fetching: finish the step in flight and commit the open transaction
+                    // (its inputs are processed), all within the deadline.
+                    let finish = async {
+                        step.await?;
+                        self.commit_open().await
+                    };
+                    match tokio::time::timeout(deadline, finish).await {
                         Ok(r) => break r,
                         Err(_) => { drained = false; break Ok(()) }
                     }
@@ -372,29 +377,27 @@ impl TxLoop<'_> {
                 // repeated in this batch are duplicates: if the transaction commits, so does the
                 // input; if it aborts, the rewind reads it again.
                 let mut first = vec![false; msgs.len()];
-                let reqs: Vec<_> = msgs
-                    .iter()
-                    .zip(&keys)
-                    .enumerate()
-                    .filter_map(|(i, (m, k))| {
-                        let k = k.as_ref()?;
-                        if !st.inflight.insert(k.clone()) {
-                            return None;
+                let mut reqs = Vec::with_capacity(msgs.len());
+                for (i, (m, k)) in msgs.iter().zip(&keys).enumerate() {
+                    let Some(k) = k else { continue };
+                    let req = core.claim_request(k.clone(), m);
+                    match st.inflight.get(k) {
+                        Some(fp) => outcomes[i] = Some(repeat_outcome(*fp, req.fingerprint)),
+                        None => {
+                            st.inflight.insert(k.clone(), req.fingerprint);
+                            first[i] = true;
+                            reqs.push(req);
                         }
-                        first[i] = true;
-                        Some(core.claim_request(k.clone(), m))
-                    })
-                    .collect();
+                    }
+                }
                 let mut it = if reqs.is_empty() {
                     Vec::new().into_iter()
                 } else {
                     store.claim(&reqs).await?.into_iter()
                 };
-                for (i, (slot, k)) in outcomes.iter_mut().zip(&keys).enumerate() {
+                for (i, slot) in outcomes.iter_mut().enumerate() {
                     if first[i] {
                         *slot = it.next();
-                    } else if k.is_some() {
-                        *slot = Some(ClaimOutcome::Duplicate { result: None });
                     }
                 }
             }

@@ -1,0 +1,890 @@
+//! The engine conformance suite: the idempotent consumer and the pipeline, run over a platform
+//! backend through the same [`Harness`] as the backend suite, so the engine's guarantees are
+//! proven on every platform, not only in process. [`engine_suite!`](crate::engine_suite!)
+//! expands to one `#[tokio::test]` per case.
+//!
+//! Cases: `idempotent_consumer_skips_duplicates`, `failing_handler_is_retried_not_lost`,
+//! `exhausted_retries_redeliver_in_order`, `dead_letter_after_retries`,
+//! `conflicting_payload_is_an_error`, `malformed_traceparent_does_not_stop_consumption`,
+//! `trace_context_continues_into_handler`, `pipeline_outputs_each_input_once`,
+//! `pipeline_restart_after_crash`, `member_joining_mid_stream_loses_and_repeats_nothing`,
+//! `shutdown_drains_and_commits`.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use onceflow_core::dedup::MemoryStore;
+use onceflow_core::{
+    BoxError, Client, ConsumerConfig, DedupStore, EngineConfig, Error, ErrorKind, Guarantee,
+    Handler, IdempotentConsumer, Message, Metrics, OnFailure, Pipeline, PipelineConfig,
+    ProducerConfig, Record, Result, StartFrom, Transform,
+};
+use opentelemetry::trace::TraceContextExt;
+use tokio::time::Instant;
+
+use crate::backend_suite::{CaseResult, Outcome};
+use crate::harness::Harness;
+
+/// Expands to one `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]` per engine case.
+#[macro_export]
+macro_rules! engine_suite {
+    ($harness:expr) => {
+        $crate::engine_suite!(@cases ($harness)
+            idempotent_consumer_skips_duplicates,
+            failing_handler_is_retried_not_lost,
+            exhausted_retries_redeliver_in_order,
+            dead_letter_after_retries,
+            conflicting_payload_is_an_error,
+            malformed_traceparent_does_not_stop_consumption,
+            trace_context_continues_into_handler,
+            pipeline_outputs_each_input_once,
+            pipeline_restart_after_crash,
+            member_joining_mid_stream_loses_and_repeats_nothing,
+            shutdown_drains_and_commits,
+        );
+    };
+    (@cases ($harness:expr) $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let harness = $harness;
+                $crate::backend_suite::run_case(
+                    &harness,
+                    concat!("engine::", stringify!($case)),
+                    $crate::engine_suite::$case(&harness),
+                )
+                .await;
+            }
+        )*
+    };
+}
+
+fn store() -> Arc<dyn DedupStore> {
+    Arc::new(MemoryStore::new(Duration::from_secs(600), 100_000))
+}
+
+fn fast_engine(h: &dyn Harness) -> EngineConfig {
+    EngineConfig {
+        min_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(50),
+        redelivery_delay: Duration::from_millis(10),
+        commit_interval: Duration::from_millis(50),
+        poll_timeout: h.timings().poll,
+        lease: Duration::from_secs(10),
+        ..EngineConfig::default()
+    }
+}
+
+fn record(topic: &str, key: &str, payload: &str) -> Record {
+    Record::new(topic.to_string(), payload.as_bytes().to_vec())
+        .key(key.as_bytes().to_vec())
+        .idempotency_key(key.to_string())
+}
+
+async fn produce(client: &Client, records: Vec<Record>) -> Result<()> {
+    let p = client.producer(ProducerConfig::new()).await?;
+    for r in p.send_batch(records).await {
+        r?;
+    }
+    p.flush(Duration::from_secs(30)).await
+}
+
+fn consumer_config(h: &dyn Harness, group: &str, topic: &str) -> ConsumerConfig {
+    ConsumerConfig::new(group.to_string(), [topic.to_string()])
+        .start(StartFrom::committed_or_earliest())
+        .session_timeout(h.timings().session_timeout)
+}
+
+/// Resolves when `done()` holds, or after the harness's wait (then the case's own assertions
+/// report what is missing).
+fn until(h: &dyn Harness, done: impl Fn() -> bool + Send + 'static) -> impl Future<Output = ()> {
+    let deadline = Instant::now() + h.timings().wait;
+    async move {
+        while !done() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Reads every message of `topic` with a fresh group from the earliest position, until `n`
+/// arrived and then for the quiet period (to catch duplicates).
+async fn read_all(h: &dyn Harness, client: &Client, topic: &str, n: usize) -> Result<Vec<Message>> {
+    let c = client
+        .consumer(ConsumerConfig::new(h.group(), [topic.to_string()]).start(StartFrom::Earliest))
+        .await?;
+    let mut out = Vec::new();
+    let deadline = Instant::now() + h.timings().wait;
+    while out.len() < n && Instant::now() < deadline {
+        out.extend(c.poll(500, h.timings().poll).await?);
+    }
+    let quiet = Instant::now() + h.timings().quiet;
+    while Instant::now() < quiet {
+        out.extend(c.poll(500, h.timings().poll).await?);
+    }
+    c.close().await?;
+    Ok(out)
+}
+
+/// Asserts that a new member of `group` finds nothing left to read (everything committed).
+async fn nothing_left(h: &dyn Harness, client: &Client, group: &str, topic: &str) -> Result<()> {
+    let c = client.consumer(consumer_config(h, group, topic)).await?;
+    let quiet = Instant::now() + h.timings().quiet.max(h.timings().poll * 4);
+    let mut left = Vec::new();
+    while Instant::now() < quiet {
+        left.extend(c.poll(500, h.timings().poll).await?);
+    }
+    c.close().await?;
+    check(
+        left.is_empty(),
+        format!(
+            "group '{group}' should have committed everything, but a new member read {} message(s) at {:?}",
+            left.len(),
+            left.iter().map(|m| m.position.to_string()).collect::<Vec<_>>()
+        ),
+    )
+}
+
+fn check(cond: bool, what: impl Into<String>) -> Result<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(Error::new(ErrorKind::Platform, what.into()))
+    }
+}
+
+/// Counts successful handler runs per idempotency key; fails per a rule first.
+#[derive(Default)]
+struct Counting {
+    runs: Mutex<HashMap<String, u32>>,
+    order: Mutex<Vec<String>>,
+    attempts: Mutex<HashMap<String, u32>>,
+    /// Fail a key this many times before succeeding.
+    fail_times: HashMap<String, u32>,
+    /// Keys that always fail.
+    always_fail: Vec<String>,
+    trace_ids: Mutex<Vec<String>>,
+}
+
+impl Counting {
+    fn key(m: &Message) -> String {
+        m.headers
+            .get_str(onceflow_core::IDEMPOTENCY_KEY_HEADER)
+            .unwrap_or("")
+            .to_string()
+    }
+    fn distinct(&self) -> usize {
+        self.runs.lock().unwrap().len()
+    }
+}
+
+#[async_trait]
+impl Handler for Counting {
+    async fn handle(&self, m: &Message) -> std::result::Result<Option<Bytes>, BoxError> {
+        let key = Counting::key(m);
+        let attempt = {
+            let mut a = self.attempts.lock().unwrap();
+            let e = a.entry(key.clone()).or_default();
+            *e += 1;
+            *e
+        };
+        let tid = opentelemetry::Context::current()
+            .span()
+            .span_context()
+            .trace_id()
+            .to_string();
+        self.trace_ids.lock().unwrap().push(tid);
+        if self.always_fail.contains(&key) {
+            return Err(format!("{key} always fails").into());
+        }
+        if attempt <= *self.fail_times.get(&key).unwrap_or(&0) {
+            return Err(format!("{key} fails on attempt {attempt}").into());
+        }
+        *self.runs.lock().unwrap().entry(key.clone()).or_default() += 1;
+        self.order.lock().unwrap().push(key);
+        Ok(None)
+    }
+}
+
+struct Shared(Arc<Counting>);
+
+#[async_trait]
+impl Handler for Shared {
+    async fn handle(&self, m: &Message) -> std::result::Result<Option<Bytes>, BoxError> {
+        self.0.handle(m).await
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // test plumbing: each case varies a different one
+async fn run_consumer(
+    h: &dyn Harness,
+    client: &Client,
+    group: &str,
+    topic: &str,
+    handler: Arc<Counting>,
+    config: EngineConfig,
+    dlq: bool,
+    done: impl Fn(&Counting, &Metrics) -> bool + Send + Sync + 'static,
+) -> Result<(Metrics, Result<onceflow_core::RunSummary>)> {
+    let consumer = client.consumer(consumer_config(h, group, topic)).await?;
+    let producer = if dlq {
+        Some(client.producer(ProducerConfig::new()).await?)
+    } else {
+        None
+    };
+    let ic = IdempotentConsumer::with_config(
+        consumer,
+        Some(store()),
+        Arc::new(Shared(handler.clone())),
+        config,
+        producer,
+    )?;
+    let metrics = ic.metrics();
+    let m2 = metrics.clone();
+    let summary = ic.run_until(until(h, move || done(&handler, &m2))).await;
+    Ok((metrics, summary))
+}
+
+/// Every key's handler runs once although each key is delivered twice; the duplicates are
+/// counted; everything is committed.
+pub async fn idempotent_consumer_skips_duplicates(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(3).await?;
+    let mut recs: Vec<Record> = (0..30)
+        .map(|i| record(&topic, &format!("k{i}"), &format!("v{i}")))
+        .collect();
+    recs.extend((0..30).map(|i| record(&topic, &format!("k{i}"), &format!("v{i}"))));
+    produce(&client, recs).await?;
+    let group = h.group();
+    let handler = Arc::new(Counting::default());
+    let (metrics, summary) = run_consumer(
+        h,
+        &client,
+        &group,
+        &topic,
+        handler.clone(),
+        fast_engine(h),
+        false,
+        |c, m| c.distinct() == 30 && m.snapshot().duplicates_skipped >= 30,
+    )
+    .await?;
+    let summary = summary?;
+    let runs = handler.runs.lock().unwrap().clone();
+    check(
+        runs.len() == 30,
+        format!("30 keys handled, got {}", runs.len()),
+    )?;
+    check(
+        runs.values().all(|n| *n == 1),
+        format!("each key once, got {runs:?}"),
+    )?;
+    let s = metrics.snapshot();
+    check(
+        s.duplicates_skipped == 30,
+        format!("30 duplicates skipped, got {}", s.duplicates_skipped),
+    )?;
+    check(
+        summary.guarantee == Guarantee::EffectivelyOnce,
+        "a dedup store gives effectively-once",
+    )?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// A handler failing twice for some keys is retried with backoff; each key succeeds once.
+pub async fn failing_handler_is_retried_not_lost(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(2).await?;
+    produce(
+        &client,
+        (0..20)
+            .map(|i| record(&topic, &format!("k{i}"), "x"))
+            .collect(),
+    )
+    .await?;
+    let handler = Arc::new(Counting {
+        fail_times: (0..20).step_by(5).map(|i| (format!("k{i}"), 2)).collect(),
+        ..Default::default()
+    });
+    let group = h.group();
+    let (metrics, summary) = run_consumer(
+        h,
+        &client,
+        &group,
+        &topic,
+        handler.clone(),
+        fast_engine(h),
+        false,
+        |c, _| c.distinct() == 20,
+    )
+    .await?;
+    summary?;
+    let runs = handler.runs.lock().unwrap().clone();
+    check(
+        runs.len() == 20 && runs.values().all(|n| *n == 1),
+        format!("each of 20 keys once, got {runs:?}"),
+    )?;
+    let s = metrics.snapshot();
+    check(
+        s.retries == 8 && s.handler_errors == 8,
+        format!("8 retries after 8 errors, got {s:?}"),
+    )?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// With one attempt per delivery, a failing message is handed back to the platform and runs
+/// again on redelivery; nothing is lost, and without per-message nack the partition's order is
+/// kept (later messages run after it).
+pub async fn exhausted_retries_redeliver_in_order(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    let keys: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+    produce(
+        &client,
+        keys.iter().map(|k| record(&topic, k, "x")).collect(),
+    )
+    .await?;
+    let handler = Arc::new(Counting {
+        fail_times: [("k3".to_string(), 2)].into_iter().collect(),
+        ..Default::default()
+    });
+    let cfg = EngineConfig {
+        max_attempts: 1,
+        on_failure: OnFailure::Redeliver,
+        ..fast_engine(h)
+    };
+    let group = h.group();
+    let (metrics, summary) = run_consumer(
+        h,
+        &client,
+        &group,
+        &topic,
+        handler.clone(),
+        cfg,
+        false,
+        |c, _| c.distinct() == 8,
+    )
+    .await?;
+    summary?;
+    let runs = handler.runs.lock().unwrap().clone();
+    check(
+        runs.len() == 8 && runs.values().all(|n| *n == 1),
+        format!("each of 8 keys once, got {runs:?}"),
+    )?;
+    check(
+        metrics.snapshot().redelivery_requests == 2,
+        format!("2 redeliveries asked, got {:?}", metrics.snapshot()),
+    )?;
+    if !client.capabilities().per_message_nack {
+        let order = handler.order.lock().unwrap().clone();
+        check(order == keys, format!("partition order kept: {order:?}"))?;
+    }
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// A message that fails every attempt goes to the dead-letter topic with the error in headers;
+/// the others are handled and the group moves past it.
+pub async fn dead_letter_after_retries(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    let dlq = h.topic(1).await?;
+    produce(
+        &client,
+        (0..5)
+            .map(|i| record(&topic, &format!("k{i}"), &format!("payload-{i}")))
+            .collect(),
+    )
+    .await?;
+    let handler = Arc::new(Counting {
+        always_fail: vec!["k2".to_string()],
+        ..Default::default()
+    });
+    let cfg = EngineConfig {
+        max_attempts: 3,
+        on_failure: OnFailure::DeadLetter(dlq.clone()),
+        ..fast_engine(h)
+    };
+    let group = h.group();
+    let (metrics, summary) = run_consumer(
+        h,
+        &client,
+        &group,
+        &topic,
+        handler.clone(),
+        cfg,
+        true,
+        |c, m| c.distinct() == 4 && m.snapshot().dead_lettered == 1,
+    )
+    .await?;
+    summary?;
+    check(handler.distinct() == 4, "the four good keys handled")?;
+    check(
+        metrics.snapshot().dead_lettered == 1,
+        format!("one dead letter, got {:?}", metrics.snapshot()),
+    )?;
+    let dead = read_all(h, &client, &dlq, 1).await?;
+    check(
+        dead.len() == 1,
+        format!("one record in the dead-letter topic, got {}", dead.len()),
+    )?;
+    let d = &dead[0];
+    check(
+        d.payload.as_ref() == b"payload-2",
+        "dead letter keeps the payload",
+    )?;
+    check(
+        d.headers.get_str("onceflow-error-kind") == Some("ONCEFLOW_HANDLER"),
+        format!("error kind header, got {:?}", d.headers),
+    )?;
+    check(
+        d.headers.get_str("onceflow-attempts") == Some("3"),
+        "attempts header",
+    )?;
+    check(
+        d.headers.get_str("onceflow-source-topic") == Some(topic.as_str()),
+        "source topic header",
+    )?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// The same idempotency key with another payload is an error of its own kind, not a skip.
+pub async fn conflicting_payload_is_an_error(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    produce(
+        &client,
+        vec![record(&topic, "k", "first"), record(&topic, "k", "second")],
+    )
+    .await?;
+    let handler = Arc::new(Counting::default());
+    let cfg = EngineConfig {
+        on_failure: OnFailure::Stop,
+        ..fast_engine(h)
+    };
+    let (_, summary) = run_consumer(
+        h,
+        &client,
+        &h.group(),
+        &topic,
+        handler.clone(),
+        cfg,
+        false,
+        |_, _| false,
+    )
+    .await?;
+    match summary {
+        Err(e) if e.kind() == ErrorKind::Conflict => {}
+        other => {
+            return Err(Error::new(
+                ErrorKind::Platform,
+                format!("expected a Conflict error, got {other:?}"),
+            ))
+        }
+    }
+    check(handler.distinct() == 1, "the first payload was handled")?;
+    Ok(Outcome::Passed)
+}
+
+/// A malformed `traceparent` is ignored and counted; the message is handled.
+pub async fn malformed_traceparent_does_not_stop_consumption(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    // Sent through the backend directly: the public producer replaces trace headers.
+    let producer = h.platform().producer(ProducerConfig::new()).await?;
+    let mut r = record(&topic, "k0", "x");
+    r.headers
+        .insert(onceflow_core::IDEMPOTENCY_KEY_HEADER, "k0");
+    r.headers.insert("traceparent", "00-not-a-trace-01");
+    producer.send(r).await?;
+    producer.flush(Duration::from_secs(10)).await?;
+    let before = onceflow_core::trace::malformed_traceparents();
+    let handler = Arc::new(Counting::default());
+    let (_, summary) = run_consumer(
+        h,
+        &client,
+        &h.group(),
+        &topic,
+        handler.clone(),
+        fast_engine(h),
+        false,
+        |c, _| c.distinct() == 1,
+    )
+    .await?;
+    summary?;
+    check(handler.distinct() == 1, "the message was handled")?;
+    check(
+        onceflow_core::trace::malformed_traceparents() > before,
+        "the malformed header was counted",
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// A `traceparent` sent with a message is the trace the handler runs in.
+pub async fn trace_context_continues_into_handler(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let r = record(&topic, "k0", "x").header(
+        "traceparent",
+        format!("00-{trace_id}-00f067aa0ba902b7-01").into_bytes(),
+    );
+    produce(&client, vec![r]).await?;
+    let handler = Arc::new(Counting::default());
+    let (_, summary) = run_consumer(
+        h,
+        &client,
+        &h.group(),
+        &topic,
+        handler.clone(),
+        fast_engine(h),
+        false,
+        |c, _| c.distinct() == 1,
+    )
+    .await?;
+    summary?;
+    let seen = handler.trace_ids.lock().unwrap().clone();
+    check(
+        seen == vec![trace_id.to_string()],
+        format!("handler ran in trace {trace_id}, saw {seen:?}"),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// Turns `order-N` into one output record.
+struct Echo {
+    out: String,
+    calls: Arc<AtomicU64>,
+    crash_after: Option<(u64, Arc<tokio::sync::Notify>)>,
+}
+
+#[async_trait]
+impl Transform for Echo {
+    async fn transform(&self, m: &Message) -> std::result::Result<Vec<Record>, BoxError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some((at, notify)) = &self.crash_after {
+            if n == *at {
+                notify.notify_one();
+                // Stall so the crash lands with this transaction open.
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+        }
+        Ok(vec![Record::new(self.out.clone(), m.payload.clone())])
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // test plumbing: each case varies a different one
+async fn run_pipeline(
+    h: &dyn Harness,
+    client: &Client,
+    group: &str,
+    tx_id: &str,
+    input: &str,
+    output: &str,
+    store: Arc<dyn DedupStore>,
+    crash_after: Option<u64>,
+    expected_inputs: usize,
+) -> Result<(Guarantee, bool, Metrics)> {
+    let consumer = client.consumer(consumer_config(h, group, input)).await?;
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(tx_id.to_string()))
+        .await?;
+    let crash = Arc::new(tokio::sync::Notify::new());
+    let echo = Echo {
+        out: output.to_string(),
+        calls: Arc::new(AtomicU64::new(0)),
+        crash_after: crash_after.map(|n| (n, crash.clone())),
+    };
+    let config = PipelineConfig {
+        engine: EngineConfig {
+            worker_id: format!("{group}-worker"),
+            ..fast_engine(h)
+        },
+        transaction_interval: Duration::from_millis(50),
+        ..PipelineConfig::default()
+    };
+    let pipeline = Pipeline::with_config(
+        consumer.clone(),
+        producer,
+        Some(store),
+        Arc::new(echo),
+        config,
+    )?;
+    let guarantee = pipeline.guarantee();
+    let metrics = pipeline.metrics();
+    let m2 = metrics.clone();
+    // Done when this run handled at least `expected_inputs` and the group has committed up to
+    // the end of every partition.
+    let deadline = Instant::now() + h.timings().wait;
+    let partitions = client
+        .admin()
+        .await?
+        .describe_topic(input)
+        .await?
+        .partitions as usize;
+    let done = async move {
+        while Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let s = m2.snapshot();
+            if ((s.processed + s.duplicates_skipped) as usize) < expected_inputs
+                || consumer.assignment().len() < partitions
+            {
+                continue;
+            }
+            if let Ok(lag) = consumer.lag().await {
+                if lag.len() >= partitions && lag.iter().all(|l| l.messages == 0) {
+                    return;
+                }
+            }
+        }
+    };
+    let crashed = tokio::select! {
+        r = pipeline.run_until(done) => { r?; false }
+        _ = crash.notified() => true,
+    };
+    Ok((guarantee, crashed, metrics))
+}
+
+/// A pipeline writes one output per distinct input, even with duplicate sends of inputs, and
+/// reports exactly-once where the platform has transactions.
+pub async fn pipeline_outputs_each_input_once(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let input = h.topic(2).await?;
+    let output = h.topic(2).await?;
+    let mut recs: Vec<Record> = (0..40)
+        .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
+        .collect();
+    recs.extend((0..10).map(|i| record(&input, &format!("k{i}"), &format!("v{i}"))));
+    produce(&client, recs).await?;
+    let (guarantee, _, metrics) = run_pipeline(
+        h,
+        &client,
+        &h.group(),
+        &h.transactional_id(),
+        &input,
+        &output,
+        store(),
+        None,
+        50,
+    )
+    .await?;
+    let expected = if client.capabilities().transactions {
+        Guarantee::ExactlyOnce
+    } else if client.capabilities().dedup_by_id {
+        Guarantee::EffectivelyOnce
+    } else {
+        Guarantee::AtLeastOnce
+    };
+    check(
+        guarantee == expected,
+        format!("guarantee {guarantee}, expected {expected}"),
+    )?;
+    let out = read_all(h, &client, &output, 40).await?;
+    let mut payloads: Vec<String> = out
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    payloads.sort();
+    let mut want: Vec<String> = (0..40).map(|i| format!("v{i}")).collect();
+    want.sort();
+    check(
+        payloads == want,
+        format!(
+            "40 outputs once each, got {} ({:?})",
+            payloads.len(),
+            metrics.snapshot()
+        ),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// A pipeline dropped mid-transaction (as a crash would) and restarted with the same
+/// transactional id and worker id leaves every input in the output exactly once.
+pub async fn pipeline_restart_after_crash(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    if !client.capabilities().transactions && !client.capabilities().dedup_by_id {
+        return Ok(Outcome::Skipped(
+            "neither transactions nor platform dedup by id: outputs may repeat after a crash (readers deduplicate)".into(),
+        ));
+    }
+    let input = h.topic(2).await?;
+    let output = h.topic(2).await?;
+    produce(
+        &client,
+        (0..60)
+            .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
+            .collect(),
+    )
+    .await?;
+    let group = h.group();
+    let tx_id = h.transactional_id();
+    let store = store();
+    let (_, crashed, _) = run_pipeline(
+        h,
+        &client,
+        &group,
+        &tx_id,
+        &input,
+        &output,
+        store.clone(),
+        Some(25),
+        60,
+    )
+    .await?;
+    check(crashed, "the first run crashed as planned")?;
+    let (_, crashed, metrics) =
+        run_pipeline(h, &client, &group, &tx_id, &input, &output, store, None, 1).await?;
+    check(!crashed, "the second run finished")?;
+    let out = read_all(h, &client, &output, 60).await?;
+    let mut counts: HashMap<String, u32> = HashMap::new();
+    for m in &out {
+        *counts
+            .entry(String::from_utf8_lossy(&m.payload).into_owned())
+            .or_default() += 1;
+    }
+    check(
+        counts.len() == 60 && counts.values().all(|c| *c == 1),
+        format!(
+            "60 outputs once each, got {} distinct of {} ({:?})",
+            counts.len(),
+            out.len(),
+            metrics.snapshot()
+        ),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// A second member joins while the first is consuming; partitions move; every key is handled
+/// exactly once across both and nothing is left uncommitted.
+pub async fn member_joining_mid_stream_loses_and_repeats_nothing(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(4).await?;
+    let total = 400usize;
+    produce(
+        &client,
+        (0..total)
+            .map(|i| record(&topic, &format!("k{i}"), "x"))
+            .collect(),
+    )
+    .await?;
+    let group = h.group();
+    let store = store();
+    let handler = Arc::new(Counting::default());
+    let slow = |_: &Message| async { tokio::time::sleep(Duration::from_millis(2)).await };
+    let _ = slow;
+    let mk = |client: Client,
+              group: String,
+              topic: String,
+              handler: Arc<Counting>,
+              store: Arc<dyn DedupStore>| async move {
+        let consumer = client.consumer(consumer_config(h, &group, &topic)).await?;
+        IdempotentConsumer::with_config(
+            consumer,
+            Some(store),
+            Arc::new(Shared(handler)),
+            EngineConfig {
+                batch_size: 20,
+                ..fast_engine(h)
+            },
+            None,
+        )
+    };
+    let a = mk(
+        client.clone(),
+        group.clone(),
+        topic.clone(),
+        handler.clone(),
+        store.clone(),
+    )
+    .await?;
+    let handled = handler.clone();
+    let joined = Arc::new(AtomicU32::new(0));
+    let a_run = {
+        let handled = handled.clone();
+        a.run_until(until(h, move || handled.distinct() >= total))
+    };
+    let b_run = {
+        let handled = handled.clone();
+        let (client, group, topic, handler, store) = (
+            client.clone(),
+            group.clone(),
+            topic.clone(),
+            handler.clone(),
+            store.clone(),
+        );
+        let joined = joined.clone();
+        async move {
+            // Join once the first member has made progress.
+            let deadline = Instant::now() + h.timings().wait;
+            while handled.distinct() < total / 4 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let b = mk(client, group, topic, handler, store).await?;
+            joined.store(1, Ordering::SeqCst);
+            b.run_until(until(h, move || handled.distinct() >= total))
+                .await
+        }
+    };
+    let (ra, rb) = tokio::join!(a_run, b_run);
+    ra?;
+    rb?;
+    check(
+        joined.load(Ordering::SeqCst) == 1,
+        "the second member joined",
+    )?;
+    let runs = handler.runs.lock().unwrap().clone();
+    check(
+        runs.len() == total,
+        format!("{total} keys handled, got {}", runs.len()),
+    )?;
+    let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
+    check(
+        twice.is_empty(),
+        format!("no key handled twice, got {twice:?}"),
+    )?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// Shutdown stops fetching, finishes what is in flight, commits and closes.
+pub async fn shutdown_drains_and_commits(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(2).await?;
+    produce(
+        &client,
+        (0..50)
+            .map(|i| record(&topic, &format!("k{i}"), "x"))
+            .collect(),
+    )
+    .await?;
+    let group = h.group();
+    let handler = Arc::new(Counting::default());
+    let cfg = EngineConfig {
+        // Commits only at shutdown: proves the drain commits.
+        commit_interval: Duration::from_secs(3600),
+        commit_every: u64::MAX,
+        ..fast_engine(h)
+    };
+    let (metrics, summary) = run_consumer(
+        h,
+        &client,
+        &group,
+        &topic,
+        handler.clone(),
+        cfg,
+        false,
+        |c, _| c.distinct() == 50,
+    )
+    .await?;
+    let summary = summary?;
+    check(summary.drained, "drained within the deadline")?;
+    check(metrics.snapshot().commits >= 1, "committed at shutdown")?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
