@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every test: starts the brokers the landed adapters need (on loopback, by tests/brokers/up.sh),
+# runs the Rust workspace tests against them, and stops only the brokers it started itself.
+# Used by `make test` and, through it, by .ci/run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=brokers/lib.sh
+source tests/brokers/lib.sh
+
+# Services the landed adapters and stores are tested against.
+services=(kafka nats)
+
+started=()
+cleanup() {
+    local rc=$?
+    if ((${#started[@]})); then
+        log "stopping what this run started: ${started[*]}"
+        tests/brokers/down.sh "${started[@]}" || true
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT INT TERM
+
+for s in "${services[@]}"; do
+    if ! service_pid "$s" >/dev/null; then
+        started+=("$s")
+    fi
+done
+env_lines=$(tests/brokers/up.sh "${services[@]}")
+set -a
+eval "$env_lines"
+set +a
+printf '%s\n' "$env_lines" >&2
+
+# Every integration test reads its broker address from these variables; requiring them makes
+# a missing broker a failure here instead of a skipped test.
+export ONCEFLOW_REQUIRE_BROKERS=1
+
+cargo test --workspace --all-targets --locked 2>&1 | tee target/test-output.log
