@@ -220,6 +220,17 @@ pub trait TransactionBackend: Send {
     /// Sends a record inside the transaction (invisible to read-committed readers until commit).
     async fn send(&mut self, record: Record) -> Result<Delivery>;
 
+    /// Sends records inside the transaction, pipelined; one result per record, in order. The
+    /// default sends them one after another; adapters whose client pipelines sends (Kafka)
+    /// override it.
+    async fn send_batch(&mut self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        let mut out = Vec::with_capacity(records.len());
+        for r in records {
+            out.push(self.send(r).await);
+        }
+        out
+    }
+
     /// Adds the consumer's positions to the transaction: for each partition, the position of the
     /// last message processed; the committed position becomes the next one.
     async fn commit_offsets(

@@ -179,23 +179,8 @@ impl Producer {
                 Err(e) => results.push(Some(Err(e))),
             }
         }
-        let mut sent = self.inner.send_batch(valid).await.into_iter();
-        let mut spans = spans.into_iter();
-        results
-            .into_iter()
-            .map(|slot| match slot {
-                Some(err) => err,
-                None => {
-                    let r = sent.next().unwrap_or_else(|| {
-                        Err(Error::new(ErrorKind::Platform, "missing delivery report"))
-                    });
-                    if let Some(cx) = spans.next() {
-                        trace::end_send(&cx, r.as_ref());
-                    }
-                    r
-                }
-            })
-            .collect()
+        let sent = self.inner.send_batch(valid).await;
+        merge_results(results, sent, spans)
     }
 
     /// Writes all records or none (platforms with [`Capabilities::atomic_batch`]).
@@ -240,6 +225,32 @@ impl Producer {
     pub async fn close(&self) -> Result<()> {
         self.inner.close().await
     }
+}
+
+/// Puts the backend's results for the valid records back between the validation errors, ending
+/// each record's send span.
+fn merge_results(
+    results: Vec<Option<Result<Delivery>>>,
+    sent: Vec<Result<Delivery>>,
+    spans: Vec<opentelemetry::Context>,
+) -> Vec<Result<Delivery>> {
+    let mut sent = sent.into_iter();
+    let mut spans = spans.into_iter();
+    results
+        .into_iter()
+        .map(|slot| match slot {
+            Some(err) => err,
+            None => {
+                let r = sent.next().unwrap_or_else(|| {
+                    Err(Error::new(ErrorKind::Platform, "missing delivery report"))
+                });
+                if let Some(cx) = spans.next() {
+                    trace::end_send(&cx, r.as_ref());
+                }
+                r
+            }
+        })
+        .collect()
 }
 
 pub(crate) fn prepare_record(
@@ -305,6 +316,35 @@ impl Transaction {
         let result = self.inner()?.send(record).await;
         trace::end_send(&cx, result.as_ref());
         result
+    }
+
+    /// Sends records inside the transaction, pipelined where the platform allows; one result
+    /// per record, in order. A record that fails validation gets its error; the others are sent.
+    pub async fn send_batch(&mut self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        let mut results: Vec<Option<Result<Delivery>>> = Vec::with_capacity(records.len());
+        let mut valid = Vec::with_capacity(records.len());
+        let mut spans = Vec::with_capacity(records.len());
+        for mut r in records {
+            match prepare_record(self.platform.as_ref(), &mut r) {
+                Ok(cx) => {
+                    results.push(None);
+                    spans.push(cx);
+                    valid.push(r);
+                }
+                Err(e) => results.push(Some(Err(e))),
+            }
+        }
+        let sent = match self.inner() {
+            Ok(inner) => inner.send_batch(valid).await,
+            Err(e) => {
+                let msg = e.to_string();
+                valid
+                    .iter()
+                    .map(|_| Err(Error::new(ErrorKind::Closed, msg.clone())))
+                    .collect()
+            }
+        };
+        merge_results(results, sent, spans)
     }
 
     /// Commits the consumer's positions (for each partition, the last processed message) with

@@ -293,6 +293,8 @@ struct TxState {
     /// First input position per partition in the open transaction (rewind target).
     first: HashMap<TopicPartition, Position>,
     claims: Vec<Completion>,
+    /// Outputs of the current batch not sent yet.
+    pending: Vec<Record>,
     /// Keys of inputs in the open transaction.
     inflight: HashMap<String, Option<u128>>,
 }
@@ -456,6 +458,9 @@ impl TxLoop<'_> {
                 st.inputs += 1;
             }
         }
+        if !self.flush(&mut st).await? {
+            return Ok(());
+        }
         let due = st.tx.is_some()
             && (st.inputs >= self.config.max_transaction_inputs
                 || st
@@ -517,19 +522,39 @@ impl TxLoop<'_> {
         let mut outputs = outputs;
         set_output_ids(core.config.key.key_of(msg).as_deref(), &mut outputs);
         let n = outputs.len() as u64;
-        let tx = st.tx.as_mut().expect("open transaction");
-        for r in outputs {
-            if let Err(e) = tx.send(r).await {
+        // Sent with the rest of the batch (pipelined) by `flush`, before positions commit.
+        st.pending.extend(outputs);
+        core.metrics.add(Metric::Produced, n);
+        core.metrics.add(Metric::Processed, 1);
+        Ok(true)
+    }
+
+    /// Sends the outputs gathered so far in the open transaction, pipelined. `Ok(false)` when a
+    /// send failed and the transaction was aborted and rewound.
+    async fn flush(&self, st: &mut TxState) -> Result<bool> {
+        if st.pending.is_empty() {
+            return Ok(true);
+        }
+        let records = std::mem::take(&mut st.pending);
+        let tx = st
+            .tx
+            .as_mut()
+            .expect("pending outputs imply an open transaction");
+        let failed = tx
+            .send_batch(records)
+            .await
+            .into_iter()
+            .find_map(|r| r.err());
+        match failed {
+            None => Ok(true),
+            Some(e) => {
                 self.abort_and_rewind(st, "send failed").await?;
                 if e.kind() == ErrorKind::Fenced || !e.is_retriable() {
                     return Err(e);
                 }
-                return Ok(false);
+                Ok(false)
             }
         }
-        core.metrics.add(Metric::Produced, n);
-        core.metrics.add(Metric::Processed, 1);
-        Ok(true)
     }
 
     /// Sends `msg` to the dead-letter topic inside the transaction if one is configured.
@@ -543,15 +568,17 @@ impl TxLoop<'_> {
         let OnFailure::DeadLetter(topic) = &self.core.config.on_failure else {
             return Ok(false);
         };
-        let tx = st.tx.as_mut().expect("open transaction");
-        tx.send(dead_letter_record(topic, msg, err, attempts))
-            .await?;
+        st.pending
+            .push(dead_letter_record(topic, msg, err, attempts));
         self.core.metrics.add(Metric::DeadLettered, 1);
         Ok(true)
     }
 
     async fn commit(&self, st: &mut TxState) -> Result<()> {
         let core = self.core;
+        if !self.flush(st).await? {
+            return Ok(());
+        }
         let Some(mut tx) = st.tx.take() else {
             return Ok(());
         };
@@ -665,6 +692,7 @@ impl TxLoop<'_> {
         st.positions.clear();
         st.first.clear();
         st.inflight.clear();
+        st.pending.clear();
         st.inputs = 0;
         st.started = None;
         Ok(())
