@@ -21,36 +21,67 @@ use tokio::task::JoinHandle;
 
 use crate::config::JetStreamOptions;
 use crate::convert::{self, nats_err};
+use crate::group::{self, Membership};
 use crate::naming;
 use crate::{Shared, CAPABILITIES};
 
-/// One assigned partition: its durable, the fetch task feeding it, and the messages delivered
-/// by `poll` that are neither committed nor nacked.
+/// Session timeout when [`ConsumerConfig::session_timeout`] is not set: a member that does not
+/// poll for this long loses its partitions to the others.
+pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One partition of the subscribed topics: its durable and, while this member owns it, the
+/// fetch task feeding it and the messages delivered by `poll` that are neither committed nor
+/// nacked.
 struct Partition {
     tp: TopicPartition,
     stream: Stream,
     subject: String,
     durable: String,
+    /// Where a durable created on claim starts (the consumer's start, resolved).
+    start: StartFrom,
     inner: Mutex<PartitionInner>,
 }
 
+#[derive(Default)]
 struct PartitionInner {
-    rx: mpsc::Receiver<jetstream::Message>,
-    task: JoinHandle<()>,
+    /// Set while this member owns the partition.
+    fetch: Option<Fetch>,
+    /// Revision of this member's owner entry.
+    owner_revision: Option<u64>,
     paused: bool,
     /// Delivered by `poll`, not yet acked or nacked, by stream sequence.
     pending: BTreeMap<u64, jetstream::Message>,
+}
+
+struct Fetch {
+    rx: mpsc::Receiver<jetstream::Message>,
+    task: JoinHandle<()>,
+}
+
+impl Fetch {
+    /// Stops the task; returns what it fetched and nobody polled.
+    fn stop(mut self) -> Vec<jetstream::Message> {
+        self.task.abort();
+        self.rx.close();
+        let mut left = Vec::new();
+        while let Ok(m) = self.rx.try_recv() {
+            left.push(m);
+        }
+        left
+    }
 }
 
 /// A member of a consumer group on JetStream (see the crate docs for the mapping).
 pub struct JetStreamConsumer {
     shared: Arc<Shared>,
     group: String,
-    member_id: String,
     options: JetStreamOptions,
     partitions: Vec<Partition>,
+    membership: Membership,
+    refresh_every: Duration,
+    last_refresh: Mutex<Option<tokio::time::Instant>>,
+    rebalancing: tokio::sync::Mutex<()>,
     listener: Mutex<Option<Arc<dyn RebalanceListener>>>,
-    announced: AtomicBool,
     closed: AtomicBool,
     notify: Arc<Notify>,
     rotate: AtomicUsize,
@@ -92,7 +123,6 @@ impl JetStreamConsumer {
                 options.backoff.len()
             )));
         }
-        let notify = Arc::new(Notify::new());
         let mut partitions = Vec::new();
         for topic in &config.topics {
             let n = shared.partitions(topic).await?;
@@ -101,49 +131,189 @@ impl JetStreamConsumer {
                 let subject = naming::subject(topic, n, p);
                 let durable = naming::durable(&config.group, p);
                 let start = resolve_start(&stream, &subject, &config.start).await?;
-                let consumer =
-                    ensure_durable(&stream, &durable, &subject, &options, &start).await?;
-                let (rx, task) = spawn_fetch(consumer, &options, notify.clone());
+                // Created (or, for an explicit start, created again) now; resumed on claim.
+                ensure_durable(&stream, &durable, &subject, &options, &start).await?;
                 partitions.push(Partition {
                     tp: TopicPartition::new(topic.clone(), p),
                     stream: stream.clone(),
                     subject,
                     durable,
-                    inner: Mutex::new(PartitionInner {
-                        rx,
-                        task,
-                        paused: false,
-                        pending: BTreeMap::new(),
-                    }),
+                    start: match start {
+                        StartFrom::Committed { .. } => start,
+                        other => StartFrom::Committed {
+                            fallback: Box::new(other),
+                        },
+                    },
+                    inner: Mutex::new(PartitionInner::default()),
                 });
             }
         }
+        let session = config.session_timeout.unwrap_or(DEFAULT_SESSION_TIMEOUT);
+        let member = config
+            .client_id
+            .unwrap_or_else(|| format!("member-{:016x}", rand::random::<u64>()));
+        let membership = Membership::join(&shared, &config.group, &member, session).await?;
         Ok(Arc::new(JetStreamConsumer {
             shared,
             group: config.group,
-            member_id: config
-                .client_id
-                .unwrap_or_else(|| format!("member-{:016x}", rand::random::<u64>())),
             options,
             partitions,
+            membership,
+            refresh_every: (session / 4).clamp(Duration::from_millis(100), Duration::from_secs(1)),
+            last_refresh: Mutex::new(None),
+            rebalancing: tokio::sync::Mutex::new(()),
             listener: Mutex::new(None),
-            announced: AtomicBool::new(false),
             closed: AtomicBool::new(false),
-            notify,
+            notify: Arc::new(Notify::new()),
             rotate: AtomicUsize::new(0),
         }))
     }
 
+    /// Starts fetching a partition this member now owns.
+    async fn activate(&self, part: &Partition, revision: u64) -> Result<()> {
+        let consumer = ensure_durable(
+            &part.stream,
+            &part.durable,
+            &part.subject,
+            &self.options,
+            &part.start,
+        )
+        .await?;
+        let (rx, task) = spawn_fetch(consumer, &self.options, self.notify.clone());
+        let mut inner = part.inner.lock();
+        if let Some(old) = inner.fetch.replace(Fetch { rx, task }) {
+            old.stop();
+        }
+        inner.owner_revision = Some(revision);
+        inner.pending.clear();
+        Ok(())
+    }
+
+    /// Stops fetching a partition; returns the owner revision and the messages delivered or
+    /// fetched but not acked, in sequence order.
+    fn deactivate(&self, part: &Partition) -> (Option<u64>, Vec<jetstream::Message>) {
+        let mut inner = part.inner.lock();
+        let mut left: Vec<jetstream::Message> =
+            std::mem::take(&mut inner.pending).into_values().collect();
+        if let Some(f) = inner.fetch.take() {
+            left.extend(f.stop());
+        }
+        (inner.owner_revision.take(), left)
+    }
+
+    /// Naks (no delay) in order, so the next owner gets them at once and in order.
+    async fn nak_all(messages: &[jetstream::Message]) {
+        for m in messages {
+            let _ = m.ack_with(AckKind::Nak(None)).await;
+        }
+    }
+
+    /// Refreshes membership and moves partitions: revoked ones are committed (positions from the
+    /// listener), stopped and released before others can take them; lost ones are dropped.
+    async fn rebalance(&self, force: bool) -> Result<()> {
+        {
+            let last = self.last_refresh.lock();
+            if !force && last.is_some_and(|t| t.elapsed() < self.refresh_every) {
+                return Ok(());
+            }
+        }
+        let Ok(_guard) = self.rebalancing.try_lock() else {
+            return Ok(());
+        };
+        *self.last_refresh.lock() = Some(tokio::time::Instant::now());
+        self.membership.heartbeat().await?;
+        let live = self.membership.live_members().await?;
+        let all: Vec<TopicPartition> = self.partitions.iter().map(|p| p.tp.clone()).collect();
+        let desired = group::assignment_for(&all, &live, self.membership.member());
+        let listener = self.listener.lock().clone();
+
+        // Lost: someone took over a partition we thought ours (we missed the session timeout).
+        let mut lost = Vec::new();
+        for part in &self.partitions {
+            let rev = part.inner.lock().owner_revision;
+            if let Some(rev) = rev {
+                match self.membership.owner(&part.tp).await? {
+                    group::Owner::Me(r) if r == rev => {}
+                    _ => {
+                        let _ = self.deactivate(part);
+                        lost.push(part.tp.clone());
+                    }
+                }
+            }
+        }
+        if !lost.is_empty() {
+            if let Some(l) = &listener {
+                l.on_lost(&lost);
+            }
+        }
+
+        // Revoked: commit what the listener says is finished, then give the partition up.
+        let revoked: Vec<TopicPartition> = self
+            .assignment()
+            .into_iter()
+            .filter(|tp| !desired.contains(tp))
+            .collect();
+        if !revoked.is_empty() {
+            let positions = listener
+                .as_ref()
+                .map(|l| l.on_revoked(&revoked))
+                .unwrap_or_default();
+            if !positions.is_empty() {
+                if let Err(e) = self.commit(&positions).await {
+                    tracing::warn!(error = %e, "commit on revocation failed");
+                }
+            }
+            for tp in &revoked {
+                if let Some(part) = self.partitions.iter().find(|p| &p.tp == tp) {
+                    let (rev, left) = self.deactivate(part);
+                    Self::nak_all(&left).await;
+                    if let Some(rev) = rev {
+                        self.membership.release(tp, rev).await;
+                    }
+                }
+            }
+        }
+
+        // Assigned: take what is ours and free (or owned by a dead member).
+        let mut assigned = Vec::new();
+        for part in &self.partitions {
+            if !desired.contains(&part.tp) || part.inner.lock().fetch.is_some() {
+                continue;
+            }
+            let revision = match self.membership.owner(&part.tp).await? {
+                group::Owner::Nobody => self.membership.claim(&part.tp, None).await,
+                group::Owner::Me(r) => Some(r),
+                group::Owner::Other { member, revision } if !live.contains(&member) => {
+                    self.membership.claim(&part.tp, Some(revision)).await
+                }
+                group::Owner::Other { .. } => None,
+            };
+            if let Some(rev) = revision {
+                self.activate(part, rev).await?;
+                assigned.push(part.tp.clone());
+            }
+        }
+        if !assigned.is_empty() {
+            if let Some(l) = &listener {
+                l.on_assigned(&assigned);
+            }
+        }
+        Ok(())
+    }
+
     fn partition(&self, tp: &TopicPartition) -> Result<&Partition> {
-        self.partitions.iter().find(|p| &p.tp == tp).ok_or_else(|| {
-            Error::new(
-                ErrorKind::Fenced,
-                format!(
-                    "partition {tp} is not assigned to this member of group '{}'",
-                    self.group
-                ),
-            )
-        })
+        self.partitions
+            .iter()
+            .find(|p| &p.tp == tp && p.inner.lock().fetch.is_some())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Fenced,
+                    format!(
+                        "partition {tp} is not assigned to this member of group '{}'",
+                        self.group
+                    ),
+                )
+            })
     }
 
     fn check_open(&self) -> Result<()> {
@@ -350,26 +520,25 @@ impl ConsumerBackend for JetStreamConsumer {
 
     async fn poll(&self, max: usize, timeout: Duration) -> Result<Vec<Message>> {
         self.check_open()?;
-        if !self.announced.swap(true, Ordering::AcqRel) {
-            let listener = self.listener.lock().clone();
-            if let Some(l) = listener {
-                l.on_assigned(&self.assignment());
-            }
-        }
         let deadline = tokio::time::Instant::now() + timeout;
         let k = self.partitions.len();
         let mut out = Vec::new();
         loop {
+            self.rebalance(false).await?;
             if k > 0 {
                 let start = self.rotate.fetch_add(1, Ordering::Relaxed) % k;
                 for j in 0..k {
                     let part = &self.partitions[(start + j) % k];
-                    let mut inner = part.inner.lock();
+                    let mut guard = part.inner.lock();
+                    let inner = &mut *guard;
                     if inner.paused {
                         continue;
                     }
+                    let Some(fetch) = inner.fetch.as_mut() else {
+                        continue;
+                    };
                     while out.len() < max {
-                        match inner.rx.try_recv() {
+                        match fetch.rx.try_recv() {
                             Ok(m) => {
                                 let msg = convert::message(&part.tp.topic, &m)?;
                                 if let Position::Sequence(s) = msg.position {
@@ -389,7 +558,8 @@ impl ConsumerBackend for JetStreamConsumer {
             if !out.is_empty() || now >= deadline {
                 return Ok(out);
             }
-            let _ = tokio::time::timeout(deadline - now, self.notify.notified()).await;
+            let wait = (deadline - now).min(self.refresh_every);
+            let _ = tokio::time::timeout(wait, self.notify.notified()).await;
         }
     }
 
@@ -440,9 +610,9 @@ impl ConsumerBackend for JetStreamConsumer {
     ) -> Result<Vec<(TopicPartition, Option<Position>)>> {
         let mut out = Vec::with_capacity(partitions.len());
         for tp in partitions {
-            let pos = match self.partition(tp) {
-                Ok(p) => self.committed_of(&p.stream, &p.durable).await?,
-                Err(_) => match self.shared.get_stream(&tp.topic).await {
+            let pos = match self.partitions.iter().find(|p| &p.tp == tp) {
+                Some(p) => self.committed_of(&p.stream, &p.durable).await?,
+                None => match self.shared.get_stream(&tp.topic).await {
                     Ok(s) => {
                         self.committed_of(&s, &naming::durable(&self.group, tp.partition))
                             .await?
@@ -477,9 +647,8 @@ impl ConsumerBackend for JetStreamConsumer {
             StartFrom::Committed { .. } => StartFrom::Earliest,
             t => t,
         };
-        {
-            let inner = part.inner.lock();
-            inner.task.abort();
+        if let Some(f) = part.inner.lock().fetch.take() {
+            f.stop();
         }
         let consumer = ensure_durable(
             &part.stream,
@@ -491,9 +660,9 @@ impl ConsumerBackend for JetStreamConsumer {
         .await?;
         let (rx, task) = spawn_fetch(consumer, &self.options, self.notify.clone());
         let mut inner = part.inner.lock();
-        inner.task.abort();
-        inner.task = task;
-        inner.rx = rx;
+        if let Some(old) = inner.fetch.replace(Fetch { rx, task }) {
+            old.stop();
+        }
         inner.pending.clear();
         Ok(())
     }
@@ -517,14 +686,22 @@ impl ConsumerBackend for JetStreamConsumer {
         if self.closed.load(Ordering::Acquire) {
             return Vec::new();
         }
-        self.partitions.iter().map(|p| p.tp.clone()).collect()
+        self.partitions
+            .iter()
+            .filter(|p| p.inner.lock().fetch.is_some())
+            .map(|p| p.tp.clone())
+            .collect()
     }
 
     /// `num_pending + num_ack_pending` of each partition's durable
     /// (<https://docs.nats.io/nats-concepts/jetstream/consumers>).
     async fn lag(&self) -> Result<Vec<PartitionLag>> {
         let mut out = Vec::with_capacity(self.partitions.len());
-        for p in &self.partitions {
+        for p in self
+            .partitions
+            .iter()
+            .filter(|p| p.inner.lock().fetch.is_some())
+        {
             let info = p
                 .stream
                 .consumer_info(&p.durable)
@@ -552,7 +729,7 @@ impl ConsumerBackend for JetStreamConsumer {
         Some(GroupMetadata {
             group: self.group.clone(),
             generation: 0,
-            member_id: self.member_id.clone(),
+            member_id: self.membership.member().to_string(),
             native: None,
         })
     }
@@ -560,7 +737,10 @@ impl ConsumerBackend for JetStreamConsumer {
     /// `-NAK` with the delay ([ADR-15](https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-15.md)).
     async fn nack(&self, message: &Message, delay: Duration) -> Result<()> {
         self.check_open()?;
-        let part = self.partition(&message.topic_partition())?;
+        let Ok(part) = self.partition(&message.topic_partition()) else {
+            // Moved away: not acked, so the new owner gets it anyway.
+            return Ok(());
+        };
         let seq = message.position.as_sequence().ok_or_else(|| {
             Error::config(format!(
                 "position {} is not a JetStream position: expected seq:N",
@@ -584,7 +764,9 @@ impl ConsumerBackend for JetStreamConsumer {
 
     /// `+WPI`: restarts the message's `ack_wait`.
     async fn in_progress(&self, message: &Message) -> Result<()> {
-        let part = self.partition(&message.topic_partition())?;
+        let Ok(part) = self.partition(&message.topic_partition()) else {
+            return Ok(());
+        };
         let seq = message.position.as_sequence().unwrap_or(0);
         let m = part.inner.lock().pending.get(&seq).cloned();
         match m {
@@ -596,27 +778,22 @@ impl ConsumerBackend for JetStreamConsumer {
         }
     }
 
-    /// Stops the fetch tasks and naks (without delay) what was delivered but not committed and
-    /// what was fetched but not delivered, so other members get it at once. Durables stay.
+    /// Stops the fetch tasks, naks (without delay, in order) what was delivered but not
+    /// committed and what was fetched but not delivered, gives the partitions up and leaves the
+    /// group, so other members take over at once. Durables stay.
     async fn close(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        let mut to_nak = Vec::new();
-        for p in &self.partitions {
-            let mut inner = p.inner.lock();
-            inner.task.abort();
-            to_nak.extend(std::mem::take(&mut inner.pending).into_values());
-            inner.rx.close();
-            while let Ok(m) = inner.rx.try_recv() {
-                to_nak.push(m);
+        let _guard = self.rebalancing.lock().await;
+        for part in &self.partitions {
+            let (rev, left) = self.deactivate(part);
+            Self::nak_all(&left).await;
+            if let Some(rev) = rev {
+                self.membership.release(&part.tp, rev).await;
             }
         }
-        // In sequence order, so the server redelivers them in order.
-        for m in &to_nak {
-            let _ = m.ack_with(AckKind::Nak(None)).await;
-        }
-        let _ = self.shared.client.flush().await;
+        self.membership.leave().await;
         Ok(())
     }
 }
@@ -624,7 +801,9 @@ impl ConsumerBackend for JetStreamConsumer {
 impl Drop for JetStreamConsumer {
     fn drop(&mut self) {
         for p in &self.partitions {
-            p.inner.lock().task.abort();
+            if let Some(f) = p.inner.lock().fetch.take() {
+                f.stop();
+            }
         }
     }
 }

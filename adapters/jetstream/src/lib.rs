@@ -17,10 +17,9 @@
 //!   `xxh3_64(key) % N`, an unkeyed one round-robin, an explicit partition wins. Other clients
 //!   (nats-py, the `nats` CLI) publish to these subjects directly.
 //! - **Order**: JetStream orders a stream; onceflow consumes each partition through its own
-//!   durable consumer (filter subject = the partition subject), so a group gets every partition
-//!   in order and different partitions in parallel. Members of one group share the durables
-//!   (JetStream hands each message to one of them), so with several members a partition's
-//!   messages are spread over them: order per partition holds for one member per group.
+//!   durable consumer (filter subject = the partition subject) owned by one member of the
+//!   group at a time, so a group reads every partition in order and different partitions in
+//!   parallel. Across partitions there is no order.
 //! - **Positions** are stream sequences ([`onceflow_core::Position::Sequence`]).
 //! - The record key travels in the `onceflow-key` header (`onceflow-key-hex` when it is not
 //!   text), the record timestamp in `onceflow-timestamp`: JetStream messages have neither. A
@@ -67,12 +66,23 @@
 //!   `onceflow-headers` (names in order, null and hex marks) and rebuilds the exact list from it:
 //!   order, repeats, null vs empty and binary values survive. Values that are not single-line
 //!   UTF-8 are hex on the wire. Messages from other clients get their headers sorted by name.
-//! - Every member is assigned every partition of its topics (there is no group coordinator);
-//!   [`ConsumerBackend::group_metadata`] returns the group and member, generation 0, for
-//!   information (no transactions on JetStream).
+//! - **Consumer groups**: JetStream has no group coordinator, so onceflow keeps membership in
+//!   the KV bucket `onceflow_groups` ([`GROUPS_BUCKET`], [ADR-8]): members heartbeat at every
+//!   poll (at most every `session_timeout / 4`, between 100 ms and 1 s), partitions are spread
+//!   over the live members (sorted; partition `i` to member `i % n`), and a partition's owner
+//!   is recorded with compare-and-set. A member that gives a partition up first runs the
+//!   listener's `on_revoked`, commits the positions it returns, naks what it fetched and
+//!   releases ownership; only then can the next member take it. A member that does not poll
+//!   for its session timeout ([`DEFAULT_SESSION_TIMEOUT`] unless set) is taken over and gets
+//!   `on_lost` at its next poll. Committing a partition the member does not own is `Fenced`.
+//!   Member clocks must agree to well within the session timeout (liveness compares the KV
+//!   entry's server time with local time).
+//! - [`ConsumerBackend::group_metadata`] returns the group and member with generation 0, for
+//!   information: JetStream has no transactions to commit positions with.
 //!
 //! [async-nats]: https://docs.rs/async-nats
 //! [ADR-4]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-4.md
+//! [ADR-8]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-8.md
 //! [ADR-13]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-13.md
 //! [ADR-31]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-31.md
 //! [ADR-33]: https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-33.md
@@ -85,6 +95,7 @@ mod admin;
 mod config;
 mod consumer;
 mod convert;
+mod group;
 mod naming;
 mod producer;
 
@@ -102,7 +113,8 @@ use parking_lot::Mutex;
 
 pub use admin::JetStreamAdmin;
 pub use config::{parse_url, JetStreamOptions};
-pub use consumer::JetStreamConsumer;
+pub use consumer::{JetStreamConsumer, DEFAULT_SESSION_TIMEOUT};
+pub use group::GROUPS_BUCKET;
 pub use naming::{
     durable, partition_for_key, partition_of_subject, subject, KEY_HEADER, KEY_HEX_HEADER,
     ORDER_HEADER, PARTITIONS_METADATA, TIMESTAMP_HEADER,
