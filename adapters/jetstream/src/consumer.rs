@@ -16,7 +16,7 @@ use onceflow_core::{
     PartitionLag, Position, RebalanceListener, Result, StartFrom, TopicPartition,
 };
 use parking_lot::Mutex;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 
 use crate::config::JetStreamOptions;
@@ -55,18 +55,29 @@ struct PartitionInner {
 
 struct Fetch {
     rx: mpsc::Receiver<jetstream::Message>,
-    task: JoinHandle<()>,
+    task: JoinHandle<Vec<jetstream::Message>>,
+    stop: oneshot::Sender<()>,
 }
 
 impl Fetch {
-    /// Stops the task; returns what it fetched and nobody polled.
-    fn stop(mut self) -> Vec<jetstream::Message> {
-        self.task.abort();
+    /// Stops the task and waits until its pull request in flight ended (so the server has no
+    /// request of ours left before anything we nak is redelivered); returns what it fetched and
+    /// nobody polled, in order.
+    async fn shutdown(mut self) -> Vec<jetstream::Message> {
+        let _ = self.stop.send(());
+        let more = match tokio::time::timeout(PULL_EXPIRES * 4, &mut self.task).await {
+            Ok(Ok(more)) => more,
+            _ => {
+                self.task.abort();
+                Vec::new()
+            }
+        };
         self.rx.close();
         let mut left = Vec::new();
         while let Ok(m) = self.rx.try_recv() {
             left.push(m);
         }
+        left.extend(more);
         left
     }
 }
@@ -179,26 +190,32 @@ impl JetStreamConsumer {
             &part.start,
         )
         .await?;
-        let (rx, task) = spawn_fetch(consumer, &self.options, self.notify.clone());
-        let mut inner = part.inner.lock();
-        if let Some(old) = inner.fetch.replace(Fetch { rx, task }) {
-            old.stop();
+        let fetch = spawn_fetch(consumer, &self.options, self.notify.clone());
+        let old = {
+            let mut inner = part.inner.lock();
+            inner.owner_revision = Some(revision);
+            inner.pending.clear();
+            inner.fetch.replace(fetch)
+        };
+        if let Some(old) = old {
+            old.shutdown().await;
         }
-        inner.owner_revision = Some(revision);
-        inner.pending.clear();
         Ok(())
     }
 
     /// Stops fetching a partition; returns the owner revision and the messages delivered or
     /// fetched but not acked, in sequence order.
-    fn deactivate(&self, part: &Partition) -> (Option<u64>, Vec<jetstream::Message>) {
-        let mut inner = part.inner.lock();
-        let mut left: Vec<jetstream::Message> =
-            std::mem::take(&mut inner.pending).into_values().collect();
-        if let Some(f) = inner.fetch.take() {
-            left.extend(f.stop());
+    async fn deactivate(&self, part: &Partition) -> (Option<u64>, Vec<jetstream::Message>) {
+        let (rev, mut left, fetch) = {
+            let mut inner = part.inner.lock();
+            let left: Vec<jetstream::Message> =
+                std::mem::take(&mut inner.pending).into_values().collect();
+            (inner.owner_revision.take(), left, inner.fetch.take())
+        };
+        if let Some(f) = fetch {
+            left.extend(f.shutdown().await);
         }
-        (inner.owner_revision.take(), left)
+        (rev, left)
     }
 
     /// Naks (no delay) in order, so the next owner gets them at once and in order.
@@ -235,7 +252,7 @@ impl JetStreamConsumer {
                 match self.membership.owner(&part.tp).await? {
                     group::Owner::Me(r) if r == rev => {}
                     _ => {
-                        let _ = self.deactivate(part);
+                        let _ = self.deactivate(part).await;
                         lost.push(part.tp.clone());
                     }
                 }
@@ -265,7 +282,7 @@ impl JetStreamConsumer {
             }
             for tp in &revoked {
                 if let Some(part) = self.partitions.iter().find(|p| &p.tp == tp) {
-                    let (rev, left) = self.deactivate(part);
+                    let (rev, left) = self.deactivate(part).await;
                     Self::nak_all(&left).await;
                     if let Some(rev) = rev {
                         self.membership.release(tp, rev).await;
@@ -447,53 +464,78 @@ async fn ensure_durable(
     }
 }
 
-/// Starts the task that pulls from `consumer` (continuous pull with heartbeats,
-/// <https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#pull-consumers>) into
-/// a bounded channel.
-fn spawn_fetch(
-    consumer: PullConsumer,
-    options: &JetStreamOptions,
-    notify: Arc<Notify>,
-) -> (mpsc::Receiver<jetstream::Message>, JoinHandle<()>) {
+/// How long one pull request waits on the server; also the longest a stop waits for the
+/// request in flight to end.
+const PULL_EXPIRES: Duration = Duration::from_millis(500);
+
+/// Starts the task that pulls from `consumer` into a bounded channel: one pull request at a
+/// time ([pull consumers](https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#pull-consumers)),
+/// up to `fetch_batch` messages, expiring after [`PULL_EXPIRES`]. On stop the task lets the
+/// request in flight end before it returns, so the server has no request of ours left when
+/// the caller naks what was fetched (a nak'd message sent to a request nobody listens to would
+/// come back out of order, or only after `ack_wait`).
+fn spawn_fetch(consumer: PullConsumer, options: &JetStreamOptions, notify: Arc<Notify>) -> Fetch {
     let batch = options.fetch_batch;
     let (tx, rx) = mpsc::channel(batch);
+    let (stop, mut stop_rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        loop {
-            let stream = consumer
-                .stream()
-                .max_messages_per_batch(batch)
-                .heartbeat(Duration::from_secs(5))
-                .expires(Duration::from_secs(30))
+        let mut stopping = false;
+        let mut left = Vec::new();
+        while !stopping {
+            let request = consumer
+                .batch()
+                .max_messages(batch)
+                .expires(PULL_EXPIRES)
                 .messages()
                 .await;
-            match stream {
-                Ok(mut messages) => {
-                    while let Some(m) = messages.next().await {
-                        match m {
-                            Ok(m) => {
-                                if tx.send(m).await.is_err() {
-                                    return;
+            let mut messages = match request {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot pull; retrying");
+                    tokio::select! {
+                        _ = &mut stop_rx => return left,
+                        _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                    }
+                }
+            };
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    _ = &mut stop_rx, if !stopping => {
+                        stopping = true;
+                        continue;
+                    }
+                    m = messages.next() => m,
+                };
+                match next {
+                    None => break,
+                    Some(Ok(m)) if stopping => left.push(m),
+                    Some(Ok(m)) => {
+                        tokio::select! {
+                            biased;
+                            permit = tx.reserve() => match permit {
+                                Ok(p) => {
+                                    p.send(m);
+                                    notify.notify_one();
                                 }
-                                notify.notify_one();
-                            }
-                            Err(e) => {
-                                tracing::debug!(error = %e, "JetStream pull stream error");
-                                if tx.is_closed() {
-                                    return;
+                                Err(_) => {
+                                    left.push(m);
+                                    stopping = true;
                                 }
+                            },
+                            _ = &mut stop_rx, if !stopping => {
+                                left.push(m);
+                                stopping = true;
                             }
                         }
                     }
+                    Some(Err(e)) => tracing::debug!(error = %e, "JetStream pull error"),
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot start pulling; retrying"),
             }
-            if tx.is_closed() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
+        left
     });
-    (rx, task)
+    Fetch { rx, task, stop }
 }
 
 fn ack_err(what: &str, tp: &TopicPartition, seq: u64, e: async_nats::Error) -> Error {
@@ -647,8 +689,9 @@ impl ConsumerBackend for JetStreamConsumer {
             StartFrom::Committed { .. } => StartFrom::Earliest,
             t => t,
         };
-        if let Some(f) = part.inner.lock().fetch.take() {
-            f.stop();
+        let old = part.inner.lock().fetch.take();
+        if let Some(f) = old {
+            f.shutdown().await;
         }
         let consumer = ensure_durable(
             &part.stream,
@@ -658,12 +701,15 @@ impl ConsumerBackend for JetStreamConsumer {
             &target,
         )
         .await?;
-        let (rx, task) = spawn_fetch(consumer, &self.options, self.notify.clone());
-        let mut inner = part.inner.lock();
-        if let Some(old) = inner.fetch.replace(Fetch { rx, task }) {
-            old.stop();
+        let fetch = spawn_fetch(consumer, &self.options, self.notify.clone());
+        let old = {
+            let mut inner = part.inner.lock();
+            inner.pending.clear();
+            inner.fetch.replace(fetch)
+        };
+        if let Some(old) = old {
+            old.shutdown().await;
         }
-        inner.pending.clear();
         Ok(())
     }
 
@@ -787,13 +833,14 @@ impl ConsumerBackend for JetStreamConsumer {
         }
         let _guard = self.rebalancing.lock().await;
         for part in &self.partitions {
-            let (rev, left) = self.deactivate(part);
+            let (rev, left) = self.deactivate(part).await;
             Self::nak_all(&left).await;
             if let Some(rev) = rev {
                 self.membership.release(&part.tp, rev).await;
             }
         }
         self.membership.leave().await;
+        let _ = self.shared.client.flush().await;
         Ok(())
     }
 }
@@ -802,7 +849,8 @@ impl Drop for JetStreamConsumer {
     fn drop(&mut self) {
         for p in &self.partitions {
             if let Some(f) = p.inner.lock().fetch.take() {
-                f.stop();
+                // Dropping the stop sender ends the task.
+                f.task.abort();
             }
         }
     }

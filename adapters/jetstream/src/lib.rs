@@ -45,6 +45,9 @@
 //! ## Consumer
 //! - One **durable pull consumer per group and partition** (`<group>-<partition>`, [ADR-13]),
 //!   explicit ack, `ack_wait`, `max_deliver`, `backoff`, `max_ack_pending` from the options.
+//!   Its owner pulls with one request at a time (`fetch_batch` messages, 500 ms expiry), so
+//!   giving a partition up leaves no request of ours on the server that would swallow the
+//!   messages it naks.
 //!   A consumer that reconnects resumes its durable; with
 //!   [`StartFrom::Committed`](onceflow_core::StartFrom::Committed) an existing durable is never
 //!   recreated. The fallback (`Earliest` / `Latest`) is the deliver policy of a new durable.

@@ -1,0 +1,259 @@
+//! JetStream-specific behaviour on a real nats-server (the platform-neutral cases are in the
+//! conformance suite, `tests/tests/backend_jetstream.rs`). Runs when `ONCEFLOW_NATS_URL` is set
+//! (`set -a; eval "$(tests/brokers/up.sh nats)"; set +a`); without it each test prints that it
+//! skipped and why.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use onceflow_core::{
+    ConsumerBackend, ConsumerConfig, ErrorKind, Message, PlatformBackend, ProducerConfig, Record,
+    StartFrom, TopicSpec,
+};
+use onceflow_jetstream::JetStreamPlatform;
+
+const URL_VAR: &str = "ONCEFLOW_NATS_URL";
+
+async fn platform(test: &str) -> Option<Arc<JetStreamPlatform>> {
+    match std::env::var(URL_VAR) {
+        Ok(url) if !url.is_empty() => Some(
+            onceflow_jetstream::connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("{URL_VAR}='{url}': {e}")),
+        ),
+        _ => {
+            // Straight to stderr (not captured by the test harness): a skip is never silent.
+            let _ = writeln!(
+                std::io::stderr(),
+                "jetstream_server: SKIPPED {test}: {URL_VAR} is not set (start a server with \
+                 tests/brokers/up.sh nats)"
+            );
+            None
+        }
+    }
+}
+
+fn name(prefix: &str) -> String {
+    format!("{prefix}-{:016x}", rand::random::<u64>())
+}
+
+async fn topic(p: &JetStreamPlatform, partitions: u32) -> String {
+    let t = name("js-topic");
+    p.admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(t.clone(), partitions))
+        .await
+        .unwrap();
+    t
+}
+
+async fn take(c: &dyn ConsumerBackend, n: usize) -> Vec<Message> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "expected {n} messages, got {}",
+            out.len()
+        );
+        out.extend(c.poll(100, Duration::from_millis(200)).await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn same_msg_id_is_a_duplicate_with_the_original_position() {
+    let Some(p) = platform("same_msg_id_is_a_duplicate_with_the_original_position").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    let r = Record::new(t.clone(), "once").idempotency_key("order-1");
+    let first = prod.send(r.clone()).await.unwrap();
+    let again = prod.send(r).await.unwrap();
+    assert!(!first.duplicate);
+    assert!(again.duplicate, "the server saw Nats-Msg-Id order-1 before");
+    assert_eq!(again.position, first.position);
+    let d = p.admin().await.unwrap().describe_topic(&t).await.unwrap();
+    assert_eq!(d.options.get("messages").map(String::as_str), Some("1"));
+}
+
+#[tokio::test]
+async fn header_names_keep_their_case_on_the_wire() {
+    let Some(p) = platform("header_names_keep_their_case_on_the_wire").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    let d = prod
+        .send(
+            Record::new(t.clone(), "h")
+                .header("X-Trace-ID", "abc")
+                .idempotency_key("h-1"),
+        )
+        .await
+        .unwrap();
+    // As another client sees it.
+    let js = async_nats::jetstream::new(p.nats_client());
+    let stream = js.get_stream(&t).await.unwrap();
+    let raw = stream
+        .get_raw_message(d.position.as_sequence().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        raw.headers.get("X-Trace-ID").map(|v| v.as_str()),
+        Some("abc")
+    );
+    assert!(raw.headers.get("x-trace-id").is_none());
+    assert_eq!(
+        raw.headers.get("Nats-Msg-Id").map(|v| v.as_str()),
+        Some("h-1")
+    );
+    // As onceflow reads it.
+    let c = p
+        .consumer(ConsumerConfig::new(name("g"), [t.clone()]))
+        .await
+        .unwrap();
+    let m = &take(c.as_ref(), 1).await[0];
+    assert_eq!(m.headers.get_str("X-Trace-ID"), Some("abc"));
+    assert_eq!(m.headers.get("x-trace-id"), None);
+    c.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn atomic_batch_needs_a_stream_that_allows_it() {
+    let Some(p) = platform("atomic_batch_needs_a_stream_that_allows_it").await else {
+        return;
+    };
+    let t = name("js-noatomic");
+    let mut spec = TopicSpec::new(t.clone(), 1);
+    spec.options.insert("allow_atomic".into(), "false".into());
+    p.admin().await.unwrap().create_topic(&spec).await.unwrap();
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    let e = prod
+        .send_atomic(vec![
+            Record::new(t.clone(), "a"),
+            Record::new(t.clone(), "b"),
+        ])
+        .await
+        .expect_err("atomic publish is disabled on this stream");
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    let d = p.admin().await.unwrap().describe_topic(&t).await.unwrap();
+    assert_eq!(d.options.get("messages").map(String::as_str), Some("0"));
+}
+
+#[tokio::test]
+async fn a_reconnecting_consumer_resumes_its_durable() {
+    let Some(p) = platform("a_reconnecting_consumer_resumes_its_durable").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let group = name("g");
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..6 {
+        prod.send(Record::new(t.clone(), format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    let c = p
+        .consumer(ConsumerConfig::new(group.clone(), [t.clone()]))
+        .await
+        .unwrap();
+    let got = take(c.as_ref(), 6).await;
+    c.commit(&[(got[2].topic_partition(), got[2].position.clone())])
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    let js = async_nats::jetstream::new(p.nats_client());
+    let stream = js.get_stream(&t).await.unwrap();
+    let durable = onceflow_jetstream::durable(&group, 0);
+    let created = stream.consumer_info(&durable).await.unwrap().created;
+
+    // A new connection, as after a restart.
+    let p2 = onceflow_jetstream::connect(&std::env::var(URL_VAR).unwrap())
+        .await
+        .unwrap();
+    let c2 = p2
+        .consumer(
+            ConsumerConfig::new(group.clone(), [t.clone()])
+                .start(StartFrom::committed_or_earliest()),
+        )
+        .await
+        .unwrap();
+    let rest = take(c2.as_ref(), 3).await;
+    let payloads: Vec<_> = rest.iter().map(|m| m.payload.clone()).collect();
+    assert_eq!(payloads, [Bytes::from("m3"), "m4".into(), "m5".into()]);
+    assert_eq!(
+        stream.consumer_info(&durable).await.unwrap().created,
+        created,
+        "the durable was resumed, not created again"
+    );
+    c2.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn in_progress_holds_and_nack_redelivers() {
+    let Some(p) = platform("in_progress_holds_and_nack_redelivers").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    prod.send(Record::new(t.clone(), "slow")).await.unwrap();
+    let c = p
+        .consumer(ConsumerConfig::new(name("g"), [t.clone()]).option("ack_wait_ms", "1000"))
+        .await
+        .unwrap();
+    let m = take(c.as_ref(), 1).await.remove(0);
+    assert_eq!(m.delivery_count, 1);
+    // Three ack_waits with +WPI every 300 ms: never redelivered.
+    let until = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < until {
+        c.in_progress(&m).await.unwrap();
+        assert!(c
+            .poll(10, Duration::from_millis(300))
+            .await
+            .unwrap()
+            .is_empty());
+    }
+    c.nack(&m, Duration::from_millis(100)).await.unwrap();
+    let again = take(c.as_ref(), 1).await.remove(0);
+    assert_eq!(again.position, m.position);
+    assert_eq!(again.delivery_count, 2);
+    c.commit(&[(again.topic_partition(), again.position.clone())])
+        .await
+        .unwrap();
+    let lag = c.lag().await.unwrap();
+    assert_eq!(lag[0].messages, 0, "{lag:?}");
+    c.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn partitions_are_subjects() {
+    let Some(p) = platform("partitions_are_subjects").await else {
+        return;
+    };
+    let t = topic(&p, 3).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    let d = prod
+        .send(Record::new(t.clone(), "x").partition(2))
+        .await
+        .unwrap();
+    assert_eq!(d.partition, 2);
+    let js = async_nats::jetstream::new(p.nats_client());
+    let raw = js
+        .get_stream(&t)
+        .await
+        .unwrap()
+        .get_raw_message(d.position.as_sequence().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(raw.subject.as_str(), format!("{t}.2"));
+    let e = prod
+        .send(Record::new(t.clone(), "x").partition(3))
+        .await
+        .expect_err("partition 3 of 3");
+    assert_eq!(e.kind(), ErrorKind::Config);
+}
