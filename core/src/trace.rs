@@ -21,7 +21,7 @@ use opentelemetry::baggage::BaggageExt;
 use opentelemetry::propagation::{
     Extractor, Injector, TextMapCompositePropagator, TextMapPropagator,
 };
-use opentelemetry::trace::{Link, SpanKind, TraceContextExt, Tracer};
+use opentelemetry::trace::{Link, Span, SpanKind, TraceContextExt, Tracer};
 use opentelemetry::{global, Context, KeyValue};
 use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
 
@@ -191,8 +191,14 @@ pub fn process_context(system: &'static str, group: &str, message: &Message) -> 
     let span = tracer
         .span_builder(format!("process {}", message.topic))
         .with_kind(SpanKind::Consumer)
-        .with_attributes(process_attributes(system, message, group))
         .start_with_context(&tracer, &parent);
+    // Attributes only for spans that are recorded (no cost without a tracer provider or when
+    // the sampler drops the span).
+    if span.is_recording() {
+        let mut span = span;
+        span.set_attributes(process_attributes(system, message, group));
+        return parent.with_span(span);
+    }
     parent.with_span(span)
 }
 

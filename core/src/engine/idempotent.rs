@@ -11,7 +11,7 @@ use opentelemetry::context::FutureExt as _;
 use parking_lot::Mutex;
 
 use super::tracker::{CommitOnRevoke, Tracker};
-use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
+use super::{dead_letter_record, EngineConfig, Handler, KeyStrategy, OnFailure};
 use crate::backend::{Guarantee, PartitionLag};
 use crate::client::{Consumer, Producer};
 use crate::dedup::{
@@ -270,6 +270,18 @@ impl Core {
 
     /// The store key of a message, if it has an idempotency key.
     pub(crate) fn store_key(&self, m: &Message) -> Option<String> {
+        // The common case, a UTF-8 header, costs one allocation.
+        if let KeyStrategy::Header(name) = &self.config.key {
+            if let Some(Some(v)) = m.headers.get(name) {
+                if let (false, Ok(k)) = (v.is_empty(), std::str::from_utf8(v)) {
+                    let mut s = String::with_capacity(self.namespace.len() + 1 + k.len());
+                    s.push_str(&self.namespace);
+                    s.push('/');
+                    s.push_str(k);
+                    return Some(s);
+                }
+            }
+        }
         self.config
             .key
             .key_of(m)
@@ -517,8 +529,9 @@ impl Core {
             let store = self.store.as_ref().expect("completions imply a store");
             let ok = store.complete(&completions).await?;
             {
-                let mut h = held.lock();
-                h.retain(|(k, _)| !completions.iter().any(|c| &c.key == k));
+                let done: std::collections::HashSet<&str> =
+                    completions.iter().map(|c| c.key.as_str()).collect();
+                held.lock().retain(|(k, _)| !done.contains(k.as_str()));
             }
             if let Some(bad) = ok.iter().position(|b| !*b) {
                 let refused = &completions[bad];
