@@ -11,7 +11,7 @@ test:
 
 ## What needs no broker: unit tests, the memory backend, the dedup stores.
 test-unit:
-	cargo test --workspace --all-targets --locked
+	cargo test --all-targets --locked
 
 ## The main job on the embedded default.
 demo:
@@ -19,10 +19,10 @@ demo:
 
 lint:
 	cargo fmt --all -- --check
-	cargo clippy --workspace --all-targets --locked -- -D warnings
+	cargo clippy --all-targets --locked -- -D warnings
 
 doc:
-	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked
 
 bench:
 	cargo run --release -p onceflow-bench --locked
