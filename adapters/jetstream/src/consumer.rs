@@ -566,7 +566,11 @@ impl ConsumerBackend for JetStreamConsumer {
         let k = self.partitions.len();
         let mut out = Vec::new();
         loop {
-            self.rebalance(false).await?;
+            if let Err(e) = self.rebalance(false).await {
+                // A server hiccup must not stop the consumer: keep what it owns, retry at the
+                // next refresh (a member that stays cut off loses its partitions by timeout).
+                tracing::warn!(error = %e, group = %self.group, "group refresh failed; retrying");
+            }
             if k > 0 {
                 let start = self.rotate.fetch_add(1, Ordering::Relaxed) % k;
                 for j in 0..k {
