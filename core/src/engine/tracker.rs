@@ -19,6 +19,9 @@ struct PartitionProgress {
     committed: Option<Position>,
     /// Messages finished since the last commit.
     pending: u64,
+    /// A message at or before `finished` was finished again (a per-message redelivery on
+    /// JetStream or Pulsar): commit again, so the platform acknowledges the redelivered copy.
+    dirty: bool,
 }
 
 #[derive(Debug, Default)]
@@ -69,8 +72,10 @@ impl Tracker {
         };
         if newer {
             p.finished = Some(position);
-            p.pending += 1;
+        } else {
+            p.dirty = true;
         }
+        p.pending += 1;
         true
     }
 
@@ -81,7 +86,7 @@ impl Tracker {
         let mut n = 0;
         for (tp, p) in &g.partitions {
             if let Some(f) = &p.finished {
-                if p.committed.as_ref() != Some(f) {
+                if p.dirty || p.committed.as_ref() != Some(f) {
                     out.push((tp.clone(), f.clone()));
                     n += p.pending;
                 }
@@ -98,6 +103,7 @@ impl Tracker {
                 p.committed = Some(pos.clone());
                 if p.finished.as_ref() == Some(pos) {
                     p.pending = 0;
+                    p.dirty = false;
                 }
             }
         }
@@ -119,6 +125,7 @@ impl Tracker {
             if let Some(p) = g.partitions.get_mut(tp) {
                 p.finished = p.committed.clone();
                 p.pending = 0;
+                p.dirty = false;
             }
             *g.generations.entry(tp.clone()).or_default() += 1;
         }
@@ -180,5 +187,29 @@ impl RebalanceListener for CommitOnRevoke {
             ?partitions,
             "partitions lost without commit; in-flight work fenced"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commits_in_order_and_recommits_a_redelivered_older_message() {
+        let t = Tracker::new(Metrics::new("memory", "g"));
+        let tp = TopicPartition::new("t", 0);
+        assert!(t.finish(&tp, 0, Position::Sequence(5)));
+        let (u, n) = t.uncommitted();
+        assert_eq!((u.clone(), n), (vec![(tp.clone(), Position::Sequence(5))], 1));
+        t.committed(&u);
+        assert!(t.uncommitted().0.is_empty());
+        // A nacked message redelivered after a later one was committed: commit again.
+        assert!(t.finish(&tp, 0, Position::Sequence(3)));
+        assert_eq!(t.uncommitted().0, vec![(tp.clone(), Position::Sequence(5))]);
+        t.committed(&[(tp.clone(), Position::Sequence(5))]);
+        assert!(t.uncommitted().0.is_empty());
+        // Fenced work is not recorded.
+        t.bump(&tp);
+        assert!(!t.finish(&tp, 0, Position::Sequence(9)));
     }
 }
