@@ -80,10 +80,16 @@ fn fast_engine(h: &dyn Harness) -> EngineConfig {
     }
 }
 
+/// An input record whose idempotency key travels only in the `idempotency-key` header, so a
+/// platform that deduplicates by message id (JetStream `Nats-Msg-Id`) still delivers the
+/// duplicates the cases send on purpose, and the engine has to catch them.
 fn record(topic: &str, key: &str, payload: &str) -> Record {
     Record::new(topic.to_string(), payload.as_bytes().to_vec())
         .key(key.as_bytes().to_vec())
-        .idempotency_key(key.to_string())
+        .header(
+            onceflow_core::IDEMPOTENCY_KEY_HEADER,
+            key.as_bytes().to_vec(),
+        )
 }
 
 async fn produce(client: &Client, records: Vec<Record>) -> Result<()> {

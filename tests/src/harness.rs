@@ -207,12 +207,26 @@ pub fn env_harness(
     connect: impl Fn(&str) -> Result<Arc<dyn PlatformBackend>>,
     placeholder_url: &str,
 ) -> PlatformHarness {
-    match std::env::var(var) {
-        Ok(url) if !url.is_empty() => {
+    match broker_url(var, service) {
+        Ok(url) => {
             let platform =
                 connect(&url).unwrap_or_else(|e| panic!("{var}='{url}' cannot be opened: {e}"));
             PlatformHarness::new(platform, Timings::broker())
         }
+        Err(reason) => {
+            // Nothing is contacted: no case runs.
+            let platform = connect(placeholder_url).expect("placeholder URL");
+            PlatformHarness::new(platform, Timings::broker()).skip_all(reason)
+        }
+    }
+}
+
+/// The broker URL in the environment variable `var`, or the reason to skip (naming the
+/// `tests/brokers/up.sh` service to start). With `ONCEFLOW_REQUIRE_BROKERS=1` (set by
+/// `make test`) a missing URL panics instead: a missing broker fails the run.
+pub fn broker_url(var: &str, service: &str) -> std::result::Result<String, String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Ok(url),
         _ => {
             let reason =
                 format!("{var} is not set: start the broker with tests/brokers/up.sh {service}");
@@ -220,9 +234,7 @@ pub fn env_harness(
                 std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
                 "ONCEFLOW_REQUIRE_BROKERS=1 but {reason}"
             );
-            // Nothing is contacted: no case runs.
-            let platform = connect(placeholder_url).expect("placeholder URL");
-            PlatformHarness::new(platform, Timings::broker()).skip_all(reason)
+            Err(reason)
         }
     }
 }
