@@ -11,7 +11,7 @@ test:
 
 ## What needs no broker: unit tests, the memory backend, the dedup stores.
 test-unit:
-	cargo test --all-targets --locked
+	cargo test --all-targets
 
 ## The main job on the embedded default.
 demo:
@@ -19,13 +19,13 @@ demo:
 
 lint:
 	cargo fmt --all -- --check
-	cargo clippy --all-targets --locked -- -D warnings
+	cargo clippy --all-targets -- -D warnings
 
 doc:
-	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps
 
 bench:
-	cargo run --release -p onceflow-bench --locked
+	cargo run --release -p onceflow-bench
 
 brokers-up:
 	@tests/brokers/up.sh kafka nats
