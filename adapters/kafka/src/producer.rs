@@ -13,8 +13,7 @@ use parking_lot::Mutex;
 use rdkafka::consumer::ConsumerGroupMetadata;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use rdkafka::util::Timeout;
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::KafkaConfig;
@@ -91,11 +90,8 @@ fn headers_of(record: &Record) -> Option<OwnedHeaders> {
     Some(h)
 }
 
-pub(crate) async fn send_on(
-    native: &FutureProducer,
-    record: &Record,
-    max_record_bytes: usize,
-) -> Result<Delivery> {
+/// Refuses a record larger than the connection's limit, naming it.
+fn check_size(record: &Record, max_record_bytes: usize) -> Result<()> {
     let size = record.size_bytes();
     if size > max_record_bytes {
         return Err(Error::config(format!(
@@ -104,6 +100,10 @@ pub(crate) async fn send_on(
             record.topic
         )));
     }
+    Ok(())
+}
+
+fn future_record(record: &Record) -> FutureRecord<'_, [u8], [u8]> {
     let mut fr: FutureRecord<'_, [u8], [u8]> =
         FutureRecord::to(&record.topic).payload(&record.payload[..]);
     if let Some(k) = &record.key {
@@ -118,19 +118,88 @@ pub(crate) async fn send_on(
     if let Some(h) = headers_of(record) {
         fr = fr.headers(h);
     }
-    match native.send(fr, Timeout::After(QUEUE_TIMEOUT)).await {
-        Ok(d) => Ok(Delivery {
+    fr
+}
+
+/// Hands `record` to librdkafka's queue without waiting for its delivery. When the local queue
+/// is full (`queue.buffering.max.messages` / `.kbytes`), waits for room — the producer's own
+/// poll thread drains it — at most [`QUEUE_TIMEOUT`]; the record is retried before anything
+/// after it is enqueued, so order is kept.
+async fn enqueue(native: &FutureProducer, record: &Record) -> Result<DeliveryFuture> {
+    let deadline = tokio::time::Instant::now() + QUEUE_TIMEOUT;
+    let mut fr = future_record(record);
+    loop {
+        match native.send_result(fr) {
+            Ok(f) => return Ok(f),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                fr = back;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Err((e, _)) => {
+                return Err(errors::map(
+                    e,
+                    format_args!("send to topic '{}'", record.topic),
+                ))
+            }
+        }
+    }
+}
+
+async fn delivered(record: &Record, f: DeliveryFuture) -> Result<Delivery> {
+    match f.await {
+        Ok(Ok(d)) => Ok(Delivery {
             topic: record.topic.clone(),
             partition: d.partition,
             position: Position::Offset(d.offset),
             timestamp: d.timestamp.to_millis(),
             duplicate: false,
         }),
-        Err((e, _)) => Err(errors::map(
+        Ok(Err((e, _))) => Err(errors::map(
             e,
             format_args!("send to topic '{}'", record.topic),
         )),
+        Err(_canceled) => Err(errors::map(
+            KafkaError::Canceled,
+            format_args!("send to topic '{}'", record.topic),
+        )),
     }
+}
+
+pub(crate) async fn send_on(
+    native: &FutureProducer,
+    record: &Record,
+    max_record_bytes: usize,
+) -> Result<Delivery> {
+    check_size(record, max_record_bytes)?;
+    let f = enqueue(native, record).await?;
+    delivered(record, f).await
+}
+
+/// Sends `records` pipelined: every record is enqueued first, in order (librdkafka batches
+/// them per partition and the idempotent producer keeps their order), then every delivery
+/// report is awaited. One result per record, in input order.
+pub(crate) async fn send_all_on(
+    native: &FutureProducer,
+    records: &[Record],
+    max_record_bytes: usize,
+) -> Vec<Result<Delivery>> {
+    let mut pending = Vec::with_capacity(records.len());
+    for r in records {
+        pending.push(match check_size(r, max_record_bytes) {
+            Ok(()) => enqueue(native, r).await,
+            Err(e) => Err(e),
+        });
+    }
+    let mut out = Vec::with_capacity(records.len());
+    for (r, p) in records.iter().zip(pending) {
+        out.push(match p {
+            Ok(f) => delivered(r, f).await,
+            Err(e) => Err(e),
+        });
+    }
+    out
 }
 
 fn run_blocking_err(e: KafkaError, what: &str) -> Error {
@@ -289,14 +358,7 @@ impl ProducerBackend for KafkaProducer {
                 .collect();
         }
         let native = self.native();
-        // Every record is enqueued on the first poll of its future, in order; librdkafka
-        // pipelines them and the idempotent producer keeps their order per partition.
-        futures::future::join_all(
-            records
-                .iter()
-                .map(|r| send_on(&native, r, self.shared.kafka.max_record_bytes)),
-        )
-        .await
+        send_all_on(&native, &records, self.shared.kafka.max_record_bytes).await
     }
 
     async fn begin(&self) -> Result<Box<dyn TransactionBackend>> {
@@ -430,6 +492,23 @@ impl TransactionBackend for KafkaTransaction {
             }
         }
         res
+    }
+
+    async fn send_batch(&mut self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        if let Some(why) = &self.shared.state.lock().fenced {
+            return records
+                .iter()
+                .map(|_| Err(Error::new(ErrorKind::Fenced, why.clone())))
+                .collect();
+        }
+        let out = send_all_on(&self.native, &records, self.shared.kafka.max_record_bytes).await;
+        if let Some(e) = out
+            .iter()
+            .find_map(|r| r.as_ref().err().filter(|e| e.kind() == ErrorKind::Fenced))
+        {
+            self.shared.state.lock().fenced = Some(e.message().to_string());
+        }
+        out
     }
 
     async fn commit_offsets(
