@@ -200,7 +200,10 @@ mod tests {
         let tp = TopicPartition::new("t", 0);
         assert!(t.finish(&tp, 0, Position::Sequence(5)));
         let (u, n) = t.uncommitted();
-        assert_eq!((u.clone(), n), (vec![(tp.clone(), Position::Sequence(5))], 1));
+        assert_eq!(
+            (u.clone(), n),
+            (vec![(tp.clone(), Position::Sequence(5))], 1)
+        );
         t.committed(&u);
         assert!(t.uncommitted().0.is_empty());
         // A nacked message redelivered after a later one was committed: commit again.
