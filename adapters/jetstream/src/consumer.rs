@@ -1,6 +1,6 @@
 //! Durable pull consumers, one per group and partition.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,6 +51,38 @@ struct PartitionInner {
     paused: bool,
     /// Delivered by `poll`, not yet acked or nacked, by stream sequence.
     pending: BTreeMap<u64, jetstream::Message>,
+    /// Highest stream sequence `poll` returned since this member took the partition (or
+    /// sought): a message at or below it that is neither pending nor nacked was committed.
+    delivered: u64,
+    /// Nacked by this member and expected back from the server.
+    nacked: BTreeSet<u64>,
+}
+
+impl PartitionInner {
+    /// Forgets what was delivered (a new owner, a seek): the next fetch starts afresh.
+    fn reset(&mut self) {
+        self.pending.clear();
+        self.delivered = 0;
+        self.nacked.clear();
+    }
+
+    /// Whether a fetched message is new to the poller. The server redelivers a message whose
+    /// `ack_wait` expired even to the member that still holds it
+    /// (<https://docs.nats.io/nats-concepts/jetstream/consumers#ackwait>); onceflow's model is
+    /// that a member sees a message again only after it nacked it, sought, or the partition
+    /// moved. So a redelivery of a pending message only replaces its ack handle (acks go to
+    /// the newest delivery), and a redelivery of one already committed is dropped.
+    fn admit(&mut self, seq: u64, m: &jetstream::Message) -> bool {
+        if let Some(held) = self.pending.get_mut(&seq) {
+            *held = m.clone();
+            return false;
+        }
+        if seq <= self.delivered && !self.nacked.remove(&seq) {
+            return false;
+        }
+        self.delivered = self.delivered.max(seq);
+        true
+    }
 }
 
 struct Fetch {
@@ -194,7 +226,7 @@ impl JetStreamConsumer {
         let old = {
             let mut inner = part.inner.lock();
             inner.owner_revision = Some(revision);
-            inner.pending.clear();
+            inner.reset();
             inner.fetch.replace(fetch)
         };
         if let Some(old) = old {
@@ -210,6 +242,7 @@ impl JetStreamConsumer {
             let mut inner = part.inner.lock();
             let left: Vec<jetstream::Message> =
                 std::mem::take(&mut inner.pending).into_values().collect();
+            inner.reset();
             (inner.owner_revision.take(), left, inner.fetch.take())
         };
         if let Some(f) = fetch {
@@ -580,14 +613,17 @@ impl ConsumerBackend for JetStreamConsumer {
                     if inner.paused {
                         continue;
                     }
-                    let Some(fetch) = inner.fetch.as_mut() else {
-                        continue;
-                    };
                     while out.len() < max {
+                        let Some(fetch) = inner.fetch.as_mut() else {
+                            break;
+                        };
                         match fetch.rx.try_recv() {
                             Ok(m) => {
                                 let msg = convert::message(&part.tp.topic, &m)?;
                                 if let Position::Sequence(s) = msg.position {
+                                    if !inner.admit(s, &m) {
+                                        continue;
+                                    }
                                     inner.pending.insert(s, m);
                                 }
                                 out.push(msg);
@@ -708,7 +744,7 @@ impl ConsumerBackend for JetStreamConsumer {
         let fetch = spawn_fetch(consumer, &self.options, self.notify.clone());
         let old = {
             let mut inner = part.inner.lock();
-            inner.pending.clear();
+            inner.reset();
             inner.fetch.replace(fetch)
         };
         if let Some(old) = old {
@@ -797,7 +833,14 @@ impl ConsumerBackend for JetStreamConsumer {
                 message.position
             ))
         })?;
-        let m = part.inner.lock().pending.remove(&seq);
+        let m = {
+            let mut inner = part.inner.lock();
+            let m = inner.pending.remove(&seq);
+            if m.is_some() {
+                inner.nacked.insert(seq);
+            }
+            m
+        };
         match m {
             Some(m) => {
                 let kind = AckKind::Nak((!delay.is_zero()).then_some(delay));

@@ -54,7 +54,12 @@
 //! - **commit** double-acks ([`AckSync`][ack]) every delivered, not nacked message of the
 //!   partition up to the position: the server confirms each ack.
 //! - **nack** is a per-message `-NAK` with the delay ([ack]); a nacked message is not acked by a
-//!   later commit. **in_progress** is `+WPI`, which restarts the message's `ack_wait`.
+//!   later commit.
+//! - **ack_wait redeliveries to the owner are hidden**: the server redelivers a message whose
+//!   `ack_wait` expired even to the member still holding it; the owner polls a message again
+//!   only after it nacked it, sought, or the partition moved (a redelivery of a held message
+//!   only refreshes its ack handle, one of a committed message is dropped). Other members get
+//!   it after `ack_wait` when the owner dies, as JetStream intends. **in_progress** is `+WPI`, which restarts the message's `ack_wait`.
 //! - **seek / explicit start** (`Earliest`, `Latest`, `Position`, `Timestamp`): JetStream cannot
 //!   change a durable's deliver policy, so the durable is deleted and created again with
 //!   `DeliverPolicy::All` / `New` / `ByStartSequence`. A timestamp is resolved to a stream

@@ -230,6 +230,54 @@ async fn in_progress_holds_and_nack_redelivers() {
     c.close().await.unwrap();
 }
 
+/// JetStream redelivers a message whose `ack_wait` expired even to the member holding it;
+/// onceflow's owner sees it once until it nacks (the engine suite's `read_all` polled for
+/// longer than `ack_wait` without committing and read every message twice).
+#[tokio::test]
+async fn a_held_message_is_not_polled_again_after_ack_wait() {
+    let Some(p) = platform("a_held_message_is_not_polled_again_after_ack_wait").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..3 {
+        prod.send(Record::new(t.clone(), format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    let group = name("g");
+    let c = p
+        .consumer(ConsumerConfig::new(group.clone(), [t.clone()]).option("ack_wait_ms", "500"))
+        .await
+        .unwrap();
+    let got = take(c.as_ref(), 3).await;
+    // Several ack_waits: the server redelivers, the owner does not see them again.
+    let until = tokio::time::Instant::now() + Duration::from_millis(2500);
+    let mut again = Vec::new();
+    while tokio::time::Instant::now() < until {
+        again.extend(c.poll(10, Duration::from_millis(200)).await.unwrap());
+    }
+    assert!(again.is_empty(), "polled again: {again:?}");
+    // The commit (acking the newest delivery) holds; a nacked message still comes back.
+    c.nack(&got[2], Duration::ZERO).await.unwrap();
+    c.commit(&[(got[1].topic_partition(), got[1].position.clone())])
+        .await
+        .unwrap();
+    let back = take(c.as_ref(), 1).await.remove(0);
+    assert_eq!(back.position, got[2].position);
+    c.commit(&[(back.topic_partition(), back.position.clone())])
+        .await
+        .unwrap();
+    let lag = c.lag().await.unwrap();
+    assert_eq!(lag[0].messages, 0, "{lag:?}");
+    let until = tokio::time::Instant::now() + Duration::from_millis(1200);
+    while tokio::time::Instant::now() < until {
+        let more = c.poll(10, Duration::from_millis(200)).await.unwrap();
+        assert!(more.is_empty(), "committed messages came back: {more:?}");
+    }
+    c.close().await.unwrap();
+}
+
 #[tokio::test]
 async fn partitions_are_subjects() {
     let Some(p) = platform("partitions_are_subjects").await else {
