@@ -1,6 +1,7 @@
 //! The backend conformance suite on a real nats-server with JetStream. Runs when
 //! `ONCEFLOW_NATS_URL` is set (`set -a; eval "$(tests/brokers/up.sh nats)"; set +a`); without it
-//! every case is reported as skipped with that reason, never passed silently.
+//! every case is reported as skipped with that reason, never passed silently, and with
+//! `ONCEFLOW_REQUIRE_BROKERS=1` (set by `make test`) a missing server fails the run.
 //!
 //! Streams are created with `storage=memory` so cases do not wait on disk; every case makes its
 //! own streams and groups with random names.
@@ -8,7 +9,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use onceflow_conformance::harness::{PlatformHarness, Timings};
+use onceflow_conformance::harness::{broker_url, PlatformHarness, Timings};
 use onceflow_core::{
     AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, Error, PlatformBackend,
     ProducerBackend, ProducerConfig, Result,
@@ -43,8 +44,8 @@ impl PlatformBackend for NotConnected {
 }
 
 async fn jetstream() -> PlatformHarness {
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => {
+    match broker_url(URL_VAR, "nats") {
+        Ok(url) => {
             let sep = if url.contains('?') { '&' } else { '?' };
             let url = format!("{url}{sep}storage=memory");
             let platform = onceflow_jetstream::connect(&url)
@@ -52,9 +53,11 @@ async fn jetstream() -> PlatformHarness {
                 .unwrap_or_else(|e| panic!("{URL_VAR}='{url}': cannot connect: {e}"));
             PlatformHarness::new(platform, Timings::broker())
         }
-        _ => PlatformHarness::new(Arc::new(NotConnected), Timings::broker()).skip_all(format!(
-            "{URL_VAR} is not set: start a server with tests/brokers/up.sh nats"
-        )),
+        // Without a server (and without ONCEFLOW_REQUIRE_BROKERS=1, which panics instead) every
+        // case is skipped with the reason.
+        Err(reason) => {
+            PlatformHarness::new(Arc::new(NotConnected), Timings::broker()).skip_all(reason)
+        }
     }
 }
 

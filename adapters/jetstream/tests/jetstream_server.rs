@@ -24,6 +24,10 @@ async fn platform(test: &str) -> Option<Arc<JetStreamPlatform>> {
                 .unwrap_or_else(|e| panic!("{URL_VAR}='{url}': {e}")),
         ),
         _ => {
+            assert!(
+                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+                "ONCEFLOW_REQUIRE_BROKERS=1 but {URL_VAR} is not set (tests/brokers/up.sh nats)"
+            );
             // Straight to stderr (not captured by the test harness): a skip is never silent.
             let _ = writeln!(
                 std::io::stderr(),
