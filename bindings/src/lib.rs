@@ -1,0 +1,204 @@
+//! # onceflow-bindings
+//!
+//! The small, language-neutral layer onceflow's bindings (Python through pyo3, Node through
+//! napi-rs) share, so each binding only converts types and errors:
+//!
+//! - [`runtime`]: the one tokio runtime a binding runs onceflow on. It is built on first use
+//!   and built again in a child process after `fork()` (the parent's worker threads do not
+//!   exist in the child, so its runtime would hang).
+//! - [`parse_start_from`]: where a consumer starts or seeks to, from a short string
+//!   (`earliest`, `latest`, `committed`, `timestamp:MS`, a position such as `offset:42`).
+//! - [`error_kinds`]: every [`ErrorKind`] with its stable code and the exception/class name a
+//!   binding gives it.
+
+use std::sync::Arc;
+
+use onceflow::{Error, ErrorKind, Position, Result, StartFrom};
+use parking_lot::Mutex;
+
+/// The process that built the current runtime, and the runtime.
+static RUNTIME: Mutex<Option<(u32, Arc<tokio::runtime::Runtime>)>> = Mutex::new(None);
+
+/// Worker threads of the bindings' runtime: onceflow's work is I/O bound, and the host
+/// language's own threads need the cores too.
+const WORKER_THREADS: usize = 2;
+
+/// The bindings' tokio runtime (multi-threaded, I/O and timers enabled).
+///
+/// Safe across `fork()`: a child process gets a new runtime on its first call. The parent's
+/// runtime is leaked in the child rather than dropped, because dropping it would wait for
+/// worker threads that were not copied by `fork()`.
+pub fn runtime() -> Arc<tokio::runtime::Runtime> {
+    let pid = std::process::id();
+    let mut slot = RUNTIME.lock();
+    if let Some((owner, rt)) = slot.as_ref() {
+        if *owner == pid {
+            return rt.clone();
+        }
+    }
+    if let Some((_, stale)) = slot.take() {
+        // Built by the parent before fork(): its threads are gone; never drop it here.
+        std::mem::forget(stale);
+    }
+    let rt = Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(WORKER_THREADS)
+            .thread_name("onceflow")
+            .enable_all()
+            .build()
+            .expect("building the onceflow tokio runtime"),
+    );
+    *slot = Some((pid, rt.clone()));
+    rt
+}
+
+/// Stops the runtime at process exit, waiting at most `timeout` for its tasks, so that no
+/// worker thread runs while the host language tears its interpreter down. Call it with the
+/// host's lock released (Python's GIL). A later [`runtime`] call builds a new runtime.
+pub fn shutdown(timeout: std::time::Duration) {
+    let taken = RUNTIME.lock().take();
+    if let Some((owner, rt)) = taken {
+        if owner != std::process::id() {
+            std::mem::forget(rt);
+            return;
+        }
+        match Arc::try_unwrap(rt) {
+            Ok(rt) => rt.shutdown_timeout(timeout),
+            // Still borrowed by a running call: let it be, the process is ending.
+            Err(rt) => std::mem::forget(rt),
+        }
+    }
+}
+
+/// Parses where a consumer starts or seeks to:
+///
+/// | text | meaning |
+/// |---|---|
+/// | `committed` | the group's committed position, else the earliest |
+/// | `committed-or-latest` | the group's committed position, else the latest |
+/// | `earliest` / `latest` | the oldest retained message / only new messages |
+/// | `timestamp:MS` | the first message at or after MS milliseconds since the epoch |
+/// | a position (`offset:42`, `seq:7`, ...) | that message, inclusive |
+///
+/// Errors: [`ErrorKind::Config`] naming the text and the accepted forms.
+pub fn parse_start_from(text: &str) -> Result<StartFrom> {
+    match text {
+        "committed" | "committed-or-earliest" => Ok(StartFrom::committed_or_earliest()),
+        "committed-or-latest" => Ok(StartFrom::committed_or_latest()),
+        "earliest" => Ok(StartFrom::Earliest),
+        "latest" => Ok(StartFrom::Latest),
+        _ => {
+            if let Some(ms) = text.strip_prefix("timestamp:") {
+                return ms.parse::<i64>().map(StartFrom::Timestamp).map_err(|_| {
+                    Error::config(format!(
+                        "start '{text}': expected timestamp:MILLISECONDS_SINCE_EPOCH"
+                    ))
+                });
+            }
+            text.parse::<Position>()
+                .map(StartFrom::Position)
+                .map_err(|e| {
+                    Error::config(format!(
+                        "start '{text}': expected committed, committed-or-latest, earliest, latest, timestamp:MS or a position such as offset:42 ({})",
+                        e.message()
+                    ))
+                })
+        }
+    }
+}
+
+/// One error kind as the bindings name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorKindInfo {
+    /// The kind.
+    pub kind: ErrorKind,
+    /// Lower-case name, e.g. `dedup_store` (Python's `err.kind`).
+    pub name: &'static str,
+    /// Stable code, e.g. `ONCEFLOW_DEDUP_STORE` (Node's `err.code`, Python's `err.code`).
+    pub code: &'static str,
+    /// Exception / class name, e.g. `DedupStoreError`.
+    pub class: &'static str,
+}
+
+/// Names of one kind: `(name, class)`. Exhaustive over the kinds core has today; a kind added
+/// later falls back to `platform` until it is named here (the bindings' tests check none does).
+fn names(kind: ErrorKind) -> (&'static str, &'static str) {
+    match kind {
+        ErrorKind::Config => ("config", "ConfigError"),
+        ErrorKind::Connect => ("connect", "ConnectError"),
+        ErrorKind::Timeout => ("timeout", "TimeoutError"),
+        ErrorKind::Fenced => ("fenced", "FencedError"),
+        ErrorKind::Aborted => ("aborted", "AbortedError"),
+        ErrorKind::Serialization => ("serialization", "SerializationError"),
+        ErrorKind::DedupStore => ("dedup_store", "DedupStoreError"),
+        ErrorKind::Conflict => ("conflict", "ConflictError"),
+        ErrorKind::Unsupported => ("unsupported", "UnsupportedError"),
+        ErrorKind::NotFound => ("not_found", "NotFoundError"),
+        ErrorKind::Handler => ("handler", "HandlerError"),
+        ErrorKind::Closed => ("closed", "ClosedError"),
+        ErrorKind::Platform => ("platform", "PlatformError"),
+        _ => ("platform", "PlatformError"),
+    }
+}
+
+/// How the bindings name `kind`.
+pub fn error_kind(kind: ErrorKind) -> ErrorKindInfo {
+    let (name, class) = names(kind);
+    ErrorKindInfo {
+        kind,
+        name,
+        code: kind.code(),
+        class,
+    }
+}
+
+/// Every error kind, in [`ErrorKind::ALL`] order.
+pub fn error_kinds() -> Vec<ErrorKindInfo> {
+    ErrorKind::ALL.iter().map(|k| error_kind(*k)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_its_own_class() {
+        let infos = error_kinds();
+        let mut classes: Vec<_> = infos.iter().map(|i| i.class).collect();
+        classes.sort();
+        classes.dedup();
+        assert_eq!(classes.len(), ErrorKind::ALL.len());
+        let fenced = error_kind(ErrorKind::Fenced);
+        assert_eq!(fenced.code, "ONCEFLOW_FENCED");
+        assert_eq!(fenced.name, "fenced");
+    }
+
+    #[test]
+    fn start_from_forms() {
+        assert_eq!(parse_start_from("earliest").unwrap(), StartFrom::Earliest);
+        assert_eq!(parse_start_from("latest").unwrap(), StartFrom::Latest);
+        assert_eq!(
+            parse_start_from("committed").unwrap(),
+            StartFrom::committed_or_earliest()
+        );
+        assert_eq!(
+            parse_start_from("timestamp:1700000000000").unwrap(),
+            StartFrom::Timestamp(1_700_000_000_000)
+        );
+        assert_eq!(
+            parse_start_from("offset:42").unwrap(),
+            StartFrom::Position(Position::Offset(42))
+        );
+        let e = parse_start_from("yesterday").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.message().contains("yesterday"));
+    }
+
+    #[test]
+    fn runtime_is_reused_in_one_process() {
+        let a = runtime();
+        let b = runtime();
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(a.block_on(async { 1 + 1 }), 2);
+    }
+}

@@ -1,0 +1,712 @@
+"""onceflow: one API for an idempotent consumer and a transactional producer over Kafka,
+NATS JetStream, Pulsar and Kinesis; a URL picks the platform.
+
+Asyncio first; ``onceflow.sync`` is a blocking facade over the same objects::
+
+    import asyncio, onceflow
+
+    async def main():
+        client = await onceflow.connect("memory://quickstart")
+        producer = await client.producer()
+        await producer.send("orders", b"order #1", key=b"customer-7", idempotency_key="order-1")
+
+        consumer = await client.consumer("billing", ["orders"])
+
+        @onceflow.idempotent(consumer, store="memory://")
+        async def bill(message: onceflow.Message) -> None:
+            print("charging for", message.payload)
+            bill.stop()
+
+        await bill.run()
+
+    asyncio.run(main())
+
+The engine (dedup, retries, commits, transactions) is the Rust crate's; this package converts
+types and errors, and propagates OpenTelemetry context when ``opentelemetry-api`` is
+installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import inspect
+from typing import (
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+from . import _native, _otel
+from ._native import (
+    AbortedError,
+    ClosedError,
+    ConfigError,
+    ConflictError,
+    ConnectError,
+    DedupStore,
+    DedupStoreError,
+    Delivery,
+    FencedError,
+    HandlerError,
+    Lag,
+    Message,
+    NativeError,
+    NotFoundError,
+    OnceflowError,
+    PlatformError,
+    SerializationError,
+    TimeoutError,
+    UnsupportedError,
+)
+
+__version__: str = _native.__version__
+
+# Stop the tokio runtime before the interpreter tears down, so no worker thread touches it.
+atexit.register(_native._shutdown)
+
+__all__ = [
+    "AbortedError",
+    "Client",
+    "ClosedError",
+    "ConfigError",
+    "ConflictError",
+    "ConnectError",
+    "Consumer",
+    "DedupStore",
+    "DedupStoreError",
+    "Delivery",
+    "FencedError",
+    "HandlerError",
+    "IdempotentConsumer",
+    "Lag",
+    "Message",
+    "NativeError",
+    "NotFoundError",
+    "OnceflowError",
+    "Pipeline",
+    "PlatformError",
+    "Producer",
+    "Record",
+    "SendError",
+    "SerializationError",
+    "TimeoutError",
+    "Transaction",
+    "UnsupportedError",
+    "connect",
+    "context_of",
+    "dedup_store",
+    "error_class",
+    "idempotent",
+]
+
+HeaderValue = Union[bytes, str, None]
+Headers = Union[None, Dict[str, HeaderValue], Sequence[Tuple[str, HeaderValue]]]
+Payload = Union[bytes, bytearray, memoryview, str]
+
+
+class Record(NamedTuple):
+    """A record to send (a tuple, so batches cross into Rust without per-field lookups)."""
+
+    topic: str
+    payload: Payload
+    key: Optional[Payload] = None
+    headers: Headers = None
+    partition: Optional[int] = None
+    timestamp: Optional[int] = None
+    idempotency_key: Optional[str] = None
+
+
+_CLASSES: Dict[str, type] = {code: getattr(_native, cls) for _kind, code, cls in _native.error_kinds()}
+
+
+def error_class(code: str) -> type:
+    """The exception class of an error code such as ``"ONCEFLOW_FENCED"``."""
+    return _CLASSES[code]
+
+
+class SendError(OnceflowError):
+    """Some records of a batch failed: ``.results`` holds, per record in order, its
+    ``Delivery`` or its exception; ``__cause__`` is the first failure."""
+
+    kind = "batch"
+    code = "ONCEFLOW_BATCH"
+
+    def __init__(self, results: List[Union[Delivery, BaseException]]):
+        failed = [r for r in results if isinstance(r, BaseException)]
+        super().__init__(f"{len(failed)} of {len(results)} records failed; first: {failed[0]}")
+        self.results = results
+        self.retriable = all(getattr(e, "retriable", False) for e in failed)
+
+
+def _check(results: List[Union[Delivery, BaseException]]) -> List[Delivery]:
+    for r in results:
+        if isinstance(r, BaseException):
+            err = SendError(results)
+            raise err from r
+    return results  # type: ignore[return-value]
+
+
+def _with_trace(records: List[Record], trace_headers) -> List[Record]:
+    return [r._replace(headers=_otel.merge(r.headers, trace_headers)) for r in records]
+
+
+def _as_records(records: Iterable[Union[Record, tuple]]) -> List[Record]:
+    return [r if isinstance(r, Record) else Record(*r) for r in records]
+
+
+async def connect(url: str) -> "Client":
+    """Connects to the platform named by the URL: ``memory://NAME``, ``kafka://HOST:PORT``,
+    ``nats://HOST:PORT``. Raises ``ConfigError`` for an unknown scheme, ``UnsupportedError``
+    for a platform not compiled in, ``ConnectError`` when it cannot be reached."""
+    return Client(await _native.connect(url))
+
+
+async def dedup_store(url: str, window: float = 86400.0) -> DedupStore:
+    """Opens a dedup store: ``memory://`` or a file path (embedded, survives restarts).
+    Completed keys are remembered for ``window`` seconds."""
+    return await _native.dedup_store(url, window)
+
+
+def context_of(message: Message):
+    """The OpenTelemetry context ``message`` carries (``None`` without ``opentelemetry-api``)."""
+    return _otel.context_of(message)
+
+
+class Client:
+    """A connected platform."""
+
+    def __init__(self, native: _native.Client):
+        self._native = native
+
+    @property
+    def platform(self) -> str:
+        return self._native.platform
+
+    def capabilities(self) -> Dict[str, bool]:
+        return self._native.capabilities()
+
+    async def producer(
+        self,
+        *,
+        transactional_id: Optional[str] = None,
+        client_id: Optional[str] = None,
+        idempotent: Optional[bool] = None,
+        options: Optional[Dict[str, str]] = None,
+    ) -> "Producer":
+        """A producer; ``transactional_id`` enables ``transaction()``; ``options`` go to the
+        native client verbatim (librdkafka properties, for example)."""
+        native = await self._native.producer(
+            transactional_id=transactional_id, client_id=client_id, idempotent=idempotent, options=options
+        )
+        return Producer(native)
+
+    async def consumer(
+        self,
+        group: str,
+        topics: Union[str, Sequence[str]],
+        *,
+        start: str = "committed",
+        isolation: str = "read_committed",
+        client_id: Optional[str] = None,
+        session_timeout: Optional[float] = None,
+        options: Optional[Dict[str, str]] = None,
+        batch_size: int = 500,
+        poll_timeout: float = 1.0,
+    ) -> "Consumer":
+        """A consumer of ``group`` on ``topics``. ``start``: ``committed`` (else earliest),
+        ``committed-or-latest``, ``earliest``, ``latest``, ``timestamp:MS`` or a position."""
+        if isinstance(topics, str):
+            topics = [topics]
+        native = await self._native.consumer(
+            group,
+            list(topics),
+            start=start,
+            isolation=isolation,
+            client_id=client_id,
+            session_timeout=session_timeout,
+            options=options,
+        )
+        return Consumer(native, batch_size=batch_size, poll_timeout=poll_timeout)
+
+    async def admin(self) -> _native.Admin:
+        return await self._native.admin()
+
+    def __repr__(self) -> str:
+        return f"Client(platform={self.platform!r})"
+
+
+class Producer:
+    """Sends records; ``transaction()`` for atomic writes with consumer positions."""
+
+    def __init__(self, native: _native.Producer):
+        self._native = native
+
+    @property
+    def native(self) -> _native.Producer:
+        return self._native
+
+    @property
+    def platform(self) -> str:
+        return self._native.platform
+
+    @property
+    def guarantee(self) -> str:
+        return self._native.guarantee
+
+    async def send(
+        self,
+        topic: str,
+        payload: Payload,
+        *,
+        key: Optional[Payload] = None,
+        headers: Headers = None,
+        partition: Optional[int] = None,
+        timestamp: Optional[int] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> Delivery:
+        """Sends one record and waits for the platform's acknowledgement."""
+        return await _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
+
+    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+        """Sends records pipelined (one boundary crossing for the batch). Raises ``SendError``
+        (with ``.results``) if any record failed; the others were sent."""
+        return _check(await _send_batch(self._native, self.platform, records))
+
+    async def send_batch_results(self, records: Iterable[Union[Record, tuple]]) -> List[Union[Delivery, OnceflowError]]:
+        """Like ``send_batch`` but returns each record's ``Delivery`` or exception."""
+        return await _send_batch(self._native, self.platform, records)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator["Transaction"]:
+        """``async with producer.transaction() as tx:`` commits on normal exit, aborts when
+        the block raises. Needs a producer made with a ``transactional_id``."""
+        tx = Transaction(await self._native.begin(), self.platform)
+        try:
+            yield tx
+        except BaseException:
+            await tx.abort()
+            raise
+        else:
+            if not tx.finished:
+                await tx.commit()
+
+    async def begin(self) -> "Transaction":
+        """Starts a transaction explicitly (prefer ``transaction()``)."""
+        return Transaction(await self._native.begin(), self.platform)
+
+    async def flush(self, timeout: float = 30.0) -> None:
+        await self._native.flush(timeout)
+
+    async def close(self) -> None:
+        await self._native.close()
+
+    async def __aenter__(self) -> "Producer":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key):
+    span, trace_headers = _otel.start_send(topic, platform)
+    if trace_headers is None:
+        return await native.send(
+            topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
+        )
+    try:
+        d = await native.send(
+            topic,
+            payload,
+            key=key,
+            headers=_otel.merge(headers, trace_headers),
+            partition=partition,
+            timestamp=timestamp,
+            idempotency_key=idempotency_key,
+        )
+    except BaseException as e:
+        _otel.end_send(span, error=e)
+        raise
+    _otel.end_send(span, delivery=d)
+    return d
+
+
+async def _send_batch(native, platform, records):
+    if not isinstance(records, list):
+        records = list(records)
+    if not records:
+        return []
+    span, trace_headers = (None, None)
+    if _otel.ENABLED:
+        records = _as_records(records)
+        span, trace_headers = _otel.start_send(records[0].topic, platform, len(records))
+        if trace_headers is not None:
+            records = _with_trace(records, trace_headers)
+    try:
+        results = await native.send_batch(records)
+    except BaseException as e:
+        _otel.end_send(span, error=e)
+        raise
+    first_error = next((r for r in results if isinstance(r, BaseException)), None)
+    _otel.end_send(span, error=first_error)
+    return results
+
+
+def _positions(messages: Iterable[Any]) -> List[Tuple[str, int, str]]:
+    """The last position per partition of messages (or ``(topic, partition, position)``)."""
+    last: Dict[Tuple[str, int], str] = {}
+    for m in messages:
+        if isinstance(m, tuple):
+            t, p, pos = m
+        else:
+            t, p, pos = m.topic, m.partition, m.position
+        last[(t, p)] = pos
+    return [(t, p, pos) for (t, p), pos in last.items()]
+
+
+class Transaction:
+    """An open transaction: ``send``, ``send_batch``, ``commit_offsets``, then ``commit`` or
+    ``abort`` (``Producer.transaction()`` does the last two)."""
+
+    def __init__(self, native: _native.Transaction, platform: str):
+        self._native = native
+        self._platform = platform
+        self.finished = False
+
+    async def send(
+        self,
+        topic: str,
+        payload: Payload,
+        *,
+        key: Optional[Payload] = None,
+        headers: Headers = None,
+        partition: Optional[int] = None,
+        timestamp: Optional[int] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> Delivery:
+        return await _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
+
+    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+        return _check(await _send_batch(self._native, self._platform, records))
+
+    async def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:
+        """Commits ``consumer``'s positions with the transaction: of ``messages`` (the last
+        per partition), or of every message the consumer has yielded so far."""
+        positions = _positions(messages) if messages is not None else consumer._yielded_positions()
+        await self._native.commit_offsets(consumer._native, positions)
+
+    async def commit(self) -> None:
+        self.finished = True
+        await self._native.commit()
+
+    async def abort(self) -> None:
+        self.finished = True
+        await self._native.abort()
+
+
+class Consumer:
+    """A member of a consumer group. ``async for message in consumer`` pulls batches (one
+    boundary crossing per batch) and yields their messages; ``commit()`` then commits what was
+    yielded."""
+
+    def __init__(self, native: _native.Consumer, *, batch_size: int = 500, poll_timeout: float = 1.0):
+        self._native = native
+        self.batch_size = batch_size
+        self.poll_timeout = poll_timeout
+        self._batch: List[Message] = []
+        self._index = 0
+        self._last: Dict[Tuple[str, int], str] = {}
+
+    @property
+    def native(self) -> _native.Consumer:
+        return self._native
+
+    @property
+    def group(self) -> str:
+        return self._native.group
+
+    @property
+    def platform(self) -> str:
+        return self._native.platform
+
+    async def poll(self, max: Optional[int] = None, timeout: Optional[float] = None) -> List[Message]:
+        """One batch: up to ``max`` messages, waiting at most ``timeout`` s for the first.
+        ``commit()`` without arguments commits it."""
+        batch = await self._native.poll(max or self.batch_size, self.poll_timeout if timeout is None else timeout)
+        if batch:
+            self._settle()
+            self._batch, self._index = batch, len(batch)
+        return batch
+
+    async def batches(self) -> AsyncIterator[List[Message]]:
+        """Yields non-empty batches forever (``commit()`` commits the batches yielded)."""
+        while True:
+            batch = await self.poll()
+            if batch:
+                yield batch
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._messages()
+
+    async def _messages(self) -> AsyncIterator[Message]:
+        while True:
+            batch = await self.poll()
+            if not batch:
+                continue
+            self._index = 0
+            for i, m in enumerate(batch):
+                self._index = i + 1
+                yield m
+
+    def _settle(self) -> None:
+        if self._index:
+            for m in self._batch[: self._index]:
+                self._last[(m.topic, m.partition)] = m.position
+        self._batch, self._index = [], 0
+
+    def _yielded_positions(self) -> List[Tuple[str, int, str]]:
+        self._settle()
+        return [(t, p, pos) for (t, p), pos in self._last.items()]
+
+    async def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:
+        """Commits, per partition, the last of ``messages`` (``Message``s or
+        ``(topic, partition, position)``), or the last message yielded so far."""
+        if messages is None:
+            positions = self._yielded_positions()
+        elif isinstance(messages, Message):
+            positions = _positions([messages])
+        else:
+            positions = _positions(messages)
+        if positions:
+            await self._native.commit(positions)
+
+    async def committed(self, partitions: Sequence[Tuple[str, int]]) -> List[Tuple[str, int, Optional[str]]]:
+        return await self._native.committed(list(partitions))
+
+    async def seek(self, topic: str, partition: int, to: str) -> None:
+        """Replays from ``to``: ``earliest``, ``latest``, ``timestamp:MS`` or a position such
+        as ``offset:42`` (inclusive)."""
+        self._batch, self._index = [], 0
+        await self._native.seek(topic, partition, to)
+
+    async def pause(self, partitions: Sequence[Tuple[str, int]]) -> None:
+        await self._native.pause(list(partitions))
+
+    async def resume(self, partitions: Sequence[Tuple[str, int]]) -> None:
+        await self._native.resume(list(partitions))
+
+    def assignment(self) -> List[Tuple[str, int]]:
+        return self._native.assignment()
+
+    async def lag(self) -> List[Lag]:
+        return await self._native.lag()
+
+    async def close(self) -> None:
+        await self._native.close()
+
+    async def __aenter__(self) -> "Consumer":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _traced(func: Callable[[Message], Any], system: str, group: str) -> Callable[[Message], Awaitable[Any]]:
+    """The callable the engine calls: runs ``func`` (sync or async) inside the message's
+    trace context, as an awaitable."""
+
+    async def call(message: Message) -> Any:
+        span, token = _otel.start_process(message, system, group)
+        try:
+            result = func(message)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException as e:
+            _otel.end_process(span, token, e)
+            raise
+        _otel.end_process(span, token)
+        return result
+
+    return call
+
+
+async def _store(store: Union[None, str, DedupStore], window: float) -> Optional[DedupStore]:
+    if store is None or isinstance(store, DedupStore):
+        return store
+    return await dedup_store(store, window)
+
+
+class _Engine:
+    _native: Any = None
+
+    async def _build(self) -> Any:
+        raise NotImplementedError
+
+    async def _get(self):
+        if self._native is None:
+            self._native = await self._build()
+        return self._native
+
+    async def run(self) -> Dict[str, Any]:
+        """Runs until ``stop()`` or an error, then drains, commits and closes the consumer.
+        Returns ``{"metrics": ..., "guarantee": ..., "drained": ...}``. Cancelling the awaiting
+        task stops the engine gracefully."""
+        native = await self._get()
+        if self._stop_requested:
+            native.stop()
+        try:
+            return await native.run()
+        except asyncio.CancelledError:
+            native.stop()
+            raise
+
+    def stop(self) -> None:
+        """Asks ``run()`` to finish work in flight, commit and return (safe from a handler)."""
+        self._stop_requested = True
+        if self._native is not None:
+            self._native.stop()
+
+    def metrics(self) -> Dict[str, int]:
+        return self._native.metrics() if self._native is not None else {}
+
+    @property
+    def guarantee(self) -> Optional[str]:
+        return self._native.guarantee if self._native is not None else None
+
+
+class IdempotentConsumer(_Engine):
+    """Runs ``handler`` once per idempotency key (header ``idempotency-key`` by default):
+    at-least-once delivery plus a dedup ``store`` (``memory://``, a file path, or an opened
+    ``DedupStore``). A handler that raises is retried with backoff, then redelivered.
+
+    Engine settings are keyword arguments: ``max_attempts``, ``min_backoff``, ``max_backoff``
+    (seconds), ``on_failure`` (``redeliver``, ``stop``, ``dead-letter:TOPIC``), ``key``
+    (``header:NAME`` or ``coordinates``), ``lease``, ``batch_size``, ``poll_timeout``,
+    ``commit_interval``, ``commit_every``, ``shutdown_deadline``, ``namespace``, ``worker_id``,
+    ``fingerprint``, ``redelivery_delay``."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        handler: Callable[[Message], Any],
+        store: Union[None, str, DedupStore] = None,
+        *,
+        window: float = 86400.0,
+        dead_letter_producer: Optional[Producer] = None,
+        **config: Any,
+    ):
+        self.consumer = consumer
+        self.handler = handler
+        self._store = store
+        self._window = window
+        self._dlq = dead_letter_producer
+        self._config = config
+        self._stop_requested = False
+        self.__wrapped__ = handler
+
+    async def _build(self):
+        store = await _store(self._store, self._window)
+        return _native.IdempotentConsumer(
+            self.consumer._native,
+            _traced(self.handler, self.consumer.platform, self.consumer.group),
+            store,
+            config=self._config or None,
+            dead_letter_producer=self._dlq._native if self._dlq else None,
+        )
+
+    async def step(self) -> int:
+        """Polls once and handles what arrived; returns how many messages were polled."""
+        return await (await self._get()).step()
+
+    async def lag(self) -> List[Lag]:
+        return await (await self._get()).lag()
+
+    def __call__(self, message: Message) -> Any:
+        return self.handler(message)
+
+
+def idempotent(
+    consumer: Consumer, store: Union[None, str, DedupStore] = None, **kwargs: Any
+) -> Callable[[Callable[[Message], Any]], IdempotentConsumer]:
+    """Decorator: turns a handler into an ``IdempotentConsumer`` over ``consumer``::
+
+        @onceflow.idempotent(consumer, store="/var/lib/app/dedup.db")
+        async def handle(message): ...
+
+        await handle.run()
+    """
+
+    def wrap(handler: Callable[[Message], Any]) -> IdempotentConsumer:
+        return IdempotentConsumer(consumer, handler, store, **kwargs)
+
+    return wrap
+
+
+class Pipeline(_Engine):
+    """Consume-transform-produce: ``transform(message)`` returns the records to write
+    (``Record``s or tuples, or ``None``). ``mode``: ``auto`` (transactions where the platform
+    has them), ``transactional`` or ``idempotent``. ``guarantee`` and ``mechanism`` say what
+    runs."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        producer: Producer,
+        transform: Callable[[Message], Any],
+        store: Union[None, str, DedupStore] = None,
+        *,
+        mode: str = "auto",
+        window: float = 86400.0,
+        transaction_interval: Optional[float] = None,
+        max_transaction_inputs: Optional[int] = None,
+        **config: Any,
+    ):
+        self.consumer = consumer
+        self.producer = producer
+        self.transform = transform
+        self._store = store
+        self._window = window
+        self._mode = mode
+        self._tx_interval = transaction_interval
+        self._tx_inputs = max_transaction_inputs
+        self._config = config
+        self._stop_requested = False
+
+    async def _build(self):
+        store = await _store(self._store, self._window)
+        transform = self.transform
+
+        def records(message: Message) -> Any:
+            out = transform(message)
+            if inspect.isawaitable(out):
+                return _records_async(out)
+            return _as_records(out) if out is not None else None
+
+        return _native.Pipeline(
+            self.consumer._native,
+            self.producer._native,
+            _traced(records, self.consumer.platform, self.consumer.group),
+            store,
+            mode=self._mode,
+            config=self._config or None,
+            transaction_interval=self._tx_interval,
+            max_transaction_inputs=self._tx_inputs,
+        )
+
+    async def mechanism(self) -> str:
+        return (await self._get()).mechanism
+
+
+async def _records_async(aw: Awaitable[Any]) -> Optional[List[Record]]:
+    out = await aw
+    return _as_records(out) if out is not None else None

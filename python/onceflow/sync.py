@@ -1,0 +1,243 @@
+"""Blocking facade over onceflow's asyncio API, for code without an event loop::
+
+    from onceflow import sync as onceflow
+
+    client = onceflow.connect("memory://quickstart")
+    producer = client.producer()
+    producer.send("orders", b"order #1", idempotency_key="order-1")
+
+    consumer = client.consumer("billing", ["orders"])
+    for message in consumer:
+        print(message.payload)
+        consumer.commit()
+        break
+
+Every call runs the asyncio API on one background event loop thread and waits for it
+(waiting releases the GIL). Handlers given to ``IdempotentConsumer`` may be plain functions;
+they run on that thread. The loop is created again in a child process after ``fork()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+from . import (
+    DedupStore,
+    Delivery,
+    Lag,
+    Message,
+    Record,
+)
+from . import Client as _AsyncClient
+from . import Consumer as _AsyncConsumer
+from . import IdempotentConsumer as _AsyncIdempotentConsumer
+from . import Pipeline as _AsyncPipeline
+from . import Producer as _AsyncProducer
+from . import Transaction as _AsyncTransaction
+from . import connect as _connect
+from . import dedup_store as _dedup_store
+
+__all__ = [
+    "Client",
+    "Consumer",
+    "IdempotentConsumer",
+    "Pipeline",
+    "Producer",
+    "Record",
+    "Transaction",
+    "connect",
+    "dedup_store",
+    "idempotent",
+]
+
+_lock = threading.Lock()
+_loop: Optional[asyncio.AbstractEventLoop] = None
+
+
+def _get_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            t = threading.Thread(target=loop.run_forever, name="onceflow-sync", daemon=True)
+            t.start()
+            _loop = loop
+        return _loop
+
+
+def _after_fork() -> None:
+    global _loop, _lock
+    _loop = None  # the parent's loop thread does not exist in the child
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def _run(coro) -> Any:
+    loop = _get_loop()
+    if threading.current_thread().name == "onceflow-sync":
+        coro.close()
+        raise RuntimeError("onceflow.sync called from a handler running on its own loop: use the async API there")
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+def connect(url: str) -> "Client":
+    """Connects to the platform named by the URL (see ``onceflow.connect``)."""
+    return Client(_run(_connect(url)))
+
+
+def dedup_store(url: str, window: float = 86400.0) -> DedupStore:
+    return _run(_dedup_store(url, window))
+
+
+class Client:
+    def __init__(self, inner: _AsyncClient):
+        self._inner = inner
+
+    @property
+    def platform(self) -> str:
+        return self._inner.platform
+
+    def capabilities(self) -> Dict[str, bool]:
+        return self._inner.capabilities()
+
+    def producer(self, **kwargs: Any) -> "Producer":
+        return Producer(_run(self._inner.producer(**kwargs)))
+
+    def consumer(self, group: str, topics: Union[str, Sequence[str]], **kwargs: Any) -> "Consumer":
+        return Consumer(_run(self._inner.consumer(group, topics, **kwargs)))
+
+
+class Producer:
+    def __init__(self, inner: _AsyncProducer):
+        self._inner = inner
+
+    @property
+    def guarantee(self) -> str:
+        return self._inner.guarantee
+
+    def send(self, topic: str, payload: Any, **kwargs: Any) -> Delivery:
+        return _run(self._inner.send(topic, payload, **kwargs))
+
+    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+        return _run(self._inner.send_batch(records))
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator["Transaction"]:
+        tx = Transaction(_run(self._inner.begin()))
+        try:
+            yield tx
+        except BaseException:
+            tx.abort()
+            raise
+        else:
+            if not tx._inner.finished:
+                tx.commit()
+
+    def flush(self, timeout: float = 30.0) -> None:
+        _run(self._inner.flush(timeout))
+
+    def close(self) -> None:
+        _run(self._inner.close())
+
+
+class Transaction:
+    def __init__(self, inner: _AsyncTransaction):
+        self._inner = inner
+
+    def send(self, topic: str, payload: Any, **kwargs: Any) -> Delivery:
+        return _run(self._inner.send(topic, payload, **kwargs))
+
+    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+        return _run(self._inner.send_batch(records))
+
+    def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:
+        _run(self._inner.commit_offsets(consumer._inner, messages))
+
+    def commit(self) -> None:
+        _run(self._inner.commit())
+
+    def abort(self) -> None:
+        _run(self._inner.abort())
+
+
+class Consumer:
+    """``for message in consumer`` pulls batches and yields their messages."""
+
+    def __init__(self, inner: _AsyncConsumer):
+        self._inner = inner
+
+    @property
+    def group(self) -> str:
+        return self._inner.group
+
+    def poll(self, max: Optional[int] = None, timeout: Optional[float] = None) -> List[Message]:
+        return _run(self._inner.poll(max, timeout))
+
+    def __iter__(self) -> Iterator[Message]:
+        inner = self._inner
+        while True:
+            batch = _run(inner.poll())
+            if not batch:
+                continue
+            inner._index = 0
+            for i, m in enumerate(batch):
+                inner._index = i + 1
+                yield m
+
+    def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:
+        _run(self._inner.commit(messages))
+
+    def seek(self, topic: str, partition: int, to: str) -> None:
+        _run(self._inner.seek(topic, partition, to))
+
+    def assignment(self) -> List[Tuple[str, int]]:
+        return self._inner.assignment()
+
+    def lag(self) -> List[Lag]:
+        return _run(self._inner.lag())
+
+    def close(self) -> None:
+        _run(self._inner.close())
+
+
+class _SyncEngine:
+    _inner: Any
+
+    def run(self) -> Dict[str, Any]:
+        """Blocks until ``stop()`` (from a handler or another thread) or an error."""
+        return _run(self._inner.run())
+
+    def stop(self) -> None:
+        loop = _get_loop()
+        loop.call_soon_threadsafe(self._inner.stop)
+
+    def metrics(self) -> Dict[str, int]:
+        return self._inner.metrics()
+
+
+class IdempotentConsumer(_SyncEngine):
+    """See ``onceflow.IdempotentConsumer``; ``handler`` may be a plain function."""
+
+    def __init__(self, consumer: Consumer, handler: Callable[[Message], Any], store: Union[None, str, DedupStore] = None, **kwargs: Any):
+        self._inner = _AsyncIdempotentConsumer(consumer._inner, handler, store, **kwargs)
+
+
+def idempotent(consumer: Consumer, store: Union[None, str, DedupStore] = None, **kwargs: Any):
+    def wrap(handler: Callable[[Message], Any]) -> IdempotentConsumer:
+        return IdempotentConsumer(consumer, handler, store, **kwargs)
+
+    return wrap
+
+
+class Pipeline(_SyncEngine):
+    """See ``onceflow.Pipeline``."""
+
+    def __init__(self, consumer: Consumer, producer: Producer, transform: Callable[[Message], Any], store: Union[None, str, DedupStore] = None, **kwargs: Any):
+        self._inner = _AsyncPipeline(consumer._inner, producer._inner, transform, store, **kwargs)

@@ -1,0 +1,583 @@
+//! `connect`, `dedup_store` and the handles: `Client`, `Producer`, `Transaction`, `Consumer`,
+//! `Admin`, `DedupStore`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use onceflow::{
+    ConsumerConfig, DedupStore as RsDedupStore, Error, ErrorKind, Isolation, ProducerConfig,
+    TopicPartition, TopicSpec,
+};
+use pyo3::prelude::*;
+
+use crate::convert::{self, Delivery, Lag, Message};
+use crate::errors::{config_err, to_pyerr};
+use crate::{awaitable, awaitable_py};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(connect, m)?)?;
+    m.add_function(wrap_pyfunction!(dedup_store, m)?)?;
+    m.add_class::<Client>()?;
+    m.add_class::<Producer>()?;
+    m.add_class::<Transaction>()?;
+    m.add_class::<Consumer>()?;
+    m.add_class::<Admin>()?;
+    m.add_class::<DedupStore>()?;
+    m.add_class::<Message>()?;
+    m.add_class::<Delivery>()?;
+    m.add_class::<Lag>()?;
+    Ok(())
+}
+
+/// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`).
+#[pyfunction]
+fn connect(py: Python<'_>, url: String) -> PyResult<Bound<'_, PyAny>> {
+    awaitable(py, async move {
+        onceflow::connect(&url).await.map(|inner| Client { inner })
+    })
+}
+
+/// Opens a dedup store by URL: `memory://`, or a file path (embedded SQLite).
+#[pyfunction]
+#[pyo3(signature = (url, window=86400.0))]
+fn dedup_store(py: Python<'_>, url: String, window: f64) -> PyResult<Bound<'_, PyAny>> {
+    let window = convert::seconds("window", window)?;
+    awaitable(py, async move {
+        onceflow::dedup_store(&url, window)
+            .await
+            .map(|inner| DedupStore { inner, url })
+    })
+}
+
+/// A dedup (idempotency) store.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct DedupStore {
+    pub inner: Arc<dyn RsDedupStore>,
+    url: String,
+}
+
+#[pymethods]
+impl DedupStore {
+    fn __repr__(&self) -> String {
+        format!("DedupStore({:?})", self.url)
+    }
+}
+
+/// A connected platform.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct Client {
+    inner: onceflow::Client,
+}
+
+fn options(o: Option<HashMap<String, String>>) -> BTreeMap<String, String> {
+    o.unwrap_or_default().into_iter().collect()
+}
+
+#[pymethods]
+impl Client {
+    /// Platform name (`memory`, `kafka`, `jetstream`, ...).
+    #[getter]
+    fn platform(&self) -> &'static str {
+        self.inner.platform()
+    }
+
+    /// What the platform can do, as `{capability: bool}`.
+    fn capabilities(&self) -> HashMap<&'static str, bool> {
+        caps(self.inner.capabilities())
+    }
+
+    /// Creates a producer; a `transactional_id` enables `begin()`.
+    #[pyo3(signature = (*, transactional_id=None, client_id=None, idempotent=None, options=None))]
+    fn producer<'py>(
+        &self,
+        py: Python<'py>,
+        transactional_id: Option<String>,
+        client_id: Option<String>,
+        idempotent: Option<bool>,
+        options: Option<HashMap<String, String>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let config = ProducerConfig {
+            client_id,
+            transactional_id,
+            idempotent,
+            options: self::options(options),
+        };
+        awaitable(py, async move {
+            client
+                .producer(config)
+                .await
+                .map(|inner| Producer { inner })
+        })
+    }
+
+    /// Creates a consumer of `group` on `topics`.
+    #[pyo3(signature = (group, topics, *, start="committed", isolation="read_committed", client_id=None, session_timeout=None, options=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn consumer<'py>(
+        &self,
+        py: Python<'py>,
+        group: String,
+        topics: Vec<String>,
+        start: &str,
+        isolation: &str,
+        client_id: Option<String>,
+        session_timeout: Option<f64>,
+        options: Option<HashMap<String, String>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let isolation = match isolation {
+            "read_committed" => Isolation::ReadCommitted,
+            "read_uncommitted" => Isolation::ReadUncommitted,
+            other => {
+                return Err(config_err(format!(
+                    "isolation '{other}': expected read_committed or read_uncommitted"
+                )))
+            }
+        };
+        let config = ConsumerConfig {
+            group,
+            topics,
+            start: crate::errors::py_result(onceflow_bindings::parse_start_from(start))?,
+            isolation,
+            client_id,
+            session_timeout: session_timeout
+                .map(|s| convert::seconds("session_timeout", s))
+                .transpose()?,
+            options: self::options(options),
+        };
+        awaitable(py, async move {
+            client
+                .consumer(config)
+                .await
+                .map(|inner| Consumer { inner })
+        })
+    }
+
+    /// The admin handle.
+    fn admin<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        awaitable(py, async move {
+            client.admin().await.map(|inner| Admin { inner })
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Client(platform={:?})", self.inner.platform())
+    }
+}
+
+fn caps(c: onceflow::Capabilities) -> HashMap<&'static str, bool> {
+    HashMap::from([
+        ("transactions", c.transactions),
+        ("idempotent_producer", c.idempotent_producer),
+        ("dedup_by_id", c.dedup_by_id),
+        ("atomic_batch", c.atomic_batch),
+        ("native_headers", c.native_headers),
+        ("consumer_groups", c.consumer_groups),
+        ("seek_by_timestamp", c.seek_by_timestamp),
+        ("pause_resume", c.pause_resume),
+        ("per_message_nack", c.per_message_nack),
+        ("compaction", c.compaction),
+        ("lag_ms", c.lag_ms),
+    ])
+}
+
+/// Per-record results as Python objects: a `Delivery` or the onceflow exception instance.
+fn results(
+    py: Python<'_>,
+    rs: Vec<onceflow::Result<onceflow::Delivery>>,
+) -> PyResult<Vec<Py<PyAny>>> {
+    rs.into_iter()
+        .map(|r| match r {
+            Ok(d) => Ok(Py::new(py, Delivery::from(d))?.into_any()),
+            Err(e) => Ok(to_pyerr(py, &e).into_value(py).into_any()),
+        })
+        .collect()
+}
+
+/// A producer.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct Producer {
+    pub inner: onceflow::Producer,
+}
+
+#[pymethods]
+impl Producer {
+    /// Platform name.
+    #[getter]
+    fn platform(&self) -> &'static str {
+        self.inner.platform()
+    }
+
+    /// The guarantee of a write through this producer (`exactly-once`, `effectively-once`,
+    /// `at-least-once`).
+    #[getter]
+    fn guarantee(&self) -> String {
+        self.inner.guarantee().to_string()
+    }
+
+    /// Sends one record; resolves to its `Delivery`.
+    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn send<'py>(
+        &self,
+        py: Python<'py>,
+        topic: String,
+        payload: &Bound<'py, PyAny>,
+        key: Option<&Bound<'py, PyAny>>,
+        headers: Option<&Bound<'py, PyAny>>,
+        partition: Option<i32>,
+        timestamp: Option<i64>,
+        idempotency_key: Option<String>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let record = convert::record(
+            topic,
+            payload,
+            key,
+            headers,
+            partition,
+            timestamp,
+            idempotency_key,
+        )?;
+        let p = self.inner.clone();
+        awaitable(py, async move { p.send(record).await.map(Delivery::from) })
+    }
+
+    /// Sends records (tuples in `onceflow.Record` order) pipelined; resolves to one result per
+    /// record, in order: a `Delivery` or the exception of that record.
+    fn send_batch<'py>(
+        &self,
+        py: Python<'py>,
+        records: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let records = convert::records(records)?;
+        let p = self.inner.clone();
+        awaitable_py(py, async move {
+            let rs = p.send_batch(records).await;
+            Python::attach(|py| results(py, rs))
+        })
+    }
+
+    /// Starts a transaction (needs a `transactional_id`).
+    fn begin<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let p = self.inner.clone();
+        awaitable(py, async move {
+            p.begin().await.map(|tx| Transaction {
+                inner: Arc::new(tokio::sync::Mutex::new(Some(tx))),
+            })
+        })
+    }
+
+    /// Waits until everything sent is acknowledged, at most `timeout` seconds.
+    #[pyo3(signature = (timeout=30.0))]
+    fn flush<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = convert::seconds("timeout", timeout)?;
+        let p = self.inner.clone();
+        awaitable(py, async move { p.flush(timeout).await })
+    }
+
+    /// Flushes and releases the producer.
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let p = self.inner.clone();
+        awaitable(py, async move { p.close().await })
+    }
+}
+
+type TxSlot = Arc<tokio::sync::Mutex<Option<onceflow::Transaction>>>;
+
+fn finished() -> Error {
+    Error::new(ErrorKind::Closed, "transaction already finished")
+}
+
+/// An open transaction; `commit()` or `abort()` ends it.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct Transaction {
+    inner: TxSlot,
+}
+
+#[pymethods]
+impl Transaction {
+    /// Sends a record inside the transaction.
+    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn send<'py>(
+        &self,
+        py: Python<'py>,
+        topic: String,
+        payload: &Bound<'py, PyAny>,
+        key: Option<&Bound<'py, PyAny>>,
+        headers: Option<&Bound<'py, PyAny>>,
+        partition: Option<i32>,
+        timestamp: Option<i64>,
+        idempotency_key: Option<String>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let record = convert::record(
+            topic,
+            payload,
+            key,
+            headers,
+            partition,
+            timestamp,
+            idempotency_key,
+        )?;
+        let tx = self.inner.clone();
+        awaitable(py, async move {
+            let mut slot = tx.lock().await;
+            let tx = slot.as_mut().ok_or_else(finished)?;
+            tx.send(record).await.map(Delivery::from)
+        })
+    }
+
+    /// Sends records inside the transaction; one result per record (see `Producer.send_batch`).
+    fn send_batch<'py>(
+        &self,
+        py: Python<'py>,
+        records: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let records = convert::records(records)?;
+        let tx = self.inner.clone();
+        awaitable_py(py, async move {
+            let mut slot = tx.lock().await;
+            let rs = match slot.as_mut() {
+                Some(tx) => tx.send_batch(records).await,
+                None => records.iter().map(|_| Err(finished())).collect(),
+            };
+            Python::attach(|py| results(py, rs))
+        })
+    }
+
+    /// Commits `positions` (`(topic, partition, position)` of the last processed message per
+    /// partition) of `consumer`'s group with the transaction.
+    fn commit_offsets<'py>(
+        &self,
+        py: Python<'py>,
+        consumer: &Consumer,
+        positions: Vec<(String, i32, String)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let positions = convert::positions(positions)?;
+        let group = consumer.inner.group_metadata();
+        let tx = self.inner.clone();
+        awaitable(py, async move {
+            let group = group.ok_or_else(|| {
+                Error::unsupported("this consumer has no group metadata for transactional commits")
+            })?;
+            let mut slot = tx.lock().await;
+            let tx = slot.as_mut().ok_or_else(finished)?;
+            tx.commit_offsets(&group, &positions).await
+        })
+    }
+
+    /// Commits the transaction.
+    fn commit<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let tx = self.inner.clone();
+        awaitable(py, async move {
+            let tx = tx.lock().await.take().ok_or_else(finished)?;
+            tx.commit().await
+        })
+    }
+
+    /// Aborts the transaction (nothing it sent becomes visible). A no-op once finished.
+    fn abort<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let tx = self.inner.clone();
+        awaitable(py, async move {
+            match tx.lock().await.take() {
+                Some(tx) => tx.abort().await,
+                None => Ok(()),
+            }
+        })
+    }
+}
+
+/// A consumer: one member of a consumer group.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct Consumer {
+    pub inner: onceflow::Consumer,
+}
+
+#[pymethods]
+impl Consumer {
+    /// Platform name.
+    #[getter]
+    fn platform(&self) -> &'static str {
+        self.inner.platform()
+    }
+
+    /// The consumer group.
+    #[getter]
+    fn group(&self) -> String {
+        self.inner.group().to_string()
+    }
+
+    /// Fetches up to `max` messages, waiting at most `timeout` seconds for the first; resolves
+    /// to a list (empty on timeout). One call crosses the boundary once for the whole batch.
+    #[pyo3(signature = (max=500, timeout=1.0))]
+    fn poll<'py>(&self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = convert::seconds("timeout", timeout)?;
+        let c = self.inner.clone();
+        awaitable(py, async move {
+            c.poll(max, timeout).await.map(|ms| {
+                ms.into_iter()
+                    .map(|inner| Message { inner })
+                    .collect::<Vec<_>>()
+            })
+        })
+    }
+
+    /// Commits `(topic, partition, position)` of the last processed message per partition.
+    fn commit<'py>(
+        &self,
+        py: Python<'py>,
+        positions: Vec<(String, i32, String)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let positions = convert::positions(positions)?;
+        let c = self.inner.clone();
+        awaitable(py, async move { c.commit(&positions).await })
+    }
+
+    /// The group's committed position (next to read) of each `(topic, partition)`.
+    fn committed<'py>(
+        &self,
+        py: Python<'py>,
+        partitions: Vec<(String, i32)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tps: Vec<TopicPartition> = partitions
+            .into_iter()
+            .map(|(t, p)| TopicPartition::new(t, p))
+            .collect();
+        let c = self.inner.clone();
+        awaitable(py, async move {
+            c.committed(&tps).await.map(|v| {
+                v.into_iter()
+                    .map(|(tp, p)| (tp.topic, tp.partition, p.map(|p| p.to_string())))
+                    .collect::<Vec<_>>()
+            })
+        })
+    }
+
+    /// Moves the fetch position of an assigned partition: `to` is `earliest`, `latest`,
+    /// `timestamp:MS` or a position such as `offset:42` (inclusive).
+    fn seek<'py>(
+        &self,
+        py: Python<'py>,
+        topic: String,
+        partition: i32,
+        to: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let to = crate::errors::py_result(onceflow_bindings::parse_start_from(to))?;
+        let c = self.inner.clone();
+        awaitable(py, async move {
+            c.seek(&TopicPartition::new(topic, partition), &to).await
+        })
+    }
+
+    /// Stops fetching from `(topic, partition)`s.
+    fn pause<'py>(
+        &self,
+        py: Python<'py>,
+        partitions: Vec<(String, i32)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tps: Vec<TopicPartition> = partitions
+            .into_iter()
+            .map(|(t, p)| TopicPartition::new(t, p))
+            .collect();
+        let c = self.inner.clone();
+        awaitable(py, async move { c.pause(&tps).await })
+    }
+
+    /// Resumes fetching from `(topic, partition)`s.
+    fn resume<'py>(
+        &self,
+        py: Python<'py>,
+        partitions: Vec<(String, i32)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tps: Vec<TopicPartition> = partitions
+            .into_iter()
+            .map(|(t, p)| TopicPartition::new(t, p))
+            .collect();
+        let c = self.inner.clone();
+        awaitable(py, async move { c.resume(&tps).await })
+    }
+
+    /// `(topic, partition)`s assigned to this member now.
+    fn assignment(&self) -> Vec<(String, i32)> {
+        self.inner
+            .assignment()
+            .into_iter()
+            .map(|tp| (tp.topic, tp.partition))
+            .collect()
+    }
+
+    /// Lag per assigned partition.
+    fn lag<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let c = self.inner.clone();
+        awaitable(py, async move {
+            c.lag()
+                .await
+                .map(|v| v.into_iter().map(Lag::from).collect::<Vec<_>>())
+        })
+    }
+
+    /// Leaves the group and releases the consumer (does not commit).
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let c = self.inner.clone();
+        awaitable(py, async move { c.close().await })
+    }
+}
+
+/// Topic administration.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct Admin {
+    inner: onceflow::Admin,
+}
+
+#[pymethods]
+impl Admin {
+    /// Creates a topic.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (name, partitions=1, *, retention_ms=None, retention_bytes=None, compacted=false, options=None))]
+    fn create_topic<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        partitions: u32,
+        retention_ms: Option<u64>,
+        retention_bytes: Option<u64>,
+        compacted: bool,
+        options: Option<HashMap<String, String>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let spec = TopicSpec {
+            name,
+            partitions,
+            retention_ms,
+            retention_bytes,
+            compacted,
+            options: self::options(options),
+        };
+        let a = self.inner.clone();
+        awaitable(py, async move { a.create_topic(&spec).await })
+    }
+
+    /// Describes a topic: `{name, partitions, retention_ms, retention_bytes, compacted}`.
+    fn describe_topic<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyAny>> {
+        let a = self.inner.clone();
+        awaitable_py(py, async move {
+            let d = crate::errors::py_result(a.describe_topic(&name).await)?;
+            Python::attach(|py| -> PyResult<Py<PyAny>> {
+                let out = pyo3::types::PyDict::new(py);
+                out.set_item("name", d.name)?;
+                out.set_item("partitions", d.partitions)?;
+                out.set_item("retention_ms", d.retention_ms)?;
+                out.set_item("retention_bytes", d.retention_bytes)?;
+                out.set_item("compacted", d.compacted)?;
+                Ok(out.into_any().unbind())
+            })
+        })
+    }
+
+    /// Deletes a topic.
+    fn delete_topic<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyAny>> {
+        let a = self.inner.clone();
+        awaitable(py, async move { a.delete_topic(&name).await })
+    }
+}

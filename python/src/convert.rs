@@ -1,0 +1,320 @@
+//! Type conversions between Python and onceflow's model: records in, messages, deliveries
+//! and lag out. No logic beyond conversion.
+
+use bytes::Bytes;
+use onceflow::{
+    Delivery as RsDelivery, Headers, Message as RsMessage, PartitionLag, Position, Record,
+    TopicPartition,
+};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+
+use crate::errors::{config_err, py_result};
+
+/// Bytes from `bytes`, `bytearray`, `memoryview` or `str` (UTF-8).
+pub fn to_bytes(what: &str, v: &Bound<'_, PyAny>) -> PyResult<Bytes> {
+    if let Ok(b) = v.cast::<PyBytes>() {
+        return Ok(Bytes::copy_from_slice(b.as_bytes()));
+    }
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(Bytes::copy_from_slice(s.to_cow()?.as_bytes()));
+    }
+    match v.extract::<Vec<u8>>() {
+        Ok(b) if !v.is_instance_of::<PyList>() => Ok(Bytes::from(b)),
+        _ => Err(PyTypeError::new_err(format!(
+            "{what}: expected bytes or str, got {}",
+            v.get_type().name()?
+        ))),
+    }
+}
+
+fn opt_bytes(what: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Bytes>> {
+    match v {
+        None => Ok(None),
+        Some(v) if v.is_none() => Ok(None),
+        Some(v) => to_bytes(what, v).map(Some),
+    }
+}
+
+/// Headers from `None`, a dict `{name: value}` or a sequence of `(name, value)`; values are
+/// bytes, str or None (a null header).
+pub fn to_headers(v: Option<&Bound<'_, PyAny>>) -> PyResult<Headers> {
+    let mut h = Headers::new();
+    let Some(v) = v else { return Ok(h) };
+    if v.is_none() {
+        return Ok(h);
+    }
+    let mut push = |name: String, value: &Bound<'_, PyAny>| -> PyResult<()> {
+        if value.is_none() {
+            h.insert_null(name);
+        } else {
+            let b = to_bytes(&format!("header '{name}'"), value)?;
+            h.insert(name, b);
+        }
+        Ok(())
+    };
+    if let Ok(d) = v.cast::<PyDict>() {
+        for (k, val) in d.iter() {
+            push(k.extract::<String>()?, &val)?;
+        }
+    } else {
+        for item in v.try_iter()? {
+            let item = item?;
+            let (k, val): (String, Bound<'_, PyAny>) = item.extract().map_err(|_| {
+                PyTypeError::new_err(
+                    "headers: expected a dict or a sequence of (name, value) pairs",
+                )
+            })?;
+            push(k, &val)?;
+        }
+    }
+    Ok(h)
+}
+
+/// A record from its fields (the order of `onceflow.Record`).
+#[allow(clippy::too_many_arguments)]
+pub fn record(
+    topic: String,
+    payload: &Bound<'_, PyAny>,
+    key: Option<&Bound<'_, PyAny>>,
+    headers: Option<&Bound<'_, PyAny>>,
+    partition: Option<i32>,
+    timestamp: Option<i64>,
+    idempotency_key: Option<String>,
+) -> PyResult<Record> {
+    Ok(Record {
+        topic,
+        payload: to_bytes("payload", payload)?,
+        key: opt_bytes("key", key)?,
+        headers: to_headers(headers)?,
+        partition,
+        timestamp,
+        idempotency_key,
+    })
+}
+
+/// A record from a tuple `(topic, payload, key=None, headers=None, partition=None,
+/// timestamp=None, idempotency_key=None)`; `onceflow.Record` is such a tuple.
+pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
+    let t = v.cast::<PyTuple>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "record: expected onceflow.Record or a tuple (topic, payload, key, headers, partition, timestamp, idempotency_key), got {}",
+            v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    let n = t.len();
+    if !(2..=7).contains(&n) {
+        return Err(PyTypeError::new_err(format!(
+            "record: expected 2 to 7 fields (topic, payload, ...), got {n}"
+        )));
+    }
+    let get =
+        |i: usize| -> Option<Bound<'_, PyAny>> { (i < n).then(|| t.get_item(i).ok()).flatten() };
+    let none_or = |i: usize| get(i).filter(|x| !x.is_none());
+    record(
+        t.get_item(0)?.extract()?,
+        &t.get_item(1)?,
+        get(2).as_ref(),
+        get(3).as_ref(),
+        none_or(4).map(|x| x.extract()).transpose()?,
+        none_or(5).map(|x| x.extract()).transpose()?,
+        none_or(6).map(|x| x.extract()).transpose()?,
+    )
+}
+
+/// Records from any iterable of record tuples.
+pub fn records(v: &Bound<'_, PyAny>) -> PyResult<Vec<Record>> {
+    let mut out = Vec::with_capacity(v.len().unwrap_or(0));
+    for item in v.try_iter()? {
+        out.push(record_from_tuple(&item?)?);
+    }
+    Ok(out)
+}
+
+/// A position from its text (`offset:42`, `seq:7`, ...).
+pub fn position(text: &str) -> PyResult<Position> {
+    py_result(text.parse::<Position>())
+}
+
+/// `(topic, partition, position)` triples → positions to commit.
+pub fn positions(v: Vec<(String, i32, String)>) -> PyResult<Vec<(TopicPartition, Position)>> {
+    v.into_iter()
+        .map(|(t, p, pos)| Ok((TopicPartition::new(t, p), position(&pos)?)))
+        .collect()
+}
+
+/// A received message. Fields convert to Python objects when read.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct Message {
+    pub inner: RsMessage,
+}
+
+#[pymethods]
+impl Message {
+    /// Topic / stream / subject.
+    #[getter]
+    fn topic(&self) -> &str {
+        &self.inner.topic
+    }
+    /// Partition (shard) number.
+    #[getter]
+    fn partition(&self) -> i32 {
+        self.inner.partition
+    }
+    /// Position in its partition, as text (`offset:42`, `seq:7`, ...).
+    #[getter]
+    fn position(&self) -> String {
+        self.inner.position.to_string()
+    }
+    /// Key bytes, if any.
+    #[getter]
+    fn key<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.key.as_ref().map(|k| PyBytes::new(py, k))
+    }
+    /// Payload bytes.
+    #[getter]
+    fn payload<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.payload)
+    }
+    /// Headers in order: `(name, value)`, value `None` for a null header.
+    #[getter]
+    fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items: Vec<(String, Option<Bound<'py, PyBytes>>)> = self
+            .inner
+            .headers
+            .iter()
+            .map(|h| {
+                (
+                    h.name.clone(),
+                    h.value.as_ref().map(|v| PyBytes::new(py, v)),
+                )
+            })
+            .collect();
+        PyList::new(py, items)
+    }
+    /// Headers as a dict; for a repeated name, the first value.
+    #[getter]
+    fn headers_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for h in self.inner.headers.iter() {
+            if !d.contains(&h.name)? {
+                d.set_item(&h.name, h.value.as_ref().map(|v| PyBytes::new(py, v)))?;
+            }
+        }
+        Ok(d)
+    }
+    /// The first value of header `name` (`None` if absent or null).
+    fn header<'py>(&self, py: Python<'py>, name: &str) -> Option<Bound<'py, PyBytes>> {
+        self.inner
+            .headers
+            .get(name)
+            .flatten()
+            .map(|v| PyBytes::new(py, v))
+    }
+    /// Milliseconds since the epoch, if the platform has a timestamp.
+    #[getter]
+    fn timestamp(&self) -> Option<i64> {
+        self.inner.timestamp
+    }
+    /// How many times the platform delivered this message (1 on first delivery).
+    #[getter]
+    fn delivery_count(&self) -> u32 {
+        self.inner.delivery_count
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Message(topic={:?}, partition={}, position={:?}, payload=<{} bytes>)",
+            self.inner.topic,
+            self.inner.partition,
+            self.inner.position.to_string(),
+            self.inner.payload.len()
+        )
+    }
+}
+
+/// Where a sent record landed.
+#[pyclass(frozen, get_all, module = "onceflow._native")]
+pub struct Delivery {
+    /// Topic written to.
+    pub topic: String,
+    /// Partition written to.
+    pub partition: i32,
+    /// Position assigned by the platform, as text.
+    pub position: String,
+    /// Timestamp assigned, ms since the epoch, if known.
+    pub timestamp: Option<i64>,
+    /// The platform recognised the record as a duplicate of one already written.
+    pub duplicate: bool,
+}
+
+#[pymethods]
+impl Delivery {
+    fn __repr__(&self) -> String {
+        format!(
+            "Delivery(topic={:?}, partition={}, position={:?}, duplicate={})",
+            self.topic,
+            self.partition,
+            self.position,
+            if self.duplicate { "True" } else { "False" }
+        )
+    }
+}
+
+impl From<RsDelivery> for Delivery {
+    fn from(d: RsDelivery) -> Self {
+        Delivery {
+            topic: d.topic,
+            partition: d.partition,
+            position: d.position.to_string(),
+            timestamp: d.timestamp,
+            duplicate: d.duplicate,
+        }
+    }
+}
+
+/// Lag of one partition.
+#[pyclass(frozen, get_all, module = "onceflow._native")]
+pub struct Lag {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The group's committed position (next to read), as text.
+    pub committed: Option<String>,
+    /// End of the partition, as text.
+    pub high_watermark: Option<String>,
+    /// Messages between the committed position and the end.
+    pub messages: u64,
+    /// Milliseconds behind the newest message, where the platform reports it.
+    pub millis: Option<u64>,
+}
+
+#[pymethods]
+impl Lag {
+    fn __repr__(&self) -> String {
+        format!(
+            "Lag(topic={:?}, partition={}, messages={})",
+            self.topic, self.partition, self.messages
+        )
+    }
+}
+
+impl From<PartitionLag> for Lag {
+    fn from(l: PartitionLag) -> Self {
+        Lag {
+            topic: l.partition.topic,
+            partition: l.partition.partition,
+            committed: l.committed.map(|p| p.to_string()),
+            high_watermark: l.high_watermark.map(|p| p.to_string()),
+            messages: l.messages,
+            millis: l.millis,
+        }
+    }
+}
+
+/// Seconds (float) → Duration, refusing negatives and NaN.
+pub fn seconds(what: &str, s: f64) -> PyResult<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s)
+        .map_err(|_| config_err(format!("{what} {s}: expected a number of seconds >= 0")))
+}

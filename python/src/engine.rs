@@ -1,0 +1,421 @@
+//! The engine from Python: `IdempotentConsumer` and `Pipeline`, with Python callables as the
+//! [`Handler`] and the [`Transform`]. A callable is called (with the GIL) for each message and
+//! must return an awaitable; the awaitable runs on the asyncio loop that called `run()`, and
+//! the engine awaits it from the tokio runtime without holding the GIL.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use onceflow::{
+    BoxError, EngineConfig, Error, ErrorKind, Handler, KeyStrategy, MetricsSnapshot, OnFailure,
+    PipelineConfig, PipelineMode, Record, RunSummary, Transform,
+};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use pyo3_async_runtimes::TaskLocals;
+
+use crate::client::{Consumer, DedupStore, Producer};
+use crate::convert::{self, Lag, Message};
+use crate::errors::{config_err, py_box};
+use crate::{awaitable, current_locals};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<IdempotentConsumer>()?;
+    m.add_class::<Pipeline>()?;
+    Ok(())
+}
+
+/// The asyncio loop (and contextvars) Python callables run on: set by `run()` / `step()`.
+type Locals = Arc<Mutex<Option<TaskLocals>>>;
+
+fn locals_of(l: &Locals) -> Result<TaskLocals, BoxError> {
+    l.lock()
+        .clone()
+        .ok_or_else(|| "no asyncio loop: call run() or step() from a coroutine".into())
+}
+
+/// Calls `func(message)` and awaits the awaitable it returns on the loop in `locals`.
+async fn call(
+    func: &Py<PyAny>,
+    locals: &Locals,
+    message: &onceflow::Message,
+) -> Result<Py<PyAny>, BoxError> {
+    let locals = locals_of(locals)?;
+    let fut = Python::attach(|py| {
+        let msg = Message {
+            inner: message.clone(),
+        };
+        let aw = func.bind(py).call1((msg,))?;
+        pyo3_async_runtimes::into_future_with_locals(&locals, aw)
+    })
+    .map_err(py_box)?;
+    fut.await.map_err(py_box)
+}
+
+struct PyHandler {
+    func: Py<PyAny>,
+    locals: Locals,
+}
+
+#[async_trait]
+impl Handler for PyHandler {
+    async fn handle(&self, message: &onceflow::Message) -> Result<Option<Bytes>, BoxError> {
+        let out = call(&self.func, &self.locals, message).await?;
+        Python::attach(|py| {
+            let out = out.bind(py);
+            if out.is_none() {
+                Ok(None)
+            } else if let Ok(b) = out.cast::<PyBytes>() {
+                Ok(Some(Bytes::copy_from_slice(b.as_bytes())))
+            } else {
+                Err(format!(
+                    "handler returned {}: expected None or bytes",
+                    out.get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
+                )
+                .into())
+            }
+        })
+    }
+}
+
+struct PyTransform {
+    func: Py<PyAny>,
+    locals: Locals,
+}
+
+#[async_trait]
+impl Transform for PyTransform {
+    async fn transform(&self, message: &onceflow::Message) -> Result<Vec<Record>, BoxError> {
+        let out = call(&self.func, &self.locals, message).await?;
+        Python::attach(|py| {
+            let out = out.bind(py);
+            if out.is_none() {
+                Ok(Vec::new())
+            } else {
+                convert::records(out).map_err(py_box)
+            }
+        })
+    }
+}
+
+/// Engine settings from a dict; unknown keys are ConfigErrors naming them.
+fn engine_config(config: Option<&Bound<'_, PyDict>>) -> PyResult<EngineConfig> {
+    let mut c = EngineConfig::default();
+    let Some(d) = config else { return Ok(c) };
+    for (k, v) in d.iter() {
+        let key: String = k.extract()?;
+        let secs = |v: &Bound<'_, PyAny>| -> PyResult<std::time::Duration> {
+            convert::seconds(&key, v.extract::<f64>()?)
+        };
+        match key.as_str() {
+            "key" => {
+                let s: String = v.extract()?;
+                c.key = if s == "coordinates" {
+                    KeyStrategy::Coordinates
+                } else if let Some(h) = s.strip_prefix("header:") {
+                    KeyStrategy::Header(h.to_string())
+                } else {
+                    return Err(config_err(format!(
+                        "key '{s}': expected 'header:NAME' or 'coordinates'"
+                    )));
+                }
+            }
+            "namespace" => c.namespace = v.extract()?,
+            "worker_id" => c.worker_id = v.extract()?,
+            "lease" => c.lease = secs(&v)?,
+            "fingerprint" => c.fingerprint = v.extract()?,
+            "max_attempts" => c.max_attempts = v.extract()?,
+            "min_backoff" => c.min_backoff = secs(&v)?,
+            "max_backoff" => c.max_backoff = secs(&v)?,
+            "on_failure" => {
+                let s: String = v.extract()?;
+                c.on_failure = match s.as_str() {
+                    "redeliver" => OnFailure::Redeliver,
+                    "stop" => OnFailure::Stop,
+                    _ => match s.strip_prefix("dead-letter:") {
+                        Some(t) => OnFailure::DeadLetter(t.to_string()),
+                        None => {
+                            return Err(config_err(format!(
+                                "on_failure '{s}': expected 'redeliver', 'stop' or 'dead-letter:TOPIC'"
+                            )))
+                        }
+                    },
+                }
+            }
+            "redelivery_delay" => c.redelivery_delay = secs(&v)?,
+            "batch_size" => c.batch_size = v.extract()?,
+            "poll_timeout" => c.poll_timeout = secs(&v)?,
+            "commit_interval" => c.commit_interval = secs(&v)?,
+            "commit_every" => c.commit_every = v.extract()?,
+            "shutdown_deadline" => c.shutdown_deadline = secs(&v)?,
+            "tracing" => c.tracing = v.extract()?,
+            other => {
+                return Err(config_err(format!(
+                    "unknown engine setting '{other}': expected one of key, namespace, worker_id, lease, fingerprint, max_attempts, min_backoff, max_backoff, on_failure, redelivery_delay, batch_size, poll_timeout, commit_interval, commit_every, shutdown_deadline, tracing"
+                )))
+            }
+        }
+    }
+    Ok(c)
+}
+
+fn metrics_dict(py: Python<'_>, m: MetricsSnapshot) -> PyResult<Py<PyAny>> {
+    let d = PyDict::new(py);
+    d.set_item("consumed", m.consumed)?;
+    d.set_item("processed", m.processed)?;
+    d.set_item("duplicates_skipped", m.duplicates_skipped)?;
+    d.set_item("handler_errors", m.handler_errors)?;
+    d.set_item("retries", m.retries)?;
+    d.set_item("dead_lettered", m.dead_lettered)?;
+    d.set_item("redelivery_requests", m.redelivery_requests)?;
+    d.set_item("transactions_committed", m.transactions_committed)?;
+    d.set_item("transactions_aborted", m.transactions_aborted)?;
+    d.set_item("rebalances", m.rebalances)?;
+    d.set_item("fenced", m.fenced)?;
+    d.set_item("commits", m.commits)?;
+    d.set_item("produced", m.produced)?;
+    Ok(d.into_any().unbind())
+}
+
+fn summary_dict(s: RunSummary) -> PyResult<Py<PyAny>> {
+    Python::attach(|py| {
+        let d = PyDict::new(py);
+        d.set_item("metrics", metrics_dict(py, s.metrics)?)?;
+        d.set_item("guarantee", s.guarantee.to_string())?;
+        d.set_item("drained", s.drained)?;
+        Ok(d.into_any().unbind())
+    })
+}
+
+fn already_ran() -> Error {
+    Error::new(
+        ErrorKind::Closed,
+        "this engine already ran: create a new one",
+    )
+}
+
+/// Stop signal shared by `stop()` and the running engine.
+fn stop_channel() -> (
+    tokio::sync::watch::Sender<bool>,
+    tokio::sync::watch::Receiver<bool>,
+) {
+    tokio::sync::watch::channel(false)
+}
+
+async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Runs an engine future as its own task on the runtime, so that cancelling the Python
+/// awaitable does not drop the engine mid-batch (the Python side calls `stop()` instead).
+async fn run_detached<F>(fut: F) -> onceflow::Result<RunSummary>
+where
+    F: std::future::Future<Output = onceflow::Result<RunSummary>> + Send + 'static,
+{
+    onceflow_bindings::runtime()
+        .spawn(fut)
+        .await
+        .map_err(|e| Error::new(ErrorKind::Platform, format!("engine task failed: {e}")))?
+}
+
+/// At-least-once consumption plus a dedup store: `handler` runs once per idempotency key.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct IdempotentConsumer {
+    engine: Arc<tokio::sync::Mutex<Option<onceflow::IdempotentConsumer>>>,
+    metrics: onceflow::Metrics,
+    consumer: onceflow::Consumer,
+    guarantee: String,
+    locals: Locals,
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+#[pymethods]
+impl IdempotentConsumer {
+    #[new]
+    #[pyo3(signature = (consumer, handler, store=None, *, config=None, dead_letter_producer=None))]
+    fn new(
+        consumer: &Consumer,
+        handler: Py<PyAny>,
+        store: Option<&DedupStore>,
+        config: Option<&Bound<'_, PyDict>>,
+        dead_letter_producer: Option<&Producer>,
+    ) -> PyResult<Self> {
+        let locals: Locals = Arc::default();
+        let h = PyHandler {
+            func: handler,
+            locals: locals.clone(),
+        };
+        let engine = crate::errors::py_result(onceflow::IdempotentConsumer::with_config(
+            consumer.inner.clone(),
+            store.map(|s| s.inner.clone()),
+            Arc::new(h),
+            engine_config(config)?,
+            dead_letter_producer.map(|p| p.inner.clone()),
+        ))?;
+        Ok(IdempotentConsumer {
+            metrics: engine.metrics(),
+            guarantee: engine.guarantee().to_string(),
+            engine: Arc::new(tokio::sync::Mutex::new(Some(engine))),
+            consumer: consumer.inner.clone(),
+            locals,
+            stop: stop_channel().0,
+        })
+    }
+
+    /// `effectively-once` with a store, `at-least-once` without.
+    #[getter]
+    fn guarantee(&self) -> String {
+        self.guarantee.clone()
+    }
+
+    /// Counters, live.
+    fn metrics(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        metrics_dict(py, self.metrics.snapshot())
+    }
+
+    /// Lag per assigned partition.
+    fn lag<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let c = self.consumer.clone();
+        awaitable(py, async move {
+            c.lag()
+                .await
+                .map(|v| v.into_iter().map(Lag::from).collect::<Vec<_>>())
+        })
+    }
+
+    /// Polls once and handles what arrived; resolves to the number of messages polled.
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        *self.locals.lock() = Some(current_locals(py)?);
+        let engine = self.engine.clone();
+        awaitable(py, async move {
+            let guard = engine.lock().await;
+            guard.as_ref().ok_or_else(already_ran)?.step().await
+        })
+    }
+
+    /// Runs until `stop()` or an error, then drains, commits and closes the consumer;
+    /// resolves to `{metrics, guarantee, drained}`.
+    fn run<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        *self.locals.lock() = Some(current_locals(py)?);
+        let engine = self.engine.clone();
+        let rx = self.stop.subscribe();
+        crate::awaitable_py(py, async move {
+            let ic = crate::errors::py_result(engine.lock().await.take().ok_or_else(already_ran))?;
+            let summary = crate::errors::py_result(run_detached(ic.run_until(stopped(rx))).await)?;
+            summary_dict(summary)
+        })
+    }
+
+    /// Asks a running `run()` to stop: it finishes work in flight, commits and returns.
+    fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+}
+
+/// Consume-transform-produce with the strongest mechanism the platform offers.
+#[pyclass(frozen, module = "onceflow._native")]
+pub struct Pipeline {
+    engine: Arc<tokio::sync::Mutex<Option<onceflow::Pipeline>>>,
+    metrics: onceflow::Metrics,
+    guarantee: String,
+    mechanism: &'static str,
+    locals: Locals,
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+#[pymethods]
+impl Pipeline {
+    #[new]
+    #[pyo3(signature = (consumer, producer, transform, store=None, *, mode="auto", config=None, transaction_interval=None, max_transaction_inputs=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        consumer: &Consumer,
+        producer: &Producer,
+        transform: Py<PyAny>,
+        store: Option<&DedupStore>,
+        mode: &str,
+        config: Option<&Bound<'_, PyDict>>,
+        transaction_interval: Option<f64>,
+        max_transaction_inputs: Option<usize>,
+    ) -> PyResult<Self> {
+        let mut pc = PipelineConfig {
+            engine: engine_config(config)?,
+            mode: match mode {
+                "auto" => PipelineMode::Auto,
+                "transactional" => PipelineMode::Transactional,
+                "idempotent" => PipelineMode::Idempotent,
+                other => {
+                    return Err(config_err(format!(
+                        "mode '{other}': expected auto, transactional or idempotent"
+                    )))
+                }
+            },
+            ..PipelineConfig::default()
+        };
+        if let Some(s) = transaction_interval {
+            pc.transaction_interval = convert::seconds("transaction_interval", s)?;
+        }
+        if let Some(n) = max_transaction_inputs {
+            pc.max_transaction_inputs = n;
+        }
+        let locals: Locals = Arc::default();
+        let t = PyTransform {
+            func: transform,
+            locals: locals.clone(),
+        };
+        let engine = crate::errors::py_result(onceflow::Pipeline::with_config(
+            consumer.inner.clone(),
+            producer.inner.clone(),
+            store.map(|s| s.inner.clone()),
+            Arc::new(t),
+            pc,
+        ))?;
+        Ok(Pipeline {
+            metrics: engine.metrics(),
+            guarantee: engine.guarantee().to_string(),
+            mechanism: engine.mechanism(),
+            engine: Arc::new(tokio::sync::Mutex::new(Some(engine))),
+            locals,
+            stop: stop_channel().0,
+        })
+    }
+
+    /// The guarantee this pipeline runs with.
+    #[getter]
+    fn guarantee(&self) -> String {
+        self.guarantee.clone()
+    }
+
+    /// The mechanism, in words.
+    #[getter]
+    fn mechanism(&self) -> &'static str {
+        self.mechanism
+    }
+
+    /// Counters, live.
+    fn metrics(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        metrics_dict(py, self.metrics.snapshot())
+    }
+
+    /// Runs until `stop()` or an error; resolves to `{metrics, guarantee, drained}`.
+    fn run<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        *self.locals.lock() = Some(current_locals(py)?);
+        let engine = self.engine.clone();
+        let rx = self.stop.subscribe();
+        crate::awaitable_py(py, async move {
+            let p = crate::errors::py_result(engine.lock().await.take().ok_or_else(already_ran))?;
+            let summary = crate::errors::py_result(run_detached(p.run_until(stopped(rx))).await)?;
+            summary_dict(summary)
+        })
+    }
+
+    /// Asks a running `run()` to stop.
+    fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+}
