@@ -1,0 +1,118 @@
+"""Produce and consume through the Python API, on memory and on the real brokers."""
+
+from __future__ import annotations
+
+import pytest
+
+import onceflow
+
+from conftest import drain, unique, user_headers
+
+
+async def test_send_and_consume_round_trip(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    d = await producer.send(
+        topic,
+        b"\x00payload\xff",
+        key=b"customer-7",
+        headers=[("a", b"1"), ("a", b"2"), ("empty", b""), ("null", None)],
+        idempotency_key="order-1",
+    )
+    assert isinstance(d, onceflow.Delivery)
+    assert d.topic == topic and d.partition == 0 and isinstance(d.position, str)
+
+    consumer = await platform.consumer(topic)
+    [m] = await drain(consumer, 1)
+    assert isinstance(m, onceflow.Message)
+    assert (m.topic, m.partition, m.position) == (topic, 0, d.position)
+    assert m.payload == b"\x00payload\xff" and isinstance(m.payload, bytes)
+    assert m.key == b"customer-7"
+    assert user_headers(m)[:4] == [("a", b"1"), ("a", b"2"), ("empty", b""), ("null", None)]
+    assert m.headers_dict["a"] == b"1"  # first value of a repeated name
+    assert m.header("idempotency-key") == b"order-1"
+    assert m.header("missing") is None
+    assert isinstance(m.timestamp, int) and m.timestamp > 0
+    await consumer.close()
+    await producer.close()
+
+
+async def test_send_batch_and_async_iteration_in_order(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    records = [onceflow.Record(topic, f"m{i}".encode(), key=b"k") for i in range(50)]
+    deliveries = await producer.send_batch(records)
+    assert len(deliveries) == 50
+    assert all(isinstance(d, onceflow.Delivery) for d in deliveries)
+    # tuples work too
+    await producer.send_batch([(topic, b"tuple", None, {"h": "v"})])
+
+    consumer = await platform.consumer(topic, batch_size=16)
+    got = []
+    async for m in consumer:
+        got.append(m)
+        if len(got) == 51:
+            break
+    assert [m.payload for m in got[:50]] == [f"m{i}".encode() for i in range(50)]
+    assert got[50].headers_dict["h"] == b"v"
+    await consumer.close()
+
+
+async def test_send_batch_reports_the_failing_record(memory):
+    producer = await memory.client.producer()
+    topic = await memory.topic()
+    with pytest.raises(onceflow.SendError) as e:
+        await producer.send_batch([onceflow.Record(topic, b"ok"), onceflow.Record("", b"no topic")])
+    results = e.value.results
+    assert isinstance(results[0], onceflow.Delivery)
+    assert isinstance(results[1], onceflow.ConfigError)
+    assert isinstance(e.value.__cause__, onceflow.ConfigError)
+
+
+async def test_commit_then_a_new_member_resumes_after_it(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    await producer.send_batch([onceflow.Record(topic, f"m{i}".encode()) for i in range(6)])
+    group = unique("py-group")
+    first = await platform.consumer(topic, group)
+    got = await drain(first, 3)
+    got = got[:3]
+    await first.commit(got[-1])
+    await first.close()
+
+    second = await platform.consumer(topic, group)
+    rest = await drain(second, 3)
+    assert rest[0].payload == b"m3"
+    await second.close()
+
+
+async def test_seek_replays_and_lag_counts(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    ds = await producer.send_batch([onceflow.Record(topic, f"m{i}".encode()) for i in range(5)])
+    consumer = await memory.consumer(topic)
+    await drain(consumer, 5)
+    await consumer.seek(topic, 0, ds[2].position)
+    again = await drain(consumer, 3)
+    assert [m.payload for m in again] == [b"m2", b"m3", b"m4"]
+    await consumer.commit()
+    lag = await consumer.lag()
+    assert [(lag_.topic, lag_.partition, lag_.messages) for lag_ in lag] == [(topic, 0, 0)]
+    assert consumer.assignment() == [(topic, 0)]
+
+
+async def test_str_payloads_and_dict_headers_are_accepted(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send(topic, "héllo", key="k", headers={"x": "y"})
+    consumer = await memory.consumer(topic)
+    [m] = await drain(consumer, 1)
+    assert m.payload == "héllo".encode() and m.key == b"k" and user_headers(m) == [("x", b"y")]
+
+
+async def test_bad_arguments_are_type_errors(memory):
+    producer = await memory.client.producer()
+    with pytest.raises(TypeError):
+        await producer.send("t", 42)
+    with pytest.raises(TypeError):
+        await producer.send("t", b"x", headers=42)
