@@ -42,6 +42,10 @@ pub struct JetStreamOptions {
     pub memory_storage: bool,
     /// `fetch_batch` (default 256): messages asked per pull request.
     pub fetch_batch: usize,
+    /// `dead_letter` (default none): a topic; with `max_deliver` > 0 a consumer republishes a
+    /// message the server gave up on (its `MAX_DELIVERIES` advisory) to it, with the reason in
+    /// headers, and terminates it.
+    pub dead_letter: Option<String>,
     /// `user` / `password` / `token` / `creds`: authentication.
     pub user: Option<String>,
     /// See `user`.
@@ -69,6 +73,7 @@ impl Default for JetStreamOptions {
             allow_atomic: true,
             memory_storage: false,
             fetch_batch: 256,
+            dead_letter: None,
             user: None,
             password: None,
             token: None,
@@ -142,6 +147,10 @@ impl JetStreamOptions {
                     return Err(Error::config(format!("'{key}={value}': expected >= 1")));
                 }
             }
+            "dead_letter" => {
+                crate::naming::check_topic(value)?;
+                self.dead_letter = Some(value.to_string())
+            }
             "user" => self.user = Some(value.to_string()),
             "password" => self.password = Some(value.to_string()),
             "token" => self.token = Some(value.to_string()),
@@ -151,7 +160,7 @@ impl JetStreamOptions {
                     "unknown nats option '{other}': expected one of auto_create, partitions, \
                      publish_timeout_ms, publish_retries, request_timeout_ms, ack_wait_ms, \
                      max_deliver, max_ack_pending, backoff_ms, duplicate_window_ms, allow_atomic, \
-                     storage, fetch_batch, user, password, token, creds"
+                     storage, fetch_batch, dead_letter, user, password, token, creds"
                 )))
             }
         }

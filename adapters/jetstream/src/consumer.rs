@@ -1,6 +1,6 @@
 //! Durable pull consumers, one per group and partition.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +13,8 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use onceflow_core::{
     Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, GroupMetadata, Message,
-    PartitionLag, Position, RebalanceListener, Result, StartFrom, TopicPartition,
+    PartitionLag, Position, ProducerBackend, ProducerConfig, RebalanceListener, Record, Result,
+    StartFrom, TopicPartition,
 };
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -23,6 +24,7 @@ use crate::config::JetStreamOptions;
 use crate::convert::{self, nats_err};
 use crate::group::{self, Membership};
 use crate::naming;
+use crate::producer::JetStreamProducer;
 use crate::{Shared, CAPABILITIES};
 
 /// Session timeout when [`ConsumerConfig::session_timeout`] is not set: a member that does not
@@ -54,8 +56,9 @@ struct PartitionInner {
     /// Highest stream sequence `poll` returned since this member took the partition (or
     /// sought): a message at or below it that is neither pending nor nacked was committed.
     delivered: u64,
-    /// Nacked by this member and expected back from the server.
-    nacked: BTreeSet<u64>,
+    /// Nacked by this member and expected back from the server, with the last delivery's ack
+    /// handle (to terminate one the server gave up on, see `dead_letter`).
+    nacked: BTreeMap<u64, jetstream::Message>,
 }
 
 impl PartitionInner {
@@ -77,7 +80,7 @@ impl PartitionInner {
             *held = m.clone();
             return false;
         }
-        if seq <= self.delivered && !self.nacked.remove(&seq) {
+        if seq <= self.delivered && self.nacked.remove(&seq).is_none() {
             return false;
         }
         self.delivered = self.delivered.max(seq);
@@ -128,6 +131,8 @@ pub struct JetStreamConsumer {
     closed: AtomicBool,
     notify: Arc<Notify>,
     rotate: AtomicUsize,
+    /// Tasks listening for `MAX_DELIVERIES` advisories (with a `dead_letter` topic).
+    advisories: Mutex<Vec<JoinHandle<()>>>,
 }
 
 fn deliver_policy(start: &StartFrom) -> Result<DeliverPolicy> {
@@ -196,7 +201,15 @@ impl JetStreamConsumer {
             .client_id
             .unwrap_or_else(|| format!("member-{:016x}", rand::random::<u64>()));
         let membership = Membership::join(&shared, &config.group, &member, session).await?;
-        Ok(Arc::new(JetStreamConsumer {
+        if options.dead_letter.is_some() && options.max_deliver <= 0 {
+            return Err(Error::config(format!(
+                "dead_letter={} needs max_deliver > 0 (the server gives a message up after \
+                 max_deliver deliveries): got max_deliver={}",
+                options.dead_letter.as_deref().unwrap_or_default(),
+                options.max_deliver
+            )));
+        }
+        let consumer = Arc::new(JetStreamConsumer {
             shared,
             group: config.group,
             options,
@@ -209,7 +222,140 @@ impl JetStreamConsumer {
             closed: AtomicBool::new(false),
             notify: Arc::new(Notify::new()),
             rotate: AtomicUsize::new(0),
-        }))
+            advisories: Mutex::new(Vec::new()),
+        });
+        if consumer.options.dead_letter.is_some() {
+            consumer.listen_for_max_deliveries().await?;
+        }
+        Ok(consumer)
+    }
+
+    /// Subscribes to the `MAX_DELIVERIES` advisories of the streams this member reads
+    /// (`$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>`,
+    /// <https://docs.nats.io/running-a-nats-service/nats_admin/monitoring/monitoring_jetstream>):
+    /// the owner of the partition dead-letters the message.
+    async fn listen_for_max_deliveries(self: &Arc<Self>) -> Result<()> {
+        let mut streams: Vec<&str> = self
+            .partitions
+            .iter()
+            .map(|p| p.tp.topic.as_str())
+            .collect();
+        streams.dedup();
+        for stream in streams {
+            let subject = format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.*");
+            let mut sub = self
+                .shared
+                .client
+                .subscribe(subject.clone())
+                .await
+                .map_err(|e| {
+                    Error::new(ErrorKind::Connect, format!("subscribing to {subject}: {e}"))
+                        .with_source(e)
+                })?;
+            let me = Arc::downgrade(self);
+            let task = tokio::spawn(async move {
+                while let Some(adv) = sub.next().await {
+                    let Some(c) = me.upgrade() else { return };
+                    c.dead_letter(&adv.payload).await;
+                }
+            });
+            self.advisories.lock().push(task);
+        }
+        // The subscriptions reach the server before any message is delivered.
+        let _ = self.shared.client.flush().await;
+        Ok(())
+    }
+
+    /// Handles one `MAX_DELIVERIES` advisory: when this member owns the partition and does
+    /// not hold the message (it nacked it, or never saw it), republishes it to the
+    /// `dead_letter` topic with `Nats-Msg-Id` `onceflow-dlq:<stream>:<consumer>:<seq>` (so a
+    /// repeated advisory writes it once), the reason in `onceflow-error*` headers and the
+    /// source in `onceflow-source-*` (as the engine's dead letters), then terminates it
+    /// (`+TERM`) so the ack floor moves past it.
+    async fn dead_letter(&self, advisory: &[u8]) {
+        let Some(dlq) = self.options.dead_letter.clone() else {
+            return;
+        };
+        let text = String::from_utf8_lossy(advisory);
+        let (Some(stream), Some(durable), Some(seq)) = (
+            json_str(&text, "stream"),
+            json_str(&text, "consumer"),
+            json_num(&text, "stream_seq"),
+        ) else {
+            tracing::warn!(advisory = %text, "unreadable MAX_DELIVERIES advisory");
+            return;
+        };
+        let deliveries = json_num(&text, "deliveries").unwrap_or(0);
+        let Some(part) = self
+            .partitions
+            .iter()
+            .find(|p| p.tp.topic == stream && p.durable == durable)
+        else {
+            return;
+        };
+        let handle = {
+            let mut inner = part.inner.lock();
+            if inner.fetch.is_none() || inner.pending.contains_key(&seq) {
+                // Not ours, or still held by the application (it may commit it yet).
+                return;
+            }
+            inner.nacked.remove(&seq)
+        };
+        let raw = match part.stream.get_raw_message(seq).await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, %stream, seq, "cannot read a message to dead-letter");
+                return;
+            }
+        };
+        let (key, mut headers, ts) = convert::read_headers(Some(&raw.headers));
+        let reason = format!(
+            "delivered {deliveries} times without an ack (max_deliver={}, JetStream \
+             MAX_DELIVERIES advisory of consumer '{durable}')",
+            self.options.max_deliver
+        );
+        headers
+            .set("onceflow-error", reason.into_bytes())
+            .set("onceflow-error-kind", b"ONCEFLOW_MAX_DELIVER".to_vec())
+            .set("onceflow-source-topic", stream.as_bytes().to_vec())
+            .set(
+                "onceflow-source-partition",
+                part.tp.partition.to_string().into_bytes(),
+            )
+            .set(
+                "onceflow-source-position",
+                Position::Sequence(seq).to_string().into_bytes(),
+            )
+            .set("onceflow-attempts", deliveries.to_string().into_bytes());
+        let record = Record {
+            topic: dlq.clone(),
+            key,
+            payload: raw.payload.clone(),
+            headers,
+            timestamp: ts,
+            idempotency_key: Some(format!("onceflow-dlq:{stream}:{durable}:{seq}")),
+            ..Default::default()
+        };
+        let sent = match JetStreamProducer::new(self.shared.clone(), ProducerConfig::default()) {
+            Ok(p) => p.send(record).await,
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(_) => {
+                tracing::info!(%stream, seq, %dlq, "dead-lettered after max_deliver");
+                if let Some(m) = handle {
+                    if let Err(e) = m.ack_with(AckKind::Term).await {
+                        tracing::warn!(error = %e, %stream, seq, "cannot terminate a dead-lettered message");
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, %stream, seq, %dlq, "cannot dead-letter; keeping it");
+                if let Some(m) = handle {
+                    part.inner.lock().nacked.insert(seq, m);
+                }
+            }
+        }
     }
 
     /// Starts fetching a partition this member now owns.
@@ -389,6 +535,23 @@ impl JetStreamConsumer {
             }
         }
     }
+}
+
+/// The string value of `"field":"…"` in a flat JSON advisory (names here have no escapes).
+fn json_str(json: &str, field: &str) -> Option<String> {
+    let at = json.find(&format!("\"{field}\":"))? + field.len() + 3;
+    let rest = json[at..].trim_start().strip_prefix('"')?;
+    Some(rest[..rest.find('"')?].to_string())
+}
+
+/// The number value of `"field":N` in a flat JSON advisory.
+fn json_num(json: &str, field: &str) -> Option<u64> {
+    let at = json.find(&format!("\"{field}\":"))? + field.len() + 3;
+    let rest = json[at..].trim_start();
+    let end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
 }
 
 /// The first message of `subject` at or after `seq`: (sequence, timestamp ms).
@@ -836,8 +999,8 @@ impl ConsumerBackend for JetStreamConsumer {
         let m = {
             let mut inner = part.inner.lock();
             let m = inner.pending.remove(&seq);
-            if m.is_some() {
-                inner.nacked.insert(seq);
+            if let Some(m) = &m {
+                inner.nacked.insert(seq, m.clone());
             }
             m
         };
@@ -879,6 +1042,9 @@ impl ConsumerBackend for JetStreamConsumer {
             return Ok(());
         }
         let _guard = self.rebalancing.lock().await;
+        for t in self.advisories.lock().drain(..) {
+            t.abort();
+        }
         for part in &self.partitions {
             let (rev, left) = self.deactivate(part).await;
             Self::nak_all(&left).await;
@@ -894,6 +1060,9 @@ impl ConsumerBackend for JetStreamConsumer {
 
 impl Drop for JetStreamConsumer {
     fn drop(&mut self) {
+        for t in self.advisories.lock().drain(..) {
+            t.abort();
+        }
         for p in &self.partitions {
             if let Some(f) = p.inner.lock().fetch.take() {
                 // Dropping the stop sender ends the task.

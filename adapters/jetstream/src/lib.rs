@@ -34,6 +34,8 @@
 //!   Dedup holds within the stream's duplicate window (`duplicate_window_ms`, server default
 //!   2 min): a dedup store whose window is shorter loses nothing but a platform-side replay
 //!   older than the window is not deduplicated by the server.
+//!   [`JetStreamPlatform::check_dedup_window`] warns once per topic when a dedup store's
+//!   window is shorter than the stream's duplicate window.
 //! - `send_atomic` uses atomic batch publish ([ADR-50], nats-server ≥ 2.12, streams created
 //!   with `allow_atomic`, the default here): `Nats-Batch-Id`, `Nats-Batch-Sequence`,
 //!   `Nats-Batch-Commit`; all records are stored or none (at most 1000 per batch, server limit).
@@ -85,6 +87,14 @@
 //!   `on_lost` at its next poll. Committing a partition the member does not own is `Fenced`.
 //!   Member clocks must agree to well within the session timeout (liveness compares the KV
 //!   entry's server time with local time).
+//! - **Dead letters after `max_deliver`**: with the consumer option `dead_letter=<topic>` (and
+//!   `max_deliver` > 0) the owner of a partition listens for the server's `MAX_DELIVERIES`
+//!   advisory and republishes the message the server gave up on to that topic (payload, key,
+//!   headers, plus `onceflow-error`, `onceflow-error-kind: ONCEFLOW_MAX_DELIVER`,
+//!   `onceflow-attempts`, `onceflow-source-topic/-partition/-position`; `Nats-Msg-Id`
+//!   `onceflow-dlq:<stream>:<consumer>:<seq>`), then terminates it (`+TERM`). Advisories are
+//!   core NATS messages: one sent while no owner listens is lost (the message then stays
+//!   unacked; the engine's own `OnFailure::DeadLetter` does not depend on advisories).
 //! - [`ConsumerBackend::group_metadata`] returns the group and member with generation 0, for
 //!   information: JetStream has no transactions to commit positions with.
 //!
@@ -107,7 +117,7 @@ mod group;
 mod naming;
 mod producer;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -159,6 +169,8 @@ pub(crate) struct Shared {
     pub(crate) options: JetStreamOptions,
     /// Partition count per topic, as read from (or created on) the server.
     topics: Mutex<HashMap<String, u32>>,
+    /// Topics whose dedup window mismatch was already warned about.
+    window_warned: Mutex<HashSet<String>>,
 }
 
 /// Partition count of a stream: its `onceflow.partitions` metadata, else 1.
@@ -287,6 +299,7 @@ impl JetStreamPlatform {
                 js,
                 options,
                 topics: Mutex::new(HashMap::new()),
+                window_warned: Mutex::new(HashSet::new()),
             }),
         }))
     }
@@ -307,6 +320,50 @@ impl JetStreamPlatform {
         let s = self.shared.get_stream(topic).await?;
         Ok(s.cached_info().config.duplicate_window)
     }
+
+    /// Compares a dedup store's window (`DedupStore::window`) with the duplicate window of the
+    /// stream of `topic`, and logs a warning (`tracing::warn!`, once per topic and connection)
+    /// when the store's is shorter: a message redelivered or replayed after the store forgot
+    /// its key but while the server still remembers the `Nats-Msg-Id`s of its outputs runs its
+    /// handler again (side effects repeat) while its outputs are dropped as duplicates.
+    pub async fn check_dedup_window(
+        &self,
+        topic: &str,
+        store_window: Duration,
+    ) -> Result<DedupWindowCheck> {
+        let stream_window = self.duplicate_window(topic).await?;
+        let shorter = store_window < stream_window;
+        let warned = shorter && self.shared.window_warned.lock().insert(topic.to_string());
+        if warned {
+            tracing::warn!(
+                topic,
+                store_window_ms = store_window.as_millis() as u64,
+                duplicate_window_ms = stream_window.as_millis() as u64,
+                "the dedup store forgets keys sooner than stream '{topic}' forgets Nats-Msg-Ids: \
+                 a redelivery in between runs its handler again while its outputs are dropped \
+                 as duplicates; give the store a window of at least the duplicate window"
+            );
+        }
+        Ok(DedupWindowCheck {
+            store_window,
+            stream_window,
+            shorter,
+            warned,
+        })
+    }
+}
+
+/// What [`JetStreamPlatform::check_dedup_window`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DedupWindowCheck {
+    /// The dedup store's window.
+    pub store_window: Duration,
+    /// The stream's duplicate window.
+    pub stream_window: Duration,
+    /// The store's window is shorter.
+    pub shorter: bool,
+    /// This call logged the warning (the first one for the topic on this connection).
+    pub warned: bool,
 }
 
 #[async_trait]

@@ -309,3 +309,141 @@ async fn partitions_are_subjects() {
         .expect_err("partition 3 of 3");
     assert_eq!(e.kind(), ErrorKind::Config);
 }
+
+#[tokio::test]
+async fn a_dedup_store_window_shorter_than_the_duplicate_window_warns_once() {
+    let Some(p) =
+        platform("a_dedup_store_window_shorter_than_the_duplicate_window_warns_once").await
+    else {
+        return;
+    };
+    let t = name("js-topic");
+    let mut spec = TopicSpec::new(t.clone(), 1);
+    spec.options
+        .insert("duplicate_window_ms".into(), "60000".into());
+    p.admin().await.unwrap().create_topic(&spec).await.unwrap();
+    assert_eq!(
+        p.duplicate_window(&t).await.unwrap(),
+        Duration::from_secs(60)
+    );
+    let first = p
+        .check_dedup_window(&t, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(first.shorter && first.warned, "{first:?}");
+    let second = p
+        .check_dedup_window(&t, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(second.shorter && !second.warned, "warned twice: {second:?}");
+    let long = p
+        .check_dedup_window(&t, Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert!(!long.shorter && !long.warned, "{long:?}");
+    let missing = p
+        .check_dedup_window(&name("js-missing"), Duration::from_secs(1))
+        .await
+        .expect_err("no such stream");
+    assert_eq!(missing.kind(), ErrorKind::NotFound);
+}
+
+/// The server gives a message up after `max_deliver` deliveries and says so in a
+/// `MAX_DELIVERIES` advisory; the owner republishes it to the dead-letter topic with the reason
+/// in headers and terminates it, so the group moves past it.
+#[tokio::test]
+async fn max_deliver_sends_the_message_to_the_dead_letter_topic() {
+    let Some(p) = platform("max_deliver_sends_the_message_to_the_dead_letter_topic").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let dlq = topic(&p, 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..3 {
+        prod.send(
+            Record::new(t.clone(), format!("m{i}"))
+                .key(format!("k{i}"))
+                .header("App-Header", format!("h{i}")),
+        )
+        .await
+        .unwrap();
+    }
+    let c = p
+        .consumer(
+            ConsumerConfig::new(name("g"), [t.clone()])
+                .option("max_deliver", "2")
+                .option("dead_letter", dlq.clone()),
+        )
+        .await
+        .unwrap();
+    let got = take(c.as_ref(), 3).await;
+    c.nack(&got[1], Duration::ZERO).await.unwrap();
+    let again = take(c.as_ref(), 1).await.remove(0);
+    assert_eq!(again.position, got[1].position);
+    assert_eq!(again.delivery_count, 2);
+    // The second nack exhausts max_deliver=2: the server does not deliver it a third time.
+    c.nack(&again, Duration::ZERO).await.unwrap();
+    c.commit(&[(got[2].topic_partition(), got[2].position.clone())])
+        .await
+        .unwrap();
+
+    let reader = p
+        .consumer(ConsumerConfig::new(name("g"), [dlq.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let dead = take(reader.as_ref(), 1).await.remove(0);
+    assert_eq!(dead.payload, Bytes::from("m1"));
+    assert_eq!(dead.key.as_deref(), Some(&b"k1"[..]));
+    assert_eq!(dead.headers.get_str("App-Header"), Some("h1"));
+    assert_eq!(
+        dead.headers.get_str("onceflow-error-kind"),
+        Some("ONCEFLOW_MAX_DELIVER")
+    );
+    assert_eq!(dead.headers.get_str("onceflow-attempts"), Some("2"));
+    assert_eq!(
+        dead.headers.get_str("onceflow-source-topic"),
+        Some(t.as_str())
+    );
+    assert_eq!(
+        dead.headers.get_str("onceflow-source-position"),
+        Some(got[1].position.to_string().as_str())
+    );
+    assert!(dead
+        .headers
+        .get_str("onceflow-error")
+        .is_some_and(|e| e.contains("max_deliver=2")));
+
+    // Terminated: nothing pending, nothing comes back, and it was written once.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let lag = c.lag().await.unwrap();
+        if lag[0].messages == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{lag:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(c
+        .poll(10, Duration::from_millis(500))
+        .await
+        .unwrap()
+        .is_empty());
+    let d = p.admin().await.unwrap().describe_topic(&dlq).await.unwrap();
+    assert_eq!(d.options["messages"], "1");
+    c.close().await.unwrap();
+    reader.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn dead_letter_needs_max_deliver() {
+    let Some(p) = platform("dead_letter_needs_max_deliver").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let e = p
+        .consumer(ConsumerConfig::new(name("g"), [t]).option("dead_letter", "dlq"))
+        .await
+        .err()
+        .expect("max_deliver is unlimited by default");
+    assert_eq!(e.kind(), ErrorKind::Config);
+}
