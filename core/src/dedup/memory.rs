@@ -26,6 +26,9 @@ pub const DEFAULT_WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default capacity of a [`MemoryStore`]: 10 million keys.
 pub const DEFAULT_CAPACITY: u64 = 10_000_000;
 
+/// Number of stripe locks serialising claims that may insert a key (a power of two).
+const STRIPES: usize = 4096;
+
 /// Bounded in-memory dedup store with a TTL window.
 ///
 /// - **Completed** keys are remembered for the store's `window` (wall time since completion),
@@ -39,8 +42,10 @@ pub const DEFAULT_CAPACITY: u64 = 10_000_000;
 ///   keys under a live lease are pinned and never evicted. An evicted completed key is
 ///   forgotten early: a redelivery of it runs the handler again, so size the capacity for the
 ///   number of keys expected within one window.
-/// - **Atomic per key**: every read-modify-write runs inside the cache's per-key `entry`
-///   closure, so two concurrent claims of one free key give exactly one `Claimed`.
+/// - **Atomic per key**: a claim that only reads (duplicate, held by another owner, mismatch)
+///   decides from a consistent snapshot; a claim that writes holds one of 4096 stripe locks
+///   chosen by the key, and every change of an existing entry runs inside the cache's per-key
+///   `entry` closure, so two concurrent claims of one free key give exactly one `Claimed`.
 /// - Fencing tokens come from one counter per store, so they increase per key even across a
 ///   release, an expiry or an eviction.
 /// - Expired entries are dropped lazily when touched and by an amortised sweep that runs at most
@@ -58,6 +63,8 @@ struct Inner {
     capacity: u64,
     base: Instant,
     next_token: AtomicU64,
+    /// Serialises claims of one key that may insert it (see [`Inner::claim_one`]).
+    stripes: Box<[parking_lot::Mutex<()>]>,
     /// Store-clock milliseconds at which the next sweep may start.
     next_sweep_ms: AtomicU64,
     sweep_interval_ms: u64,
@@ -161,6 +168,7 @@ impl MemoryStore {
                 capacity,
                 base,
                 next_token: AtomicU64::new(1),
+                stripes: (0..STRIPES).map(|_| parking_lot::Mutex::new(())).collect(),
                 next_sweep_ms: AtomicU64::new(0),
                 sweep_interval_ms: (window_ms / 2).clamp(100, 5 * 60 * 1000),
             }),
@@ -204,61 +212,94 @@ impl Inner {
         self.cache.retain(|_, e| !e.is_dead(now, window_ms));
     }
 
+    fn stripe(&self, key: &str) -> parking_lot::MutexGuard<'_, ()> {
+        let h = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
+        self.stripes[(h as usize) & (STRIPES - 1)].lock()
+    }
+
+    /// The outcome of a claim that changes nothing (duplicate, held by another owner,
+    /// fingerprint mismatch), decided from a snapshot of a live entry; `None` when the claim
+    /// must write.
+    fn read_only_outcome(
+        e: &Entry,
+        owner: &str,
+        given: Option<[u64; 2]>,
+        now: u64,
+    ) -> Option<ClaimOutcome> {
+        if !e.is_live(now) {
+            return None;
+        }
+        if let (Some(stored), Some(given)) = (e.fingerprint, given) {
+            if stored != given {
+                return Some(ClaimOutcome::Mismatch {
+                    stored: join_fp(stored),
+                    given: join_fp(given),
+                });
+            }
+        }
+        match &e.state {
+            State::Done(result) => Some(ClaimOutcome::Duplicate {
+                result: result.clone(),
+            }),
+            State::Held(holder) if **holder != *owner => Some(ClaimOutcome::InProgress {
+                owner: holder.to_string(),
+                expires_in: Duration::from_millis(e.deadline_ms - now),
+            }),
+            State::Held(_) => None,
+        }
+    }
+
+    /// Claims one key. Outcomes that change nothing are read under the cache's shared lock
+    /// (a consistent snapshot, so still linearisable); a claim that writes holds the key's
+    /// stripe lock, so two claims of one key never both insert it.
     fn claim_one(&self, req: &ClaimRequest, owner: &Arc<str>, now: u64) -> ClaimOutcome {
         let lease_until = now.saturating_add(millis(req.lease));
         let given = req.fingerprint.map(split_fp);
+        let key = req.key.as_str();
+        if let Some(e) = self.cache.peek(key) {
+            if let Some(outcome) = Self::read_only_outcome(&e, &req.owner, given, now) {
+                return outcome;
+            }
+        }
+        let _stripe = self.stripe(key);
+        let held = |token| Entry {
+            token,
+            deadline_ms: lease_until,
+            fingerprint: given,
+            state: State::Held(owner.clone()),
+        };
+        if !self.cache.contains_key(key) {
+            // Unknown key: every claim of it waits on this stripe, so a plain insert is safe.
+            let token = self.token();
+            self.cache.insert(req.key.clone(), held(token));
+            return ClaimOutcome::Claimed { token };
+        }
         loop {
-            let result = self.cache.entry(req.key.as_str(), None, |_, e| {
-                if !e.is_live(now) {
-                    // Completed key past its window, or a lease that ran out: take it over.
-                    let token = self.token();
-                    *e = Entry {
-                        token,
-                        deadline_ms: lease_until,
-                        fingerprint: given,
-                        state: State::Held(owner.clone()),
-                    };
-                    return EntryAction::Retain(ClaimOutcome::Claimed { token });
+            let result = self.cache.entry(key, None, |_, e| {
+                if let Some(outcome) = Self::read_only_outcome(e, &req.owner, given, now) {
+                    return EntryAction::Retain(outcome);
                 }
-                if let (Some(stored), Some(given)) = (e.fingerprint, given) {
-                    if stored != given {
-                        return EntryAction::Retain(ClaimOutcome::Mismatch {
-                            stored: join_fp(stored),
-                            given: join_fp(given),
-                        });
+                let token = self.token();
+                if e.is_live(now) {
+                    // The holder claims again (e.g. after a restart): new token, fresh lease.
+                    e.token = token;
+                    e.deadline_ms = lease_until;
+                    if e.fingerprint.is_none() {
+                        e.fingerprint = given;
                     }
+                } else {
+                    // Completed past its window, or a lease that ran out: take it over.
+                    *e = held(token);
                 }
-                match &e.state {
-                    State::Done(result) => EntryAction::Retain(ClaimOutcome::Duplicate {
-                        result: result.clone(),
-                    }),
-                    State::Held(holder) if **holder == *req.owner => {
-                        let token = self.token();
-                        e.token = token;
-                        e.deadline_ms = lease_until;
-                        if e.fingerprint.is_none() {
-                            e.fingerprint = given;
-                        }
-                        EntryAction::Retain(ClaimOutcome::Claimed { token })
-                    }
-                    State::Held(holder) => EntryAction::Retain(ClaimOutcome::InProgress {
-                        owner: holder.to_string(),
-                        expires_in: Duration::from_millis(e.deadline_ms - now),
-                    }),
-                }
+                EntryAction::Retain(ClaimOutcome::Claimed { token })
             });
             match result {
                 EntryResult::Retained(outcome) => return outcome,
+                // Dropped by the sweep or evicted meanwhile.
                 EntryResult::Vacant(guard) => {
                     let token = self.token();
-                    let entry = Entry {
-                        token,
-                        deadline_ms: lease_until,
-                        fingerprint: given,
-                        state: State::Held(owner.clone()),
-                    };
                     // Fails only if the placeholder vanished meanwhile; look again.
-                    if guard.insert(entry).is_ok() {
+                    if guard.insert(held(token)).is_ok() {
                         return ClaimOutcome::Claimed { token };
                     }
                 }
@@ -270,6 +311,9 @@ impl Inner {
 
     /// Runs `f` on the stored entry of `key`; `false` when the key is unknown.
     fn update(&self, key: &str, f: impl FnOnce(&mut Entry) -> EntryAction<bool>) -> bool {
+        if !self.cache.contains_key(key) {
+            return false;
+        }
         match self.cache.entry(key, None, |_, e| f(e)) {
             EntryResult::Retained(ok) => ok,
             EntryResult::Removed(..) => true,
