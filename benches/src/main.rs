@@ -1,10 +1,11 @@
 //! `cargo run --release -p onceflow-bench -- <id>...`: runs the named benchmarks (all when none
 //! is given) and prints one `RATIO <id> <what> <value> target <target> PASS|MISS` line per figure.
 
+mod d1;
 mod m0;
 
 /// Benchmark ids, in the order they run when none is named.
-const IDS: &[&str] = &["m0"];
+const IDS: &[&str] = &["m0", "d1"];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -15,6 +16,7 @@ fn main() {
     };
     for id in ids {
         match id.to_ascii_lowercase().as_str() {
+            "d1" => d1::run(),
             "m0" => m0::run(),
             other => {
                 eprintln!(
