@@ -7,17 +7,25 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode as C};
 /// Codes meaning "this producer or group member lost its right to act" (KIP-98 producer
 /// epochs, KIP-447 consumer-group fencing of transactional offset commits).
 pub(crate) fn is_fencing(code: C) -> bool {
+    is_group_fencing(code)
+        || matches!(
+            code,
+            C::Fenced
+                | C::ProducerFenced
+                | C::InvalidProducerEpoch
+                | C::InvalidProducerIdMapping
+                | C::TransactionalIdAuthorizationFailed
+        )
+}
+
+/// Codes of KIP-447 group fencing: the group's generation moved on (a rebalance, or this
+/// member was removed), so positions read in the old generation cannot commit. The producer is
+/// not fenced: once the transaction is aborted, the member goes on from the committed
+/// positions after it rejoins (what Kafka Streams does on `TaskMigratedException`).
+pub(crate) fn is_group_fencing(code: C) -> bool {
     matches!(
         code,
-        C::Fenced
-            | C::ProducerFenced
-            | C::InvalidProducerEpoch
-            | C::InvalidProducerIdMapping
-            | C::IllegalGeneration
-            | C::UnknownMemberId
-            | C::FencedInstanceId
-            | C::RebalanceInProgress
-            | C::TransactionalIdAuthorizationFailed
+        C::IllegalGeneration | C::UnknownMemberId | C::FencedInstanceId | C::RebalanceInProgress
     )
 }
 
@@ -48,7 +56,17 @@ pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
     let e = match &err {
         KafkaError::Transaction(t) => {
             let code = t.code();
-            if is_fencing(code) {
+            if is_group_fencing(code) {
+                // Retriable: the transaction is lost, not the producer (see is_group_fencing).
+                Error::new(
+                    ErrorKind::Fenced,
+                    format!(
+                        "{message} (group fencing, KIP-447: the group's generation moved on; the \
+                         transaction is aborted and its inputs are read again)"
+                    ),
+                )
+                .retriable(true)
+            } else if is_fencing(code) {
                 Error::new(ErrorKind::Fenced, message).retriable(false)
             } else if t.txn_requires_abort() {
                 Error::new(

@@ -623,10 +623,16 @@ impl TxLoop<'_> {
             }
             Err(e) => {
                 core.metrics.add(Metric::TransactionAborted, 1);
+                if e.kind() == ErrorKind::Fenced {
+                    core.metrics.add(Metric::Fenced, 1);
+                }
                 tracing::warn!(error = %e, "transaction commit failed; rewinding");
                 self.release(st).await;
                 self.rewind(st).await?;
-                if e.kind() == ErrorKind::Fenced {
+                // A retriable `Fenced` is group fencing (KIP-447: the group's generation moved
+                // on during the transaction): the transaction is lost, not the producer, so
+                // go on from the committed positions like any aborted transaction.
+                if e.kind() == ErrorKind::Fenced && !e.is_retriable() {
                     Err(e)
                 } else if e.is_retriable() || e.outcome_unknown() || e.kind() == ErrorKind::Aborted
                 {
