@@ -33,10 +33,14 @@
 //!   older producers with the same id); `begin` / `send` / `commit_offsets`
 //!   (`send_offsets_to_transaction` with the consumer's `ConsumerGroupMetadata`, carried in
 //!   [`GroupMetadata::native`]) / `commit` / `abort`. librdkafka's blocking transaction calls run
-//!   on `tokio::task::spawn_blocking`, never on the async executor. Errors map as follows:
-//!   fenced (`PRODUCER_FENCED`, `INVALID_PRODUCER_EPOCH`, `_FENCED`, and consumer-group
-//!   fencing of KIP-447 such as `ILLEGAL_GENERATION`) → [`ErrorKind::Fenced`], and the producer
-//!   refuses further transactions; abortable (`txn_requires_abort`) → [`ErrorKind::Aborted`]
+//!   on `tokio::task::spawn_blocking`, never on the async executor. `send_batch` enqueues every
+//!   record, in order, before awaiting the delivery reports. Errors map as follows: producer
+//!   fencing (`PRODUCER_FENCED`, `INVALID_PRODUCER_EPOCH`, `_FENCED`) → [`ErrorKind::Fenced`],
+//!   not retriable, and the producer refuses further transactions; consumer-group fencing of
+//!   KIP-447 (`ILLEGAL_GENERATION`, `UNKNOWN_MEMBER_ID`, `FENCED_INSTANCE_ID`,
+//!   `REBALANCE_IN_PROGRESS` from `send_offsets_to_transaction`) → a *retriable*
+//!   [`ErrorKind::Fenced`]: the transaction is aborted, the producer goes on (the pipeline
+//!   re-reads from the committed positions); abortable (`txn_requires_abort`) → [`ErrorKind::Aborted`]
 //!   (a failed commit is aborted for you); retriable → retriable errors; fatal →
 //!   [`ErrorKind::Platform`] and a fresh native producer for the next transaction; a commit
 //!   that times out → [`ErrorKind::Timeout`] with [`onceflow_core::Error::outcome_unknown`],
