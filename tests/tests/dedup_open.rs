@@ -115,6 +115,15 @@ async fn unknown_scheme_lists_the_supported_ones() {
         assert!(e.message().contains(needle), "missing {needle}: {e}");
     }
     assert_eq!(err("").await.kind(), ErrorKind::Config);
+    for bare in ["memory", "memory:", "embedded", "redis"] {
+        let e = err(bare).await;
+        assert_eq!(e.kind(), ErrorKind::Config, "{bare}: {e}");
+        assert!(e.message().contains("://"), "{bare}: {e}");
+        assert!(
+            !std::path::Path::new(bare).exists(),
+            "{bare}: a file was created"
+        );
+    }
 }
 
 #[tokio::test]

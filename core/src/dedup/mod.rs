@@ -202,8 +202,9 @@ pub type SharedDedupStore = Arc<dyn DedupStore>;
 /// Errors: [`crate::ErrorKind::Unsupported`] for `redis://`, `rediss://`, `postgres://` and
 /// `postgresql://` (their stores live in the `onceflow-redis` / `onceflow-postgres` crates,
 /// opened by the `onceflow` facade with its `redis` / `postgres` feature);
-/// [`crate::ErrorKind::Config`] for any other scheme, a bad option or a zero window, naming the
-/// value and listing the supported forms; [`crate::ErrorKind::DedupStore`] for an embedded path
+/// [`crate::ErrorKind::Config`] for any other scheme, a bad option, a zero window or a bare
+/// scheme name such as `memory` (a forgotten `://`, not a file to create), naming the value
+/// and listing the supported forms; [`crate::ErrorKind::DedupStore`] for an embedded path
 /// that cannot be opened, naming the path.
 pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
     use crate::error::Error;
@@ -222,6 +223,23 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
         )));
     }
     let Some((scheme, rest)) = trimmed.split_once("://") else {
+        // A bare scheme name is a forgotten `://`, not a file to create in the working directory.
+        let bare = trimmed.trim_end_matches(':').to_ascii_lowercase();
+        if [
+            "memory",
+            "embedded",
+            "redis",
+            "rediss",
+            "postgres",
+            "postgresql",
+        ]
+        .contains(&&*bare)
+        {
+            return Err(Error::config(format!(
+                "dedup store '{url}' looks like a URL scheme without '://' (did you mean \
+                 '{bare}://'?); to use a file of that name, write ./{trimmed}"
+            )));
+        }
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
     };
     match scheme.to_ascii_lowercase().as_str() {
