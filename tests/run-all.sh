@@ -36,4 +36,4 @@ printf '%s\n' "$env_lines" >&2
 # a missing broker a failure here instead of a skipped test.
 export ONCEFLOW_REQUIRE_BROKERS=1
 
-cargo test --all-targets 2>&1 | tee target/test-output.log
+cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log
