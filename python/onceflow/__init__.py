@@ -294,8 +294,12 @@ class Producer:
         tx = Transaction(await self._native.begin(), self.platform)
         try:
             yield tx
-        except BaseException:
-            await tx.abort()
+        except BaseException as exc:
+            try:
+                await tx.abort()
+            except Exception as abort_error:  # the block's own exception is the one to raise
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"onceflow: aborting the transaction failed too: {abort_error!r}")
             raise
         else:
             if not tx.finished:
