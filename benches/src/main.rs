@@ -2,6 +2,7 @@
 //! is given) and prints one `RATIO <id> <what> <value> target <target> PASS|MISS` line per figure.
 
 mod d1;
+mod kafka;
 mod m0;
 
 /// Benchmark ids, in the order they run when none is named.
@@ -18,6 +19,7 @@ fn main() {
         match id.to_ascii_lowercase().as_str() {
             "d1" => d1::run(),
             "m0" => m0::run(),
+            k @ ("k1" | "k3" | "k4") => kafka::run(k),
             other => {
                 eprintln!(
                     "unknown benchmark id '{other}': expected one of {}",

@@ -1,0 +1,461 @@
+//! K1, K3, K4: onceflow on a real Kafka broker against the raw clients, same run, same broker
+//! (`ONCEFLOW_KAFKA_URL`, default `kafka://127.0.0.1:19092`; start it with
+//! `tests/brokers/up.sh kafka`).
+//!
+//! - **K1** produce 100 B and 1 KiB records: onceflow's producer (`send_batch`) vs rdkafka's
+//!   `BaseProducer` (produce + poll, then flush) and `FutureProducer` (every delivery future
+//!   awaited), all idempotent with librdkafka's defaults otherwise. Target ≥ 0.95× BaseProducer.
+//! - **K3** onceflow's transactional producer committing every 100 ms vs the same loop without
+//!   transactions. Target ≥ 0.90×.
+//! - **K4** onceflow's exactly-once `Pipeline` A → B vs a hand-written rdkafka
+//!   consume-transform-produce transactional loop (target ≥ 0.95×) and vs the same loop in
+//!   confluent-kafka-python (`benches/kafka_eos_loop.py`, target ≥ 3×), each on its own copy of
+//!   the same pre-filled input, each committing every 100 ms.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use onceflow_core::{
+    BoxError, Client, ConsumerConfig, Message as OfMessage, Pipeline, PipelineConfig,
+    ProducerConfig, Record, StartFrom, TopicSpec, Transform,
+};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseProducer, BaseRecord, FutureProducer, FutureRecord, Producer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+
+const PARTITIONS: u32 = 4;
+
+/// Runs `k1`, `k3` or `k4` (they need a broker, so they are not in the default list).
+pub fn run(id: &str) {
+    match id {
+        "k1" => k1(),
+        "k3" => k3(),
+        _ => k4(),
+    }
+}
+
+fn url() -> String {
+    std::env::var("ONCEFLOW_KAFKA_URL").unwrap_or_else(|_| "kafka://127.0.0.1:19092".into())
+}
+
+fn bootstrap() -> String {
+    onceflow_kafka::parse_url(&url())
+        .expect("ONCEFLOW_KAFKA_URL")
+        .bootstrap_servers
+}
+
+fn name(prefix: &str) -> String {
+    format!("bench-{prefix}-{:016x}", rand::random::<u64>())
+}
+
+fn ratio(id: &str, what: &str, value: f64, target: f64) {
+    println!(
+        "RATIO {id} {what} {value:.3} target >={target} {}",
+        if value >= target { "PASS" } else { "MISS" }
+    );
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+async fn client() -> Client {
+    Client::new(onceflow_kafka::connect(&url()).expect("Kafka URL"))
+}
+
+async fn topic(c: &Client, prefix: &str) -> String {
+    let t = name(prefix);
+    c.admin()
+        .await
+        .expect("admin")
+        .create_topic(&TopicSpec::new(t.clone(), PARTITIONS))
+        .await
+        .expect("create topic");
+    t
+}
+
+fn raw_producer(extra: &[(&str, &str)]) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", bootstrap())
+        .set("enable.idempotence", "true");
+    for (k, v) in extra {
+        c.set(*k, *v);
+    }
+    c
+}
+
+/// Messages per second of rdkafka's `BaseProducer`: produce everything (polling when the
+/// local queue is full), then flush.
+fn k1_base(topic: &str, payload: &[u8], n: usize) -> f64 {
+    let p: BaseProducer = raw_producer(&[]).create().expect("BaseProducer");
+    let start = Instant::now();
+    for _ in 0..n {
+        let mut rec: BaseRecord<'_, (), [u8]> = BaseRecord::to(topic).payload(payload);
+        loop {
+            match p.send(rec) {
+                Ok(()) => break,
+                Err((_, back)) => {
+                    rec = back;
+                    p.poll(Duration::from_millis(1));
+                }
+            }
+        }
+        p.poll(Duration::ZERO);
+    }
+    p.flush(Duration::from_secs(60)).expect("flush");
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Messages per second of rdkafka's `FutureProducer`: every record enqueued, every delivery
+/// future awaited.
+async fn k1_future(topic: &str, payload: &[u8], n: usize) -> f64 {
+    let p: FutureProducer = raw_producer(&[]).create().expect("FutureProducer");
+    let start = Instant::now();
+    let mut futures = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut rec: FutureRecord<'_, (), [u8]> = FutureRecord::to(topic).payload(payload);
+        loop {
+            match p.send_result(rec) {
+                Ok(f) => break futures.push(f),
+                Err((_, back)) => {
+                    rec = back;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+    for f in futures {
+        f.await.expect("delivery").expect("delivered");
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Messages per second of onceflow's producer: one `send_batch` of every record.
+async fn k1_onceflow(c: &Client, topic: &str, payload: &bytes::Bytes, n: usize) -> f64 {
+    let p = c.producer(ProducerConfig::new()).await.expect("producer");
+    let records: Vec<Record> = (0..n)
+        .map(|_| Record::new(topic.to_string(), payload.clone()))
+        .collect();
+    let start = Instant::now();
+    for r in p.send_batch(records).await {
+        r.expect("delivered");
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// K1: best of two rounds per client, a fresh topic per measurement.
+fn k1() {
+    let rt = rt();
+    rt.block_on(async {
+        let c = client().await;
+        for (label, size, n) in [("100B", 100usize, 200_000usize), ("1KiB", 1024, 50_000)] {
+            let payload = bytes::Bytes::from(vec![b'x'; size]);
+            let (mut base, mut fut, mut of) = (0f64, 0f64, 0f64);
+            for _ in 0..2 {
+                let t = topic(&c, "k1").await;
+                let pl = payload.clone();
+                base = base.max(
+                    tokio::task::spawn_blocking(move || k1_base(&t, &pl, n))
+                        .await
+                        .expect("base"),
+                );
+                let t = topic(&c, "k1").await;
+                fut = fut.max(k1_future(&t, &payload, n).await);
+                let t = topic(&c, "k1").await;
+                of = of.max(k1_onceflow(&c, &t, &payload, n).await);
+            }
+            println!(
+                "K1 {label}: onceflow {of:.0} msg/s, BaseProducer {base:.0} msg/s, \
+                 FutureProducer {fut:.0} msg/s"
+            );
+            ratio(
+                "K1",
+                &format!("produce-{label}-vs-BaseProducer"),
+                of / base,
+                0.95,
+            );
+            println!(
+                "RATIO K1 produce-{label}-vs-FutureProducer {:.3} target (info) INFO",
+                of / fut
+            );
+        }
+    });
+}
+
+/// The same loop with and without transactions: chunks of 1000 records sent with
+/// `send_batch`; with transactions, a commit whenever 100 ms have passed.
+async fn k3_loop(c: &Client, transactional: bool, n: usize) -> f64 {
+    let t = topic(c, "k3").await;
+    let config = if transactional {
+        ProducerConfig::new().transactional_id(name("k3-tx"))
+    } else {
+        ProducerConfig::new()
+    };
+    let p = c.producer(config).await.expect("producer");
+    let payload = bytes::Bytes::from(vec![b'x'; 100]);
+    let chunk = 1000;
+    let start = Instant::now();
+    let mut tx = None;
+    let mut tx_started = Instant::now();
+    let mut sent = 0;
+    while sent < n {
+        let records: Vec<Record> = (0..chunk)
+            .map(|_| Record::new(t.clone(), payload.clone()))
+            .collect();
+        if transactional {
+            if tx.is_none() {
+                tx = Some(p.begin().await.expect("begin"));
+                tx_started = Instant::now();
+            }
+            let open = tx.as_mut().expect("open");
+            for r in open.send_batch(records).await {
+                r.expect("delivered");
+            }
+            if tx_started.elapsed() >= Duration::from_millis(100) {
+                tx.take().expect("open").commit().await.expect("commit");
+            }
+        } else {
+            for r in p.send_batch(records).await {
+                r.expect("delivered");
+            }
+        }
+        sent += chunk;
+    }
+    if let Some(open) = tx.take() {
+        open.commit().await.expect("commit");
+    }
+    sent as f64 / start.elapsed().as_secs_f64()
+}
+
+/// K3: best of two rounds each.
+fn k3() {
+    rt().block_on(async {
+        let c = client().await;
+        let n = 200_000;
+        let (mut plain, mut txn) = (0f64, 0f64);
+        for _ in 0..2 {
+            plain = plain.max(k3_loop(&c, false, n).await);
+            txn = txn.max(k3_loop(&c, true, n).await);
+        }
+        println!("K3: transactions every 100 ms {txn:.0} msg/s, no transactions {plain:.0} msg/s");
+        ratio("K3", "tx-every-100ms-vs-no-tx", txn / plain, 0.90);
+    });
+}
+
+/// The transform every K4 contender applies: the payload, keyed as the input.
+struct Copy(String);
+
+#[async_trait::async_trait]
+impl Transform for Copy {
+    async fn transform(&self, m: &OfMessage) -> Result<Vec<Record>, BoxError> {
+        let mut r = Record::new(self.0.clone(), m.payload.clone());
+        if let Some(k) = &m.key {
+            r = r.key(k.clone());
+        }
+        Ok(vec![r])
+    }
+}
+
+async fn k4_onceflow(c: &Client, input: &str, n: u64) -> f64 {
+    let output = topic(c, "k4-out").await;
+    let start = Instant::now();
+    let consumer = c
+        .consumer(
+            ConsumerConfig::new(name("k4-of"), [input.to_string()])
+                .start(StartFrom::committed_or_earliest()),
+        )
+        .await
+        .expect("consumer");
+    let producer = c
+        .producer(ProducerConfig::new().transactional_id(name("k4-of-tx")))
+        .await
+        .expect("producer");
+    let pipeline = Pipeline::with_config(
+        consumer,
+        producer,
+        None,
+        Arc::new(Copy(output)),
+        PipelineConfig::default(),
+    )
+    .expect("pipeline");
+    let metrics = pipeline.metrics();
+    let summary = pipeline
+        .run_until(async move {
+            while metrics.snapshot().processed < n {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("pipeline run");
+    assert!(summary.metrics.processed >= n);
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The hand-written rdkafka loop: `BaseConsumer` (read_committed, manual commit) and a
+/// transactional `FutureProducer`; records are enqueued as they are read, and every 100 ms the
+/// deliveries are awaited, the next offsets sent with `send_offsets_to_transaction` and the
+/// transaction committed.
+fn k4_rdkafka(input: &str, output: &str, n: u64) -> f64 {
+    let start = Instant::now();
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("group.id", name("k4-raw"))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("isolation.level", "read_committed")
+        .create()
+        .expect("consumer");
+    consumer.subscribe(&[input]).expect("subscribe");
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap())
+        .set("transactional.id", name("k4-raw-tx"))
+        .create()
+        .expect("producer");
+    let timeout = Duration::from_secs(30);
+    producer.init_transactions(timeout).expect("init");
+    producer.begin_transaction().expect("begin");
+    let mut tx_started = Instant::now();
+    let mut pending = Vec::new();
+    let mut next: HashMap<i32, i64> = HashMap::new();
+    let mut done = 0u64;
+    let commit = |pending: &mut Vec<rdkafka::producer::DeliveryFuture>,
+                  next: &mut HashMap<i32, i64>| {
+        for f in pending.drain(..) {
+            futures::executor::block_on(f)
+                .expect("delivery")
+                .expect("delivered");
+        }
+        if !next.is_empty() {
+            let mut tpl = TopicPartitionList::new();
+            for (p, o) in next.drain() {
+                tpl.add_partition_offset(input, p, Offset::Offset(o))
+                    .expect("offset");
+            }
+            let md = consumer.group_metadata().expect("group metadata");
+            producer
+                .send_offsets_to_transaction(&tpl, &md, timeout)
+                .expect("send offsets");
+        }
+        producer.commit_transaction(timeout).expect("commit");
+    };
+    let pending_commit = |pending: &mut Vec<rdkafka::producer::DeliveryFuture>,
+                          next: &mut HashMap<i32, i64>| {
+        commit(pending, next);
+        producer.begin_transaction().expect("begin");
+    };
+    while done < n {
+        if let Some(m) = consumer.poll(Duration::from_millis(100)) {
+            let m = m.expect("message");
+            let mut rec: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(output).payload(m.payload().unwrap_or_default());
+            if let Some(k) = m.key() {
+                rec = rec.key(k);
+            }
+            loop {
+                match producer.send_result(rec) {
+                    Ok(f) => break pending.push(f),
+                    Err((_, back)) => {
+                        rec = back;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+            next.insert(m.partition(), m.offset() + 1);
+            done += 1;
+        }
+        if tx_started.elapsed() >= Duration::from_millis(100) {
+            pending_commit(&mut pending, &mut next);
+            tx_started = Instant::now();
+        }
+    }
+    commit(&mut pending, &mut next);
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The same loop in confluent-kafka-python (`benches/kafka_eos_loop.py`), in the venv the
+/// interop tests use.
+fn k4_python(input: &str, output: &str, n: u64) -> Option<f64> {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let env = std::process::Command::new("bash")
+        .arg(repo.join("tests/interop/kafka-env.sh"))
+        .output()
+        .ok()?;
+    let python = String::from_utf8_lossy(&env.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("PYTHON=").map(str::to_string))?;
+    let out = std::process::Command::new(python)
+        .arg(repo.join("benches/kafka_eos_loop.py"))
+        .args([
+            bootstrap(),
+            input.to_string(),
+            output.to_string(),
+            n.to_string(),
+            name("k4-py"),
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!(
+            "K4 python loop failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// K4: one pre-filled input, read by each contender with its own group.
+fn k4() {
+    let rt = rt();
+    let n = 100_000u64;
+    let input = rt.block_on(async {
+        let c = client().await;
+        let input = topic(&c, "k4-in").await;
+        let p = c.producer(ProducerConfig::new()).await.expect("producer");
+        let payload = bytes::Bytes::from(vec![b'x'; 100]);
+        let records = (0..n)
+            .map(|i| Record::new(input.clone(), payload.clone()).key(format!("k{}", i % 1000)))
+            .collect();
+        for r in p.send_batch(records).await {
+            r.expect("input");
+        }
+        input
+    });
+    let (mut of, mut raw) = (0f64, 0f64);
+    for _ in 0..2 {
+        let i = input.clone();
+        let o = rt.block_on(async { topic(&client().await, "k4-out").await });
+        raw = raw.max(
+            std::thread::spawn(move || k4_rdkafka(&i, &o, n))
+                .join()
+                .expect("rdkafka loop"),
+        );
+        of = of.max(rt.block_on(async {
+            let c = client().await;
+            k4_onceflow(&c, &input, n).await
+        }));
+    }
+    let o = rt.block_on(async { topic(&client().await, "k4-out").await });
+    let py = k4_python(&input, &o, n);
+    println!(
+        "K4: onceflow pipeline {of:.0} msg/s, rdkafka loop {raw:.0} msg/s, confluent-kafka-python \
+         loop {} msg/s",
+        py.map(|v| format!("{v:.0}"))
+            .unwrap_or_else(|| "n/a".into())
+    );
+    ratio("K4", "eos-pipeline-vs-rdkafka-loop", of / raw, 0.95);
+    match py {
+        Some(py) => ratio("K4", "eos-pipeline-vs-confluent-kafka-python", of / py, 3.0),
+        None => println!("RATIO K4 eos-pipeline-vs-confluent-kafka-python n/a target >=3 MISS"),
+    }
+}
