@@ -1,0 +1,406 @@
+'use strict'
+// The `onceflow` package: loads the native addon (built by scripts/build.js on install) and
+// adds what is JavaScript's business: OnceflowError, `for await` over consumers,
+// `producer.transaction(async tx => ...)`, argument normalisation and OpenTelemetry
+// propagation. The behaviour is the Rust crate's; nothing here holds platform logic.
+const path = require('node:path')
+const fs = require('node:fs')
+const otel = require('./otel')
+
+function load() {
+  const candidates = [
+    process.env.ONCEFLOW_NODE_BINARY,
+    path.join(__dirname, `onceflow.${process.platform}-${process.arch}.node`),
+  ].filter(Boolean)
+  for (const file of candidates) {
+    if (fs.existsSync(file)) return require(file)
+  }
+  throw new Error(
+    `onceflow: no native addon for ${process.platform}-${process.arch} in ${__dirname}; ` +
+      'run `npm run build` in the package folder (needs Rust and cargo)'
+  )
+}
+
+const native = load()
+
+const MARKER = '\u0001onceflow-error:'
+const JS_ERROR = /\[onceflow-js-error:(\d+)\]/
+// Errors thrown by handlers and transforms, so an engine error can chain the original as cause.
+const thrown = new Map()
+let thrownSeq = 0
+
+/** Every error onceflow raises: `code` (stable, per kind), `kind`, `retriable`, `cause`. */
+class OnceflowError extends Error {
+  constructor(info, cause) {
+    super(info.message, cause === undefined ? undefined : { cause })
+    this.name = info.name || 'OnceflowError'
+    this.code = info.code
+    this.kind = info.kind
+    this.retriable = Boolean(info.retriable)
+    this.outcomeUnknown = Boolean(info.outcomeUnknown)
+  }
+}
+
+function decode(json) {
+  const info = JSON.parse(json)
+  let cause
+  for (let i = info.causes.length - 1; i >= 0; i--) {
+    const text = info.causes[i]
+    const m = JS_ERROR.exec(text)
+    cause = m && thrown.has(Number(m[1])) ? thrown.get(Number(m[1])) : new Error(text, cause === undefined ? undefined : { cause })
+  }
+  return new OnceflowError(info, cause)
+}
+
+/** A native error as an OnceflowError; anything else unchanged. */
+function convert(e) {
+  if (e && typeof e.message === 'string' && e.message.startsWith(MARKER)) {
+    return decode(e.message.slice(MARKER.length))
+  }
+  return e
+}
+
+function guard(fn) {
+  return function (...args) {
+    let r
+    try {
+      r = fn.apply(this, args)
+    } catch (e) {
+      throw convert(e)
+    }
+    if (r && typeof r.then === 'function') {
+      return r.then(undefined, (e) => {
+        throw convert(e)
+      })
+    }
+    return r
+  }
+}
+
+// Every native function and method converts its errors.
+for (const [name, value] of Object.entries(native)) {
+  if (typeof value !== 'function') continue
+  if (/^[A-Z]/.test(name)) {
+    for (const key of Object.getOwnPropertyNames(value.prototype)) {
+      const d = Object.getOwnPropertyDescriptor(value.prototype, key)
+      if (key !== 'constructor' && typeof d.value === 'function') {
+        value.prototype[key] = guard(d.value)
+      }
+    }
+  }
+}
+const connect = guard(native.connect)
+const nativeDedupStore = guard(native.dedupStore)
+
+// ---- conversions -------------------------------------------------------------------------
+
+function toBuffer(v, what) {
+  if (Buffer.isBuffer(v)) return v
+  if (typeof v === 'string') return Buffer.from(v)
+  if (v instanceof Uint8Array) return Buffer.from(v.buffer, v.byteOffset, v.byteLength)
+  throw new TypeError(`${what}: expected a Buffer, a Uint8Array or a string, got ${v === null ? 'null' : typeof v}`)
+}
+
+/** Headers from an object `{name: value | value[]}`, a Map, or `[name, value]` / `{name, value}` items. */
+function toHeaders(h) {
+  if (h === undefined || h === null) return undefined
+  const out = []
+  const push = (name, value) =>
+    out.push({ name: String(name), value: value === null || value === undefined ? null : toBuffer(value, `header '${name}'`) })
+  if (Array.isArray(h)) {
+    for (const item of h) {
+      if (Array.isArray(item)) push(item[0], item[1])
+      else push(item.name, item.value)
+    }
+  } else if (h instanceof Map) {
+    for (const [k, v] of h) push(k, v)
+  } else if (typeof h === 'object') {
+    for (const k of Object.keys(h)) {
+      const v = h[k]
+      if (Array.isArray(v)) for (const x of v) push(k, x)
+      else push(k, v)
+    }
+  } else {
+    throw new TypeError('headers: expected an object, a Map or an array of [name, value]')
+  }
+  return out
+}
+
+/** A record from `{topic, payload, key, headers, partition, timestamp, idempotencyKey}`. */
+function toRecord(r) {
+  if (r === null || typeof r !== 'object') throw new TypeError('record: expected an object {topic, payload, ...}')
+  if (typeof r.topic !== 'string') throw new TypeError(`record.topic: expected a string, got ${typeof r.topic}`)
+  const out = { topic: r.topic, payload: toBuffer(r.payload, 'payload') }
+  if (r.key !== undefined && r.key !== null) out.key = toBuffer(r.key, 'key')
+  const headers = toHeaders(r.headers)
+  if (headers) out.headers = headers
+  if (r.partition !== undefined && r.partition !== null) out.partition = r.partition
+  if (r.timestamp !== undefined && r.timestamp !== null) out.timestamp = r.timestamp
+  if (r.idempotencyKey !== undefined && r.idempotencyKey !== null) out.idempotencyKey = String(r.idempotencyKey)
+  return out
+}
+
+function recordArgs(args) {
+  // send(record) or send(topic, payload, options)
+  if (typeof args[0] === 'string') return toRecord({ ...(args[2] || {}), topic: args[0], payload: args[1] })
+  return toRecord(args[0])
+}
+
+function batchResults(rs) {
+  return rs.map((r) => (r.error ? decode(r.error) : r.delivery))
+}
+
+async function sendOne(target, system, record) {
+  const started = otel.startSend(record.topic, system, 1)
+  if (started) record.headers = otel.merge(record.headers, started.headers)
+  try {
+    const d = await target._send(record)
+    otel.endSend(started, d)
+    return d
+  } catch (e) {
+    otel.endSend(started, undefined, e)
+    throw e
+  }
+}
+
+async function sendMany(target, system, records) {
+  if (!Array.isArray(records)) throw new TypeError('sendBatch: expected an array of records')
+  const rs = records.map(toRecord)
+  const started = rs.length ? otel.startSend(rs[0].topic, system, rs.length) : null
+  if (started) for (const r of rs) r.headers = otel.merge(r.headers, started.headers)
+  try {
+    const out = batchResults(await target._sendBatch(rs))
+    otel.endSend(started, undefined, out.find((x) => x instanceof Error))
+    return out
+  } catch (e) {
+    otel.endSend(started, undefined, e)
+    throw e
+  }
+}
+
+// ---- Producer and Transaction -------------------------------------------------------------
+
+const { Producer, Transaction, Consumer } = native
+
+/** Sends one record; resolves to its delivery `{topic, partition, position, timestamp, duplicate}`. */
+Producer.prototype.send = function (...args) {
+  return sendOne(this, this.platform, recordArgs(args))
+}
+/** Sends records pipelined in one crossing; one result per record: a delivery or an OnceflowError. */
+Producer.prototype.sendBatch = function (records) {
+  return sendMany(this, this.platform, records)
+}
+/** Runs `fn(tx)` in a transaction: commits when it resolves, aborts and rethrows when it throws. */
+Producer.prototype.transaction = async function (fn) {
+  const tx = await this.begin()
+  tx._system = this.platform
+  let result
+  try {
+    result = await fn(tx)
+  } catch (e) {
+    try {
+      await tx.abort()
+    } catch {
+      // the original error matters more
+    }
+    throw e
+  }
+  await tx.commit()
+  return result
+}
+
+Transaction.prototype.send = function (...args) {
+  return sendOne(this, this._system || 'onceflow', recordArgs(args))
+}
+Transaction.prototype.sendBatch = function (records) {
+  return sendMany(this, this._system || 'onceflow', records)
+}
+/** Commits `consumer`'s positions with the transaction: the given messages/positions, or what it yielded last. */
+Transaction.prototype.commitOffsets = function (consumer, positions) {
+  return this._commitOffsets(consumer, toPositions(consumer, positions))
+}
+
+// ---- Consumer -----------------------------------------------------------------------------
+
+function toPositions(consumer, arg) {
+  if (arg === undefined || arg === null) return [...(consumer._last ? consumer._last.values() : [])]
+  const list = Array.isArray(arg) ? arg : [arg]
+  return list.map((p) => ({ topic: p.topic, partition: p.partition, position: p.position }))
+}
+
+function remember(consumer, m) {
+  if (!consumer._last) consumer._last = new Map()
+  consumer._last.set(`${m.topic}\u0000${m.partition}`, { topic: m.topic, partition: m.partition, position: m.position })
+}
+
+/**
+ * Messages one by one, fetched in batches (one native crossing per batch) until `close()`
+ * or `break`. Options: `batchSize` (default 500), `timeoutMs` per poll (default 1000).
+ */
+Consumer.prototype.messages = async function* (options = {}) {
+  const max = options.batchSize || 500
+  const timeoutMs = options.timeoutMs === undefined ? 1000 : options.timeoutMs
+  this._closed = false
+  while (!this._closed) {
+    const batch = await this.poll(max, timeoutMs)
+    for (const m of batch) {
+      remember(this, m)
+      yield m
+      if (this._closed) return
+    }
+  }
+}
+Consumer.prototype[Symbol.asyncIterator] = function () {
+  return this.messages()
+}
+/** Commits the given messages/positions, or the last message yielded of each partition. */
+Consumer.prototype.commit = function (positions) {
+  return this._commit(toPositions(this, positions))
+}
+const nativeClose = Consumer.prototype.close
+Consumer.prototype.close = function () {
+  this._closed = true
+  return nativeClose.call(this)
+}
+
+// ---- engine ------------------------------------------------------------------------------
+
+function handlerResult(v) {
+  if (v === undefined || v === null) return null
+  return toBuffer(v, 'handler result')
+}
+
+function wrapUserFn(fn, system, convertResult) {
+  if (typeof fn !== 'function') throw new TypeError('expected a function (message) => Promise')
+  return async (message) => {
+    try {
+      return convertResult(await otel.runHandler(message, system, () => fn(message)))
+    } catch (e) {
+      const id = ++thrownSeq
+      thrown.set(id, e)
+      if (thrown.size > 1000) thrown.delete(thrown.keys().next().value)
+      throw new Error(`${(e && e.message) || e} [onceflow-js-error:${id}]`)
+    }
+  }
+}
+
+const ENGINE_KEYS = [
+  'key', 'namespace', 'workerId', 'leaseMs', 'fingerprint', 'maxAttempts', 'minBackoffMs',
+  'maxBackoffMs', 'onFailure', 'redeliveryDelayMs', 'batchSize', 'pollTimeoutMs',
+  'commitIntervalMs', 'commitEvery', 'shutdownDeadlineMs', 'tracing',
+]
+
+function engineOptions(o) {
+  const out = {}
+  for (const k of ENGINE_KEYS) if (o[k] !== undefined) out[k] = o[k]
+  return out
+}
+
+async function openStore(o) {
+  if (o.store === undefined || o.store === null) return null
+  if (typeof o.store === 'string') return nativeDedupStore(o.store, o.windowMs)
+  return o.store
+}
+
+/** Opens a dedup store by URL: `memory://`, `embedded:///path/file.db` or a file path. */
+function dedupStore(url, options = {}) {
+  return nativeDedupStore(url, options.windowMs)
+}
+
+class Engine {
+  constructor(options) {
+    this._options = options || {}
+    this._native = null
+    this._stopped = false
+  }
+  async _ready() {
+    if (!this._native) {
+      const store = await openStore(this._options)
+      this._native = this._build(store)
+      if (this._stopped) this._native.stop()
+    }
+    return this._native
+  }
+  /** Runs until `stop()` or an error; resolves to `{metrics, guarantee, drained}`. */
+  async run() {
+    return (await this._ready()).run()
+  }
+  /** Asks a running `run()` to stop: work in flight finishes and is committed. */
+  stop() {
+    this._stopped = true
+    if (this._native) this._native.stop()
+  }
+  /** Counters, live. */
+  metrics() {
+    return this._native ? this._native.metrics() : null
+  }
+  get guarantee() {
+    return this._native ? this._native.guarantee : undefined
+  }
+}
+
+/**
+ * At-least-once consumption plus a dedup store chosen by URL (`options.store`): `handler`
+ * runs once per idempotency key. A throwing handler is retried, then redelivered.
+ */
+class IdempotentConsumer extends Engine {
+  constructor(consumer, handler, options) {
+    super(options)
+    this._consumer = consumer
+    this._handler = wrapUserFn(handler, consumer.platform, handlerResult)
+  }
+  _build(store) {
+    const o = this._options
+    return new native.NativeIdempotentConsumer(
+      this._consumer, this._handler, store, engineOptions(o), o.deadLetterProducer || null
+    )
+  }
+  /** Polls once and handles what arrived; resolves to the number of messages polled. */
+  async step() {
+    return (await this._ready()).step()
+  }
+  /** Lag per assigned partition. */
+  lag() {
+    return this._consumer.lag()
+  }
+}
+
+/** Consume-transform-produce with the strongest mechanism the platform offers. */
+class Pipeline extends Engine {
+  constructor(consumer, producer, transform, options) {
+    super(options)
+    this._consumer = consumer
+    this._producer = producer
+    this._transform = wrapUserFn(transform, consumer.platform, (v) =>
+      v === undefined || v === null ? null : (Array.isArray(v) ? v : [v]).map(toRecord)
+    )
+  }
+  _build(store) {
+    const o = this._options
+    return new native.NativePipeline(
+      this._consumer, this._producer, this._transform, store,
+      { mode: o.mode, transactionIntervalMs: o.transactionIntervalMs, maxTransactionInputs: o.maxTransactionInputs },
+      engineOptions(o)
+    )
+  }
+  get mechanism() {
+    return this._native ? this._native.mechanism : undefined
+  }
+}
+
+module.exports = {
+  connect,
+  dedupStore,
+  OnceflowError,
+  IdempotentConsumer,
+  Pipeline,
+  Client: native.Client,
+  Producer,
+  Transaction,
+  Consumer,
+  Admin: native.Admin,
+  DedupStore: native.DedupStore,
+  errorKinds: native.errorKinds,
+  supportedSchemes: native.supportedSchemes,
+  version: native.nativeVersion(),
+}

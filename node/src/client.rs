@@ -1,0 +1,547 @@
+//! `connect`, `dedupStore` and the handles: `Client`, `Producer`, `Transaction`, `Consumer`,
+//! `Admin`, `DedupStore`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use napi::bindgen_prelude::Result;
+use napi_derive::napi;
+use onceflow::{
+    ConsumerConfig, Error, ErrorKind, Isolation, ProducerConfig, TopicPartition, TopicSpec,
+};
+
+use crate::convert::{self, Delivery, Lag, Message, PositionIn, RecordIn, SendResult};
+use crate::{config_err, js_err, on_rt};
+
+/// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`).
+#[napi]
+pub async fn connect(url: String) -> Result<Client> {
+    on_rt(async move { onceflow::connect(&url).await })
+        .await
+        .map(|inner| Client { inner })
+}
+
+/// Opens a dedup store by URL: `memory://`, or `embedded:///path/file.db` / a file path;
+/// completed keys are remembered for `windowMs` (default one day).
+#[napi]
+pub async fn dedup_store(url: String, window_ms: Option<f64>) -> Result<DedupStore> {
+    let window = convert::millis("windowMs", window_ms.unwrap_or(86_400_000.0))?;
+    let u = url.clone();
+    on_rt(async move { onceflow::dedup_store(&u, window).await })
+        .await
+        .map(|inner| DedupStore { inner, url })
+}
+
+/// A dedup (idempotency) store.
+#[napi]
+pub struct DedupStore {
+    pub(crate) inner: Arc<dyn onceflow::DedupStore>,
+    url: String,
+}
+
+#[napi]
+impl DedupStore {
+    /// The URL it was opened with.
+    #[napi(getter)]
+    pub fn url(&self) -> String {
+        self.url.clone()
+    }
+}
+
+/// Producer settings.
+#[napi(object)]
+pub struct ProducerOptions {
+    /// Enables `begin()` / `transaction()`.
+    pub transactional_id: Option<String>,
+    /// Client id shown to the platform.
+    pub client_id: Option<String>,
+    /// Idempotent producer (default: on where the platform has it).
+    pub idempotent: Option<bool>,
+    /// Raw `key=value` options for the native client.
+    pub options: Option<HashMap<String, String>>,
+}
+
+/// Consumer settings.
+#[napi(object)]
+pub struct ConsumerOptions {
+    /// `committed` (default), `committed-or-latest`, `earliest`, `latest`, `timestamp:MS` or a
+    /// position such as `offset:42`.
+    pub start: Option<String>,
+    /// `read_committed` (default) or `read_uncommitted`.
+    pub isolation: Option<String>,
+    /// Client id shown to the platform.
+    pub client_id: Option<String>,
+    /// Group session timeout, ms.
+    pub session_timeout_ms: Option<f64>,
+    /// Raw `key=value` options for the native client.
+    pub options: Option<HashMap<String, String>>,
+}
+
+/// What the platform can do.
+#[napi(object)]
+pub struct Capabilities {
+    /// Transactions.
+    pub transactions: bool,
+    /// Idempotent producer.
+    pub idempotent_producer: bool,
+    /// Broker-side dedup by message id.
+    pub dedup_by_id: bool,
+    /// Atomic multi-message write.
+    pub atomic_batch: bool,
+    /// Native headers.
+    pub native_headers: bool,
+    /// Consumer groups.
+    pub consumer_groups: bool,
+    /// Seek by timestamp.
+    pub seek_by_timestamp: bool,
+    /// Pause / resume.
+    pub pause_resume: bool,
+    /// Per-message nack.
+    pub per_message_nack: bool,
+    /// Compaction.
+    pub compaction: bool,
+    /// Lag in milliseconds.
+    pub lag_ms: bool,
+}
+
+/// A connected platform.
+#[napi]
+pub struct Client {
+    inner: onceflow::Client,
+}
+
+#[napi]
+impl Client {
+    /// Platform name (`memory`, `kafka`, `jetstream`, ...).
+    #[napi(getter)]
+    pub fn platform(&self) -> String {
+        self.inner.platform().to_string()
+    }
+
+    /// What the platform can do.
+    #[napi]
+    pub fn capabilities(&self) -> Capabilities {
+        let c = self.inner.capabilities();
+        Capabilities {
+            transactions: c.transactions,
+            idempotent_producer: c.idempotent_producer,
+            dedup_by_id: c.dedup_by_id,
+            atomic_batch: c.atomic_batch,
+            native_headers: c.native_headers,
+            consumer_groups: c.consumer_groups,
+            seek_by_timestamp: c.seek_by_timestamp,
+            pause_resume: c.pause_resume,
+            per_message_nack: c.per_message_nack,
+            compaction: c.compaction,
+            lag_ms: c.lag_ms,
+        }
+    }
+
+    /// Creates a producer; a `transactionalId` enables transactions.
+    #[napi]
+    pub async fn producer(&self, options: Option<ProducerOptions>) -> Result<Producer> {
+        let o = options.unwrap_or(ProducerOptions {
+            transactional_id: None,
+            client_id: None,
+            idempotent: None,
+            options: None,
+        });
+        let config = ProducerConfig {
+            client_id: o.client_id,
+            transactional_id: o.transactional_id,
+            idempotent: o.idempotent,
+            options: convert::options(o.options),
+        };
+        let client = self.inner.clone();
+        on_rt(async move { client.producer(config).await })
+            .await
+            .map(|inner| Producer { inner })
+    }
+
+    /// Creates a consumer of `group` on `topics`.
+    #[napi]
+    pub async fn consumer(
+        &self,
+        group: String,
+        topics: Vec<String>,
+        options: Option<ConsumerOptions>,
+    ) -> Result<Consumer> {
+        let o = options.unwrap_or(ConsumerOptions {
+            start: None,
+            isolation: None,
+            client_id: None,
+            session_timeout_ms: None,
+            options: None,
+        });
+        let isolation = match o.isolation.as_deref().unwrap_or("read_committed") {
+            "read_committed" => Isolation::ReadCommitted,
+            "read_uncommitted" => Isolation::ReadUncommitted,
+            other => {
+                return Err(config_err(format!(
+                    "isolation '{other}': expected read_committed or read_uncommitted"
+                )))
+            }
+        };
+        let start = onceflow_bindings::parse_start_from(o.start.as_deref().unwrap_or("committed"))
+            .map_err(|e| js_err(&e))?;
+        let config = ConsumerConfig {
+            group,
+            topics,
+            start,
+            isolation,
+            client_id: o.client_id,
+            session_timeout: o
+                .session_timeout_ms
+                .map(|ms| convert::millis("sessionTimeoutMs", ms))
+                .transpose()?,
+            options: convert::options(o.options),
+        };
+        let client = self.inner.clone();
+        on_rt(async move { client.consumer(config).await })
+            .await
+            .map(|inner| Consumer { inner })
+    }
+
+    /// The admin handle.
+    #[napi]
+    pub async fn admin(&self) -> Result<Admin> {
+        let client = self.inner.clone();
+        on_rt(async move { client.admin().await })
+            .await
+            .map(|inner| Admin { inner })
+    }
+}
+
+/// A producer.
+#[napi]
+pub struct Producer {
+    pub(crate) inner: onceflow::Producer,
+}
+
+#[napi]
+impl Producer {
+    /// Platform name.
+    #[napi(getter)]
+    pub fn platform(&self) -> String {
+        self.inner.platform().to_string()
+    }
+
+    /// The guarantee of a write (`exactly-once`, `effectively-once`, `at-least-once`).
+    #[napi(getter)]
+    pub fn guarantee(&self) -> String {
+        self.inner.guarantee().to_string()
+    }
+
+    /// Sends one record; resolves to its delivery.
+    #[napi(js_name = "_send")]
+    pub async fn send(&self, record: RecordIn) -> Result<Delivery> {
+        let record = convert::record(record);
+        let p = self.inner.clone();
+        on_rt(async move { p.send(record).await })
+            .await
+            .map(Delivery::from)
+    }
+
+    /// Sends records pipelined (one crossing for the batch); one result per record, in order.
+    #[napi(js_name = "_sendBatch")]
+    pub async fn send_batch(&self, records: Vec<RecordIn>) -> Result<Vec<SendResult>> {
+        let records: Vec<_> = records.into_iter().map(convert::record).collect();
+        let p = self.inner.clone();
+        on_rt(async move { Ok(p.send_batch(records).await) })
+            .await
+            .map(convert::results)
+    }
+
+    /// Starts a transaction (needs a `transactionalId`).
+    #[napi]
+    pub async fn begin(&self) -> Result<Transaction> {
+        let p = self.inner.clone();
+        on_rt(async move { p.begin().await })
+            .await
+            .map(|tx| Transaction {
+                inner: Arc::new(tokio::sync::Mutex::new(Some(tx))),
+            })
+    }
+
+    /// Waits until everything sent is acknowledged, at most `timeoutMs` (default 30 s).
+    #[napi]
+    pub async fn flush(&self, timeout_ms: Option<f64>) -> Result<()> {
+        let t = convert::millis("timeoutMs", timeout_ms.unwrap_or(30_000.0))?;
+        let p = self.inner.clone();
+        on_rt(async move { p.flush(t).await }).await
+    }
+
+    /// Flushes and releases the producer.
+    #[napi]
+    pub async fn close(&self) -> Result<()> {
+        let p = self.inner.clone();
+        on_rt(async move { p.close().await }).await
+    }
+}
+
+type TxSlot = Arc<tokio::sync::Mutex<Option<onceflow::Transaction>>>;
+
+fn finished() -> Error {
+    Error::new(ErrorKind::Closed, "transaction already finished")
+}
+
+/// An open transaction; `commit()` or `abort()` ends it.
+#[napi]
+pub struct Transaction {
+    inner: TxSlot,
+}
+
+#[napi]
+impl Transaction {
+    /// Sends a record inside the transaction.
+    #[napi(js_name = "_send")]
+    pub async fn send(&self, record: RecordIn) -> Result<Delivery> {
+        let record = convert::record(record);
+        let tx = self.inner.clone();
+        on_rt(async move {
+            let mut slot = tx.lock().await;
+            slot.as_mut().ok_or_else(finished)?.send(record).await
+        })
+        .await
+        .map(Delivery::from)
+    }
+
+    /// Sends records inside the transaction; one result per record.
+    #[napi(js_name = "_sendBatch")]
+    pub async fn send_batch(&self, records: Vec<RecordIn>) -> Result<Vec<SendResult>> {
+        let records: Vec<_> = records.into_iter().map(convert::record).collect();
+        let tx = self.inner.clone();
+        on_rt(async move {
+            let mut slot = tx.lock().await;
+            Ok(match slot.as_mut() {
+                Some(tx) => tx.send_batch(records).await,
+                None => records.iter().map(|_| Err(finished())).collect(),
+            })
+        })
+        .await
+        .map(convert::results)
+    }
+
+    /// Commits `positions` (last processed message per partition) of `consumer`'s group with
+    /// the transaction.
+    #[napi(js_name = "_commitOffsets")]
+    pub async fn commit_offsets(
+        &self,
+        consumer: &Consumer,
+        positions: Vec<PositionIn>,
+    ) -> Result<()> {
+        let positions = convert::positions(positions)?;
+        let group = consumer.inner.group_metadata();
+        let tx = self.inner.clone();
+        on_rt(async move {
+            let group = group.ok_or_else(|| {
+                Error::unsupported("this consumer has no group metadata for transactional commits")
+            })?;
+            let mut slot = tx.lock().await;
+            slot.as_mut()
+                .ok_or_else(finished)?
+                .commit_offsets(&group, &positions)
+                .await
+        })
+        .await
+    }
+
+    /// Commits the transaction.
+    #[napi]
+    pub async fn commit(&self) -> Result<()> {
+        let tx = self.inner.clone();
+        on_rt(async move { tx.lock().await.take().ok_or_else(finished)?.commit().await }).await
+    }
+
+    /// Aborts the transaction; a no-op once finished.
+    #[napi]
+    pub async fn abort(&self) -> Result<()> {
+        let tx = self.inner.clone();
+        on_rt(async move {
+            match tx.lock().await.take() {
+                Some(tx) => tx.abort().await,
+                None => Ok(()),
+            }
+        })
+        .await
+    }
+}
+
+/// A consumer: one member of a consumer group.
+#[napi]
+pub struct Consumer {
+    pub(crate) inner: onceflow::Consumer,
+}
+
+fn tps(v: Vec<TopicPartitionIn>) -> Vec<TopicPartition> {
+    v.into_iter()
+        .map(|p| TopicPartition::new(p.topic, p.partition))
+        .collect()
+}
+
+/// A topic and partition.
+#[napi(object)]
+pub struct TopicPartitionIn {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+}
+
+#[napi]
+impl Consumer {
+    /// Platform name.
+    #[napi(getter)]
+    pub fn platform(&self) -> String {
+        self.inner.platform().to_string()
+    }
+
+    /// The consumer group.
+    #[napi(getter)]
+    pub fn group(&self) -> String {
+        self.inner.group().to_string()
+    }
+
+    /// Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000)
+    /// for the first; resolves to an array (empty on timeout). One crossing per batch.
+    #[napi]
+    pub async fn poll(&self, max: Option<u32>, timeout_ms: Option<f64>) -> Result<Vec<Message>> {
+        let t = convert::millis("timeoutMs", timeout_ms.unwrap_or(1000.0))?;
+        let max = max.unwrap_or(500).max(1) as usize;
+        let c = self.inner.clone();
+        let ms = on_rt(async move { c.poll(max, t).await }).await?;
+        Ok(ms.iter().map(Message::from).collect())
+    }
+
+    /// Commits the last processed message's position of each partition.
+    #[napi(js_name = "_commit")]
+    pub async fn commit(&self, positions: Vec<PositionIn>) -> Result<()> {
+        let positions = convert::positions(positions)?;
+        let c = self.inner.clone();
+        on_rt(async move { c.commit(&positions).await }).await
+    }
+
+    /// The group's committed position (next to read) of each partition, or null.
+    #[napi]
+    pub async fn committed(
+        &self,
+        partitions: Vec<TopicPartitionIn>,
+    ) -> Result<Vec<Option<String>>> {
+        let tps = tps(partitions);
+        let c = self.inner.clone();
+        on_rt(async move { c.committed(&tps).await })
+            .await
+            .map(|v| {
+                v.into_iter()
+                    .map(|(_, p)| p.map(|p| p.to_string()))
+                    .collect()
+            })
+    }
+
+    /// Moves the fetch position of an assigned partition: `to` is `earliest`, `latest`,
+    /// `timestamp:MS` or a position such as `offset:42` (inclusive).
+    #[napi]
+    pub async fn seek(&self, topic: String, partition: i32, to: String) -> Result<()> {
+        let to = onceflow_bindings::parse_start_from(&to).map_err(|e| js_err(&e))?;
+        let c = self.inner.clone();
+        on_rt(async move { c.seek(&TopicPartition::new(topic, partition), &to).await }).await
+    }
+
+    /// Stops fetching from partitions.
+    #[napi]
+    pub async fn pause(&self, partitions: Vec<TopicPartitionIn>) -> Result<()> {
+        let tps = tps(partitions);
+        let c = self.inner.clone();
+        on_rt(async move { c.pause(&tps).await }).await
+    }
+
+    /// Resumes fetching from partitions.
+    #[napi]
+    pub async fn resume(&self, partitions: Vec<TopicPartitionIn>) -> Result<()> {
+        let tps = tps(partitions);
+        let c = self.inner.clone();
+        on_rt(async move { c.resume(&tps).await }).await
+    }
+
+    /// Partitions assigned to this member now.
+    #[napi]
+    pub fn assignment(&self) -> Vec<TopicPartitionIn> {
+        self.inner
+            .assignment()
+            .into_iter()
+            .map(|tp| TopicPartitionIn {
+                topic: tp.topic,
+                partition: tp.partition,
+            })
+            .collect()
+    }
+
+    /// Lag per assigned partition.
+    #[napi]
+    pub async fn lag(&self) -> Result<Vec<Lag>> {
+        let c = self.inner.clone();
+        on_rt(async move { c.lag().await })
+            .await
+            .map(|v| v.into_iter().map(Lag::from).collect())
+    }
+
+    /// Leaves the group and releases the consumer (does not commit).
+    #[napi]
+    pub async fn close(&self) -> Result<()> {
+        let c = self.inner.clone();
+        on_rt(async move { c.close().await }).await
+    }
+}
+
+/// Topic settings for `createTopic`.
+#[napi(object)]
+pub struct TopicOptions {
+    /// Partitions (default 1).
+    pub partitions: Option<u32>,
+    /// Retention by time, ms.
+    pub retention_ms: Option<f64>,
+    /// Retention by size, bytes.
+    pub retention_bytes: Option<f64>,
+    /// Log compaction.
+    pub compacted: Option<bool>,
+    /// Raw platform options.
+    pub options: Option<HashMap<String, String>>,
+}
+
+/// Topic administration.
+#[napi]
+pub struct Admin {
+    inner: onceflow::Admin,
+}
+
+#[napi]
+impl Admin {
+    /// Creates a topic.
+    #[napi]
+    pub async fn create_topic(&self, name: String, options: Option<TopicOptions>) -> Result<()> {
+        let o = options.unwrap_or(TopicOptions {
+            partitions: None,
+            retention_ms: None,
+            retention_bytes: None,
+            compacted: None,
+            options: None,
+        });
+        let spec = TopicSpec {
+            name,
+            partitions: o.partitions.unwrap_or(1),
+            retention_ms: o.retention_ms.map(|v| v as u64),
+            retention_bytes: o.retention_bytes.map(|v| v as u64),
+            compacted: o.compacted.unwrap_or(false),
+            options: convert::options(o.options),
+        };
+        let a = self.inner.clone();
+        on_rt(async move { a.create_topic(&spec).await }).await
+    }
+
+    /// Deletes a topic.
+    #[napi]
+    pub async fn delete_topic(&self, name: String) -> Result<()> {
+        let a = self.inner.clone();
+        on_rt(async move { a.delete_topic(&name).await }).await
+    }
+}

@@ -1,0 +1,463 @@
+//! The engine from JavaScript: `IdempotentConsumer` and `Pipeline`, with a JavaScript function
+//! as the [`Handler`] / [`Transform`]. The function is called on the event loop through a
+//! ThreadsafeFunction and returns a Promise; the engine awaits it from the tokio runtime.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use napi::bindgen_prelude::{Buffer, Function, Promise, Result};
+use napi::threadsafe_function::ThreadsafeFunction;
+use napi::Status;
+use napi_derive::napi;
+use onceflow::{
+    BoxError, EngineConfig, Error, ErrorKind, Handler, KeyStrategy, OnFailure, PipelineConfig,
+    PipelineMode, Record, RunSummary as RsRunSummary, Transform,
+};
+
+use crate::client::{Consumer, DedupStore, Producer};
+use crate::convert::{self, Message, RecordIn};
+use crate::{config_err, js_err, on_rt};
+
+/// A weak ThreadsafeFunction (it does not keep the process alive) taking a message and
+/// returning a Promise.
+type JsFn<R> = ThreadsafeFunction<Message, Promise<R>, Message, Status, false, true>;
+
+/// The text of a rejection, as the handler error's cause.
+fn rejected(e: napi::Error) -> BoxError {
+    let text = if e.reason.is_empty() {
+        e.status.to_string()
+    } else {
+        e.reason.clone()
+    };
+    text.into()
+}
+
+async fn call<R: napi::bindgen_prelude::FromNapiValue + Send + 'static>(
+    f: &JsFn<R>,
+    m: &onceflow::Message,
+) -> std::result::Result<R, BoxError> {
+    let p = f.call_async(Message::from(m)).await.map_err(rejected)?;
+    p.await.map_err(rejected)
+}
+
+struct JsHandler(JsFn<Option<Buffer>>);
+
+#[async_trait]
+impl Handler for JsHandler {
+    async fn handle(&self, m: &onceflow::Message) -> std::result::Result<Option<Bytes>, BoxError> {
+        let out = call(&self.0, m).await?;
+        Ok(out.map(|b| Bytes::copy_from_slice(b.as_ref())))
+    }
+}
+
+struct JsTransform(JsFn<Option<Vec<RecordIn>>>);
+
+#[async_trait]
+impl Transform for JsTransform {
+    async fn transform(&self, m: &onceflow::Message) -> std::result::Result<Vec<Record>, BoxError> {
+        let out = call(&self.0, m).await?;
+        Ok(out
+            .unwrap_or_default()
+            .into_iter()
+            .map(convert::record)
+            .collect())
+    }
+}
+
+/// Engine settings; durations in milliseconds.
+#[napi(object)]
+pub struct EngineOptions {
+    /// `header:NAME` (default `header:idempotency-key`) or `coordinates`.
+    pub key: Option<String>,
+    /// Prefix of keys in the dedup store (default: the consumer group).
+    pub namespace: Option<String>,
+    /// This worker's identity for claims (default: random).
+    pub worker_id: Option<String>,
+    /// Lease of a claim (default 30000).
+    pub lease_ms: Option<f64>,
+    /// Same key with a different payload is a conflict (default true).
+    pub fingerprint: Option<bool>,
+    /// Handler attempts per delivery (default 5).
+    pub max_attempts: Option<u32>,
+    /// First retry delay (default 100).
+    pub min_backoff_ms: Option<f64>,
+    /// Longest retry delay (default 5000).
+    pub max_backoff_ms: Option<f64>,
+    /// `redeliver` (default), `stop` or `dead-letter:TOPIC`.
+    pub on_failure: Option<String>,
+    /// Redelivery delay asked of the platform (default 1000).
+    pub redelivery_delay_ms: Option<f64>,
+    /// Messages per poll (default 500).
+    pub batch_size: Option<u32>,
+    /// Longest wait for a poll (default 100).
+    pub poll_timeout_ms: Option<f64>,
+    /// Commit at least this often (default 1000).
+    pub commit_interval_ms: Option<f64>,
+    /// ... or after this many finished messages (default 10000).
+    pub commit_every: Option<f64>,
+    /// On shutdown, time allowed to finish work in flight (default 30000).
+    pub shutdown_deadline_ms: Option<f64>,
+    /// Trace every message (default true).
+    pub tracing: Option<bool>,
+}
+
+fn engine_config(o: Option<EngineOptions>) -> Result<EngineConfig> {
+    let mut c = EngineConfig::default();
+    let Some(o) = o else { return Ok(c) };
+    if let Some(s) = o.key {
+        c.key = if s == "coordinates" {
+            KeyStrategy::Coordinates
+        } else if let Some(h) = s.strip_prefix("header:") {
+            KeyStrategy::Header(h.to_string())
+        } else {
+            return Err(config_err(format!(
+                "key '{s}': expected 'header:NAME' or 'coordinates'"
+            )));
+        };
+    }
+    let ms = convert::millis;
+    if o.namespace.is_some() {
+        c.namespace = o.namespace;
+    }
+    if let Some(v) = o.worker_id {
+        c.worker_id = v;
+    }
+    if let Some(v) = o.lease_ms {
+        c.lease = ms("leaseMs", v)?;
+    }
+    if let Some(v) = o.fingerprint {
+        c.fingerprint = v;
+    }
+    if let Some(v) = o.max_attempts {
+        c.max_attempts = v;
+    }
+    if let Some(v) = o.min_backoff_ms {
+        c.min_backoff = ms("minBackoffMs", v)?;
+    }
+    if let Some(v) = o.max_backoff_ms {
+        c.max_backoff = ms("maxBackoffMs", v)?;
+    }
+    if let Some(s) = o.on_failure {
+        c.on_failure = match s.as_str() {
+            "redeliver" => OnFailure::Redeliver,
+            "stop" => OnFailure::Stop,
+            _ => match s.strip_prefix("dead-letter:") {
+                Some(t) => OnFailure::DeadLetter(t.to_string()),
+                None => {
+                    return Err(config_err(format!(
+                        "onFailure '{s}': expected 'redeliver', 'stop' or 'dead-letter:TOPIC'"
+                    )))
+                }
+            },
+        };
+    }
+    if let Some(v) = o.redelivery_delay_ms {
+        c.redelivery_delay = ms("redeliveryDelayMs", v)?;
+    }
+    if let Some(v) = o.batch_size {
+        c.batch_size = v as usize;
+    }
+    if let Some(v) = o.poll_timeout_ms {
+        c.poll_timeout = ms("pollTimeoutMs", v)?;
+    }
+    if let Some(v) = o.commit_interval_ms {
+        c.commit_interval = ms("commitIntervalMs", v)?;
+    }
+    if let Some(v) = o.commit_every {
+        c.commit_every = v as u64;
+    }
+    if let Some(v) = o.shutdown_deadline_ms {
+        c.shutdown_deadline = ms("shutdownDeadlineMs", v)?;
+    }
+    if let Some(v) = o.tracing {
+        c.tracing = v;
+    }
+    Ok(c)
+}
+
+/// Engine counters.
+#[napi(object)]
+pub struct Metrics {
+    /// Messages received (redeliveries included).
+    pub consumed: f64,
+    /// Messages whose handler ran to success.
+    pub processed: f64,
+    /// Messages skipped as duplicates.
+    pub duplicates_skipped: f64,
+    /// Handler invocations that failed.
+    pub handler_errors: f64,
+    /// Handler retries.
+    pub retries: f64,
+    /// Messages dead-lettered.
+    pub dead_lettered: f64,
+    /// Messages handed back for redelivery.
+    pub redelivery_requests: f64,
+    /// Transactions committed.
+    pub transactions_committed: f64,
+    /// Transactions aborted.
+    pub transactions_aborted: f64,
+    /// Assignment changes seen.
+    pub rebalances: f64,
+    /// Work refused because this worker was fenced.
+    pub fenced: f64,
+    /// Position commits sent.
+    pub commits: f64,
+    /// Records produced by a pipeline.
+    pub produced: f64,
+}
+
+impl From<onceflow::MetricsSnapshot> for Metrics {
+    fn from(m: onceflow::MetricsSnapshot) -> Self {
+        Metrics {
+            consumed: m.consumed as f64,
+            processed: m.processed as f64,
+            duplicates_skipped: m.duplicates_skipped as f64,
+            handler_errors: m.handler_errors as f64,
+            retries: m.retries as f64,
+            dead_lettered: m.dead_lettered as f64,
+            redelivery_requests: m.redelivery_requests as f64,
+            transactions_committed: m.transactions_committed as f64,
+            transactions_aborted: m.transactions_aborted as f64,
+            rebalances: m.rebalances as f64,
+            fenced: m.fenced as f64,
+            commits: m.commits as f64,
+            produced: m.produced as f64,
+        }
+    }
+}
+
+/// What a run ends with.
+#[napi(object)]
+pub struct RunSummary {
+    /// Counters at the end of the run.
+    pub metrics: Metrics,
+    /// The guarantee the run had.
+    pub guarantee: String,
+    /// Whether shutdown finished all work in flight before its deadline.
+    pub drained: bool,
+}
+
+impl From<RsRunSummary> for RunSummary {
+    fn from(s: RsRunSummary) -> Self {
+        RunSummary {
+            metrics: s.metrics.into(),
+            guarantee: s.guarantee.to_string(),
+            drained: s.drained,
+        }
+    }
+}
+
+fn already_ran() -> Error {
+    Error::new(
+        ErrorKind::Closed,
+        "this engine already ran: create a new one",
+    )
+}
+
+type Stop = tokio::sync::watch::Sender<bool>;
+
+async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// At-least-once consumption plus a dedup store: the handler runs once per idempotency key.
+#[napi(js_name = "NativeIdempotentConsumer")]
+pub struct IdempotentConsumer {
+    engine: Arc<tokio::sync::Mutex<Option<onceflow::IdempotentConsumer>>>,
+    metrics: onceflow::Metrics,
+    guarantee: String,
+    stop: Stop,
+}
+
+#[napi]
+impl IdempotentConsumer {
+    /// `handler(message)` returns a Promise of a Buffer (kept as the result of the key) or
+    /// null. Without a store, delivery is at-least-once.
+    #[napi(constructor)]
+    pub fn new(
+        consumer: &Consumer,
+        #[napi(ts_arg_type = "(message: Message) => Promise<Buffer | null | undefined>")]
+        handler: Function<Message, Promise<Option<Buffer>>>,
+        store: Option<&DedupStore>,
+        options: Option<EngineOptions>,
+        dead_letter_producer: Option<&Producer>,
+    ) -> Result<Self> {
+        let f = handler
+            .build_threadsafe_function::<Message>()
+            .weak::<true>()
+            .build()?;
+        let engine = onceflow::IdempotentConsumer::with_config(
+            consumer.inner.clone(),
+            store.map(|s| s.inner.clone()),
+            Arc::new(JsHandler(f)),
+            engine_config(options)?,
+            dead_letter_producer.map(|p| p.inner.clone()),
+        )
+        .map_err(|e| js_err(&e))?;
+        Ok(IdempotentConsumer {
+            metrics: engine.metrics(),
+            guarantee: engine.guarantee().to_string(),
+            engine: Arc::new(tokio::sync::Mutex::new(Some(engine))),
+            stop: tokio::sync::watch::channel(false).0,
+        })
+    }
+
+    /// `effectively-once` with a store, `at-least-once` without.
+    #[napi(getter)]
+    pub fn guarantee(&self) -> String {
+        self.guarantee.clone()
+    }
+
+    /// Counters, live.
+    #[napi]
+    pub fn metrics(&self) -> Metrics {
+        self.metrics.snapshot().into()
+    }
+
+    /// Polls once and handles what arrived; resolves to the number of messages polled.
+    #[napi]
+    pub async fn step(&self) -> Result<u32> {
+        let engine = self.engine.clone();
+        on_rt(async move {
+            let guard = engine.lock().await;
+            guard.as_ref().ok_or_else(already_ran)?.step().await
+        })
+        .await
+        .map(|n| n as u32)
+    }
+
+    /// Runs until `stop()` or an error, then drains, commits and closes the consumer.
+    #[napi]
+    pub async fn run(&self) -> Result<RunSummary> {
+        let engine = self.engine.clone();
+        let rx = self.stop.subscribe();
+        on_rt(async move {
+            let ic = engine.lock().await.take().ok_or_else(already_ran)?;
+            ic.run_until(stopped(rx)).await
+        })
+        .await
+        .map(RunSummary::from)
+    }
+
+    /// Asks a running `run()` to stop: it finishes work in flight, commits and resolves.
+    #[napi]
+    pub fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+}
+
+/// Pipeline settings.
+#[napi(object)]
+pub struct PipelineOptions {
+    /// `auto` (default), `transactional` or `idempotent`.
+    pub mode: Option<String>,
+    /// Transactional mode: commit at least this often, ms (default 100).
+    pub transaction_interval_ms: Option<f64>,
+    /// Transactional mode: ... or after this many inputs (default 10000).
+    pub max_transaction_inputs: Option<u32>,
+}
+
+/// Consume-transform-produce with the strongest mechanism the platform offers.
+#[napi(js_name = "NativePipeline")]
+pub struct Pipeline {
+    engine: Arc<tokio::sync::Mutex<Option<onceflow::Pipeline>>>,
+    metrics: onceflow::Metrics,
+    guarantee: String,
+    mechanism: String,
+    stop: Stop,
+}
+
+#[napi]
+impl Pipeline {
+    /// `transform(message)` returns a Promise of records to write (or null for none).
+    #[napi(constructor)]
+    pub fn new(
+        consumer: &Consumer,
+        producer: &Producer,
+        #[napi(ts_arg_type = "(message: Message) => Promise<RecordIn[] | null | undefined>")]
+        transform: Function<Message, Promise<Option<Vec<RecordIn>>>>,
+        store: Option<&DedupStore>,
+        options: Option<PipelineOptions>,
+        engine: Option<EngineOptions>,
+    ) -> Result<Self> {
+        let mut pc = PipelineConfig {
+            engine: engine_config(engine)?,
+            ..PipelineConfig::default()
+        };
+        if let Some(o) = options {
+            pc.mode = match o.mode.as_deref().unwrap_or("auto") {
+                "auto" => PipelineMode::Auto,
+                "transactional" => PipelineMode::Transactional,
+                "idempotent" => PipelineMode::Idempotent,
+                other => {
+                    return Err(config_err(format!(
+                        "mode '{other}': expected auto, transactional or idempotent"
+                    )))
+                }
+            };
+            if let Some(v) = o.transaction_interval_ms {
+                pc.transaction_interval = convert::millis("transactionIntervalMs", v)?;
+            }
+            if let Some(v) = o.max_transaction_inputs {
+                pc.max_transaction_inputs = v as usize;
+            }
+        }
+        let f = transform
+            .build_threadsafe_function::<Message>()
+            .weak::<true>()
+            .build()?;
+        let p = onceflow::Pipeline::with_config(
+            consumer.inner.clone(),
+            producer.inner.clone(),
+            store.map(|s| s.inner.clone()),
+            Arc::new(JsTransform(f)),
+            pc,
+        )
+        .map_err(|e| js_err(&e))?;
+        Ok(Pipeline {
+            metrics: p.metrics(),
+            guarantee: p.guarantee().to_string(),
+            mechanism: p.mechanism().to_string(),
+            engine: Arc::new(tokio::sync::Mutex::new(Some(p))),
+            stop: tokio::sync::watch::channel(false).0,
+        })
+    }
+
+    /// The guarantee this pipeline runs with.
+    #[napi(getter)]
+    pub fn guarantee(&self) -> String {
+        self.guarantee.clone()
+    }
+
+    /// The mechanism, in words.
+    #[napi(getter)]
+    pub fn mechanism(&self) -> String {
+        self.mechanism.clone()
+    }
+
+    /// Counters, live.
+    #[napi]
+    pub fn metrics(&self) -> Metrics {
+        self.metrics.snapshot().into()
+    }
+
+    /// Runs until `stop()` or an error.
+    #[napi]
+    pub async fn run(&self) -> Result<RunSummary> {
+        let engine = self.engine.clone();
+        let rx = self.stop.subscribe();
+        on_rt(async move {
+            let p = engine.lock().await.take().ok_or_else(already_ran)?;
+            p.run_until(stopped(rx)).await
+        })
+        .await
+        .map(RunSummary::from)
+    }
+
+    /// Asks a running `run()` to stop.
+    #[napi]
+    pub fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+}

@@ -1,0 +1,94 @@
+'use strict'
+const test = require('node:test')
+const assert = require('node:assert/strict')
+const onceflow = require('..')
+const { platforms, topic, collect, unique } = require('./helpers')
+
+for (const p of platforms()) {
+  test(`${p.name}: send, for await, commit, lag`, async () => {
+    const client = await onceflow.connect(p.url())
+    const t = await topic(client)
+    const producer = await client.producer()
+    const payloads = [Buffer.from([0, 255, 0]), Buffer.alloc(0), Buffer.from('plain text')]
+    for (const [i, payload] of payloads.entries()) {
+      const d = await producer.send({
+        topic: t,
+        payload,
+        key: i === 0 ? Buffer.from([1, 2]) : `key-${i}`,
+        headers: [['h', null], ['h', Buffer.alloc(0)], ['h', Buffer.from([0, 1])], ['text', 'v']],
+      })
+      assert.equal(d.topic, t)
+      assert.equal(typeof d.position, 'string')
+    }
+    const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+    const got = []
+    for await (const m of consumer) {
+      got.push(m)
+      if (got.length === payloads.length) break
+    }
+    assert.deepEqual(got.map((m) => m.payload), payloads)
+    assert.deepEqual(got[0].key, Buffer.from([1, 2]))
+    assert.deepEqual(got[1].key, Buffer.from('key-1'))
+    const hs = got[0].headers.filter((h) => h.name === 'h')
+    assert.equal(hs.length, 3, 'repeated header names are kept')
+    if (p.name !== 'nats') assert.equal(hs[0].value, null, 'a null header stays null')
+    assert.deepEqual(hs[1].value, Buffer.alloc(0), 'an empty header stays empty')
+    assert.deepEqual(hs[2].value, Buffer.from([0, 1]))
+    await consumer.commit()
+    const lag = await consumer.lag()
+    assert.ok(lag.length >= 1)
+    assert.equal(lag.reduce((n, l) => n + l.messages, 0), 0)
+    await consumer.close()
+    await producer.close()
+  })
+
+  test(`${p.name}: sendBatch in one call, seek back`, async () => {
+    const client = await onceflow.connect(p.url())
+    const t = await topic(client)
+    const producer = await client.producer()
+    const rs = await producer.sendBatch(Array.from({ length: 50 }, (_, i) => ({ topic: t, payload: `m${i}` })))
+    assert.equal(rs.length, 50)
+    assert.ok(rs.every((r) => !(r instanceof Error)))
+    const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+    const first = await collect(consumer, 50)
+    assert.deepEqual(first.map((m) => m.payload.toString()), Array.from({ length: 50 }, (_, i) => `m${i}`))
+    await consumer.seek(t, first[10].partition, first[10].position)
+    const again = await collect(consumer, 40)
+    assert.equal(again[0].payload.toString(), 'm10')
+    await consumer.close()
+  })
+}
+
+test('errors: OnceflowError with code, retriable and message naming the value', async () => {
+  await assert.rejects(onceflow.connect('bogus://nowhere'), (e) => {
+    assert.ok(e instanceof onceflow.OnceflowError)
+    assert.ok(e instanceof Error)
+    assert.equal(e.code, 'ONCEFLOW_CONFIG')
+    assert.equal(e.kind, 'config')
+    assert.equal(e.retriable, false)
+    assert.match(e.message, /bogus/)
+    return true
+  })
+  const client = await onceflow.connect(`memory://${unique('e')}`)
+  const producer = await client.producer()
+  await assert.rejects(producer.send({ topic: '', payload: 'x' }), { code: 'ONCEFLOW_CONFIG' })
+  const rs = await producer.sendBatch([{ topic: 'ok', payload: 'x' }, { topic: '', payload: 'y' }])
+  assert.ok(!(rs[0] instanceof Error))
+  assert.ok(rs[1] instanceof onceflow.OnceflowError)
+  const consumer = await client.consumer('g', ['ok'])
+  await assert.rejects(consumer.seek('ok', 0, 'yesterday'), { code: 'ONCEFLOW_CONFIG' })
+  assert.throws(() => producer.send({ topic: 'ok', payload: 42 }), TypeError)
+  const codes = onceflow.errorKinds().map((k) => k.code)
+  assert.equal(new Set(codes).size, codes.length)
+  assert.ok(codes.includes('ONCEFLOW_FENCED'))
+})
+
+test('the event loop keeps running while a poll waits', async () => {
+  const client = await onceflow.connect(`memory://${unique('loop')}`)
+  const consumer = await client.consumer('g', ['empty'])
+  let ticks = 0
+  const timer = setInterval(() => ticks++, 10)
+  await consumer.poll(10, 500)
+  clearInterval(timer)
+  assert.ok(ticks >= 20, `only ${ticks} timer ticks during a 500 ms poll`)
+})
