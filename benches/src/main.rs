@@ -2,6 +2,7 @@
 //! is given) and prints one `RATIO <id> <what> <value> target <target> PASS|MISS` line per figure.
 
 mod d1;
+mod jetstream;
 mod kafka;
 mod m0;
 
@@ -19,6 +20,7 @@ fn main() {
         match id.to_ascii_lowercase().as_str() {
             "d1" => d1::run(),
             "m0" => m0::run(),
+            n @ ("n1" | "n2") => jetstream::run(n),
             k @ ("k1" | "k3" | "k4") => kafka::run(k),
             other => {
                 eprintln!(
