@@ -1,0 +1,206 @@
+"""PY1 / PY2 (issue 8): onceflow's Python API against confluent-kafka-python and aiokafka on
+the same Kafka broker, in the same run. Prints one `RATIO` line per comparison
+(onceflow rate / other rate; > 1 means onceflow is faster).
+
+    ONCEFLOW_KAFKA_URL=kafka://127.0.0.1:19092 python python/bench/py_bench.py [--messages N]
+
+Needs a release build of the wheel (`pip install ./python`), confluent-kafka and aiokafka.
+Without OpenTelemetry installed (it would add a span per send)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+import uuid
+
+import onceflow
+
+PAYLOAD = b"x" * 100
+
+
+def bootstrap(url: str) -> str:
+    return url.split("://", 1)[1].split("?", 1)[0]
+
+
+async def new_topic(client, partitions=1) -> str:
+    name = f"pybench-{uuid.uuid4().hex[:10]}"
+    admin = await client.admin()
+    await admin.create_topic(name, partitions)
+    for _ in range(100):
+        try:
+            await admin.describe_topic(name)
+            return name
+        except onceflow.NotFoundError:
+            await asyncio.sleep(0.1)
+    return name
+
+
+def rate(n, secs):
+    return n / secs if secs > 0 else float("inf")
+
+
+async def of_send_batch(client, n, chunk=10_000):
+    topic = await new_topic(client)
+    p = await client.producer()
+    records = [(topic, PAYLOAD)] * chunk
+    t = time.perf_counter()
+    sent = 0
+    pending = []
+    while sent < n:
+        k = min(chunk, n - sent)
+        pending.append(asyncio.ensure_future(p.send_batch(records[:k])))
+        sent += k
+        if len(pending) >= 4:
+            await pending.pop(0)
+    for f in pending:
+        await f
+    secs = time.perf_counter() - t
+    await p.close()
+    return topic, rate(n, secs)
+
+
+async def of_send(client, n, window=5_000):
+    topic = await new_topic(client)
+    p = await client.producer()
+    t = time.perf_counter()
+    inflight = set()
+    for _ in range(n):
+        inflight.add(asyncio.ensure_future(p.send(topic, PAYLOAD)))
+        if len(inflight) >= window:
+            done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+            for d in done:
+                d.result()
+    if inflight:
+        await asyncio.gather(*inflight)
+    secs = time.perf_counter() - t
+    await p.close()
+    return rate(n, secs)
+
+
+def ck_produce(url, topic, n):
+    import confluent_kafka as ck
+
+    p = ck.Producer({"bootstrap.servers": bootstrap(url), "enable.idempotence": True, "linger.ms": 5})
+    t = time.perf_counter()
+    for i in range(n):
+        while True:
+            try:
+                p.produce(topic, PAYLOAD)
+                break
+            except BufferError:
+                p.poll(0.01)
+        if i % 1000 == 0:
+            p.poll(0)
+    p.flush(60)
+    return rate(n, time.perf_counter() - t)
+
+
+async def aiokafka_produce(url, topic, n, window=5_000):
+    from aiokafka import AIOKafkaProducer
+
+    p = AIOKafkaProducer(bootstrap_servers=bootstrap(url), enable_idempotence=True, linger_ms=5)
+    await p.start()
+    t = time.perf_counter()
+    futs = []
+    for _ in range(n):
+        futs.append(await p.send(topic, PAYLOAD))
+        if len(futs) >= window:
+            await asyncio.gather(*futs)
+            futs = []
+    await asyncio.gather(*futs)
+    secs = time.perf_counter() - t
+    await p.stop()
+    return rate(n, secs)
+
+
+async def of_consume(client, topic, n):
+    c = await client.consumer(f"g-{uuid.uuid4().hex[:8]}", [topic], start="earliest", batch_size=1000)
+    got = 0
+    t = None
+    while got < n:
+        batch = await c.poll(1000, 1.0)
+        if batch and t is None:
+            t = time.perf_counter()
+        for m in batch:
+            m.payload
+        got += len(batch)
+    secs = time.perf_counter() - t
+    await c.close()
+    return rate(n, secs)
+
+
+async def of_consume_dedup(client, topic, n):
+    c = await client.consumer(f"g-{uuid.uuid4().hex[:8]}", [topic], start="earliest")
+    seen = 0
+    t = [None]
+
+    async def handle(m):
+        nonlocal seen
+        if t[0] is None:
+            t[0] = time.perf_counter()
+        seen += 1
+        if seen >= n:
+            engine.stop()
+
+    engine = onceflow.IdempotentConsumer(c, handle, "memory://?capacity=2000000", batch_size=1000, key="coordinates")
+    await engine.run()
+    return rate(n, time.perf_counter() - t[0])
+
+
+def ck_consume(url, topic, n):
+    import confluent_kafka as ck
+
+    c = ck.Consumer(
+        {"bootstrap.servers": bootstrap(url), "group.id": f"g-{uuid.uuid4().hex[:8]}", "auto.offset.reset": "earliest", "enable.auto.commit": False}
+    )
+    c.subscribe([topic])
+    got = 0
+    t = None
+    while got < n:
+        msgs = c.consume(num_messages=1000, timeout=1.0)
+        if msgs and t is None:
+            t = time.perf_counter()
+        for m in msgs:
+            if m.error() is None:
+                m.value()
+                got += 1
+    secs = time.perf_counter() - t
+    c.close()
+    return rate(n, secs)
+
+
+async def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--messages", type=int, default=1_000_000)
+    ap.add_argument("--single-messages", type=int, default=200_000, help="for single send and aiokafka")
+    a = ap.parse_args()
+    url = os.environ["ONCEFLOW_KAFKA_URL"]
+    n, s = a.messages, a.single_messages
+    client = await onceflow.connect(url)
+    import confluent_kafka
+    import aiokafka
+
+    print(f"versions: onceflow {onceflow.__version__}, confluent-kafka {confluent_kafka.version()[0]} (librdkafka {confluent_kafka.libversion()[0]}), aiokafka {aiokafka.__version__}")
+    topic, of_batch = await of_send_batch(client, n)
+    ck_topic = await new_topic(client)
+    ck_rate = await asyncio.to_thread(ck_produce, url, ck_topic, n)
+    of_single = await of_send(client, s)
+    aio_rate = await aiokafka_produce(url, await new_topic(client), s)
+    print(f"PY1 produce {n} x 100 B: onceflow send_batch {of_batch:,.0f}/s, confluent-kafka produce+poll {ck_rate:,.0f}/s")
+    print(f"PY1 produce {s} x 100 B: onceflow send {of_single:,.0f}/s, aiokafka {aio_rate:,.0f}/s")
+    print(f"RATIO PY1 send_batch/confluent-kafka {of_batch / ck_rate:.2f} (target >= 2)")
+    print(f"RATIO PY1 send/confluent-kafka {of_single / ck_rate:.2f} (target >= 1)")
+    print(f"RATIO PY1 send_batch/aiokafka {of_batch / aio_rate:.2f} (target >= 3)")
+
+    of_c = await of_consume(client, topic, n)
+    ck_c = await asyncio.to_thread(ck_consume, url, topic, n)
+    of_d = await of_consume_dedup(client, topic, n)
+    print(f"PY2 consume {n}: onceflow poll batches {of_c:,.0f}/s, with memory dedup store {of_d:,.0f}/s, confluent-kafka consume(1000) {ck_c:,.0f}/s")
+    print(f"RATIO PY2 consume/confluent-kafka {of_c / ck_c:.2f} (target >= 1.5)")
+    print(f"RATIO PY2 idempotent+memory store/confluent-kafka {of_d / ck_c:.2f} (target >= 1.2)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
