@@ -38,3 +38,4 @@ export ONCEFLOW_REQUIRE_BROKERS=1
 
 cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log
 bash python/run-tests.sh 2>&1 | tee target/python-test-output.log
+bash node/run-tests.sh
