@@ -137,23 +137,57 @@ async fn onceflow_publish(
     n as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The adapter's producer without the facade (no spans, no trace injection), for locating the
+/// cost: printed for information.
+async fn backend_publish(
+    platform: &Arc<onceflow_jetstream::JetStreamPlatform>,
+    topic: &str,
+    payload: Bytes,
+    n: usize,
+) -> f64 {
+    use onceflow_core::PlatformBackend;
+    let config = ProducerConfig {
+        idempotent: Some(false),
+        ..ProducerConfig::new()
+    };
+    let producer = platform.producer(config).await.expect("producer");
+    let start = Instant::now();
+    let acks = futures::stream::iter(0..n)
+        .map(|_| {
+            let r = Record::new(topic.to_string(), payload.clone());
+            let p = producer.clone();
+            async move { p.send(r).await }
+        })
+        .buffered(WINDOW);
+    futures::pin_mut!(acks);
+    while let Some(a) = acks.next().await {
+        a.expect("backend publish");
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
 async fn n1(platform: &Arc<onceflow_jetstream::JetStreamPlatform>, js: &jetstream::Context) {
     let client = Client::new(platform.clone());
     let n = publish_count();
     for size in [128usize, 1024] {
         let payload = Bytes::from(vec![b'x'; size]);
-        let (mut raw, mut plain, mut with_id) = (0f64, 0f64, 0f64);
+        let (mut raw, mut plain, mut with_id, mut backend) = (0f64, 0f64, 0f64, 0f64);
         for _ in 0..ROUNDS {
             let s = name("benchn1");
             stream_for(js, &s).await;
             raw = raw.max(raw_publish(js, &s, payload.clone(), n).await);
             plain = plain.max(onceflow_publish(&client, &s, payload.clone(), n, false).await);
             with_id = with_id.max(onceflow_publish(&client, &s, payload.clone(), n, true).await);
+            backend = backend.max(backend_publish(platform, &s, payload.clone(), n).await);
             let _ = js.delete_stream(&s).await;
         }
         eprintln!(
             "[bench] N1 {size} B, window {WINDOW}, {n} msgs: raw {raw:.0}/s, onceflow {plain:.0}/s, \
-             onceflow+Msg-Id {with_id:.0}/s"
+             onceflow+Msg-Id {with_id:.0}/s, adapter without the facade {backend:.0}/s"
+        );
+        println!(
+            "RATIO N1 publish-{size}B-adapter-only-vs-async-nats {:.3} target (info) INFO",
+            backend / raw
         );
         ratio(
             "N1",
