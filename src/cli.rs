@@ -374,8 +374,8 @@ pub async fn lag(a: LagArgs) -> Result<ExitCode> {
     let admin = client.admin().await?;
     let lag = admin.group_lag(&a.group, &a.topic).await?;
     println!(
-        "{:<30} {:>9} {:>24} {:>24} {:>10}",
-        "PARTITION", "", "COMMITTED", "END", "LAG"
+        "{:<40} {:>24} {:>24} {:>10}",
+        "PARTITION", "COMMITTED", "END", "LAG"
     );
     let mut total = 0u64;
     for l in &lag {

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use onceflow_core::{
-    AdminBackend, Error, ErrorKind, Position, Result, TopicDescription, TopicSpec,
+    AdminBackend, Error, ErrorKind, PartitionLag, Position, Result, TopicDescription,
+    TopicPartition, TopicSpec,
 };
 use rdkafka::admin::{
     AdminClient, AdminOptions, ConfigSource, NewTopic, ResourceSpecifier, TopicReplication,
@@ -28,6 +29,7 @@ const CLEANUP_POLICY: &str = "cleanup.policy";
 pub struct KafkaAdmin {
     client: Arc<AdminClient<DefaultClientContext>>,
     timeout: Duration,
+    kafka: KafkaConfig,
 }
 
 impl std::fmt::Debug for KafkaAdmin {
@@ -72,6 +74,7 @@ impl KafkaAdmin {
         Ok(KafkaAdmin {
             client: Arc::new(client),
             timeout: kafka.timeout,
+            kafka,
         })
     }
 
@@ -119,6 +122,63 @@ fn spec_matches(spec: &TopicSpec, d: &TopicDescription) -> bool {
 
 #[async_trait]
 impl AdminBackend for KafkaAdmin {
+    /// Committed offsets of `group` (read without joining it, so the group is not rebalanced)
+    /// against each partition's high watermark.
+    async fn group_lag(&self, group: &str, topic: &str) -> Result<Vec<PartitionLag>> {
+        validate_name(topic)?;
+        let mut config = self.kafka.client_config(&BTreeMap::new());
+        config.set("group.id", group);
+        config.set("enable.auto.commit", "false");
+        config.set("isolation.level", "read_uncommitted");
+        config.set("allow.auto.create.topics", "false");
+        let (group, topic, timeout) = (group.to_string(), topic.to_string(), self.timeout);
+        tokio::task::spawn_blocking(move || {
+            use rdkafka::consumer::{BaseConsumer, Consumer};
+            let c: BaseConsumer = config
+                .create()
+                .map_err(|e| errors::map(e, format_args!("offset reader of group '{group}'")))?;
+            let md = c
+                .fetch_metadata(Some(&topic), timeout)
+                .map_err(|e| errors::map(e, format_args!("metadata of topic '{topic}'")))?;
+            let partitions: Vec<i32> = md
+                .topics()
+                .iter()
+                .filter(|t| t.name() == topic && t.error().is_none())
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect();
+            if partitions.is_empty() {
+                return Err(not_found(&topic));
+            }
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            for p in &partitions {
+                tpl.add_partition(&topic, *p);
+            }
+            let committed = c.committed_offsets(tpl, timeout).map_err(|e| {
+                errors::map(e, format_args!("committed offsets of group '{group}'"))
+            })?;
+            let mut out = Vec::with_capacity(partitions.len());
+            for p in partitions {
+                let (low, high) = c
+                    .fetch_watermarks(&topic, p, timeout)
+                    .map_err(|e| errors::map(e, format_args!("watermarks of {topic}[{p}]")))?;
+                let com = match committed.find_partition(&topic, p).map(|e| e.offset()) {
+                    Some(rdkafka::Offset::Offset(o)) if o >= 0 => Some(o),
+                    _ => None,
+                };
+                out.push(PartitionLag {
+                    partition: TopicPartition::new(topic.clone(), p),
+                    committed: com.map(Position::Offset),
+                    high_watermark: Some(Position::Offset(high)),
+                    messages: (high - com.unwrap_or(low)).max(0) as u64,
+                    millis: None,
+                });
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Platform, format!("group lag task failed: {e}")))?
+    }
+
     async fn create_topic(&self, spec: &TopicSpec) -> Result<()> {
         validate_name(&spec.name)?;
         if spec.partitions < 1 || spec.partitions > i32::MAX as u32 {
