@@ -28,6 +28,7 @@ installed.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import atexit
 import contextlib
@@ -550,11 +551,12 @@ async def _store(store: Union[None, str, DedupStore], window: float) -> Optional
     return await dedup_store(store, window)
 
 
-class _Engine:
+class _Engine(abc.ABC):
     _native: Any = None
 
+    @abc.abstractmethod
     async def _build(self) -> Any:
-        raise NotImplementedError
+        """Creates the native engine (each subclass builds its own)."""
 
     async def _get(self):
         if self._native is None:
