@@ -92,6 +92,13 @@ fn record(topic: &str, key: &str, payload: &str) -> Record {
         )
 }
 
+/// `n` records `k0..k{n-1}` with payload `x`, each keyed by its idempotency key.
+fn keyed(topic: &str, n: usize) -> Vec<Record> {
+    (0..n)
+        .map(|i| record(topic, &format!("k{i}"), "x"))
+        .collect()
+}
+
 async fn produce(client: &Client, records: Vec<Record>) -> Result<()> {
     let p = client.producer(ProducerConfig::new()).await?;
     for r in p.send_batch(records).await {
@@ -305,13 +312,7 @@ pub async fn idempotent_consumer_skips_duplicates(h: &dyn Harness) -> CaseResult
 pub async fn failing_handler_is_retried_not_lost(h: &dyn Harness) -> CaseResult {
     let client = Client::new(h.platform());
     let topic = h.topic(2).await?;
-    produce(
-        &client,
-        (0..20)
-            .map(|i| record(&topic, &format!("k{i}"), "x"))
-            .collect(),
-    )
-    .await?;
+    produce(&client, keyed(&topic, 20)).await?;
     let handler = Arc::new(Counting {
         fail_times: (0..20).step_by(5).map(|i| (format!("k{i}"), 2)).collect(),
         ..Default::default()
@@ -772,13 +773,7 @@ pub async fn member_joining_mid_stream_loses_and_repeats_nothing(h: &dyn Harness
     let client = Client::new(h.platform());
     let topic = h.topic(4).await?;
     let total = 400usize;
-    produce(
-        &client,
-        (0..total)
-            .map(|i| record(&topic, &format!("k{i}"), "x"))
-            .collect(),
-    )
-    .await?;
+    produce(&client, keyed(&topic, total)).await?;
     let group = h.group();
     let store = store();
     let handler = Arc::new(Counting::default());
@@ -862,13 +857,7 @@ pub async fn member_joining_mid_stream_loses_and_repeats_nothing(h: &dyn Harness
 pub async fn shutdown_drains_and_commits(h: &dyn Harness) -> CaseResult {
     let client = Client::new(h.platform());
     let topic = h.topic(2).await?;
-    produce(
-        &client,
-        (0..50)
-            .map(|i| record(&topic, &format!("k{i}"), "x"))
-            .collect(),
-    )
-    .await?;
+    produce(&client, keyed(&topic, 50)).await?;
     let group = h.group();
     let handler = Arc::new(Counting::default());
     let cfg = EngineConfig {
