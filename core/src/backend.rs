@@ -14,6 +14,11 @@ use async_trait::async_trait;
 use crate::error::{Error, Result};
 use crate::model::{Delivery, Message, Position, Record, StartFrom, TimestampMs, TopicPartition};
 
+/// Delivery reports of records in flight: one result per record, in order (see
+/// [`TransactionBackend::enqueue_batch`]).
+pub type DeliveriesFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Vec<Result<Delivery>>> + Send + 'static>>;
+
 /// What a platform (and its adapter) can do. A capability that is `false` makes the matching
 /// operation fail with [`crate::ErrorKind::Unsupported`], and the conformance suite skips the
 /// matching test with that reason.
@@ -229,6 +234,17 @@ pub trait TransactionBackend: Send {
             out.push(self.send(r).await);
         }
         out
+    }
+
+    /// Enqueues records in the transaction and returns their delivery reports as a future that
+    /// does not borrow the transaction, so the caller can go on (read the next batch) while the
+    /// records are in flight. One result per record, in order. The caller awaits every such
+    /// future before [`TransactionBackend::commit_offsets`] and `commit`, and drops them on
+    /// abort. The default sends now through [`TransactionBackend::send_batch`] and returns the
+    /// finished reports; adapters whose client sends in the background (Kafka) override it.
+    async fn enqueue_batch(&mut self, records: Vec<Record>) -> DeliveriesFuture {
+        let done = self.send_batch(records).await;
+        Box::pin(std::future::ready(done))
     }
 
     /// Adds the consumer's positions to the transaction: for each partition, the position of the

@@ -166,19 +166,7 @@ impl Producer {
     /// Sends records pipelined; one result per record, in order. A record that fails validation
     /// gets its error without stopping the others.
     pub async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
-        let mut results: Vec<Option<Result<Delivery>>> = Vec::with_capacity(records.len());
-        let mut valid = Vec::with_capacity(records.len());
-        let mut spans = Vec::with_capacity(records.len());
-        for mut r in records {
-            match self.prepare(&mut r) {
-                Ok(cx) => {
-                    results.push(None);
-                    spans.push(cx);
-                    valid.push(r);
-                }
-                Err(e) => results.push(Some(Err(e))),
-            }
-        }
+        let (results, valid, spans) = prepare_batch(self.platform.as_ref(), records);
         let sent = self.inner.send_batch(valid).await;
         merge_results(results, sent, spans)
     }
@@ -229,6 +217,33 @@ impl Producer {
 
 /// Puts the backend's results for the valid records back between the validation errors, ending
 /// each record's send span.
+/// Validates and prepares records for a batched send: a slot per record (`Some(error)` for one
+/// that failed validation), the valid records, and their send spans.
+#[allow(clippy::type_complexity)]
+fn prepare_batch(
+    platform: &dyn PlatformBackend,
+    records: Vec<Record>,
+) -> (
+    Vec<Option<Result<Delivery>>>,
+    Vec<Record>,
+    Vec<opentelemetry::Context>,
+) {
+    let mut results = Vec::with_capacity(records.len());
+    let mut valid = Vec::with_capacity(records.len());
+    let mut spans = Vec::with_capacity(records.len());
+    for mut r in records {
+        match prepare_record(platform, &mut r) {
+            Ok(cx) => {
+                results.push(None);
+                spans.push(cx);
+                valid.push(r);
+            }
+            Err(e) => results.push(Some(Err(e))),
+        }
+    }
+    (results, valid, spans)
+}
+
 fn merge_results(
     results: Vec<Option<Result<Delivery>>>,
     sent: Vec<Result<Delivery>>,
@@ -321,30 +336,31 @@ impl Transaction {
     /// Sends records inside the transaction, pipelined where the platform allows; one result
     /// per record, in order. A record that fails validation gets its error; the others are sent.
     pub async fn send_batch(&mut self, records: Vec<Record>) -> Vec<Result<Delivery>> {
-        let mut results: Vec<Option<Result<Delivery>>> = Vec::with_capacity(records.len());
-        let mut valid = Vec::with_capacity(records.len());
-        let mut spans = Vec::with_capacity(records.len());
-        for mut r in records {
-            match prepare_record(self.platform.as_ref(), &mut r) {
-                Ok(cx) => {
-                    results.push(None);
-                    spans.push(cx);
-                    valid.push(r);
-                }
-                Err(e) => results.push(Some(Err(e))),
-            }
-        }
+        self.enqueue_batch(records).await.await
+    }
+
+    /// Enqueues records inside the transaction and returns their delivery reports (one per
+    /// record, in order) as a future that does not borrow the transaction: the caller can read
+    /// its next batch while the records are in flight. Await every such future before
+    /// [`Transaction::commit_offsets`] / [`Transaction::commit`]; a failed report means the
+    /// transaction must abort. A record that fails validation gets its error in its slot.
+    pub async fn enqueue_batch(
+        &mut self,
+        records: Vec<Record>,
+    ) -> crate::backend::DeliveriesFuture {
+        let (results, valid, spans) = prepare_batch(self.platform.as_ref(), records);
         let sent = match self.inner() {
-            Ok(inner) => inner.send_batch(valid).await,
+            Ok(inner) => inner.enqueue_batch(valid).await,
             Err(e) => {
                 let msg = e.to_string();
-                valid
+                let failed = valid
                     .iter()
                     .map(|_| Err(Error::new(ErrorKind::Closed, msg.clone())))
-                    .collect()
+                    .collect();
+                Box::pin(std::future::ready(failed))
             }
         };
-        merge_results(results, sent, spans)
+        Box::pin(async move { merge_results(results, sent.await, spans) })
     }
 
     /// Commits the consumer's positions (for each partition, the last processed message) with

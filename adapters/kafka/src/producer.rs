@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use onceflow_core::{
-    Capabilities, Delivery, Error, ErrorKind, GroupMetadata, Position, ProducerBackend,
-    ProducerConfig, Record, Result, TopicPartition, TransactionBackend,
+    Capabilities, DeliveriesFuture, Delivery, Error, ErrorKind, GroupMetadata, Position,
+    ProducerBackend, ProducerConfig, Record, Result, TopicPartition, TransactionBackend,
 };
 use parking_lot::Mutex;
 use rdkafka::consumer::ConsumerGroupMetadata;
@@ -509,6 +509,43 @@ impl TransactionBackend for KafkaTransaction {
             self.shared.state.lock().fenced = Some(e.message().to_string());
         }
         out
+    }
+
+    async fn enqueue_batch(&mut self, records: Vec<Record>) -> DeliveriesFuture {
+        if let Some(why) = &self.shared.state.lock().fenced {
+            let failed = records
+                .iter()
+                .map(|_| Err(Error::new(ErrorKind::Fenced, why.clone())))
+                .collect();
+            return Box::pin(std::future::ready(failed));
+        }
+        // Enqueue now (librdkafka sends in the background); await the reports later.
+        let max = self.shared.kafka.max_record_bytes;
+        let mut pending = Vec::with_capacity(records.len());
+        for r in records {
+            let p = match check_size(&r, max) {
+                Ok(()) => enqueue(&self.native, &r).await,
+                Err(e) => Err(e),
+            };
+            pending.push((r, p));
+        }
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(pending.len());
+            for (r, p) in pending {
+                out.push(match p {
+                    Ok(f) => delivered(&r, f).await,
+                    Err(e) => Err(e),
+                });
+            }
+            if let Some(e) = out
+                .iter()
+                .find_map(|r| r.as_ref().err().filter(|e| e.kind() == ErrorKind::Fenced))
+            {
+                shared.state.lock().fenced = Some(e.message().to_string());
+            }
+            out
+        })
     }
 
     async fn commit_offsets(

@@ -295,6 +295,9 @@ struct TxState {
     claims: Vec<Completion>,
     /// Outputs of the current batch not sent yet.
     pending: Vec<Record>,
+    /// Delivery reports of outputs enqueued in the open transaction and not awaited yet: the
+    /// next batch is read while they are in flight; all are awaited before the commit.
+    in_flight: Vec<crate::backend::DeliveriesFuture>,
     /// Keys of inputs in the open transaction.
     inflight: HashMap<String, Option<u128>>,
 }
@@ -529,8 +532,10 @@ impl TxLoop<'_> {
         Ok(true)
     }
 
-    /// Sends the outputs gathered so far in the open transaction, pipelined. `Ok(false)` when a
-    /// send failed and the transaction was aborted and rewound.
+    /// Enqueues the outputs gathered so far in the open transaction; their delivery reports
+    /// are awaited by [`TxLoop::settle`] before the transaction commits, so the next batch is
+    /// read while they are in flight. `Ok(false)` when a report already failed and the
+    /// transaction was aborted and rewound.
     async fn flush(&self, st: &mut TxState) -> Result<bool> {
         if st.pending.is_empty() {
             return Ok(true);
@@ -540,11 +545,20 @@ impl TxLoop<'_> {
             .tx
             .as_mut()
             .expect("pending outputs imply an open transaction");
-        let failed = tx
-            .send_batch(records)
-            .await
-            .into_iter()
-            .find_map(|r| r.err());
+        let reports = tx.enqueue_batch(records).await;
+        st.in_flight.push(reports);
+        Ok(true)
+    }
+
+    /// Awaits every delivery report of the open transaction. `Ok(false)` when a send failed
+    /// and the transaction was aborted and rewound.
+    async fn settle(&self, st: &mut TxState) -> Result<bool> {
+        let mut failed = None;
+        for reports in std::mem::take(&mut st.in_flight) {
+            if failed.is_none() {
+                failed = reports.await.into_iter().find_map(|r| r.err());
+            }
+        }
         match failed {
             None => Ok(true),
             Some(e) => {
@@ -576,7 +590,7 @@ impl TxLoop<'_> {
 
     async fn commit(&self, st: &mut TxState) -> Result<()> {
         let core = self.core;
-        if !self.flush(st).await? {
+        if !self.flush(st).await? || !self.settle(st).await? {
             return Ok(());
         }
         let Some(mut tx) = st.tx.take() else {
@@ -699,6 +713,7 @@ impl TxLoop<'_> {
         st.first.clear();
         st.inflight.clear();
         st.pending.clear();
+        st.in_flight.clear();
         st.inputs = 0;
         st.started = None;
         Ok(())
