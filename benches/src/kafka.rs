@@ -298,7 +298,11 @@ async fn k4_onceflow(c: &Client, input: &str, n: u64) -> f64 {
         .await
         .expect("pipeline run");
     assert!(summary.metrics.processed >= n);
-    n as f64 / done.get().expect("stopped after the last input").as_secs_f64()
+    n as f64
+        / done
+            .get()
+            .expect("stopped after the last input")
+            .as_secs_f64()
 }
 
 /// The hand-written rdkafka loop: `BaseConsumer` (read_committed, manual commit) and a
