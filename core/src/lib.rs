@@ -17,9 +17,9 @@ pub mod model;
 pub mod trace;
 
 pub use backend::{
-    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, DeliveriesFuture, GroupMetadata,
-    Guarantee, Isolation, PartitionLag, PlatformBackend, ProducerBackend, ProducerConfig,
-    RebalanceListener, TopicDescription, TopicSpec, TransactionBackend,
+    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, GroupMetadata, Guarantee,
+    Isolation, PartitionLag, PlatformBackend, ProducerBackend, ProducerConfig, RebalanceListener,
+    TopicDescription, TopicSpec, TransactionBackend,
 };
 pub use client::{Admin, Client, Consumer, Producer, Transaction, IDEMPOTENCY_KEY_HEADER};
 pub use dedup::{DedupStore, DedupStoreExt};

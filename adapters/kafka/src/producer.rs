@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use onceflow_core::{
-    Capabilities, DeliveriesFuture, Delivery, Error, ErrorKind, GroupMetadata, Position,
+    backend::DeliveriesFuture, Capabilities, Delivery, Error, ErrorKind, GroupMetadata, Position,
     ProducerBackend, ProducerConfig, Record, Result, TopicPartition, TransactionBackend,
 };
 use parking_lot::Mutex;
