@@ -8,6 +8,7 @@
 //! opens platforms by URL.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod client;
 pub mod dedup;
 pub mod engine;

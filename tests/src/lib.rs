@@ -3,6 +3,7 @@
 //! that expands to one `#[tokio::test]` per case.
 
 pub mod backend_suite;
+pub mod checkpoint_suite;
 pub mod dedup_suite;
 pub mod engine_suite;
 pub mod harness;
