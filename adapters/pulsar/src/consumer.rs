@@ -1,0 +1,947 @@
+//! Consumers: one pulsar crate consumer per partition of each subscribed topic, all on the
+//! subscription named after the group.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::StreamExt;
+use onceflow_core::{
+    Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, GroupMetadata, Message,
+    PartitionLag, Position, RebalanceListener, Result, StartFrom, TimestampMs, TopicPartition,
+};
+use parking_lot::Mutex;
+use pulsar::consumer::{DeadLetterPolicy, InitialPosition};
+use pulsar::message::proto::command_subscribe::SubType;
+use pulsar::message::proto::MessageIdData;
+use pulsar::{ConsumerOptions, TokioExecutor};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::task::JoinHandle;
+
+use crate::admin::{committed_from_cursor, TopicShape};
+use crate::config::{check_topic, PulsarOptions, SubscriptionType};
+use crate::convert::{self, pos_key, pulsar_err, PosKey};
+use crate::Shared;
+
+type RawConsumer = pulsar::Consumer<Vec<u8>, TokioExecutor>;
+
+/// A message read by a partition task: its raw id and the converted message.
+struct Fetched {
+    id: MessageIdData,
+    key: PosKey,
+    message: Message,
+}
+
+/// Commands to a partition task, which owns the crate consumer.
+enum Cmd {
+    Ack(Vec<MessageIdData>, Option<oneshot::Sender<()>>),
+    Nack(MessageIdData),
+    Seek {
+        id: Option<MessageIdData>,
+        time: Option<u64>,
+        done: oneshot::Sender<Result<()>>,
+    },
+    Close(oneshot::Sender<()>),
+}
+
+/// Where this member is with one partition.
+#[derive(Default)]
+struct PartState {
+    /// This member reads the partition (failover: it is the active consumer).
+    assigned: bool,
+    paused: bool,
+    /// Delivered by `poll`, neither committed nor nacked.
+    pending: BTreeMap<PosKey, MessageIdData>,
+    /// Highest position `poll` returned since the partition was (re)started (failover /
+    /// exclusive only: their redeliveries come in order).
+    delivered: Option<PosKey>,
+    /// Nacked on a failover / exclusive subscription: every message until this one comes
+    /// again (the broker rewinds) is dropped.
+    rewind: Option<PosKey>,
+    /// Nacked on a shared / key_shared subscription and expected back.
+    nacked: BTreeSet<PosKey>,
+    /// Deliveries to this member, for `Message::delivery_count`.
+    deliveries: HashMap<PosKey, u32>,
+    /// After a seek to a position: messages before it (the rest of its batch) are skipped.
+    skip_below: Option<PosKey>,
+    /// After a seek to a time: messages with an earlier timestamp are skipped until the first
+    /// one at or after it.
+    skip_before: Option<TimestampMs>,
+    /// The position after the last commit, where known locally.
+    committed_next: Option<Position>,
+    /// Last committed position.
+    committed: Option<PosKey>,
+}
+
+impl PartState {
+    fn reset(&mut self) {
+        self.pending.clear();
+        self.delivered = None;
+        self.rewind = None;
+        self.nacked.clear();
+        self.deliveries.clear();
+        self.committed_next = None;
+        self.committed = None;
+    }
+}
+
+struct Part {
+    tp: TopicPartition,
+    /// Admin REST path of the partition's topic.
+    path: String,
+    /// Partition index in message ids (`-1` for a non-partitioned topic).
+    index: i32,
+    cmd: mpsc::UnboundedSender<Cmd>,
+    rx: Mutex<mpsc::Receiver<Fetched>>,
+    state: Mutex<PartState>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A member of a consumer group (a Pulsar subscription) on Pulsar (see the crate docs).
+pub struct PulsarConsumer {
+    shared: Arc<Shared>,
+    group: String,
+    member: String,
+    options: PulsarOptions,
+    sub_type: SubscriptionType,
+    /// Topics with their shape and admin path.
+    topics: Vec<(String, String, TopicShape)>,
+    parts: Vec<Part>,
+    listener: Mutex<Option<Arc<dyn RebalanceListener>>>,
+    last_refresh: Mutex<Option<tokio::time::Instant>>,
+    rebalancing: tokio::sync::Mutex<()>,
+    closed: AtomicBool,
+    notify: Arc<Notify>,
+    rotate: AtomicUsize,
+}
+
+fn sub_type(t: SubscriptionType) -> SubType {
+    match t {
+        SubscriptionType::Failover => SubType::Failover,
+        SubscriptionType::Exclusive => SubType::Exclusive,
+        SubscriptionType::Shared => SubType::Shared,
+        SubscriptionType::KeyShared => SubType::KeyShared,
+    }
+}
+
+/// Earliest unless the start (or its fallback) is `Latest`.
+fn initial_position(start: &StartFrom) -> InitialPosition {
+    match start {
+        StartFrom::Committed { fallback } => initial_position(fallback),
+        StartFrom::Latest => InitialPosition::Latest,
+        _ => InitialPosition::Earliest,
+    }
+}
+
+impl PulsarConsumer {
+    pub(crate) async fn join(shared: Arc<Shared>, config: ConsumerConfig) -> Result<Arc<Self>> {
+        let mut options = shared.options.clone();
+        options.apply(&config.options)?;
+        options.validate()?;
+        if config.group.is_empty() {
+            return Err(Error::config(
+                "consumer group is empty: expected a Pulsar subscription name",
+            ));
+        }
+        if config.topics.is_empty() {
+            return Err(Error::config(
+                "no topics to subscribe to: expected at least one",
+            ));
+        }
+        let member = config
+            .client_id
+            .clone()
+            .unwrap_or_else(|| format!("member-{:016x}", rand::random::<u64>()));
+        let mut topics = Vec::new();
+        let mut parts = Vec::new();
+        let notify = Arc::new(Notify::new());
+        for topic in &config.topics {
+            check_topic(topic)?;
+            let path = options.admin_path(topic);
+            let mut shape = shared.shape(topic).await?;
+            if shape == TopicShape::Missing {
+                shape = TopicShape::NonPartitioned;
+            }
+            let existing = match &config.start {
+                StartFrom::Committed { fallback }
+                    if matches!(**fallback, StartFrom::Position(_) | StartFrom::Timestamp(_)) =>
+                {
+                    shared
+                        .rest
+                        .subscription_stats(&path, shape, &config.group)
+                        .await
+                        .unwrap_or_default()
+                }
+                StartFrom::Earliest | StartFrom::Latest => shared
+                    .rest
+                    .subscription_stats(&path, shape, &config.group)
+                    .await
+                    .unwrap_or_default(),
+                _ => Vec::new(),
+            };
+            let full = options.full_topic(topic);
+            let n = shape.partitions();
+            for i in 0..n {
+                let (name, ppath, index) = match shape {
+                    TopicShape::Partitioned(_) => (
+                        format!("{full}-partition-{i}"),
+                        format!("{path}-partition-{i}"),
+                        i as i32,
+                    ),
+                    _ => (full.clone(), path.clone(), -1),
+                };
+                let raw = subscribe(&shared, &options, &config, &member, &name).await?;
+                let (cmd, cmd_rx) = mpsc::unbounded_channel();
+                let (tx, rx) = mpsc::channel(options.receiver_queue_size.max(1) as usize);
+                let tp = TopicPartition::new(topic.clone(), i as i32);
+                let task = tokio::spawn(run_partition(
+                    shared.client.clone(),
+                    raw,
+                    topic.clone(),
+                    i as i32,
+                    index,
+                    cmd_rx,
+                    tx,
+                    notify.clone(),
+                ));
+                let part = Part {
+                    tp,
+                    path: ppath,
+                    index,
+                    cmd,
+                    rx: Mutex::new(rx),
+                    state: Mutex::new(PartState::default()),
+                    task: Mutex::new(Some(task)),
+                };
+                let existed = existing
+                    .get(i as usize)
+                    .map(|s| s.is_some())
+                    .unwrap_or(false);
+                let seek_to = match &config.start {
+                    StartFrom::Position(p) => Some(StartFrom::Position(p.clone())),
+                    StartFrom::Timestamp(t) => Some(StartFrom::Timestamp(*t)),
+                    StartFrom::Earliest | StartFrom::Latest if existed => {
+                        Some(config.start.clone())
+                    }
+                    StartFrom::Committed { fallback } if !existed => match &**fallback {
+                        s @ (StartFrom::Position(_) | StartFrom::Timestamp(_)) => Some(s.clone()),
+                        _ => None,
+                    },
+                    _ => None,
+                };
+                parts.push((part, seek_to));
+            }
+            topics.push((topic.clone(), path, shape));
+        }
+        let consumer = Arc::new(PulsarConsumer {
+            shared,
+            group: config.group,
+            member,
+            sub_type: options.subscription_type,
+            options,
+            topics,
+            parts: Vec::new(),
+            listener: Mutex::new(None),
+            last_refresh: Mutex::new(None),
+            rebalancing: tokio::sync::Mutex::new(()),
+            closed: AtomicBool::new(false),
+            notify,
+            rotate: AtomicUsize::new(0),
+        });
+        let mut consumer = Arc::try_unwrap(consumer).unwrap_or_else(|_| unreachable!());
+        let mut seeks = Vec::new();
+        for (i, (part, seek)) in parts.into_iter().enumerate() {
+            consumer.parts.push(part);
+            if let Some(s) = seek {
+                seeks.push((i, s));
+            }
+        }
+        let consumer = Arc::new(consumer);
+        for (i, s) in seeks {
+            let tp = consumer.parts[i].tp.clone();
+            consumer
+                .seek_part(&consumer.parts[i], &s)
+                .await
+                .map_err(|e| e.context(format!("starting {tp}")))?;
+        }
+        if !consumer.sub_type.single_active() || consumer.sub_type == SubscriptionType::Exclusive {
+            for p in &consumer.parts {
+                p.state.lock().assigned = true;
+            }
+        }
+        Ok(consumer)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::new(ErrorKind::Closed, "the consumer is closed"))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn part(&self, tp: &TopicPartition) -> Result<&Part> {
+        self.parts.iter().find(|p| &p.tp == tp).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Fenced,
+                format!("{tp} is not read by this member of group '{}'", self.group),
+            )
+        })
+    }
+
+    fn listener(&self) -> Option<Arc<dyn RebalanceListener>> {
+        self.listener.lock().clone()
+    }
+
+    /// Failover: reads which partitions this member is the active consumer of (topic stats,
+    /// `activeConsumerName`) and runs the listener for the changes. A partition given up is
+    /// committed first (what `on_revoked` returns), then forgotten: what it fetched and did
+    /// not deliver is dropped (the broker redelivers it to the new active consumer).
+    async fn refresh(&self, force: bool) -> Result<()> {
+        if self.sub_type != SubscriptionType::Failover {
+            return Ok(());
+        }
+        {
+            let mut last = self.last_refresh.lock();
+            let now = tokio::time::Instant::now();
+            if !force && last.is_some_and(|l| now - l < self.options.refresh) {
+                return Ok(());
+            }
+            *last = Some(now);
+        }
+        let Ok(_guard) = self.rebalancing.try_lock() else {
+            return Ok(());
+        };
+        let mut active: HashMap<TopicPartition, bool> = HashMap::new();
+        for (topic, path, shape) in &self.topics {
+            let stats = self
+                .shared
+                .rest
+                .subscription_stats(path, *shape, &self.group)
+                .await?;
+            for (i, s) in stats.into_iter().enumerate() {
+                let mine = s
+                    .and_then(|s| s.active_consumer)
+                    .is_some_and(|a| a == self.member);
+                active.insert(TopicPartition::new(topic.clone(), i as i32), mine);
+            }
+        }
+        let mut gained = Vec::new();
+        let mut lost = Vec::new();
+        for p in &self.parts {
+            let now = active.get(&p.tp).copied().unwrap_or(false);
+            let was = p.state.lock().assigned;
+            if now && !was {
+                gained.push(p.tp.clone());
+            } else if !now && was {
+                lost.push(p.tp.clone());
+            }
+        }
+        if !lost.is_empty() {
+            let commits = self
+                .listener()
+                .map(|l| l.on_revoked(&lost))
+                .unwrap_or_default();
+            if !commits.is_empty() {
+                if let Err(e) = self.commit_inner(&commits, true).await {
+                    tracing::warn!(error = %e, group = %self.group, "commit on revocation failed");
+                }
+            }
+            for tp in &lost {
+                if let Ok(p) = self.part(tp) {
+                    let mut st = p.state.lock();
+                    st.assigned = false;
+                    st.reset();
+                    let mut rx = p.rx.lock();
+                    while rx.try_recv().is_ok() {}
+                }
+            }
+        }
+        if !gained.is_empty() {
+            for tp in &gained {
+                if let Ok(p) = self.part(tp) {
+                    let mut st = p.state.lock();
+                    st.reset();
+                    st.assigned = true;
+                }
+            }
+            if let Some(l) = self.listener() {
+                l.on_assigned(&gained);
+            }
+        }
+        Ok(())
+    }
+
+    /// Decides whether a fetched message goes to the application, and records it.
+    fn admit(&self, st: &mut PartState, f: &Fetched) -> Admit {
+        if let Some(min) = st.skip_below {
+            if f.key < min {
+                return Admit::Skip;
+            }
+            st.skip_below = None;
+        }
+        if let Some(t) = st.skip_before {
+            if f.message.timestamp.unwrap_or(i64::MAX) < t {
+                return Admit::Skip;
+            }
+            st.skip_before = None;
+        }
+        if st.pending.contains_key(&f.key) {
+            return Admit::Drop;
+        }
+        if self.sub_type.single_active() {
+            if let Some(r) = st.rewind {
+                if f.key != r {
+                    return Admit::Drop;
+                }
+                st.rewind = None;
+            } else if st.delivered.is_some_and(|d| f.key <= d) {
+                return Admit::Drop;
+            }
+            st.delivered = Some(f.key);
+        } else {
+            st.nacked.remove(&f.key);
+            if st.committed.is_some_and(|c| f.key <= c) && !st.deliveries.contains_key(&f.key) {
+                // Acked already (an ack in flight raced a redelivery).
+                return Admit::Drop;
+            }
+        }
+        Admit::Deliver
+    }
+
+    async fn commit_inner(
+        &self,
+        positions: &[(TopicPartition, Position)],
+        barrier: bool,
+    ) -> Result<()> {
+        let mut waits = Vec::new();
+        for (tp, pos) in positions {
+            let part = self.part(tp)?;
+            let key = pos_key(pos)?;
+            let ids: Vec<MessageIdData> = {
+                let mut st = part.state.lock();
+                if !st.assigned {
+                    return Err(Error::new(
+                        ErrorKind::Fenced,
+                        format!(
+                            "{tp} is no longer assigned to this member of group '{}'",
+                            self.group
+                        ),
+                    ));
+                }
+                let rest = st
+                    .pending
+                    .split_off(&(key.0, key.1, key.2.saturating_add(1)));
+                let taken = std::mem::replace(&mut st.pending, rest);
+                for k in taken.keys() {
+                    st.deliveries.remove(k);
+                }
+                st.committed = Some(st.committed.map_or(key, |c| c.max(key)));
+                st.committed_next = st.pending.keys().next().map(|k| Position::MessageId {
+                    ledger: k.0,
+                    entry: k.1,
+                    partition: part.index,
+                    batch: k.2,
+                });
+                taken.into_values().collect()
+            };
+            if ids.is_empty() && !barrier {
+                continue;
+            }
+            let (tx, rx) = oneshot::channel();
+            part.cmd
+                .send(Cmd::Ack(ids, barrier.then_some(tx)))
+                .map_err(|_| {
+                    Error::new(ErrorKind::Closed, format!("{tp}: the consumer is closed"))
+                })?;
+            if barrier {
+                waits.push(rx);
+            }
+        }
+        for w in waits {
+            let _ = tokio::time::timeout(self.options.operation_timeout, w).await;
+        }
+        Ok(())
+    }
+
+    /// Seeks one partition (the broker resets the subscription's cursor; every consumer of the
+    /// subscription on that partition is disconnected and reconnects).
+    async fn seek_part(&self, part: &Part, to: &StartFrom) -> Result<()> {
+        let partitioned = part.index >= 0;
+        let (id, time, skip_below, skip_before) = match to {
+            StartFrom::Committed { fallback } => {
+                let committed = self.committed_of(part).await?;
+                return match committed {
+                    Some(p) => Box::pin(self.seek_part(part, &StartFrom::Position(p))).await,
+                    None => Box::pin(self.seek_part(part, fallback)).await,
+                };
+            }
+            // Pulsar's earliest and latest message ids.
+            StartFrom::Earliest => (
+                Some(MessageIdData {
+                    ledger_id: u64::MAX,
+                    entry_id: u64::MAX,
+                    ..Default::default()
+                }),
+                None,
+                None,
+                None,
+            ),
+            StartFrom::Latest => (
+                Some(MessageIdData {
+                    ledger_id: i64::MAX as u64,
+                    entry_id: i64::MAX as u64,
+                    ..Default::default()
+                }),
+                None,
+                None,
+                None,
+            ),
+            StartFrom::Position(p) => {
+                let key = pos_key(p)?;
+                let mut id = convert::message_id(p, partitioned)?;
+                // The broker seeks to entries; the rest of a batch before the position is
+                // skipped here.
+                id.batch_index = None;
+                (Some(id), None, Some(key), None)
+            }
+            StartFrom::Timestamp(t) => {
+                // The broker seeks by publish time; a message's time here is its event time
+                // (the record's timestamp), which is not later than its publish time, so the
+                // broker's position is at or before the wanted one and the messages still
+                // earlier are skipped here.
+                (None, Some((*t).max(0) as u64), None, Some(*t))
+            }
+        };
+        let (done, wait) = oneshot::channel();
+        part.cmd.send(Cmd::Seek { id, time, done }).map_err(|_| {
+            Error::new(
+                ErrorKind::Closed,
+                format!("{}: the consumer is closed", part.tp),
+            )
+        })?;
+        wait.await.map_err(|_| {
+            Error::new(
+                ErrorKind::Closed,
+                format!("{}: the consumer is closed", part.tp),
+            )
+        })??;
+        let mut st = part.state.lock();
+        {
+            let mut rx = part.rx.lock();
+            while rx.try_recv().is_ok() {}
+        }
+        let assigned = st.assigned;
+        st.reset();
+        st.assigned = assigned;
+        st.skip_below = skip_below;
+        st.skip_before = skip_before;
+        Ok(())
+    }
+
+    async fn committed_of(&self, part: &Part) -> Result<Option<Position>> {
+        if let Some(p) = part.state.lock().committed_next.clone() {
+            return Ok(Some(p));
+        }
+        committed_from_cursor(
+            &self.shared,
+            &part.path,
+            &self.group,
+            (part.index >= 0).then_some(part.index),
+        )
+        .await
+    }
+}
+
+enum Admit {
+    /// Give it to the application.
+    Deliver,
+    /// Not for the application: held already, or coming again.
+    Drop,
+    /// Before the start of a seek: acknowledged and skipped.
+    Skip,
+}
+
+async fn subscribe(
+    shared: &Shared,
+    options: &PulsarOptions,
+    config: &ConsumerConfig,
+    member: &str,
+    topic: &str,
+) -> Result<RawConsumer> {
+    let copts = ConsumerOptions {
+        initial_position: initial_position(&config.start),
+        receiver_queue_size: Some(options.receiver_queue_size),
+        metadata: options.metadata.clone(),
+        durable: Some(true),
+        ..Default::default()
+    };
+    let mut b = shared
+        .client
+        .consumer()
+        .with_topic(topic)
+        .with_subscription(&config.group)
+        .with_subscription_type(sub_type(options.subscription_type))
+        .with_consumer_name(member)
+        .with_options(copts)
+        .with_unacked_message_resend_delay(options.ack_timeout);
+    if let Some(dlq) = &options.dead_letter {
+        b = b.with_dead_letter_policy(DeadLetterPolicy {
+            max_redeliver_count: options.max_redeliver,
+            dead_letter_topic: options.full_topic(dlq),
+        });
+    }
+    b.build::<Vec<u8>>().await.map_err(|e| {
+        let err = pulsar_err(
+            format!("subscribing '{member}' to '{topic}' as '{}'", config.group),
+            e,
+        );
+        if err.message().contains("ConsumerBusy") || err.message().contains("Exclusive") {
+            Error::new(ErrorKind::Fenced, err.message().to_string())
+        } else {
+            err
+        }
+    })
+}
+
+fn convert_message(
+    topic: &str,
+    partition: i32,
+    index: i32,
+    m: &pulsar::consumer::Message<Vec<u8>>,
+) -> Fetched {
+    let id = m.message_id().clone();
+    let position = convert::position(&id, index);
+    let key = pos_key(&position).unwrap_or_default();
+    let meta = m.metadata();
+    let message = Message {
+        topic: topic.to_string(),
+        partition,
+        position,
+        key: convert::read_key(m),
+        payload: Bytes::from(m.payload.data.clone()),
+        headers: convert::read_headers(&meta.properties),
+        timestamp: Some(convert::read_timestamp(meta)),
+        delivery_count: 1,
+    };
+    Fetched { id, key, message }
+}
+
+/// The task owning one partition's crate consumer: forwards messages (one held at a time, so
+/// the broker's flow control bounds what is fetched) and runs acks, nacks, seeks and close.
+#[allow(clippy::too_many_arguments)]
+async fn run_partition(
+    client: pulsar::Pulsar<TokioExecutor>,
+    mut c: RawConsumer,
+    topic: String,
+    partition: i32,
+    index: i32,
+    mut cmds: mpsc::UnboundedReceiver<Cmd>,
+    tx: mpsc::Sender<Fetched>,
+    notify: Arc<Notify>,
+) {
+    let mut held: Option<Fetched> = None;
+    loop {
+        tokio::select! {
+            biased;
+            cmd = cmds.recv() => match cmd {
+                None => break,
+                Some(Cmd::Ack(ids, done)) => {
+                    for id in ids {
+                        if let Err(e) = c.ack_with_id(&topic, id).await {
+                            tracing::warn!(error = %e, %topic, partition, "ack failed");
+                        }
+                    }
+                    if let Some(done) = done {
+                        // A broker round trip after the acks were handed to the connection.
+                        let _ = c.get_last_message_id().await;
+                        let _ = done.send(());
+                    }
+                }
+                Some(Cmd::Nack(id)) => {
+                    if let Err(e) = c.nack_with_id(&topic, id).await {
+                        tracing::warn!(error = %e, %topic, partition, "negative ack failed");
+                    }
+                }
+                Some(Cmd::Seek { id, time, done }) => {
+                    held = None;
+                    let r = c
+                        .seek(None, id, time, client.clone())
+                        .await
+                        .map_err(|e| pulsar_err(format!("seeking {topic}[{partition}]"), e));
+                    let _ = done.send(r);
+                }
+                Some(Cmd::Close(done)) => {
+                    let _ = c.close().await;
+                    let _ = done.send(());
+                    return;
+                }
+            },
+            permit = tx.reserve(), if held.is_some() => match permit {
+                Ok(p) => {
+                    if let Some(f) = held.take() {
+                        p.send(f);
+                        notify.notify_one();
+                    }
+                }
+                Err(_) => break,
+            },
+            m = c.next(), if held.is_none() => match m {
+                Some(Ok(m)) => held = Some(convert_message(&topic, partition, index, &m)),
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, %topic, partition, "Pulsar consumer error");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                None => {
+                    tracing::debug!(%topic, partition, "Pulsar consumer stream ended");
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            },
+        }
+    }
+    let _ = c.close().await;
+}
+
+#[async_trait]
+impl ConsumerBackend for PulsarConsumer {
+    fn capabilities(&self) -> Capabilities {
+        crate::capabilities(&self.options)
+    }
+
+    fn set_rebalance_listener(&self, listener: Arc<dyn RebalanceListener>) {
+        *self.listener.lock() = Some(listener);
+    }
+
+    async fn poll(&self, max: usize, timeout: Duration) -> Result<Vec<Message>> {
+        self.check_open()?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let k = self.parts.len();
+        let mut out = Vec::new();
+        loop {
+            if let Err(e) = self.refresh(false).await {
+                tracing::warn!(error = %e, group = %self.group, "reading the active partitions failed; retrying");
+            }
+            let start = self.rotate.fetch_add(1, Ordering::Relaxed) % k.max(1);
+            for j in 0..k {
+                let part = &self.parts[(start + j) % k];
+                let mut skipped = Vec::new();
+                {
+                    let mut st = part.state.lock();
+                    if !st.assigned || st.paused {
+                        continue;
+                    }
+                    let mut rx = part.rx.lock();
+                    while out.len() < max {
+                        let Ok(f) = rx.try_recv() else { break };
+                        match self.admit(&mut st, &f) {
+                            Admit::Deliver => {
+                                let n = st.deliveries.entry(f.key).or_insert(0);
+                                *n += 1;
+                                let mut m = f.message;
+                                m.delivery_count = *n;
+                                st.pending.insert(f.key, f.id);
+                                out.push(m);
+                            }
+                            Admit::Drop => {}
+                            Admit::Skip => skipped.push(f.id),
+                        }
+                    }
+                }
+                if !skipped.is_empty() {
+                    let _ = part.cmd.send(Cmd::Ack(skipped, None));
+                }
+                if out.len() >= max {
+                    break;
+                }
+            }
+            let now = tokio::time::Instant::now();
+            if !out.is_empty() || now >= deadline {
+                return Ok(out);
+            }
+            let wait = (deadline - now).min(self.options.refresh);
+            let _ = tokio::time::timeout(wait, self.notify.notified()).await;
+        }
+    }
+
+    /// Acknowledges, individually, every message of the partition delivered by `poll` up to the
+    /// position and not nacked, then waits for a broker round trip on the same connection.
+    async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
+        self.check_open()?;
+        self.commit_inner(positions, true).await
+    }
+
+    async fn committed(
+        &self,
+        partitions: &[TopicPartition],
+    ) -> Result<Vec<(TopicPartition, Option<Position>)>> {
+        let mut out = Vec::with_capacity(partitions.len());
+        for tp in partitions {
+            let pos = match self.parts.iter().find(|p| &p.tp == tp) {
+                Some(p) => self.committed_of(p).await?,
+                None => {
+                    let path = self.options.admin_path(&tp.topic);
+                    let shape = self.shared.shape(&tp.topic).await?;
+                    let (ppath, idx) = match shape {
+                        TopicShape::Partitioned(_) => (
+                            format!("{path}-partition-{}", tp.partition),
+                            Some(tp.partition),
+                        ),
+                        _ => (path, None),
+                    };
+                    committed_from_cursor(&self.shared, &ppath, &self.group, idx).await?
+                }
+            };
+            out.push((tp.clone(), pos));
+        }
+        Ok(out)
+    }
+
+    /// Resets the subscription's cursor on the partition (Pulsar seek by message id, or by
+    /// publish time for a timestamp, refined by the messages' event times).
+    async fn seek(&self, partition: &TopicPartition, to: &StartFrom) -> Result<()> {
+        self.check_open()?;
+        let part = self.part(partition)?;
+        self.seek_part(part, to).await
+    }
+
+    async fn pause(&self, partitions: &[TopicPartition]) -> Result<()> {
+        for tp in partitions {
+            self.part(tp)?.state.lock().paused = true;
+        }
+        Ok(())
+    }
+
+    async fn resume(&self, partitions: &[TopicPartition]) -> Result<()> {
+        for tp in partitions {
+            self.part(tp)?.state.lock().paused = false;
+        }
+        self.notify.notify_one();
+        Ok(())
+    }
+
+    fn assignment(&self) -> Vec<TopicPartition> {
+        if self.closed.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        self.parts
+            .iter()
+            .filter(|p| p.state.lock().assigned)
+            .map(|p| p.tp.clone())
+            .collect()
+    }
+
+    /// `msgBacklog` of the subscription on each assigned partition (admin REST topic stats).
+    async fn lag(&self) -> Result<Vec<PartitionLag>> {
+        let mut out = Vec::new();
+        for (topic, path, shape) in &self.topics {
+            let stats = self
+                .shared
+                .rest
+                .subscription_stats(path, *shape, &self.group)
+                .await?;
+            for (i, s) in stats.into_iter().enumerate() {
+                let tp = TopicPartition::new(topic.clone(), i as i32);
+                let Some(part) = self.parts.iter().find(|p| p.tp == tp) else {
+                    continue;
+                };
+                if !part.state.lock().assigned {
+                    continue;
+                }
+                out.push(PartitionLag {
+                    committed: self.committed_of(part).await?,
+                    partition: tp,
+                    high_watermark: None,
+                    messages: s.map(|s| s.backlog).unwrap_or(0),
+                    millis: None,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    fn group_metadata(&self) -> Option<GroupMetadata> {
+        Some(GroupMetadata {
+            group: self.group.clone(),
+            generation: 0,
+            member_id: self.member.clone(),
+            native: None,
+        })
+    }
+
+    /// Negative ack after `delay` (the crate's nack is immediate, so onceflow waits first).
+    /// Shared / key_shared: that message alone comes again. Failover / exclusive: the broker
+    /// redelivers every unacked message of the partition in order, so onceflow drops what it
+    /// fetches until the nacked message is back, and still holds the earlier ones.
+    async fn nack(&self, message: &Message, delay: Duration) -> Result<()> {
+        self.check_open()?;
+        let Ok(part) = self.part(&message.topic_partition()) else {
+            return Ok(());
+        };
+        let key = pos_key(&message.position)?;
+        let id = {
+            let mut st = part.state.lock();
+            let Some(id) = st.pending.remove(&key) else {
+                tracing::debug!(tp = %part.tp, position = %message.position, "nack of a message not pending");
+                return Ok(());
+            };
+            if self.sub_type.single_active() {
+                // Everything after it comes again too.
+                let later = st.pending.split_off(&key);
+                drop(later);
+                st.rewind = Some(match st.rewind {
+                    Some(r) => r.min(key),
+                    None => key,
+                });
+                st.delivered = st.pending.keys().next_back().copied();
+            } else {
+                st.nacked.insert(key);
+            }
+            id
+        };
+        let cmd = part.cmd.clone();
+        if delay.is_zero() {
+            let _ = cmd.send(Cmd::Nack(id));
+        } else {
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let _ = cmd.send(Cmd::Nack(id));
+            });
+        }
+        Ok(())
+    }
+
+    /// Closes the crate consumers (the subscription stays, with its acknowledgements; what was
+    /// delivered and not committed is redelivered to the next active consumer).
+    async fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let mut waits = Vec::new();
+        for p in &self.parts {
+            let (tx, rx) = oneshot::channel();
+            if p.cmd.send(Cmd::Close(tx)).is_ok() {
+                waits.push(rx);
+            }
+        }
+        for w in waits {
+            let _ = tokio::time::timeout(self.options.operation_timeout, w).await;
+        }
+        for p in &self.parts {
+            p.state.lock().assigned = false;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PulsarConsumer {
+    fn drop(&mut self) {
+        for p in &self.parts {
+            if let Some(t) = p.task.lock().take() {
+                t.abort();
+            }
+        }
+    }
+}

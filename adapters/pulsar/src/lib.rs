@@ -1,0 +1,285 @@
+//! # onceflow-pulsar
+//!
+//! The Apache Pulsar backend of onceflow (`pulsar://`), on the [pulsar] crate (tokio runtime)
+//! plus Pulsar's admin REST API. It maps onceflow's model onto Pulsar as follows.
+//!
+//! ## URL
+//! `pulsar://host:port?admin=http://host:port&key=value&…`, keys in [`PulsarOptions`] (for
+//! example `pulsar://127.0.0.1:16650?admin=http://127.0.0.1:18080&batch_size=1000&compression=lz4`).
+//! `metadata.KEY=VALUE` is passed verbatim to the broker as producer and consumer metadata;
+//! other unknown keys are a `Config` error. Consumer keys (`subscription_type`,
+//! `dead_letter`, …) may also be set per consumer in `ConsumerConfig::options`, producer keys
+//! per producer in `ProducerConfig::options`.
+//!
+//! ## Topics, partitions, order
+//! - A topic `NAME` is `persistent://TENANT/NAMESPACE/NAME` (`tenant`/`namespace` options,
+//!   `public/default` by default); `TENANT/NAMESPACE/NAME` is taken as given.
+//! - A topic with one partition is a **non-partitioned** topic (onceflow partition 0); with
+//!   `N > 1` partitions a **partitioned topic** whose partition `i` is `NAME-partition-i`.
+//!   Topics the broker auto-creates are non-partitioned.
+//! - **Positions** are message ids ([`onceflow_core::Position::MessageId`]): ledger, entry,
+//!   partition index (`-1` for a non-partitioned topic) and batch index (`-1` unbatched).
+//! - The record **key** is the message's partition key (Base64 with `partition_key_b64_encoded`
+//!   when it is not UTF-8) and its **ordering key** (what `key_shared` dispatches on). A keyed
+//!   record goes to partition `murmur3_32(key) % N` (the crate's routing hash; hex of a binary
+//!   key), an unkeyed one round-robin, an explicit partition wins.
+//! - The record **timestamp** is the message's event time; a message's timestamp is its event
+//!   time, else its publish time.
+//! - **Headers** are message properties (`traceparent` included, so other clients see the
+//!   trace). Properties are UTF-8 strings in a map, so the exact list (order, repeats, null
+//!   vs empty, binary values) also travels in `onceflow-headers` and is rebuilt from it;
+//!   messages from other clients get their properties as headers in wire order.
+//!
+//! ## Producer
+//! - One crate producer per partition of each topic written to, named
+//!   [`PulsarOptions::producer_name`], else `ProducerConfig::client_id`, else a unique name the
+//!   broker assigns. Batching (`batch_size`, `batch_bytes`, `batch_timeout_ms`) and compression
+//!   (`compression`) are the crate's. `send_batch` hands every record to the crate before
+//!   waiting for receipts, so they share batches.
+//! - **No transactions**: the pulsar crate has none ([`CAPABILITIES`]`.transactions` is false,
+//!   `begin()` is `Unsupported`). Pipelines run **effectively-once**: the dedup store decides
+//!   whether a message's side effects ran, and readers of the output skip repeated
+//!   idempotency keys.
+//! - **Broker deduplication and named producers** (PIP-6, `brokerDeduplicationEnabled`): the
+//!   broker drops a message whose (producer name, sequence id) it has already stored and
+//!   still acknowledges it, with message id `(-1,-1)`. The pulsar crate starts every producer's
+//!   sequence ids at 0 and does not take the broker's last sequence id, so a producer whose
+//!   name was used before (a restarted process) has its first messages silently dropped
+//!   (the `pulsar_dedup` test shows it with the raw crate). onceflow turns such a receipt into
+//!   a `Platform` error naming the producer instead of a delivery, never a silent success, and
+//!   does not rely on broker dedup: `Capabilities::idempotent_producer` is false. Within one
+//!   producer's life, the crate's resends after a reconnect keep their sequence ids, so a
+//!   broker with dedup on stores them once.
+//! - `max_record_bytes` is `max_message_bytes` (the broker's `maxMessageSize`, 5 MiB) minus
+//!   16 KiB for the properties onceflow adds.
+//!
+//! ## Consumer
+//! - A **group is a subscription**; each partition has its own crate consumer, named after the
+//!   member (`ConsumerConfig::client_id`, else random). `subscription_type` picks
+//!   [`SubscriptionType`]: **failover** (default: one active member per partition, in order;
+//!   the broker spreads partitions over the members by name), **exclusive**, **shared**,
+//!   **key_shared** (per key, order is kept).
+//! - **Assignment (failover)**: every `refresh_ms` the member reads which partitions it is the
+//!   active consumer of (`activeConsumerName` in the topic stats). A partition it is no longer
+//!   active for is revoked: the listener's `on_revoked` runs, its positions are committed, and
+//!   what was fetched is dropped (the broker redelivers it to the new active member). The
+//!   broker waits `activeConsumerFailoverDelayTimeMillis` (1 s by default) before it
+//!   dispatches to the new member, which leaves the old one time to commit. Shared,
+//!   key_shared and exclusive members read every partition.
+//! - **commit** individually acknowledges every message of the partition delivered by `poll` up
+//!   to the position and not nacked (onceflow's "last finished position" model, as on
+//!   JetStream), then waits for a round trip on the consumer's connection.
+//! - **nack** is a negative ack sent after the delay. Shared / key_shared redeliver that
+//!   message ([`onceflow_core::Capabilities::per_message_nack`]); failover / exclusive
+//!   redeliver every unacked message of the partition in order, so onceflow rewinds: it drops
+//!   what it fetches until the nacked message is back.
+//! - **Dead letters**: `dead_letter=<topic>&max_redeliver=N` sets the crate's dead-letter
+//!   policy: a message redelivered N times goes to that topic and is acknowledged. The broker
+//!   counts redeliveries only on shared and key_shared subscriptions.
+//! - **Replay**: `seek` / an explicit start resets the subscription's cursor by message id
+//!   (the rest of a batch before it is skipped), to the earliest or latest message, or by
+//!   time: the broker seeks by publish time and onceflow skips (and acknowledges) messages
+//!   whose time (event time) is still earlier.
+//! - **committed** is known locally after a commit (the next delivered, uncommitted message);
+//!   otherwise it is read from the cursor (`markDeletePosition` in the internal stats): `None`
+//!   before the first entry, else the next entry of that ledger.
+//! - **lag** is the subscription's `msgBacklog` (admin REST topic stats); `group_lag` reads it
+//!   without connecting a consumer.
+//! - `Message::delivery_count` counts deliveries to this member (the crate does not expose the
+//!   broker's redelivery count).
+//!
+//! ## Admin
+//! Create (non-partitioned for one partition, partitioned otherwise; retention as the topic's
+//! retention policy, minutes and MiB rounded up), describe, delete, through the admin REST API.
+//! Compaction is not offered.
+//!
+//! [pulsar]: https://docs.rs/pulsar
+
+mod admin;
+mod config;
+mod consumer;
+mod convert;
+mod producer;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use onceflow_core::{
+    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, PlatformBackend,
+    ProducerBackend, ProducerConfig, Result,
+};
+use parking_lot::Mutex;
+use pulsar::{Pulsar, TokioExecutor};
+
+pub use admin::PulsarAdmin;
+pub use config::{parse_url, CompressionKind, PulsarOptions, SubscriptionType};
+pub use consumer::PulsarConsumer;
+pub use convert::HEADERS_PROPERTY;
+pub use producer::{producer_options, PulsarProducer};
+
+use admin::{Rest, TopicShape};
+
+/// Bytes of the broker's message size kept for the properties onceflow adds.
+pub(crate) const PROPERTY_ROOM: usize = 16 * 1024;
+
+/// What Pulsar can do through this adapter with the default (failover) subscription.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    transactions: false,
+    idempotent_producer: false,
+    dedup_by_id: false,
+    atomic_batch: false,
+    native_headers: true,
+    consumer_groups: true,
+    seek_by_timestamp: true,
+    pause_resume: true,
+    per_message_nack: false,
+    compaction: false,
+    lag_ms: false,
+};
+
+/// Capabilities with these options: shared and key_shared subscriptions redeliver one nacked
+/// message.
+pub fn capabilities(options: &PulsarOptions) -> Capabilities {
+    Capabilities {
+        per_message_nack: !options.subscription_type.single_active(),
+        ..CAPABILITIES
+    }
+}
+
+/// Connects to the broker named in `url` (see the crate docs).
+pub async fn connect(url: &str) -> Result<Arc<PulsarPlatform>> {
+    PulsarPlatform::connect(url).await
+}
+
+/// State shared by the producers, consumers and admin handle of one connection.
+pub(crate) struct Shared {
+    pub(crate) client: Pulsar<TokioExecutor>,
+    pub(crate) options: PulsarOptions,
+    pub(crate) rest: Rest,
+    topics: Mutex<HashMap<String, TopicShape>>,
+}
+
+impl Shared {
+    pub(crate) fn max_record_bytes(&self, options: &PulsarOptions) -> usize {
+        options.max_message_bytes.saturating_sub(PROPERTY_ROOM)
+    }
+
+    pub(crate) fn forget_topic(&self, topic: &str) {
+        self.topics.lock().remove(topic);
+    }
+
+    /// Shape of `topic` (cached once it exists).
+    pub(crate) async fn shape(&self, topic: &str) -> Result<TopicShape> {
+        if let Some(s) = self.topics.lock().get(topic) {
+            return Ok(*s);
+        }
+        let s = self.rest.shape(&self.options.admin_path(topic)).await?;
+        if s != TopicShape::Missing {
+            self.topics.lock().insert(topic.to_string(), s);
+        }
+        Ok(s)
+    }
+}
+
+/// A connection to a Pulsar cluster: the factory of producers, consumers and the admin handle.
+pub struct PulsarPlatform {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PulsarPlatform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PulsarPlatform")
+            .field("service_url", &self.shared.options.service_url)
+            .field("admin_url", &self.shared.options.admin_url)
+            .finish()
+    }
+}
+
+impl PulsarPlatform {
+    /// Connects to `url` (`pulsar://host:port?…`). `Config` for a bad URL, `Connect` when the
+    /// broker or its admin API cannot be reached.
+    pub async fn connect(url: &str) -> Result<Arc<PulsarPlatform>> {
+        Self::connect_with(parse_url(url)?).await
+    }
+
+    /// Connects with typed options.
+    pub async fn connect_with(options: PulsarOptions) -> Result<Arc<PulsarPlatform>> {
+        options.validate()?;
+        let client = Pulsar::builder(options.service_url.clone(), TokioExecutor)
+            .with_operation_retry_options(pulsar::OperationRetryOptions {
+                operation_timeout: options.operation_timeout,
+                ..Default::default()
+            })
+            .build()
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Connect,
+                    format!("cannot connect to Pulsar at {}: {e}", options.service_url),
+                )
+                .with_source(e)
+            })?;
+        let rest = Rest::new(&options.admin_url, options.operation_timeout)?;
+        // The admin API answers (lag, partitions and assignment need it).
+        rest.shape("public/default/onceflow-connect-check")
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Connect,
+                    format!(
+                        "the Pulsar admin API at {} does not answer (set admin=http://host:port): {}",
+                        options.admin_url,
+                        e.message()
+                    ),
+                )
+            })?;
+        Ok(Arc::new(PulsarPlatform {
+            shared: Arc::new(Shared {
+                client,
+                options,
+                rest,
+                topics: Mutex::new(HashMap::new()),
+            }),
+        }))
+    }
+
+    /// The connection's options.
+    pub fn options(&self) -> &PulsarOptions {
+        &self.shared.options
+    }
+
+    /// The pulsar crate client, for anything onceflow does not cover.
+    pub fn pulsar_client(&self) -> Pulsar<TokioExecutor> {
+        self.shared.client.clone()
+    }
+}
+
+#[async_trait]
+impl PlatformBackend for PulsarPlatform {
+    fn name(&self) -> &'static str {
+        "pulsar"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        capabilities(&self.shared.options)
+    }
+
+    async fn producer(&self, config: ProducerConfig) -> Result<Arc<dyn ProducerBackend>> {
+        Ok(Arc::new(PulsarProducer::new(self.shared.clone(), config)?))
+    }
+
+    async fn consumer(&self, config: ConsumerConfig) -> Result<Arc<dyn ConsumerBackend>> {
+        Ok(PulsarConsumer::join(self.shared.clone(), config).await?)
+    }
+
+    async fn admin(&self) -> Result<Arc<dyn AdminBackend>> {
+        Ok(Arc::new(PulsarAdmin {
+            shared: self.shared.clone(),
+        }))
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.shared.max_record_bytes(&self.shared.options)
+    }
+}

@@ -1,0 +1,359 @@
+//! Producers: one pulsar crate producer per partition of each topic written to, created on
+//! first use.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use onceflow_core::{
+    now_ms, Capabilities, Delivery, Error, ErrorKind, ProducerBackend, ProducerConfig, Record,
+    Result,
+};
+use pulsar::compression::{
+    Compression, CompressionLz4, CompressionSnappy, CompressionZlib, CompressionZstd,
+};
+use pulsar::producer::{Message as PulsarMessage, SendFuture};
+use pulsar::{ProducerOptions, TokioExecutor};
+
+use crate::admin::TopicShape;
+use crate::config::{check_topic, CompressionKind, PulsarOptions};
+use crate::convert::{self, pulsar_err};
+use crate::Shared;
+
+type RawProducer = pulsar::Producer<TokioExecutor>;
+
+/// The producers of one topic, one per partition (index = partition).
+struct TopicProducers {
+    parts: Vec<tokio::sync::Mutex<RawProducer>>,
+    partitioned: bool,
+    round_robin: AtomicUsize,
+}
+
+/// A producer on Pulsar (see the crate docs for the mapping).
+pub struct PulsarProducer {
+    shared: Arc<Shared>,
+    options: PulsarOptions,
+    name: Option<String>,
+    topics: tokio::sync::Mutex<HashMap<String, Arc<TopicProducers>>>,
+    closed: AtomicBool,
+}
+
+/// The pulsar crate's producer options for our options.
+pub fn producer_options(o: &PulsarOptions) -> ProducerOptions {
+    ProducerOptions {
+        batch_size: o.batch_size,
+        batch_byte_size: o.batch_bytes,
+        batch_timeout: o.batch_timeout,
+        compression: Some(match o.compression {
+            CompressionKind::None => Compression::None,
+            CompressionKind::Lz4 => Compression::Lz4(CompressionLz4::default()),
+            CompressionKind::Zlib => Compression::Zlib(CompressionZlib::default()),
+            CompressionKind::Zstd => Compression::Zstd(CompressionZstd::default()),
+            CompressionKind::Snappy => Compression::Snappy(CompressionSnappy::default()),
+        }),
+        metadata: o.metadata.clone(),
+        // Back-pressure: a full queue waits instead of failing with SlowDown.
+        block_queue_if_full: true,
+        ..Default::default()
+    }
+}
+
+/// What a send was handed to: the partition and the receipt to wait for.
+struct InFlight {
+    partition: i32,
+    partitioned: bool,
+    future: SendFuture,
+    timestamp: i64,
+}
+
+impl PulsarProducer {
+    pub(crate) fn new(shared: Arc<Shared>, config: ProducerConfig) -> Result<Self> {
+        let mut options = shared.options.clone();
+        options.apply(&config.options)?;
+        if config.transactional_id.is_some() {
+            tracing::debug!(
+                "transactional_id is ignored on Pulsar: the pulsar crate has no transactions"
+            );
+        }
+        let name = options.producer_name.clone().or(config.client_id);
+        Ok(PulsarProducer {
+            shared,
+            options,
+            name,
+            topics: tokio::sync::Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    async fn topic(&self, topic: &str) -> Result<Arc<TopicProducers>> {
+        let mut topics = self.topics.lock().await;
+        if let Some(t) = topics.get(topic) {
+            return Ok(t.clone());
+        }
+        check_topic(topic)?;
+        let shape = self.shared.shape(topic).await?;
+        let full = self.options.full_topic(topic);
+        let (names, partitioned) = match shape {
+            TopicShape::Partitioned(n) => (
+                (0..n).map(|i| format!("{full}-partition-{i}")).collect(),
+                true,
+            ),
+            // A missing topic is created by the broker on first use (non-partitioned).
+            TopicShape::NonPartitioned | TopicShape::Missing => (vec![full.clone()], false),
+        };
+        let mut parts = Vec::with_capacity(names.len());
+        for n in names {
+            let mut b = self
+                .shared
+                .client
+                .producer()
+                .with_topic(&n)
+                .with_options(producer_options(&self.options));
+            if let Some(name) = &self.name {
+                b = b.with_name(name.clone());
+            }
+            let p = b
+                .build()
+                .await
+                .map_err(|e| pulsar_err(format!("creating a producer on '{n}'"), e))?;
+            parts.push(tokio::sync::Mutex::new(p));
+        }
+        let t = Arc::new(TopicProducers {
+            parts,
+            partitioned,
+            round_robin: AtomicUsize::new(rand::random::<u32>() as usize),
+        });
+        topics.insert(topic.to_string(), t.clone());
+        Ok(t)
+    }
+
+    fn check(&self, record: &Record) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::new(ErrorKind::Closed, "the producer is closed"));
+        }
+        let max = self.shared.max_record_bytes(&self.options);
+        let size = record.size_bytes();
+        if size > max {
+            return Err(Error::config(format!(
+                "record of {size} bytes for topic '{}' exceeds the limit of {max} bytes",
+                record.topic
+            )));
+        }
+        Ok(())
+    }
+
+    /// Hands a record to the partition's producer (batched or sent by the crate).
+    async fn enqueue(&self, record: Record) -> Result<InFlight> {
+        self.check(&record)?;
+        let t = self.topic(&record.topic).await?;
+        let n = t.parts.len();
+        let partition = match (record.partition, &record.key) {
+            (Some(p), _) => {
+                if p < 0 || p as usize >= n {
+                    return Err(Error::config(format!(
+                        "partition {p} of topic '{}' does not exist: expected 0..{}",
+                        record.topic,
+                        n - 1
+                    )));
+                }
+                p as usize
+            }
+            (None, Some(k)) if n > 1 => {
+                let text = match std::str::from_utf8(k) {
+                    Ok(t) => t.to_string(),
+                    Err(_) => hex::encode(k),
+                };
+                pulsar::routing_policy::RoutingPolicy::compute_partition_index_for_key(&text, n)
+            }
+            _ => t.round_robin.fetch_add(1, Ordering::Relaxed) % n,
+        };
+        let timestamp = record.timestamp.unwrap_or_else(now_ms);
+        let mut msg = PulsarMessage {
+            properties: convert::record_properties(&record),
+            event_time: record.timestamp.filter(|t| *t > 0).map(|t| t as u64),
+            payload: record.payload.to_vec(),
+            ..Default::default()
+        };
+        if let Some(k) = &record.key {
+            match std::str::from_utf8(k) {
+                Ok(t) => {
+                    msg.partition_key = Some(t.to_string());
+                    msg.partition_key_b64_encoded = Some(false);
+                }
+                Err(_) => {
+                    use base64_key::encode;
+                    msg.partition_key = Some(encode(k));
+                    msg.partition_key_b64_encoded = Some(true);
+                }
+            }
+            msg.ordering_key = Some(k.to_vec());
+        }
+        let future = {
+            let mut p = t.parts[partition].lock().await;
+            p.send_non_blocking(msg).await.map_err(|e| {
+                pulsar_err(
+                    format!("sending to '{}' partition {partition}", record.topic),
+                    e,
+                )
+            })?
+        };
+        Ok(InFlight {
+            partition: partition as i32,
+            partitioned: t.partitioned,
+            future,
+            timestamp,
+        })
+    }
+
+    async fn complete(&self, topic: &str, f: InFlight) -> Result<Delivery> {
+        let receipt = f.future.await.map_err(|e| {
+            pulsar_err(
+                format!(
+                    "waiting for the receipt of '{topic}' partition {}",
+                    f.partition
+                ),
+                e,
+            )
+        })?;
+        let id = receipt.message_id.unwrap_or_default();
+        // A resend the broker deduplicated is acknowledged with message id (-1,-1): the
+        // message was not stored. For a record of this producer that only happens when the
+        // producer name was used before and the crate restarted its sequence ids at 0.
+        if id.ledger_id == u64::MAX || id.entry_id == u64::MAX {
+            return Err(Error::new(
+                ErrorKind::Platform,
+                format!(
+                    "broker deduplication dropped a record for '{topic}' partition {}: producer \
+                     '{}' reused a name whose sequence ids the broker already stored (sequence id \
+                     {}); the pulsar crate restarts sequence ids at 0, so a named producer must \
+                     not be reused across restarts — use a new name (the default) and a dedup \
+                     store",
+                    f.partition,
+                    self.name.as_deref().unwrap_or("(broker-assigned)"),
+                    receipt.sequence_id
+                ),
+            )
+            .retriable(false));
+        }
+        Ok(Delivery {
+            topic: topic.to_string(),
+            partition: f.partition,
+            position: convert::position(&id, if f.partitioned { f.partition } else { -1 }),
+            timestamp: Some(f.timestamp),
+            duplicate: false,
+        })
+    }
+}
+
+/// Base64 for binary partition keys (Pulsar's `partition_key_b64_encoded`).
+mod base64_key {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+    /// Standard Base64 with padding.
+    pub(super) fn encode(input: &[u8]) -> String {
+        let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
+        for chunk in input.chunks(3) {
+            let b = [
+                chunk[0],
+                *chunk.get(1).unwrap_or(&0),
+                *chunk.get(2).unwrap_or(&0),
+            ];
+            let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+            for i in 0..4 {
+                if i <= chunk.len() {
+                    out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+                } else {
+                    out.push('=');
+                }
+            }
+        }
+        out
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn encodes() {
+            assert_eq!(super::encode(b"key\x00\xff"), "a2V5AP8=");
+            assert_eq!(super::encode(b"ab"), "YWI=");
+            assert_eq!(super::encode(b""), "");
+        }
+    }
+}
+
+#[async_trait]
+impl ProducerBackend for PulsarProducer {
+    fn capabilities(&self) -> Capabilities {
+        crate::capabilities(&self.options)
+    }
+
+    async fn send(&self, record: Record) -> Result<Delivery> {
+        let topic = record.topic.clone();
+        let f = self.enqueue(record).await?;
+        self.complete(&topic, f).await
+    }
+
+    /// Hands every record to its partition's producer first (so the crate batches them), then
+    /// waits for the receipts.
+    async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        let mut queued = Vec::with_capacity(records.len());
+        for r in records {
+            let topic = r.topic.clone();
+            queued.push((topic, self.enqueue(r).await));
+        }
+        futures::future::join_all(queued.into_iter().map(|(topic, q)| async move {
+            match q {
+                Ok(f) => self.complete(&topic, f).await,
+                Err(e) => Err(e),
+            }
+        }))
+        .await
+    }
+
+    async fn flush(&self, timeout: Duration) -> Result<()> {
+        if !self.options.batching() {
+            return Ok(());
+        }
+        let topics: Vec<Arc<TopicProducers>> = self.topics.lock().await.values().cloned().collect();
+        let work = async {
+            for t in topics {
+                for p in &t.parts {
+                    p.lock()
+                        .await
+                        .send_batch()
+                        .await
+                        .map_err(|e| pulsar_err("flushing a batch", e))?;
+                }
+            }
+            Ok::<(), Error>(())
+        };
+        tokio::time::timeout(timeout, work).await.map_err(|_| {
+            Error::new(
+                ErrorKind::Timeout,
+                format!("flush did not finish within {timeout:?}"),
+            )
+        })?
+    }
+
+    async fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let topics: Vec<Arc<TopicProducers>> =
+            self.topics.lock().await.drain().map(|(_, t)| t).collect();
+        for t in topics {
+            for p in &t.parts {
+                let mut p = p.lock().await;
+                if self.options.batching() {
+                    let _ = p.send_batch().await;
+                }
+                if let Err(e) = p.close().await {
+                    tracing::debug!(error = %e, "closing a Pulsar producer");
+                }
+            }
+        }
+        Ok(())
+    }
+}
