@@ -29,8 +29,13 @@
 //! - `memory` (default): the in-process `memory://` backend, with full semantics, for tests and
 //!   the demo.
 //!
-//! Platform adapters (`kafka`, `jetstream`, `pulsar`, `kinesis`) and the shared dedup stores
-//! (`redis`, `postgres`) are added as features of this crate as they land.
+//! - `redis` (default): the Redis dedup store, `redis://` URLs in [`dedup_store`]; the crate is
+//!   re-exported as `onceflow::redis`.
+//! - `postgres` (default): the PostgreSQL dedup store, `postgres://` URLs in [`dedup_store`],
+//!   and the transactional inbox; the crate is re-exported as `onceflow::postgres`.
+//!
+//! Platform adapters (`kafka`, `jetstream`, `pulsar`, `kinesis`) are added as features of this
+//! crate as they land.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +44,10 @@ pub use onceflow_core::*;
 
 #[cfg(feature = "memory")]
 pub use onceflow_memory as memory;
+#[cfg(feature = "postgres")]
+pub use onceflow_postgres as postgres;
+#[cfg(feature = "redis")]
+pub use onceflow_redis as redis;
 
 /// Every platform scheme onceflow knows, compiled in or not.
 const KNOWN_SCHEMES: [&str; 5] = ["memory", "kafka", "nats", "pulsar", "kinesis"];
@@ -92,11 +101,37 @@ pub async fn connect(url: &str) -> Result<Client> {
 }
 
 /// Opens a dedup store by URL: `memory://` (bounded, in-process), `embedded:///path/to/file.db`
-/// or a plain file path (on disk, survives restarts). Completed keys are remembered for
-/// `window`.
+/// or a plain file path (on disk, survives restarts), `redis://…` (feature `redis`, see
+/// `onceflow_redis::RedisStore`) or `postgres://…` / `postgresql://…` (feature `postgres`, see
+/// `onceflow_postgres::PostgresStore`), shared by every consumer that opens the same URL.
+/// Completed keys are remembered for `window`.
 ///
-/// Errors: [`ErrorKind::Config`] for an unknown scheme, [`ErrorKind::DedupStore`] for a path
-/// that cannot be opened (naming it).
+/// Errors: [`ErrorKind::Config`] for an unknown scheme or a zero window,
+/// [`ErrorKind::Unsupported`] for `redis://` / `postgres://` in a build without that feature,
+/// [`ErrorKind::DedupStore`] for a path or server that cannot be used (naming it, without its
+/// password).
 pub async fn dedup_store(url: &str, window: Duration) -> Result<Arc<dyn DedupStore>> {
+    let scheme = url
+        .trim()
+        .split_once("://")
+        .map(|(s, _)| s.to_ascii_lowercase())
+        .unwrap_or_default();
+    if !window.is_zero() {
+        match scheme.as_str() {
+            #[cfg(feature = "redis")]
+            "redis" | "rediss" => {
+                return Ok(Arc::new(
+                    onceflow_redis::RedisStore::open(url.trim(), window).await?,
+                ))
+            }
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                return Ok(Arc::new(
+                    onceflow_postgres::PostgresStore::open(url.trim(), window).await?,
+                ))
+            }
+            _ => {}
+        }
+    }
     onceflow_core::dedup::open(url, window).await
 }

@@ -3,6 +3,7 @@
 # database onceflow, user onceflow, password onceflow (scram-sha-256 over TCP,
 # so wrong credentials fail). Runs as the postgres system user when we are root.
 # fsync stays on: the store-restart tests rely on durability.
+# ONCEFLOW_KEEP_DATA=1 keeps the data of the last run (restart.sh uses it).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
@@ -43,7 +44,13 @@ if [[ $EUID -eq 0 ]]; then
     as_pg=(setpriv --reuid=postgres --regid=postgres --init-groups --reset-env)
 fi
 
-data=$(fresh_data_dir postgres)
+keep=
+if [[ ${ONCEFLOW_KEEP_DATA:-} == 1 && -s $RUN_DIR/postgres-data/PG_VERSION ]]; then
+    data=$RUN_DIR/postgres-data
+    keep=1
+else
+    data=$(fresh_data_dir postgres)
+fi
 rm -rf "$SOCK_DIR"
 mkdir -p "$SOCK_DIR"
 pwfile=$(mktemp "$RUN_DIR/postgres-pw.XXXXXX")
@@ -56,11 +63,13 @@ if [[ $EUID -eq 0 ]]; then
 fi
 chmod 700 "$data"
 
-log "initdb ($("$BIN/postgres" --version)) in $data"
-"${as_pg[@]}" "$BIN/initdb" -D "$data" -U "$USER_NAME" --pwfile="$pwfile" \
-    --auth-local=trust --auth-host=scram-sha-256 --encoding=UTF8 --no-locale \
-    >"$RUN_DIR/postgres-initdb.log" 2>&1 ||
-    { cat "$RUN_DIR/postgres-initdb.log" >&2; die "initdb failed"; }
+if [[ -z $keep ]]; then
+    log "initdb ($("$BIN/postgres" --version)) in $data"
+    "${as_pg[@]}" "$BIN/initdb" -D "$data" -U "$USER_NAME" --pwfile="$pwfile" \
+        --auth-local=trust --auth-host=scram-sha-256 --encoding=UTF8 --no-locale \
+        >"$RUN_DIR/postgres-initdb.log" 2>&1 ||
+        { cat "$RUN_DIR/postgres-initdb.log" >&2; die "initdb failed"; }
+fi
 rm -f "$pwfile"
 
 log "starting postgres on 127.0.0.1:$PORT"
@@ -72,7 +81,9 @@ start_bg postgres "${as_pg[@]}" "$BIN/postgres" -D "$data" \
     -c logging_collector=off -c log_destination=stderr
 wait_until 60 "$BIN/pg_isready" -q -t 3 -h 127.0.0.1 -p "$PORT" ||
     die "postgres not ready on port $PORT"
-"$BIN/psql" -h "$SOCK_DIR" -p "$PORT" -U "$USER_NAME" -d postgres -XAtq \
-    -c "create database $DB" >&2 || die "create database $DB failed"
+if [[ -z $keep ]]; then
+    "$BIN/psql" -h "$SOCK_DIR" -p "$PORT" -U "$USER_NAME" -d postgres -XAtq \
+        -c "create database $DB" >&2 || die "create database $DB failed"
+fi
 probe || die "cannot connect with $URL"
 emit_env postgres "ONCEFLOW_POSTGRES_URL=$URL"

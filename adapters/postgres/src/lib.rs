@@ -1,0 +1,959 @@
+//! # onceflow-postgres
+//!
+//! A [`DedupStore`] on PostgreSQL shared by a fleet of consumers ([`PostgresStore`]), and a
+//! transactional [`Inbox`]: the idempotency key, the consumer's position and the handler's own
+//! rows committed in one database transaction.
+//!
+//! ## The dedup store
+//! - **Atomic on the server**: a claim locks the keys' rows (`INSERT … ON CONFLICT DO NOTHING`
+//!   then `SELECT … ORDER BY key FOR UPDATE`) and decides every key under that lock; renew,
+//!   complete and release are single `UPDATE`s conditioned on the fencing token. Leases and
+//!   expiry use the server's clock (`clock_timestamp()`), never the caller's.
+//! - **Batched**: one statement handles a whole batch (`unnest` of arrays); a claim is two
+//!   round trips, the other operations one.
+//! - **Fencing tokens** increase by one per claim of a key; a released key keeps its row (state
+//!   0) until its window ends, so the next claim's token is higher.
+//! - **Expiry**: rows are deleted once their window has passed, in chunks, by a purge that runs
+//!   at most every `window / 2` (between 1 s and 5 min).
+//! - **Durability** is PostgreSQL's: a completed key is committed before `complete` returns.
+//!
+//! ## Schema and migrations
+//! Everything lives in one PostgreSQL schema (default `onceflow`, URL option `schema=`), created
+//! on first use. The table `onceflow_schema_version(component, version)` records the version
+//! (this build: [`SCHEMA_VERSION`]); opening takes a transaction-scoped advisory lock, applies
+//! the missing migrations in order and records the new version, so concurrent first opens are
+//! safe. A schema written by a newer onceflow is refused with an [`ErrorKind::DedupStore`]
+//! error. Migration 1 creates:
+//!
+//! ```sql
+//! CREATE TABLE dedup (
+//!     key         text PRIMARY KEY,
+//!     token       bigint NOT NULL,    -- fencing token of the last claim
+//!     state       smallint NOT NULL,  -- 0 released, 1 in progress, 2 completed
+//!     owner       text,               -- holder, while in progress
+//!     lease_until bigint,             -- ms since the epoch (server clock), while in progress
+//!     expires_at  bigint NOT NULL,    -- ms since the epoch: the row is forgotten after this
+//!     fingerprint bytea,              -- 16 bytes, big-endian XXH3-128 of the payload
+//!     result      bytea);
+//! CREATE INDEX dedup_expires_at ON dedup (expires_at);
+//! CREATE TABLE inbox_position (
+//!     consumer_group text, topic text, partition integer,
+//!     position text NOT NULL,         -- onceflow Position, as displayed (Position::from_str)
+//!     updated_at timestamptz NOT NULL DEFAULT now(),
+//!     PRIMARY KEY (consumer_group, topic, partition));
+//! ```
+//!
+//! ## URLs
+//! `postgres://user:password@host:port/database[?schema=S&pool_size=N]` (also `postgresql://`);
+//! other query options are passed to the PostgreSQL client (`connect_timeout`,
+//! `application_name`, …). No TLS: use it on a trusted network. Errors name the URL with its
+//! password replaced by `***`.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use onceflow_core::dedup::{
+    ClaimOutcome, ClaimRequest, Completion, DedupStore, FencingToken, Fingerprint, KeyState,
+};
+#[cfg(any(doc, test))]
+use onceflow_core::ErrorKind;
+use onceflow_core::{Error, Result};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::NoTls;
+
+mod inbox;
+
+pub use inbox::{Inbox, InboxConfig, InboxHandler, InboxSummary};
+/// The PostgreSQL client, re-exported for inbox handlers (their transaction is a
+/// `tokio_postgres::Transaction`).
+pub use tokio_postgres;
+
+/// Schema version this build writes and reads.
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// Default PostgreSQL schema of the store's tables.
+pub const DEFAULT_SCHEMA: &str = "onceflow";
+
+/// Default number of pooled connections.
+pub const DEFAULT_POOL_SIZE: usize = 8;
+
+/// Most expired rows one purge statement deletes.
+const PURGE_CHUNK: i64 = 5_000;
+
+/// Attempts of a statement that lost a deadlock or serialization race.
+const MAX_TRIES: usize = 10;
+
+/// The URL with its password replaced by `***` (or the input unchanged when it has none):
+/// what onceflow's errors and logs show.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(_) => url.to_string(),
+        Err(_) => match (url.find("://"), url.rfind('@')) {
+            (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
+            _ => url.to_string(),
+        },
+    }
+}
+
+/// Options of a [`PostgresStore`].
+#[derive(Debug, Clone)]
+pub struct PostgresOptions {
+    /// How long a completed key is remembered (must be > 0).
+    pub window: Duration,
+    /// PostgreSQL schema of the tables (default [`DEFAULT_SCHEMA`]; URL option `schema=`).
+    /// Letters, digits and `_`, starting with a letter or `_`, at most 63 characters.
+    pub schema: String,
+    /// Pooled connections (default [`DEFAULT_POOL_SIZE`]; URL option `pool_size=`).
+    pub pool_size: usize,
+    /// Longest wait for a connection (default 5 s).
+    pub connect_timeout: Duration,
+}
+
+impl PostgresOptions {
+    /// Options with the given window and the defaults otherwise.
+    pub fn new(window: Duration) -> Self {
+        PostgresOptions {
+            window,
+            schema: DEFAULT_SCHEMA.to_string(),
+            pool_size: DEFAULT_POOL_SIZE,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A pool of connections to one database, with the URL errors show.
+#[derive(Clone)]
+pub(crate) struct Db {
+    pub(crate) pool: Pool,
+    pub(crate) shown: Arc<str>,
+    /// Quoted schema name, for SQL.
+    pub(crate) schema: Arc<str>,
+}
+
+impl Db {
+    pub(crate) fn error(&self, what: &str, e: tokio_postgres::Error) -> Error {
+        pg_error(&self.shown, what, e)
+    }
+
+    pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
+        self.pool
+            .get()
+            .await
+            .map_err(|e| pool_error(&self.shown, e))
+    }
+
+    /// `schema.table`.
+    pub(crate) fn t(&self, table: &str) -> String {
+        format!("{}.{table}", self.schema)
+    }
+}
+
+/// Maps a PostgreSQL error, naming the (redacted) URL.
+pub(crate) fn pg_error(shown: &str, what: &str, e: tokio_postgres::Error) -> Error {
+    let detail = match e.as_db_error() {
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => e.to_string(),
+    };
+    let msg = format!("PostgreSQL store '{shown}': {what}: {detail}");
+    let code = e.code().cloned();
+    let retriable = e.is_closed()
+        || e.as_db_error().is_none()
+        || matches!(
+            code,
+            Some(
+                SqlState::T_R_DEADLOCK_DETECTED
+                    | SqlState::T_R_SERIALIZATION_FAILURE
+                    | SqlState::ADMIN_SHUTDOWN
+                    | SqlState::CRASH_SHUTDOWN
+                    | SqlState::CANNOT_CONNECT_NOW
+            )
+        );
+    let auth = matches!(
+        code,
+        Some(SqlState::INVALID_PASSWORD | SqlState::INVALID_AUTHORIZATION_SPECIFICATION)
+    );
+    Error::dedup_store(msg)
+        .retriable(retriable && !auth)
+        .with_source(e)
+}
+
+fn pool_error(shown: &str, e: deadpool_postgres::PoolError) -> Error {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => pg_error(shown, "cannot connect", e),
+        other => Error::dedup_store(format!(
+            "PostgreSQL store '{shown}': cannot get a connection: {other}"
+        ))
+        .retriable(true),
+    }
+}
+
+fn is_race(e: &tokio_postgres::Error) -> bool {
+    matches!(
+        e.code(),
+        Some(&SqlState::T_R_DEADLOCK_DETECTED | &SqlState::T_R_SERIALIZATION_FAILURE)
+    )
+}
+
+/// Parses the URL, takes out onceflow's options, builds the pool, creates or checks the schema.
+pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> {
+    let shown = redact_url(url.trim());
+    let mut parsed = url::Url::parse(url.trim()).map_err(|e| {
+        Error::config(format!(
+            "PostgreSQL store URL '{shown}' is not a URL ({e}): expected \
+             postgres://user:password@host:port/database[?schema=S&pool_size=N]"
+        ))
+    })?;
+    if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+        return Err(Error::config(format!(
+            "PostgreSQL store URL '{shown}' has scheme '{}': expected postgres:// or postgresql://",
+            parsed.scheme()
+        )));
+    }
+    let mut schema = options.schema.clone();
+    let mut pool_size = options.pool_size;
+    let mut rest = Vec::new();
+    for (k, v) in parsed.query_pairs() {
+        match &*k {
+            "schema" => schema = v.into_owned(),
+            "pool_size" => {
+                pool_size = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    Error::config(format!(
+                        "pool_size '{v}' in '{shown}' is not a positive whole number"
+                    ))
+                })?
+            }
+            _ => rest.push((k.into_owned(), v.into_owned())),
+        }
+    }
+    let valid = !schema.is_empty()
+        && schema.len() <= 63
+        && schema
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !schema.starts_with(|c: char| c.is_ascii_digit());
+    if !valid {
+        return Err(Error::config(format!(
+            "schema '{schema}' for '{shown}' is not a plain identifier: expected letters, \
+             digits and '_', starting with a letter or '_', at most 63 characters"
+        )));
+    }
+    if rest.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed.query_pairs_mut().clear().extend_pairs(rest);
+    }
+    let mut config: tokio_postgres::Config = parsed.as_str().parse().map_err(|e| {
+        Error::config(format!(
+            "PostgreSQL store URL '{shown}' is not valid for the PostgreSQL client: {e}"
+        ))
+    })?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(options.connect_timeout);
+    }
+    if config.get_application_name().is_none() {
+        config.application_name("onceflow");
+    }
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    let pool = Pool::builder(manager)
+        .max_size(pool_size)
+        .runtime(Runtime::Tokio1)
+        .create_timeout(Some(options.connect_timeout + Duration::from_secs(1)))
+        .wait_timeout(Some(Duration::from_secs(60)))
+        .build()
+        .map_err(|e| {
+            Error::config(format!(
+                "PostgreSQL store '{shown}': cannot build the pool: {e}"
+            ))
+        })?;
+    let db = Db {
+        pool,
+        shown: shown.into(),
+        schema: format!("\"{schema}\"").into(),
+    };
+    migrate(&db).await?;
+    Ok(db)
+}
+
+/// Migrations, in order; migration `i` brings the schema to version `i + 1`.
+fn migrations(s: &str) -> Vec<String> {
+    vec![format!(
+        "CREATE TABLE {s}.dedup (
+            key         text PRIMARY KEY,
+            token       bigint NOT NULL,
+            state       smallint NOT NULL,
+            owner       text,
+            lease_until bigint,
+            expires_at  bigint NOT NULL,
+            fingerprint bytea,
+            result      bytea);
+         CREATE INDEX dedup_expires_at ON {s}.dedup (expires_at);
+         CREATE TABLE {s}.inbox_position (
+            consumer_group text NOT NULL,
+            topic          text NOT NULL,
+            partition      integer NOT NULL,
+            position       text NOT NULL,
+            updated_at     timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (consumer_group, topic, partition));"
+    )]
+}
+
+async fn migrate(db: &Db) -> Result<()> {
+    let mut client = db.client().await?;
+    let s = &db.schema;
+    let tx = client
+        .transaction()
+        .await
+        .map_err(|e| db.error("cannot begin", e))?;
+    // One migrating session at a time, across processes (key: "onceflow" in ASCII).
+    tx.batch_execute(&format!(
+        "SELECT pg_advisory_xact_lock(7957695013313466999);
+         CREATE SCHEMA IF NOT EXISTS {s};
+         CREATE TABLE IF NOT EXISTS {s}.onceflow_schema_version (
+             component text PRIMARY KEY,
+             version   integer NOT NULL);"
+    ))
+    .await
+    .map_err(|e| db.error("cannot create the schema", e))?;
+    let found: Option<i32> = tx
+        .query_opt(
+            &format!(
+                "SELECT version FROM {s}.onceflow_schema_version WHERE component = 'onceflow'"
+            ),
+            &[],
+        )
+        .await
+        .map_err(|e| db.error("cannot read the schema version", e))?
+        .map(|r| r.get(0));
+    let current = found.unwrap_or(0);
+    if current > SCHEMA_VERSION {
+        return Err(Error::dedup_store(format!(
+            "PostgreSQL store '{}': schema {s} has version {current}, written by a newer \
+             onceflow; this build reads schema version {SCHEMA_VERSION} at most (upgrade \
+             onceflow or use another schema with ?schema=NAME)",
+            db.shown
+        )));
+    }
+    for (i, sql) in migrations(s).iter().enumerate() {
+        let version = i as i32 + 1;
+        if version > current {
+            tx.batch_execute(sql)
+                .await
+                .map_err(|e| db.error(&format!("migration to version {version} failed"), e))?;
+        }
+    }
+    if current < SCHEMA_VERSION {
+        tx.execute(
+            &format!(
+                "INSERT INTO {s}.onceflow_schema_version (component, version) VALUES ('onceflow', $1)
+                 ON CONFLICT (component) DO UPDATE SET version = excluded.version"
+            ),
+            &[&SCHEMA_VERSION],
+        )
+        .await
+        .map_err(|e| db.error("cannot record the schema version", e))?;
+    }
+    tx.commit()
+        .await
+        .map_err(|e| db.error("cannot commit the schema", e))
+}
+
+/// A dedup store on PostgreSQL. Cheap to clone (clones share the pool).
+#[derive(Clone)]
+pub struct PostgresStore {
+    db: Db,
+    window: Duration,
+    sql: Arc<Sql>,
+    _purger: Arc<PurgeGuard>,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("url", &self.db.shown)
+            .field("schema", &self.db.schema)
+            .field("window", &self.window)
+            .finish()
+    }
+}
+
+/// Stops the purge task when the last clone of the store is dropped.
+struct PurgeGuard(tokio::task::JoinHandle<()>);
+
+impl Drop for PurgeGuard {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The store's statements, for its schema.
+struct Sql {
+    placeholders: String,
+    lock: String,
+    claim: String,
+    renew: String,
+    complete: String,
+    release: String,
+    get: String,
+    purge: String,
+}
+
+const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+
+impl Sql {
+    fn new(s: &str) -> Sql {
+        let d = format!("{s}.dedup");
+        Sql {
+            placeholders: format!(
+                "INSERT INTO {d} (key, token, state, expires_at) \
+                 SELECT k, 0, 0, 0 FROM unnest($1::text[]) AS k ORDER BY k \
+                 ON CONFLICT (key) DO NOTHING"
+            ),
+            lock: format!(
+                "SELECT key, token, state, owner, lease_until, expires_at, fingerprint, result, \
+                 {NOW_MS} FROM {d} WHERE key = ANY($1::text[]) ORDER BY key FOR UPDATE"
+            ),
+            claim: format!(
+                "UPDATE {d} AS d SET token = u.token, state = 1, owner = u.owner, \
+                 lease_until = u.lu, expires_at = u.exp, fingerprint = u.fp, result = NULL \
+                 FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[], \
+                 $6::bytea[]) AS u(key, token, owner, lu, exp, fp) WHERE d.key = u.key"
+            ),
+            renew: format!(
+                "WITH u AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS u(key, token)), \
+                 n AS (SELECT {NOW_MS} AS ms) \
+                 UPDATE {d} AS d SET lease_until = n.ms + $3, expires_at = n.ms + $3 + $4 \
+                 FROM u, n WHERE d.key = u.key AND d.token = u.token AND d.state = 1 \
+                 RETURNING d.key, d.token"
+            ),
+            complete: format!(
+                "WITH u AS (SELECT * FROM unnest($1::text[], $2::bigint[], $3::bytea[]) \
+                 AS u(key, token, result)), n AS (SELECT {NOW_MS} AS ms), \
+                 upd AS (UPDATE {d} AS d SET state = 2, owner = NULL, lease_until = NULL, \
+                 expires_at = n.ms + $4, result = u.result FROM u, n \
+                 WHERE d.key = u.key AND d.token = u.token AND d.state = 1 \
+                 RETURNING d.key, d.token), \
+                 prev AS (SELECT d.key, d.token FROM {d} AS d JOIN u \
+                 ON d.key = u.key AND d.token = u.token, n \
+                 WHERE d.state = 2 AND d.expires_at > n.ms) \
+                 SELECT key, token FROM upd UNION ALL SELECT key, token FROM prev"
+            ),
+            release: format!(
+                "WITH u AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS u(key, token)) \
+                 UPDATE {d} AS d SET state = 0, owner = NULL, lease_until = NULL, \
+                 fingerprint = NULL, result = NULL \
+                 FROM u WHERE d.key = u.key AND d.token = u.token AND d.state = 1 \
+                 RETURNING d.key, d.token"
+            ),
+            get: format!(
+                "SELECT key, token, state, owner, lease_until, expires_at, fingerprint, result, \
+                 {NOW_MS} FROM {d} WHERE key = ANY($1::text[])"
+            ),
+            purge: format!(
+                "DELETE FROM {d} WHERE key IN (SELECT key FROM {d} \
+                 WHERE expires_at <= {NOW_MS} LIMIT {PURGE_CHUNK})"
+            ),
+        }
+    }
+}
+
+/// A row of the dedup table.
+#[derive(Debug, Clone)]
+struct Row {
+    token: i64,
+    state: i16,
+    owner: Option<String>,
+    lease_until: Option<i64>,
+    expires_at: i64,
+    fingerprint: Option<Vec<u8>>,
+    result: Option<Vec<u8>>,
+}
+
+impl Row {
+    fn from_pg(r: &tokio_postgres::Row) -> (String, Row, i64) {
+        (
+            r.get(0),
+            Row {
+                token: r.get(1),
+                state: r.get(2),
+                owner: r.get(3),
+                lease_until: r.get(4),
+                expires_at: r.get(5),
+                fingerprint: r.get(6),
+                result: r.get(7),
+            },
+            r.get(8),
+        )
+    }
+
+    fn is_live(&self, now: i64) -> bool {
+        match self.state {
+            2 => self.expires_at > now,
+            1 => self.lease_until.unwrap_or(0) > now,
+            _ => false,
+        }
+    }
+}
+
+fn fp_of(b: &Option<Vec<u8>>) -> Option<Fingerprint> {
+    b.as_deref()
+        .and_then(|b| Some(Fingerprint::from_be_bytes(b.try_into().ok()?)))
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+fn sql_token(t: FencingToken) -> i64 {
+    i64::try_from(t).unwrap_or(i64::MAX)
+}
+
+/// Sorted, deduplicated keys (locks are taken in key order, so batches never deadlock).
+fn sorted_keys<'a>(keys: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut v: Vec<&str> = keys.collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+impl PostgresStore {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/database`,
+    /// optional `?schema=S&pool_size=N`), creating or checking the schema, remembering
+    /// completed keys for `window`.
+    ///
+    /// Errors: [`ErrorKind::Config`] for a malformed URL, a bad option or a zero window;
+    /// [`ErrorKind::DedupStore`] when the database cannot be reached, refuses the credentials
+    /// or holds a schema from a newer onceflow, naming the URL without its password.
+    pub async fn open(url: &str, window: Duration) -> Result<Self> {
+        Self::open_with(url, PostgresOptions::new(window)).await
+    }
+
+    /// Connects with `options`; `schema=` and `pool_size=` in the URL override them.
+    pub async fn open_with(url: &str, options: PostgresOptions) -> Result<Self> {
+        if options.window.is_zero() {
+            return Err(Error::config(format!(
+                "dedup window for '{}' is 0: expected a positive duration",
+                redact_url(url)
+            )));
+        }
+        let db = connect(url, &options).await?;
+        let sql = Arc::new(Sql::new(&db.schema));
+        let interval = (options.window / 2).clamp(Duration::from_secs(1), Duration::from_secs(300));
+        let purger = tokio::spawn(purge_loop(Arc::downgrade(&sql), db.clone(), interval));
+        Ok(PostgresStore {
+            db,
+            window: options.window,
+            sql,
+            _purger: Arc::new(PurgeGuard(purger)),
+        })
+    }
+
+    /// The URL with its password replaced by `***`.
+    pub fn url(&self) -> &str {
+        &self.db.shown
+    }
+
+    /// The connection pool (for queries of the application's own).
+    pub fn pool(&self) -> &Pool {
+        &self.db.pool
+    }
+
+    /// The quoted PostgreSQL schema holding the store's tables.
+    pub fn schema(&self) -> &str {
+        &self.db.schema
+    }
+
+    /// A transactional inbox over `consumer` that keeps its keys and positions in this store's
+    /// database (see [`Inbox`]).
+    pub fn inbox(&self, consumer: onceflow_core::Consumer, config: InboxConfig) -> Inbox {
+        Inbox::new(self.db.clone(), self.window, consumer, config)
+    }
+
+    /// The statements of a claim (placeholders, lock, update) and of a completion, for
+    /// benchmarks that run the same commands through the bare PostgreSQL client.
+    #[doc(hidden)]
+    pub fn bench_statements(&self) -> [&str; 4] {
+        [
+            &self.sql.placeholders,
+            &self.sql.lock,
+            &self.sql.claim,
+            &self.sql.complete,
+        ]
+    }
+
+    /// Deletes every expired row now (the store also does this by itself). Returns the number
+    /// of rows deleted.
+    pub async fn purge_expired(&self) -> Result<u64> {
+        purge_all(&self.db, &self.sql.purge).await
+    }
+
+    /// Runs `f` with a pooled connection, retrying when it loses a deadlock or serialization
+    /// race (never for other errors).
+    async fn with_retry<T, F>(&self, what: &str, f: F) -> Result<T>
+    where
+        F: for<'c> Fn(
+            &'c mut deadpool_postgres::Object,
+        ) -> std::pin::Pin<
+            Box<
+                dyn std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>
+                    + Send
+                    + 'c,
+            >,
+        >,
+    {
+        let mut client = self.db.client().await?;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match f(&mut client).await {
+                Ok(v) => return Ok(v),
+                Err(e) if is_race(&e) && tries < MAX_TRIES => {
+                    tokio::time::sleep(Duration::from_millis(rand::random::<u64>() % 20)).await;
+                }
+                Err(e) => return Err(self.db.error(what, e)),
+            }
+        }
+    }
+}
+
+async fn purge_all(db: &Db, sql: &str) -> Result<u64> {
+    let client = db.client().await?;
+    let mut total = 0;
+    loop {
+        let n = client
+            .execute(sql, &[])
+            .await
+            .map_err(|e| db.error("purge failed", e))?;
+        total += n;
+        if n < PURGE_CHUNK as u64 {
+            return Ok(total);
+        }
+    }
+}
+
+async fn purge_loop(sql: Weak<Sql>, db: Db, interval: Duration) {
+    loop {
+        tokio::time::sleep(interval).await;
+        let Some(sql) = sql.upgrade() else { return };
+        if let Err(e) = purge_all(&db, &sql.purge).await {
+            tracing::warn!(error = %e, "dedup purge");
+        }
+    }
+}
+
+#[async_trait]
+impl DedupStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn window(&self) -> Duration {
+        self.window
+    }
+
+    async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = sorted_keys(requests.iter().map(|r| r.key.as_str()))
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        let window = ms(self.window);
+        let sql = self.sql.clone();
+        let requests = requests.to_vec();
+        self.with_retry("claim failed", move |client| {
+            let (sql, keys, requests) = (sql.clone(), keys.clone(), requests.clone());
+            Box::pin(async move {
+                let tx = client.transaction().await?;
+                let placeholders = tx.prepare_cached(&sql.placeholders).await?;
+                let lock = tx.prepare_cached(&sql.lock).await?;
+                let claim = tx.prepare_cached(&sql.claim).await?;
+                tx.execute(&placeholders, &[&keys]).await?;
+                let rows = tx.query(&lock, &[&keys]).await?;
+                let mut now = 0;
+                let mut state: std::collections::HashMap<String, Row> = rows
+                    .iter()
+                    .map(|r| {
+                        let (k, row, n) = Row::from_pg(r);
+                        now = now.max(n);
+                        (k, row)
+                    })
+                    .collect();
+                let mut changed: std::collections::BTreeMap<String, ()> = Default::default();
+                let mut out = Vec::with_capacity(requests.len());
+                for req in &requests {
+                    let lease_until = now.saturating_add(ms(req.lease));
+                    let expires = lease_until.saturating_add(window);
+                    let given = req.fingerprint.map(|f| f.to_be_bytes().to_vec());
+                    let row = state.entry(req.key.clone()).or_insert(Row {
+                        token: 0,
+                        state: 0,
+                        owner: None,
+                        lease_until: None,
+                        expires_at: 0,
+                        fingerprint: None,
+                        result: None,
+                    });
+                    if row.is_live(now) {
+                        let stored = fp_of(&row.fingerprint);
+                        if let (Some(stored), Some(given)) = (stored, req.fingerprint) {
+                            if stored != given {
+                                out.push(ClaimOutcome::Mismatch { stored, given });
+                                continue;
+                            }
+                        }
+                        if row.state == 2 {
+                            out.push(ClaimOutcome::Duplicate {
+                                result: row.result.clone().map(Bytes::from),
+                            });
+                            continue;
+                        }
+                        let holder = row.owner.clone().unwrap_or_default();
+                        if holder != req.owner {
+                            out.push(ClaimOutcome::InProgress {
+                                owner: holder,
+                                expires_in: Duration::from_millis(
+                                    u64::try_from(row.lease_until.unwrap_or(now) - now)
+                                        .unwrap_or(0),
+                                ),
+                            });
+                            continue;
+                        }
+                        // The holder claims again: new token, fresh lease.
+                        row.token += 1;
+                        row.lease_until = Some(lease_until);
+                        row.expires_at = expires;
+                        if row.fingerprint.is_none() {
+                            row.fingerprint = given;
+                        }
+                    } else {
+                        *row = Row {
+                            token: row.token + 1,
+                            state: 1,
+                            owner: Some(req.owner.clone()),
+                            lease_until: Some(lease_until),
+                            expires_at: expires,
+                            fingerprint: given,
+                            result: None,
+                        };
+                    }
+                    out.push(ClaimOutcome::Claimed {
+                        token: u64::try_from(row.token).unwrap_or(0),
+                    });
+                    changed.insert(req.key.clone(), ());
+                }
+                if !changed.is_empty() {
+                    let n = changed.len();
+                    let (mut k, mut t, mut o, mut l, mut e, mut f) = (
+                        Vec::with_capacity(n),
+                        Vec::with_capacity(n),
+                        Vec::with_capacity(n),
+                        Vec::with_capacity(n),
+                        Vec::with_capacity(n),
+                        Vec::with_capacity(n),
+                    );
+                    for key in changed.keys() {
+                        let row = &state[key];
+                        k.push(key.as_str());
+                        t.push(row.token);
+                        o.push(row.owner.as_deref());
+                        l.push(row.lease_until);
+                        e.push(row.expires_at);
+                        f.push(row.fingerprint.as_deref());
+                    }
+                    tx.execute(&claim, &[&k, &t, &o, &l, &e, &f]).await?;
+                }
+                tx.commit().await?;
+                Ok(out)
+            })
+        })
+        .await
+    }
+
+    async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>> {
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (keys, tokens) = split_claims(claims);
+        let (lease, window) = (ms(lease), ms(self.window));
+        let sql = self.sql.clone();
+        let done = self
+            .with_retry("renew failed", move |client| {
+                let (sql, keys, tokens) = (sql.clone(), keys.clone(), tokens.clone());
+                Box::pin(async move {
+                    let st = client.prepare_cached(&sql.renew).await?;
+                    client.query(&st, &[&keys, &tokens, &lease, &window]).await
+                })
+            })
+            .await?;
+        Ok(flags(claims.iter().map(|(k, t)| (k.as_str(), *t)), &done))
+    }
+
+    async fn complete(&self, completions: &[Completion]) -> Result<Vec<bool>> {
+        if completions.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut sorted: Vec<&Completion> = completions.iter().collect();
+        sorted.sort_by(|a, b| a.key.cmp(&b.key));
+        let keys: Vec<String> = sorted.iter().map(|c| c.key.clone()).collect();
+        let tokens: Vec<i64> = sorted.iter().map(|c| sql_token(c.token)).collect();
+        let results: Vec<Option<Vec<u8>>> = sorted
+            .iter()
+            .map(|c| c.result.as_ref().map(|r| r.to_vec()))
+            .collect();
+        let window = ms(self.window);
+        let sql = self.sql.clone();
+        let done = self
+            .with_retry("complete failed", move |client| {
+                let (sql, keys, tokens, results) =
+                    (sql.clone(), keys.clone(), tokens.clone(), results.clone());
+                Box::pin(async move {
+                    let st = client.prepare_cached(&sql.complete).await?;
+                    client
+                        .query(&st, &[&keys, &tokens, &results, &window])
+                        .await
+                })
+            })
+            .await?;
+        Ok(flags(
+            completions.iter().map(|c| (c.key.as_str(), c.token)),
+            &done,
+        ))
+    }
+
+    async fn release(&self, claims: &[(String, FencingToken)]) -> Result<Vec<bool>> {
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (keys, tokens) = split_claims(claims);
+        let sql = self.sql.clone();
+        let done = self
+            .with_retry("release failed", move |client| {
+                let (sql, keys, tokens) = (sql.clone(), keys.clone(), tokens.clone());
+                Box::pin(async move {
+                    let st = client.prepare_cached(&sql.release).await?;
+                    client.query(&st, &[&keys, &tokens]).await
+                })
+            })
+            .await?;
+        // A batch releasing one key twice with its token releases it once.
+        let mut seen = std::collections::HashSet::new();
+        Ok(flags(claims.iter().map(|(k, t)| (k.as_str(), *t)), &done)
+            .into_iter()
+            .zip(claims)
+            .map(|(ok, c)| ok && seen.insert(c.clone()))
+            .collect())
+    }
+
+    async fn get(&self, keys: &[String]) -> Result<Vec<Option<KeyState>>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let client = self.db.client().await?;
+        let st = client
+            .prepare_cached(&self.sql.get)
+            .await
+            .map_err(|e| self.db.error("get failed", e))?;
+        let rows = client
+            .query(&st, &[&keys])
+            .await
+            .map_err(|e| self.db.error("get failed", e))?;
+        let found: std::collections::HashMap<String, (Row, i64)> = rows
+            .iter()
+            .map(|r| {
+                let (k, row, now) = Row::from_pg(r);
+                (k, (row, now))
+            })
+            .collect();
+        Ok(keys
+            .iter()
+            .map(|k| {
+                let (row, now) = found.get(k)?;
+                if row.expires_at <= *now {
+                    return None;
+                }
+                let fingerprint = fp_of(&row.fingerprint);
+                let token = u64::try_from(row.token).unwrap_or(0);
+                match row.state {
+                    2 => Some(KeyState::Completed {
+                        token,
+                        result: row.result.clone().map(Bytes::from),
+                        fingerprint,
+                    }),
+                    1 => Some(KeyState::InProgress {
+                        owner: row.owner.clone().unwrap_or_default(),
+                        token,
+                        expires_in: Duration::from_millis(
+                            u64::try_from(row.lease_until.unwrap_or(*now) - now).unwrap_or(0),
+                        ),
+                        fingerprint,
+                    }),
+                    _ => None,
+                }
+            })
+            .collect())
+    }
+}
+
+fn split_claims(claims: &[(String, FencingToken)]) -> (Vec<String>, Vec<i64>) {
+    let mut sorted: Vec<&(String, FencingToken)> = claims.iter().collect();
+    sorted.sort();
+    (
+        sorted.iter().map(|c| c.0.clone()).collect(),
+        sorted.iter().map(|c| sql_token(c.1)).collect(),
+    )
+}
+
+/// `true` for each (key, token) the statement returned.
+fn flags<'a>(
+    items: impl Iterator<Item = (&'a str, FencingToken)>,
+    done: &[tokio_postgres::Row],
+) -> Vec<bool> {
+    let set: std::collections::HashSet<(String, i64)> =
+        done.iter().map(|r| (r.get(0), r.get(1))).collect();
+    items
+        .map(|(k, t)| set.contains(&(k.to_string(), sql_token(t))))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_hides_the_password_only() {
+        assert_eq!(
+            redact_url("postgres://onceflow:s3cret@127.0.0.1:15432/onceflow"),
+            "postgres://onceflow:***@127.0.0.1:15432/onceflow"
+        );
+        assert_eq!(redact_url("postgres://u@h:1/db"), "postgres://u@h:1/db");
+    }
+
+    #[tokio::test]
+    async fn bad_urls_and_options_are_config_errors() {
+        for url in [
+            "mysql://u@127.0.0.1:1/db",
+            "postgres://u:pw@127.0.0.1:1/db?schema=bad-name",
+            "postgres://u:pw@127.0.0.1:1/db?pool_size=0",
+        ] {
+            let e = PostgresStore::open(url, Duration::from_secs(1))
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Config, "{url}: {e}");
+            assert!(!e.message().contains("pw@"), "{url}: {e}");
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! The dedup-store conformance suite on PostgreSQL (`ONCEFLOW_POSTGRES_URL`, started by
+//! `tests/brokers/up.sh postgres`), each case in its own PostgreSQL schema; plus two processes
+//! racing over one store and clear errors for unusable URLs and newer schemas.
+
+mod redis_postgres;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use onceflow_core::ErrorKind;
+use redis_postgres::{rand_hex, service_url, Opener, UrlHarness};
+
+const VAR: &str = "ONCEFLOW_POSTGRES_URL";
+
+fn opener() -> Opener {
+    |url, window| {
+        Box::pin(async move {
+            let store = onceflow_postgres::PostgresStore::open(&url, window).await?;
+            Ok(Arc::new(store) as onceflow_core::dedup::SharedDedupStore)
+        })
+    }
+}
+
+fn fresh(base: &str) -> String {
+    format!("{base}?schema=suite_{}&pool_size=4", rand_hex())
+}
+
+fn without_password(base: &str) -> url::Url {
+    let mut u = url::Url::parse(base).unwrap();
+    u.set_password(None).unwrap();
+    u
+}
+
+/// The harness, or `None` (test skipped) without a PostgreSQL URL.
+fn harness() -> Option<UrlHarness> {
+    let base = service_url(VAR, "postgres")?;
+    let mut no_db = without_password(&base);
+    no_db.set_path("/no_such_database");
+    Some(UrlHarness {
+        unusable: vec![
+            // Nothing listens there.
+            "postgres://onceflow@127.0.0.1:1/onceflow".to_string(),
+            // No password: the server asks for one.
+            without_password(&base).to_string(),
+            no_db.to_string(),
+        ],
+        base,
+        fresh_location: fresh,
+        opener: opener(),
+        last: Default::default(),
+    })
+}
+
+onceflow_conformance::dedup_suite!(match harness() {
+    Some(h) => h,
+    None => return,
+});
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_processes_race_each_key_exactly_once() {
+    let location = match std::env::var(redis_postgres::RACE_CHILD_ENV) {
+        Ok(l) => l,
+        Err(_) => match service_url(VAR, "postgres") {
+            Some(base) => fresh(&base),
+            None => return,
+        },
+    };
+    redis_postgres::race_two_processes(
+        opener(),
+        location,
+        "two_processes_race_each_key_exactly_once",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn wrong_password_and_unreachable_name_the_url_without_password() {
+    let Some(base) = service_url(VAR, "postgres") else {
+        return;
+    };
+    let mut u = url::Url::parse(&base).unwrap();
+    u.set_password(Some("not-the-password")).unwrap();
+    let wrong = u.to_string();
+    let shown = wrong.replace("not-the-password", "***");
+    let e = onceflow_postgres::PostgresStore::open(&wrong, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::DedupStore, "{e}");
+    assert!(e.message().contains(&shown), "{e}");
+    assert!(
+        e.message().contains("password authentication failed"),
+        "{e}"
+    );
+    assert!(!format!("{e:?}").contains("not-the-password"), "{e:?}");
+    let e = onceflow_postgres::PostgresStore::open(
+        "postgres://user:hunter2@127.0.0.1:1/db",
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::DedupStore, "{e}");
+    assert!(
+        e.message().contains("postgres://user:***@127.0.0.1:1/db"),
+        "{e}"
+    );
+    assert!(!format!("{e:?}").contains("hunter2"), "{e:?}");
+}
+
+#[tokio::test]
+async fn schema_from_a_newer_version_is_refused() {
+    let Some(base) = service_url(VAR, "postgres") else {
+        return;
+    };
+    let location = fresh(&base);
+    let store = onceflow_postgres::PostgresStore::open(&location, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let client = store.pool().get().await.unwrap();
+    client
+        .execute(
+            &format!(
+                "UPDATE {}.onceflow_schema_version SET version = 99",
+                store.schema()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    drop(client);
+    let e = onceflow_postgres::PostgresStore::open(&location, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::DedupStore, "{e}");
+    assert!(e.message().contains("version 99"), "{e}");
+    let shown = onceflow_postgres::redact_url(&location);
+    assert!(e.message().contains(&shown), "{e}");
+    assert!(!e.message().contains(":onceflow@"), "password shown: {e}");
+}
+
+#[tokio::test]
+async fn facade_opens_postgres_urls() {
+    let Some(base) = service_url(VAR, "postgres") else {
+        return;
+    };
+    let store = onceflow::dedup_store(&fresh(&base), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(store.name(), "postgres");
+    let alt = fresh(&base).replacen("postgres://", "postgresql://", 1);
+    let store = onceflow::dedup_store(&alt, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(store.name(), "postgres");
+}
