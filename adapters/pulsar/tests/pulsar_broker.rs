@@ -1,0 +1,376 @@
+//! Pulsar behaviour onceflow relies on, or refuses to rely on, on a real Pulsar standalone
+//! (`tests/brokers/up.sh pulsar`, which prints `ONCEFLOW_PULSAR_URL` and
+//! `ONCEFLOW_PULSAR_ADMIN_URL`). Without the URL every test is skipped with that reason;
+//! `ONCEFLOW_REQUIRE_BROKERS=1` (set by `make test`) makes a missing broker a failure.
+//!
+//! - `pulsar_dedup_drops_a_restarted_named_producer`: broker dedup (PIP-6) with a named
+//!   producer restarted through the pulsar crate: the new producer's sequence ids start at 0
+//!   again, and the broker acknowledges its messages with message id (-1,-1) without storing
+//!   them. onceflow reports those sends as errors, never as deliveries.
+//! - `key_shared_keeps_order_per_key_while_members_join_and_leave`.
+//! - `dead_letter_after_max_redeliveries` (shared subscription).
+//! - `nack_waits_for_the_redelivery_delay` (shared subscription).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use onceflow_core::{
+    Client, Consumer, ConsumerConfig, ErrorKind, ProducerConfig, Record, StartFrom, TopicSpec,
+};
+use pulsar::message::proto::command_subscribe::SubType;
+
+fn url() -> Option<String> {
+    match std::env::var("ONCEFLOW_PULSAR_URL") {
+        Ok(u) if !u.is_empty() => {
+            let sep = if u.contains('?') { '&' } else { '?' };
+            Some(match std::env::var("ONCEFLOW_PULSAR_ADMIN_URL") {
+                Ok(admin) if !u.contains("admin=") => format!("{u}{sep}admin={admin}"),
+                _ => u,
+            })
+        }
+        _ => {
+            assert!(
+                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+                "ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_PULSAR_URL is not set \
+                 (tests/brokers/up.sh pulsar)"
+            );
+            eprintln!(
+                "pulsar_broker: SKIPPED: ONCEFLOW_PULSAR_URL is not set (start a broker with \
+                 tests/brokers/up.sh pulsar)"
+            );
+            None
+        }
+    }
+}
+
+fn name(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+async fn drain(c: &Consumer, n: usize, wait: Duration) -> Vec<onceflow_core::Message> {
+    let deadline = Instant::now() + wait;
+    let mut out = Vec::new();
+    while out.len() < n && Instant::now() < deadline {
+        out.extend(c.poll(100, Duration::from_millis(200)).await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulsar_dedup_drops_a_restarted_named_producer() {
+    let Some(url) = url() else { return };
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let raw = platform.pulsar_client();
+    let topic = name("dedup");
+    let full = platform.options().full_topic(&topic);
+    let producer_name = name("named-producer");
+
+    // First life of the named producer: three messages, stored.
+    let mut first = raw
+        .producer()
+        .with_topic(&full)
+        .with_name(producer_name.clone())
+        .build()
+        .await
+        .unwrap();
+    for v in ["a0", "a1", "a2"] {
+        let r = first
+            .send_non_blocking(v.as_bytes().to_vec())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let id = r.message_id.unwrap();
+        assert_ne!(id.ledger_id, u64::MAX, "first life: {v} stored");
+    }
+    first.close().await.unwrap();
+
+    // Second life, same name: the crate restarts sequence ids at 0, the broker has stored up to
+    // 2, so it acknowledges these with (-1,-1) and drops them.
+    let mut second = raw
+        .producer()
+        .with_topic(&full)
+        .with_name(producer_name.clone())
+        .build()
+        .await
+        .unwrap();
+    for v in ["b0", "b1", "b2"] {
+        let r = second
+            .send_non_blocking(v.as_bytes().to_vec())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let id = r.message_id.unwrap();
+        assert_eq!(
+            (id.ledger_id, id.entry_id),
+            (u64::MAX, u64::MAX),
+            "second life: {v} (sequence id {}) is acknowledged as a duplicate",
+            r.sequence_id
+        );
+    }
+    // The fourth message of the second life has sequence id 3, above what the broker stored.
+    let r = second
+        .send_non_blocking(b"b3".to_vec())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert_ne!(r.message_id.unwrap().ledger_id, u64::MAX, "b3 is stored");
+    second.close().await.unwrap();
+
+    // onceflow with the same name: the dropped sends are errors, not deliveries.
+    let client = Client::new(platform.clone());
+    let named = client
+        .producer(ProducerConfig::new().option("producer_name", producer_name.clone()))
+        .await
+        .unwrap();
+    let e = named
+        .send(Record::new(topic.clone(), "c0"))
+        .await
+        .expect_err("a dropped send is an error");
+    assert_eq!(e.kind(), ErrorKind::Platform, "{e}");
+    assert!(e.message().contains("deduplication"), "{e}");
+    named.close().await.unwrap();
+    // Unnamed (the default): a broker-assigned unique name, nothing is dropped.
+    let unnamed = client.producer(ProducerConfig::new()).await.unwrap();
+    unnamed
+        .send(Record::new(topic.clone(), "d0"))
+        .await
+        .unwrap();
+
+    let c = client
+        .consumer(ConsumerConfig::new(name("g"), [topic.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let got = drain(&c, 6, Duration::from_secs(20)).await;
+    let payloads: Vec<String> = got
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    assert_eq!(
+        payloads,
+        ["a0", "a1", "a2", "b3", "d0"],
+        "what the topic holds"
+    );
+    assert!(drain(&c, 1, Duration::from_secs(2)).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_shared_keeps_order_per_key_while_members_join_and_leave() {
+    let Some(url) = url() else { return };
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let client = Client::new(platform);
+    let topic = name("ks");
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(topic.clone(), 1))
+        .await
+        .unwrap();
+    let group = name("ks-g");
+    const KEYS: usize = 8;
+    const PER_KEY: usize = 150;
+    // (key, seq, member) in processing order, across members.
+    let log: Arc<Mutex<Vec<(usize, usize, String)>>> = Arc::default();
+    let config = |member: &str| {
+        ConsumerConfig::new(group.clone(), [topic.clone()])
+            .start(StartFrom::committed_or_earliest())
+            .client_id(member.to_string())
+            .option("subscription_type", "key_shared")
+    };
+    let run = |c: Consumer, member: &'static str, stop: Arc<AtomicBool>| {
+        let log = log.clone();
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Acquire) {
+                let got = c.poll(50, Duration::from_millis(100)).await.unwrap();
+                for m in &got {
+                    let text = String::from_utf8_lossy(&m.payload).into_owned();
+                    let (k, s) = text.split_once('/').unwrap();
+                    log.lock().unwrap().push((
+                        k.parse().unwrap(),
+                        s.parse().unwrap(),
+                        member.to_string(),
+                    ));
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                // Commit per message id: key_shared delivers out of position order.
+                for m in &got {
+                    c.commit(&[(m.topic_partition(), m.position.clone())])
+                        .await
+                        .unwrap();
+                }
+            }
+            c.close().await.unwrap();
+        })
+    };
+    let stop_a = Arc::new(AtomicBool::new(false));
+    let stop_b = Arc::new(AtomicBool::new(false));
+    let a = client.consumer(config("member-a")).await.unwrap();
+    let task_a = run(a, "member-a", stop_a.clone());
+
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    let mut task_b = None;
+    for s in 0..PER_KEY {
+        let records: Vec<Record> = (0..KEYS)
+            .map(|k| Record::new(topic.clone(), format!("{k}/{s}")).key(format!("key-{k}")))
+            .collect();
+        for r in producer.send_batch(records).await {
+            r.unwrap();
+        }
+        if s == PER_KEY / 3 {
+            // B joins while messages flow.
+            let b = client.consumer(config("member-b")).await.unwrap();
+            task_b = Some(run(b, "member-b", stop_b.clone()));
+        }
+        if s == 2 * PER_KEY / 3 {
+            // A leaves while messages flow; B takes its keys.
+            stop_a.store(true, Ordering::Release);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task_a.await.unwrap();
+    // Wait until every message was processed.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let distinct: std::collections::HashSet<(usize, usize)> = log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, s, _)| (*k, *s))
+            .collect();
+        if distinct.len() == KEYS * PER_KEY {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {} messages processed",
+            distinct.len(),
+            KEYS * PER_KEY
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop_b.store(true, Ordering::Release);
+    task_b.unwrap().await.unwrap();
+
+    let log = log.lock().unwrap().clone();
+    let mut per_key: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    let mut members: HashMap<String, usize> = HashMap::new();
+    for (k, s, m) in &log {
+        per_key.entry(*k).or_default().push(*s);
+        *members.entry(m.clone()).or_default() += 1;
+    }
+    assert!(
+        members.len() == 2 && members.values().all(|n| *n > 0),
+        "both members processed messages: {members:?}"
+    );
+    for (k, seqs) in per_key {
+        // In processing order, a key's messages never go back: a message is processed only
+        // after every earlier message of its key (a repeat would go back).
+        let backwards: Vec<_> = seqs.windows(2).filter(|w| w[1] <= w[0]).collect();
+        assert!(
+            backwards.is_empty(),
+            "key {k} out of order or repeated: {backwards:?}"
+        );
+        assert_eq!(seqs.len(), PER_KEY, "key {k}: every message once");
+    }
+    eprintln!("key_shared: {} messages, per member {members:?}", log.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_after_max_redeliveries() {
+    let Some(url) = url() else { return };
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let client = Client::new(platform.clone());
+    let topic = name("dl-in");
+    let dlq = name("dl-dlq");
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    producer
+        .send(Record::new(topic.clone(), "poison").header("traceparent", "x"))
+        .await
+        .unwrap();
+    // Subscribe to the dead-letter topic first so nothing is missed.
+    let raw = platform.pulsar_client();
+    let mut dl: pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor> = raw
+        .consumer()
+        .with_topic(platform.options().full_topic(&dlq))
+        .with_subscription(name("dl-check"))
+        .with_subscription_type(SubType::Exclusive)
+        .build()
+        .await
+        .unwrap();
+    let c = client
+        .consumer(
+            ConsumerConfig::new(name("dl-g"), [topic.clone()])
+                .start(StartFrom::Earliest)
+                .option("subscription_type", "shared")
+                .option("dead_letter", dlq.clone())
+                .option("max_redeliver", "2"),
+        )
+        .await
+        .unwrap();
+    let mut deliveries = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let dead = loop {
+        for m in c.poll(10, Duration::from_millis(200)).await.unwrap() {
+            deliveries += 1;
+            c.nack(&m, Duration::ZERO).await.unwrap();
+        }
+        if let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(50), dl.next()).await {
+            break m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nothing reached the dead-letter topic"
+        );
+    };
+    assert_eq!(dead.payload.data, b"poison");
+    assert!(
+        (2..=3).contains(&deliveries),
+        "delivered {deliveries} times before dead-lettering (max_redeliver=2)"
+    );
+    assert!(
+        drain(&c, 1, Duration::from_secs(2)).await.is_empty(),
+        "a dead-lettered message is not delivered again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nack_waits_for_the_redelivery_delay() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let topic = name("nack");
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    for v in ["m0", "m1"] {
+        producer.send(Record::new(topic.clone(), v)).await.unwrap();
+    }
+    let c = client
+        .consumer(
+            ConsumerConfig::new(name("nack-g"), [topic.clone()])
+                .start(StartFrom::Earliest)
+                .option("subscription_type", "shared"),
+        )
+        .await
+        .unwrap();
+    let got = drain(&c, 2, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 2);
+    let nacked_at = Instant::now();
+    c.nack(&got[0], Duration::from_millis(1500)).await.unwrap();
+    c.commit(&[(got[1].topic_partition(), got[1].position.clone())])
+        .await
+        .unwrap();
+    let again = drain(&c, 1, Duration::from_secs(20)).await;
+    let waited = nacked_at.elapsed();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].payload, got[0].payload);
+    assert_eq!(again[0].position, got[0].position);
+    assert_eq!(again[0].delivery_count, 2);
+    assert!(
+        waited >= Duration::from_millis(1400),
+        "redelivered after {waited:?}, before the 1.5 s delay"
+    );
+}
