@@ -64,6 +64,9 @@ pub fn supported_schemes() -> Vec<&'static str> {
     if cfg!(feature = "jetstream") {
         v.push("nats://");
     }
+    if cfg!(feature = "kinesis") {
+        v.push("kinesis://");
+    }
     v
 }
 
@@ -89,6 +92,8 @@ pub async fn connect(url: &str) -> Result<Client> {
         "kafka" => Ok(Client::new(onceflow_kafka::connect(url)?)),
         #[cfg(feature = "jetstream")]
         "nats" => Ok(Client::new(onceflow_jetstream::connect(url).await?)),
+        #[cfg(feature = "kinesis")]
+        "kinesis" => Ok(Client::new(onceflow_kinesis::connect(url).await?)),
         s if KNOWN_SCHEMES.contains(&s) => Err(Error::unsupported(format!(
             "'{scheme}://' is not compiled into this build of onceflow (enable its cargo feature); supported here: {}",
             supported_schemes().join(", ")

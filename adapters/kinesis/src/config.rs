@@ -1,0 +1,231 @@
+//! The `kinesis://` URL and its options.
+
+use std::time::Duration;
+
+use onceflow_core::{Error, Result};
+
+/// Options of a Kinesis connection, from the URL
+/// `kinesis://[host:port][?key=value&…]`.
+///
+/// - `host:port`: endpoint override (a local Kinesis-compatible server such as kinesis-local);
+///   without it the SDK's regional AWS endpoint is used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KinesisOptions {
+    /// Endpoint override, e.g. `http://127.0.0.1:14567`; `None` = AWS's regional endpoint.
+    pub endpoint: Option<String>,
+    /// AWS region (`region=`); `None` = the SDK's default chain (`AWS_REGION`, profile).
+    pub region: Option<String>,
+    /// Use fixed dummy credentials instead of the standard credential chain (`dummy_credentials=`;
+    /// default: on for a loopback endpoint when `AWS_ACCESS_KEY_ID` is unset, off otherwise).
+    pub dummy_credentials: bool,
+    /// Lease table store URL (`checkpoint_store=`): `memory://` (default: one table shared by
+    /// the consumers of this connection), `embedded:///path.db` or a file path (shared by the
+    /// processes of one machine), or a Redis / PostgreSQL URL where the facade opens them.
+    pub checkpoint_store: Option<String>,
+    /// How long a shard lease holds without renewal (`lease_ms=`, default 10 000). A worker that
+    /// dies loses its shards this long after its last renewal.
+    pub lease: Duration,
+    /// Shards of a stream created automatically or by `create_topic` without a count
+    /// (`shards=`, default 1).
+    pub shards: u32,
+    /// Create a missing stream on first use (`auto_create=`, default true).
+    pub auto_create: bool,
+    /// Records asked for per GetRecords call (`fetch_limit=`, 1..=10000, default 1000).
+    pub fetch_limit: i32,
+    /// Pause after an empty GetRecords on a shard (`idle_ms=`, default 250; AWS allows five
+    /// GetRecords per shard and second).
+    pub idle: Duration,
+    /// Attempts of a PutRecords entry that keeps failing with throttling or an internal error
+    /// (`put_attempts=`, default 8), with exponential backoff from 50 ms.
+    pub put_attempts: usize,
+    /// Records buffered per shard before fetching pauses (`buffer=`, default 10 000).
+    pub buffer: usize,
+}
+
+impl Default for KinesisOptions {
+    fn default() -> Self {
+        KinesisOptions {
+            endpoint: None,
+            region: None,
+            dummy_credentials: false,
+            checkpoint_store: None,
+            lease: Duration::from_secs(10),
+            shards: 1,
+            auto_create: true,
+            fetch_limit: 1000,
+            idle: Duration::from_millis(250),
+            put_attempts: 8,
+            buffer: 10_000,
+        }
+    }
+}
+
+fn is_loopback(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h == "localhost"
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Parses `kinesis://[host:port][?key=value&…]`. Unknown keys and bad values are a `Config`
+/// error naming them.
+pub fn parse_url(url: &str) -> Result<KinesisOptions> {
+    let shown = redact(url);
+    let parsed = url::Url::parse(url).map_err(|e| {
+        Error::config(format!(
+            "invalid Kinesis URL '{shown}': {e}; expected kinesis://[host:port][?region=…]"
+        ))
+    })?;
+    if parsed.scheme() != "kinesis" {
+        return Err(Error::config(format!(
+            "URL '{shown}' is not a Kinesis URL: expected the scheme kinesis://"
+        )));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(Error::config(format!(
+            "Kinesis URL '{shown}' carries credentials: use the AWS credential chain \
+             (environment, profile, instance role) instead"
+        )));
+    }
+    let mut o = KinesisOptions::default();
+    let mut tls = false;
+    let mut dummy: Option<bool> = None;
+    let host = parsed
+        .host_str()
+        .filter(|h| !h.is_empty())
+        .map(String::from);
+    for (k, v) in parsed.query_pairs() {
+        let bad = |what: &str| {
+            Error::config(format!(
+                "option {k}='{v}' in Kinesis URL '{shown}': expected {what}"
+            ))
+        };
+        let boolean = |v: &str| match v {
+            "true" | "1" | "yes" => Ok(true),
+            "false" | "0" | "no" => Ok(false),
+            _ => Err(bad("true or false")),
+        };
+        match &*k {
+            "region" => o.region = Some(v.to_string()).filter(|r| !r.is_empty()),
+            "tls" => tls = boolean(&v)?,
+            "dummy_credentials" => dummy = Some(boolean(&v)?),
+            "checkpoint_store" => o.checkpoint_store = Some(v.to_string()),
+            "lease_ms" => {
+                o.lease = Duration::from_millis(
+                    v.parse()
+                        .ok()
+                        .filter(|n| *n >= 100)
+                        .ok_or_else(|| bad("a lease duration in ms of at least 100"))?,
+                )
+            }
+            "shards" => {
+                o.shards = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| bad("a shard count of at least 1"))?
+            }
+            "auto_create" => o.auto_create = boolean(&v)?,
+            "fetch_limit" => {
+                o.fetch_limit = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=10_000).contains(n))
+                    .ok_or_else(|| bad("a record count from 1 to 10000"))?
+            }
+            "idle_ms" => {
+                o.idle = Duration::from_millis(v.parse().map_err(|_| bad("milliseconds"))?)
+            }
+            "put_attempts" => {
+                o.put_attempts = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| bad("a number of attempts of at least 1"))?
+            }
+            "buffer" => {
+                o.buffer = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| bad("a number of records of at least 1"))?
+            }
+            other => {
+                return Err(Error::config(format!(
+                    "unknown option '{other}' in Kinesis URL '{shown}': expected region, tls, \
+                     dummy_credentials, checkpoint_store, lease_ms, shards, auto_create, \
+                     fetch_limit, idle_ms, put_attempts or buffer"
+                )))
+            }
+        }
+    }
+    if let Some(h) = &host {
+        let port = parsed.port().unwrap_or(if tls { 443 } else { 80 });
+        let scheme = if tls { "https" } else { "http" };
+        o.endpoint = Some(format!("{scheme}://{h}:{port}"));
+    }
+    o.dummy_credentials = dummy.unwrap_or_else(|| {
+        host.as_deref().is_some_and(is_loopback) && std::env::var_os("AWS_ACCESS_KEY_ID").is_none()
+    });
+    Ok(o)
+}
+
+/// The URL without what could be secret: user info in the authority, and the
+/// `checkpoint_store` value (a store URL may carry a password), shown as `…`.
+pub(crate) fn redact(url: &str) -> String {
+    // Credentials in the authority (`user:password@`) are never shown.
+    let url = match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let end = rest.find(['/', '?']).unwrap_or(rest.len());
+            match rest[..end].rfind('@') {
+                Some(at) => format!("{scheme}://…@{}", &rest[at + 1..]),
+                None => url.to_string(),
+            }
+        }
+        None => url.to_string(),
+    };
+    let url = url.as_str();
+    match url.split_once('?') {
+        Some((base, q)) => {
+            let parts: Vec<String> = q
+                .split('&')
+                .map(|kv| match kv.split_once('=') {
+                    Some(("checkpoint_store", _)) => "checkpoint_store=…".to_string(),
+                    _ => kv.to_string(),
+                })
+                .collect();
+            format!("{base}?{}", parts.join("&"))
+        }
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_local_and_aws_urls() {
+        let o = parse_url("kinesis://127.0.0.1:14567?region=us-east-1&lease_ms=500").unwrap();
+        assert_eq!(o.endpoint.as_deref(), Some("http://127.0.0.1:14567"));
+        assert_eq!(o.region.as_deref(), Some("us-east-1"));
+        assert_eq!(o.lease, Duration::from_millis(500));
+        let aws = parse_url("kinesis://?region=eu-west-1").unwrap();
+        assert_eq!(aws.endpoint, None);
+        assert!(!aws.dummy_credentials);
+        for bad in [
+            "kinesis://h:1?nope=1",
+            "kafka://h:1",
+            "kinesis://h:1?shards=0",
+            "kinesis://u:p@h:1",
+        ] {
+            let e = parse_url(bad).unwrap_err();
+            assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{bad}");
+            assert!(!e.message().contains(":p@"), "secret shown: {e}");
+        }
+        assert_eq!(
+            redact("kinesis://h:1?checkpoint_store=redis://:pw@h&region=x"),
+            "kinesis://h:1?checkpoint_store=…&region=x"
+        );
+    }
+}

@@ -1,0 +1,359 @@
+//! # onceflow-kinesis
+//!
+//! The AWS Kinesis Data Streams backend of onceflow (`kinesis://`), on the AWS SDK for Rust
+//! ([aws-sdk-kinesis]). Kinesis has no consumer groups, no headers, no idempotent put and no
+//! transactions; this crate adds what a consumer library needs on top (a lease table, as AWS's
+//! Java-only [KCL] does) and declares the rest missing in [`CAPABILITIES`].
+//!
+//! ## URL
+//! `kinesis://[host:port][?key=value&…]`, keys in [`KinesisOptions`]. `host:port` overrides
+//! the endpoint (`http://`, or `https://` with `tls=true`), for a local Kinesis-compatible
+//! server; without it the SDK's regional endpoint is used. Credentials come from the standard
+//! AWS chain (environment, profile, web identity, instance role) — never from the URL; for a
+//! loopback endpoint with no `AWS_ACCESS_KEY_ID` set, fixed dummy credentials are used (a local
+//! server needs a signed request but accepts any key). Errors and logs carry the service's
+//! error code and message, never a request or credential.
+//!
+//! ## Streams, shards, partitions
+//! - A **topic is a stream**; missing streams are created on first use with `shards=` shards
+//!   (`auto_create=false` turns that off).
+//! - **A partition is a shard**: partition `n` is `shardId-<n in 12 digits>`
+//!   ([`partition_of_shard`]). Kinesis numbers a stream's shards from 0 and gives shards made by
+//!   a split or merge the next unused numbers, so the mapping is stable; after resharding a
+//!   stream has more partitions than open shards (closed parents keep their numbers).
+//! - **Positions** are sequence numbers ([`onceflow_core::Position::SequenceNumber`]).
+//! - **Keys**: the record key is the partition key when it is UTF-8 of 1 to 256 characters;
+//!   otherwise the partition key is `hex:` + its XXH3-128 and the exact key travels in the
+//!   envelope. An unkeyed record gets a random partition key (and the envelope's "unkeyed"
+//!   flag). An explicit partition is honoured with `ExplicitHashKey` = the shard's starting hash
+//!   key. Records with one key go to one shard and keep their order there (and, across a split,
+//!   in the parent first and then in the child: see the consumer).
+//! - **Envelope**: headers, the record timestamp and a non-UTF-8 key are written in the
+//!   versioned binary envelope of [`envelope`] (`docs/kinesis-envelope.md`). A record without
+//!   the envelope's magic (written by boto3, the AWS CLI, …) reads as a plain payload: no
+//!   headers, the partition key as key, the arrival time as timestamp. A damaged envelope is a
+//!   `Serialization` error for that record only: the consumer hands it on as a message with the
+//!   raw data as payload and the header `onceflow-envelope-error` (so the engine's failure
+//!   policy, dead-letter or skip, decides), and the shard goes on.
+//!
+//! ## Producer
+//! PutRecords packing: 500 records and 5 MiB per call, 1 MiB per record (data + partition key);
+//! on a partial failure only the failed entries are retried, with exponential backoff (also for
+//! throttling of the whole call), at most `put_attempts` times. See [`KinesisProducer`].
+//!
+//! ## Consumer
+//! A consumer library with a lease table in a [`CheckpointStore`](onceflow_core::checkpoint):
+//! see [`KinesisConsumer`].
+//!
+//! [aws-sdk-kinesis]: https://docs.rs/aws-sdk-kinesis
+//! [KCL]: https://docs.aws.amazon.com/streams/latest/dev/shared-throughput-kcl-consumers.html
+
+mod admin;
+mod config;
+mod consumer;
+pub mod envelope;
+mod producer;
+mod shards;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_kinesis::Client;
+use onceflow_core::checkpoint::{MemoryCheckpointStore, SharedCheckpointStore};
+use onceflow_core::{
+    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, PlatformBackend,
+    ProducerBackend, ProducerConfig, Result,
+};
+use parking_lot::Mutex;
+use tokio::sync::OnceCell;
+
+pub use admin::KinesisAdmin;
+pub use config::{parse_url, KinesisOptions};
+pub use consumer::{KinesisConsumer, ENVELOPE_ERROR_HEADER};
+pub use producer::{
+    partition_key_of, KinesisProducer, MAX_BYTES_PER_CALL, MAX_BYTES_PER_RECORD,
+    MAX_RECORDS_PER_CALL,
+};
+pub use shards::{partition_of_shard, shard_of_partition, ShardInfo};
+
+/// Bytes of the 1 MiB record limit kept for the envelope and the partition key.
+const ENVELOPE_ROOM: usize = 4096;
+
+/// What Kinesis can do through this adapter.
+pub const CAPABILITIES: Capabilities = Capabilities {
+    transactions: false,
+    idempotent_producer: false,
+    dedup_by_id: false,
+    atomic_batch: false,
+    native_headers: false,
+    consumer_groups: true,
+    seek_by_timestamp: true,
+    pause_resume: true,
+    per_message_nack: false,
+    compaction: false,
+    lag_ms: true,
+};
+
+/// Connects to the endpoint named in `url` (see the crate docs).
+pub async fn connect(url: &str) -> Result<Arc<KinesisPlatform>> {
+    KinesisPlatform::connect(url).await
+}
+
+/// State shared by the producers, consumers and admin handle of one connection.
+pub(crate) struct Shared {
+    pub(crate) client: Client,
+    pub(crate) options: KinesisOptions,
+    store: OnceCell<SharedCheckpointStore>,
+    /// Shards per stream, as last listed.
+    streams: Mutex<HashMap<String, Vec<ShardInfo>>>,
+    put_in_flight: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn max_record_bytes(&self) -> usize {
+        MAX_BYTES_PER_RECORD - ENVELOPE_ROOM
+    }
+
+    pub(crate) fn put_in_flight(&self) -> bool {
+        self.put_in_flight.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_put_in_flight(&self, v: bool) {
+        self.put_in_flight.store(v, Ordering::Release);
+    }
+
+    pub(crate) fn forget_stream(&self, name: &str) {
+        self.streams.lock().remove(name);
+    }
+
+    /// The lease table store: `checkpoint_store=` if given, else one in-memory table for this
+    /// connection.
+    pub(crate) async fn checkpoint_store(&self) -> Result<SharedCheckpointStore> {
+        self.store
+            .get_or_try_init(|| async {
+                match &self.options.checkpoint_store {
+                    Some(url) => onceflow_core::checkpoint::open(url).await,
+                    None => Ok(Arc::new(MemoryCheckpointStore::new()) as SharedCheckpointStore),
+                }
+            })
+            .await
+            .cloned()
+    }
+
+    /// Waits until the stream is ACTIVE (at most 60 s).
+    pub(crate) async fn wait_active(&self, name: &str) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let d = self
+                .client
+                .describe_stream_summary()
+                .stream_name(name)
+                .send()
+                .await
+                .map_err(|e| shards::aws_err(format!("DescribeStreamSummary of '{name}'"), e))?;
+            if d.stream_description_summary()
+                .is_some_and(|s| admin::is_active(s.stream_status()))
+            {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!("stream '{name}' not ACTIVE after 60 s"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Creates a stream with `shards` shards and waits until it is ACTIVE; `Config` if it
+    /// exists with another shard count.
+    pub(crate) async fn create_stream(&self, name: &str, shards: u32) -> Result<()> {
+        let r = self
+            .client
+            .create_stream()
+            .stream_name(name)
+            .shard_count(i32::try_from(shards).unwrap_or(i32::MAX))
+            .send()
+            .await;
+        if let Err(e) = r {
+            let err = shards::aws_err(format!("CreateStream '{name}'"), e);
+            if !err.message().contains("ResourceInUseException") {
+                return Err(err);
+            }
+            self.wait_active(name).await?;
+            let open = shards::list_shards(&self.client, name)
+                .await?
+                .iter()
+                .filter(|s| !s.closed)
+                .count();
+            if open != shards as usize {
+                return Err(Error::config(format!(
+                    "stream '{name}' already exists with {open} open shards, not {shards}"
+                )));
+            }
+            return Ok(());
+        }
+        self.wait_active(name).await
+    }
+
+    /// The shards of a stream, creating it when missing and `auto_create` is on.
+    pub(crate) async fn ensure_stream(&self, name: &str) -> Result<()> {
+        if self.streams.lock().contains_key(name) {
+            return Ok(());
+        }
+        self.refresh_shards(name).await.map(|_| ())
+    }
+
+    pub(crate) async fn refresh_shards(&self, name: &str) -> Result<Vec<ShardInfo>> {
+        let list = match shards::list_shards(&self.client, name).await {
+            Ok(l) => l,
+            Err(e) if e.kind() == ErrorKind::NotFound && self.options.auto_create => {
+                self.create_stream(name, self.options.shards).await?;
+                shards::list_shards(&self.client, name).await?
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("topic '{name}' does not exist (no Kinesis stream of that name)"),
+                ))
+            }
+            Err(e) => return Err(e),
+        };
+        self.streams.lock().insert(name.to_string(), list.clone());
+        Ok(list)
+    }
+
+    /// `ExplicitHashKey` for partition `p`: the starting hash key of that open shard.
+    pub(crate) async fn hash_key_of_partition(&self, stream: &str, p: i32) -> Result<String> {
+        for fresh in [false, true] {
+            let list = if fresh {
+                self.refresh_shards(stream).await?
+            } else {
+                self.streams.lock().get(stream).cloned().unwrap_or_default()
+            };
+            if let Some(s) = list.iter().find(|s| s.partition == p && !s.closed) {
+                return Ok(s.starting_hash_key.clone());
+            }
+        }
+        Err(Error::config(format!(
+            "partition {p} of stream '{stream}' is not an open shard ({})",
+            shard_of_partition(p)
+        )))
+    }
+}
+
+/// A connection to Kinesis (or a compatible server): the factory of producers, consumers and
+/// the admin handle.
+pub struct KinesisPlatform {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for KinesisPlatform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KinesisPlatform")
+            .field("endpoint", &self.shared.options.endpoint)
+            .field("region", &self.shared.options.region)
+            .finish()
+    }
+}
+
+impl KinesisPlatform {
+    /// Connects to `url`. `Config` for a bad URL. Nothing is sent until first use.
+    pub async fn connect(url: &str) -> Result<Arc<KinesisPlatform>> {
+        Self::connect_with(parse_url(url)?, None).await
+    }
+
+    /// Connects with typed options and, optionally, a lease table store to use instead of
+    /// `options.checkpoint_store` (for Redis / PostgreSQL stores opened by the caller).
+    pub async fn connect_with(
+        options: KinesisOptions,
+        store: Option<SharedCheckpointStore>,
+    ) -> Result<Arc<KinesisPlatform>> {
+        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+        if let Some(r) = &options.region {
+            loader = loader.region(aws_config::Region::new(r.clone()));
+        } else if options.endpoint.is_some() {
+            loader = loader.region(aws_config::Region::new("us-east-1"));
+        }
+        if let Some(e) = &options.endpoint {
+            loader = loader.endpoint_url(e);
+        }
+        if options.dummy_credentials {
+            loader = loader.credentials_provider(aws_sdk_kinesis::config::Credentials::new(
+                "onceflow-local",
+                "onceflow-local",
+                None,
+                None,
+                "onceflow-dummy",
+            ));
+        }
+        let sdk = loader.load().await;
+        let client = Client::new(&sdk);
+        let cell = OnceCell::new();
+        if let Some(s) = store {
+            let _ = cell.set(s);
+        }
+        Ok(Arc::new(KinesisPlatform {
+            shared: Arc::new(Shared {
+                client,
+                options,
+                store: cell,
+                streams: Mutex::new(HashMap::new()),
+                put_in_flight: AtomicBool::new(false),
+            }),
+        }))
+    }
+
+    /// The connection's options.
+    pub fn options(&self) -> &KinesisOptions {
+        &self.shared.options
+    }
+
+    /// The AWS SDK client, for anything onceflow does not cover (resharding, for example).
+    pub fn client(&self) -> Client {
+        self.shared.client.clone()
+    }
+
+    /// Every shard of `stream` (open and closed), by partition.
+    pub async fn shards(&self, stream: &str) -> Result<Vec<ShardInfo>> {
+        self.shared.refresh_shards(stream).await
+    }
+
+    /// The lease table store consumers of this connection use.
+    pub async fn checkpoint_store(&self) -> Result<SharedCheckpointStore> {
+        self.shared.checkpoint_store().await
+    }
+}
+
+#[async_trait]
+impl PlatformBackend for KinesisPlatform {
+    fn name(&self) -> &'static str {
+        "kinesis"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    async fn producer(&self, config: ProducerConfig) -> Result<Arc<dyn ProducerBackend>> {
+        Ok(Arc::new(KinesisProducer::new(self.shared.clone(), config)))
+    }
+
+    async fn consumer(&self, config: ConsumerConfig) -> Result<Arc<dyn ConsumerBackend>> {
+        Ok(KinesisConsumer::join(self.shared.clone(), config).await?)
+    }
+
+    async fn admin(&self) -> Result<Arc<dyn AdminBackend>> {
+        Ok(Arc::new(KinesisAdmin {
+            shared: self.shared.clone(),
+        }))
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.shared.max_record_bytes()
+    }
+}
