@@ -1,6 +1,7 @@
 //! # onceflow-postgres
 //!
-//! A [`DedupStore`] on PostgreSQL shared by a fleet of consumers ([`PostgresStore`]), and a
+//! A [`DedupStore`] on PostgreSQL shared by a fleet of consumers ([`PostgresStore`]), the lease
+//! table with checkpoints the Kinesis consumer uses ([`PostgresCheckpointStore`]), and a
 //! transactional [`Inbox`]: the idempotency key, the consumer's position and the handler's own
 //! rows committed in one database transaction.
 //!
@@ -43,6 +44,8 @@
 //!     PRIMARY KEY (consumer_group, topic, partition));
 //! ```
 //!
+//! Migration 2 creates the lease table of [`PostgresCheckpointStore`] (see its module docs).
+//!
 //! ## URLs
 //! `postgres://user:password@host:port/database[?schema=S&pool_size=N]` (also `postgresql://`);
 //! other query options are passed to the PostgreSQL client (`connect_timeout`,
@@ -64,7 +67,10 @@ use onceflow_core::{Error, Result};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 
+mod checkpoint;
 mod inbox;
+
+pub use checkpoint::PostgresCheckpointStore;
 
 pub use inbox::{Inbox, InboxConfig, InboxHandler, InboxSummary};
 /// The PostgreSQL client, re-exported for inbox handlers (their transaction is a
@@ -72,7 +78,7 @@ pub use inbox::{Inbox, InboxConfig, InboxHandler, InboxSummary};
 pub use tokio_postgres;
 
 /// Schema version this build writes and reads.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// Default PostgreSQL schema of the store's tables.
 pub const DEFAULT_SCHEMA: &str = "onceflow";
@@ -84,7 +90,7 @@ pub const DEFAULT_POOL_SIZE: usize = 8;
 const PURGE_CHUNK: i64 = 5_000;
 
 /// Attempts of a statement that lost a deadlock or serialization race.
-const MAX_TRIES: usize = 10;
+pub(crate) const MAX_TRIES: usize = 10;
 
 /// The URL with its password replaced by `***` (or the input unchanged when it has none):
 /// what onceflow's errors and logs show.
@@ -194,7 +200,7 @@ fn pool_error(shown: &str, e: deadpool_postgres::PoolError) -> Error {
     }
 }
 
-fn is_race(e: &tokio_postgres::Error) -> bool {
+pub(crate) fn is_race(e: &tokio_postgres::Error) -> bool {
     matches!(
         e.code(),
         Some(&SqlState::T_R_DEADLOCK_DETECTED | &SqlState::T_R_SERIALIZATION_FAILURE)
@@ -289,8 +295,9 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
 
 /// Migrations, in order; migration `i` brings the schema to version `i + 1`.
 fn migrations(s: &str) -> Vec<String> {
-    vec![format!(
-        "CREATE TABLE {s}.dedup (
+    vec![
+        format!(
+            "CREATE TABLE {s}.dedup (
             key         text PRIMARY KEY,
             token       bigint NOT NULL,
             state       smallint NOT NULL,
@@ -307,7 +314,19 @@ fn migrations(s: &str) -> Vec<String> {
             position       text NOT NULL,
             updated_at     timestamptz NOT NULL DEFAULT now(),
             PRIMARY KEY (consumer_group, topic, partition));"
-    )]
+        ),
+        format!(
+            "CREATE TABLE {s}.lease (
+            grp         text NOT NULL,
+            key         text NOT NULL,
+            owner       text,
+            counter     bigint NOT NULL,
+            lease_until bigint NOT NULL,
+            checkpoint  text,
+            parents     text[] NOT NULL,
+            PRIMARY KEY (grp, key));"
+        ),
+    ]
 }
 
 async fn migrate(db: &Db) -> Result<()> {
@@ -410,7 +429,7 @@ struct Sql {
     purge: String,
 }
 
-const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+pub(crate) const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
 impl Sql {
     fn new(s: &str) -> Sql {

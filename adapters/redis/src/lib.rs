@@ -1,6 +1,8 @@
 //! # onceflow-redis
 //!
-//! A [`DedupStore`] on Redis, shared by every consumer of a fleet: [`RedisStore`].
+//! A [`DedupStore`] on Redis, shared by every consumer of a fleet: [`RedisStore`]; and the
+//! lease table with checkpoints the Kinesis consumer uses
+//! ([`CheckpointStore`](onceflow_core::checkpoint::CheckpointStore)): [`RedisCheckpointStore`].
 //!
 //! - **Atomic on the server**: every operation on a key (claim, renew, complete, release, get)
 //!   is a Lua script run by `EVALSHA`, so it reads and writes the key in one step that no other
@@ -44,7 +46,10 @@ use onceflow_core::{Error, ErrorKind, Result};
 use redis::aio::ConnectionManager;
 use redis::Value;
 
+mod checkpoint;
 mod scripts;
+
+pub use checkpoint::{RedisCheckpointStore, DEFAULT_CHECKPOINT_PREFIX};
 
 /// Keys per script call; a batch is cut into chunks of this many, pipelined.
 pub const SCRIPT_CHUNK: usize = 200;
@@ -177,7 +182,7 @@ impl Conn {
 
     async fn load_scripts(&self) -> Result<()> {
         let mut pipe = redis::pipe();
-        for s in scripts::ALL {
+        for s in scripts::ALL.iter().chain(checkpoint::ALL.iter()) {
             pipe.cmd("SCRIPT").arg("LOAD").arg(s.code);
         }
         let _: Vec<String> = pipe

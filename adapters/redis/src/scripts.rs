@@ -15,7 +15,7 @@ pub(crate) struct Script {
 }
 
 impl Script {
-    const fn new(name: &'static str, code: &'static str) -> Script {
+    pub(crate) const fn new(name: &'static str, code: &'static str) -> Script {
         Script {
             name,
             code,

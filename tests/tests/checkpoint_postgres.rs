@@ -1,0 +1,53 @@
+//! The checkpoint-store (lease table) conformance suite on postgres (`ONCEFLOW_POSTGRES_URL`, started by
+//! `tests/brokers/up.sh postgres`); each harness opens its own key space.
+
+mod redis_postgres;
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use onceflow_conformance::checkpoint_suite::CheckpointHarness;
+use onceflow_core::checkpoint::SharedCheckpointStore;
+
+struct Harness {
+    location: String,
+    opened: Mutex<bool>,
+}
+
+#[async_trait]
+impl CheckpointHarness for Harness {
+    async fn open(&self) -> SharedCheckpointStore {
+        *self.opened.lock().unwrap() = true;
+        Arc::new(
+            onceflow_postgres::PostgresCheckpointStore::open(&self.location)
+                .await
+                .unwrap_or_else(|e| panic!("open {}: {e}", self.location)),
+        )
+    }
+
+    async fn reopen(&self) -> Option<SharedCheckpointStore> {
+        assert!(*self.opened.lock().unwrap(), "reopen before open");
+        Some(Arc::new(
+            onceflow_postgres::PostgresCheckpointStore::open(&self.location)
+                .await
+                .unwrap_or_else(|e| panic!("reopen {}: {e}", self.location)),
+        ))
+    }
+}
+
+/// The harness, or `None` (test skipped) without a URL.
+fn harness() -> Option<Harness> {
+    let base = redis_postgres::service_url("ONCEFLOW_POSTGRES_URL", "postgres")?;
+    Some(Harness {
+        location: format!(
+            "{base}?schema=cp_suite_{}&pool_size=4",
+            redis_postgres::rand_hex()
+        ),
+        opened: Mutex::new(false),
+    })
+}
+
+onceflow_conformance::checkpoint_suite!(match harness() {
+    Some(h) => h,
+    None => return,
+});

@@ -1,0 +1,39 @@
+//! Transactional inbox crash test on NATS JetStream (`ONCEFLOW_NATS_URL`) with PostgreSQL
+//! (`ONCEFLOW_POSTGRES_URL`): see `inbox_crash/mod.rs`.
+
+mod inbox_crash;
+mod redis_postgres;
+
+fn connect(
+    url: String,
+) -> std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = onceflow_core::Result<std::sync::Arc<dyn onceflow_core::PlatformBackend>>,
+            > + Send,
+    >,
+> {
+    Box::pin(async move { onceflow_jetstream::connect(&url).await.map(|p| p as _) })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_child() {
+    let Ok(spec) = std::env::var(inbox_crash::CHILD_VAR) else {
+        return; // Only a child started by the crash test runs.
+    };
+    inbox_crash::child(connect, &spec).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_row_per_input_after_sigkill_at_random_points() {
+    if std::env::var(inbox_crash::CHILD_VAR).is_ok() {
+        return;
+    }
+    let Some(nats) = redis_postgres::service_url("ONCEFLOW_NATS_URL", "nats") else {
+        return;
+    };
+    let Some(pg) = redis_postgres::service_url("ONCEFLOW_POSTGRES_URL", "postgres") else {
+        return;
+    };
+    inbox_crash::crash_test(connect, &nats, &pg, "inbox_child").await;
+}
