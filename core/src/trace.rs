@@ -76,6 +76,11 @@ struct HeaderWriter<'a>(&'a mut Headers);
 
 impl Injector for HeaderWriter<'_> {
     fn set(&mut self, key: &str, value: String) {
+        // An empty `tracestate` carries nothing (W3C: "vendors SHOULD NOT send an empty
+        // tracestate"); writing it only costs bytes on every message.
+        if value.is_empty() && key == TRACESTATE {
+            return;
+        }
         self.0.set(key, value.into_bytes());
     }
 }
@@ -129,17 +134,22 @@ fn parent_for_send(record: &Record) -> Context {
 pub fn on_send(system: &'static str, record: &mut Record) -> Context {
     let parent = parent_for_send(record);
     let tracer = global::tracer(SCOPE);
-    let span = tracer
-        .span_builder(format!("send {}", record.topic))
+    // The name and attributes are only built for a span that records: without a tracer
+    // provider (or when the sampler drops the span) a send costs no allocation for them.
+    let mut span = tracer
+        .span_builder("send")
         .with_kind(SpanKind::Producer)
-        .with_attributes([
+        .start_with_context(&tracer, &parent);
+    if span.is_recording() {
+        span.update_name(format!("send {}", record.topic));
+        span.set_attributes([
             KeyValue::new("messaging.system", system),
             KeyValue::new("messaging.operation.type", "send"),
             KeyValue::new("messaging.operation.name", "send"),
             KeyValue::new("messaging.destination.name", record.topic.clone()),
             KeyValue::new("messaging.message.body.size", record.payload.len() as i64),
-        ])
-        .start_with_context(&tracer, &parent);
+        ]);
+    }
     let cx = parent.with_span(span);
     inject(&cx, &mut record.headers);
     cx
@@ -148,6 +158,10 @@ pub fn on_send(system: &'static str, record: &mut Record) -> Context {
 /// Records the outcome of a send on the span started by [`on_send`] and ends it.
 pub fn end_send(cx: &Context, result: Result<&crate::Delivery, &crate::Error>) {
     let span = cx.span();
+    if !span.is_recording() {
+        span.end();
+        return;
+    }
     match result {
         Ok(d) => {
             span.set_attribute(KeyValue::new(

@@ -74,18 +74,32 @@ impl PartitionInner {
     /// (<https://docs.nats.io/nats-concepts/jetstream/consumers#ackwait>); onceflow's model is
     /// that a member sees a message again only after it nacked it, sought, or the partition
     /// moved. So a redelivery of a pending message only replaces its ack handle (acks go to
-    /// the newest delivery), and a redelivery of one already committed is dropped.
-    fn admit(&mut self, seq: u64, m: &jetstream::Message) -> bool {
+    /// the newest delivery), and a redelivery of one already committed is not returned but
+    /// acked again ([`Admit::Committed`]): the ack of the earlier delivery may not have counted
+    /// (the redelivery was already on its way when the commit acked the older handle), and a
+    /// redelivery dropped without an ack would come back every `ack_wait` and hold the ack
+    /// floor (the committed position) back forever.
+    fn admit(&mut self, seq: u64, m: &jetstream::Message) -> Admit {
         if let Some(held) = self.pending.get_mut(&seq) {
             *held = m.clone();
-            return false;
+            return Admit::Held;
         }
         if seq <= self.delivered && self.nacked.remove(&seq).is_none() {
-            return false;
+            return Admit::Committed;
         }
         self.delivered = self.delivered.max(seq);
-        true
+        Admit::New
     }
+}
+
+/// What [`PartitionInner::admit`] made of a fetched message.
+enum Admit {
+    /// New to the poller: return it.
+    New,
+    /// A redelivery of a message the poller holds: its ack handle was replaced.
+    Held,
+    /// A redelivery of a message already committed: ack it again, don't return it.
+    Committed,
 }
 
 struct Fetch {
@@ -761,6 +775,7 @@ impl ConsumerBackend for JetStreamConsumer {
         let deadline = tokio::time::Instant::now() + timeout;
         let k = self.partitions.len();
         let mut out = Vec::new();
+        let mut reack: Vec<jetstream::Message> = Vec::new();
         loop {
             if let Err(e) = self.rebalance(false).await {
                 // A server hiccup must not stop the consumer: keep what it owns, retry at the
@@ -784,8 +799,13 @@ impl ConsumerBackend for JetStreamConsumer {
                             Ok(m) => {
                                 let msg = convert::message(&part.tp.topic, &m)?;
                                 if let Position::Sequence(s) = msg.position {
-                                    if !inner.admit(s, &m) {
-                                        continue;
+                                    match inner.admit(s, &m) {
+                                        Admit::New => {}
+                                        Admit::Held => continue,
+                                        Admit::Committed => {
+                                            reack.push(m);
+                                            continue;
+                                        }
                                     }
                                     inner.pending.insert(s, m);
                                 }
@@ -798,6 +818,16 @@ impl ConsumerBackend for JetStreamConsumer {
                         break;
                     }
                 }
+            }
+            if !reack.is_empty() {
+                let msgs = std::mem::take(&mut reack);
+                tokio::spawn(async move {
+                    for m in msgs {
+                        if let Err(e) = m.ack().await {
+                            tracing::debug!(error = %e, "re-ack of a committed message failed; the server redelivers it again");
+                        }
+                    }
+                });
             }
             let now = tokio::time::Instant::now();
             if !out.is_empty() || now >= deadline {

@@ -33,7 +33,8 @@ fn text(v: &[u8]) -> Option<&str> {
 ///
 /// Every header becomes a native NATS header of the same name (case kept), so other clients
 /// read them. NATS header values are text lines and async-nats keeps headers in a map, so
-/// onceflow also writes `onceflow-headers`: the names in their original order, space separated,
+/// onceflow also writes `onceflow-headers` (when the record has headers or a message id): the
+/// names in their original order, space separated,
 /// `name:n` for a null header (sent as an empty value) and `name:x` for a value that is not
 /// single-line UTF-8 (sent hex-encoded). The key travels in `onceflow-key` (or hex in
 /// `onceflow-key-hex`), the record timestamp in `onceflow-timestamp` (ms), and the message id in
@@ -68,8 +69,13 @@ pub(crate) fn record_headers(
             },
         }
     }
-    // Always written, even empty: it marks the message as onceflow's.
-    map.insert(ORDER_HEADER, order.join(" "));
+    // Written whenever the message carries headers of onceflow's (the record's, or a message
+    // id): it marks them as onceflow's. A record without either goes out without any header
+    // block (a plain `PUB`, which the server stores and acks faster than an `HPUB`); read back,
+    // no header means no header either way.
+    if !record.headers.is_empty() || msg_id.is_some() {
+        map.insert(ORDER_HEADER, order.join(" "));
+    }
     if let Some(k) = &record.key {
         match text(k) {
             Some(t) => map.insert(KEY_HEADER, t),
