@@ -7,8 +7,8 @@ use bytes::Bytes;
 use onceflow_core::{Error, ErrorKind, Headers, Position, Record, TimestampMs};
 use pulsar::message::proto::{KeyValue, MessageIdData};
 
-/// Property holding the exact header list (order, repeats, null, binary) as JSON; see
-/// [`record_properties`].
+/// Property holding the exact header list (order, repeats, null, binary) as JSON: an array of
+/// `[name]` (null), `[name, text]` or `[name, hex, "x"]` (a value that is not UTF-8).
 pub const HEADERS_PROPERTY: &str = "onceflow-headers";
 
 /// Message properties for a record's headers.
