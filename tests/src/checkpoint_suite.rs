@@ -310,11 +310,10 @@ pub async fn take_renew_checkpoint_release_cycle(h: &dyn CheckpointHarness) {
         Some("49590338271490256608559692538361571095921575989136588898")
     );
     assert!(
-        store
+        !store
             .checkpoint_one(&g, cp(k, "w1", c1, "1"))
             .await
-            .unwrap()
-            == false,
+            .unwrap(),
         "checkpoint with the counter before the renew accepted"
     );
     assert!(store.release_one(&g, &held(k, "w1", c2)).await.unwrap());

@@ -7,7 +7,9 @@
 # self-signed certificate on ONCEFLOW_KINESIS_TLS_PORT (14568). Any credentials
 # are accepted, but requests must carry an Authorization and an X-Amz-Date header.
 # State is in memory only. Server settings (e.g. CREATE_STREAM_DURATION=500ms,
-# SHARD_LIMIT=50, LOG_LEVEL=INFO) are read from the environment as given.
+# SHARD_LIMIT, LOG_LEVEL=INFO) are read from the environment as given. SHARD_LIMIT defaults
+# to 2000 here (the server's own default, 50, is used up by one run of the test suites, which
+# create a stream per case).
 # The package is installed with npm (package.json + package-lock.json here)
 # into $CACHE_DIR/kinesis, once.
 set -euo pipefail
@@ -64,7 +66,8 @@ DATA=$(fresh_data_dir kinesis)
 log "starting kinesis-local $(node -p "require('$PKG/package.json').version")"
 # main.js finds its certificate (server.json) relative to the working directory.
 cd "$PKG"
-KINESIS_MOCK_PLAIN_PORT=$PORT \
+SHARD_LIMIT=${SHARD_LIMIT:-2000} \
+    KINESIS_MOCK_PLAIN_PORT=$PORT \
     KINESIS_MOCK_TLS_PORT=$TLS_PORT \
     KINESIS_MOCK_CERT_PATH=$PKG/server.json \
     AWS_REGION=$REGION \
