@@ -64,6 +64,9 @@ pub fn supported_schemes() -> Vec<&'static str> {
     if cfg!(feature = "jetstream") {
         v.push("nats://");
     }
+    if cfg!(feature = "pulsar") {
+        v.push("pulsar://");
+    }
     if cfg!(feature = "kinesis") {
         v.push("kinesis://");
     }
@@ -92,6 +95,8 @@ pub async fn connect(url: &str) -> Result<Client> {
         "kafka" => Ok(Client::new(onceflow_kafka::connect(url)?)),
         #[cfg(feature = "jetstream")]
         "nats" => Ok(Client::new(onceflow_jetstream::connect(url).await?)),
+        #[cfg(feature = "pulsar")]
+        "pulsar" => Ok(Client::new(onceflow_pulsar::connect(url).await?)),
         #[cfg(feature = "kinesis")]
         "kinesis" => Ok(Client::new(onceflow_kinesis::connect(url).await?)),
         s if KNOWN_SCHEMES.contains(&s) => Err(Error::unsupported(format!(
