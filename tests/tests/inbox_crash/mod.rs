@@ -21,7 +21,7 @@ use onceflow_postgres::tokio_postgres::Transaction;
 use onceflow_postgres::{InboxConfig, InboxHandler, PostgresStore};
 
 pub const CHILD_VAR: &str = "ONCEFLOW_INBOX_CRASH_CHILD";
-const INPUTS: usize = 600;
+const INPUTS: usize = 800;
 const PARTITIONS: u32 = 2;
 const WINDOW: Duration = Duration::from_secs(3600);
 
