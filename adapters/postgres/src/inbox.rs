@@ -1,20 +1,4 @@
-//! The transactional inbox: each message is handled inside one PostgreSQL transaction that also
-//! records its idempotency key (in the store's `dedup` table) and the consumer's position (in
-//! `inbox_position`). The handler writes its own rows in the same transaction, so the three
-//! become durable together or not at all.
-//!
-//! - **Exactly once per key**: the key's row is written first, completed, in the transaction; a
-//!   key already completed within the window is a duplicate and the handler does not run. Two
-//!   transactions racing on one key serialise on its primary key: the second sees the first's
-//!   row once it commits and skips.
-//! - **Resume from the database**: when the inbox first sees a partition (on assignment or with
-//!   its first message) it reads the stored position and seeks the consumer right after it;
-//!   messages at or before the stored position are never handled again, whatever the broker's
-//!   committed offset says. The broker's group offset is also committed (after the database)
-//!   so lag tools keep working, but the inbox never relies on it.
-//! - **Failures**: a handler error rolls the transaction back and is retried with backoff; after
-//!   [`InboxConfig::max_attempts`] the inbox stops with the error (nothing of the message is
-//!   committed, so the next start handles it again).
+//! The transactional inbox ([`Inbox`]).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -137,8 +121,26 @@ impl RebalanceListener for Listener {
     }
 }
 
-/// A transactional inbox over a [`Consumer`]: see the [module docs](self) and
-/// [`crate::PostgresStore::inbox`].
+/// A transactional inbox over a [`Consumer`], made by [`crate::PostgresStore::inbox`].
+///
+/// The transactional inbox: each message is handled inside one PostgreSQL transaction that also
+/// records its idempotency key (in the store's `dedup` table) and the consumer's position (in
+/// `inbox_position`). The handler writes its own rows in the same transaction, so the three
+/// become durable together or not at all.
+///
+/// - **Exactly once per key**: the key's row is written first, completed, in the transaction; a
+///   key already completed within the window is a duplicate and the handler does not run. Two
+///   transactions racing on one key serialise on its primary key: the second sees the first's
+///   row once it commits and skips.
+/// - **Resume from the database**: when the inbox first sees a partition (on assignment or with
+///   its first message) it reads the stored position and seeks the consumer right after it;
+///   messages at or before the stored position are never handled again, whatever the broker's
+///   committed offset says. The broker's group offset is also committed (after the database)
+///   so lag tools keep working, but the inbox never relies on it.
+/// - **Failures**: a handler error rolls the transaction back and is retried with backoff; after
+///   [`InboxConfig::max_attempts`] the inbox stops with the error (nothing of the message is
+///   committed, so the next start handles it again).
+///
 ///
 /// ```no_run
 /// # async fn demo(client: onceflow_core::Client) -> onceflow_core::Result<()> {

@@ -22,7 +22,7 @@
 //!   a completed key is in the append-only file before the reply is sent, so it survives a
 //!   restart of redis-server; `appendfsync everysec` may lose the last second on power loss.
 //! - **Connection**: one multiplexed connection
-//!   ([`ConnectionManager`](redis::aio::ConnectionManager)) that reconnects by itself; calls
+//!   ([`redis::aio::ConnectionManager`]) that reconnects by itself; calls
 //!   that fail while the server is away return a retriable [`ErrorKind::Connect`] error.
 //!
 //! URLs: `redis://[user[:password]@]host[:port][/db][?prefix=P]`. Errors name the URL with its
