@@ -98,7 +98,7 @@ pub async fn connect(url: &str) -> Result<Client> {
         #[cfg(feature = "pulsar")]
         "pulsar" => Ok(Client::new(onceflow_pulsar::connect(url).await?)),
         #[cfg(feature = "kinesis")]
-        "kinesis" => Ok(Client::new(onceflow_kinesis::connect(url).await?)),
+        "kinesis" => Ok(Client::new(connect_kinesis(url).await?)),
         s if KNOWN_SCHEMES.contains(&s) => Err(Error::unsupported(format!(
             "'{scheme}://' is not compiled into this build of onceflow (enable its cargo feature); supported here: {}",
             supported_schemes().join(", ")
@@ -108,6 +108,27 @@ pub async fn connect(url: &str) -> Result<Client> {
             supported_schemes().join(", ")
         ))),
     }
+}
+
+/// Opens a Kinesis connection; a `checkpoint_store=redis://…` or `postgres://…` lease table is
+/// opened here, through the facade's `redis` / `postgres` features (onceflow-kinesis itself
+/// opens `memory://` and embedded stores).
+#[cfg(feature = "kinesis")]
+async fn connect_kinesis(url: &str) -> Result<Arc<onceflow_kinesis::KinesisPlatform>> {
+    let options = onceflow_kinesis::parse_url(url)?;
+    let store: Option<onceflow_core::checkpoint::SharedCheckpointStore> =
+        match options.checkpoint_store.as_deref() {
+            #[cfg(feature = "redis")]
+            Some(s) if s.starts_with("redis://") || s.starts_with("rediss://") => Some(Arc::new(
+                onceflow_redis::RedisCheckpointStore::open(s).await?,
+            )),
+            #[cfg(feature = "postgres")]
+            Some(s) if s.starts_with("postgres://") || s.starts_with("postgresql://") => Some(
+                Arc::new(onceflow_postgres::PostgresCheckpointStore::open(s).await?),
+            ),
+            _ => None,
+        };
+    onceflow_kinesis::KinesisPlatform::connect_with(options, store).await
 }
 
 /// Opens a dedup store by URL: `memory://` (bounded, in-process), `embedded:///path/to/file.db`
