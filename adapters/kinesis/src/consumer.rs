@@ -75,6 +75,10 @@ struct Owned {
     fetcher: Option<JoinHandle<()>>,
     /// Sequence number of the last message handed out by `poll`.
     delivered: Option<String>,
+    /// Sequence numbers handed out by `poll` and not committed yet, in order.
+    pending: VecDeque<String>,
+    /// Sequence number of the last record fetched.
+    fetched: Option<String>,
     /// The checkpoint in the table (as this member wrote or read it).
     checkpoint: Option<String>,
     /// The fetcher read the shard to its end (closed shard).
@@ -477,6 +481,8 @@ impl KinesisConsumer {
             epoch: 0,
             fetcher: None,
             delivered: None,
+            pending: VecDeque::new(),
+            fetched: None,
             checkpoint: l.checkpoint.clone(),
             ended: false,
             millis_behind: None,
@@ -623,6 +629,7 @@ impl KinesisConsumer {
         }
         o.epoch += 1;
         o.buf.clear();
+        o.pending.clear();
         o.ended = false;
         let epoch = o.epoch;
         drop(st);
@@ -799,6 +806,9 @@ impl Fetcher {
                     return;
                 };
                 o.buf.extend(msgs);
+                if last_fetched.is_some() {
+                    o.fetched = last_fetched.clone();
+                }
                 if millis.is_some() {
                     o.millis_behind = millis;
                 }
@@ -989,7 +999,9 @@ impl ConsumerBackend for KinesisConsumer {
                         while out.len() < max {
                             match o.buf.pop_front() {
                                 Some(m) => {
-                                    o.delivered = Some(position_str(&m.position));
+                                    let seq = position_str(&m.position);
+                                    o.pending.push_back(seq.clone());
+                                    o.delivered = Some(seq);
                                     out.push(m);
                                 }
                                 None => break,
@@ -1056,6 +1068,14 @@ impl ConsumerBackend for KinesisConsumer {
             }
             if let Some(o) = self.state.lock().owned.get_mut(tp) {
                 o.checkpoint = Some(seq.clone());
+                let done = Position::SequenceNumber(seq.clone());
+                while o
+                    .pending
+                    .front()
+                    .is_some_and(|p| Position::SequenceNumber(p.clone()) <= done)
+                {
+                    o.pending.pop_front();
+                }
             }
         }
         Ok(())
@@ -1152,27 +1172,63 @@ impl ConsumerBackend for KinesisConsumer {
         self.state.lock().owned.keys().cloned().collect()
     }
 
+    /// Per held shard: `messages` = records handed out and not committed + records fetched and
+    /// not handed out + (only when the shard's last `MillisBehindLatest` is not 0) the records
+    /// after the last one fetched, counted by reading; `millis` = the last `MillisBehindLatest`.
+    /// A consumer at the tip answers without calling Kinesis.
     async fn lag(&self) -> Result<Vec<PartitionLag>> {
-        let held: Vec<(TopicPartition, String, Option<u64>)> = {
+        struct Row {
+            tp: TopicPartition,
+            shard: String,
+            millis: Option<u64>,
+            known: u64,
+            next: Option<String>,
+            fetched: Option<String>,
+            checkpoint: Option<String>,
+        }
+        let rows: Vec<Row> = {
             let st = self.state.lock();
             st.owned
                 .iter()
-                .map(|(tp, o)| (tp.clone(), o.shard.clone(), o.millis_behind))
+                .map(|(tp, o)| Row {
+                    tp: tp.clone(),
+                    shard: o.shard.clone(),
+                    millis: o.millis_behind,
+                    known: (o.pending.len() + o.buf.len()) as u64,
+                    next: o
+                        .pending
+                        .front()
+                        .cloned()
+                        .or_else(|| o.buf.front().map(|m| position_str(&m.position))),
+                    fetched: o.fetched.clone(),
+                    checkpoint: o.checkpoint.clone(),
+                })
                 .collect()
         };
-        let tps: Vec<TopicPartition> = held.iter().map(|(tp, _, _)| tp.clone()).collect();
-        let cps = self.table_checkpoints(&tps).await?;
-        let committed = self.committed(&tps).await?;
         let mut out = Vec::new();
-        for (((tp, shard, millis), cp), (_, next)) in held.into_iter().zip(cps).zip(committed) {
-            let (messages, read_millis) =
-                count_after(&self.shared, &tp.topic, &shard, cp.as_deref()).await?;
+        for r in rows {
+            let (unread, millis) = match (r.millis, &r.fetched) {
+                (Some(0), _) => (0, Some(0)),
+                (_, Some(f)) => count_after(&self.shared, &r.tp.topic, &r.shard, Some(f)).await?,
+                (_, None) => {
+                    count_after(&self.shared, &r.tp.topic, &r.shard, r.checkpoint.as_deref())
+                        .await?
+                }
+            };
+            let committed = match r.next {
+                Some(n) => Some(Position::SequenceNumber(n)),
+                // Nothing handed out or fetched after the checkpoint: the position after it.
+                None => r
+                    .checkpoint
+                    .filter(|c| c != SHARD_END)
+                    .map(|c| Position::SequenceNumber(decimal_succ(&c))),
+            };
             out.push(PartitionLag {
-                partition: tp,
-                committed: next,
+                partition: r.tp,
+                committed,
                 high_watermark: None,
-                messages,
-                millis: millis.or(read_millis),
+                messages: r.known + unread,
+                millis: r.millis.or(millis),
             });
         }
         Ok(out)
