@@ -96,6 +96,8 @@ struct OutputHandler {
     transform: Arc<dyn Transform>,
     key: super::KeyStrategy,
     atomic: bool,
+    /// The engine's counters (set once the engine exists), for `produced`.
+    metrics: Arc<std::sync::OnceLock<Metrics>>,
 }
 
 fn set_output_ids(input_key: Option<&str>, outputs: &mut [Record]) {
@@ -114,12 +116,16 @@ impl Handler for OutputHandler {
         if outputs.is_empty() {
             return Ok(None);
         }
+        let n = outputs.len() as u64;
         if self.atomic && outputs.len() > 1 {
             self.producer.send_atomic(outputs).await?;
         } else {
             for r in self.producer.send_batch(outputs).await {
                 r?;
             }
+        }
+        if let Some(m) = self.metrics.get() {
+            m.add(Metric::Produced, n);
         }
         Ok(None)
     }
@@ -185,6 +191,7 @@ impl Pipeline {
                 true
             }
         };
+        let output_metrics = Arc::new(std::sync::OnceLock::new());
         let handler: Arc<dyn Handler> = if transactional {
             Arc::new(NoHandler)
         } else {
@@ -193,6 +200,7 @@ impl Pipeline {
                 transform: transform.clone(),
                 key: config.engine.key.clone(),
                 atomic: producer.capabilities().atomic_batch,
+                metrics: output_metrics.clone(),
             })
         };
         let dlq =
@@ -205,6 +213,7 @@ impl Pipeline {
             dlq,
             transactional,
         );
+        let _ = output_metrics.set(core.metrics.clone());
         Ok(Pipeline {
             core: Arc::new(core),
             producer,
