@@ -166,3 +166,31 @@ pub async fn dedup_store(url: &str, window: Duration) -> Result<Arc<dyn DedupSto
     }
     onceflow_core::dedup::open(url, window).await
 }
+
+/// Opens a checkpoint store (the lease table of self-coordinating consumer groups, see
+/// [`checkpoint::CheckpointStore`]) by URL: `memory://`, `embedded:///path/to/file.db` or a
+/// plain file path, `redis://…` (feature `redis`, `onceflow_redis::RedisCheckpointStore`) or
+/// `postgres://…` / `postgresql://…` (feature `postgres`,
+/// `onceflow_postgres::PostgresCheckpointStore`).
+///
+/// Errors: [`ErrorKind::Config`] for an unknown scheme, [`ErrorKind::Unsupported`] for
+/// `redis://` / `postgres://` in a build without that feature, [`ErrorKind::DedupStore`] for a
+/// path or server that cannot be used (naming it, without its password).
+pub async fn checkpoint_store(url: &str) -> Result<checkpoint::SharedCheckpointStore> {
+    let scheme = url
+        .trim()
+        .split_once("://")
+        .map(|(s, _)| s.to_ascii_lowercase())
+        .unwrap_or_default();
+    match scheme.as_str() {
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" => Ok(Arc::new(
+            onceflow_redis::RedisCheckpointStore::open(url.trim()).await?,
+        )),
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(Arc::new(
+            onceflow_postgres::PostgresCheckpointStore::open(url.trim()).await?,
+        )),
+        _ => checkpoint::open(url).await,
+    }
+}

@@ -51,3 +51,22 @@ onceflow_conformance::checkpoint_suite!(match harness() {
     Some(h) => h,
     None => return,
 });
+
+#[tokio::test]
+async fn facade_opens_postgres_checkpoint_urls() {
+    let Some(base) = redis_postgres::service_url("ONCEFLOW_POSTGRES_URL", "postgres") else {
+        return;
+    };
+    let url = format!("{base}?schema=cp_facade_{}", redis_postgres::rand_hex());
+    let store = onceflow::checkpoint_store(&url).await.unwrap();
+    assert_eq!(store.name(), "postgres");
+    let e = match onceflow::checkpoint_store("postgres://u:hunter2@127.0.0.1:1/db").await {
+        Ok(_) => panic!("an unreachable PostgreSQL opened"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), onceflow_core::ErrorKind::DedupStore, "{e}");
+    assert!(
+        e.message().contains("postgres://u:***@127.0.0.1:1/db"),
+        "{e}"
+    );
+}

@@ -48,3 +48,19 @@ onceflow_conformance::checkpoint_suite!(match harness() {
     Some(h) => h,
     None => return,
 });
+
+#[tokio::test]
+async fn facade_opens_redis_checkpoint_urls() {
+    let Some(base) = redis_postgres::service_url("ONCEFLOW_REDIS_URL", "redis") else {
+        return;
+    };
+    let url = format!("{base}?prefix=cp-facade-{}:", redis_postgres::rand_hex());
+    let store = onceflow::checkpoint_store(&url).await.unwrap();
+    assert_eq!(store.name(), "redis");
+    let e = match onceflow::checkpoint_store("redis://u:hunter2@127.0.0.1:1").await {
+        Ok(_) => panic!("an unreachable Redis opened"),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), onceflow_core::ErrorKind::DedupStore, "{e}");
+    assert!(e.message().contains("redis://u:***@127.0.0.1:1"), "{e}");
+}
