@@ -5,6 +5,7 @@ mod d1;
 mod jetstream;
 mod kafka;
 mod m0;
+mod stores;
 
 /// Benchmark ids, in the order they run when none is named.
 const IDS: &[&str] = &["m0", "d1"];
@@ -20,6 +21,7 @@ fn main() {
         match id.to_ascii_lowercase().as_str() {
             "d1" => d1::run(),
             "m0" => m0::run(),
+            "stores" => stores::run(),
             n @ ("n1" | "n2") => jetstream::run(n),
             k @ ("k1" | "k3" | "k4") => kafka::run(k),
             other => {

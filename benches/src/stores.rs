@@ -1,0 +1,467 @@
+//! D1 for the shared stores: Redis and PostgreSQL (`stores` id).
+//!
+//! Random 16-byte keys (32 hex characters) are claimed and completed, then replayed (each claim
+//! must come back `Duplicate`), in batches of 1, 100 and 1000 keys per call, one caller awaiting
+//! each call, against a fresh key space per run (Redis: a new key prefix; PostgreSQL: a new
+//! schema). A key counts once for its claim and completion together, once for its replay.
+//!
+//! Each run is paired with the **raw client** doing the same commands in the same process:
+//! for Redis, the same `EVALSHA` pipelines over a bare multiplexed connection of the `redis`
+//! crate; for PostgreSQL, the same statements (`BEGIN`, placeholders, `SELECT … FOR UPDATE`,
+//! `UPDATE`, `COMMIT`, then the completion) over one bare `tokio-postgres` connection. Raw and
+//! onceflow runs alternate, twice each, and the faster of each pair is kept. The ratio is
+//! onceflow's time over the raw client's (target ≤ 1.1).
+//!
+//! Targets: Redis ≥ 100k keys/s pipelined (batch 1000), PostgreSQL ≥ 30k keys/s at batch 1000.
+//! Needs `ONCEFLOW_REDIS_URL` / `ONCEFLOW_POSTGRES_URL` (`tests/brokers/up.sh redis postgres`);
+//! a store whose URL is missing is reported as `SKIP`.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, Completion, DedupStore};
+use redis::Value;
+
+const BATCHES: [usize; 3] = [1, 100, 1000];
+/// Short, so the keys a run leaves behind expire by themselves soon after.
+const WINDOW: Duration = Duration::from_secs(600);
+const LEASE: Duration = Duration::from_secs(60);
+const REDIS_TARGET: f64 = 100_000.0;
+const POSTGRES_TARGET: f64 = 30_000.0;
+const RATIO_TARGET: f64 = 1.1;
+
+/// Keys per run for a store at a batch size (keeps the whole id near three minutes).
+fn keys_for(store: &str, batch: usize) -> usize {
+    let env = std::env::var("ONCEFLOW_STORES_KEYS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let default = match (store, batch) {
+        ("redis", 1) => 10_000,
+        ("redis", _) => 200_000,
+        (_, 1) => 2_000,
+        (_, 100) => 20_000,
+        _ => 100_000,
+    };
+    env.map_or(default, |n| n.min(default))
+}
+
+/// Runs the Redis and PostgreSQL D1 figures.
+pub fn run() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    rt.block_on(async {
+        match std::env::var("ONCEFLOW_REDIS_URL") {
+            Ok(url) if !url.is_empty() => redis_figures(&url).await,
+            _ => {
+                println!("SKIP D1 redis: ONCEFLOW_REDIS_URL is not set (tests/brokers/up.sh redis)")
+            }
+        }
+        match std::env::var("ONCEFLOW_POSTGRES_URL") {
+            Ok(url) if !url.is_empty() => postgres_figures(&url).await,
+            _ => println!(
+                "SKIP D1 postgres: ONCEFLOW_POSTGRES_URL is not set (tests/brokers/up.sh postgres)"
+            ),
+        }
+    });
+}
+
+fn random_keys(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|_| hex::encode(rand::random::<[u8; 16]>()))
+        .collect()
+}
+
+fn suffix() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// Elapsed time of the first phase (claim + complete) and of the replay.
+#[derive(Debug, Clone, Copy)]
+struct Times {
+    first: Duration,
+    replay: Duration,
+}
+
+impl Times {
+    fn best(self, other: Times) -> Times {
+        Times {
+            first: self.first.min(other.first),
+            replay: self.replay.min(other.replay),
+        }
+    }
+}
+
+/// Claims and completes every key, then replays them, through a store.
+async fn through_store(store: &dyn DedupStore, keys: &[String], batch: usize) -> Times {
+    let claims: Vec<Vec<ClaimRequest>> = keys
+        .chunks(batch)
+        .map(|c| {
+            c.iter()
+                .map(|k| ClaimRequest {
+                    key: k.clone(),
+                    owner: "bench-worker".into(),
+                    lease: LEASE,
+                    fingerprint: None,
+                })
+                .collect()
+        })
+        .collect();
+    let mut completions: Vec<Vec<Completion>> = keys
+        .chunks(batch)
+        .map(|c| {
+            c.iter()
+                .map(|k| Completion {
+                    key: k.clone(),
+                    token: 0,
+                    result: None,
+                })
+                .collect()
+        })
+        .collect();
+    let start = Instant::now();
+    for (reqs, done) in claims.iter().zip(completions.iter_mut()) {
+        let outcomes = store.claim(reqs).await.expect("claim");
+        for (o, c) in outcomes.iter().zip(done.iter_mut()) {
+            match o {
+                ClaimOutcome::Claimed { token } => c.token = *token,
+                other => panic!("first claim of {}: {other:?}", c.key),
+            }
+        }
+        let ok = store.complete(done).await.expect("complete");
+        assert!(ok.iter().all(|b| *b), "a completion was refused");
+    }
+    let first = start.elapsed();
+    let start = Instant::now();
+    for reqs in &claims {
+        let outcomes = store.claim(reqs).await.expect("replay claim");
+        assert!(
+            outcomes
+                .iter()
+                .all(|o| matches!(o, ClaimOutcome::Duplicate { .. })),
+            "a replayed key was not a duplicate"
+        );
+    }
+    Times {
+        first,
+        replay: start.elapsed(),
+    }
+}
+
+fn report(store: &str, batch: usize, n: usize, ours: Times, raw: Times, target: f64) {
+    let first = n as f64 / ours.first.as_secs_f64();
+    let replay = n as f64 / ours.replay.as_secs_f64();
+    let what = |phase: &str| format!("{store}_b{batch}_{phase}_keys_per_s({}k_keys)", n / 1000);
+    if batch == 1000 {
+        ratio_min(&what("first(claim+complete)"), first, target);
+        ratio_min(&what("replay"), replay, target);
+    } else {
+        info(&what("first(claim+complete)"), first);
+        info(&what("replay"), replay);
+    }
+    info(
+        &format!("{store}_b{batch}_raw_first_keys_per_s"),
+        n as f64 / raw.first.as_secs_f64(),
+    );
+    info(
+        &format!("{store}_b{batch}_raw_replay_keys_per_s"),
+        n as f64 / raw.replay.as_secs_f64(),
+    );
+    let cost = (ours.first + ours.replay).as_secs_f64() / (raw.first + raw.replay).as_secs_f64();
+    println!(
+        "RATIO D1 {store}_b{batch}_time_vs_raw_client {cost:.3} target <={RATIO_TARGET} {}",
+        verdict(cost <= RATIO_TARGET)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis.
+
+async fn redis_figures(url: &str) {
+    let (claim_lua, complete_lua) = onceflow_redis::RedisStore::bench_scripts();
+    let claim_sha = redis::Script::new(claim_lua).get_hash().to_string();
+    let complete_sha = redis::Script::new(complete_lua).get_hash().to_string();
+    let client = redis::Client::open(url).expect("redis client");
+    let mut raw = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw redis connection");
+    let info_line: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut raw)
+        .await
+        .unwrap_or_default();
+    let version = info_line
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_string();
+    println!("INFO D1 redis_server_version {version}");
+    for batch in BATCHES {
+        let n = keys_for("redis", batch);
+        let mut ours: Option<Times> = None;
+        let mut base: Option<Times> = None;
+        for _ in 0..2 {
+            let prefix = format!("bench-raw-{}:", suffix());
+            let keys = random_keys(n);
+            let t = redis_raw(&mut raw, &claim_sha, &complete_sha, &prefix, &keys, batch).await;
+            base = Some(base.map_or(t, |b| b.best(t)));
+            let store = onceflow_redis::RedisStore::open(
+                &format!("{url}?prefix=bench-{}:", suffix()),
+                WINDOW,
+            )
+            .await
+            .expect("open the Redis store");
+            let keys = random_keys(n);
+            let t = through_store(&store, &keys, batch).await;
+            ours = Some(ours.map_or(t, |b| b.best(t)));
+        }
+        report(
+            "redis",
+            batch,
+            n,
+            ours.unwrap(),
+            base.unwrap(),
+            REDIS_TARGET,
+        );
+    }
+}
+
+/// The store's commands over a bare connection: per batch one pipeline of `EVALSHA claim`
+/// chunks, tokens read from the replies, one pipeline of `EVALSHA complete` chunks; then the
+/// replay's claim pipelines.
+async fn redis_raw(
+    conn: &mut redis::aio::MultiplexedConnection,
+    claim_sha: &str,
+    complete_sha: &str,
+    prefix: &str,
+    keys: &[String],
+    batch: usize,
+) -> Times {
+    let window = (WINDOW.as_millis() as u64).to_string();
+    let lease = (LEASE.as_millis() as u64).to_string();
+    let chunk = onceflow_redis::SCRIPT_CHUNK;
+    let claim_pipe = |batch_keys: &[String]| {
+        let mut pipe = redis::pipe();
+        for c in batch_keys.chunks(chunk) {
+            let cmd = pipe.cmd("EVALSHA").arg(claim_sha).arg(c.len());
+            for k in c {
+                cmd.arg(format!("{prefix}{k}"));
+            }
+            cmd.arg(&window);
+            for _ in c {
+                cmd.arg("bench-worker").arg(&lease).arg("");
+            }
+        }
+        pipe
+    };
+    let start = Instant::now();
+    for b in keys.chunks(batch) {
+        let replies: Vec<Value> = claim_pipe(b).query_async(conn).await.expect("raw claim");
+        let mut tokens = Vec::with_capacity(b.len());
+        for r in &replies {
+            let Value::Array(items) = r else {
+                panic!("{r:?}")
+            };
+            for it in items {
+                match it {
+                    Value::Array(a) if a.first() == Some(&Value::Int(0)) => match a.get(1) {
+                        Some(Value::Int(t)) => tokens.push(*t),
+                        other => panic!("{other:?}"),
+                    },
+                    other => panic!("raw first claim: {other:?}"),
+                }
+            }
+        }
+        let mut pipe = redis::pipe();
+        for (c, t) in b.chunks(chunk).zip(tokens.chunks(chunk)) {
+            let cmd = pipe.cmd("EVALSHA").arg(complete_sha).arg(c.len());
+            for k in c {
+                cmd.arg(format!("{prefix}{k}"));
+            }
+            cmd.arg(&window);
+            for tok in t {
+                cmd.arg(tok.to_string()).arg("0").arg("");
+            }
+        }
+        let done: Vec<Value> = pipe.query_async(conn).await.expect("raw complete");
+        assert_eq!(done.len(), b.len().div_ceil(chunk));
+    }
+    let first = start.elapsed();
+    let start = Instant::now();
+    for b in keys.chunks(batch) {
+        let replies: Vec<Value> = claim_pipe(b).query_async(conn).await.expect("raw replay");
+        for r in &replies {
+            let Value::Array(items) = r else {
+                panic!("{r:?}")
+            };
+            for it in items {
+                assert!(
+                    matches!(it, Value::Array(a) if a.first() == Some(&Value::Int(1))),
+                    "raw replay: {it:?}"
+                );
+            }
+        }
+    }
+    Times {
+        first,
+        replay: start.elapsed(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// PostgreSQL.
+
+async fn postgres_figures(url: &str) {
+    let (raw, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("raw PostgreSQL connection");
+    tokio::spawn(conn);
+    let version: String = raw
+        .query_one("SHOW server_version", &[])
+        .await
+        .map(|r| r.get(0))
+        .unwrap_or_default();
+    println!("INFO D1 postgres_server_version {version}");
+    let mut schemas = Vec::new();
+    for batch in BATCHES {
+        let n = keys_for("postgres", batch);
+        let mut ours: Option<Times> = None;
+        let mut base: Option<Times> = None;
+        for _ in 0..2 {
+            // Raw: a fresh schema made by the store, then only the bare connection uses it.
+            let schema = format!("bench_{}", suffix());
+            let store = onceflow_postgres::PostgresStore::open(
+                &format!("{url}?schema={schema}&pool_size=2"),
+                WINDOW,
+            )
+            .await
+            .expect("open the PostgreSQL store");
+            schemas.push(schema);
+            let statements: Vec<String> = store
+                .bench_statements()
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            let keys = random_keys(n);
+            let t = postgres_raw(&raw, &statements, &keys, batch).await;
+            base = Some(base.map_or(t, |b| b.best(t)));
+            drop(store);
+
+            let schema = format!("bench_{}", suffix());
+            let store = onceflow_postgres::PostgresStore::open(
+                &format!("{url}?schema={schema}&pool_size=2"),
+                WINDOW,
+            )
+            .await
+            .expect("open the PostgreSQL store");
+            schemas.push(schema);
+            let keys = random_keys(n);
+            let t = through_store(&store, &keys, batch).await;
+            ours = Some(ours.map_or(t, |b| b.best(t)));
+        }
+        report(
+            "postgres",
+            batch,
+            n,
+            ours.unwrap(),
+            base.unwrap(),
+            POSTGRES_TARGET,
+        );
+    }
+    for s in schemas {
+        let _ = raw
+            .batch_execute(&format!("DROP SCHEMA \"{s}\" CASCADE"))
+            .await;
+    }
+}
+
+/// The store's statements over a bare connection, prepared once: per claim `BEGIN`,
+/// placeholders, `SELECT … FOR UPDATE`, the `UPDATE` of the claimed rows, `COMMIT`; then the
+/// completion statement; then the replay's claims (no `UPDATE`: nothing is claimed).
+async fn postgres_raw(
+    client: &tokio_postgres::Client,
+    statements: &[String],
+    keys: &[String],
+    batch: usize,
+) -> Times {
+    let placeholders = client.prepare(&statements[0]).await.expect("prepare");
+    let lock = client.prepare(&statements[1]).await.expect("prepare");
+    let claim = client.prepare(&statements[2]).await.expect("prepare");
+    let complete = client.prepare(&statements[3]).await.expect("prepare");
+    let window = WINDOW.as_millis() as i64;
+    let lease = LEASE.as_millis() as i64;
+    let start = Instant::now();
+    for b in keys.chunks(batch) {
+        let mut sorted: Vec<String> = b.to_vec();
+        sorted.sort();
+        client.batch_execute("BEGIN").await.expect("begin");
+        client
+            .execute(&placeholders, &[&sorted])
+            .await
+            .expect("placeholders");
+        let rows = client.query(&lock, &[&sorted]).await.expect("lock");
+        let mut now = 0i64;
+        let mut tokens: HashMap<String, i64> = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            now = now.max(r.get(8));
+            tokens.insert(r.get(0), r.get::<_, i64>(1) + 1);
+        }
+        let t: Vec<i64> = sorted.iter().map(|k| tokens[k]).collect();
+        let owners: Vec<Option<&str>> = sorted.iter().map(|_| Some("bench-worker")).collect();
+        let lu: Vec<Option<i64>> = sorted.iter().map(|_| Some(now + lease)).collect();
+        let exp: Vec<i64> = sorted.iter().map(|_| now + lease + window).collect();
+        let fps: Vec<Option<&[u8]>> = sorted.iter().map(|_| None).collect();
+        client
+            .execute(&claim, &[&sorted, &t, &owners, &lu, &exp, &fps])
+            .await
+            .expect("claim update");
+        client.batch_execute("COMMIT").await.expect("commit");
+        let results: Vec<Option<Vec<u8>>> = sorted.iter().map(|_| None).collect();
+        let done = client
+            .query(&complete, &[&sorted, &t, &results, &window])
+            .await
+            .expect("complete");
+        assert_eq!(done.len(), sorted.len());
+    }
+    let first = start.elapsed();
+    let start = Instant::now();
+    for b in keys.chunks(batch) {
+        let mut sorted: Vec<String> = b.to_vec();
+        sorted.sort();
+        client.batch_execute("BEGIN").await.expect("begin");
+        client
+            .execute(&placeholders, &[&sorted])
+            .await
+            .expect("placeholders");
+        let rows = client.query(&lock, &[&sorted]).await.expect("lock");
+        assert!(rows.iter().all(|r| r.get::<_, i16>(2) == 2));
+        client.batch_execute("COMMIT").await.expect("commit");
+    }
+    Times {
+        first,
+        replay: start.elapsed(),
+    }
+}
+
+fn verdict(pass: bool) -> &'static str {
+    if pass {
+        "PASS"
+    } else {
+        "MISS"
+    }
+}
+
+fn ratio_min(what: &str, value: f64, target: f64) {
+    println!(
+        "RATIO D1 {what} {value:.0} target >={target} {}",
+        verdict(value >= target)
+    );
+}
+
+fn info(what: &str, value: f64) {
+    println!("INFO D1 {what} {value:.0}");
+}
