@@ -4,6 +4,7 @@
 mod d1;
 mod jetstream;
 mod kafka;
+mod kinesis;
 mod m0;
 mod stores;
 
@@ -24,6 +25,7 @@ fn main() {
             "stores" => stores::run(),
             n @ ("n1" | "n2") => jetstream::run(n),
             k @ ("k1" | "k3" | "k4") => kafka::run(k),
+            "ki1" => kinesis::run(),
             other => {
                 eprintln!(
                     "unknown benchmark id '{other}': expected one of {}",

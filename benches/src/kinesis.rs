@@ -1,0 +1,211 @@
+//! KI1: onceflow's packed Kinesis producer against the AWS SDK for Rust on the same
+//! Kinesis-compatible server, in the same run (`ONCEFLOW_KINESIS_URL`, default
+//! `kinesis://127.0.0.1:14567?region=us-east-1`; start one with `tests/brokers/up.sh kinesis`).
+//!
+//! 1 KiB records with a key (partition key), to a stream of 4 shards:
+//! - onceflow `send_batch` (the producer packs PutRecords calls: 500 records / 5 MiB) against
+//!   hand-batched raw `PutRecords` of 500 entries, one call at a time: **CPU time per record**
+//!   of this process (user + system, `/proc/self/stat`), target ≤ 1.1× raw;
+//! - onceflow against one raw `PutRecord` per record, one at a time: **rate**, target ≥ 10×.
+//!
+//! Each figure is the best of `ROUNDS` alternating rounds (the machine is shared).
+
+use std::time::Instant;
+
+use aws_sdk_kinesis::primitives::Blob;
+use aws_sdk_kinesis::types::PutRecordsRequestEntry;
+use bytes::Bytes;
+use onceflow_core::{PlatformBackend, ProducerConfig, Record, TopicSpec};
+
+const ROUNDS: usize = 3;
+const SHARDS: u32 = 4;
+
+fn count() -> usize {
+    std::env::var("ONCEFLOW_BENCH_KI1_RECORDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000)
+}
+
+/// CPU seconds (user + system) this process has used.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+struct Figure {
+    rate: f64,
+    cpu_per_record: f64,
+}
+
+async fn measure<F: std::future::Future<Output = ()>>(n: usize, f: F) -> Figure {
+    let (c0, t0) = (cpu_seconds(), Instant::now());
+    f.await;
+    let (c1, wall) = (cpu_seconds(), t0.elapsed().as_secs_f64());
+    Figure {
+        rate: n as f64 / wall,
+        cpu_per_record: (c1 - c0) / n as f64,
+    }
+}
+
+fn records(stream: &str, n: usize, payload: &Bytes) -> Vec<Record> {
+    (0..n)
+        .map(|i| Record::new(stream.to_string(), payload.clone()).key(format!("key-{}", i % 64)))
+        .collect()
+}
+
+/// Runs KI1.
+pub fn run() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(ki1());
+}
+
+async fn ki1() {
+    let url = std::env::var("ONCEFLOW_KINESIS_URL")
+        .unwrap_or_else(|_| "kinesis://127.0.0.1:14567?region=us-east-1".to_string());
+    let platform = onceflow_kinesis::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e} (start one with tests/brokers/up.sh kinesis)"));
+    let client = onceflow_core::Client::new(platform.clone());
+    let sdk = platform.client();
+    let admin = platform.admin().await.unwrap();
+    let n = count();
+    let singles = (n / 10).max(200);
+    let payload = Bytes::from(vec![b'x'; 1024]);
+    let (mut packed, mut adapter, mut raw, mut single) = (
+        None::<Figure>,
+        None::<Figure>,
+        None::<Figure>,
+        None::<Figure>,
+    );
+    let best = |slot: &mut Option<Figure>, f: Figure| match slot {
+        Some(b) if b.rate >= f.rate => {
+            b.cpu_per_record = b.cpu_per_record.min(f.cpu_per_record);
+        }
+        _ => {
+            let cpu = slot
+                .as_ref()
+                .map_or(f.cpu_per_record, |b| b.cpu_per_record.min(f.cpu_per_record));
+            *slot = Some(Figure {
+                rate: f.rate,
+                cpu_per_record: cpu,
+            });
+        }
+    };
+    for round in 0..ROUNDS {
+        let stream = format!("benchki1-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
+        admin
+            .create_topic(&TopicSpec::new(stream.clone(), SHARDS))
+            .await
+            .expect("create stream");
+
+        // onceflow through the facade (trace injection, validation, the adapter's packing).
+        let producer = client.producer(ProducerConfig::default()).await.unwrap();
+        let recs = records(&stream, n, &payload);
+        let f = measure(n, async {
+            for r in producer.send_batch(recs).await {
+                r.expect("onceflow send");
+            }
+        })
+        .await;
+        best(&mut packed, f);
+
+        // The adapter alone (no facade), for locating costs.
+        let backend = platform.producer(ProducerConfig::default()).await.unwrap();
+        let recs = records(&stream, n, &payload);
+        let f = measure(n, async {
+            for r in backend.send_batch(recs).await {
+                r.expect("adapter send");
+            }
+        })
+        .await;
+        best(&mut adapter, f);
+
+        // Raw PutRecords, hand-batched by 500, one call at a time.
+        let f = measure(n, async {
+            for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+                let entries: Vec<PutRecordsRequestEntry> = chunk
+                    .iter()
+                    .map(|i| {
+                        PutRecordsRequestEntry::builder()
+                            .data(Blob::new(payload.to_vec()))
+                            .partition_key(format!("key-{}", i % 64))
+                            .build()
+                            .unwrap()
+                    })
+                    .collect();
+                let out = sdk
+                    .put_records()
+                    .stream_name(&stream)
+                    .set_records(Some(entries))
+                    .send()
+                    .await
+                    .expect("raw PutRecords");
+                assert_eq!(out.failed_record_count(), Some(0));
+            }
+        })
+        .await;
+        best(&mut raw, f);
+
+        // Raw PutRecord, one record per call.
+        let f = measure(singles, async {
+            for i in 0..singles {
+                sdk.put_record()
+                    .stream_name(&stream)
+                    .data(Blob::new(payload.to_vec()))
+                    .partition_key(format!("key-{}", i % 64))
+                    .send()
+                    .await
+                    .expect("raw PutRecord");
+            }
+        })
+        .await;
+        best(&mut single, f);
+        let _ = admin.delete_topic(&stream).await;
+        eprintln!("[bench] KI1 round {} done", round + 1);
+    }
+    let (packed, adapter, raw, single) = (
+        packed.unwrap(),
+        adapter.unwrap(),
+        raw.unwrap(),
+        single.unwrap(),
+    );
+    eprintln!(
+        "[bench] KI1 1 KiB x {n}: onceflow {:.0}/s {:.1} us CPU/record; adapter alone {:.0}/s \
+         {:.1} us; raw PutRecords(500) {:.0}/s {:.1} us; raw PutRecord x {singles} {:.0}/s {:.1} us",
+        packed.rate,
+        packed.cpu_per_record * 1e6,
+        adapter.rate,
+        adapter.cpu_per_record * 1e6,
+        raw.rate,
+        raw.cpu_per_record * 1e6,
+        single.rate,
+        single.cpu_per_record * 1e6,
+    );
+    let cpu = packed.cpu_per_record / raw.cpu_per_record;
+    println!(
+        "RATIO KI1 cpu-per-record-vs-raw-putrecords {cpu:.3} target <=1.1 {}",
+        if cpu <= 1.1 { "PASS" } else { "MISS" }
+    );
+    println!(
+        "RATIO KI1 cpu-per-record-adapter-only-vs-raw-putrecords {:.3} target (info) INFO",
+        adapter.cpu_per_record / raw.cpu_per_record
+    );
+    let rate = packed.rate / single.rate;
+    println!(
+        "RATIO KI1 rate-vs-one-putrecord-per-record {rate:.3} target >=10 {}",
+        if rate >= 10.0 { "PASS" } else { "MISS" }
+    );
+    println!(
+        "RATIO KI1 rate-vs-raw-putrecords {:.3} target (info) INFO",
+        packed.rate / raw.rate
+    );
+}
