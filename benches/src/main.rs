@@ -6,6 +6,7 @@ mod jetstream;
 mod kafka;
 mod kinesis;
 mod m0;
+mod pulsar;
 mod stores;
 
 /// Benchmark ids, in the order they run when none is named.
@@ -25,6 +26,7 @@ fn main() {
             "stores" => stores::run(),
             n @ ("n1" | "n2") => jetstream::run(n),
             k @ ("k1" | "k3" | "k4") => kafka::run(k),
+            "p1" => pulsar::run(),
             "ki1" => kinesis::run(),
             other => {
                 eprintln!(
