@@ -4,15 +4,7 @@
 mod inbox_crash;
 mod redis_postgres;
 
-fn connect(
-    url: String,
-) -> std::pin::Pin<
-    Box<
-        dyn std::future::Future<
-                Output = onceflow_core::Result<std::sync::Arc<dyn onceflow_core::PlatformBackend>>,
-            > + Send,
-    >,
-> {
+fn connect(url: String) -> inbox_crash::Connected {
     Box::pin(async move { onceflow_jetstream::connect(&url).await.map(|p| p as _) })
 }
 

@@ -26,11 +26,12 @@ const PARTITIONS: u32 = 2;
 const WINDOW: Duration = Duration::from_secs(3600);
 
 /// Connects a platform URL (the test binary's adapter).
-pub type Connect = fn(
-    String,
-) -> std::pin::Pin<
-    Box<dyn std::future::Future<Output = onceflow_core::Result<Arc<dyn PlatformBackend>>> + Send>,
->;
+/// A platform being opened from its URL.
+pub type Connected =
+    futures::future::BoxFuture<'static, onceflow_core::Result<Arc<dyn PlatformBackend>>>;
+
+/// Opens the platform under test from its URL.
+pub type Connect = fn(String) -> Connected;
 
 /// One row per input, in the inbox's transaction.
 struct OneRow {
