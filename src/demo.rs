@@ -25,8 +25,8 @@ pub struct DemoArgs {
     /// Number of distinct order events to produce (≥ 1).
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     messages: u64,
-    /// Dedup store URL: memory://, a file path / embedded:///path (default: an embedded store in
-    /// a temporary directory).
+    /// Dedup store URL: memory://, a file path / embedded:///path, redis://… or postgres://…
+    /// (default: an embedded store in a temporary directory).
     #[arg(long)]
     dedup: Option<String>,
     /// Simulate a crash after every K transformed messages (0 = never; default: a third of the
@@ -116,10 +116,10 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
 
     eprintln!(
         "onceflow demo on {} ({} partitions), dedup store {} ({})",
-        a.url,
+        onceflow::redact_url(&a.url),
         a.partitions,
         store.name(),
-        store_url
+        onceflow::redact_url(&store_url)
     );
 
     // 1. Produce the orders, with ~1% sent twice (same idempotency key) like a retrying producer.
@@ -332,7 +332,10 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     row("platform", client.platform().to_string());
     row("guarantee", guarantee.to_string());
     row("mechanism", mechanism.to_string());
-    row("dedup store", format!("{} ({store_url})", store.name()));
+    row(
+        "dedup store",
+        format!("{} ({})", store.name(), onceflow::redact_url(&store_url)),
+    );
     row("orders (distinct inputs)", n.to_string());
     row(
         "input records incl. duplicate sends",

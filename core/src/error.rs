@@ -227,6 +227,23 @@ impl std::error::Error for Error {
     }
 }
 
+/// The URL with its password replaced by `***` (the input unchanged when it has none): what
+/// onceflow's errors, logs and CLI output show of a store or broker URL. An unparsable URL
+/// loses everything between `://` and its last `@`, to be safe.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        Ok(_) => url.to_string(),
+        Err(_) => match (url.find("://"), url.rfind('@')) {
+            (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
+            _ => url.to_string(),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,5 +1,5 @@
 //! The checkpoint-store (lease table) conformance suite: written once against
-//! [`CheckpointStore`], run for every store through a [`CheckpointHarness`] and the
+//! [`CheckpointStore`](onceflow_core::checkpoint::CheckpointStore), run for every store through a [`CheckpointHarness`] and the
 //! [`checkpoint_suite!`](crate::checkpoint_suite!) macro. It checks the semantics documented in
 //! `onceflow_core::checkpoint`.
 //!

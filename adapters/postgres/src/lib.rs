@@ -92,21 +92,7 @@ const PURGE_CHUNK: i64 = 5_000;
 /// Attempts of a statement that lost a deadlock or serialization race.
 pub(crate) const MAX_TRIES: usize = 10;
 
-/// The URL with its password replaced by `***` (or the input unchanged when it has none):
-/// what onceflow's errors and logs show.
-pub fn redact_url(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        Ok(_) => url.to_string(),
-        Err(_) => match (url.find("://"), url.rfind('@')) {
-            (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
-            _ => url.to_string(),
-        },
-    }
-}
+pub use onceflow_core::redact_url;
 
 /// Options of a [`PostgresStore`].
 #[derive(Debug, Clone)]

@@ -84,22 +84,7 @@ impl RedisOptions {
     }
 }
 
-/// The URL with its password replaced by `***` (or the input unchanged when it does not parse):
-/// what onceflow's errors and logs show.
-pub fn redact_url(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        Ok(_) => url.to_string(),
-        // Unparsable: drop everything between "://" and the last '@' to be safe.
-        Err(_) => match (url.find("://"), url.rfind('@')) {
-            (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
-            _ => url.to_string(),
-        },
-    }
-}
+pub use onceflow_core::redact_url;
 
 /// A connection to Redis and what it needs to call the store's scripts.
 #[derive(Clone)]
