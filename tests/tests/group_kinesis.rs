@@ -87,7 +87,11 @@ async fn worker(spec: &str) {
                 .unwrap_or("?")
                 .to_string();
             // The side effect: one line per handler run, written before the key completes.
-            writeln!(log.lock().unwrap(), "{key} {me}").unwrap();
+            // One write(2) per line: the three worker processes append to one file, and
+            // `writeln!` on a `File` writes the pieces of its format one call at a time, so
+            // lines of different processes interleaved.
+            let line = format!("{key} {me}\n");
+            log.lock().unwrap().write_all(line.as_bytes()).unwrap();
             tokio::time::sleep(Duration::from_millis(5)).await;
             Ok(Some(bytes::Bytes::from(me)))
         }
