@@ -176,6 +176,31 @@ fn read_row(tx: &Connection, group: &str, key: &str) -> rusqlite::Result<Option<
     .optional()
 }
 
+/// For each item: reads its row, applies `change` (the result, and whether the row changed),
+/// writes a changed row back; `missing` for an item whose row does not exist.
+fn change_rows<T, R: Clone>(
+    tx: &Connection,
+    group: &str,
+    items: &[T],
+    key: impl Fn(&T) -> &str,
+    missing: R,
+    mut change: impl FnMut(&mut Row, &T) -> (R, bool),
+) -> rusqlite::Result<Vec<R>> {
+    items
+        .iter()
+        .map(|item| {
+            let Some(mut row) = read_row(tx, group, key(item))? else {
+                return Ok(missing.clone());
+            };
+            let (result, changed) = change(&mut row, item);
+            if changed {
+                write_row(tx, group, key(item), &row)?;
+            }
+            Ok(result)
+        })
+        .collect()
+}
+
 fn write_row(tx: &Connection, group: &str, key: &str, row: &Row) -> rusqlite::Result<()> {
     let parents = serde_json::to_string(&row.parents).unwrap_or_else(|_| "[]".into());
     tx.prepare_cached(
@@ -405,19 +430,18 @@ impl CheckpointStore for EmbeddedCheckpointStore {
         }
         let (group, leases) = (group.to_string(), leases.to_vec());
         self.tx("cannot renew leases", move |tx, now| {
-            leases
-                .iter()
-                .map(|h| {
-                    let Some(mut row) = read_row(tx, &group, &h.key)? else {
-                        return Ok(None);
-                    };
+            change_rows(
+                tx,
+                &group,
+                &leases,
+                |h| &h.key,
+                None,
+                |row, h| {
                     let c = row.renew(h, lease, now);
-                    if c.is_some() {
-                        write_row(tx, &group, &h.key, &row)?;
-                    }
-                    Ok(c)
-                })
-                .collect()
+                    let changed = c.is_some();
+                    (c, changed)
+                },
+            )
         })
         .await
     }
@@ -433,19 +457,17 @@ impl CheckpointStore for EmbeddedCheckpointStore {
         }
         let (group, leases) = (group.to_string(), leases.to_vec());
         self.tx("cannot release leases", move |tx, _| {
-            leases
-                .iter()
-                .map(|h| {
-                    let Some(mut row) = read_row(tx, &group, &h.key)? else {
-                        return Ok(false);
-                    };
+            change_rows(
+                tx,
+                &group,
+                &leases,
+                |h| &h.key,
+                false,
+                |row, h| {
                     let ok = row.release(h);
-                    if ok {
-                        write_row(tx, &group, &h.key, &row)?;
-                    }
-                    Ok(ok)
-                })
-                .collect()
+                    (ok, ok)
+                },
+            )
         })
         .await
     }
@@ -461,19 +483,17 @@ impl CheckpointStore for EmbeddedCheckpointStore {
         }
         let (group, requests) = (group.to_string(), requests.to_vec());
         self.tx("cannot write checkpoints", move |tx, _| {
-            requests
-                .iter()
-                .map(|c| {
-                    let Some(mut row) = read_row(tx, &group, &c.key)? else {
-                        return Ok(false);
-                    };
+            change_rows(
+                tx,
+                &group,
+                &requests,
+                |c| &c.key,
+                false,
+                |row, c| {
                     let ok = row.checkpoint(c);
-                    if ok {
-                        write_row(tx, &group, &c.key, &row)?;
-                    }
-                    Ok(ok)
-                })
-                .collect()
+                    (ok, ok)
+                },
+            )
         })
         .await
     }
