@@ -34,8 +34,10 @@
 //!   (`send_offsets_to_transaction` with the consumer's `ConsumerGroupMetadata`, carried in
 //!   [`GroupMetadata::native`]) / `commit` / `abort`. librdkafka's blocking transaction calls run
 //!   on `tokio::task::spawn_blocking`, never on the async executor. `send_batch` enqueues every
-//!   record, in order, before awaiting the delivery reports. Errors map as follows: producer
-//!   fencing (`PRODUCER_FENCED`, `INVALID_PRODUCER_EPOCH`, `_FENCED`) → [`ErrorKind::Fenced`],
+//!   record, in order, then has them sent at once rather than after `linger.ms` (the call
+//!   has handed over all it has), before awaiting the delivery reports. Errors map as
+//!   follows: producer fencing (`PRODUCER_FENCED`, `INVALID_PRODUCER_EPOCH`, `_FENCED`) →
+//!   [`ErrorKind::Fenced`],
 //!   not retriable, and the producer refuses further transactions; consumer-group fencing of
 //!   KIP-447 (`ILLEGAL_GENERATION`, `UNKNOWN_MEMBER_ID`, `FENCED_INSTANCE_ID`,
 //!   `REBALANCE_IN_PROGRESS` from `send_offsets_to_transaction`) → a *retriable*

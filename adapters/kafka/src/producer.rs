@@ -43,6 +43,8 @@ struct Shared {
     transactional_id: Option<String>,
     native_config: rdkafka::ClientConfig,
     native: Mutex<Native>,
+    /// The producer's `linger.ms` (see [`send_all_on`]).
+    linger: Duration,
     state: Mutex<TxnState>,
     /// Serialises `begin` (initialisation and re-creation of the native producer).
     init_lock: tokio::sync::Mutex<()>,
@@ -177,13 +179,53 @@ pub(crate) async fn send_on(
     delivered(record, f).await
 }
 
+/// librdkafka's `linger.ms` (alias `queue.buffering.max.ms`) in `config`, or its default of
+/// 5 ms (librdkafka ≥ 2.0, CONFIGURATION.md).
+fn linger_of(config: &rdkafka::ClientConfig) -> Duration {
+    config
+        .get("linger.ms")
+        .or_else(|| config.get("queue.buffering.max.ms"))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .and_then(|ms| Duration::try_from_secs_f64(ms / 1000.0).ok())
+        .unwrap_or(Duration::from_millis(5))
+}
+
+/// Sends what is queued now rather than after `linger.ms`, for at most `window` (the linger
+/// time, after which it would leave anyway): `rd_kafka_flush` with a timeout sets librdkafka's
+/// "flushing" flag, under which the broker threads treat `linger.ms` as elapsed, and wakes
+/// them; it returns when nothing is outstanding or `window` has passed. This is Java's
+/// `KafkaProducer.flush()` made non-blocking for the caller: it runs on a blocking thread and
+/// nobody waits for it. rust-rdkafka's `Producer::flush` cannot be used: it calls
+/// `rd_kafka_flush` with a zero timeout and then polls, so the flag is gone before a broker
+/// thread wakes up and the records still wait `linger.ms`.
+#[allow(unsafe_code)]
+fn flush_queued(native: Native, window: Duration) {
+    tokio::task::spawn_blocking(move || {
+        let ms = i32::try_from(window.as_millis()).unwrap_or(i32::MAX).max(1);
+        // SAFETY: `native_ptr` is the rd_kafka_t owned by `native`, which this closure keeps
+        // alive for the call. `rd_kafka_flush` may be called from any thread; with the event
+        // based delivery reports rust-rdkafka configures, it only waits for the outstanding
+        // message count (it serves no queue), so the producer's own poll thread still receives
+        // every delivery report. Its result (timed out or not) needs no handling: the delivery
+        // reports carry each record's outcome.
+        unsafe { rdkafka::bindings::rd_kafka_flush(native.client().native_ptr(), ms) };
+    });
+}
+
 /// Sends `records` pipelined: every record is enqueued first, in order (librdkafka batches
 /// them per partition and the idempotent producer keeps their order), then every delivery
 /// report is awaited. One result per record, in input order.
+///
+/// A batch call hands over every record it has and waits for their reports, so waiting
+/// `linger.ms` for more records to join them only adds latency (with one call in flight, each
+/// call paid the whole 5 ms default). Once the batch is enqueued it is sent right away
+/// ([`flush_queued`] for `linger`, the configured `linger.ms`; nothing when that is 0).
+/// `linger.ms` still batches single `send` calls and [`TransactionBackend::enqueue_batch`].
 pub(crate) async fn send_all_on(
-    native: &FutureProducer,
+    native: &Native,
     records: &[Record],
     max_record_bytes: usize,
+    linger: Duration,
 ) -> Vec<Result<Delivery>> {
     let mut pending = Vec::with_capacity(records.len());
     for r in records {
@@ -191,6 +233,9 @@ pub(crate) async fn send_all_on(
             Ok(()) => enqueue(native, r).await,
             Err(e) => Err(e),
         });
+    }
+    if !linger.is_zero() && pending.iter().any(|p| p.is_ok()) {
+        flush_queued(native.clone(), linger);
     }
     let mut out = Vec::with_capacity(records.len());
     for (r, p) in records.iter().zip(pending) {
@@ -256,6 +301,7 @@ impl KafkaProducer {
             shared: Arc::new(Shared {
                 kafka,
                 transactional_id: config.transactional_id,
+                linger: linger_of(&native_config),
                 native_config,
                 native: Mutex::new(native),
                 state: Mutex::new(TxnState::default()),
@@ -358,7 +404,13 @@ impl ProducerBackend for KafkaProducer {
                 .collect();
         }
         let native = self.native();
-        send_all_on(&native, &records, self.shared.kafka.max_record_bytes).await
+        send_all_on(
+            &native,
+            &records,
+            self.shared.kafka.max_record_bytes,
+            self.shared.linger,
+        )
+        .await
     }
 
     async fn begin(&self) -> Result<Box<dyn TransactionBackend>> {
@@ -501,7 +553,13 @@ impl TransactionBackend for KafkaTransaction {
                 .map(|_| Err(Error::new(ErrorKind::Fenced, why.clone())))
                 .collect();
         }
-        let out = send_all_on(&self.native, &records, self.shared.kafka.max_record_bytes).await;
+        let out = send_all_on(
+            &self.native,
+            &records,
+            self.shared.kafka.max_record_bytes,
+            self.shared.linger,
+        )
+        .await;
         if let Some(e) = out
             .iter()
             .find_map(|r| r.as_ref().err().filter(|e| e.kind() == ErrorKind::Fenced))
