@@ -64,8 +64,20 @@ export interface Transaction {
 }
 
 export interface Consumer extends AsyncIterable<Message> {
+  /**
+   * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000) for
+   * the first; resolves to an array, empty on timeout. One native crossing per batch. The
+   * payloads, keys and header values of one batch are views of one Buffer: copy one
+   * (`Buffer.from(m.payload)`) to keep it long after the rest of its batch.
+   */
+  poll(max?: number, timeoutMs?: number): Promise<Message[]>
   /** Messages one by one, fetched in batches until `close()` or `break`. */
   messages(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message>
+  /**
+   * Non-empty arrays of up to `batchSize` messages (default 500), one native crossing each,
+   * until `close()` or `break`; `timeoutMs` bounds each poll (default 1000).
+   */
+  batches(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message[]>
   /** Commits the given messages/positions, or the last message yielded of each partition. */
   commit(positions?: PositionLike | PositionLike[]): Promise<void>
 }

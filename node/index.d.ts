@@ -64,8 +64,20 @@ export interface Transaction {
 }
 
 export interface Consumer extends AsyncIterable<Message> {
+  /**
+   * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000) for
+   * the first; resolves to an array, empty on timeout. One native crossing per batch. The
+   * payloads, keys and header values of one batch are views of one Buffer: copy one
+   * (`Buffer.from(m.payload)`) to keep it long after the rest of its batch.
+   */
+  poll(max?: number, timeoutMs?: number): Promise<Message[]>
   /** Messages one by one, fetched in batches until `close()` or `break`. */
   messages(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message>
+  /**
+   * Non-empty arrays of up to `batchSize` messages (default 500), one native crossing each,
+   * until `close()` or `break`; `timeoutMs` bounds each poll (default 1000).
+   */
+  batches(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message[]>
   /** Commits the given messages/positions, or the last message yielded of each partition. */
   commit(positions?: PositionLike | PositionLike[]): Promise<void>
 }
@@ -148,9 +160,10 @@ export declare class Consumer {
   get group(): string
   /**
    * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000)
-   * for the first; resolves to an array (empty on timeout). One crossing per batch.
+   * for the first; resolves to the batch in columns (no message on timeout), which
+   * `index.js`'s `poll` turns into message objects. One crossing per batch.
    */
-  poll(max?: number | undefined | null, timeoutMs?: number | undefined | null): Promise<Array<Message>>
+  _poll(max?: number | undefined | null, timeoutMs?: number | undefined | null): Promise<MessageColumns>
   /** Commits the last processed message's position of each partition. */
   _commit(positions: Array<PositionIn>): Promise<void>
   /** The group's committed position (next to read) of each partition, or null. */
@@ -407,6 +420,38 @@ export interface Message {
   timestamp: number | null
   /** How many times the platform delivered this message (1 on first delivery). */
   deliveryCount: number
+}
+
+/**
+ * A polled batch in columns, the form in which `Consumer.poll` crosses: `index.js` builds the
+ * message objects (the shape of [`Message`]) from one Buffer, a few typed arrays and the
+ * strings, instead of N-API making an object, an external Buffer and its strings for every
+ * message. Per-message columns are in message order.
+ */
+export interface MessageColumns {
+  /** The distinct topics of the batch. */
+  topics: Array<string>
+  /** Per message: its topic, as an index into `topics`. */
+  topic: Uint32Array
+  /** Per message: partition (shard) number. */
+  partition: Int32Array
+  /** Per message: position text (`offset:42`, `seq:7`, ...). */
+  position: Array<string>
+  /** Per message: milliseconds since the epoch, NaN when the platform has none. */
+  timestamp: Float64Array
+  /** Per message: how many times the platform delivered it. */
+  deliveryCount: Uint32Array
+  /** Per message: its number of headers. */
+  headerCount: Uint32Array
+  /** Every header name, message after message, in order. */
+  headerNames: Array<string>
+  /**
+   * Byte lengths, message after message: the key (-1: no key), the payload, then each header
+   * value (-1: a null header).
+   */
+  lengths: Int32Array
+  /** The bytes `lengths` describes, back to back, in the same order. */
+  data: Buffer
 }
 
 /** Engine counters. */

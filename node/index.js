@@ -222,8 +222,67 @@ Transaction.prototype.commitOffsets = function (consumer, positions) {
 
 // ---- Consumer -----------------------------------------------------------------------------
 
+/**
+ * Message objects from a batch in columns (`Consumer._poll`): the shape of `Message`. The
+ * payloads, keys and header values of one batch are views of one Buffer (as kafkajs's are of
+ * its fetch response); copy one (`Buffer.from(m.payload)`) to keep it apart from its batch.
+ */
+function messagesOf(c) {
+  const n = c.partition.length
+  const out = new Array(n)
+  const { data, lengths, topics, topic, partition, position, timestamp, deliveryCount, headerCount, headerNames } = c
+  let at = 0
+  let li = 0
+  let hi = 0
+  for (let i = 0; i < n; i++) {
+    let key = null
+    const kl = lengths[li++]
+    if (kl >= 0) {
+      key = data.subarray(at, at + kl)
+      at += kl
+    }
+    const pl = lengths[li++]
+    const payload = data.subarray(at, at + pl)
+    at += pl
+    const hc = headerCount[i]
+    const headers = new Array(hc)
+    for (let h = 0; h < hc; h++) {
+      let value = null
+      const vl = lengths[li++]
+      if (vl >= 0) {
+        value = data.subarray(at, at + vl)
+        at += vl
+      }
+      headers[h] = { name: headerNames[hi++], value }
+    }
+    const ts = timestamp[i]
+    out[i] = {
+      topic: topics[topic[i]],
+      partition: partition[i],
+      position: position[i],
+      key,
+      payload,
+      headers,
+      timestamp: ts === ts ? ts : null,
+      deliveryCount: deliveryCount[i],
+    }
+  }
+  return out
+}
+
+/**
+ * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000) for
+ * the first; resolves to an array (empty on timeout). One native crossing per batch.
+ */
+Consumer.prototype.poll = async function (max, timeoutMs) {
+  return messagesOf(await this._poll(max, timeoutMs))
+}
+
 function toPositions(consumer, arg) {
-  if (arg === undefined || arg === null) return [...(consumer._last ? consumer._last.values() : [])]
+  if (arg === undefined || arg === null) {
+    settle(consumer)
+    return [...(consumer._last ? consumer._last.values() : [])]
+  }
   const list = Array.isArray(arg) ? arg : [arg]
   return list.map((p) => ({ topic: p.topic, partition: p.partition, position: p.position }))
 }
@@ -231,6 +290,27 @@ function toPositions(consumer, arg) {
 function remember(consumer, m) {
   if (!consumer._last) consumer._last = new Map()
   consumer._last.set(`${m.topic}\u0000${m.partition}`, { topic: m.topic, partition: m.partition, position: m.position })
+}
+
+// What `commit()` without arguments commits: the last message yielded of each partition. The
+// iterators note the current batch and how far into it they have yielded (no work per
+// message); the positions are taken from it when asked for, or when the next batch arrives.
+function yielded(consumer, batch, end) {
+  consumer._yielded = batch
+  consumer._yieldedEnd = end
+}
+
+function settle(consumer) {
+  const b = consumer._yielded
+  if (!b) return
+  const end = consumer._yieldedEnd
+  consumer._yielded = null
+  for (let i = 0; i < end; i++) {
+    const m = b[i]
+    const next = i + 1 < end ? b[i + 1] : undefined
+    // The last of each run of one partition; a later run of the same partition overwrites it.
+    if (next === undefined || next.partition !== m.partition || next.topic !== m.topic) remember(consumer, m)
+  }
 }
 
 /**
@@ -243,11 +323,31 @@ Consumer.prototype.messages = async function* (options = {}) {
   this._closed = false
   while (!this._closed) {
     const batch = await this.poll(max, timeoutMs)
-    for (const m of batch) {
-      remember(this, m)
-      yield m
+    settle(this)
+    for (let i = 0; i < batch.length; i++) {
+      yielded(this, batch, i + 1)
+      yield batch[i]
       if (this._closed) return
     }
+  }
+}
+/**
+ * Batches of messages, fetched with one native crossing each, until `close()` or `break`: every
+ * value is a non-empty array of up to `batchSize` messages (default 500), in the order the
+ * platform delivered them. `timeoutMs` bounds each poll (default 1000); an empty poll yields
+ * nothing and polls again. `commit()` without arguments commits the last message of each
+ * partition of the batches yielded so far.
+ */
+Consumer.prototype.batches = async function* (options = {}) {
+  const max = options.batchSize || 500
+  const timeoutMs = options.timeoutMs === undefined ? 1000 : options.timeoutMs
+  this._closed = false
+  while (!this._closed) {
+    const batch = await this.poll(max, timeoutMs)
+    if (batch.length === 0) continue
+    settle(this)
+    yielded(this, batch, batch.length)
+    yield batch
   }
 }
 Consumer.prototype[Symbol.asyncIterator] = function () {

@@ -10,7 +10,7 @@ use onceflow::{
     ConsumerConfig, Error, ErrorKind, Isolation, ProducerConfig, TopicPartition, TopicSpec,
 };
 
-use crate::convert::{self, Delivery, Lag, Message, PositionIn, RecordIn, SendResult};
+use crate::convert::{self, Delivery, Lag, MessageColumns, PositionIn, RecordIn, SendResult};
 use crate::{config_err, js_err, on_rt};
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`).
@@ -403,14 +403,14 @@ impl Consumer {
     }
 
     /// Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000)
-    /// for the first; resolves to an array (empty on timeout). One crossing per batch.
-    #[napi]
-    pub async fn poll(&self, max: Option<u32>, timeout_ms: Option<f64>) -> Result<Vec<Message>> {
+    /// for the first; resolves to the batch in columns (no message on timeout), which
+    /// `index.js`'s `poll` turns into message objects. One crossing per batch.
+    #[napi(js_name = "_poll")]
+    pub async fn poll(&self, max: Option<u32>, timeout_ms: Option<f64>) -> Result<MessageColumns> {
         let t = convert::millis("timeoutMs", timeout_ms.unwrap_or(1000.0))?;
         let max = max.unwrap_or(500).max(1) as usize;
         let c = self.inner.clone();
-        let ms = on_rt(async move { c.poll(max, t).await }).await?;
-        Ok(ms.iter().map(Message::from).collect())
+        on_rt(async move { Ok(MessageColumns::from(&c.poll(max, t).await?[..])) }).await
     }
 
     /// Commits the last processed message's position of each partition.

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
-use napi::bindgen_prelude::{Buffer, Either, Null};
+use napi::bindgen_prelude::{Buffer, Either, Float64Array, Int32Array, Null, Uint32Array};
 use napi_derive::napi;
 use onceflow::{Headers, Position, Record, TopicPartition};
 
@@ -122,6 +122,113 @@ impl From<&onceflow::Message> for Message {
                 None => Either::B(Null),
             },
             delivery_count: m.delivery_count,
+        }
+    }
+}
+
+/// A polled batch in columns, the form in which `Consumer.poll` crosses: `index.js` builds the
+/// message objects (the shape of [`Message`]) from one Buffer, a few typed arrays and the
+/// strings, instead of N-API making an object, an external Buffer and its strings for every
+/// message. Per-message columns are in message order.
+#[napi(object)]
+pub struct MessageColumns {
+    /// The distinct topics of the batch.
+    pub topics: Vec<String>,
+    /// Per message: its topic, as an index into `topics`.
+    pub topic: Uint32Array,
+    /// Per message: partition (shard) number.
+    pub partition: Int32Array,
+    /// Per message: position text (`offset:42`, `seq:7`, ...).
+    pub position: Vec<String>,
+    /// Per message: milliseconds since the epoch, NaN when the platform has none.
+    pub timestamp: Float64Array,
+    /// Per message: how many times the platform delivered it.
+    pub delivery_count: Uint32Array,
+    /// Per message: its number of headers.
+    pub header_count: Uint32Array,
+    /// Every header name, message after message, in order.
+    pub header_names: Vec<String>,
+    /// Byte lengths, message after message: the key (-1: no key), the payload, then each header
+    /// value (-1: a null header).
+    pub lengths: Int32Array,
+    /// The bytes `lengths` describes, back to back, in the same order.
+    pub data: Buffer,
+}
+
+fn len_i32(n: usize) -> i32 {
+    // No platform carries a field of 2 GiB; saturate rather than wrap.
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+impl From<&[onceflow::Message]> for MessageColumns {
+    fn from(ms: &[onceflow::Message]) -> Self {
+        let n = ms.len();
+        let mut topics: Vec<String> = Vec::new();
+        let mut topic = Vec::with_capacity(n);
+        let mut partition = Vec::with_capacity(n);
+        let mut position = Vec::with_capacity(n);
+        let mut timestamp = Vec::with_capacity(n);
+        let mut delivery_count = Vec::with_capacity(n);
+        let mut header_count = Vec::with_capacity(n);
+        let mut header_names = Vec::new();
+        let mut lengths = Vec::with_capacity(2 * n);
+        let size: usize = ms
+            .iter()
+            .map(|m| {
+                m.payload.len()
+                    + m.key.as_ref().map_or(0, |k| k.len())
+                    + m.headers
+                        .iter()
+                        .map(|h| h.value.as_ref().map_or(0, |v| v.len()))
+                        .sum::<usize>()
+            })
+            .sum();
+        let mut data = Vec::with_capacity(size);
+        for m in ms {
+            let t = match topics.iter().position(|t| *t == m.topic) {
+                Some(i) => i,
+                None => {
+                    topics.push(m.topic.clone());
+                    topics.len() - 1
+                }
+            };
+            topic.push(t as u32);
+            partition.push(m.partition);
+            position.push(m.position.to_string());
+            timestamp.push(m.timestamp.map_or(f64::NAN, |t| t as f64));
+            delivery_count.push(m.delivery_count);
+            match &m.key {
+                Some(k) => {
+                    lengths.push(len_i32(k.len()));
+                    data.extend_from_slice(k);
+                }
+                None => lengths.push(-1),
+            }
+            lengths.push(len_i32(m.payload.len()));
+            data.extend_from_slice(&m.payload);
+            header_count.push(m.headers.len() as u32);
+            for h in m.headers.iter() {
+                header_names.push(h.name.clone());
+                match &h.value {
+                    Some(v) => {
+                        lengths.push(len_i32(v.len()));
+                        data.extend_from_slice(v);
+                    }
+                    None => lengths.push(-1),
+                }
+            }
+        }
+        MessageColumns {
+            topics,
+            topic: Uint32Array::new(topic),
+            partition: Int32Array::new(partition),
+            position,
+            timestamp: Float64Array::new(timestamp),
+            delivery_count: Uint32Array::new(delivery_count),
+            header_count: Uint32Array::new(header_count),
+            header_names,
+            lengths: Int32Array::new(lengths),
+            data: Buffer::from(data),
         }
     }
 }
