@@ -1,8 +1,9 @@
 //! # onceflow-core
 //!
 //! The platform-neutral heart of onceflow: the message model, the backend traits each platform
-//! adapter implements, the idempotent-consumer and pipeline engine, dedup stores, W3C trace
-//! propagation and metrics. It knows no platform; adapters depend on it.
+//! adapter implements, the idempotent-consumer and pipeline engine, dedup stores, the
+//! transactional inbox ([`inbox`]), W3C trace propagation and metrics. It knows no platform;
+//! adapters depend on it.
 //!
 //! Most users depend on the `onceflow` facade crate instead, which re-exports this crate and
 //! opens platforms by URL.
@@ -13,6 +14,7 @@ pub mod client;
 pub mod dedup;
 pub mod engine;
 pub mod error;
+pub mod inbox;
 pub mod metrics;
 pub mod model;
 pub mod trace;
@@ -34,3 +36,6 @@ pub use model::{
     now_ms, Delivery, Header, Headers, Message, Position, Record, StartFrom, TimestampMs,
     TopicPartition,
 };
+/// The SQLite client, re-exported for embedded inbox handlers (their transaction is a
+/// `rusqlite::Transaction` on the embedded store's file; see [`inbox::EmbeddedInbox`]).
+pub use rusqlite;

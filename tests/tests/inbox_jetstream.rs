@@ -1,5 +1,6 @@
 //! Transactional inbox crash test on NATS JetStream (`ONCEFLOW_NATS_URL`) with PostgreSQL
-//! (`ONCEFLOW_POSTGRES_URL`): see `inbox_crash/mod.rs`.
+//! (`ONCEFLOW_POSTGRES_URL`) and with
+//! the embedded SQLite store: see `inbox_crash/mod.rs`.
 
 mod inbox_crash;
 mod redis_postgres;
@@ -27,5 +28,29 @@ async fn one_row_per_input_after_sigkill_at_random_points() {
     let Some(pg) = redis_postgres::service_url("ONCEFLOW_POSTGRES_URL", "postgres") else {
         return;
     };
-    inbox_crash::crash_test(connect, &nats, &pg, "inbox_child").await;
+    inbox_crash::crash_test(
+        connect,
+        &nats,
+        inbox_crash::Store::Postgres(pg),
+        "inbox_child",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_store_one_row_per_input_after_sigkill_at_random_points() {
+    if std::env::var(inbox_crash::CHILD_VAR).is_ok() {
+        return;
+    }
+    let Some(nats) = redis_postgres::service_url("ONCEFLOW_NATS_URL", "nats") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    inbox_crash::crash_test(
+        connect,
+        &nats,
+        inbox_crash::Store::Embedded(dir.path().to_path_buf()),
+        "inbox_child",
+    )
+    .await;
 }

@@ -2,9 +2,10 @@
 //!
 //! Why SQLite (bundled, through `rusqlite`) and not redb: on the D1 benchmark SQLite in WAL mode
 //! with `synchronous=NORMAL` keeps a committed key across a process crash without an fsync per
-//! commit, where redb needs a durable (fsync'd) commit to survive one; and a later "transactional
-//! inbox" hands the application a database transaction on the same file, which SQLite gives for
-//! free. The figures are in `benches/RESULTS.md`.
+//! commit, where redb needs a durable (fsync'd) commit to survive one; and the transactional
+//! inbox ([`EmbeddedStore::inbox`], [`crate::inbox::EmbeddedInbox`]) hands the application a
+//! database transaction on the same file, which SQLite gives for free. The figures are in
+//! `benches/RESULTS.md`.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -19,11 +20,15 @@ use tokio::sync::oneshot;
 use super::{
     ClaimOutcome, ClaimRequest, Completion, DedupStore, FencingToken, Fingerprint, KeyState,
 };
+use crate::client::Consumer;
 use crate::error::{Error, Result};
+use crate::inbox::{EmbeddedInbox, InboxConfig};
 
 /// Schema version this build writes and reads. A file with a higher version was written by a
-/// newer onceflow and is refused.
-pub const SCHEMA_VERSION: i64 = 1;
+/// newer onceflow and is refused. Version 1 holds the dedup table; version 2 adds the
+/// transactional inbox's position table (`onceflow_inbox_position`), created when a version-1
+/// file is opened.
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Fencing tokens are reserved in the file in blocks of this many, so a token is never handed
 /// out twice, even across a crash, at the cost of one small write per block.
@@ -94,8 +99,13 @@ impl EmbeddedOptions {
 ///   commit). Calls are linearisable per key.
 /// - **Clock**: leases and expiry use the wall clock (milliseconds since the Unix epoch), so they
 ///   hold across restarts; a clock stepping backwards lengthens them.
-/// - **Schema**: the file records its schema version; a file written by a newer onceflow is
-///   refused with an error naming it. Other tables in the same file are left alone.
+/// - **Schema**: the file records its schema version ([`SCHEMA_VERSION`]); a file written by a
+///   newer onceflow is refused with an error naming it, an older one is migrated on open. The
+///   tables are `onceflow_dedup`, `onceflow_meta`, `onceflow_schema_version` and
+///   `onceflow_inbox_position` (the inbox's positions). Other tables in the same file (an inbox
+///   handler's own) are left alone.
+/// - **Transactional inbox**: [`EmbeddedStore::inbox`] runs a consumer whose handler writes its
+///   rows in the same SQLite transaction that records the key and the consumer's position.
 ///
 /// Opening a path that cannot be used (a missing directory, a directory, a file that is not a
 /// database, no permission) is an error of kind [`crate::ErrorKind::DedupStore`] naming the
@@ -103,6 +113,7 @@ impl EmbeddedOptions {
 pub struct EmbeddedStore {
     path: PathBuf,
     window: Duration,
+    options: EmbeddedOptions,
     jobs: Option<mpsc::Sender<Job>>,
     worker: Option<JoinHandle<()>>,
 }
@@ -182,6 +193,7 @@ impl EmbeddedStore {
         Ok(EmbeddedStore {
             path,
             window: options.window,
+            options,
             jobs: Some(jobs_tx),
             worker: Some(worker),
         })
@@ -190,6 +202,20 @@ impl EmbeddedStore {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &EmbeddedOptions {
+        &self.options
+    }
+
+    /// A transactional inbox over `consumer` that keeps its keys and positions in this store's
+    /// database file, on a connection of its own (see [`EmbeddedInbox`]).
+    ///
+    /// Errors: the file cannot be opened again (kind [`crate::ErrorKind::DedupStore`], naming
+    /// the path).
+    pub async fn inbox(&self, consumer: Consumer, config: InboxConfig) -> Result<EmbeddedInbox> {
+        EmbeddedInbox::open(self.path.clone(), self.options.clone(), consumer, config).await
     }
 
     /// Deletes every expired row now (the store also does this by itself, amortised). Returns
@@ -341,6 +367,21 @@ CREATE INDEX onceflow_dedup_expires_at ON onceflow_dedup (expires_at);
 INSERT INTO onceflow_meta (name, value) VALUES ('token_high', 1);
 ";
 
+/// Migration 2: the transactional inbox's positions (see [`crate::inbox::EmbeddedInbox`]).
+const SQL_INBOX_SCHEMA: &str = "
+CREATE TABLE onceflow_inbox_position (
+    namespace  TEXT NOT NULL,
+    topic      TEXT NOT NULL,
+    partition  INTEGER NOT NULL,
+    position   TEXT NOT NULL,     -- onceflow Position, as displayed (Position::from_str)
+    updated_at INTEGER NOT NULL,  -- ms since the Unix epoch
+    PRIMARY KEY (namespace, topic, partition)
+) WITHOUT ROWID;
+";
+
+/// Migrations, in order; migration `i` brings the schema to version `i + 1`.
+const MIGRATIONS: [&str; SCHEMA_VERSION as usize] = [SQL_SCHEMA, SQL_INBOX_SCHEMA];
+
 struct Row {
     token: i64,
     state: i64,
@@ -382,14 +423,14 @@ fn in_key_order<T, R>(
     Ok(out.into_iter().flatten().collect())
 }
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
         .unwrap_or(0)
 }
 
-fn ms(d: Duration) -> i64 {
+pub(crate) fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
@@ -401,15 +442,15 @@ fn fp_from_blob(blob: &[u8]) -> Option<Fingerprint> {
     Some(Fingerprint::from_be_bytes(blob.try_into().ok()?))
 }
 
-fn token_of(v: i64) -> FencingToken {
+pub(crate) fn token_of(v: i64) -> FencingToken {
     u64::try_from(v).unwrap_or(0)
 }
 
-fn sql_token(t: FencingToken) -> i64 {
+pub(crate) fn sql_token(t: FencingToken) -> i64 {
     i64::try_from(t).unwrap_or(i64::MAX)
 }
 
-fn db_error(path: &Path, what: &str, e: rusqlite::Error) -> Error {
+pub(crate) fn db_error(path: &Path, what: &str, e: rusqlite::Error) -> Error {
     let busy = matches!(
         e.sqlite_error_code(),
         Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
@@ -467,71 +508,79 @@ impl Tokens {
     }
 }
 
-impl Worker {
-    fn open(path: PathBuf, options: &EmbeddedOptions) -> Result<Worker> {
-        let shown = path.display().to_string();
-        if path.as_os_str().is_empty() {
-            return Err(Error::dedup_store(
+/// Opens a connection to the store's file with the store's settings (WAL, `synchronous` per
+/// [`Durability`], busy timeout, cache size); the schema is not touched. Used by the store's
+/// thread and by the transactional inbox.
+pub(crate) fn open_connection(path: &Path, options: &EmbeddedOptions) -> Result<Connection> {
+    let shown = path.display().to_string();
+    if path.as_os_str().is_empty() {
+        return Err(Error::dedup_store(
                 "embedded dedup store: the path is empty; expected a file path such as /var/lib/app/dedup.db",
             ));
-        }
-        if path.is_dir() {
+    }
+    if path.is_dir() {
+        return Err(Error::dedup_store(format!(
+            "embedded dedup store '{shown}': is a directory; expected a database file path"
+        )));
+    }
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.is_dir() {
             return Err(Error::dedup_store(format!(
-                "embedded dedup store '{shown}': is a directory; expected a database file path"
-            )));
-        }
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if !parent.is_dir() {
-                return Err(Error::dedup_store(format!(
                     "embedded dedup store '{shown}': directory '{}' does not exist or is not a directory",
                     parent.display()
                 )));
-            }
         }
-        let conn = Connection::open_with_flags(
-            &path,
-            OpenFlags::SQLITE_OPEN_READ_WRITE
-                | OpenFlags::SQLITE_OPEN_CREATE
-                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(|e| db_error(&path, "cannot open", e))?;
-        let setup = |what: &str, r: rusqlite::Result<()>| r.map_err(|e| db_error(&path, what, e));
-        setup(
-            "cannot set the busy timeout",
-            conn.busy_timeout(Duration::from_secs(5)),
-        )?;
-        let mode: String = conn
-            .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
-            .map_err(|e| db_error(&path, "cannot switch to WAL mode", e))?;
-        if !mode.eq_ignore_ascii_case("wal") {
-            return Err(Error::dedup_store(format!(
-                "embedded dedup store '{shown}': SQLite refused WAL mode (journal mode is '{mode}')"
-            )));
-        }
-        let sync = match options.durability {
-            Durability::ProcessCrash => "NORMAL",
-            Durability::PowerLoss => "FULL",
-        };
-        setup(
-            "cannot set synchronous",
-            conn.pragma_update(None, "synchronous", sync),
-        )?;
-        setup(
-            "cannot set the cache size",
-            conn.pragma_update(None, "cache_size", -(i64::from(options.cache_mib) * 1024)),
-        )?;
-        // A batch of random keys dirties about one page per key; checkpointing every 1000 pages
-        // (SQLite's default) meant a checkpoint, and its fsync, after nearly every batch.
-        setup(
-            "cannot set wal_autocheckpoint",
-            conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES),
-        )?;
-        setup(
-            "cannot set journal_size_limit",
-            conn.pragma_update(None, "journal_size_limit", 64 * 1024 * 1024),
-        )?;
+    }
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| db_error(path, "cannot open", e))?;
+    let setup = |what: &str, r: rusqlite::Result<()>| r.map_err(|e| db_error(path, what, e));
+    setup(
+        "cannot set the busy timeout",
+        conn.busy_timeout(Duration::from_secs(5)),
+    )?;
+    let mode: String = conn
+        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+        .map_err(|e| db_error(path, "cannot switch to WAL mode", e))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(Error::dedup_store(format!(
+            "embedded dedup store '{shown}': SQLite refused WAL mode (journal mode is '{mode}')"
+        )));
+    }
+    let sync = match options.durability {
+        Durability::ProcessCrash => "NORMAL",
+        Durability::PowerLoss => "FULL",
+    };
+    setup(
+        "cannot set synchronous",
+        conn.pragma_update(None, "synchronous", sync),
+    )?;
+    setup(
+        "cannot set the cache size",
+        conn.pragma_update(None, "cache_size", -(i64::from(options.cache_mib) * 1024)),
+    )?;
+    // A batch of random keys dirties about one page per key; checkpointing every 1000 pages
+    // (SQLite's default) meant a checkpoint, and its fsync, after nearly every batch.
+    setup(
+        "cannot set wal_autocheckpoint",
+        conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES),
+    )?;
+    setup(
+        "cannot set journal_size_limit",
+        conn.pragma_update(None, "journal_size_limit", 64 * 1024 * 1024),
+    )?;
+    conn.set_prepared_statement_cache_capacity(32);
+    Ok(conn)
+}
+
+impl Worker {
+    fn open(path: PathBuf, options: &EmbeddedOptions) -> Result<Worker> {
+        let conn = open_connection(&path, options)?;
         Self::migrate(&conn, &path)?;
-        conn.set_prepared_statement_cache_capacity(32);
         let window_ms = ms(options.window);
         Ok(Worker {
             conn,
@@ -560,17 +609,21 @@ impl Worker {
                     |r| r.get(0),
                 )?;
                 match version {
-                    None => {
-                        conn.execute_batch(SQL_SCHEMA)?;
+                    Some(v) if v > SCHEMA_VERSION => Ok(Err(v)),
+                    Some(v) if v == SCHEMA_VERSION => Ok(Ok(())),
+                    found => {
+                        let from = found.unwrap_or(0);
+                        for (i, sql) in MIGRATIONS.iter().enumerate() {
+                            if i as i64 + 1 > from {
+                                conn.execute_batch(sql)?;
+                            }
+                        }
                         conn.execute(
                             "INSERT INTO onceflow_schema_version (version) VALUES (?1)",
                             [SCHEMA_VERSION],
                         )?;
                         Ok(Ok(()))
                     }
-                    Some(v) if v > SCHEMA_VERSION => Ok(Err(v)),
-                    // Version 1 is the first: nothing to migrate yet.
-                    Some(_) => Ok(Ok(())),
                 }
             };
             match inner() {

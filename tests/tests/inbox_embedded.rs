@@ -1,0 +1,228 @@
+//! The transactional inbox on the embedded (SQLite) store with the in-process `memory://`
+//! backend: duplicates skipped, handler errors rolled back and retried, a new consumer resuming
+//! from the positions stored in the file (also after the store is reopened), a poison message
+//! stopping the inbox with nothing of it committed, the dedup store usable alongside.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use onceflow_core::dedup::{DedupStore, EmbeddedStore, KeyState};
+use onceflow_core::inbox::{inbox_key, EmbeddedInboxHandler, InboxConfig};
+use onceflow_core::rusqlite::{Connection, Transaction};
+use onceflow_core::{
+    BoxError, Client, ConsumerConfig, ErrorKind, Message, ProducerConfig, Record, StartFrom,
+    TopicSpec,
+};
+
+struct Rows {
+    flaky_left: AtomicUsize,
+}
+
+impl EmbeddedInboxHandler for Rows {
+    fn handle(&self, tx: &mut Transaction<'_>, m: &Message) -> Result<(), BoxError> {
+        let payload = String::from_utf8_lossy(&m.payload).into_owned();
+        tx.execute("INSERT INTO rows (payload) VALUES (?1)", [&payload])?;
+        if payload == "flaky" && self.flaky_left.load(Ordering::SeqCst) > 0 {
+            self.flaky_left.fetch_sub(1, Ordering::SeqCst);
+            return Err("flaky handler fails (its row must be rolled back)".into());
+        }
+        if payload == "poison" {
+            return Err("poison message".into());
+        }
+        Ok(())
+    }
+}
+
+fn count(path: &std::path::Path, sql: &str) -> i64 {
+    Connection::open(path)
+        .unwrap()
+        .query_row(sql, [], |r| r.get(0))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_skips_duplicates_rolls_back_failures_and_resumes_from_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let window = Duration::from_secs(3600);
+    let store = EmbeddedStore::open(&path, window).await.unwrap();
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch("CREATE TABLE rows (payload TEXT NOT NULL)")
+        .unwrap();
+
+    let id = format!("{:08x}", rand::random::<u32>());
+    let client = Client::new(onceflow_memory::connect(&format!("memory://inbox-{id}")).unwrap());
+    let topic = "orders";
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(topic, 2))
+        .await
+        .unwrap();
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    // 30 distinct keys, 10 redeliveries of earlier keys, one flaky message.
+    let mut records: Vec<Record> = (0..30)
+        .map(|i| Record::new(topic, format!("p{i}")).idempotency_key(format!("k{i}")))
+        .collect();
+    records.extend(
+        (0..10).map(|i| Record::new(topic, format!("p{i}")).idempotency_key(format!("k{i}"))),
+    );
+    records.push(Record::new(topic, "flaky").idempotency_key("k-flaky"));
+    for r in producer.send_batch(records).await {
+        r.unwrap();
+    }
+    let handler = Arc::new(Rows {
+        flaky_left: AtomicUsize::new(2),
+    });
+    let config = InboxConfig {
+        namespace: Some("billing".into()),
+        backoff: Duration::from_millis(10),
+        ..InboxConfig::default()
+    };
+    let consumer = client
+        .consumer(ConsumerConfig::new("g1", [topic]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let mut inbox = store.inbox(consumer, config.clone()).await.unwrap();
+    assert_eq!(inbox.namespace(), "billing");
+    for _ in 0..50 {
+        inbox.step(&handler).await.unwrap();
+        let s = inbox.summary();
+        if s.handled + s.duplicates == 41 {
+            break;
+        }
+    }
+    assert_eq!(inbox.summary().handled, 31, "{:?}", inbox.summary());
+    assert_eq!(inbox.summary().duplicates, 10, "{:?}", inbox.summary());
+    assert_eq!(count(&path, "SELECT count(*) FROM rows"), 31);
+    assert_eq!(count(&path, "SELECT count(DISTINCT payload) FROM rows"), 31);
+    assert_eq!(
+        handler.flaky_left.load(Ordering::SeqCst),
+        0,
+        "flaky was not retried"
+    );
+    let stored = inbox.stored_positions().await.unwrap();
+    assert_eq!(stored.len(), 2, "{stored:?}");
+    // The inbox's keys are completed keys of the dedup store on the same file.
+    let got = store
+        .get(&[inbox_key("billing", "k3"), inbox_key("billing", "nope")])
+        .await
+        .unwrap();
+    assert!(
+        matches!(got[0], Some(KeyState::Completed { .. })),
+        "{got:?}"
+    );
+    assert_eq!(got[1], None);
+    drop(inbox);
+
+    // The store reopened, a new consumer group from the earliest message: the inbox resumes
+    // from the file.
+    drop(store);
+    let store = EmbeddedStore::open(&path, window).await.unwrap();
+    let consumer = client
+        .consumer(ConsumerConfig::new("g2", [topic]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let mut again = store.inbox(consumer, config.clone()).await.unwrap();
+    for _ in 0..10 {
+        again.step(&handler).await.unwrap();
+    }
+    assert_eq!(again.summary().handled, 0, "{:?}", again.summary());
+    assert_eq!(again.stored_positions().await.unwrap(), stored);
+    assert_eq!(count(&path, "SELECT count(*) FROM rows"), 31);
+
+    // A poison message: the inbox stops with the handler's error, nothing of it committed.
+    producer
+        .send(Record::new(topic, "poison").idempotency_key("k-poison"))
+        .await
+        .unwrap();
+    let mut failed = None;
+    for _ in 0..20 {
+        if let Err(e) = again.step(&handler).await {
+            failed = Some(e);
+            break;
+        }
+    }
+    let e = failed.expect("the poison message did not stop the inbox");
+    assert_eq!(e.kind(), ErrorKind::Handler, "{e}");
+    assert!(e.message().contains("poison"), "{e}");
+    assert_eq!(
+        count(&path, "SELECT count(*) FROM rows WHERE payload = 'poison'"),
+        0
+    );
+    assert_eq!(
+        count(
+            &path,
+            "SELECT count(*) FROM onceflow_dedup WHERE key = 'inbox:billing:k-poison'"
+        ),
+        0
+    );
+    assert_eq!(again.stored_positions().await.unwrap(), stored);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_until_with_a_closure_handles_every_message_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let store = EmbeddedStore::open(&path, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch("CREATE TABLE seen (payload TEXT NOT NULL, position TEXT NOT NULL)")
+        .unwrap();
+    let id = format!("{:08x}", rand::random::<u32>());
+    let client = Client::new(onceflow_memory::connect(&format!("memory://run-{id}")).unwrap());
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new("t", 3))
+        .await
+        .unwrap();
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    for r in producer
+        .send_batch(
+            (0..200)
+                .map(|i| Record::new("t", format!("{i}")).key(format!("{}", i % 5)))
+                .collect(),
+        )
+        .await
+    {
+        r.unwrap();
+    }
+    let consumer = client
+        .consumer(ConsumerConfig::new("g", ["t"]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let inbox = store.inbox(consumer, InboxConfig::default()).await.unwrap();
+    let done_path = path.clone();
+    let summary = inbox
+        .run_until(
+            |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
+                tx.execute(
+                    "INSERT INTO seen (payload, position) VALUES (?1, ?2)",
+                    [
+                        String::from_utf8_lossy(&m.payload).into_owned(),
+                        m.position.to_string(),
+                    ],
+                )?;
+                Ok(())
+            },
+            async move {
+                while count(&done_path, "SELECT count(*) FROM seen") < 200 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(summary.handled, 200, "{summary:?}");
+    assert_eq!(
+        count(&path, "SELECT count(DISTINCT payload) FROM seen"),
+        200
+    );
+}
