@@ -10,14 +10,17 @@
 // The rate is N over the time from the first message to the N-th (group join excluded, the
 // same for every client). Rounds alternate the clients; the best round of each is kept.
 //
-// Usage: ONCEFLOW_KAFKA_URL=kafka://127.0.0.1:19092 node bench/js2.js [N] [ROUNDS]
+// Usage: ONCEFLOW_KAFKA_URL=kafka://127.0.0.1:19092 node bench/js2.js [N] [ROUNDS (default 3)]
 // ONCEFLOW_JS2_PARTITIONS sets the topic's partitions (default 1).
 const { Kafka, logLevel } = require('kafkajs')
 const onceflow = require('..')
 const crypto = require('node:crypto')
+const fs = require('node:fs')
+const os = require('node:os')
+const path = require('node:path')
 
 const N = Number(process.argv[2] || 1000000)
-const ROUNDS = Number(process.argv[3] || 2)
+const ROUNDS = Number(process.argv[3] || 3)
 const PARTITIONS = Number(process.env.ONCEFLOW_JS2_PARTITIONS || 1)
 const SIZE = 100
 const url = process.env.ONCEFLOW_KAFKA_URL || 'kafka://127.0.0.1:19092'
@@ -46,6 +49,19 @@ async function prefill(client, topic) {
   const s = Number(process.hrtime.bigint() - t0) / 1e9
   console.log(`pre-filled ${N} x ${SIZE} B into ${topic} (${PARTITIONS} partition(s)) in ${s.toFixed(1)} s`)
 }
+
+/** librdkafka compiled into onceflow: the rdkafka-sys version in the workspace's Cargo.lock. */
+function onceflowLibrdkafka() {
+  try {
+    const lock = fs.readFileSync(path.join(__dirname, '..', '..', 'Cargo.lock'), 'utf8')
+    const m = /name = "rdkafka-sys"\nversion = "[^"+]*\+([^"]+)"/.exec(lock)
+    return m ? m[1] : '?'
+  } catch {
+    return '?'
+  }
+}
+
+const loadavg = () => os.loadavg().map((x) => x.toFixed(2)).join(' ')
 
 function check(who, count, bytes) {
   if (count !== N || bytes !== N * SIZE) {
@@ -119,6 +135,10 @@ async function kafkajsEachBatch(topic) {
 }
 
 ;(async () => {
+  console.log(
+    `node ${process.version}, onceflow ${onceflow.version} (librdkafka ${onceflowLibrdkafka()}), ` +
+      `kafkajs ${require('kafkajs/package.json').version}, load average ${loadavg()}`
+  )
   const client = await onceflow.connect(url)
   const topic = `js2-${id}`
   await prefill(client, topic)
@@ -141,6 +161,7 @@ async function kafkajsEachBatch(topic) {
   const re = best.each / best.kafkajs
   console.log(`RATIO JS2 onceflow-batches/kafkajs-eachBatch ${rb.toFixed(2)} target >=1.3 ${verdict(rb)} ${tail}`)
   console.log(`RATIO JS2 onceflow-for-await/kafkajs-eachBatch ${re.toFixed(2)} target >=1.3 ${verdict(re)} ${tail}`)
+  console.log(`load average after: ${loadavg()}`)
 })().catch((e) => {
   console.error(e)
   process.exit(1)
