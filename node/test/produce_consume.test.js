@@ -42,6 +42,51 @@ for (const p of platforms()) {
     await producer.close()
   })
 
+  test(`${p.name}: batches(), poll's message shape, commit() after a break`, async () => {
+    const client = await onceflow.connect(p.url())
+    const t = await topic(client)
+    const producer = await client.producer()
+    const rs = await producer.sendBatch(Array.from({ length: 10 }, (_, i) => ({ topic: t, payload: `m${i}` })))
+    assert.ok(rs.every((r) => !(r instanceof Error)))
+    const a = await client.consumer(unique('g'), [t], { start: 'earliest' })
+    const seen = []
+    for await (const batch of a.batches({ batchSize: 4, timeoutMs: 200 })) {
+      assert.ok(Array.isArray(batch) && batch.length >= 1 && batch.length <= 4, `batch of ${batch.length}`)
+      seen.push(...batch)
+      if (seen.length >= 10) break
+    }
+    assert.deepEqual(seen.map((m) => m.payload.toString()), Array.from({ length: 10 }, (_, i) => `m${i}`))
+    for (const m of seen) {
+      assert.deepEqual(Object.keys(m), ['topic', 'partition', 'position', 'key', 'payload', 'headers', 'timestamp', 'deliveryCount'])
+      assert.equal(m.topic, t)
+      assert.equal(typeof m.partition, 'number')
+      assert.equal(typeof m.position, 'string')
+      assert.equal(m.key, null)
+      assert.ok(Buffer.isBuffer(m.payload))
+      assert.deepEqual(m.headers, [])
+      assert.ok(m.timestamp === null || Number.isFinite(m.timestamp))
+      assert.ok(m.deliveryCount >= 1)
+    }
+    await a.close()
+    if (p.name === 'nats') return // fetched but unacknowledged messages come back after AckWait
+    // commit() without arguments commits the last message yielded, not the rest of its batch.
+    const group = unique('g')
+    const b = await client.consumer(group, [t], { start: 'earliest' })
+    const firstThree = []
+    for await (const m of b.messages({ batchSize: 10, timeoutMs: 200 })) {
+      firstThree.push(m.payload.toString())
+      if (firstThree.length === 3) break
+    }
+    assert.deepEqual(firstThree, ['m0', 'm1', 'm2'])
+    await b.commit()
+    await b.close()
+    const c = await client.consumer(group, [t])
+    const rest = await collect(c, 7)
+    assert.deepEqual(rest.map((m) => m.payload.toString()), ['m3', 'm4', 'm5', 'm6', 'm7', 'm8', 'm9'])
+    await c.close()
+    await producer.close()
+  })
+
   test(`${p.name}: sendBatch in one call, seek back`, async () => {
     const client = await onceflow.connect(p.url())
     const t = await topic(client)
