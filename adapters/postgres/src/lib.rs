@@ -6,12 +6,16 @@
 //! rows committed in one database transaction.
 //!
 //! ## The dedup store
-//! - **Atomic on the server**: a claim locks the keys' rows (`INSERT … ON CONFLICT DO NOTHING`
-//!   then `SELECT … ORDER BY key FOR UPDATE`) and decides every key under that lock; renew,
-//!   complete and release are single `UPDATE`s conditioned on the fencing token. Leases and
-//!   expiry use the server's clock (`clock_timestamp()`), never the caller's.
-//! - **Batched**: one statement handles a whole batch (`unnest` of arrays); a claim is two
-//!   round trips, the other operations one.
+//! - **Atomic on the server**: a claim is one statement that reads the keys' rows and takes the
+//!   claimable ones with `INSERT … ON CONFLICT (key) DO UPDATE … WHERE <still claimable>`, in
+//!   key order: the condition is checked again on the row's latest version under its row lock,
+//!   so two claimers never both win a key (a key that changed between the read and the insert
+//!   is sent again); keys that are not claimable (done, or held by another worker) are neither
+//!   locked nor written. Renew, complete and release are single `UPDATE`s conditioned on the
+//!   fencing token. Leases and expiry use the server's clock (`clock_timestamp()`), never the
+//!   caller's.
+//! - **Batched**: one statement handles a whole batch (`unnest` of arrays), one round trip per
+//!   operation; a new key costs one row insert to claim and one update to complete.
 //! - **Fencing tokens** increase by one per claim of a key; a released key keeps its row (state
 //!   0) until its window ends, so the next claim's token is higher.
 //! - **Expiry**: rows are deleted once their window has passed, in chunks, by a purge that runs
@@ -405,8 +409,6 @@ impl Drop for PurgeGuard {
 
 /// The store's statements, for its schema.
 struct Sql {
-    placeholders: String,
-    lock: String,
     claim: String,
     renew: String,
     complete: String,
@@ -421,20 +423,41 @@ impl Sql {
     fn new(s: &str) -> Sql {
         let d = format!("{s}.dedup");
         Sql {
-            placeholders: format!(
-                "INSERT INTO {d} (key, token, state, expires_at) \
-                 SELECT k, 0, 0, 0 FROM unnest($1::text[]) AS k ORDER BY k \
-                 ON CONFLICT (key) DO NOTHING"
-            ),
-            lock: format!(
-                "SELECT key, token, state, owner, lease_until, expires_at, fingerprint, result, \
-                 {NOW_MS} FROM {d} WHERE key = ANY($1::text[]) ORDER BY key FOR UPDATE"
-            ),
+            // One statement, one round trip: read every key's row (no lock), insert or take
+            // over those that are claimable in that read (`INSERT … ON CONFLICT DO UPDATE`, in
+            // key order, re-checking the row it conflicts with under its lock), and return
+            // both. A key claimable in the read but not taken raced with another writer: the
+            // caller sends it again. Keys that are not claimable are neither locked nor written.
             claim: format!(
-                "UPDATE {d} AS d SET token = u.token, state = 1, owner = u.owner, \
-                 lease_until = u.lu, expires_at = u.exp, fingerprint = u.fp, result = NULL \
-                 FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[], \
-                 $6::bytea[]) AS u(key, token, owner, lu, exp, fp) WHERE d.key = u.key"
+                "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], \
+                 $4::bytea[]) WITH ORDINALITY AS u(key, owner, lease, fp, ord)), \
+                 n AS (SELECT {NOW_MS} AS ms), \
+                 cur AS (SELECT u.ord, u.key, u.owner AS req_owner, u.lease, u.fp AS req_fp, \
+                 n.ms, d.token, d.state, d.owner, d.lease_until, d.fingerprint, d.result, \
+                 (d.key IS NULL OR NOT ({live_d}) OR ({holder_d})) AS claimable \
+                 FROM u CROSS JOIN n LEFT JOIN {d} AS d ON d.key = u.key), \
+                 ins AS (INSERT INTO {d} AS t \
+                 (key, token, state, owner, lease_until, expires_at, fingerprint, result) \
+                 SELECT key, 1, 1, req_owner, ms + lease, ms + lease + $5, req_fp, NULL \
+                 FROM cur WHERE claimable ORDER BY key \
+                 ON CONFLICT (key) DO UPDATE SET token = t.token + 1, state = 1, \
+                 owner = excluded.owner, lease_until = excluded.lease_until, \
+                 expires_at = excluded.expires_at, \
+                 fingerprint = CASE WHEN {live_t} THEN \
+                 COALESCE(t.fingerprint, excluded.fingerprint) ELSE excluded.fingerprint END, \
+                 result = NULL \
+                 WHERE NOT ({live_t}) OR ({holder_t}) \
+                 RETURNING t.key, t.token) \
+                 SELECT c.ord, i.token, c.claimable, c.state, c.owner, c.lease_until, \
+                 c.fingerprint, c.result, c.ms \
+                 FROM cur AS c LEFT JOIN ins AS i ON i.key = c.key",
+                live_d = "(d.state = 2 AND d.expires_at > n.ms) OR (d.state = 1 AND d.lease_until > n.ms)",
+                holder_d = "d.state = 1 AND d.owner = u.owner AND (d.fingerprint IS NULL \
+                 OR u.fp IS NULL OR d.fingerprint = u.fp)",
+                live_t = format!("(t.state = 2 AND t.expires_at > {NOW_MS}) \
+                 OR (t.state = 1 AND t.lease_until > {NOW_MS})"),
+                holder_t = "t.state = 1 AND t.owner = excluded.owner AND (t.fingerprint IS NULL \
+                 OR excluded.fingerprint IS NULL OR t.fingerprint = excluded.fingerprint)",
             ),
             renew: format!(
                 "WITH u AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS u(key, token)), \
@@ -450,9 +473,9 @@ impl Sql {
                  expires_at = n.ms + $4, result = u.result FROM u, n \
                  WHERE d.key = u.key AND d.token = u.token AND d.state = 1 \
                  RETURNING d.key, d.token), \
-                 prev AS (SELECT d.key, d.token FROM {d} AS d JOIN u \
-                 ON d.key = u.key AND d.token = u.token, n \
-                 WHERE d.state = 2 AND d.expires_at > n.ms) \
+                 prev AS (SELECT d.key, d.token FROM u LEFT JOIN upd ON upd.key = u.key \
+                 JOIN {d} AS d ON d.key = u.key AND d.token = u.token, n \
+                 WHERE upd.key IS NULL AND d.state = 2 AND d.expires_at > n.ms) \
                  SELECT key, token FROM upd UNION ALL SELECT key, token FROM prev"
             ),
             release: format!(
@@ -502,14 +525,6 @@ impl Row {
             r.get(8),
         )
     }
-
-    fn is_live(&self, now: i64) -> bool {
-        match self.state {
-            2 => self.expires_at > now,
-            1 => self.lease_until.unwrap_or(0) > now,
-            _ => false,
-        }
-    }
 }
 
 fn fp_of(b: &Option<Vec<u8>>) -> Option<Fingerprint> {
@@ -523,14 +538,6 @@ fn ms(d: Duration) -> i64 {
 
 fn sql_token(t: FencingToken) -> i64 {
     i64::try_from(t).unwrap_or(i64::MAX)
-}
-
-/// Sorted, deduplicated keys (locks are taken in key order, so batches never deadlock).
-fn sorted_keys<'a>(keys: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
-    let mut v: Vec<&str> = keys.collect();
-    v.sort_unstable();
-    v.dedup();
-    v
 }
 
 impl PostgresStore {
@@ -586,22 +593,113 @@ impl PostgresStore {
         Inbox::new(self.db.clone(), self.window, consumer, config)
     }
 
-    /// The statements of a claim (placeholders, lock, update) and of a completion, for
-    /// benchmarks that run the same commands through the bare PostgreSQL client.
+    /// The statements of a claim and of a completion, for benchmarks that run the same
+    /// commands through the bare PostgreSQL client. Claim: `$1` keys (`text[]`), `$2` owners
+    /// (`text[]`), `$3` leases in ms (`bigint[]`), `$4` fingerprints (`bytea[]`), `$5` the
+    /// window in ms; one row per key: ordinality, token if claimed, claimable when read, then
+    /// the row as read (state, owner, lease end, fingerprint, result) and the server's time in
+    /// ms. Completion: `$1` keys, `$2` tokens, `$3` results, `$4` the window in ms; one row per
+    /// completed (key, token).
     #[doc(hidden)]
-    pub fn bench_statements(&self) -> [&str; 4] {
-        [
-            &self.sql.placeholders,
-            &self.sql.lock,
-            &self.sql.claim,
-            &self.sql.complete,
-        ]
+    pub fn bench_statements(&self) -> [&str; 2] {
+        [&self.sql.claim, &self.sql.complete]
     }
 
     /// Deletes every expired row now (the store also does this by itself). Returns the number
     /// of rows deleted.
     pub async fn purge_expired(&self) -> Result<u64> {
         purge_all(&self.db, &self.sql.purge).await
+    }
+
+    /// Runs the claim statement for `round` (indexes into `requests`, one per key), writes the
+    /// decided outcomes into `out` and returns the requests that raced with another writer.
+    async fn claim_round(
+        &self,
+        requests: &[ClaimRequest],
+        round: &[usize],
+        out: &mut [Option<ClaimOutcome>],
+    ) -> Result<Vec<usize>> {
+        let mut order: Vec<usize> = round.to_vec();
+        order.sort_unstable_by(|a, b| requests[*a].key.cmp(&requests[*b].key));
+        let keys: Vec<String> = order.iter().map(|i| requests[*i].key.clone()).collect();
+        let owners: Vec<String> = order.iter().map(|i| requests[*i].owner.clone()).collect();
+        let leases: Vec<i64> = order.iter().map(|i| ms(requests[*i].lease)).collect();
+        let fps: Vec<Option<Vec<u8>>> = order
+            .iter()
+            .map(|i| requests[*i].fingerprint.map(|f| f.to_be_bytes().to_vec()))
+            .collect();
+        let window = ms(self.window);
+        let sql = self.sql.clone();
+        let rows = self
+            .with_retry("claim failed", move |client| {
+                let (sql, keys, owners, leases, fps) = (
+                    sql.clone(),
+                    keys.clone(),
+                    owners.clone(),
+                    leases.clone(),
+                    fps.clone(),
+                );
+                Box::pin(async move {
+                    let st = client.prepare_cached(&sql.claim).await?;
+                    client
+                        .query(&st, &[&keys, &owners, &leases, &fps, &window])
+                        .await
+                })
+            })
+            .await?;
+        if rows.len() != order.len() {
+            return Err(Error::dedup_store(format!(
+                "PostgreSQL store '{}': {} rows answered a claim of {} keys",
+                self.db.shown,
+                rows.len(),
+                order.len()
+            )));
+        }
+        let mut raced = Vec::new();
+        for r in &rows {
+            let ord: i64 = r.get(0);
+            let Some(&i) = usize::try_from(ord - 1).ok().and_then(|o| order.get(o)) else {
+                return Err(Error::dedup_store(format!(
+                    "PostgreSQL store '{}': claim answered for key number {ord} of {}",
+                    self.db.shown,
+                    order.len()
+                )));
+            };
+            let req = &requests[i];
+            let claimed: Option<i64> = r.get(1);
+            let claimable: bool = r.get(2);
+            out[i] = Some(match claimed {
+                Some(token) => ClaimOutcome::Claimed {
+                    token: u64::try_from(token).unwrap_or(0),
+                },
+                None if claimable => {
+                    raced.push(i);
+                    continue;
+                }
+                // Read live and not the caller's: decided by the row as read.
+                None => {
+                    let state: Option<i16> = r.get(3);
+                    let now: i64 = r.get(8);
+                    let stored = fp_of(&r.get(6));
+                    match (stored, req.fingerprint) {
+                        (Some(stored), Some(given)) if stored != given => {
+                            ClaimOutcome::Mismatch { stored, given }
+                        }
+                        _ if state == Some(2) => ClaimOutcome::Duplicate {
+                            result: r.get::<_, Option<Vec<u8>>>(7).map(Bytes::from),
+                        },
+                        _ => ClaimOutcome::InProgress {
+                            owner: r.get::<_, Option<String>>(4).unwrap_or_default(),
+                            expires_in: Duration::from_millis(
+                                u64::try_from(r.get::<_, Option<i64>>(5).unwrap_or(now) - now)
+                                    .unwrap_or(0),
+                            ),
+                        },
+                    }
+                }
+            });
+        }
+        Ok(raced)
     }
 
     /// Runs `f` with a pooled connection, retrying when it loses a deadlock or serialization
@@ -669,123 +767,38 @@ impl DedupStore for PostgresStore {
     }
 
     async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
-        if requests.is_empty() {
-            return Ok(Vec::new());
+        let mut out: Vec<Option<ClaimOutcome>> = vec![None; requests.len()];
+        // Requests still to decide, in batch order. Each statement takes the first request of
+        // each key among them, so a key asked for twice in one batch is decided in order (the
+        // second sees the first's claim), as if the requests came one after the other.
+        let mut pending: Vec<usize> = (0..requests.len()).collect();
+        let mut races = 0;
+        while !pending.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            let (round, rest): (Vec<usize>, Vec<usize>) = pending
+                .iter()
+                .partition(|i| seen.insert(requests[**i].key.as_str()));
+            let raced = self.claim_round(requests, &round, &mut out).await?;
+            if !raced.is_empty() {
+                races += 1;
+                if races >= MAX_TRIES {
+                    return Err(Error::dedup_store(format!(
+                        "PostgreSQL store '{}': claim raced with other writers {races} times \
+                         in a row on {} key(s)",
+                        self.db.shown,
+                        raced.len()
+                    ))
+                    .retriable(true));
+                }
+            }
+            pending = raced;
+            pending.extend(rest);
+            pending.sort_unstable();
         }
-        let keys: Vec<String> = sorted_keys(requests.iter().map(|r| r.key.as_str()))
+        Ok(out
             .into_iter()
-            .map(str::to_string)
-            .collect();
-        let window = ms(self.window);
-        let sql = self.sql.clone();
-        let requests = requests.to_vec();
-        self.with_retry("claim failed", move |client| {
-            let (sql, keys, requests) = (sql.clone(), keys.clone(), requests.clone());
-            Box::pin(async move {
-                let tx = client.transaction().await?;
-                let placeholders = tx.prepare_cached(&sql.placeholders).await?;
-                let lock = tx.prepare_cached(&sql.lock).await?;
-                let claim = tx.prepare_cached(&sql.claim).await?;
-                tx.execute(&placeholders, &[&keys]).await?;
-                let rows = tx.query(&lock, &[&keys]).await?;
-                let mut now = 0;
-                let mut state: std::collections::HashMap<String, Row> = rows
-                    .iter()
-                    .map(|r| {
-                        let (k, row, n) = Row::from_pg(r);
-                        now = now.max(n);
-                        (k, row)
-                    })
-                    .collect();
-                let mut changed: std::collections::BTreeMap<String, ()> = Default::default();
-                let mut out = Vec::with_capacity(requests.len());
-                for req in &requests {
-                    let lease_until = now.saturating_add(ms(req.lease));
-                    let expires = lease_until.saturating_add(window);
-                    let given = req.fingerprint.map(|f| f.to_be_bytes().to_vec());
-                    let row = state.entry(req.key.clone()).or_insert(Row {
-                        token: 0,
-                        state: 0,
-                        owner: None,
-                        lease_until: None,
-                        expires_at: 0,
-                        fingerprint: None,
-                        result: None,
-                    });
-                    if row.is_live(now) {
-                        let stored = fp_of(&row.fingerprint);
-                        if let (Some(stored), Some(given)) = (stored, req.fingerprint) {
-                            if stored != given {
-                                out.push(ClaimOutcome::Mismatch { stored, given });
-                                continue;
-                            }
-                        }
-                        if row.state == 2 {
-                            out.push(ClaimOutcome::Duplicate {
-                                result: row.result.clone().map(Bytes::from),
-                            });
-                            continue;
-                        }
-                        let holder = row.owner.clone().unwrap_or_default();
-                        if holder != req.owner {
-                            out.push(ClaimOutcome::InProgress {
-                                owner: holder,
-                                expires_in: Duration::from_millis(
-                                    u64::try_from(row.lease_until.unwrap_or(now) - now)
-                                        .unwrap_or(0),
-                                ),
-                            });
-                            continue;
-                        }
-                        // The holder claims again: new token, fresh lease.
-                        row.token += 1;
-                        row.lease_until = Some(lease_until);
-                        row.expires_at = expires;
-                        if row.fingerprint.is_none() {
-                            row.fingerprint = given;
-                        }
-                    } else {
-                        *row = Row {
-                            token: row.token + 1,
-                            state: 1,
-                            owner: Some(req.owner.clone()),
-                            lease_until: Some(lease_until),
-                            expires_at: expires,
-                            fingerprint: given,
-                            result: None,
-                        };
-                    }
-                    out.push(ClaimOutcome::Claimed {
-                        token: u64::try_from(row.token).unwrap_or(0),
-                    });
-                    changed.insert(req.key.clone(), ());
-                }
-                if !changed.is_empty() {
-                    let n = changed.len();
-                    let (mut k, mut t, mut o, mut l, mut e, mut f) = (
-                        Vec::with_capacity(n),
-                        Vec::with_capacity(n),
-                        Vec::with_capacity(n),
-                        Vec::with_capacity(n),
-                        Vec::with_capacity(n),
-                        Vec::with_capacity(n),
-                    );
-                    for key in changed.keys() {
-                        let row = &state[key];
-                        k.push(key.as_str());
-                        t.push(row.token);
-                        o.push(row.owner.as_deref());
-                        l.push(row.lease_until);
-                        e.push(row.expires_at);
-                        f.push(row.fingerprint.as_deref());
-                    }
-                    tx.execute(&claim, &[&k, &t, &o, &l, &e, &f]).await?;
-                }
-                tx.commit().await?;
-                Ok(out)
-            })
-        })
-        .await
+            .map(|o| o.expect("every claim decided"))
+            .collect())
     }
 
     async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>> {

@@ -1,5 +1,8 @@
 //! The Lua scripts of the Redis store. Each handles a chunk of keys (`KEYS`), one after the
-//! other, atomically; `now` is the server's clock in ms (`TIME`).
+//! other, atomically; `now` is the server's clock in ms (`TIME`, read once per call). Each
+//! key costs as few `redis.call`s as its case allows (the server's time goes there): a claim of
+//! a new key is `HMGET`, `HSET`, `PEXPIREAT`; a duplicate `HMGET` alone; a completion `HMGET`,
+//! `HSET`, `HDEL`, `PEXPIREAT`.
 //!
 //! Hash fields: `s` state (0 released, 1 in progress, 2 completed), `t` token, `o` holder,
 //! `l` lease end (ms), `e` end of the dedup window (ms; the hash expires then), `f` fingerprint,
@@ -73,7 +76,8 @@ for i, k in ipairs(KEYS) do
     end
   else
     tok = tok + 1
-    redis.call('DEL', k)
+    -- An old hash (released, lease ran out, completed past its window): drop its fields.
+    if h[2] then redis.call('DEL', k) end
     if fp ~= '' then
       redis.call('HSET', k, 's', 1, 't', tok, 'o', owner, 'l', lu, 'e', exp, 'f', fp)
     else
@@ -124,9 +128,13 @@ for i, k in ipairs(KEYS) do
   local h = redis.call('HMGET', k, 's', 't', 'e')
   local s, t, e = tonumber(h[1]) or 0, tonumber(h[2]) or 0, tonumber(h[3]) or 0
   if s == 1 and t == tok then
-    redis.call('HSET', k, 's', 2, 'e', exp)
-    redis.call('HDEL', k, 'o', 'l')
-    if has == '1' then redis.call('HSET', k, 'r', res) else redis.call('HDEL', k, 'r') end
+    if has == '1' then
+      redis.call('HSET', k, 's', 2, 'e', exp, 'r', res)
+      redis.call('HDEL', k, 'o', 'l')
+    else
+      redis.call('HSET', k, 's', 2, 'e', exp)
+      redis.call('HDEL', k, 'o', 'l', 'r')
+    end
     redis.call('PEXPIREAT', k, exp)
     out[i] = 1
   elseif s == 2 and t == tok and e > now then
