@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::efo::{self, EfoMode};
 use crate::envelope;
 use crate::shards::{aws_err, list_shards, partition_of_shard, shard_of_partition};
 use crate::{Shared, CAPABILITIES};
@@ -35,9 +36,9 @@ pub(crate) fn table_group(group: &str, stream: &str) -> String {
     format!("{group}/{stream}")
 }
 
-/// Where a shard iterator starts.
+/// Where a shard iterator (or a subscription) starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Spec {
+pub(crate) enum Spec {
     TrimHorizon,
     Latest,
     At(String),
@@ -83,6 +84,8 @@ struct Owned {
     checkpoint: Option<String>,
     /// The fetcher read the shard to its end (closed shard).
     ended: bool,
+    /// ListShards reported the shard closed (it has an ending sequence number).
+    closed: bool,
     millis_behind: Option<u64>,
 }
 
@@ -94,6 +97,9 @@ struct State {
     /// Partitions this member has held before (explicit starts apply only the first time).
     seen: HashSet<TopicPartition>,
     rr: usize,
+    /// A fetcher's failure that retrying cannot fix (enhanced fan-out unsupported by the
+    /// server), reported by the next `poll`.
+    failed: Option<(ErrorKind, String)>,
 }
 
 /// A member of a Kinesis consumer group: a consumer library in the manner of AWS's KCL, on a
@@ -125,8 +131,22 @@ struct State {
 ///   `Committed`) applies the first time this member takes the shard.
 /// - **Iterators**: an `ExpiredIteratorException` gets a new iterator after the last record
 ///   fetched (not the last checkpoint). A throttled GetRecords backs off.
-/// - **Lag**: `millis` is the last `MillisBehindLatest` of the shard; `messages` is counted by
-///   reading the shard after the checkpoint (GetRecords, at most 20 calls of 10 000).
+/// - **Enhanced fan-out** (`fan_out=efo` or `auto` in the URL, [`FanOut`](crate::FanOut)):
+///   when joining, the member registers (or reuses) the stream consumer `efo_consumer=`
+///   (default: the group) of each stream and waits until it is `ACTIVE`; each held shard is then
+///   read through SubscribeToShard instead of GetRecords, starting where polling would (the
+///   checkpoint, `AFTER_SEQUENCE_NUMBER`, or the start above) and subscribing again after the
+///   last `ContinuationSequenceNumber` when a subscription ends (5 minutes) or drops. Only the
+///   fetching differs: records go through the same buffer, envelope decoding, checkpoints,
+///   leases, fencing and parent-before-child order (shard end from `ChildShards`, or confirmed
+///   by GetRecords on a closed shard for servers that never send them). A server without
+///   enhanced fan-out (e.g. kinesalite: `UnknownOperationException`) makes `efo` fail with
+///   `Unsupported` naming the server's answer (at join, or from the next `poll`), and `auto`
+///   poll instead, logged once. The registered consumer is kept on close (other members and
+///   restarts reuse it; DeregisterStreamConsumer through [`KinesisPlatform::client`](crate::KinesisPlatform::client)).
+/// - **Lag**: `millis` is the last `MillisBehindLatest` of the shard (GetRecords or
+///   SubscribeToShard event); `messages` is counted by reading the shard after the checkpoint
+///   (GetRecords, at most 20 calls of 10 000).
 /// - **nack** rewinds the shard to the message; **seek** moves it; **pause** stops handing out
 ///   (fetching stops once the buffer is full).
 pub struct KinesisConsumer {
@@ -147,12 +167,32 @@ pub struct KinesisConsumer {
     known_shards: Mutex<BTreeMap<String, BTreeSet<String>>>,
     closed: Arc<AtomicBool>,
     renewer: Mutex<Option<JoinHandle<()>>>,
+    /// Enhanced fan-out: the mode, and the registered stream consumer's ARN per stream (empty
+    /// when polling).
+    efo: Arc<EfoMode>,
+    efo_arns: BTreeMap<String, String>,
 }
 
 /// The member's own registration lease counter, per stream.
 #[derive(Default)]
 struct Counters {
     worker: BTreeMap<String, u64>,
+}
+
+/// The default name of a group's registered stream consumer: the group, with characters AWS
+/// does not allow in a consumer name (`[a-zA-Z0-9_.-]`, 1 to 128) replaced by `_`.
+fn efo_name(group: &str) -> String {
+    group
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(128)
+        .collect()
 }
 
 fn workers_group(table: &str) -> String {
@@ -175,6 +215,26 @@ impl KinesisConsumer {
         spec_of(&config.start)?;
         for t in &config.topics {
             shared.ensure_stream(t).await?;
+        }
+        let efo = Arc::new(EfoMode::new(shared.options.fan_out));
+        let mut efo_arns = BTreeMap::new();
+        if efo.active() {
+            let name = shared
+                .options
+                .efo_consumer
+                .clone()
+                .unwrap_or_else(|| efo_name(&config.group));
+            for t in &config.topics {
+                match efo::stream_consumer(&shared, &efo, t, &name).await? {
+                    Some(arn) => {
+                        efo_arns.insert(t.clone(), arn);
+                    }
+                    None => {
+                        efo_arns.clear();
+                        break;
+                    }
+                }
+            }
         }
         let store = shared.checkpoint_store().await?;
         let owner = config
@@ -200,6 +260,8 @@ impl KinesisConsumer {
             known_shards: Mutex::default(),
             closed: Arc::new(AtomicBool::new(false)),
             renewer: Mutex::new(None),
+            efo,
+            efo_arns,
         });
         let weak = Arc::downgrade(&c);
         let period = c.lease / 3;
@@ -352,6 +414,17 @@ impl KinesisConsumer {
             }
             let shards = list_shards(&self.shared.client, &stream).await?;
             let ids: BTreeSet<String> = shards.iter().map(|s| s.id.clone()).collect();
+            {
+                let mut st = self.state.lock();
+                for s in shards.iter().filter(|s| s.closed) {
+                    if let Some(o) = st
+                        .owned
+                        .get_mut(&TopicPartition::new(stream.clone(), s.partition))
+                    {
+                        o.closed = true;
+                    }
+                }
+            }
             let changed = self.known_shards.lock().get(&stream) != Some(&ids);
             if changed {
                 let news: Vec<NewLease> = shards
@@ -485,22 +558,36 @@ impl KinesisConsumer {
             fetched: None,
             checkpoint: l.checkpoint.clone(),
             ended: false,
+            closed: false,
             millis_behind: None,
         };
         o.fetcher = Some(self.spawn_fetcher(tp.clone(), 0, spec));
         st.owned.insert(tp, o);
     }
 
+    /// Starts the fetch of a held shard: SubscribeToShard with enhanced fan-out on, else
+    /// GetRecords polling; both feed the shard's [`Pipe`].
     fn spawn_fetcher(&self, tp: TopicPartition, epoch: u64, spec: Spec) -> JoinHandle<()> {
-        let f = Fetcher {
-            shared: self.shared.clone(),
-            state: self.state.clone(),
-            data: self.data.clone(),
+        let pipe = Pipe::new(
+            self.shared.clone(),
+            self.state.clone(),
+            self.data.clone(),
             tp,
-            shard: String::new(),
             epoch,
-        };
-        tokio::spawn(f.run(spec))
+            &spec,
+        );
+        let arn = self
+            .efo_arns
+            .get(&pipe.tp.topic)
+            .filter(|_| self.efo.active())
+            .cloned();
+        match arn {
+            Some(arn) => {
+                let efo = self.efo.clone();
+                tokio::spawn(async move { efo::run(pipe, spec, arn, &efo).await })
+            }
+            None => tokio::spawn(poll_shard(pipe, spec)),
+        }
     }
 
     /// Gives leases back: the listener's positions are checkpointed, then the leases released.
@@ -658,17 +745,190 @@ impl KinesisConsumer {
     }
 }
 
-/// Reads one shard into its buffer.
-struct Fetcher {
-    shared: Arc<Shared>,
+/// The shared end of a shard's fetch: whichever fetcher reads the shard (GetRecords polling or
+/// SubscribeToShard), its records go through here into the shard's buffer: envelope decoding,
+/// the `AT_TIMESTAMP` refinement, the last record fetched, `MillisBehindLatest` and shard end.
+/// A pipe belongs to one fetch (`epoch`): once the shard is no longer held, or was rewound by
+/// seek / nack, it refuses further records and its fetcher stops.
+pub(crate) struct Pipe {
+    pub(crate) shared: Arc<Shared>,
     state: Arc<Mutex<State>>,
     data: Arc<Notify>,
-    tp: TopicPartition,
-    shard: String,
+    pub(crate) tp: TopicPartition,
+    pub(crate) shard: String,
     epoch: u64,
+    /// `Spec::Time`: records with a message timestamp before it are skipped until the first one
+    /// at or after it.
+    skip_before: Option<i64>,
+    /// When this fetch started (ms): a restarted `LATEST` fetch starts `AT_TIMESTAMP` of it.
+    started: i64,
+    /// Sequence number of the last record fetched.
+    pub(crate) last_fetched: Option<String>,
 }
 
-impl Fetcher {
+impl Pipe {
+    fn new(
+        shared: Arc<Shared>,
+        state: Arc<Mutex<State>>,
+        data: Arc<Notify>,
+        tp: TopicPartition,
+        epoch: u64,
+        spec: &Spec,
+    ) -> Pipe {
+        Pipe {
+            shared,
+            state,
+            data,
+            shard: shard_of_partition(tp.partition),
+            tp,
+            epoch,
+            skip_before: match spec {
+                Spec::Time(ts) => Some(*ts),
+                _ => None,
+            },
+            started: onceflow_core::now_ms(),
+            last_fetched: None,
+        }
+    }
+
+    /// Whether this fetch is still current; the buffer's length.
+    fn current(&self) -> Option<usize> {
+        let st = self.state.lock();
+        st.owned
+            .get(&self.tp)
+            .filter(|o| o.epoch == self.epoch)
+            .map(|o| o.buf.len())
+    }
+
+    /// Waits while the shard's buffer is full (`buffer=`); `false` once the fetch is no longer
+    /// current.
+    pub(crate) async fn room(&self) -> bool {
+        loop {
+            match self.current() {
+                None => return false,
+                Some(n) if n >= self.shared.options.buffer => {
+                    tokio::time::sleep(self.shared.options.idle).await
+                }
+                Some(_) => return true,
+            }
+        }
+    }
+
+    /// Where a (re)started read begins: after the last record fetched, else `spec` (a `LATEST`
+    /// start is used once; later restarts are `AT_TIMESTAMP` of the first, so records written
+    /// in between are not skipped).
+    pub(crate) fn resume_spec(&self, spec: &mut Spec) -> Spec {
+        match (&self.last_fetched, &*spec) {
+            (Some(seq), _) => Spec::After(seq.clone()),
+            (None, Spec::Latest) => std::mem::replace(spec, Spec::Time(self.started)),
+            (None, s) => s.clone(),
+        }
+    }
+
+    /// Hands fetched records to the shard's buffer (decoded, see [`to_message`]) with the
+    /// shard's `MillisBehindLatest` and whether the shard ended with them. `false` when the
+    /// fetch is no longer current (nothing was added).
+    pub(crate) fn deliver(
+        &mut self,
+        records: &[aws_sdk_kinesis::types::Record],
+        millis: Option<u64>,
+        ended: bool,
+    ) -> bool {
+        let mut msgs = Vec::with_capacity(records.len());
+        let mut last = None;
+        for r in records {
+            last = Some(r.sequence_number().to_string());
+            let m = to_message(&self.tp, r);
+            if let Some(ts) = self.skip_before {
+                if m.timestamp.unwrap_or(i64::MAX) < ts {
+                    continue;
+                }
+                self.skip_before = None;
+            }
+            msgs.push(m);
+        }
+        {
+            let mut st = self.state.lock();
+            let Some(o) = st.owned.get_mut(&self.tp).filter(|o| o.epoch == self.epoch) else {
+                return false;
+            };
+            o.buf.extend(msgs);
+            if last.is_some() {
+                o.fetched = last.clone();
+            }
+            if millis.is_some() {
+                o.millis_behind = millis;
+            }
+            if ended {
+                o.ended = true;
+            }
+        }
+        if last.is_some() {
+            self.last_fetched = last;
+        }
+        if !records.is_empty() || ended {
+            self.data.notify_waiters();
+        }
+        true
+    }
+
+    /// Marks the shard read to its end.
+    pub(crate) fn mark_ended(&self) {
+        let mut st = self.state.lock();
+        if let Some(o) = st.owned.get_mut(&self.tp).filter(|o| o.epoch == self.epoch) {
+            o.ended = true;
+        }
+        drop(st);
+        self.data.notify_waiters();
+    }
+
+    /// Whether the group's last ListShards reported the shard closed.
+    pub(crate) fn closed(&self) -> bool {
+        self.state
+            .lock()
+            .owned
+            .get(&self.tp)
+            .is_some_and(|o| o.closed)
+    }
+
+    /// Reports a failure retrying cannot fix through the next `poll` (when still current).
+    pub(crate) fn fail(&self, e: Error) {
+        tracing::error!(partition = %self.tp, "{e}");
+        let mut st = self.state.lock();
+        if st
+            .owned
+            .get(&self.tp)
+            .is_some_and(|o| o.epoch == self.epoch)
+        {
+            st.failed = Some((e.kind(), e.message().to_string()));
+        }
+        drop(st);
+        self.data.notify_waiters();
+    }
+
+    /// Whether a closed shard has nothing after `after` (GetShardIterator
+    /// `AFTER_SEQUENCE_NUMBER`, else `TRIM_HORIZON`, then one GetRecords: no record and no
+    /// next iterator).
+    pub(crate) async fn at_end(&self, after: Option<&str>) -> Result<bool> {
+        let spec = match after.or(self.last_fetched.as_deref()) {
+            Some(s) => Spec::After(s.to_string()),
+            None => Spec::TrimHorizon,
+        };
+        let Some(it) = self.iterator(&spec).await? else {
+            return Ok(true);
+        };
+        let out = self
+            .shared
+            .client
+            .get_records()
+            .shard_iterator(it)
+            .limit(1)
+            .send()
+            .await
+            .map_err(|e| aws_err(format!("GetRecords of {}", self.tp), e))?;
+        Ok(out.records().is_empty() && out.next_shard_iterator().is_none())
+    }
+
     async fn iterator(&self, spec: &Spec) -> Result<Option<String>> {
         let mut req = self
             .shared
@@ -697,148 +957,81 @@ impl Fetcher {
         })?;
         Ok(r.shard_iterator().map(String::from))
     }
+}
 
-    /// Whether this fetch is still current; the buffer's length.
-    fn current(&self) -> Option<usize> {
-        let st = self.state.lock();
-        st.owned
-            .get(&self.tp)
-            .filter(|o| o.epoch == self.epoch)
-            .map(|o| o.buf.len())
-    }
-
-    async fn run(mut self, mut spec: Spec) {
-        self.shard = shard_of_partition(self.tp.partition);
-        let idle = self.shared.options.idle;
-        let limit = self.shared.options.fetch_limit;
-        let cap = self.shared.options.buffer;
-        let mut skip_before = match spec {
-            Spec::Time(ts) => Some(ts),
-            _ => None,
-        };
-        // For LATEST, a renewed iterator starts at the time the first one was taken.
-        let started = onceflow_core::now_ms();
-        let mut last_fetched: Option<String> = None;
-        let mut iterator: Option<String> = None;
-        let mut failures = 0u32;
-        loop {
-            let Some(len) = self.current() else { return };
-            if len >= cap {
-                tokio::time::sleep(idle).await;
-                continue;
-            }
-            if iterator.is_none() {
-                let s = match (&last_fetched, &spec) {
-                    (Some(seq), _) => Spec::After(seq.clone()),
-                    (None, Spec::Latest) => {
-                        let s = spec.clone();
-                        spec = Spec::Time(started);
-                        s
-                    }
-                    (None, s) => s.clone(),
-                };
-                match self.iterator(&s).await {
-                    Ok(Some(it)) => iterator = Some(it),
-                    Ok(None) => {
-                        self.mark_ended();
-                        return;
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        tracing::warn!(partition = %self.tp, "GetShardIterator failed: {e}");
-                        tokio::time::sleep(idle * failures.min(20)).await;
-                        continue;
-                    }
+/// Reads one shard with GetShardIterator + GetRecords into its pipe, until the shard ends or
+/// the fetch is no longer current. An expired iterator is renewed after the last record
+/// fetched; a throttled or failed call backs off (`idle_ms` × failures, at most 20×).
+pub(crate) async fn poll_shard(mut pipe: Pipe, mut spec: Spec) {
+    let idle = pipe.shared.options.idle;
+    let limit = pipe.shared.options.fetch_limit;
+    let mut iterator: Option<String> = None;
+    let mut failures = 0u32;
+    loop {
+        if !pipe.room().await {
+            return;
+        }
+        if iterator.is_none() {
+            let s = pipe.resume_spec(&mut spec);
+            match pipe.iterator(&s).await {
+                Ok(Some(it)) => iterator = Some(it),
+                Ok(None) => {
+                    pipe.mark_ended();
+                    return;
                 }
-            }
-            let it = iterator.clone().expect("set above");
-            let r = self
-                .shared
-                .client
-                .get_records()
-                .shard_iterator(it)
-                .limit(limit)
-                .send()
-                .await;
-            let out = match r {
-                Ok(out) => out,
                 Err(e) => {
-                    let expired = e
-                        .as_service_error()
-                        .is_some_and(|s| s.is_expired_iterator_exception());
-                    if expired {
-                        tracing::debug!(partition = %self.tp, "shard iterator expired: renewing from the last record fetched");
-                        iterator = None;
-                        continue;
-                    }
-                    let err = aws_err(format!("GetRecords of {}", self.tp), e);
                     failures += 1;
-                    tracing::warn!(partition = %self.tp, "{err}");
-                    if !err.is_retriable() {
-                        iterator = None;
-                    }
+                    tracing::warn!(partition = %pipe.tp, "GetShardIterator failed: {e}");
                     tokio::time::sleep(idle * failures.min(20)).await;
                     continue;
                 }
-            };
-            failures = 0;
-            let n = out.records().len();
-            let mut msgs = Vec::with_capacity(n);
-            for r in out.records() {
-                let seq = r.sequence_number().to_string();
-                last_fetched = Some(seq.clone());
-                let m = to_message(&self.tp, r);
-                if let Some(ts) = skip_before {
-                    if m.timestamp.unwrap_or(i64::MAX) < ts {
-                        continue;
-                    }
-                    skip_before = None;
-                }
-                msgs.push(m);
-            }
-            let millis = out
-                .millis_behind_latest()
-                .and_then(|m| u64::try_from(m).ok());
-            let next = out.next_shard_iterator().map(String::from);
-            {
-                let mut st = self.state.lock();
-                let Some(o) = st.owned.get_mut(&self.tp).filter(|o| o.epoch == self.epoch) else {
-                    return;
-                };
-                o.buf.extend(msgs);
-                if last_fetched.is_some() {
-                    o.fetched = last_fetched.clone();
-                }
-                if millis.is_some() {
-                    o.millis_behind = millis;
-                }
-                if next.is_none() {
-                    o.ended = true;
-                }
-            }
-            if n > 0 {
-                self.data.notify_waiters();
-            }
-            match next {
-                None => {
-                    self.data.notify_waiters();
-                    return;
-                }
-                Some(it) => iterator = Some(it),
-            }
-            if n == 0 {
-                tokio::time::sleep(idle).await;
             }
         }
-    }
-
-    fn mark_ended(&self) {
-        let mut st = self.state.lock();
-        if let Some(o) = st.owned.get_mut(&self.tp).filter(|o| o.epoch == self.epoch) {
-            o.ended = true;
+        let it = iterator.clone().expect("set above");
+        let r = pipe
+            .shared
+            .client
+            .get_records()
+            .shard_iterator(it)
+            .limit(limit)
+            .send()
+            .await;
+        let out = match r {
+            Ok(out) => out,
+            Err(e) => {
+                let expired = e
+                    .as_service_error()
+                    .is_some_and(|s| s.is_expired_iterator_exception());
+                if expired {
+                    tracing::debug!(partition = %pipe.tp, "shard iterator expired: renewing from the last record fetched");
+                    iterator = None;
+                    continue;
+                }
+                let err = aws_err(format!("GetRecords of {}", pipe.tp), e);
+                failures += 1;
+                tracing::warn!(partition = %pipe.tp, "{err}");
+                if !err.is_retriable() {
+                    iterator = None;
+                }
+                tokio::time::sleep(idle * failures.min(20)).await;
+                continue;
+            }
+        };
+        failures = 0;
+        let millis = out
+            .millis_behind_latest()
+            .and_then(|m| u64::try_from(m).ok());
+        let next = out.next_shard_iterator().map(String::from);
+        if !pipe.deliver(out.records(), millis, next.is_none()) {
+            return;
         }
-        drop(st);
-        self.data.notify_waiters();
+        match next {
+            None => return,
+            Some(it) => iterator = Some(it),
+        }
+        if out.records().is_empty() {
+            tokio::time::sleep(idle).await;
+        }
     }
 }
 
@@ -978,6 +1171,9 @@ impl ConsumerBackend for KinesisConsumer {
         }
         let deadline = Instant::now() + timeout;
         loop {
+            if let Some((kind, msg)) = self.state.lock().failed.take() {
+                return Err(Error::new(kind, msg));
+            }
             let due = *self.next_coordination.lock();
             if Instant::now() >= due {
                 *self.next_coordination.lock() = Instant::now() + self.lease() / 3;

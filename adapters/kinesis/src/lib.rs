@@ -45,12 +45,23 @@
 //! A consumer library with a lease table in a [`CheckpointStore`](onceflow_core::checkpoint):
 //! see [`KinesisConsumer`].
 //!
+//! **Enhanced fan-out**: `fan_out=efo` reads held shards through [SubscribeToShard] with a
+//! registered stream consumer (`efo_consumer=`, default the group's name; registered on join
+//! if missing, reused if present) instead of GetRecords polling; leases, checkpoints, resharding
+//! and lag work the same. A server without it fails with `Unsupported` naming its answer;
+//! `fan_out=auto` polls there instead (logged once). AWS needs HTTP/2 for event streams, which
+//! the SDK's HTTPS client negotiates (ALPN); kinesis-local also streams events over plain
+//! HTTP/1.1 (chunked), which is what the tests use. See [`FanOut`].
+//!
+//! [SubscribeToShard]: https://docs.aws.amazon.com/kinesis/latest/APIReference/API_SubscribeToShard.html
+//!
 //! [aws-sdk-kinesis]: https://docs.rs/aws-sdk-kinesis
 //! [KCL]: https://docs.aws.amazon.com/streams/latest/dev/shared-throughput-kcl-consumers.html
 
 mod admin;
 mod config;
 mod consumer;
+mod efo;
 pub mod envelope;
 mod producer;
 mod shards;
@@ -71,7 +82,7 @@ use parking_lot::Mutex;
 use tokio::sync::OnceCell;
 
 pub use admin::KinesisAdmin;
-pub use config::{parse_url, KinesisOptions};
+pub use config::{parse_url, FanOut, KinesisOptions};
 pub use consumer::{KinesisConsumer, ENVELOPE_ERROR_HEADER};
 pub use producer::{
     partition_key_of, KinesisProducer, MAX_BYTES_PER_CALL, MAX_BYTES_PER_RECORD,
