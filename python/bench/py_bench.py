@@ -5,7 +5,14 @@ the same Kafka broker, in the same run. Prints one `RATIO` line per comparison
     ONCEFLOW_KAFKA_URL=kafka://127.0.0.1:19092 python python/bench/py_bench.py [--messages N]
 
 Needs a release build of the wheel (`pip install ./python`), confluent-kafka and aiokafka.
-Without OpenTelemetry installed (it would add a span per send)."""
+Without OpenTelemetry installed (it would add a span per send).
+
+Same producer settings on every client: idempotence on, acks=all, linger.ms=5 (librdkafka's
+default, set explicitly on all three). Every side counts delivered records: onceflow's
+awaitables resolve on the delivery report, confluent-kafka's loop polls delivery reports
+(an `on_delivery` callback counts them, checked after `flush`), aiokafka's send futures are
+awaited. PY2's idempotent consumer uses the batch handler (`batch=True`: one Python call, one
+dedup claim and one completion per batch) with the memory store keyed by coordinates."""
 
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import uuid
 import onceflow
 
 PAYLOAD = b"x" * 100
+LINGER_MS = 5
+ONCEFLOW_PRODUCER = {"linger.ms": str(LINGER_MS), "acks": "all"}
 
 
 def bootstrap(url: str) -> str:
@@ -43,7 +52,7 @@ def rate(n, secs):
 
 async def of_send_batch(client, n, chunk=10_000):
     topic = await new_topic(client)
-    p = await client.producer()
+    p = await client.producer(idempotent=True, options=ONCEFLOW_PRODUCER)
     records = [(topic, PAYLOAD)] * chunk
     t = time.perf_counter()
     sent = 0
@@ -63,7 +72,7 @@ async def of_send_batch(client, n, chunk=10_000):
 
 async def of_send(client, n, window=5_000):
     topic = await new_topic(client)
-    p = await client.producer()
+    p = await client.producer(idempotent=True, options=ONCEFLOW_PRODUCER)
     t = time.perf_counter()
     inflight = set()
     for _ in range(n):
@@ -82,25 +91,34 @@ async def of_send(client, n, window=5_000):
 def ck_produce(url, topic, n):
     import confluent_kafka as ck
 
-    p = ck.Producer({"bootstrap.servers": bootstrap(url), "enable.idempotence": True, "linger.ms": 5})
+    p = ck.Producer(
+        {"bootstrap.servers": bootstrap(url), "enable.idempotence": True, "acks": "all", "linger.ms": LINGER_MS}
+    )
+    delivered = [0, 0]
+
+    def on_delivery(err, msg):
+        delivered[err is not None] += 1
+
     t = time.perf_counter()
     for i in range(n):
         while True:
             try:
-                p.produce(topic, PAYLOAD)
+                p.produce(topic, PAYLOAD, on_delivery=on_delivery)
                 break
             except BufferError:
                 p.poll(0.01)
         if i % 1000 == 0:
             p.poll(0)
-    p.flush(60)
-    return rate(n, time.perf_counter() - t)
+    left = p.flush(60)
+    secs = time.perf_counter() - t
+    assert left == 0 and delivered == [n, 0], f"confluent-kafka delivered {delivered}, {left} left"
+    return rate(n, secs)
 
 
 async def aiokafka_produce(url, topic, n, window=5_000):
     from aiokafka import AIOKafkaProducer
 
-    p = AIOKafkaProducer(bootstrap_servers=bootstrap(url), enable_idempotence=True, linger_ms=5)
+    p = AIOKafkaProducer(bootstrap_servers=bootstrap(url), enable_idempotence=True, acks="all", linger_ms=LINGER_MS)
     await p.start()
     t = time.perf_counter()
     futs = []
@@ -134,19 +152,25 @@ async def of_consume(client, topic, n):
 async def of_consume_dedup(client, topic, n):
     c = await client.consumer(f"g-{uuid.uuid4().hex[:8]}", [topic], start="earliest")
     seen = 0
-    t = [None]
+    t = [None, None]
 
-    async def handle(m):
+    async def handle(messages):
         nonlocal seen
         if t[0] is None:
             t[0] = time.perf_counter()
-        seen += 1
-        if seen >= n:
+        for m in messages:
+            m.payload
+        seen += len(messages)
+        if seen >= n and t[1] is None:
+            t[1] = time.perf_counter()
             engine.stop()
 
-    engine = onceflow.IdempotentConsumer(c, handle, "memory://?capacity=2000000", batch_size=1000, key="coordinates")
-    await engine.run()
-    return rate(n, time.perf_counter() - t[0])
+    engine = onceflow.IdempotentConsumer(
+        c, handle, "memory://?capacity=2000000", batch=True, batch_size=1000, key="coordinates"
+    )
+    summary = await engine.run()
+    assert summary["metrics"]["processed"] >= n, summary
+    return rate(n, t[1] - t[0])
 
 
 def ck_consume(url, topic, n):
@@ -182,7 +206,15 @@ async def main():
     import confluent_kafka
     import aiokafka
 
-    print(f"versions: onceflow {onceflow.__version__}, confluent-kafka {confluent_kafka.version()[0]} (librdkafka {confluent_kafka.libversion()[0]}), aiokafka {aiokafka.__version__}")
+    import platform
+
+    print(
+        f"versions: onceflow {onceflow.__version__}, confluent-kafka {confluent_kafka.__version__} "
+        f"(librdkafka {confluent_kafka.libversion()[0]}), aiokafka {aiokafka.__version__}, "
+        f"{platform.python_implementation()} {platform.python_version()}; "
+        f"OpenTelemetry {'installed' if onceflow._otel.ENABLED else 'not installed'}; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     topic, of_batch = await of_send_batch(client, n)
     ck_topic = await new_topic(client)
     ck_rate = await asyncio.to_thread(ck_produce, url, ck_topic, n)

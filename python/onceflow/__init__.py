@@ -32,6 +32,7 @@ import abc
 import asyncio
 import atexit
 import contextlib
+import functools
 import inspect
 from typing import (
     Any,
@@ -265,7 +266,7 @@ class Producer:
     def guarantee(self) -> str:
         return self._native.guarantee
 
-    async def send(
+    def send(
         self,
         topic: str,
         payload: Payload,
@@ -275,9 +276,16 @@ class Producer:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
-    ) -> Delivery:
-        """Sends one record and waits for the platform's acknowledgement."""
-        return await _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
+    ) -> "asyncio.Future[Delivery]":
+        """Sends one record: starts the send at once and returns an ``asyncio.Future``
+        resolved with its ``Delivery`` when the platform acknowledges it, or failing with the
+        ``OnceflowError`` of the send. ``await`` it, or keep many in flight and
+        ``asyncio.gather`` them: no task per record. Sends in flight together may land in any
+        order; await each one, or use ``send_batch``, when order matters. Call it on the event
+        loop's thread (from a coroutine or a loop callback); invalid arguments raise at the
+        call. It is not a coroutine: ``asyncio.ensure_future`` accepts it,
+        ``asyncio.create_task`` does not (and needs not)."""
+        return _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
     async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
         """Sends records pipelined (one boundary crossing for the batch). Raises ``SendError``
@@ -323,27 +331,37 @@ class Producer:
         await self.close()
 
 
-async def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key):
-    span, trace_headers = _otel.start_send(topic, platform)
-    if trace_headers is None:
-        return await native.send(
-            topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
-        )
-    try:
-        d = await native.send(
-            topic,
-            payload,
-            key=key,
-            headers=_otel.merge(headers, trace_headers),
-            partition=partition,
-            timestamp=timestamp,
-            idempotency_key=idempotency_key,
-        )
-    except BaseException as e:
-        _otel.end_send(span, error=e)
-        raise
-    _otel.end_send(span, delivery=d)
-    return d
+def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key) -> "asyncio.Future[Delivery]":
+    if _otel.ENABLED:
+        span, trace_headers = _otel.start_send(topic, platform)
+        if trace_headers is not None:
+            try:
+                fut = native.send(
+                    topic,
+                    payload,
+                    key=key,
+                    headers=_otel.merge(headers, trace_headers),
+                    partition=partition,
+                    timestamp=timestamp,
+                    idempotency_key=idempotency_key,
+                )
+            except BaseException as e:
+                _otel.end_send(span, error=e)
+                raise
+            fut.add_done_callback(functools.partial(_end_send_span, span))
+            return fut
+    return native.send(
+        topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
+    )
+
+
+def _end_send_span(span, fut: "asyncio.Future[Delivery]") -> None:
+    if fut.cancelled():
+        _otel.end_send(span, error=asyncio.CancelledError())
+    elif fut.exception() is not None:
+        _otel.end_send(span, error=fut.exception())
+    else:
+        _otel.end_send(span, delivery=fut.result())
 
 
 async def _send_batch(native, platform, records):
@@ -388,7 +406,7 @@ class Transaction:
         self._platform = platform
         self.finished = False
 
-    async def send(
+    def send(
         self,
         topic: str,
         payload: Payload,
@@ -398,8 +416,10 @@ class Transaction:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
-    ) -> Delivery:
-        return await _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
+    ) -> "asyncio.Future[Delivery]":
+        """Sends a record inside the transaction; an ``asyncio.Future`` of its ``Delivery``
+        (see ``Producer.send``)."""
+        return _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
     async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
         return _check(await _send_batch(self._native, self._platform, records))
@@ -545,6 +565,37 @@ def _traced(func: Callable[[Message], Any], system: str, group: str) -> Callable
     return call
 
 
+def _traced_batch(
+    func: Callable[[List[Message]], Any], system: str, group: str
+) -> Callable[[List[Message]], Awaitable[Any]]:
+    """The callable the engine calls with a batch: runs ``func`` (sync or async) as an
+    awaitable, inside the trace context of the batch's first message when OpenTelemetry is
+    installed (one span per call, as for a batch send)."""
+    if not _otel.ENABLED:
+
+        async def plain(messages: List[Message]) -> Any:
+            result = func(messages)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+
+        return plain
+
+    async def call(messages: List[Message]) -> Any:
+        span, token = _otel.start_process(messages[0], system, group)
+        try:
+            result = func(messages)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException as e:
+            _otel.end_process(span, token, e)
+            raise
+        _otel.end_process(span, token)
+        return result
+
+    return call
+
+
 async def _store(store: Union[None, str, DedupStore], window: float) -> Optional[DedupStore]:
     if store is None or isinstance(store, DedupStore):
         return store
@@ -599,20 +650,29 @@ class IdempotentConsumer(_Engine):
     (seconds), ``on_failure`` (``redeliver``, ``stop``, ``dead-letter:TOPIC``), ``key``
     (``header:NAME`` or ``coordinates``), ``lease``, ``batch_size``, ``poll_timeout``,
     ``commit_interval``, ``commit_every``, ``shutdown_deadline``, ``namespace``, ``worker_id``,
-    ``fingerprint``, ``redelivery_delay``."""
+    ``fingerprint``, ``redelivery_delay``.
+
+    With ``batch=True`` the handler takes a list of messages (consecutive messages of one
+    partition whose keys were claimed together; duplicates already removed) and returns
+    ``None`` or one result (``None`` or bytes) per message, in order: one call, one dedup
+    claim and one completion per batch instead of per message. A batch handler that raises
+    fails the whole batch: it is retried with backoff, then every message of it is given up
+    as ``on_failure`` says (redelivered by default), so none is lost."""
 
     def __init__(
         self,
         consumer: Consumer,
-        handler: Callable[[Message], Any],
+        handler: Callable[..., Any],
         store: Union[None, str, DedupStore] = None,
         *,
         window: float = 86400.0,
         dead_letter_producer: Optional[Producer] = None,
+        batch: bool = False,
         **config: Any,
     ):
         self.consumer = consumer
         self.handler = handler
+        self.batch = batch
         self._store = store
         self._window = window
         self._dlq = dead_letter_producer
@@ -622,12 +682,14 @@ class IdempotentConsumer(_Engine):
 
     async def _build(self):
         store = await _store(self._store, self._window)
+        wrap = _traced_batch if self.batch else _traced
         return _native.IdempotentConsumer(
             self.consumer._native,
-            _traced(self.handler, self.consumer.platform, self.consumer.group),
+            wrap(self.handler, self.consumer.platform, self.consumer.group),
             store,
             config=self._config or None,
             dead_letter_producer=self._dlq._native if self._dlq else None,
+            batch=self.batch,
         )
 
     async def step(self) -> int:
@@ -650,6 +712,9 @@ def idempotent(
         async def handle(message): ...
 
         await handle.run()
+
+    ``batch=True`` makes it a batch handler (``async def handle(messages)``; see
+    ``IdempotentConsumer``).
     """
 
     def wrap(handler: Callable[[Message], Any]) -> IdempotentConsumer:

@@ -181,11 +181,15 @@ class IdempotentConsumer:
     def __init__(
         self,
         consumer: Consumer,
-        handler: Callable[[Message], Awaitable[Optional[bytes]]],
+        handler: Union[
+            Callable[[Message], Awaitable[Optional[bytes]]],
+            Callable[[List[Message]], Awaitable[Optional[Sequence[Optional[bytes]]]]],
+        ],
         store: Optional[DedupStore] = None,
         *,
         config: Optional[Dict[str, Any]] = None,
         dead_letter_producer: Optional[Producer] = None,
+        batch: bool = False,
     ) -> None: ...
     @property
     def guarantee(self) -> str: ...

@@ -87,6 +87,12 @@ def _run(coro) -> Any:
     return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
 
+async def _awaited(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Calls ``call`` on the loop thread and awaits what it returns (for methods that return a
+    future instead of a coroutine, such as ``send``)."""
+    return await call(*args, **kwargs)
+
+
 def connect(url: str) -> "Client":
     """Connects to the platform named by the URL (see ``onceflow.connect``)."""
     return Client(_run(_connect(url)))
@@ -123,7 +129,7 @@ class Producer:
         return self._inner.guarantee
 
     def send(self, topic: str, payload: Any, **kwargs: Any) -> Delivery:
-        return _run(self._inner.send(topic, payload, **kwargs))
+        return _run(_awaited(self._inner.send, topic, payload, **kwargs))
 
     def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
         return _run(self._inner.send_batch(records))
@@ -152,7 +158,7 @@ class Transaction:
         self._inner = inner
 
     def send(self, topic: str, payload: Any, **kwargs: Any) -> Delivery:
-        return _run(self._inner.send(topic, payload, **kwargs))
+        return _run(_awaited(self._inner.send, topic, payload, **kwargs))
 
     def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
         return _run(self._inner.send_batch(records))

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 
 use crate::convert::{self, Delivery, Lag, Message};
 use crate::errors::{config_err, to_pyerr};
-use crate::{awaitable, awaitable_py};
+use crate::{awaitable, awaitable_py, awaitable_uncancelled, wake};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(connect, m)?)?;
@@ -183,17 +183,17 @@ fn caps(c: onceflow::Capabilities) -> HashMap<&'static str, bool> {
     ])
 }
 
-/// Per-record results as Python objects: a `Delivery` or the onceflow exception instance.
-fn results(
-    py: Python<'_>,
-    rs: Vec<onceflow::Result<onceflow::Delivery>>,
-) -> PyResult<Vec<Py<PyAny>>> {
-    rs.into_iter()
+/// Per-record results as a Python list: a `Delivery` or the onceflow exception instance.
+/// Runs on the event loop's thread, once per batch.
+fn results(py: Python<'_>, rs: Vec<onceflow::Result<onceflow::Delivery>>) -> PyResult<Py<PyAny>> {
+    let items = rs
+        .into_iter()
         .map(|r| match r {
             Ok(d) => Ok(Py::new(py, Delivery::from(d))?.into_any()),
             Err(e) => Ok(to_pyerr(py, &e).into_value(py).into_any()),
         })
-        .collect()
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(pyo3::types::PyList::new(py, items)?.into_any().unbind())
 }
 
 /// A producer.
@@ -241,7 +241,7 @@ impl Producer {
             idempotency_key,
         )?;
         let p = self.inner.clone();
-        awaitable(py, async move { p.send(record).await.map(Delivery::from) })
+        awaitable_uncancelled(py, async move { p.send(record).await.map(Delivery::from) })
     }
 
     /// Sends records (tuples in `onceflow.Record` order) pipelined; resolves to one result per
@@ -253,10 +253,12 @@ impl Producer {
     ) -> PyResult<Bound<'py, PyAny>> {
         let records = convert::records(records)?;
         let p = self.inner.clone();
-        awaitable_py(py, async move {
-            let rs = p.send_batch(records).await;
-            Python::attach(|py| results(py, rs))
-        })
+        wake::deliver(
+            py,
+            async move { p.send_batch(records).await },
+            results,
+            false,
+        )
     }
 
     /// Starts a transaction (needs a `transactional_id`).
@@ -322,7 +324,7 @@ impl Transaction {
             idempotency_key,
         )?;
         let tx = self.inner.clone();
-        awaitable(py, async move {
+        awaitable_uncancelled(py, async move {
             let mut slot = tx.lock().await;
             let tx = slot.as_mut().ok_or_else(finished)?;
             tx.send(record).await.map(Delivery::from)
@@ -337,14 +339,14 @@ impl Transaction {
     ) -> PyResult<Bound<'py, PyAny>> {
         let records = convert::records(records)?;
         let tx = self.inner.clone();
-        awaitable_py(py, async move {
+        let fut = async move {
             let mut slot = tx.lock().await;
-            let rs = match slot.as_mut() {
+            match slot.as_mut() {
                 Some(tx) => tx.send_batch(records).await,
                 None => records.iter().map(|_| Err(finished())).collect(),
-            };
-            Python::attach(|py| results(py, rs))
-        })
+            }
+        };
+        wake::deliver(py, fut, results, false)
     }
 
     /// Commits `positions` (`(topic, partition, position)` of the last processed message per

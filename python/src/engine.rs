@@ -13,7 +13,7 @@ use onceflow::{
 };
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3_async_runtimes::TaskLocals;
 
 use crate::client::{Consumer, DedupStore, Producer};
@@ -54,32 +54,94 @@ async fn call(
     fut.await.map_err(py_box)
 }
 
+/// Calls `func([messages])` and awaits the awaitable it returns on the loop in `locals`: one
+/// boundary crossing for the whole run of messages.
+async fn call_batch(
+    func: &Py<PyAny>,
+    locals: &Locals,
+    messages: &[onceflow::Message],
+) -> Result<Py<PyAny>, BoxError> {
+    let locals = locals_of(locals)?;
+    let fut = Python::attach(|py| {
+        let list = PyList::new(py, messages.iter().map(|m| Message { inner: m.clone() }))?;
+        let aw = func.bind(py).call1((list,))?;
+        pyo3_async_runtimes::into_future_with_locals(&locals, aw)
+    })
+    .map_err(py_box)?;
+    fut.await.map_err(py_box)
+}
+
+/// A handler's return value: `None` or bytes.
+fn handler_result(out: &Bound<'_, PyAny>) -> Result<Option<Bytes>, BoxError> {
+    if out.is_none() {
+        Ok(None)
+    } else if let Ok(b) = out.cast::<PyBytes>() {
+        Ok(Some(Bytes::copy_from_slice(b.as_bytes())))
+    } else {
+        Err(format!(
+            "handler returned {}: expected None or bytes",
+            out.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )
+        .into())
+    }
+}
+
+/// A batch handler's return value: `None` (no result for any message) or one `None`/bytes per
+/// message, in order.
+fn batch_results(out: &Bound<'_, PyAny>, n: usize) -> Result<Vec<Option<Bytes>>, BoxError> {
+    if out.is_none() {
+        return Ok(vec![None; n]);
+    }
+    let items = out.try_iter().map_err(|_| {
+        format!(
+            "batch handler returned {}: expected None or a list with one None/bytes per message",
+            out.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )
+    })?;
+    items.map(|i| handler_result(&i.map_err(py_box)?)).collect()
+}
+
 struct PyHandler {
     func: Py<PyAny>,
     locals: Locals,
+    /// `func` takes a list of messages (see [`Handler::handle_batch`]).
+    batch: bool,
 }
 
 #[async_trait]
 impl Handler for PyHandler {
     async fn handle(&self, message: &onceflow::Message) -> Result<Option<Bytes>, BoxError> {
+        if self.batch {
+            let mut out = self.handle_batch(std::slice::from_ref(message)).await?;
+            return Ok(out.pop().flatten());
+        }
         let out = call(&self.func, &self.locals, message).await?;
-        Python::attach(|py| {
-            let out = out.bind(py);
-            if out.is_none() {
-                Ok(None)
-            } else if let Ok(b) = out.cast::<PyBytes>() {
-                Ok(Some(Bytes::copy_from_slice(b.as_bytes())))
-            } else {
-                Err(format!(
-                    "handler returned {}: expected None or bytes",
-                    out.get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                )
-                .into())
+        Python::attach(|py| handler_result(out.bind(py)))
+    }
+
+    fn batched(&self) -> bool {
+        self.batch
+    }
+
+    async fn handle_batch(
+        &self,
+        messages: &[onceflow::Message],
+    ) -> Result<Vec<Option<Bytes>>, BoxError> {
+        if !self.batch {
+            let mut out = Vec::with_capacity(messages.len());
+            for m in messages {
+                out.push(self.handle(m).await?);
             }
-        })
+            return Ok(out);
+        }
+        let out = call_batch(&self.func, &self.locals, messages).await?;
+        Python::attach(|py| batch_results(out.bind(py), messages.len()))
     }
 }
 
@@ -236,19 +298,26 @@ pub struct IdempotentConsumer {
 
 #[pymethods]
 impl IdempotentConsumer {
+    /// `handler(message)` returns an awaitable of `None` or bytes; with `batch=True`,
+    /// `handler([messages])` gets consecutive messages of one partition and returns an
+    /// awaitable of `None` or one `None`/bytes per message. A batch handler that raises fails
+    /// every message of the call: retried, then each given up (redelivered) as `on_failure`
+    /// says.
     #[new]
-    #[pyo3(signature = (consumer, handler, store=None, *, config=None, dead_letter_producer=None))]
+    #[pyo3(signature = (consumer, handler, store=None, *, config=None, dead_letter_producer=None, batch=false))]
     fn new(
         consumer: &Consumer,
         handler: Py<PyAny>,
         store: Option<&DedupStore>,
         config: Option<&Bound<'_, PyDict>>,
         dead_letter_producer: Option<&Producer>,
+        batch: bool,
     ) -> PyResult<Self> {
         let locals: Locals = Arc::default();
         let h = PyHandler {
             func: handler,
             locals: locals.clone(),
+            batch,
         };
         let engine = crate::errors::py_result(onceflow::IdempotentConsumer::with_config(
             consumer.inner.clone(),

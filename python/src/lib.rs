@@ -12,6 +12,7 @@ use std::pin::Pin;
 
 use futures::TryFutureExt;
 use pyo3::prelude::*;
+use pyo3::IntoPyObjectExt;
 use pyo3_async_runtimes::generic::{self, ContextExt, JoinError, Runtime};
 use pyo3_async_runtimes::TaskLocals;
 
@@ -19,6 +20,7 @@ mod client;
 mod convert;
 mod engine;
 mod errors;
+mod wake;
 
 /// pyo3-async-runtimes' view of the bindings' runtime (which is rebuilt after `fork()`).
 pub struct Rt;
@@ -80,14 +82,38 @@ impl ContextExt for Rt {
     }
 }
 
-/// An asyncio awaitable resolving to the result of `fut`; onceflow errors become onceflow
-/// exceptions.
+fn convert_result<T>(py: Python<'_>, r: onceflow::Result<T>) -> PyResult<Py<PyAny>>
+where
+    T: for<'a> IntoPyObject<'a>,
+{
+    errors::py_result(r)?.into_py_any(py)
+}
+
+fn convert_py<T>(py: Python<'_>, r: PyResult<T>) -> PyResult<Py<PyAny>>
+where
+    T: for<'a> IntoPyObject<'a>,
+{
+    r?.into_py_any(py)
+}
+
+/// An asyncio awaitable resolving to the result of `fut` (converted to Python on the loop's
+/// thread; onceflow errors become onceflow exceptions). Cancelling it aborts `fut`.
 pub fn awaitable<'py, F, T>(py: Python<'py>, fut: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = onceflow::Result<T>> + Send + 'static,
     T: for<'a> IntoPyObject<'a> + Send + 'static,
 {
-    generic::future_into_py::<Rt, _, T>(py, async move { errors::py_result(fut.await) })
+    wake::deliver(py, fut, convert_result::<T>, true)
+}
+
+/// Like [`awaitable`], but `fut` runs to its end even when the awaitable is cancelled: for
+/// work whose effect cannot be taken back once started (a send).
+pub fn awaitable_uncancelled<'py, F, T>(py: Python<'py>, fut: F) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = onceflow::Result<T>> + Send + 'static,
+    T: for<'a> IntoPyObject<'a> + Send + 'static,
+{
+    wake::deliver(py, fut, convert_result::<T>, false)
 }
 
 /// An asyncio awaitable resolving to the result of `fut`, which reports Python errors itself.
@@ -96,7 +122,7 @@ where
     F: Future<Output = PyResult<T>> + Send + 'static,
     T: for<'a> IntoPyObject<'a> + Send + 'static,
 {
-    generic::future_into_py::<Rt, _, T>(py, fut)
+    wake::deliver(py, fut, convert_py::<T>, true)
 }
 
 /// The task locals (event loop and contextvars) of the calling coroutine.

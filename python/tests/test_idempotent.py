@@ -161,3 +161,103 @@ async def test_pipeline_transforms_into_the_output_topic(platform):
     assert sorted(m.payload for m in got) == [b"IN0", b"IN1", b"IN2"]
     assert summary["guarantee"] in ("exactly-once", "effectively-once", "at-least-once")
     assert isinstance(await pipeline.mechanism(), str)
+
+
+async def test_batch_handler_runs_once_per_key_with_each_store(platform, store_url):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    keys = ["a", "b", "a", "c", "b", "d"]
+    results = await producer.send_batch_results(
+        [onceflow.Record(topic, f"order {k}".encode(), idempotency_key=f"order-{k}") for k in keys]
+    )
+    written = sum(not r.duplicate for r in results)
+    skipped = written - 4
+    batches = []
+
+    @onceflow.idempotent(await platform.consumer(topic), store=store_url, batch=True, poll_timeout=0.1)
+    async def handle(messages):
+        batches.append([m.header("idempotency-key") for m in messages])
+
+    summary = await _run_until(
+        handle, lambda: sum(map(len, batches)) >= 4 and handle.metrics().get("duplicates_skipped", 0) >= skipped
+    )
+    handled = [k for b in batches for k in b]
+    assert sorted(handled) == [b"order-a", b"order-b", b"order-c", b"order-d"]
+    assert len(batches) < len(handled), "one call per batch, not per message"
+    assert summary["metrics"]["processed"] == 4
+    assert summary["metrics"]["duplicates_skipped"] == skipped
+
+
+async def test_a_batch_handler_that_raises_is_retried_and_not_lost(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    await producer.send_batch([onceflow.Record(topic, f"m{i}".encode(), idempotency_key=f"m-{i}") for i in range(5)])
+    calls = []
+    done = []
+
+    async def handle(messages):
+        calls.append(len(messages))
+        if len(calls) < 3:
+            raise RuntimeError("downstream unavailable")
+        done.extend(m.payload for m in messages)
+
+    engine = onceflow.IdempotentConsumer(
+        await platform.consumer(topic),
+        handle,
+        "memory://",
+        batch=True,
+        min_backoff=0.01,
+        max_backoff=0.05,
+        poll_timeout=0.1,
+    )
+    summary = await _run_until(engine, lambda: len(done) == 5)
+    assert done == [f"m{i}".encode() for i in range(5)]
+    assert summary["metrics"]["handler_errors"] == 2
+    assert summary["metrics"]["processed"] == 5
+
+
+async def test_a_batch_that_exhausts_its_retries_is_redelivered_whole(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send_batch([onceflow.Record(topic, f"m{i}".encode(), idempotency_key=f"m-{i}") for i in range(3)])
+    calls = []
+
+    def handle(messages):  # a plain function works too
+        calls.append([m.payload for m in messages])
+        if len(calls) <= 2:
+            raise ValueError("not yet")
+        return [m.payload.upper() for m in messages]
+
+    engine = onceflow.IdempotentConsumer(
+        await memory.consumer(topic),
+        handle,
+        "memory://",
+        batch=True,
+        max_attempts=1,
+        redelivery_delay=0.05,
+        poll_timeout=0.05,
+    )
+    summary = await _run_until(engine, lambda: summary_done(engine))
+    handled = [p for c in calls[2:] for p in c]
+    assert sorted(handled) == [b"m0", b"m1", b"m2"], calls
+    assert summary["metrics"]["processed"] == 3
+    assert summary["metrics"]["redelivery_requests"] >= 2
+
+
+def summary_done(engine):
+    return engine.metrics().get("processed", 0) == 3
+
+
+async def test_a_batch_handler_must_return_one_result_per_message(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send_batch([onceflow.Record(topic, f"m{i}".encode(), idempotency_key=f"m-{i}") for i in range(2)])
+
+    async def handle(messages):
+        return [b"only one"]
+
+    engine = onceflow.IdempotentConsumer(
+        await memory.consumer(topic), handle, "memory://", batch=True, on_failure="stop", poll_timeout=0.05
+    )
+    with pytest.raises(onceflow.HandlerError, match="2 messages"):
+        await asyncio.wait_for(engine.run(), 30)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 import onceflow
@@ -116,3 +118,36 @@ async def test_bad_arguments_are_type_errors(memory):
         await producer.send("t", 42)
     with pytest.raises(TypeError):
         await producer.send("t", b"x", headers=42)
+
+
+async def test_many_sends_in_flight_without_a_task_each(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    # send() starts the send at the call and returns a future: no task per record.
+    futures = [producer.send(topic, f"m{i}".encode()) for i in range(300)]
+    assert all(isinstance(f, asyncio.Future) for f in futures)
+    deliveries = await asyncio.gather(*futures)
+    assert all(d.topic == topic for d in deliveries)
+    assert len({d.position for d in deliveries}) == 300
+    got = await drain(await platform.consumer(topic, start="earliest"), 300)
+    assert sorted(m.payload for m in got) == sorted(f"m{i}".encode() for i in range(300))
+
+
+async def test_invalid_send_raises_at_the_call(memory):
+    producer = await memory.client.producer()
+    with pytest.raises(TypeError):
+        producer.send(await memory.topic(), 42)
+
+
+async def test_a_cancelled_poll_leaves_the_consumer_and_loop_working(memory):
+    topic = await memory.topic()
+    consumer = await memory.consumer(topic)
+    pending = asyncio.ensure_future(consumer.poll(10, 5.0))
+    await asyncio.sleep(0.05)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    producer = await memory.client.producer()
+    await producer.send(topic, b"after")
+    got = await drain(consumer, 1)
+    assert [m.payload for m in got] == [b"after"]

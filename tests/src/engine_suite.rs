@@ -37,6 +37,7 @@ macro_rules! engine_suite {
         $crate::engine_suite!(@cases ($harness)
             idempotent_consumer_skips_duplicates,
             failing_handler_is_retried_not_lost,
+            failing_batch_handler_is_retried_not_lost,
             exhausted_retries_redeliver_in_order,
             dead_letter_after_retries,
             conflicting_payload_is_an_error,
@@ -232,6 +233,48 @@ impl Handler for Shared {
     }
 }
 
+/// [`Counting`] as a batch handler: one call per run of messages, failing as a whole while
+/// any of its keys has failures left (before running any of them).
+struct Batched(Arc<Counting>, Mutex<u32>);
+
+#[async_trait]
+impl Handler for Batched {
+    async fn handle(&self, m: &Message) -> std::result::Result<Option<Bytes>, BoxError> {
+        self.0.handle(m).await
+    }
+
+    fn batched(&self) -> bool {
+        true
+    }
+
+    async fn handle_batch(
+        &self,
+        ms: &[Message],
+    ) -> std::result::Result<Vec<Option<Bytes>>, BoxError> {
+        *self.1.lock().unwrap() += 1;
+        let c = &self.0;
+        let mut failing = None;
+        for m in ms {
+            let key = Counting::key(m);
+            let mut a = c.attempts.lock().unwrap();
+            let e = a.entry(key.clone()).or_default();
+            *e += 1;
+            if *e <= *c.fail_times.get(&key).unwrap_or(&0) {
+                failing = Some(key);
+            }
+        }
+        if let Some(key) = failing {
+            return Err(format!("batch with {key} fails").into());
+        }
+        for m in ms {
+            let key = Counting::key(m);
+            *c.runs.lock().unwrap().entry(key.clone()).or_default() += 1;
+            c.order.lock().unwrap().push(key);
+        }
+        Ok(vec![None; ms.len()])
+    }
+}
+
 #[allow(clippy::too_many_arguments)] // test plumbing: each case varies a different one
 async fn run_consumer(
     h: &dyn Harness,
@@ -339,6 +382,51 @@ pub async fn failing_handler_is_retried_not_lost(h: &dyn Harness) -> CaseResult 
     check(
         s.retries == 8 && s.handler_errors == 8,
         format!("8 retries after 8 errors, got {s:?}"),
+    )?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// A batch handler (one call per run of claimed messages) failing twice for batches holding
+/// some keys is retried as a whole; each key succeeds once, in partition order, and everything
+/// is committed.
+pub async fn failing_batch_handler_is_retried_not_lost(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(2).await?;
+    produce(&client, keyed(&topic, 20)).await?;
+    let counting = Arc::new(Counting {
+        fail_times: (0..20).step_by(5).map(|i| (format!("k{i}"), 2)).collect(),
+        ..Default::default()
+    });
+    let handler = Arc::new(Batched(counting.clone(), Mutex::new(0)));
+    let consumer = client
+        .consumer(consumer_config(h, &h.group(), &topic))
+        .await?;
+    let group = consumer.group().to_string();
+    let ic = IdempotentConsumer::with_config(
+        consumer,
+        Some(store()),
+        handler.clone(),
+        fast_engine(h),
+        None,
+    )?;
+    let metrics = ic.metrics();
+    let c2 = counting.clone();
+    ic.run_until(until(h, move || c2.distinct() == 20)).await?;
+    let runs = counting.runs.lock().unwrap().clone();
+    check(
+        runs.len() == 20 && runs.values().all(|n| *n == 1),
+        format!("each of 20 keys once, got {runs:?}"),
+    )?;
+    let calls = *handler.1.lock().unwrap();
+    let s = metrics.snapshot();
+    check(
+        s.handler_errors >= 2 && s.retries == s.handler_errors && s.processed == 20,
+        format!("whole batches retried, 20 processed, got {s:?}"),
+    )?;
+    check(
+        (calls as u64) <= 20 + s.handler_errors,
+        format!("one call per batch, not per message: {calls} calls"),
     )?;
     nothing_left(h, &client, &group, &topic).await?;
     Ok(Outcome::Passed)

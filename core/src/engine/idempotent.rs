@@ -25,6 +25,9 @@ use crate::trace;
 /// Claims a chunk holds: key and fencing token.
 type Held = Mutex<Vec<(String, FencingToken)>>;
 
+/// A handler's result for one message, or its last error and the attempts made.
+type HandlerResult = std::result::Result<Option<Bytes>, (Error, u32)>;
+
 /// How a run ended.
 #[derive(Debug, Clone)]
 pub struct RunSummary {
@@ -441,7 +444,12 @@ impl Core {
         // Index one past the last message whose work is done (completions pending flush).
         let mut done_upto = 0usize;
         let mut stop: Option<Error> = None;
-        for (i, (msg, mut outcome)) in msgs.iter().zip(outcomes).enumerate() {
+        let batched = self.handler.batched();
+        let mut outcomes = outcomes;
+        // Handler results of a batched run, by message index, taken as the loop reaches them.
+        let mut ready: Vec<Option<HandlerResult>> = Vec::new();
+        for (i, msg) in msgs.iter().enumerate() {
+            let mut outcome = outcomes[i].take();
             if self.tracker.generation(tp) != generation {
                 self.metrics.add(Metric::Fenced, 1);
                 break;
@@ -468,6 +476,21 @@ impl Core {
                 self.metrics.add(Metric::Fenced, 1);
                 break;
             }
+            let runnable =
+                |o: &Option<ClaimOutcome>| matches!(o, None | Some(ClaimOutcome::Claimed { .. }));
+            if batched && runnable(&outcome) && ready.get(i).is_none_or(Option::is_none) {
+                // The run of messages from here that need the handler: one call for all.
+                let end = (i + 1..msgs.len())
+                    .find(|&j| !runnable(&outcomes[j]))
+                    .unwrap_or(msgs.len());
+                let results = self.run_batch_handler(tp, generation, &msgs[i..end]).await;
+                ready.resize_with(msgs.len(), || None);
+                for (slot, r) in ready[i..end].iter_mut().zip(results) {
+                    *slot = Some(r);
+                }
+            }
+            let handled =
+                |ready: &mut Vec<Option<HandlerResult>>| ready.get_mut(i).and_then(Option::take);
             let step = match outcome {
                 Some(ClaimOutcome::Duplicate { result }) => {
                     self.metrics.add(Metric::DuplicateSkipped, 1);
@@ -488,7 +511,11 @@ impl Core {
                     self.give_up(tp, msg, None, err, 1, true).await
                 }
                 Some(ClaimOutcome::Claimed { token }) => {
-                    match self.run_handler(tp, generation, msg).await {
+                    let result = match handled(&mut ready) {
+                        Some(r) => r,
+                        None => self.run_handler(tp, generation, msg).await,
+                    };
+                    match result {
                         Ok(result) => {
                             completions.push(Completion {
                                 key: key.expect("claimed implies key").to_string(),
@@ -505,13 +532,21 @@ impl Core {
                     }
                 }
                 Some(ClaimOutcome::InProgress { .. }) => Ok(Done::Fenced),
-                None => match self.run_handler(tp, generation, msg).await {
-                    Ok(_) => {
-                        self.metrics.add(Metric::Processed, 1);
-                        Ok(Done::Finished)
+                None => {
+                    let result = match handled(&mut ready) {
+                        Some(r) => r,
+                        None => self.run_handler(tp, generation, msg).await,
+                    };
+                    match result {
+                        Ok(_) => {
+                            self.metrics.add(Metric::Processed, 1);
+                            Ok(Done::Finished)
+                        }
+                        Err((err, attempts)) => {
+                            self.give_up(tp, msg, None, err, attempts, false).await
+                        }
                     }
-                    Err((err, attempts)) => self.give_up(tp, msg, None, err, attempts, false).await,
-                },
+                }
             };
             match step {
                 Ok(Done::Finished) => done_upto = i + 1,
@@ -569,7 +604,7 @@ impl Core {
         tp: &TopicPartition,
         generation: u64,
         msg: &Message,
-    ) -> std::result::Result<Option<Bytes>, (Error, u32)> {
+    ) -> HandlerResult {
         let mut delays = self.config.backoff();
         let mut attempt = 1u32;
         loop {
@@ -615,6 +650,77 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// Runs [`Handler::handle_batch`] on `msgs` with retries: one result per message, in
+    /// order. When the call fails for good, every message gets the error (and the attempts).
+    async fn run_batch_handler(
+        &self,
+        tp: &TopicPartition,
+        generation: u64,
+        msgs: &[Message],
+    ) -> Vec<HandlerResult> {
+        let mut delays = self.config.backoff();
+        let mut attempt = 1u32;
+        let err = loop {
+            let result = if self.config.tracing {
+                // One span for the call, in the context of its first message.
+                let cx = trace::process_context(
+                    self.consumer.platform(),
+                    self.consumer.group(),
+                    &msgs[0],
+                );
+                let r = self
+                    .handler
+                    .handle_batch(msgs)
+                    .with_context(cx.clone())
+                    .await
+                    .map_err(Error::handler);
+                trace::end(&cx, r.as_ref().err());
+                r
+            } else {
+                self.handler
+                    .handle_batch(msgs)
+                    .await
+                    .map_err(Error::handler)
+            };
+            let e = match result {
+                Ok(rs) if rs.len() == msgs.len() => return rs.into_iter().map(Ok).collect(),
+                Ok(rs) => Error::new(
+                    ErrorKind::Handler,
+                    format!(
+                        "batch handler returned {} results for {} messages",
+                        rs.len(),
+                        msgs.len()
+                    ),
+                )
+                .retriable(false),
+                Err(e) => e,
+            };
+            self.metrics.add(Metric::HandlerError, 1);
+            tracing::debug!(error = %e, %tp, position = %msgs[0].position, count = msgs.len(), attempt, "batch handler failed");
+            if !e.is_retriable() {
+                break e;
+            }
+            match delays.next() {
+                Some(d) => {
+                    tokio::time::sleep(d).await;
+                    if self.tracker.generation(tp) != generation {
+                        break Error::new(ErrorKind::Fenced, "partition revoked during retries");
+                    }
+                    self.metrics.add(Metric::Retry, 1);
+                    attempt += 1;
+                }
+                None => break e,
+            }
+        };
+        let mut out = Vec::with_capacity(msgs.len());
+        for _ in 1..msgs.len() {
+            let copy = Error::new(err.kind(), err.to_string()).retriable(err.is_retriable());
+            out.push(Err((copy, attempt)));
+        }
+        out.insert(0, Err((err, attempt)));
+        out
     }
 
     /// Retries are exhausted (or the failure is not retriable): release the claim and apply

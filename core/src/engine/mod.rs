@@ -202,6 +202,36 @@ pub trait Handler: Send + Sync {
     async fn on_duplicate(&self, message: &Message, result: Option<Bytes>) {
         let _ = (message, result);
     }
+
+    /// Whether [`IdempotentConsumer`] hands this handler runs of messages through
+    /// [`Handler::handle_batch`] instead of one [`Handler::handle`] call per message (for
+    /// handlers with a per-call cost, such as a call into another language). Default: `false`.
+    fn batched(&self) -> bool {
+        false
+    }
+
+    /// Handles consecutive messages of one partition, in order, in one call; used instead of
+    /// [`Handler::handle`] when [`Handler::batched`] is `true`. Every message given is claimed
+    /// (or has no idempotency key); duplicates never reach it.
+    ///
+    /// `Ok` holds one result per message, in order, each stored with its completed key like
+    /// the result of [`Handler::handle`] (a count that differs from `messages.len()` is a
+    /// non-retriable handler error). An `Err` fails the whole call: it is retried with backoff
+    /// like a failing `handle` (see [`EngineConfig::max_attempts`]); when the retries are
+    /// exhausted, each message of the call is given up in order, as a failing `handle` would
+    /// be (claim released, then [`EngineConfig::on_failure`]), so none is lost.
+    ///
+    /// Default: [`Handler::handle`] on each message in turn, stopping at the first error.
+    async fn handle_batch(
+        &self,
+        messages: &[Message],
+    ) -> std::result::Result<Vec<Option<Bytes>>, BoxError> {
+        let mut out = Vec::with_capacity(messages.len());
+        for m in messages {
+            out.push(self.handle(m).await?);
+        }
+        Ok(out)
+    }
 }
 
 type HandlerFuture =
