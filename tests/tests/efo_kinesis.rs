@@ -429,3 +429,47 @@ async fn efo_split_while_consuming_keeps_order_per_key() {
     assert_eq!(parent.checkpoint.as_deref(), Some(SHARD_END));
     let _ = platform.admin().await.unwrap().delete_topic(&stream).await;
 }
+
+/// A server without enhanced fan-out (kinesalite, when `ONCEFLOW_KINESALITE_URL` points at one:
+/// the broker scripts do not start it, so this test skips otherwise): `fan_out=efo` fails to
+/// join with `Unsupported` naming the server's answer; `fan_out=auto` consumes by polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn efo_unsupported_by_the_server_is_an_error_or_polls_with_auto() {
+    let Ok(url) = std::env::var("ONCEFLOW_KINESALITE_URL") else {
+        eprintln!("efo_kinesis: SKIPPED: ONCEFLOW_KINESALITE_URL is not set (a server without enhanced fan-out, e.g. kinesalite)");
+        return;
+    };
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let efo = onceflow_kinesis::connect(&format!("{url}{sep}fan_out=efo&idle_ms=100"))
+        .await
+        .unwrap();
+    let stream = create_stream(&efo, "efo-unsupported", 1).await;
+    let err = match efo
+        .consumer(ConsumerConfig::new("g", [stream.clone()]).start(StartFrom::Earliest))
+        .await
+    {
+        Err(e) => e,
+        Ok(_) => panic!("fan_out=efo joined a server without enhanced fan-out"),
+    };
+    eprintln!("fan_out=efo on a server without it: {err}");
+    assert_eq!(err.kind(), onceflow_core::ErrorKind::Unsupported, "{err}");
+    assert!(err.message().contains("UnknownOperation"), "{err}");
+
+    let auto = onceflow_kinesis::connect(&format!("{url}{sep}fan_out=auto&idle_ms=100"))
+        .await
+        .unwrap();
+    let producer = auto.producer(ProducerConfig::default()).await.unwrap();
+    send(&producer, &stream, 0..5).await;
+    let consumer = auto
+        .consumer(ConsumerConfig::new("g", [stream.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let got = poll_n(&consumer, 5 * KEYS).await;
+    assert_exactly(
+        &got,
+        0..5,
+        "fan_out=auto on a server without enhanced fan-out",
+    );
+    consumer.close().await.unwrap();
+    let _ = auto.admin().await.unwrap().delete_topic(&stream).await;
+}
