@@ -10,6 +10,10 @@
 //!   record lost, no committed record delivered again;
 //! - a shard split while a group of two EFO members consumes keeps per-key order, parent before
 //!   child, and the parent is checkpointed `SHARD_END`.
+//! - a dropped connection (a loopback relay cut mid-subscription) is followed by a new
+//!   subscription after the last continuation: nothing lost, nothing delivered twice;
+//! - on a server without enhanced fan-out (kinesalite, `ONCEFLOW_KINESALITE_URL`, not started by
+//!   the broker scripts) `fan_out=efo` is `Unsupported` and `fan_out=auto` polls.
 //!
 //! Runs when `ONCEFLOW_KINESIS_URL` is set; without it each test says it skipped, and with
 //! `ONCEFLOW_REQUIRE_BROKERS=1` (`make test`) that is a failure.
@@ -472,4 +476,107 @@ async fn efo_unsupported_by_the_server_is_an_error_or_polls_with_auto() {
     );
     consumer.close().await.unwrap();
     let _ = auto.admin().await.unwrap().delete_topic(&stream).await;
+}
+
+/// A loopback TCP relay to `target` whose connections can all be cut at once (a network
+/// failure between the consumer and the server; the server itself is untouched).
+struct Relay {
+    port: u16,
+    cut: tokio::sync::watch::Sender<u64>,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Relay {
+    async fn start(target: std::net::SocketAddr) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (cuts, count) = (cut.clone(), accepted.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                count.fetch_add(1, Ordering::Relaxed);
+                let mut cut = cuts.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Relay {
+            port,
+            cut,
+            accepted,
+        }
+    }
+
+    /// Drops every open connection.
+    fn cut(&self) {
+        self.cut.send_modify(|n| *n += 1);
+    }
+}
+
+/// The connection carrying the subscription drops: the member subscribes again after the last
+/// `ContinuationSequenceNumber`, so nothing is lost and nothing delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn efo_resubscribes_after_a_dropped_connection() {
+    let Some(direct) = platform("efo_kinesis").await else {
+        return;
+    };
+    let url = std::env::var("ONCEFLOW_KINESIS_URL").unwrap();
+    let parsed = url::Url::parse(&url).unwrap();
+    let target: std::net::SocketAddr = format!(
+        "{}:{}",
+        parsed.host_str().unwrap(),
+        parsed.port().unwrap_or(80)
+    )
+    .parse()
+    .expect("ONCEFLOW_KINESIS_URL names an IP address and port");
+    let relay = Relay::start(target).await;
+    let query = parsed.query().unwrap_or("");
+    let relayed = onceflow_kinesis::connect(&format!(
+        "kinesis://127.0.0.1:{}?{query}&fan_out=efo&lease_ms=2000&idle_ms=100",
+        relay.port
+    ))
+    .await
+    .unwrap();
+    let stream = create_stream(&direct, "efo-drop", 1).await;
+    let producer = direct.producer(ProducerConfig::default()).await.unwrap();
+    let group = format!("g-{:08x}", rand::random::<u32>());
+    let consumer = relayed
+        .consumer(
+            ConsumerConfig::new(group.clone(), [stream.clone()])
+                .start(StartFrom::Earliest)
+                .client_id("member"),
+        )
+        .await
+        .unwrap();
+    send(&producer, &stream, 0..20).await;
+    let mut got = poll_n(&consumer, 20 * KEYS).await;
+    assert_exactly(&got, 0..20, "before the connection drops");
+    let arn = active_consumer(&direct, &stream, &group).await;
+
+    let before = relay.accepted.load(Ordering::Relaxed);
+    relay.cut();
+    send(&producer, &stream, 20..40).await;
+    got.extend(poll_n(&consumer, 20 * KEYS).await);
+    assert_exactly(&got, 0..40, "across the dropped connection");
+    assert!(
+        relay.accepted.load(Ordering::Relaxed) > before,
+        "the member connected again"
+    );
+    assert!(
+        subscription_held(&direct, &arn, "shardId-000000000000").await,
+        "the member subscribed again"
+    );
+    consumer.close().await.unwrap();
+    let _ = direct.admin().await.unwrap().delete_topic(&stream).await;
 }
