@@ -8,7 +8,8 @@
 //! Each run is paired with the **raw client** doing the same commands in the same process:
 //! for Redis, the same `EVALSHA` pipelines over a bare multiplexed connection of the `redis`
 //! crate; for PostgreSQL, the same two statements (the one-statement claim, then the
-//! completion), prepared once, over one bare `tokio-postgres` connection. Raw and onceflow runs
+//! completion), prepared once, over one bare `tokio-postgres` connection with the store's
+//! session settings (`plan_cache_mode=force_custom_plan`). Raw and onceflow runs
 //! alternate, twice each, and the faster of each pair is kept. The ratio is onceflow's time
 //! over the raw client's (target ≤ 1.1).
 //!
@@ -315,7 +316,11 @@ async fn redis_raw(
 // PostgreSQL.
 
 async fn postgres_figures(url: &str) {
-    let (raw, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+    // The store's session settings (sent at connection start; see onceflow-postgres's URL docs).
+    let mut config: tokio_postgres::Config = url.parse().expect("PostgreSQL URL");
+    config.options("-c plan_cache_mode=force_custom_plan");
+    let (raw, conn) = config
+        .connect(tokio_postgres::NoTls)
         .await
         .expect("raw PostgreSQL connection");
     tokio::spawn(conn);
