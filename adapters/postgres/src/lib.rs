@@ -449,6 +449,9 @@ impl Sql {
             // key order, re-checking the row it conflicts with under its lock), and return
             // both. A key claimable in the read but not taken raced with another writer: the
             // caller sends it again. Keys that are not claimable are neither locked nor written.
+            // The reads are `LATERAL … LIMIT 1`: one primary-key lookup per key, whatever the
+            // planner thinks of the table (left to itself it hashes a scan of the whole table,
+            // 7x slower for 1000 keys among 50 000).
             claim: format!(
                 "WITH u AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], \
                  $4::bytea[]) WITH ORDINALITY AS u(key, owner, lease, fp, ord)), \
@@ -456,7 +459,8 @@ impl Sql {
                  cur AS (SELECT u.ord, u.key, u.owner AS req_owner, u.lease, u.fp AS req_fp, \
                  n.ms, d.token, d.state, d.owner, d.lease_until, d.fingerprint, d.result, \
                  (d.key IS NULL OR NOT ({live_d}) OR ({holder_d})) AS claimable \
-                 FROM u CROSS JOIN n LEFT JOIN {d} AS d ON d.key = u.key), \
+                 FROM u CROSS JOIN n LEFT JOIN LATERAL \
+                 (SELECT * FROM {d} AS x WHERE x.key = u.key LIMIT 1) AS d ON true), \
                  ins AS (INSERT INTO {d} AS t \
                  (key, token, state, owner, lease_until, expires_at, fingerprint, result) \
                  SELECT key, 1, 1, req_owner, ms + lease, ms + lease + $5, req_fp, NULL \
@@ -495,7 +499,8 @@ impl Sql {
                  WHERE d.key = u.key AND d.token = u.token AND d.state = 1 \
                  RETURNING d.key, d.token), \
                  prev AS (SELECT d.key, d.token FROM u LEFT JOIN upd ON upd.key = u.key \
-                 JOIN {d} AS d ON d.key = u.key AND d.token = u.token, n \
+                 CROSS JOIN LATERAL (SELECT key, token, state, expires_at FROM {d} AS x \
+                 WHERE x.key = u.key AND x.token = u.token LIMIT 1) AS d, n \
                  WHERE upd.key IS NULL AND d.state = 2 AND d.expires_at > n.ms) \
                  SELECT key, token FROM upd UNION ALL SELECT key, token FROM prev"
             ),
