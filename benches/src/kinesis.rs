@@ -100,12 +100,21 @@ async fn ki1() {
             });
         }
     };
-    for round in 0..ROUNDS {
+    // Every contender writes to a stream of its own, created empty: the emulator's cost per
+    // record grows with the records a stream already holds, so sharing one stream would favour
+    // whoever writes first.
+    let fresh = || async {
         let stream = format!("benchki1-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
         admin
             .create_topic(&TopicSpec::new(stream.clone(), SHARDS))
             .await
             .expect("create stream");
+        stream
+    };
+    for round in 0..ROUNDS {
+        let mut streams = Vec::new();
+        let stream = fresh().await;
+        streams.push(stream.clone());
 
         // onceflow through the facade (trace injection, validation, the adapter's packing).
         let producer = client.producer(ProducerConfig::default()).await.unwrap();
@@ -119,6 +128,8 @@ async fn ki1() {
         best(&mut packed, f);
 
         // The adapter alone (no facade), for locating costs.
+        let stream = fresh().await;
+        streams.push(stream.clone());
         let backend = platform.producer(ProducerConfig::default()).await.unwrap();
         let recs = records(&stream, n, &payload);
         let f = measure(n, async {
@@ -130,6 +141,8 @@ async fn ki1() {
         best(&mut adapter, f);
 
         // Raw PutRecords, hand-batched by 500, one call at a time.
+        let stream = fresh().await;
+        streams.push(stream.clone());
         let f = measure(n, async {
             for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
                 let entries: Vec<PutRecordsRequestEntry> = chunk
@@ -156,6 +169,8 @@ async fn ki1() {
         best(&mut raw, f);
 
         // Raw PutRecord, one record per call.
+        let stream = fresh().await;
+        streams.push(stream.clone());
         let f = measure(singles, async {
             for i in 0..singles {
                 sdk.put_record()
@@ -169,7 +184,9 @@ async fn ki1() {
         })
         .await;
         best(&mut single, f);
-        let _ = admin.delete_topic(&stream).await;
+        for s in &streams {
+            let _ = admin.delete_topic(s).await;
+        }
         eprintln!("[bench] KI1 round {} done", round + 1);
     }
     let (packed, adapter, raw, single) = (

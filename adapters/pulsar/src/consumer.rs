@@ -35,6 +35,9 @@ struct Fetched {
     message: Message,
 }
 
+/// Longest wait of a commit's broker round trip in a partition task (see `run_partition`).
+const BARRIER_WAIT: Duration = Duration::from_millis(500);
+
 /// Commands to a partition task, which owns the crate consumer.
 enum Cmd {
     Ack(Vec<MessageIdData>, Option<oneshot::Sender<()>>),
@@ -656,8 +659,20 @@ async fn run_partition(
                         }
                     }
                     if let Some(done) = done {
-                        // A broker round trip after the acks were handed to the connection.
-                        let _ = c.get_last_message_id().await;
+                        // A broker round trip after the acks, so they have reached the broker
+                        // when the commit returns. The crate's consumer engine handles acks
+                        // and this request in order with the messages it pushes to us, and it
+                        // waits while its queue to us is full, so the round trip is skipped
+                        // when this task holds an undelivered message (the engine is blocked
+                        // behind it) and bounded otherwise: waiting here without reading the
+                        // consumer would deadlock both tasks under a backlog. Acks still
+                        // reach the broker in order once the engine catches up; until then a
+                        // restart redelivers those messages (at-least-once, caught by the
+                        // dedup store).
+                        if held.is_none() {
+                            let _ = tokio::time::timeout(BARRIER_WAIT, c.get_last_message_id())
+                                .await;
+                        }
                         let _ = done.send(());
                     }
                 }
@@ -767,7 +782,8 @@ impl ConsumerBackend for PulsarConsumer {
     }
 
     /// Acknowledges, individually, every message of the partition delivered by `poll` up to the
-    /// position and not nacked, then waits for a broker round trip on the same connection.
+    /// position and not nacked, then waits (at most 500 ms, and not while the partition has a
+    /// backlog queued for the application) for a broker round trip behind the acks.
     async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.check_open()?;
         self.commit_inner(positions, true).await
