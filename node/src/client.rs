@@ -15,6 +15,8 @@ use crate::{config_err, js_err, on_rt};
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`).
 #[napi]
+// Only called from JavaScript: the unit-test build of the addon has no caller.
+#[cfg_attr(test, allow(dead_code))]
 pub async fn connect(url: String) -> Result<Client> {
     on_rt(async move { onceflow::connect(&url).await })
         .await
@@ -24,6 +26,8 @@ pub async fn connect(url: String) -> Result<Client> {
 /// Opens a dedup store by URL: `memory://`, or `embedded:///path/file.db` / a file path;
 /// completed keys are remembered for `windowMs` (default one day).
 #[napi]
+// Only called from JavaScript: the unit-test build of the addon has no caller.
+#[cfg_attr(test, allow(dead_code))]
 pub async fn dedup_store(url: String, window_ms: Option<f64>) -> Result<DedupStore> {
     let window = convert::millis("windowMs", window_ms.unwrap_or(86_400_000.0))?;
     let u = url.clone();
