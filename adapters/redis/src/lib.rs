@@ -342,7 +342,8 @@ impl RedisStore {
         ))
     }
 
-    /// Flattens per-chunk replies into per-item replies.
+    /// Flattens per-chunk replies into per-item replies (`n` of them; a claim has three per
+    /// key).
     fn items(&self, what: &str, replies: Vec<Value>, n: usize) -> Result<Vec<Value>> {
         let mut out = Vec::with_capacity(n);
         for r in replies {
@@ -353,7 +354,7 @@ impl RedisStore {
         }
         if out.len() != n {
             return Err(Error::dedup_store(format!(
-                "Redis store '{}': {} answers to {what} of {n} keys",
+                "Redis store '{}': {} reply items to {what}, expected {n}",
                 self.conn.shown,
                 out.len()
             )));
@@ -434,15 +435,13 @@ impl DedupStore for RedisStore {
             },
         );
         let replies = self.conn.eval_chunks(&scripts::CLAIM, &chunks).await?;
-        let items = self.items("claim", replies, requests.len())?;
+        // Three slots per key (see the script).
+        let items = self.items("claim", replies, requests.len() * 3)?;
         items
-            .iter()
+            .chunks(3)
             .zip(requests)
-            .map(|(v, req)| {
-                let Value::Array(a) = v else {
-                    return Err(self.protocol("claim", v));
-                };
-                let bad = || self.protocol("claim", v);
+            .map(|(a, req)| {
+                let bad = || self.protocol("claim", &Value::Array(a.to_vec()));
                 Ok(match a.first().and_then(int) {
                     Some(0) => ClaimOutcome::Claimed {
                         token: a.get(1).and_then(token).ok_or_else(bad)?,

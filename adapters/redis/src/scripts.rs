@@ -44,14 +44,20 @@ macro_rules! script {
 }
 
 /// ARGV: window_ms, then per key: owner, lease_ms, fingerprint ('' = none).
-/// Reply per key: {0, token} claimed, {1, result|nil} duplicate, {2, owner, ms_left}
-/// in progress, {3, stored_fingerprint} mismatch.
+/// Reply: three flat slots per key, in order: `0, token, nil` claimed, `1, result|nil, nil`
+/// duplicate, `2, owner, ms_left` in progress, `3, stored_fingerprint, nil` mismatch.
 pub(crate) static CLAIM: Script = Script::new(
     "claim",
     script!(
         r#"
 local window = tonumber(ARGV[1])
-local out = {}
+local out, j = {}, 0
+-- Three reply slots per key, no table per key (a nested reply costs the server more than the
+-- key's HMGET). `false` is a nil reply.
+local function put(j, c, a, b)
+  out[j + 1], out[j + 2], out[j + 3] = c, a, b
+  return j + 3
+end
 for i, k in ipairs(KEYS) do
   local owner, lease, fp = ARGV[3*i-1], tonumber(ARGV[3*i]), ARGV[3*i+1]
   local h = redis.call('HMGET', k, 's', 't', 'o', 'l', 'e', 'f', 'r')
@@ -62,17 +68,17 @@ for i, k in ipairs(KEYS) do
   if (s == 2 and e > now) or (s == 1 and l > now) then
     local sf = h[6]
     if sf and fp ~= '' and sf ~= fp then
-      out[i] = {3, sf}
+      j = put(j, 3, sf, false)
     elseif s == 2 then
-      out[i] = {1, h[7]}
+      j = put(j, 1, h[7], false)
     elseif h[3] ~= owner then
-      out[i] = {2, h[3], l - now}
+      j = put(j, 2, h[3], l - now)
     else
       tok = tok + 1
       redis.call('HSET', k, 't', tok, 'l', lu, 'e', exp)
       if (not sf) and fp ~= '' then redis.call('HSET', k, 'f', fp) end
       redis.call('PEXPIREAT', k, exp)
-      out[i] = {0, tok}
+      j = put(j, 0, tok, false)
     end
   else
     tok = tok + 1
@@ -84,7 +90,7 @@ for i, k in ipairs(KEYS) do
       redis.call('HSET', k, 's', 1, 't', tok, 'o', owner, 'l', lu, 'e', exp)
     end
     redis.call('PEXPIREAT', k, exp)
-    out[i] = {0, tok}
+    j = put(j, 0, tok, false)
   end
 end
 return out
