@@ -227,13 +227,30 @@ impl std::error::Error for Error {
     }
 }
 
-/// The URL with its password replaced by `***` (the input unchanged when it has none): what
+/// The URL with its password replaced by `***`, whether in the user info or in a query
+/// parameter such as libpq's `password=` (the input unchanged when it has none): what
 /// onceflow's errors, logs and CLI output show of a store or broker URL. An unparsable URL
 /// loses everything between `://` and its last `@`, to be safe.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
+        Ok(mut u) if u.password().is_some() || u.query_pairs().any(|(k, _)| secret_key(&k)) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            let pairs: Vec<(String, String)> = u
+                .query_pairs()
+                .map(|(k, v)| {
+                    let v = if secret_key(&k) {
+                        "***".into()
+                    } else {
+                        v.into_owned()
+                    };
+                    (k.into_owned(), v)
+                })
+                .collect();
+            if !pairs.is_empty() {
+                u.query_pairs_mut().clear().extend_pairs(pairs);
+            }
             u.to_string()
         }
         Ok(_) => url.to_string(),
@@ -244,9 +261,49 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Query parameters whose values [`redact_url`] hides (libpq's `password`, and the usual
+/// names of tokens and secrets).
+fn secret_key(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    [
+        "password",
+        "passwd",
+        "pass",
+        "secret",
+        "token",
+        "sslpassword",
+    ]
+    .iter()
+    .any(|s| k == *s)
+        || k.ends_with("_secret")
+        || k.ends_with("_token")
+        || k.ends_with("secret_access_key")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redact_url_hides_passwords_in_userinfo_and_query() {
+        assert_eq!(
+            redact_url("postgres://u:pw@127.0.0.1:15432/db"),
+            "postgres://u:***@127.0.0.1:15432/db"
+        );
+        let r = redact_url("postgres://u@127.0.0.1:15432/db?password=s3cret&sslmode=disable");
+        assert!(!r.contains("s3cret"), "{r}");
+        assert!(
+            r.contains("sslmode=disable") && r.contains("password=***"),
+            "{r}"
+        );
+        let r = redact_url("kinesis://h:1?region=us-east-1&aws_secret_access_key=AKS");
+        assert!(!r.contains("AKS") && r.contains("region=us-east-1"), "{r}");
+        assert_eq!(
+            redact_url("redis://127.0.0.1:16379/0"),
+            "redis://127.0.0.1:16379/0"
+        );
+        assert_eq!(redact_url("/tmp/d.db"), "/tmp/d.db");
+    }
 
     #[test]
     fn codes_are_unique_and_display_names_kind() {
