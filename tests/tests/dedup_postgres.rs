@@ -152,3 +152,97 @@ async fn facade_opens_postgres_urls() {
         .unwrap();
     assert_eq!(store.name(), "postgres");
 }
+
+/// The one-statement claim and the completion on a table that already holds many keys (their
+/// reads are primary-key lookups, whatever the planner would choose): a batch mixing new keys,
+/// keys done, a key asked twice and a repeated completion by the same claim.
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_on_a_filled_table_and_repeated_completions() {
+    use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, Completion, DedupStore};
+    let Some(base) = service_url(VAR, "postgres") else {
+        return;
+    };
+    let store = onceflow_postgres::PostgresStore::open(&fresh(&base), Duration::from_secs(600))
+        .await
+        .unwrap();
+    let req = |key: &str| ClaimRequest {
+        key: key.to_string(),
+        owner: "w".into(),
+        lease: Duration::from_secs(60),
+        fingerprint: None,
+    };
+    let claim_all = |keys: Vec<String>| {
+        let store = &store;
+        async move {
+            let reqs: Vec<ClaimRequest> = keys.iter().map(|k| req(k)).collect();
+            let out = store.claim(&reqs).await.unwrap();
+            let done: Vec<Completion> = out
+                .iter()
+                .zip(&keys)
+                .map(|(o, k)| match o {
+                    ClaimOutcome::Claimed { token } => Completion {
+                        key: k.clone(),
+                        token: *token,
+                        result: Some(bytes::Bytes::from(k.clone())),
+                    },
+                    other => panic!("{k}: {other:?}"),
+                })
+                .collect();
+            assert!(store.complete(&done).await.unwrap().iter().all(|b| *b));
+            // The same completions again: done by the same claims.
+            assert!(store.complete(&done).await.unwrap().iter().all(|b| *b));
+            done
+        }
+    };
+    let mut all = Vec::new();
+    for round in 0..10 {
+        let keys: Vec<String> = (0..1000).map(|i| format!("fill-{round}-{i}")).collect();
+        all.extend(claim_all(keys).await);
+    }
+    let mut reqs: Vec<ClaimRequest> = (0..500).map(|i| req(&format!("new-{i}"))).collect();
+    reqs.extend(all.iter().step_by(20).map(|c| req(&c.key)));
+    reqs.push(req("new-7"));
+    let out = store.claim(&reqs).await.unwrap();
+    for (o, r) in out.iter().zip(&reqs) {
+        if r.key.starts_with("new-") {
+            assert!(
+                matches!(o, ClaimOutcome::Claimed { .. }),
+                "{}: {o:?}",
+                r.key
+            );
+        } else {
+            assert_eq!(
+                *o,
+                ClaimOutcome::Duplicate {
+                    result: Some(bytes::Bytes::from(r.key.clone()))
+                },
+                "{}",
+                r.key
+            );
+        }
+    }
+    // "new-7" asked twice in one batch by its holder: the second claim gets a higher token.
+    let (ClaimOutcome::Claimed { token: t1 }, ClaimOutcome::Claimed { token: t2 }) =
+        (&out[7], out.last().unwrap())
+    else {
+        panic!("{:?} {:?}", out[7], out.last())
+    };
+    assert!(t2 > t1, "{t2} > {t1}");
+    // A completion with the first (superseded) token is refused, the second's accepted.
+    let done = store
+        .complete(&[
+            Completion {
+                key: "new-7".into(),
+                token: *t1,
+                result: None,
+            },
+            Completion {
+                key: "new-7".into(),
+                token: *t2,
+                result: None,
+            },
+        ])
+        .await
+        .unwrap();
+    assert_eq!(done, vec![false, true]);
+}

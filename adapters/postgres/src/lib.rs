@@ -498,10 +498,12 @@ impl Sql {
                  expires_at = n.ms + $4, result = u.result FROM u, n \
                  WHERE d.key = u.key AND d.token = u.token AND d.state = 1 \
                  RETURNING d.key, d.token), \
-                 prev AS (SELECT d.key, d.token FROM u LEFT JOIN upd ON upd.key = u.key \
+                 rest AS MATERIALIZED (SELECT u.key, u.token FROM u \
+                 LEFT JOIN upd ON upd.key = u.key WHERE upd.key IS NULL), \
+                 prev AS (SELECT d.key, d.token FROM rest \
                  CROSS JOIN LATERAL (SELECT key, token, state, expires_at FROM {d} AS x \
-                 WHERE x.key = u.key AND x.token = u.token LIMIT 1) AS d, n \
-                 WHERE upd.key IS NULL AND d.state = 2 AND d.expires_at > n.ms) \
+                 WHERE x.key = rest.key AND x.token = rest.token LIMIT 1) AS d, n \
+                 WHERE d.state = 2 AND d.expires_at > n.ms) \
                  SELECT key, token FROM upd UNION ALL SELECT key, token FROM prev"
             ),
             release: format!(
