@@ -218,15 +218,15 @@ async fn redis_figures(url: &str) {
             let keys = random_keys(n);
             let t = redis_raw(&mut raw, &claim_sha, &complete_sha, &prefix, &keys, batch).await;
             base = Some(base.map_or(t, |b| b.best(t)));
-            let store = onceflow_redis::RedisStore::open(
-                &format!("{url}?prefix=bench-{}:", suffix()),
-                WINDOW,
-            )
-            .await
-            .expect("open the Redis store");
+            redis_unlink(&mut raw, &prefix, &keys).await;
+            let prefix = format!("bench-{}:", suffix());
+            let store = onceflow_redis::RedisStore::open(&format!("{url}?prefix={prefix}"), WINDOW)
+                .await
+                .expect("open the Redis store");
             let keys = random_keys(n);
             let t = through_store(&store, &keys, batch).await;
             ours = Some(ours.map_or(t, |b| b.best(t)));
+            redis_unlink(&mut raw, &prefix, &keys).await;
         }
         report(
             "redis",
@@ -236,6 +236,23 @@ async fn redis_figures(url: &str) {
             base.unwrap(),
             REDIS_TARGET,
         );
+    }
+}
+
+/// Deletes a run's keys (untimed), so every run starts on the same keyspace: without it the
+/// keys of earlier runs (millions, for the window) grow Redis's tables and expire, by Redis's
+/// active expiry, in the middle of later runs.
+async fn redis_unlink(conn: &mut redis::aio::MultiplexedConnection, prefix: &str, keys: &[String]) {
+    for chunk in keys.chunks(50_000) {
+        let mut pipe = redis::pipe();
+        for c in chunk.chunks(1000) {
+            let cmd = pipe.cmd("UNLINK");
+            for k in c {
+                cmd.arg(format!("{prefix}{k}"));
+            }
+            cmd.ignore();
+        }
+        let () = pipe.query_async(conn).await.expect("UNLINK a run's keys");
     }
 }
 
