@@ -1,6 +1,6 @@
 //! Durable pull consumers, one per group and partition.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,6 +59,15 @@ struct PartitionInner {
     /// Nacked by this member and expected back from the server, with the last delivery's ack
     /// handle (to terminate one the server gave up on, see `dead_letter`).
     nacked: BTreeMap<u64, jetstream::Message>,
+    /// The durable's last delivered stream sequence when this member took the partition: a
+    /// message at or below it may have been delivered to an earlier owner (or an earlier run of
+    /// this member) without being acked, and the server redelivers it only after `ack_wait`,
+    /// possibly after newer messages this member already took. Such a message is new to this
+    /// member until it returned it once.
+    inherited_upto: u64,
+    /// Sequences at or below `inherited_upto` that `poll` returned since this member took the
+    /// partition (at most the durable's ack-pending messages then).
+    inherited_seen: HashSet<u64>,
 }
 
 impl PartitionInner {
@@ -67,6 +76,8 @@ impl PartitionInner {
         self.pending.clear();
         self.delivered = 0;
         self.nacked.clear();
+        self.inherited_upto = 0;
+        self.inherited_seen.clear();
     }
 
     /// Whether a fetched message is new to the poller. The server redelivers a message whose
@@ -78,13 +89,21 @@ impl PartitionInner {
     /// acked again ([`Admit::Committed`]): the ack of the earlier delivery may not have counted
     /// (the redelivery was already on its way when the commit acked the older handle), and a
     /// redelivery dropped without an ack would come back every `ack_wait` and hold the ack
-    /// floor (the committed position) back forever.
+    /// floor (the committed position) back forever. A message the durable had delivered
+    /// before this member took the partition (`inherited_upto`) is judged by whether this
+    /// member returned it, not by `delivered`: the dead owner's unacked messages come back
+    /// only after `ack_wait`, behind newer ones.
     fn admit(&mut self, seq: u64, m: &jetstream::Message) -> Admit {
         if let Some(held) = self.pending.get_mut(&seq) {
             *held = m.clone();
             return Admit::Held;
         }
-        if seq <= self.delivered && self.nacked.remove(&seq).is_none() {
+        let nacked = self.nacked.remove(&seq).is_some();
+        if seq <= self.inherited_upto {
+            if !self.inherited_seen.insert(seq) && !nacked {
+                return Admit::Committed;
+            }
+        } else if seq <= self.delivered && !nacked {
             return Admit::Committed;
         }
         self.delivered = self.delivered.max(seq);
@@ -382,11 +401,14 @@ impl JetStreamConsumer {
             &part.start,
         )
         .await?;
+        // Read before the first pull: what an earlier owner was given and may not have acked.
+        let inherited_upto = consumer.cached_info().delivered.stream_sequence;
         let fetch = spawn_fetch(consumer, &self.options, self.notify.clone());
         let old = {
             let mut inner = part.inner.lock();
             inner.owner_revision = Some(revision);
             inner.reset();
+            inner.inherited_upto = inherited_upto;
             inner.fetch.replace(fetch)
         };
         if let Some(old) = old {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use onceflow_core::{
     ConsumerBackend, ConsumerConfig, ErrorKind, Message, PlatformBackend, ProducerConfig, Record,
     StartFrom, TopicSpec,
@@ -227,6 +228,80 @@ async fn in_progress_holds_and_nack_redelivers() {
     assert_eq!(again.position, m.position);
     assert_eq!(again.delivery_count, 2);
     c.commit(&[(again.topic_partition(), again.position.clone())])
+        .await
+        .unwrap();
+    let lag = c.lag().await.unwrap();
+    assert_eq!(lag[0].messages, 0, "{lag:?}");
+    c.close().await.unwrap();
+}
+
+/// A member that died holding messages (delivered, never acked) leaves them ack-pending on the
+/// durable; the server gives them to the next owner only after `ack_wait`, behind newer
+/// messages the next owner already took. The next owner must return them, not take them for
+/// its own committed redeliveries (the crash test lost an output that way).
+#[tokio::test]
+async fn a_dead_owners_unacked_messages_reach_the_next_owner() {
+    let Some(p) = platform("a_dead_owners_unacked_messages_reach_the_next_owner").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let group = name("g");
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..5 {
+        prod.send(Record::new(t.clone(), format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    // The dead owner: pulls m0..m4 from the group's durable and never acks them.
+    let js = async_nats::jetstream::new(p.nats_client());
+    let stream = js.get_stream(&t).await.unwrap();
+    let durable = onceflow_jetstream::durable(&group, 0);
+    let dead = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some(durable.clone()),
+            filter_subject: onceflow_jetstream::subject(&t, 1, 0),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_millis(1500),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut batch = dead.fetch().max_messages(5).messages().await.unwrap();
+    let mut held = 0;
+    while let Some(m) = batch.next().await {
+        m.unwrap();
+        held += 1;
+    }
+    assert_eq!(held, 5, "the dead owner holds m0..m4");
+    for i in 5..8 {
+        prod.send(Record::new(t.clone(), format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    // The next owner resumes the durable at once: m5..m7 first, m0..m4 after ack_wait.
+    let c = p
+        .consumer(
+            ConsumerConfig::new(group.clone(), [t.clone()])
+                .start(StartFrom::committed_or_earliest())
+                .option("ack_wait_ms", "1500"),
+        )
+        .await
+        .unwrap();
+    let first = take(c.as_ref(), 3).await;
+    c.commit(&[(first[2].topic_partition(), first[2].position.clone())])
+        .await
+        .unwrap();
+    let mut payloads: Vec<Bytes> = first.iter().map(|m| m.payload.clone()).collect();
+    let rest = take(c.as_ref(), 5).await;
+    payloads.extend(rest.iter().map(|m| m.payload.clone()));
+    payloads.sort();
+    let want: Vec<Bytes> = (0..8).map(|i| Bytes::from(format!("m{i}"))).collect();
+    assert_eq!(payloads, want, "every message, once");
+    let last = rest
+        .iter()
+        .max_by_key(|m| m.position.as_sequence())
+        .unwrap();
+    c.commit(&[(last.topic_partition(), last.position.clone())])
         .await
         .unwrap();
     let lag = c.lag().await.unwrap();
