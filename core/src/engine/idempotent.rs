@@ -558,6 +558,13 @@ impl Core {
                 }
             }
         }
+        if done_upto < msgs.len() && self.tracker.generation(tp) == generation {
+            // Stopped before the end (fenced by a lost lease, an error) with the partition still
+            // ours: the rest was not handled. Ask for it again, or a later commit of messages
+            // polled after it would cover it unhandled.
+            self.redeliver_rest(tp, &msgs[done_upto..], per_message_nack)
+                .await;
+        }
         // Complete the keys handled, then record progress up to the first refused completion.
         let mut finished_upto = done_upto;
         if !completions.is_empty() {
@@ -725,6 +732,21 @@ impl Core {
 
     /// Retries are exhausted (or the failure is not retriable): release the claim and apply
     /// [`EngineConfig::on_failure`].
+    /// Asks the platform to deliver `rest` (messages of `tp` not handled, in order) again:
+    /// each nacked where the platform nacks per message, otherwise the partition rewound to the
+    /// first (work taken before fenced). Failures are logged: the partition may just have moved.
+    async fn redeliver_rest(&self, tp: &TopicPartition, rest: &[Message], per_message_nack: bool) {
+        let targets = if per_message_nack { rest } else { &rest[..1] };
+        if !per_message_nack {
+            self.tracker.bump(tp);
+        }
+        for m in targets {
+            if let Err(e) = self.consumer.nack(m, Duration::ZERO).await {
+                tracing::warn!(error = %e, %tp, position = %m.position, "asking redelivery of an unhandled message failed");
+            }
+        }
+    }
+
     async fn give_up(
         &self,
         tp: &TopicPartition,
