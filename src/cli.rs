@@ -54,8 +54,8 @@ pub struct ConsumeArgs {
     /// or a position (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B).
     #[arg(long, default_value = "earliest")]
     from: String,
-    /// Stop after this many messages.
-    #[arg(long)]
+    /// Stop after this many messages (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max: Option<u64>,
     /// Stop after this long without a message (ms).
     #[arg(long, default_value_t = 5000)]
@@ -73,8 +73,8 @@ pub struct TailArgs {
     /// Topic to follow.
     #[arg(long, short)]
     topic: String,
-    /// Stop after this many messages.
-    #[arg(long)]
+    /// Stop after this many messages (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max: Option<u64>,
     /// Stop after this long without a message (ms); 0 = never.
     #[arg(long, default_value_t = 0)]
@@ -112,8 +112,8 @@ pub struct ReplayArgs {
     /// Copy the messages to this topic instead of printing them.
     #[arg(long)]
     to_topic: Option<String>,
-    /// Stop after this many messages.
-    #[arg(long)]
+    /// Stop after this many messages (at least 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max: Option<u64>,
     /// Stop after this long without a message (ms).
     #[arg(long, default_value_t = 3000)]
