@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,7 +48,12 @@ fn order_payload(id: u64) -> Vec<u8> {
 struct BillOrder {
     out_topic: String,
     processed: Arc<AtomicU64>,
+    /// Crash once the transform calls of the whole run reach this...
     crash_at: Option<u64>,
+    /// ...and this run has committed at least once (set by the progress watcher), so every
+    /// restart makes progress even when one transaction holds more inputs than a crash period.
+    committed: Arc<AtomicBool>,
+    fired: AtomicBool,
     crash: Arc<tokio::sync::Notify>,
 }
 
@@ -62,7 +67,10 @@ impl Transform for BillOrder {
             .ok_or("order without amount_cents")?;
         let customer = v["customer"].as_str().unwrap_or_default().to_string();
         let n = self.processed.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.crash_at == Some(n) {
+        if self.crash_at.is_some_and(|c| n >= c)
+            && self.committed.load(Ordering::Relaxed)
+            && !self.fired.swap(true, Ordering::Relaxed)
+        {
             self.crash.notify_one();
         }
         let total = amount + amount * 8 / 100;
@@ -198,10 +206,13 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
             .producer(ProducerConfig::new().transactional_id(tx_id.clone()))
             .await?;
         let crash = Arc::new(tokio::sync::Notify::new());
+        let committed = Arc::new(AtomicBool::new(false));
         let transform = BillOrder {
             out_topic: output.clone(),
             processed: processed.clone(),
             crash_at: (crash_every > 0).then_some(crash_every * (crashes + 1)),
+            committed: committed.clone(),
+            fired: AtomicBool::new(false),
             crash: crash.clone(),
         };
         let mut engine = EngineConfig {
@@ -237,6 +248,9 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     let s = metrics.snapshot();
                     bar.set_position((base + s.processed).min(n));
+                    if s.transactions_committed > 0 || s.commits > 0 {
+                        committed.store(true, Ordering::Relaxed);
+                    }
                     if consumer.assignment().len() < partitions {
                         continue;
                     }
