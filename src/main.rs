@@ -69,10 +69,15 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("onceflow: {e}");
+            let shown = e.to_string();
+            eprintln!("onceflow: {shown}");
             let mut src = std::error::Error::source(&e);
             while let Some(s) = src {
-                eprintln!("  caused by: {s}");
+                // Most messages already end with their cause's text: print only what is new.
+                let text = s.to_string();
+                if !shown.contains(&text) {
+                    eprintln!("  caused by: {text}");
+                }
                 src = s.source();
             }
             // Bad input (config) exits 2, like a usage error; everything else 1.

@@ -82,7 +82,14 @@ pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
                 Error::new(ErrorKind::Platform, message).retriable(t.is_retriable())
             }
         }
-        KafkaError::ClientConfig(..) => Error::new(ErrorKind::Config, message),
+        KafkaError::ClientConfig(_, desc, key, value) => Error::new(
+            ErrorKind::Config,
+            format!(
+                "{what}: librdkafka refused property '{key}' = '{value}': {desc} (URL query \
+                 parameters and options are librdkafka properties: \
+                 https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
+            ),
+        ),
         KafkaError::ClientCreation(_) => Error::new(ErrorKind::Config, message),
         KafkaError::Canceled => Error::new(ErrorKind::Closed, message),
         other => match other.rdkafka_error_code() {
