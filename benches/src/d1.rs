@@ -131,14 +131,14 @@ pub fn run() {
 /// clone, then look up), so the memory store's figures can be read against this machine.
 fn baseline(keys: &[String]) {
     let mut set = std::collections::HashSet::new();
-    let (start, cpu) = (Instant::now(), cpu_time());
+    let (start, cpu) = (Instant::now(), crate::cpu::process_cpu());
     for k in keys {
         set.insert(k.clone());
     }
-    let (insert, insert_cpu) = (start.elapsed(), cpu_time() - cpu);
-    let (start, cpu) = (Instant::now(), cpu_time());
+    let (insert, insert_cpu) = (start.elapsed(), crate::cpu::process_cpu() - cpu);
+    let (start, cpu) = (Instant::now(), crate::cpu::process_cpu());
     let found = keys.iter().filter(|k| set.contains(*k)).count();
-    let (lookup, lookup_cpu) = (start.elapsed(), cpu_time() - cpu);
+    let (lookup, lookup_cpu) = (start.elapsed(), crate::cpu::process_cpu() - cpu);
     assert_eq!(found, keys.len());
     let per = |d: Duration| d.as_nanos() as f64 / keys.len() as f64;
     info("baseline_std_hashset_insert_ns_per_op", per(insert));
@@ -184,7 +184,7 @@ async fn measure(store: &dyn DedupStore, keys: &[String], batch: usize) -> Run {
         })
         .collect();
 
-    let (start, cpu) = (Instant::now(), cpu_time());
+    let (start, cpu) = (Instant::now(), crate::cpu::process_cpu());
     for (reqs, done) in claims.iter().zip(completions.iter_mut()) {
         let outcomes = store.claim(reqs).await.expect("claim");
         for (o, c) in outcomes.iter().zip(done.iter_mut()) {
@@ -196,9 +196,9 @@ async fn measure(store: &dyn DedupStore, keys: &[String], batch: usize) -> Run {
         let ok = store.complete(done).await.expect("complete");
         assert!(ok.iter().all(|b| *b), "a completion was refused");
     }
-    let (first, first_cpu) = (start.elapsed(), cpu_time() - cpu);
+    let (first, first_cpu) = (start.elapsed(), crate::cpu::process_cpu() - cpu);
 
-    let (start, cpu) = (Instant::now(), cpu_time());
+    let (start, cpu) = (Instant::now(), crate::cpu::process_cpu());
     for reqs in &claims {
         let outcomes = store.claim(reqs).await.expect("replay claim");
         assert!(
@@ -208,7 +208,7 @@ async fn measure(store: &dyn DedupStore, keys: &[String], batch: usize) -> Run {
             "a replayed key was not a duplicate"
         );
     }
-    let (replay, replay_cpu) = (start.elapsed(), cpu_time() - cpu);
+    let (replay, replay_cpu) = (start.elapsed(), crate::cpu::process_cpu() - cpu);
     Run {
         keys: keys.len(),
         first,
@@ -266,22 +266,6 @@ async fn memory_figure(keys: &[String]) {
         verdict(pass)
     );
     drop(store);
-}
-
-/// CPU time (user + system) used by this process so far, from `/proc/self/stat` (10 ms
-/// resolution on most kernels; zero where /proc is not available).
-fn cpu_time() -> Duration {
-    let ticks = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            // Fields after the command name, which is in parentheses and may contain spaces.
-            let rest = s.rsplit_once(')')?.1;
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0);
-    // USER_HZ is 100 on Linux.
-    Duration::from_millis(ticks * 10)
 }
 
 fn env_usize(name: &str) -> Option<usize> {

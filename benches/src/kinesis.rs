@@ -5,7 +5,7 @@
 //! 1 KiB records with a key (partition key), to a stream of 4 shards:
 //! - onceflow `send_batch` (the producer packs PutRecords calls: 500 records / 5 MiB) against
 //!   hand-batched raw `PutRecords` of 500 entries, one call at a time: **CPU time per record**
-//!   of this process (user + system, `/proc/self/stat`), target ≤ 1.1× raw;
+//!   of this process (user + system, `clock_gettime(CLOCK_PROCESS_CPUTIME_ID)`), target ≤ 1.1× raw;
 //! - onceflow against one raw `PutRecord` per record, one at a time: **rate**, target ≥ 10×.
 //!
 //! Each figure is the best of `ROUNDS` alternating rounds (the machine is shared).
@@ -27,25 +27,18 @@ fn count() -> usize {
         .unwrap_or(20_000)
 }
 
-/// CPU seconds (user + system) this process has used.
-fn cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
-    // Fields after the command name (which is in parentheses and may hold spaces).
-    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    ticks / 100.0
-}
-
 struct Figure {
     rate: f64,
     cpu_per_record: f64,
 }
 
 async fn measure<F: std::future::Future<Output = ()>>(n: usize, f: F) -> Figure {
-    let (c0, t0) = (cpu_seconds(), Instant::now());
+    let (c0, t0) = (crate::cpu::process_cpu().as_secs_f64(), Instant::now());
     f.await;
-    let (c1, wall) = (cpu_seconds(), t0.elapsed().as_secs_f64());
+    let (c1, wall) = (
+        crate::cpu::process_cpu().as_secs_f64(),
+        t0.elapsed().as_secs_f64(),
+    );
     Figure {
         rate: n as f64 / wall,
         cpu_per_record: (c1 - c0) / n as f64,

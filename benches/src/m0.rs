@@ -120,25 +120,11 @@ fn per_msg(d: Duration) -> f64 {
     d.as_nanos() as f64 / N as f64
 }
 
-/// CPU time (user + system) of this process so far, from `/proc/self/stat`. Used for the verdict
-/// because, unlike wall time, it does not grow when other processes load the machine.
-fn cpu_time() -> Duration {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<u64> = after
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    // Fields 14 and 15 of the full line (utime, stime) are 12 and 13 after the command name.
-    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
-    Duration::from_millis(ticks * 10)
-}
-
 /// Runs `f`, returning (wall, cpu) per message.
 async fn measure<F: std::future::Future<Output = Duration>>(f: F) -> (f64, f64) {
-    let c0 = cpu_time();
+    let c0 = crate::cpu::process_cpu();
     let wall = f.await;
-    (per_msg(wall), per_msg(cpu_time() - c0))
+    (per_msg(wall), per_msg(crate::cpu::process_cpu() - c0))
 }
 
 /// Runs M0 and prints its RATIO lines.

@@ -1,6 +1,7 @@
 //! `cargo run --release -p onceflow-bench -- <id>...`: runs the named benchmarks (all when none
 //! is given) and prints one `RATIO <id> <what> <value> target <target> PASS|MISS` line per figure.
 
+mod cpu;
 mod d1;
 mod jetstream;
 mod kafka;
