@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use onceflow_core::{
     Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, GroupMetadata, Message,
     PartitionLag, Position, RebalanceListener, Result, StartFrom, TimestampMs, TopicPartition,
@@ -38,6 +38,10 @@ struct Fetched {
 /// Longest wait of a commit's broker round trip in a partition task (see `run_partition`).
 const BARRIER_WAIT: Duration = Duration::from_millis(500);
 
+/// First wait for the crate consumer's close in a partition task; doubled on each retry (see
+/// `close_after_acks`).
+const CLOSE_STEP: Duration = Duration::from_millis(100);
+
 /// Commands to a partition task, which owns the crate consumer.
 enum Cmd {
     Ack(Vec<MessageIdData>, Option<oneshot::Sender<()>>),
@@ -47,7 +51,8 @@ enum Cmd {
         time: Option<u64>,
         done: oneshot::Sender<Result<()>>,
     },
-    Close(oneshot::Sender<()>),
+    /// Close within the duration, after the acks queued before.
+    Close(Duration, oneshot::Sender<()>),
 }
 
 /// Where this member is with one partition.
@@ -577,6 +582,7 @@ async fn subscribe(
 ) -> Result<RawConsumer> {
     let copts = ConsumerOptions {
         initial_position: initial_position(&config.start),
+        // The crate's queue between its consumer engine and us.
         receiver_queue_size: Some(options.receiver_queue_size),
         metadata: options.metadata.clone(),
         durable: Some(true),
@@ -589,6 +595,10 @@ async fn subscribe(
         .with_subscription(&config.group)
         .with_subscription_type(sub_type(options.subscription_type))
         .with_consumer_name(member)
+        // The flow permits the crate gives the broker (its `batch_size`, 1000 unless set): the
+        // messages the broker may push ahead. The crate's consumer engine handles our acks
+        // only behind the messages it has received, so this also bounds how far acks lag.
+        .with_batch_size(options.receiver_queue_size)
         .with_options(copts)
         .with_unacked_message_resend_delay(options.ack_timeout);
     if let Some(dlq) = &options.dead_letter {
@@ -631,6 +641,45 @@ fn convert_message(
         delivery_count: 1,
     };
     Fetched { id, key, message }
+}
+
+/// Closes the crate consumer after the acks queued to it have been written to the connection,
+/// within `deadline`.
+///
+/// The crate's consumer engine handles acks and the close request (it asks the engine for its
+/// connection) in order with the messages the broker pushed before them, and it waits while
+/// its queue to us is full. Closing without reading would leave the acks queued behind those
+/// messages: the close timed out, the consumer was dropped, and the acks were lost (a new
+/// member of the group got messages committed long before). So the queue to us is emptied
+/// (those messages were never delivered; the broker redelivers them to the next consumer)
+/// before each wait for the close, and the wait is retried, longer each time, while the engine
+/// still had more ahead of the request than the queue holds.
+async fn close_after_acks(c: &mut RawConsumer, topic: &str, partition: i32, deadline: Duration) {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut step = CLOSE_STEP;
+    loop {
+        while let Some(Some(_)) = c.next().now_or_never() {}
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(step.min(left), c.close()).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => {
+                // After an earlier wait that ran out once the request had gone out, the
+                // broker has closed the consumer already.
+                tracing::debug!(error = %e, %topic, partition, "closing the Pulsar consumer");
+                return;
+            }
+            Err(_) if left <= step => {
+                tracing::warn!(
+                    %topic,
+                    partition,
+                    "the Pulsar consumer did not close in {deadline:?}: acknowledgements still \
+                     queued in the client are dropped, and the broker redelivers those messages"
+                );
+                return;
+            }
+            Err(_) => step *= 2,
+        }
+    }
 }
 
 /// The task owning one partition's crate consumer: forwards messages (one held at a time, so
@@ -689,8 +738,9 @@ async fn run_partition(
                         .map_err(|e| pulsar_err(format!("seeking {topic}[{partition}]"), e));
                     let _ = done.send(r);
                 }
-                Some(Cmd::Close(done)) => {
-                    let _ = c.close().await;
+                Some(Cmd::Close(deadline, done)) => {
+                    // What this task holds was not delivered: the broker redelivers it.
+                    close_after_acks(&mut c, &topic, partition, deadline).await;
                     let _ = done.send(());
                     return;
                 }
@@ -929,8 +979,10 @@ impl ConsumerBackend for PulsarConsumer {
         Ok(())
     }
 
-    /// Closes the crate consumers (the subscription stays, with its acknowledgements; what was
-    /// delivered and not committed is redelivered to the next active consumer).
+    /// Closes the crate consumers after the acknowledgements queued by `commit` have been sent
+    /// (see `commit`), within the operation timeout. The subscription stays, with its
+    /// acknowledgements; what was delivered and not committed is redelivered to the next active
+    /// consumer.
     async fn close(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
@@ -938,12 +990,15 @@ impl ConsumerBackend for PulsarConsumer {
         let mut waits = Vec::new();
         for p in &self.parts {
             let (tx, rx) = oneshot::channel();
-            if p.cmd.send(Cmd::Close(tx)).is_ok() {
+            if p.cmd
+                .send(Cmd::Close(self.options.operation_timeout, tx))
+                .is_ok()
+            {
                 waits.push(rx);
             }
         }
         for w in waits {
-            let _ = tokio::time::timeout(self.options.operation_timeout, w).await;
+            let _ = tokio::time::timeout(self.options.operation_timeout + CLOSE_STEP, w).await;
         }
         for p in &self.parts {
             p.state.lock().assigned = false;
