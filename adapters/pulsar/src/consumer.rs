@@ -35,16 +35,13 @@ struct Fetched {
     message: Message,
 }
 
-/// Longest wait of a commit's broker round trip in a partition task (see `run_partition`).
-const BARRIER_WAIT: Duration = Duration::from_millis(500);
-
 /// First wait for the crate consumer's close in a partition task; doubled on each retry (see
 /// `close_after_acks`).
 const CLOSE_STEP: Duration = Duration::from_millis(100);
 
 /// Commands to a partition task, which owns the crate consumer.
 enum Cmd {
-    Ack(Vec<MessageIdData>, Option<oneshot::Sender<()>>),
+    Ack(Vec<MessageIdData>),
     Nack(MessageIdData),
     Seek {
         id: Option<MessageIdData>,
@@ -354,7 +351,7 @@ impl PulsarConsumer {
                 .map(|l| l.on_revoked(&lost))
                 .unwrap_or_default();
             if !commits.is_empty() {
-                if let Err(e) = self.commit_inner(&commits, true).await {
+                if let Err(e) = self.commit_inner(&commits) {
                     tracing::warn!(error = %e, group = %self.group, "commit on revocation failed");
                 }
             }
@@ -420,12 +417,7 @@ impl PulsarConsumer {
         Admit::Deliver
     }
 
-    async fn commit_inner(
-        &self,
-        positions: &[(TopicPartition, Position)],
-        barrier: bool,
-    ) -> Result<()> {
-        let mut waits = Vec::new();
+    fn commit_inner(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         for (tp, pos) in positions {
             let part = self.part(tp)?;
             let key = pos_key(pos)?;
@@ -456,21 +448,12 @@ impl PulsarConsumer {
                 });
                 taken.into_values().collect()
             };
-            if ids.is_empty() && !barrier {
+            if ids.is_empty() {
                 continue;
             }
-            let (tx, rx) = oneshot::channel();
-            part.cmd
-                .send(Cmd::Ack(ids, barrier.then_some(tx)))
-                .map_err(|_| {
-                    Error::new(ErrorKind::Closed, format!("{tp}: the consumer is closed"))
-                })?;
-            if barrier {
-                waits.push(rx);
-            }
-        }
-        for w in waits {
-            let _ = tokio::time::timeout(self.options.operation_timeout, w).await;
+            part.cmd.send(Cmd::Ack(ids)).map_err(|_| {
+                Error::new(ErrorKind::Closed, format!("{tp}: the consumer is closed"))
+            })?;
         }
         Ok(())
     }
@@ -701,28 +684,13 @@ async fn run_partition(
             biased;
             cmd = cmds.recv() => match cmd {
                 None => break,
-                Some(Cmd::Ack(ids, done)) => {
+                Some(Cmd::Ack(ids)) => {
+                    // Queued to the crate's consumer engine, which writes them to the
+                    // connection in order with everything else it handles (see `commit`).
                     for id in ids {
                         if let Err(e) = c.ack_with_id(&topic, id).await {
                             tracing::warn!(error = %e, %topic, partition, "ack failed");
                         }
-                    }
-                    if let Some(done) = done {
-                        // A broker round trip after the acks, so they have reached the broker
-                        // when the commit returns. The crate's consumer engine handles acks
-                        // and this request in order with the messages it pushes to us, and it
-                        // waits while its queue to us is full, so the round trip is skipped
-                        // when this task holds an undelivered message (the engine is blocked
-                        // behind it) and bounded otherwise: waiting here without reading the
-                        // consumer would deadlock both tasks under a backlog. Acks still
-                        // reach the broker in order once the engine catches up; until then a
-                        // restart redelivers those messages (at-least-once, caught by the
-                        // dedup store).
-                        if held.is_none() {
-                            let _ = tokio::time::timeout(BARRIER_WAIT, c.get_last_message_id())
-                                .await;
-                        }
-                        let _ = done.send(());
                     }
                 }
                 Some(Cmd::Nack(id)) => {
@@ -816,7 +784,7 @@ impl ConsumerBackend for PulsarConsumer {
                     }
                 }
                 if !skipped.is_empty() {
-                    let _ = part.cmd.send(Cmd::Ack(skipped, None));
+                    let _ = part.cmd.send(Cmd::Ack(skipped));
                 }
                 if out.len() >= max {
                     break;
@@ -832,11 +800,25 @@ impl ConsumerBackend for PulsarConsumer {
     }
 
     /// Acknowledges, individually, every message of the partition delivered by `poll` up to the
-    /// position and not nacked, then waits (at most 500 ms, and not while the partition has a
-    /// backlog queued for the application) for a broker round trip behind the acks.
+    /// position and not nacked.
+    ///
+    /// Returns once the acknowledgements are queued, in order, to the partition's Pulsar
+    /// consumer; it does not wait for the broker. Pulsar acknowledgements are one-way commands
+    /// with no reply (the broker answers an acknowledgement only when the client asks for ack
+    /// receipts, `isAckReceiptEnabled` in the Java client, which the `pulsar` crate has not;
+    /// the Java client by default even groups acknowledgements for 100 ms,
+    /// `acknowledgmentGroupTime`), see
+    /// <https://pulsar.apache.org/docs/next/concepts-messaging/#acknowledgment>. The `pulsar`
+    /// crate writes them to the consumer's connection behind the messages the broker pushed to
+    /// it before (at most `receiver_queue_size` per partition), so they reach the broker as the
+    /// application reads on. [`close`](ConsumerBackend::close) sends every acknowledgement
+    /// queued before it and then closes the consumer on the same connection, which the broker
+    /// handles in that order: after `commit` and `close`, the group resumes after the committed
+    /// position. A process that dies between `commit` and `close` may get the last committed
+    /// messages again (at-least-once; the dedup store skips them).
     async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.check_open()?;
-        self.commit_inner(positions, true).await
+        self.commit_inner(positions)
     }
 
     async fn committed(
