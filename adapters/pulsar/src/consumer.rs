@@ -68,6 +68,9 @@ struct PartState {
     rewind: Option<PosKey>,
     /// Nacked on a shared / key_shared subscription and expected back.
     nacked: BTreeSet<PosKey>,
+    /// Shared / key_shared: the last positions this member acknowledged (at most twice the
+    /// receiver queue, at least 1000), to drop a redelivery that raced the ack.
+    acked: BTreeSet<PosKey>,
     /// Deliveries to this member, for `Message::delivery_count`.
     deliveries: HashMap<PosKey, u32>,
     /// After a seek to a position: messages before it (the rest of its batch) are skipped.
@@ -87,6 +90,7 @@ impl PartState {
         self.delivered = None;
         self.rewind = None;
         self.nacked.clear();
+        self.acked.clear();
         self.deliveries.clear();
         self.committed_next = None;
         self.committed = None;
@@ -409,8 +413,10 @@ impl PulsarConsumer {
             st.delivered = Some(f.key);
         } else {
             st.nacked.remove(&f.key);
-            if st.committed.is_some_and(|c| f.key <= c) && !st.deliveries.contains_key(&f.key) {
-                // Acked already (an ack in flight raced a redelivery).
+            if st.acked.contains(&f.key) && !st.deliveries.contains_key(&f.key) {
+                // Acked already by this member (an ack in flight raced a redelivery). Not
+                // "at or below the committed position": a shared / key_shared member also
+                // gets older messages another member had and left unacked.
                 return Admit::Drop;
             }
         }
@@ -438,6 +444,13 @@ impl PulsarConsumer {
                 let taken = std::mem::replace(&mut st.pending, rest);
                 for k in taken.keys() {
                     st.deliveries.remove(k);
+                }
+                if !self.sub_type.single_active() {
+                    st.acked.extend(taken.keys().copied());
+                    let keep = (self.options.receiver_queue_size as usize * 2).max(1000);
+                    while st.acked.len() > keep {
+                        st.acked.pop_first();
+                    }
                 }
                 st.committed = Some(st.committed.map_or(key, |c| c.max(key)));
                 st.committed_next = st.pending.keys().next().map(|k| Position::MessageId {
