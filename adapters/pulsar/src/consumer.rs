@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use onceflow_core::{
     Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, GroupMetadata, Message,
     PartitionLag, Position, RebalanceListener, Result, StartFrom, TimestampMs, TopicPartition,
@@ -35,19 +35,21 @@ struct Fetched {
     message: Message,
 }
 
-/// Longest wait of a commit's broker round trip in a partition task (see `run_partition`).
-const BARRIER_WAIT: Duration = Duration::from_millis(500);
+/// First wait for the crate consumer's close in a partition task; doubled on each retry (see
+/// `close_after_acks`).
+const CLOSE_STEP: Duration = Duration::from_millis(100);
 
 /// Commands to a partition task, which owns the crate consumer.
 enum Cmd {
-    Ack(Vec<MessageIdData>, Option<oneshot::Sender<()>>),
+    Ack(Vec<MessageIdData>),
     Nack(MessageIdData),
     Seek {
         id: Option<MessageIdData>,
         time: Option<u64>,
         done: oneshot::Sender<Result<()>>,
     },
-    Close(oneshot::Sender<()>),
+    /// Close within the duration, after the acks queued before.
+    Close(Duration, oneshot::Sender<()>),
 }
 
 /// Where this member is with one partition.
@@ -66,6 +68,9 @@ struct PartState {
     rewind: Option<PosKey>,
     /// Nacked on a shared / key_shared subscription and expected back.
     nacked: BTreeSet<PosKey>,
+    /// Shared / key_shared: the last positions this member acknowledged (at most twice the
+    /// receiver queue, at least 1000), to drop a redelivery that raced the ack.
+    acked: BTreeSet<PosKey>,
     /// Deliveries to this member, for `Message::delivery_count`.
     deliveries: HashMap<PosKey, u32>,
     /// After a seek to a position: messages before it (the rest of its batch) are skipped.
@@ -85,6 +90,7 @@ impl PartState {
         self.delivered = None;
         self.rewind = None;
         self.nacked.clear();
+        self.acked.clear();
         self.deliveries.clear();
         self.committed_next = None;
         self.committed = None;
@@ -349,7 +355,7 @@ impl PulsarConsumer {
                 .map(|l| l.on_revoked(&lost))
                 .unwrap_or_default();
             if !commits.is_empty() {
-                if let Err(e) = self.commit_inner(&commits, true).await {
+                if let Err(e) = self.commit_inner(&commits) {
                     tracing::warn!(error = %e, group = %self.group, "commit on revocation failed");
                 }
             }
@@ -407,20 +413,17 @@ impl PulsarConsumer {
             st.delivered = Some(f.key);
         } else {
             st.nacked.remove(&f.key);
-            if st.committed.is_some_and(|c| f.key <= c) && !st.deliveries.contains_key(&f.key) {
-                // Acked already (an ack in flight raced a redelivery).
+            if st.acked.contains(&f.key) && !st.deliveries.contains_key(&f.key) {
+                // Acked already by this member (an ack in flight raced a redelivery). Not
+                // "at or below the committed position": a shared / key_shared member also
+                // gets older messages another member had and left unacked.
                 return Admit::Drop;
             }
         }
         Admit::Deliver
     }
 
-    async fn commit_inner(
-        &self,
-        positions: &[(TopicPartition, Position)],
-        barrier: bool,
-    ) -> Result<()> {
-        let mut waits = Vec::new();
+    fn commit_inner(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         for (tp, pos) in positions {
             let part = self.part(tp)?;
             let key = pos_key(pos)?;
@@ -442,6 +445,13 @@ impl PulsarConsumer {
                 for k in taken.keys() {
                     st.deliveries.remove(k);
                 }
+                if !self.sub_type.single_active() {
+                    st.acked.extend(taken.keys().copied());
+                    let keep = (self.options.receiver_queue_size as usize * 2).max(1000);
+                    while st.acked.len() > keep {
+                        st.acked.pop_first();
+                    }
+                }
                 st.committed = Some(st.committed.map_or(key, |c| c.max(key)));
                 st.committed_next = st.pending.keys().next().map(|k| Position::MessageId {
                     ledger: k.0,
@@ -451,21 +461,12 @@ impl PulsarConsumer {
                 });
                 taken.into_values().collect()
             };
-            if ids.is_empty() && !barrier {
+            if ids.is_empty() {
                 continue;
             }
-            let (tx, rx) = oneshot::channel();
-            part.cmd
-                .send(Cmd::Ack(ids, barrier.then_some(tx)))
-                .map_err(|_| {
-                    Error::new(ErrorKind::Closed, format!("{tp}: the consumer is closed"))
-                })?;
-            if barrier {
-                waits.push(rx);
-            }
-        }
-        for w in waits {
-            let _ = tokio::time::timeout(self.options.operation_timeout, w).await;
+            part.cmd.send(Cmd::Ack(ids)).map_err(|_| {
+                Error::new(ErrorKind::Closed, format!("{tp}: the consumer is closed"))
+            })?;
         }
         Ok(())
     }
@@ -577,6 +578,7 @@ async fn subscribe(
 ) -> Result<RawConsumer> {
     let copts = ConsumerOptions {
         initial_position: initial_position(&config.start),
+        // The crate's queue between its consumer engine and us.
         receiver_queue_size: Some(options.receiver_queue_size),
         metadata: options.metadata.clone(),
         durable: Some(true),
@@ -589,6 +591,10 @@ async fn subscribe(
         .with_subscription(&config.group)
         .with_subscription_type(sub_type(options.subscription_type))
         .with_consumer_name(member)
+        // The flow permits the crate gives the broker (its `batch_size`, 1000 unless set): the
+        // messages the broker may push ahead. The crate's consumer engine handles our acks
+        // only behind the messages it has received, so this also bounds how far acks lag.
+        .with_batch_size(options.receiver_queue_size)
         .with_options(copts)
         .with_unacked_message_resend_delay(options.ack_timeout);
     if let Some(dlq) = &options.dead_letter {
@@ -633,6 +639,45 @@ fn convert_message(
     Fetched { id, key, message }
 }
 
+/// Closes the crate consumer after the acks queued to it have been written to the connection,
+/// within `deadline`.
+///
+/// The crate's consumer engine handles acks and the close request (it asks the engine for its
+/// connection) in order with the messages the broker pushed before them, and it waits while
+/// its queue to us is full. Closing without reading would leave the acks queued behind those
+/// messages: the close timed out, the consumer was dropped, and the acks were lost (a new
+/// member of the group got messages committed long before). So the queue to us is emptied
+/// (those messages were never delivered; the broker redelivers them to the next consumer)
+/// before each wait for the close, and the wait is retried, longer each time, while the engine
+/// still had more ahead of the request than the queue holds.
+async fn close_after_acks(c: &mut RawConsumer, topic: &str, partition: i32, deadline: Duration) {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut step = CLOSE_STEP;
+    loop {
+        while let Some(Some(_)) = c.next().now_or_never() {}
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(step.min(left), c.close()).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => {
+                // After an earlier wait that ran out once the request had gone out, the
+                // broker has closed the consumer already.
+                tracing::debug!(error = %e, %topic, partition, "closing the Pulsar consumer");
+                return;
+            }
+            Err(_) if left <= step => {
+                tracing::warn!(
+                    %topic,
+                    partition,
+                    "the Pulsar consumer did not close in {deadline:?}: acknowledgements still \
+                     queued in the client are dropped, and the broker redelivers those messages"
+                );
+                return;
+            }
+            Err(_) => step *= 2,
+        }
+    }
+}
+
 /// The task owning one partition's crate consumer: forwards messages (one held at a time, so
 /// the broker's flow control bounds what is fetched) and runs acks, nacks, seeks and close.
 #[allow(clippy::too_many_arguments)]
@@ -652,28 +697,13 @@ async fn run_partition(
             biased;
             cmd = cmds.recv() => match cmd {
                 None => break,
-                Some(Cmd::Ack(ids, done)) => {
+                Some(Cmd::Ack(ids)) => {
+                    // Queued to the crate's consumer engine, which writes them to the
+                    // connection in order with everything else it handles (see `commit`).
                     for id in ids {
                         if let Err(e) = c.ack_with_id(&topic, id).await {
                             tracing::warn!(error = %e, %topic, partition, "ack failed");
                         }
-                    }
-                    if let Some(done) = done {
-                        // A broker round trip after the acks, so they have reached the broker
-                        // when the commit returns. The crate's consumer engine handles acks
-                        // and this request in order with the messages it pushes to us, and it
-                        // waits while its queue to us is full, so the round trip is skipped
-                        // when this task holds an undelivered message (the engine is blocked
-                        // behind it) and bounded otherwise: waiting here without reading the
-                        // consumer would deadlock both tasks under a backlog. Acks still
-                        // reach the broker in order once the engine catches up; until then a
-                        // restart redelivers those messages (at-least-once, caught by the
-                        // dedup store).
-                        if held.is_none() {
-                            let _ = tokio::time::timeout(BARRIER_WAIT, c.get_last_message_id())
-                                .await;
-                        }
-                        let _ = done.send(());
                     }
                 }
                 Some(Cmd::Nack(id)) => {
@@ -689,8 +719,9 @@ async fn run_partition(
                         .map_err(|e| pulsar_err(format!("seeking {topic}[{partition}]"), e));
                     let _ = done.send(r);
                 }
-                Some(Cmd::Close(done)) => {
-                    let _ = c.close().await;
+                Some(Cmd::Close(deadline, done)) => {
+                    // What this task holds was not delivered: the broker redelivers it.
+                    close_after_acks(&mut c, &topic, partition, deadline).await;
                     let _ = done.send(());
                     return;
                 }
@@ -766,7 +797,7 @@ impl ConsumerBackend for PulsarConsumer {
                     }
                 }
                 if !skipped.is_empty() {
-                    let _ = part.cmd.send(Cmd::Ack(skipped, None));
+                    let _ = part.cmd.send(Cmd::Ack(skipped));
                 }
                 if out.len() >= max {
                     break;
@@ -782,11 +813,25 @@ impl ConsumerBackend for PulsarConsumer {
     }
 
     /// Acknowledges, individually, every message of the partition delivered by `poll` up to the
-    /// position and not nacked, then waits (at most 500 ms, and not while the partition has a
-    /// backlog queued for the application) for a broker round trip behind the acks.
+    /// position and not nacked.
+    ///
+    /// Returns once the acknowledgements are queued, in order, to the partition's Pulsar
+    /// consumer; it does not wait for the broker. Pulsar acknowledgements are one-way commands
+    /// with no reply (the broker answers an acknowledgement only when the client asks for ack
+    /// receipts, `isAckReceiptEnabled` in the Java client, which the `pulsar` crate has not;
+    /// the Java client by default even groups acknowledgements for 100 ms,
+    /// `acknowledgmentGroupTime`), see
+    /// <https://pulsar.apache.org/docs/next/concepts-messaging/#acknowledgment>. The `pulsar`
+    /// crate writes them to the consumer's connection behind the messages the broker pushed to
+    /// it before (at most `receiver_queue_size` per partition), so they reach the broker as the
+    /// application reads on. [`close`](ConsumerBackend::close) sends every acknowledgement
+    /// queued before it and then closes the consumer on the same connection, which the broker
+    /// handles in that order: after `commit` and `close`, the group resumes after the committed
+    /// position. A process that dies between `commit` and `close` may get the last committed
+    /// messages again (at-least-once; the dedup store skips them).
     async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.check_open()?;
-        self.commit_inner(positions, true).await
+        self.commit_inner(positions)
     }
 
     async fn committed(
@@ -929,8 +974,10 @@ impl ConsumerBackend for PulsarConsumer {
         Ok(())
     }
 
-    /// Closes the crate consumers (the subscription stays, with its acknowledgements; what was
-    /// delivered and not committed is redelivered to the next active consumer).
+    /// Closes the crate consumers after the acknowledgements queued by `commit` have been sent
+    /// (see `commit`), within the operation timeout. The subscription stays, with its
+    /// acknowledgements; what was delivered and not committed is redelivered to the next active
+    /// consumer.
     async fn close(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
@@ -938,12 +985,15 @@ impl ConsumerBackend for PulsarConsumer {
         let mut waits = Vec::new();
         for p in &self.parts {
             let (tx, rx) = oneshot::channel();
-            if p.cmd.send(Cmd::Close(tx)).is_ok() {
+            if p.cmd
+                .send(Cmd::Close(self.options.operation_timeout, tx))
+                .is_ok()
+            {
                 waits.push(rx);
             }
         }
         for w in waits {
-            let _ = tokio::time::timeout(self.options.operation_timeout, w).await;
+            let _ = tokio::time::timeout(self.options.operation_timeout + CLOSE_STEP, w).await;
         }
         for p in &self.parts {
             p.state.lock().assigned = false;

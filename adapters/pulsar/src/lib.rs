@@ -68,7 +68,12 @@
 //!   key_shared and exclusive members read every partition.
 //! - **commit** individually acknowledges every message of the partition delivered by `poll` up
 //!   to the position and not nacked (onceflow's "last finished position" model, as on
-//!   JetStream), then waits for a round trip on the consumer's connection.
+//!   JetStream). Like every Pulsar client's acknowledgement it has no broker reply: `commit`
+//!   returns once the acks are queued, in order, to the crate consumer, which writes them to
+//!   the connection behind the messages the broker pushed before them (at most
+//!   `receiver_queue_size`, which is also the crate's flow permits); `close` sends every
+//!   queued ack and then closes the consumer, in that order on the connection. See
+//!   `PulsarConsumer::commit` for the sources.
 //! - **nack** is a negative ack sent after the delay. Shared / key_shared redeliver that
 //!   message ([`onceflow_core::Capabilities::per_message_nack`]); failover / exclusive
 //!   redeliver every unacked message of the partition in order, so onceflow rewinds: it drops

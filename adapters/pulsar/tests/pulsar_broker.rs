@@ -10,6 +10,9 @@
 //! - `key_shared_keeps_order_per_key_while_members_join_and_leave`.
 //! - `dead_letter_after_max_redeliveries` (shared subscription).
 //! - `nack_waits_for_the_redelivery_delay` (shared subscription).
+//! - `small_polls_with_commits_drain_a_backlog_deeper_than_the_receiver_queue` and
+//!   `a_new_member_starts_after_the_last_commit_of_a_closed_one`: acks and close behind the
+//!   crate's consumer engine.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -418,4 +421,85 @@ async fn small_polls_with_commits_drain_a_backlog_deeper_than_the_receiver_queue
     assert_eq!(got.len(), n, "stalled after {} of {n} messages", got.len());
     assert_eq!(got, want, "out of order or repeated");
     c.close().await.unwrap();
+}
+
+/// Reads the first `commit_upto` of `n` messages with small polls and a commit after each,
+/// closes, and returns what a new member of the group receives first.
+async fn resume_after_close(url: &str, queue: u32, n: usize, commit_upto: usize) -> Vec<String> {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let client = Client::new(
+        onceflow_pulsar::connect(&format!("{url}{sep}receiver_queue_size={queue}"))
+            .await
+            .unwrap(),
+    );
+    let topic = name("resume");
+    let group = name("resume-g");
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    let records: Vec<Record> = (0..n)
+        .map(|i| Record::new(topic.clone(), format!("m{i}")))
+        .collect();
+    for r in producer.send_batch(records).await {
+        r.unwrap();
+    }
+    let config = |member: &str| {
+        ConsumerConfig::new(group.clone(), [topic.clone()])
+            .start(StartFrom::committed_or_earliest())
+            .client_id(member.to_string())
+    };
+    let c = client.consumer(config("first")).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut got = Vec::new();
+    while got.len() < commit_upto && Instant::now() < deadline {
+        let want = (commit_upto - got.len()).min(5);
+        let batch = c.poll(want, Duration::from_millis(200)).await.unwrap();
+        if let Some(last) = batch.last() {
+            c.commit(&[(last.topic_partition(), last.position.clone())])
+                .await
+                .unwrap();
+        }
+        got.extend(batch.into_iter().map(|m| m.payload));
+    }
+    assert_eq!(
+        got.len(),
+        commit_upto,
+        "the first member read what it commits"
+    );
+    c.close().await.unwrap();
+    drop(c);
+
+    let next = client.consumer(config("second")).await.unwrap();
+    let want = (n - commit_upto).min(20);
+    // Nothing left: wait a while for anything that should not come.
+    let (count, wait) = if want == 0 { (1, 3) } else { (want, 20) };
+    let again = drain(&next, count, Duration::from_secs(wait)).await;
+    next.close().await.unwrap();
+    again
+        .iter()
+        .take(20)
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect()
+}
+
+/// A commit is not lost when the member closes: a new member of the group (failover) starts
+/// right after the last committed message, whatever the receiver queue and whether a backlog
+/// is left behind. The crate's consumer engine sends our acks only behind the messages the
+/// broker pushed to it before (it had 1000 flow permits whatever `receiver_queue_size` said),
+/// and waits while its queue to us is full; `close` did not read, so it timed out after 30 s
+/// with the acks still queued, and the new member got every message after the first again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_member_starts_after_the_last_commit_of_a_closed_one() {
+    let Some(url) = url() else { return };
+    for (queue, n, upto) in [
+        (10, 400, 200),
+        (1000, 400, 200),
+        (10, 400, 400),
+        (1000, 400, 400),
+    ] {
+        let got = resume_after_close(&url, queue, n, upto).await;
+        let want: Vec<String> = (upto..n.min(upto + 20)).map(|i| format!("m{i}")).collect();
+        assert_eq!(
+            got, want,
+            "receiver queue {queue}, {upto} of {n} committed: the new member's first messages"
+        );
+    }
 }
