@@ -185,10 +185,9 @@ pub(crate) fn partitions_of(cfg: &jetstream::stream::Config) -> u32 {
 impl Shared {
     /// Largest record accepted: the server's `max_payload` minus room for onceflow's headers.
     pub(crate) fn max_record_bytes(&self) -> usize {
-        self.client
-            .server_info()
-            .max_payload
-            .saturating_sub(HEADER_ROOM)
+        // `max_payload()` reads an atomic the client updates on every server `INFO`;
+        // `server_info()` would clone the whole `ServerInfo` (a dozen strings) on every send.
+        self.client.max_payload().saturating_sub(HEADER_ROOM)
     }
 
     pub(crate) fn forget_topic(&self, topic: &str) {
