@@ -169,6 +169,9 @@ pub(crate) struct Shared {
     pub(crate) options: JetStreamOptions,
     /// Partition count per topic, as read from (or created on) the server.
     topics: Mutex<HashMap<String, u32>>,
+    /// Held while a topic missing from `topics` is looked up, so the first sends of a new topic
+    /// (a window of async publishes arrive together) ask the server once, not once each.
+    lookup: tokio::sync::Mutex<()>,
     /// Topics whose dedup window mismatch was already warned about.
     window_warned: Mutex<HashSet<String>>,
 }
@@ -211,6 +214,10 @@ impl Shared {
 
     /// Partition count of `topic`; creates the stream when it is missing and `auto_create` is on.
     pub(crate) async fn partitions(&self, topic: &str) -> Result<u32> {
+        if let Some(n) = self.topics.lock().get(topic) {
+            return Ok(*n);
+        }
+        let _lookup = self.lookup.lock().await;
         if let Some(n) = self.topics.lock().get(topic) {
             return Ok(*n);
         }
@@ -298,6 +305,7 @@ impl JetStreamPlatform {
                 js,
                 options,
                 topics: Mutex::new(HashMap::new()),
+                lookup: tokio::sync::Mutex::new(()),
                 window_warned: Mutex::new(HashSet::new()),
             }),
         }))
