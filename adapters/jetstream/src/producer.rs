@@ -416,3 +416,64 @@ impl ProducerBackend for JetStreamProducer {
         self.flush(self.timeout).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn prepared(record: Record, msg_id: MsgId) -> Prepared {
+        let mut p = Prepared {
+            subject: Subject::from(record.topic.clone()),
+            record,
+            partition: 0,
+            headers: None,
+            has_headers: false,
+            msg_id,
+        };
+        let h = record_headers(&p.record, p.msg_id()).unwrap();
+        p.has_headers = !h.is_empty();
+        p.headers = Some(h);
+        p
+    }
+
+    fn wire(h: &HeaderMap) -> Vec<(String, Vec<String>)> {
+        let mut v: Vec<_> = h
+            .iter()
+            .map(|(k, vs)| {
+                let k: &str = k.as_ref();
+                (
+                    k.to_string(),
+                    vs.iter().map(|v| v.as_str().to_string()).collect(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A retry publishes the same headers as the first attempt, with the same `Nats-Msg-Id`.
+    #[test]
+    fn a_retry_carries_the_first_attempts_headers_and_msg_id() {
+        for (record, id) in [
+            (
+                Record::new("t", Bytes::from_static(b"x")).idempotency_key("k-1"),
+                MsgId::Key,
+            ),
+            (
+                Record::new("t", Bytes::from_static(b"x")),
+                MsgId::Generated(random_id()),
+            ),
+        ] {
+            let mut p = prepared(record, id);
+            let first = p.take_headers().unwrap().expect("headers");
+            let retry = p.take_headers().unwrap().expect("headers");
+            assert_eq!(wire(&first), wire(&retry));
+            let msg_id = first.get("Nats-Msg-Id").expect("Nats-Msg-Id").as_str();
+            assert_eq!(Some(msg_id), p.msg_id());
+        }
+        let mut plain = prepared(Record::new("t", Bytes::from_static(b"x")), MsgId::None);
+        assert!(plain.take_headers().unwrap().is_none());
+        assert!(plain.take_headers().unwrap().is_none());
+    }
+}
