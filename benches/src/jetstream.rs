@@ -12,7 +12,9 @@
 //!   (fire-and-forget) acks is printed for information.
 //!
 //! Streams use memory storage so the figures measure the clients, not the disk. Each figure is
-//! the best of `ROUNDS` alternating rounds (the machine is shared).
+//! the best of `ROUNDS` alternating rounds (the machine is shared). In N1 every measurement
+//! gets a new, empty stream of the same config, the order of the four rotates between rounds,
+//! and both sides borrow their handle (`&Context`, `&Producer`) in the publish futures.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -93,7 +95,6 @@ async fn raw_publish(js: &jetstream::Context, subject: &str, payload: Bytes, n: 
     let start = Instant::now();
     let acks = futures::stream::iter(0..n)
         .map(|_| {
-            let js = js.clone();
             let payload = payload.clone();
             let subject = subject.to_string();
             async move { js.publish(subject, payload).await?.await }
@@ -126,7 +127,7 @@ async fn onceflow_publish(
             if msg_id {
                 r = r.idempotency_key(format!("{run}-{i}"));
             }
-            let p = producer.clone();
+            let p = &producer;
             async move { p.send(r).await }
         })
         .buffered(WINDOW);
@@ -155,7 +156,7 @@ async fn backend_publish(
     let acks = futures::stream::iter(0..n)
         .map(|_| {
             let r = Record::new(topic.to_string(), payload.clone());
-            let p = producer.clone();
+            let p = &producer;
             async move { p.send(r).await }
         })
         .buffered(WINDOW);
@@ -172,14 +173,23 @@ async fn n1(platform: &Arc<onceflow_jetstream::JetStreamPlatform>, js: &jetstrea
     for size in [128usize, 1024] {
         let payload = Bytes::from(vec![b'x'; size]);
         let (mut raw, mut plain, mut with_id, mut backend) = (0f64, 0f64, 0f64, 0f64);
-        for _ in 0..ROUNDS {
-            let s = name("benchn1");
-            stream_for(js, &s).await;
-            raw = raw.max(raw_publish(js, &s, payload.clone(), n).await);
-            plain = plain.max(onceflow_publish(&client, &s, payload.clone(), n, false).await);
-            with_id = with_id.max(onceflow_publish(&client, &s, payload.clone(), n, true).await);
-            backend = backend.max(backend_publish(platform, &s, payload.clone(), n).await);
-            let _ = js.delete_stream(&s).await;
+        for round in 0..ROUNDS {
+            // Each measurement publishes into a new, empty stream (same config), and the order
+            // rotates between rounds, so no side always runs first or into a fuller stream.
+            for k in 0..4 {
+                let s = name("benchn1");
+                stream_for(js, &s).await;
+                let payload = payload.clone();
+                match (k + round) % 4 {
+                    0 => raw = raw.max(raw_publish(js, &s, payload, n).await),
+                    1 => plain = plain.max(onceflow_publish(&client, &s, payload, n, false).await),
+                    2 => {
+                        with_id = with_id.max(onceflow_publish(&client, &s, payload, n, true).await)
+                    }
+                    _ => backend = backend.max(backend_publish(platform, &s, payload, n).await),
+                }
+                let _ = js.delete_stream(&s).await;
+            }
         }
         eprintln!(
             "[bench] N1 {size} B, window {WINDOW}, {n} msgs: raw {raw:.0}/s, onceflow {plain:.0}/s, \
