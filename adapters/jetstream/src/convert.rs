@@ -249,7 +249,11 @@ mod tests {
         r.headers.insert("a", b"2".to_vec());
         r.headers.insert(IDEMPOTENCY_KEY_HEADER, b"id-1".to_vec());
         let map = record_headers(&r, Some("id-1")).unwrap();
-        let get = |n: &str| map.get_all(n).map(|v| v.as_str().to_string()).collect::<Vec<_>>();
+        let get = |n: &str| {
+            map.get_all(n)
+                .map(|v| v.as_str().to_string())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(get(ORDER_HEADER), ["a b:n c:x a idempotency-key"]);
         assert_eq!(get("a"), ["1", "2"]);
         assert_eq!(get("b"), [""]);

@@ -212,10 +212,15 @@ impl Shared {
         })
     }
 
+    /// Partition count of `topic` if it is known already (no request to the server).
+    pub(crate) fn cached_partitions(&self, topic: &str) -> Option<u32> {
+        self.topics.lock().get(topic).copied()
+    }
+
     /// Partition count of `topic`; creates the stream when it is missing and `auto_create` is on.
     pub(crate) async fn partitions(&self, topic: &str) -> Result<u32> {
-        if let Some(n) = self.topics.lock().get(topic) {
-            return Ok(*n);
+        if let Some(n) = self.cached_partitions(topic) {
+            return Ok(n);
         }
         let _lookup = self.lookup.lock().await;
         if let Some(n) = self.topics.lock().get(topic) {

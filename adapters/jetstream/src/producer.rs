@@ -150,7 +150,13 @@ impl JetStreamProducer {
                 record.topic
             )));
         }
-        let n = self.shared.partitions(&record.topic).await?;
+        // The lookup's future (stream info and create requests) is several KB; kept out of line
+        // so every send's future (boxed and moved per call) stays small: a known topic is the
+        // common case.
+        let n = match self.shared.cached_partitions(&record.topic) {
+            Some(n) => n,
+            None => Box::pin(self.shared.partitions(&record.topic)).await?,
+        };
         let partition = match (record.partition, &record.key) {
             (Some(p), _) => {
                 if p < 0 || p as u32 >= n {
@@ -226,41 +232,55 @@ impl JetStreamProducer {
         }
     }
 
+    /// One attempt: publish, then wait for the ack.
+    async fn attempt(&self, p: &mut Prepared) -> Result<PublishAck> {
+        match self.start(p).await {
+            Ok(f) => self.wait(p, f).await,
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether a failed attempt is retried: a timeout (outcome unknown) of a record with a
+    /// `Nats-Msg-Id`, which the server deduplicates if the earlier attempt was stored.
+    fn retriable(&self, p: &Prepared, e: &Error, attempt: u32) -> bool {
+        e.kind() == ErrorKind::Timeout && p.msg_id().is_some() && attempt < self.retries
+    }
+
+    fn failed(&self, p: &Prepared, e: Error) -> Error {
+        if e.kind() == ErrorKind::NotFound {
+            self.shared.forget_topic(&p.record.topic);
+        }
+        e
+    }
+
     /// Publishes and waits for the ack; a timeout is retried with the same `Nats-Msg-Id`.
     async fn publish(
         &self,
         mut p: Prepared,
         first: Option<Result<PublishAck>>,
     ) -> Result<Delivery> {
-        let mut attempt = 0u32;
-        let mut result = match first {
+        let result = match first {
             Some(r) => r,
-            None => match self.start(&mut p).await {
-                Ok(f) => self.wait(&p, f).await,
-                Err(e) => Err(e),
-            },
+            None => self.attempt(&mut p).await,
         };
+        match result {
+            Ok(ack) => Ok(Self::delivery(p, ack, false)),
+            // Retries are rare: their future lives out of line, not in every send's.
+            Err(e) if self.retriable(&p, &e, 0) => Box::pin(self.retry(p)).await,
+            Err(e) => Err(self.failed(&p, e)),
+        }
+    }
+
+    /// Retries a timed-out publish with the same headers and `Nats-Msg-Id`.
+    async fn retry(&self, mut p: Prepared) -> Result<Delivery> {
+        let mut attempt = 0u32;
         loop {
-            match result {
-                Ok(ack) => return Ok(Self::delivery(p, ack, attempt > 0)),
-                Err(e)
-                    if e.kind() == ErrorKind::Timeout
-                        && p.msg_id().is_some()
-                        && attempt < self.retries =>
-                {
-                    attempt += 1;
-                    tracing::debug!(subject = %p.subject, attempt, "publish timed out; retrying with the same Nats-Msg-Id");
-                    result = match self.start(&mut p).await {
-                        Ok(f) => self.wait(&p, f).await,
-                        Err(e) => Err(e),
-                    };
-                }
-                Err(e) => {
-                    if e.kind() == ErrorKind::NotFound {
-                        self.shared.forget_topic(&p.record.topic);
-                    }
-                    return Err(e);
-                }
+            attempt += 1;
+            tracing::debug!(subject = %p.subject, attempt, "publish timed out; retrying with the same Nats-Msg-Id");
+            match self.attempt(&mut p).await {
+                Ok(ack) => return Ok(Self::delivery(p, ack, true)),
+                Err(e) if self.retriable(&p, &e, attempt) => {}
+                Err(e) => return Err(self.failed(&p, e)),
             }
         }
     }
