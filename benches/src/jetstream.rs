@@ -12,7 +12,9 @@
 //!   (fire-and-forget) acks is printed for information.
 //!
 //! Streams use memory storage so the figures measure the clients, not the disk. Each figure is
-//! the best of `ROUNDS` alternating rounds (the machine is shared).
+//! the best of `ROUNDS` alternating rounds (the machine is shared). In N1 every measurement
+//! gets a new, empty stream of the same config, the order of the four rotates between rounds,
+//! and both sides borrow their handle (`&Context`, `&Producer`) in the publish futures.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -93,7 +95,6 @@ async fn raw_publish(js: &jetstream::Context, subject: &str, payload: Bytes, n: 
     let start = Instant::now();
     let acks = futures::stream::iter(0..n)
         .map(|_| {
-            let js = js.clone();
             let payload = payload.clone();
             let subject = subject.to_string();
             async move { js.publish(subject, payload).await?.await }
@@ -102,6 +103,32 @@ async fn raw_publish(js: &jetstream::Context, subject: &str, payload: Bytes, n: 
     futures::pin_mut!(acks);
     while let Some(a) = acks.next().await {
         a.expect("raw publish");
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Raw publish with a `Nats-Msg-Id` per message (what the server's deduplication costs without
+/// onceflow), for locating the Msg-Id cost: printed for information.
+async fn raw_publish_msg_id(
+    js: &jetstream::Context,
+    subject: &str,
+    payload: Bytes,
+    n: usize,
+) -> f64 {
+    let run = name("");
+    let start = Instant::now();
+    let acks = futures::stream::iter(0..n)
+        .map(|i| {
+            let message = jetstream::message::PublishMessage::build()
+                .payload(payload.clone())
+                .message_id(format!("{run}-{i}"));
+            let subject = subject.to_string();
+            async move { js.send_publish(subject, message).await?.await }
+        })
+        .buffered(WINDOW);
+    futures::pin_mut!(acks);
+    while let Some(a) = acks.next().await {
+        a.expect("raw publish with Msg-Id");
     }
     n as f64 / start.elapsed().as_secs_f64()
 }
@@ -126,7 +153,7 @@ async fn onceflow_publish(
             if msg_id {
                 r = r.idempotency_key(format!("{run}-{i}"));
             }
-            let p = producer.clone();
+            let p = &producer;
             async move { p.send(r).await }
         })
         .buffered(WINDOW);
@@ -155,7 +182,7 @@ async fn backend_publish(
     let acks = futures::stream::iter(0..n)
         .map(|_| {
             let r = Record::new(topic.to_string(), payload.clone());
-            let p = producer.clone();
+            let p = &producer;
             async move { p.send(r).await }
         })
         .buffered(WINDOW);
@@ -171,19 +198,35 @@ async fn n1(platform: &Arc<onceflow_jetstream::JetStreamPlatform>, js: &jetstrea
     let n = publish_count();
     for size in [128usize, 1024] {
         let payload = Bytes::from(vec![b'x'; size]);
-        let (mut raw, mut plain, mut with_id, mut backend) = (0f64, 0f64, 0f64, 0f64);
-        for _ in 0..ROUNDS {
-            let s = name("benchn1");
-            stream_for(js, &s).await;
-            raw = raw.max(raw_publish(js, &s, payload.clone(), n).await);
-            plain = plain.max(onceflow_publish(&client, &s, payload.clone(), n, false).await);
-            with_id = with_id.max(onceflow_publish(&client, &s, payload.clone(), n, true).await);
-            backend = backend.max(backend_publish(platform, &s, payload.clone(), n).await);
-            let _ = js.delete_stream(&s).await;
+        let (mut raw, mut plain, mut with_id, mut backend, mut raw_id) =
+            (0f64, 0f64, 0f64, 0f64, 0f64);
+        for round in 0..ROUNDS {
+            // Each measurement publishes into a new, empty stream (same config), and the order
+            // rotates between rounds, so no side always runs first or into a fuller stream.
+            for k in 0..5 {
+                let s = name("benchn1");
+                stream_for(js, &s).await;
+                let payload = payload.clone();
+                match (k + round) % 5 {
+                    0 => raw = raw.max(raw_publish(js, &s, payload, n).await),
+                    1 => plain = plain.max(onceflow_publish(&client, &s, payload, n, false).await),
+                    2 => {
+                        with_id = with_id.max(onceflow_publish(&client, &s, payload, n, true).await)
+                    }
+                    3 => backend = backend.max(backend_publish(platform, &s, payload, n).await),
+                    _ => raw_id = raw_id.max(raw_publish_msg_id(js, &s, payload, n).await),
+                }
+                let _ = js.delete_stream(&s).await;
+            }
         }
         eprintln!(
             "[bench] N1 {size} B, window {WINDOW}, {n} msgs: raw {raw:.0}/s, onceflow {plain:.0}/s, \
-             onceflow+Msg-Id {with_id:.0}/s, adapter without the facade {backend:.0}/s"
+             onceflow+Msg-Id {with_id:.0}/s, adapter without the facade {backend:.0}/s, \
+             raw+Msg-Id {raw_id:.0}/s"
+        );
+        println!(
+            "RATIO N1 publish-{size}B-raw-msgid-vs-raw-without {:.3} target (info) INFO",
+            raw_id / raw
         );
         println!(
             "RATIO N1 publish-{size}B-adapter-only-vs-async-nats {:.3} target (info) INFO",

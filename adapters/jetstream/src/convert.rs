@@ -5,7 +5,9 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use std::collections::HashMap;
 
-use onceflow_core::{Error, ErrorKind, Headers, Message, Position, Record};
+use onceflow_core::{
+    trace, Error, ErrorKind, Headers, Message, Position, Record, IDEMPOTENCY_KEY_HEADER,
+};
 
 use crate::naming::{self, KEY_HEADER, KEY_HEX_HEADER, ORDER_HEADER, TIMESTAMP_HEADER};
 
@@ -13,7 +15,9 @@ use crate::naming::{self, KEY_HEADER, KEY_HEX_HEADER, ORDER_HEADER, TIMESTAMP_HE
 /// Any value is accepted: values that are not single-line UTF-8 travel hex-encoded (see
 /// [`record_headers`]).
 pub(crate) fn validate_header(name: &str, _value: Option<&[u8]>) -> onceflow_core::Result<()> {
-    if name.is_empty() || name.parse::<HeaderName>().is_err() {
+    // The rule of async-nats' `HeaderName` parser (printable ASCII, no ':'), checked without
+    // building (and allocating) a name that is thrown away.
+    if name.is_empty() || name.bytes().any(|b| !b.is_ascii_graphic() || b == b':') {
         return Err(Error::config(format!(
             "header name '{}' is not valid on NATS: expected printable ASCII without ':' or \
              whitespace",
@@ -44,51 +48,80 @@ pub(crate) fn record_headers(
     msg_id: Option<&str>,
 ) -> onceflow_core::Result<HeaderMap> {
     let mut map = HeaderMap::new();
-    let mut order = Vec::with_capacity(record.headers.len());
-    for h in record.headers.iter() {
-        let name: HeaderName = h.name.parse().map_err(|_| {
-            Error::config(format!(
-                "header name '{}' is not valid on NATS: expected printable ASCII without ':'",
-                h.name.escape_debug()
-            ))
-        })?;
-        match &h.value {
-            None => {
-                map.append(name, "");
-                order.push(format!("{}:n", h.name));
-            }
-            Some(v) => match text(v) {
-                Some(t) => {
-                    map.append(name, t);
-                    order.push(h.name.clone());
-                }
-                None => {
-                    map.append(name, hex::encode(v));
-                    order.push(format!("{}:x", h.name));
-                }
-            },
-        }
-    }
     // Written whenever the message carries headers of onceflow's (the record's, or a message
     // id): it marks them as onceflow's. A record without either goes out without any header
     // block (a plain `PUB`, which the server stores and acks faster than an `HPUB`); read back,
     // no header means no header either way.
-    if !record.headers.is_empty() || msg_id.is_some() {
-        map.insert(ORDER_HEADER, order.join(" "));
+    let marked = !record.headers.is_empty() || msg_id.is_some();
+    if marked {
+        let mut order = String::with_capacity(
+            record
+                .headers
+                .iter()
+                .map(|h| h.name.len() + 3)
+                .sum::<usize>(),
+        );
+        for (i, h) in record.headers.iter().enumerate() {
+            let name = header_name(&h.name)?;
+            if i > 0 {
+                order.push(' ');
+            }
+            order.push_str(&h.name);
+            match &h.value {
+                None => {
+                    map.append(name, "");
+                    order.push_str(":n");
+                }
+                Some(v) => match text(v) {
+                    Some(t) => map.append(name, t),
+                    None => {
+                        map.append(name, hex::encode(v));
+                        order.push_str(":x");
+                    }
+                },
+            }
+        }
+        map.insert(ORDER, order);
     }
     if let Some(k) = &record.key {
         match text(k) {
-            Some(t) => map.insert(KEY_HEADER, t),
-            None => map.insert(KEY_HEX_HEADER, hex::encode(k)),
+            Some(t) => map.insert(KEY, t),
+            None => map.insert(KEY_HEX, hex::encode(k)),
         }
     }
     if let Some(ts) = record.timestamp {
-        map.insert(TIMESTAMP_HEADER, ts.to_string());
+        map.insert(TIMESTAMP, ts.to_string());
     }
     if let Some(id) = msg_id {
         map.insert(async_nats::header::NATS_MESSAGE_ID, id);
     }
     Ok(map)
+}
+
+const ORDER: HeaderName = HeaderName::from_static(ORDER_HEADER);
+const KEY: HeaderName = HeaderName::from_static(KEY_HEADER);
+const KEY_HEX: HeaderName = HeaderName::from_static(KEY_HEX_HEADER);
+const TIMESTAMP: HeaderName = HeaderName::from_static(TIMESTAMP_HEADER);
+
+/// The NATS name of a record header: the names onceflow itself writes on most records
+/// (`idempotency-key`, W3C trace context) without parsing or allocating, others parsed.
+fn header_name(name: &str) -> onceflow_core::Result<HeaderName> {
+    const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(IDEMPOTENCY_KEY_HEADER);
+    const TRACEPARENT: HeaderName = HeaderName::from_static(trace::TRACEPARENT);
+    const TRACESTATE: HeaderName = HeaderName::from_static(trace::TRACESTATE);
+    const BAGGAGE: HeaderName = HeaderName::from_static(trace::BAGGAGE);
+    Ok(match name {
+        IDEMPOTENCY_KEY_HEADER => IDEMPOTENCY_KEY,
+        trace::TRACEPARENT => TRACEPARENT,
+        trace::TRACESTATE => TRACESTATE,
+        trace::BAGGAGE => BAGGAGE,
+        _ => name.parse().map_err(|_| {
+            Error::config(format!(
+                "header name '{}' is not valid on NATS: expected printable ASCII without ':'",
+                name.escape_debug()
+            ))
+        })?,
+    })
 }
 
 /// Key, headers and record timestamp of a message as onceflow wrote them (see
@@ -197,4 +230,51 @@ where
         ErrorKind::Platform
     };
     Error::new(kind, format!("{context}: {text}")).with_source_box(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The wire format other clients read: header names, values and the order header.
+    #[test]
+    fn record_headers_wire_format() {
+        let mut r = Record::new("t", Bytes::from_static(b"p"))
+            .key(Bytes::from_static(b"k1"))
+            .idempotency_key("id-1");
+        r.timestamp = Some(1_700_000_000_123);
+        r.headers.insert("a", b"1".to_vec());
+        r.headers.insert_null("b");
+        r.headers.insert("c", vec![0xff, 0x00]);
+        r.headers.insert("a", b"2".to_vec());
+        r.headers.insert(IDEMPOTENCY_KEY_HEADER, b"id-1".to_vec());
+        let map = record_headers(&r, Some("id-1")).unwrap();
+        let get = |n: &str| {
+            map.get_all(n)
+                .map(|v| v.as_str().to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(get(ORDER_HEADER), ["a b:n c:x a idempotency-key"]);
+        assert_eq!(get("a"), ["1", "2"]);
+        assert_eq!(get("b"), [""]);
+        assert_eq!(get("c"), ["ff00"]);
+        assert_eq!(get(IDEMPOTENCY_KEY_HEADER), ["id-1"]);
+        assert_eq!(get("Nats-Msg-Id"), ["id-1"]);
+        assert_eq!(get(KEY_HEADER), ["k1"]);
+        assert_eq!(get(TIMESTAMP_HEADER), ["1700000000123"]);
+        let (key, headers, ts) = read_headers(Some(&map));
+        assert_eq!(key.as_deref(), Some(&b"k1"[..]));
+        assert_eq!(ts, Some(1_700_000_000_123));
+        assert_eq!(headers, r.headers);
+
+        let plain = record_headers(&Record::new("t", Bytes::new()), None).unwrap();
+        assert!(plain.is_empty(), "no header block for a plain record");
+        let only_id = record_headers(&Record::new("t", Bytes::new()), Some("x")).unwrap();
+        assert_eq!(only_id.get(ORDER_HEADER).map(|v| v.as_str()), Some(""));
+        assert_eq!(only_id.get("Nats-Msg-Id").map(|v| v.as_str()), Some("x"));
+        let hex_key = Record::new("t", Bytes::new()).key(Bytes::from_static(b"\n\xff"));
+        let map = record_headers(&hex_key, None).unwrap();
+        assert_eq!(map.get(KEY_HEX_HEADER).map(|v| v.as_str()), Some("0aff"));
+        assert!(map.get(ORDER_HEADER).is_none());
+    }
 }

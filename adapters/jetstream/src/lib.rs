@@ -169,6 +169,9 @@ pub(crate) struct Shared {
     pub(crate) options: JetStreamOptions,
     /// Partition count per topic, as read from (or created on) the server.
     topics: Mutex<HashMap<String, u32>>,
+    /// Held while a topic missing from `topics` is looked up, so the first sends of a new topic
+    /// (a window of async publishes arrive together) ask the server once, not once each.
+    lookup: tokio::sync::Mutex<()>,
     /// Topics whose dedup window mismatch was already warned about.
     window_warned: Mutex<HashSet<String>>,
 }
@@ -185,10 +188,9 @@ pub(crate) fn partitions_of(cfg: &jetstream::stream::Config) -> u32 {
 impl Shared {
     /// Largest record accepted: the server's `max_payload` minus room for onceflow's headers.
     pub(crate) fn max_record_bytes(&self) -> usize {
-        self.client
-            .server_info()
-            .max_payload
-            .saturating_sub(HEADER_ROOM)
+        // `max_payload()` reads an atomic the client updates on every server `INFO`;
+        // `server_info()` would clone the whole `ServerInfo` (a dozen strings) on every send.
+        self.client.max_payload().saturating_sub(HEADER_ROOM)
     }
 
     pub(crate) fn forget_topic(&self, topic: &str) {
@@ -210,8 +212,17 @@ impl Shared {
         })
     }
 
+    /// Partition count of `topic` if it is known already (no request to the server).
+    pub(crate) fn cached_partitions(&self, topic: &str) -> Option<u32> {
+        self.topics.lock().get(topic).copied()
+    }
+
     /// Partition count of `topic`; creates the stream when it is missing and `auto_create` is on.
     pub(crate) async fn partitions(&self, topic: &str) -> Result<u32> {
+        if let Some(n) = self.cached_partitions(topic) {
+            return Ok(n);
+        }
+        let _lookup = self.lookup.lock().await;
         if let Some(n) = self.topics.lock().get(topic) {
             return Ok(*n);
         }
@@ -299,6 +310,7 @@ impl JetStreamPlatform {
                 js,
                 options,
                 topics: Mutex::new(HashMap::new()),
+                lookup: tokio::sync::Mutex::new(()),
                 window_warned: Mutex::new(HashSet::new()),
             }),
         }))
