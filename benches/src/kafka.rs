@@ -89,10 +89,41 @@ fn raw_producer(extra: &[(&str, &str)]) -> ClientConfig {
     c
 }
 
-/// Messages per second of rdkafka's `BaseProducer`: produce everything (polling when the
-/// local queue is full), then flush.
-fn k1_base(topic: &str, payload: &[u8], n: usize) -> f64 {
+/// One K1 measurement: messages per second, and process CPU time per record in µs (every
+/// thread of this process: the caller, librdkafka's threads, the runtime's workers; the broker
+/// is another process). On a shared machine the CPU figure moves less than the rate does.
+#[derive(Clone, Copy, Default)]
+struct Run {
+    rate: f64,
+    cpu_us: f64,
+}
+
+impl Run {
+    fn measure(n: usize, start: Instant, cpu_start: Duration) -> Run {
+        Run {
+            rate: n as f64 / start.elapsed().as_secs_f64(),
+            cpu_us: (crate::cpu::process_cpu() - cpu_start).as_secs_f64() * 1e6 / n as f64,
+        }
+    }
+
+    /// The best of two runs: the higher rate, the lower CPU per record.
+    fn best(self, other: Run) -> Run {
+        Run {
+            rate: self.rate.max(other.rate),
+            cpu_us: if self.cpu_us == 0.0 {
+                other.cpu_us
+            } else {
+                self.cpu_us.min(other.cpu_us)
+            },
+        }
+    }
+}
+
+/// rdkafka's `BaseProducer`: produce everything (polling when the local queue is full), then
+/// flush.
+fn k1_base(topic: &str, payload: &[u8], n: usize) -> Run {
     let p: BaseProducer = raw_producer(&[]).create().expect("BaseProducer");
+    let cpu = crate::cpu::process_cpu();
     let start = Instant::now();
     for _ in 0..n {
         let mut rec: BaseRecord<'_, (), [u8]> = BaseRecord::to(topic).payload(payload);
@@ -108,13 +139,13 @@ fn k1_base(topic: &str, payload: &[u8], n: usize) -> f64 {
         p.poll(Duration::ZERO);
     }
     p.flush(Duration::from_secs(60)).expect("flush");
-    n as f64 / start.elapsed().as_secs_f64()
+    Run::measure(n, start, cpu)
 }
 
-/// Messages per second of rdkafka's `FutureProducer`: every record enqueued, every delivery
-/// future awaited.
-async fn k1_future(topic: &str, payload: &[u8], n: usize) -> f64 {
+/// rdkafka's `FutureProducer`: every record enqueued, every delivery future awaited.
+async fn k1_future(topic: &str, payload: &[u8], n: usize) -> Run {
     let p: FutureProducer = raw_producer(&[]).create().expect("FutureProducer");
+    let cpu = crate::cpu::process_cpu();
     let start = Instant::now();
     let mut futures = Vec::with_capacity(n);
     for _ in 0..n {
@@ -132,56 +163,73 @@ async fn k1_future(topic: &str, payload: &[u8], n: usize) -> f64 {
     for f in futures {
         f.await.expect("delivery").expect("delivered");
     }
-    n as f64 / start.elapsed().as_secs_f64()
+    Run::measure(n, start, cpu)
 }
 
-/// Messages per second of onceflow's producer: one `send_batch` of every record.
-async fn k1_onceflow(c: &Client, topic: &str, payload: &bytes::Bytes, n: usize) -> f64 {
+/// onceflow's producer: one `send_batch` of every record.
+async fn k1_onceflow(c: &Client, topic: &str, payload: &bytes::Bytes, n: usize) -> Run {
     let p = c.producer(ProducerConfig::new()).await.expect("producer");
     let records: Vec<Record> = (0..n)
         .map(|_| Record::new(topic.to_string(), payload.clone()))
         .collect();
+    let cpu = crate::cpu::process_cpu();
     let start = Instant::now();
     for r in p.send_batch(records).await {
         r.expect("delivered");
     }
-    n as f64 / start.elapsed().as_secs_f64()
+    Run::measure(n, start, cpu)
 }
 
-/// K1: best of two rounds per client, a fresh topic per measurement.
+/// K1: best of `ONCEFLOW_K1_ROUNDS` rounds (default 2) per client, a fresh topic per
+/// measurement.
 fn k1() {
+    let rounds: usize = std::env::var("ONCEFLOW_K1_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2)
+        .max(1);
     let rt = rt();
     rt.block_on(async {
         let c = client().await;
         for (label, size, n) in [("100B", 100usize, 200_000usize), ("1KiB", 1024, 50_000)] {
             let payload = bytes::Bytes::from(vec![b'x'; size]);
-            let (mut base, mut fut, mut of) = (0f64, 0f64, 0f64);
-            for _ in 0..2 {
+            let (mut base, mut fut, mut of) = (Run::default(), Run::default(), Run::default());
+            for _ in 0..rounds {
                 let t = topic(&c, "k1").await;
                 let pl = payload.clone();
-                base = base.max(
+                base = base.best(
                     tokio::task::spawn_blocking(move || k1_base(&t, &pl, n))
                         .await
                         .expect("base"),
                 );
                 let t = topic(&c, "k1").await;
-                fut = fut.max(k1_future(&t, &payload, n).await);
+                fut = fut.best(k1_future(&t, &payload, n).await);
                 let t = topic(&c, "k1").await;
-                of = of.max(k1_onceflow(&c, &t, &payload, n).await);
+                of = of.best(k1_onceflow(&c, &t, &payload, n).await);
             }
             println!(
-                "K1 {label}: onceflow {of:.0} msg/s, BaseProducer {base:.0} msg/s, \
-                 FutureProducer {fut:.0} msg/s"
+                "K1 {label}: onceflow {:.0} msg/s, BaseProducer {:.0} msg/s, \
+                 FutureProducer {:.0} msg/s (best of {rounds})",
+                of.rate, base.rate, fut.rate
+            );
+            println!(
+                "K1 {label} CPU: onceflow {:.2} us/record, BaseProducer {:.2}, FutureProducer \
+                 {:.2} (lowest of {rounds})",
+                of.cpu_us, base.cpu_us, fut.cpu_us
             );
             ratio(
                 "K1",
                 &format!("produce-{label}-vs-BaseProducer"),
-                of / base,
+                of.rate / base.rate,
                 0.95,
             );
             println!(
                 "RATIO K1 produce-{label}-vs-FutureProducer {:.3} target (info) INFO",
-                of / fut
+                of.rate / fut.rate
+            );
+            println!(
+                "RATIO K1 cpu-per-record-{label}-BaseProducer-vs-onceflow {:.3} target (info) INFO",
+                base.cpu_us / of.cpu_us
             );
         }
     });

@@ -215,10 +215,9 @@ impl Producer {
     }
 }
 
-/// Puts the backend's results for the valid records back between the validation errors, ending
-/// each record's send span.
 /// Validates and prepares records for a batched send: a slot per record (`Some(error)` for one
-/// that failed validation), the valid records, and their send spans.
+/// that failed validation), the valid records, and their send spans (`None` where no span was
+/// started, see [`trace::SendSpans`]).
 #[allow(clippy::type_complexity)]
 fn prepare_batch(
     platform: &dyn PlatformBackend,
@@ -226,13 +225,15 @@ fn prepare_batch(
 ) -> (
     Vec<Option<Result<Delivery>>>,
     Vec<Record>,
-    Vec<opentelemetry::Context>,
+    Vec<Option<opentelemetry::Context>>,
 ) {
     let mut results = Vec::with_capacity(records.len());
     let mut valid = Vec::with_capacity(records.len());
     let mut spans = Vec::with_capacity(records.len());
+    let mut send_spans = trace::SendSpans::new(platform.name());
+    let limit = platform.max_record_bytes();
     for mut r in records {
-        match prepare_record(platform, &mut r) {
+        match prepare_with(platform, limit, &mut r, |r| send_spans.on_send(r)) {
             Ok(cx) => {
                 results.push(None);
                 spans.push(cx);
@@ -244,10 +245,12 @@ fn prepare_batch(
     (results, valid, spans)
 }
 
+/// Puts the backend's results for the valid records back between the validation errors, ending
+/// each record's send span.
 fn merge_results(
     results: Vec<Option<Result<Delivery>>>,
     sent: Vec<Result<Delivery>>,
-    spans: Vec<opentelemetry::Context>,
+    spans: Vec<Option<opentelemetry::Context>>,
 ) -> Vec<Result<Delivery>> {
     let mut sent = sent.into_iter();
     let mut spans = spans.into_iter();
@@ -259,7 +262,7 @@ fn merge_results(
                 let r = sent.next().unwrap_or_else(|| {
                     Err(Error::new(ErrorKind::Platform, "missing delivery report"))
                 });
-                if let Some(cx) = spans.next() {
+                if let Some(Some(cx)) = spans.next() {
                     trace::end_send(&cx, r.as_ref());
                 }
                 r
@@ -272,6 +275,20 @@ pub(crate) fn prepare_record(
     platform: &dyn PlatformBackend,
     record: &mut Record,
 ) -> Result<opentelemetry::Context> {
+    let limit = platform.max_record_bytes();
+    let system = platform.name();
+    prepare_with(platform, limit, record, |r| Some(trace::on_send(system, r)))
+        .map(Option::unwrap_or_default)
+}
+
+/// Validates `record` (limit: the platform's `max_record_bytes`), writes the `idempotency-key`
+/// header and, through `on_send`, the trace context.
+fn prepare_with(
+    platform: &dyn PlatformBackend,
+    limit: usize,
+    record: &mut Record,
+    on_send: impl FnOnce(&mut Record) -> Option<opentelemetry::Context>,
+) -> Result<Option<opentelemetry::Context>> {
     if record.topic.is_empty() {
         return Err(Error::config(
             "record topic is empty: expected a topic name",
@@ -290,11 +307,12 @@ pub(crate) fn prepare_record(
     for h in record.headers.iter() {
         platform.validate_header(&h.name, h.value.as_deref())?;
     }
-    let cx = trace::on_send(platform.name(), record);
+    let cx = on_send(record);
     let size = record.size_bytes();
-    let limit = platform.max_record_bytes();
     if size > limit {
-        trace::end(&cx, None);
+        if let Some(cx) = &cx {
+            trace::end(cx, None);
+        }
         return Err(Error::config(format!(
             "record for topic '{}' is {size} bytes (key + payload + headers): the limit on {} is {limit} bytes",
             record.topic,

@@ -133,13 +133,113 @@ fn parent_for_send(record: &Record) -> Context {
 /// context to end when the send completes.
 pub fn on_send(system: &'static str, record: &mut Record) -> Context {
     let parent = parent_for_send(record);
-    let tracer = global::tracer(SCOPE);
+    let cx = start_send(&global::tracer(SCOPE), system, &parent, record);
+    inject(&cx, &mut record.headers);
+    cx
+}
+
+/// Producer spans for records sent together ([`crate::Producer::send_batch`], a transaction's
+/// batches): [`on_send`] per record, with the tracer and the caller's context looked up once.
+///
+/// The first record whose parent is the caller's context also tells how the installed tracer
+/// treats that parent. When its span records nothing and has exactly the parent's span context
+/// (the no-op tracer of an application that installed no tracer provider: it hands the parent
+/// through; an SDK tracer always gives a span a new span id), every later record with the same
+/// parent would get such a span too, so none is started for them: they get the headers that
+/// injecting the caller's context writes (nothing without a context, its `traceparent` with
+/// one) and no span to end. A record whose own headers choose its parent (`traceparent` or
+/// `baggage` without a current span) always takes the [`on_send`] path.
+pub struct SendSpans {
+    system: &'static str,
+    tracer: global::BoxedTracer,
+    current: Context,
+    current_valid: bool,
+    mode: PassThrough,
+}
+
+enum PassThrough {
+    /// No record with the caller's context as parent was seen yet.
+    Unknown,
+    /// The tracer hands the caller's context through: these headers are what injecting it
+    /// writes.
+    Yes(Headers),
+    No,
+}
+
+impl SendSpans {
+    /// Spans on `system` (see [`on_send`]) through the global tracer, children of the current
+    /// context.
+    pub fn new(system: &'static str) -> Self {
+        Self::with_tracer(system, global::tracer(SCOPE))
+    }
+
+    /// Spans through `tracer`, children of the current context.
+    pub fn with_tracer(system: &'static str, tracer: global::BoxedTracer) -> Self {
+        let current = Context::current();
+        let current_valid = current.span().span_context().is_valid();
+        SendSpans {
+            system,
+            tracer,
+            current,
+            current_valid,
+            mode: PassThrough::Unknown,
+        }
+    }
+
+    /// [`on_send`] for one record of the batch: injects its trace context and returns the span
+    /// context to end with [`end_send`] when the send completes, or `None` when no span was
+    /// started for it (nothing to end).
+    pub fn on_send(&mut self, record: &mut Record) -> Option<Context> {
+        let parent_is_current = self.current_valid || !has_trace_headers(&record.headers);
+        if parent_is_current {
+            if let PassThrough::Yes(injected) = &self.mode {
+                // What `inject` of the caller's context does to these headers.
+                record.headers.remove(TRACEPARENT);
+                record.headers.remove(TRACESTATE);
+                for h in injected.iter() {
+                    record
+                        .headers
+                        .set(&h.name, h.value.clone().unwrap_or_default());
+                }
+                return None;
+            }
+        }
+        let parent = if parent_is_current {
+            self.current.clone()
+        } else {
+            parent_for_send(record)
+        };
+        let cx = start_send(&self.tracer, self.system, &parent, record);
+        if parent_is_current && matches!(self.mode, PassThrough::Unknown) {
+            let span = cx.span();
+            self.mode = if !span.is_recording()
+                && span.span_context() == self.current.span().span_context()
+            {
+                let mut injected = Headers::new();
+                inject(&self.current, &mut injected);
+                PassThrough::Yes(injected)
+            } else {
+                PassThrough::No
+            };
+        }
+        inject(&cx, &mut record.headers);
+        Some(cx)
+    }
+}
+
+/// Starts the producer span for `record` as a child of `parent`.
+fn start_send(
+    tracer: &global::BoxedTracer,
+    system: &'static str,
+    parent: &Context,
+    record: &Record,
+) -> Context {
     // The name and attributes are only built for a span that records: without a tracer
     // provider (or when the sampler drops the span) a send costs no allocation for them.
     let mut span = tracer
         .span_builder("send")
         .with_kind(SpanKind::Producer)
-        .start_with_context(&tracer, &parent);
+        .start_with_context(tracer, parent);
     if span.is_recording() {
         span.update_name(format!("send {}", record.topic));
         span.set_attributes([
@@ -150,9 +250,7 @@ pub fn on_send(system: &'static str, record: &mut Record) -> Context {
             KeyValue::new("messaging.message.body.size", record.payload.len() as i64),
         ]);
     }
-    let cx = parent.with_span(span);
-    inject(&cx, &mut record.headers);
-    cx
+    parent.with_span(span)
 }
 
 /// Records the outcome of a send on the span started by [`on_send`] and ends it.
@@ -296,5 +394,83 @@ mod tests {
         let cx = on_send("memory", &mut r);
         end(&cx, None);
         assert!(r.headers.is_empty());
+    }
+
+    fn batch(n: usize, tracer: Option<global::BoxedTracer>) -> (Vec<Record>, Vec<Option<Context>>) {
+        let mut spans = match tracer {
+            Some(t) => SendSpans::with_tracer("memory", t),
+            None => SendSpans::new("memory"),
+        };
+        let mut records: Vec<Record> = (0..n).map(|_| Record::new("t", "x")).collect();
+        let cxs = records.iter_mut().map(|r| spans.on_send(r)).collect();
+        (records, cxs)
+    }
+
+    #[test]
+    fn send_spans_without_context_add_nothing() {
+        let (records, cxs) = batch(3, None);
+        assert!(records.iter().all(|r| r.headers.is_empty()));
+        // The first record tells the no-op tracer apart; the others start no span.
+        assert!(cxs[0].is_some() && cxs[1].is_none() && cxs[2].is_none());
+    }
+
+    #[test]
+    fn send_spans_propagate_the_callers_context() {
+        let parent = extract(&Headers::new().with(TRACEPARENT, TP));
+        let _guard = parent.attach();
+        let mut single = Record::new("t", "x");
+        end(&on_send("memory", &mut single), None);
+        let (records, cxs) = batch(3, None);
+        for r in &records {
+            assert_eq!(r.headers, single.headers);
+        }
+        assert!(single
+            .headers
+            .get_str(TRACEPARENT)
+            .unwrap()
+            .contains(&TP[3..35]));
+        assert!(cxs[1].is_none());
+        // A record's own traceparent is replaced by the current context's, as by `on_send`.
+        let mut spans = SendSpans::new("memory");
+        let mut plain = Record::new("t", "x");
+        spans.on_send(&mut plain);
+        let other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let mut own = Record::new("t", "x").header(TRACEPARENT, other);
+        assert!(spans.on_send(&mut own).is_none());
+        assert_eq!(own.headers, single.headers);
+    }
+
+    #[test]
+    fn send_spans_let_record_headers_choose_the_parent() {
+        let mut spans = SendSpans::new("memory");
+        let mut plain = Record::new("t", "x");
+        spans.on_send(&mut plain);
+        let mut own = Record::new("t", "x").header(TRACEPARENT, TP);
+        let cx = spans.on_send(&mut own);
+        assert!(cx.is_some());
+        assert_eq!(own.headers.get_str(TRACEPARENT), Some(TP));
+        assert!(plain.headers.is_empty());
+    }
+
+    #[test]
+    fn send_spans_start_a_span_per_record_with_a_tracer_provider() {
+        use opentelemetry::trace::TracerProvider as _;
+        let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let tracer = global::BoxedTracer::new(Box::new(provider.tracer(SCOPE)));
+        let (records, cxs) = batch(3, Some(tracer));
+        let parents: std::collections::HashSet<_> = records
+            .iter()
+            .map(|r| r.headers.get_str(TRACEPARENT).unwrap().to_string())
+            .collect();
+        assert_eq!(parents.len(), 3);
+        for cx in cxs {
+            end(&cx.expect("a span per record"), None);
+        }
+        let finished = exporter.get_finished_spans().unwrap();
+        assert_eq!(finished.len(), 3);
+        assert!(finished.iter().all(|s| s.name == "send t"));
     }
 }

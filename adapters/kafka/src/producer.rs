@@ -1,7 +1,13 @@
-//! The producer: rdkafka's `FutureProducer` (its own poll thread serves delivery reports),
+//! The producer: rdkafka's `ThreadedProducer` (its own poll thread serves delivery reports),
 //! idempotent by default, transactional with a `transactional.id` (KIP-98, KIP-447).
+//!
+//! Delivery reports: every call enqueues its records with one shared [`Reports`] (one slot per
+//! record, a `Box` with the slot's index as librdkafka's per-message opaque), the poll thread's
+//! delivery callback fills the slots, and the caller is woken once, when the last report is in.
+//! `FutureProducer` instead gives each record its own oneshot channel and future.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,9 +18,9 @@ use onceflow_core::{
 use parking_lot::Mutex;
 use rdkafka::consumer::ConsumerGroupMetadata;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::message::{Header, Message, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::KafkaConfig;
 use crate::errors;
@@ -23,7 +29,85 @@ use crate::CAPABILITIES;
 /// How long a send may wait for room in librdkafka's local queue before failing.
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(30);
 
-type Native = Arc<FutureProducer>;
+type NativeProducer = ThreadedProducer<ReportContext>;
+type Native = Arc<NativeProducer>;
+
+/// What librdkafka reported for one record: partition, offset and timestamp, or the error.
+type Report = std::result::Result<(i32, i64, Option<i64>), KafkaError>;
+
+/// The delivery reports of records enqueued together.
+struct Reports {
+    slots: Box<[OnceLock<Report>]>,
+    /// Slots whose [`ReportSlot`] is alive, plus one while records are being enqueued.
+    remaining: AtomicUsize,
+    done: tokio::sync::Notify,
+}
+
+impl Reports {
+    fn new(len: usize) -> Arc<Reports> {
+        Arc::new(Reports {
+            slots: (0..len).map(|_| OnceLock::new()).collect(),
+            remaining: AtomicUsize::new(1),
+            done: tokio::sync::Notify::new(),
+        })
+    }
+
+    fn release(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+
+    /// Waits until every slot handed out has been filled or dropped.
+    async fn all_in(&self) {
+        if self.remaining.load(Ordering::Acquire) != 0 {
+            self.done.notified().await;
+        }
+    }
+}
+
+/// One record's delivery opaque. The callback fills the slot; a slot dropped without a report
+/// (the producer went away, or the record was never enqueued) reads as cancelled, as a
+/// `FutureProducer`'s dropped oneshot sender does.
+struct ReportSlot {
+    reports: Arc<Reports>,
+    index: usize,
+}
+
+impl ReportSlot {
+    fn new(reports: &Arc<Reports>, index: usize) -> Box<ReportSlot> {
+        reports.remaining.fetch_add(1, Ordering::Relaxed);
+        Box::new(ReportSlot {
+            reports: reports.clone(),
+            index,
+        })
+    }
+}
+
+impl Drop for ReportSlot {
+    fn drop(&mut self) {
+        let _ = self.reports.slots[self.index].set(Err(KafkaError::Canceled));
+        self.reports.release();
+    }
+}
+
+/// librdkafka's client callbacks as `DefaultClientContext` has them, and delivery reports into
+/// [`Reports`].
+struct ReportContext;
+
+impl ClientContext for ReportContext {}
+
+impl ProducerContext for ReportContext {
+    type DeliveryOpaque = Box<ReportSlot>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, slot: Box<ReportSlot>) {
+        let report = match result {
+            Ok(m) => Ok((m.partition(), m.offset(), m.timestamp().to_millis())),
+            Err((e, _)) => Err(e.clone()),
+        };
+        let _ = slot.reports.slots[slot.index].set(report);
+    }
+}
 
 #[derive(Default)]
 struct TxnState {
@@ -66,7 +150,7 @@ impl std::fmt::Debug for KafkaProducer {
 
 fn create_native(config: &rdkafka::ClientConfig) -> Result<Native> {
     config
-        .create::<FutureProducer>()
+        .create_with_context::<_, NativeProducer>(ReportContext)
         .map(Arc::new)
         .map_err(|e| errors::map(e, "creating the Kafka producer"))
 }
@@ -105,38 +189,41 @@ fn check_size(record: &Record, max_record_bytes: usize) -> Result<()> {
     Ok(())
 }
 
-fn future_record(record: &Record) -> FutureRecord<'_, [u8], [u8]> {
-    let mut fr: FutureRecord<'_, [u8], [u8]> =
-        FutureRecord::to(&record.topic).payload(&record.payload[..]);
+fn base_record(
+    record: &Record,
+    slot: Box<ReportSlot>,
+) -> BaseRecord<'_, [u8], [u8], Box<ReportSlot>> {
+    let mut br = BaseRecord::with_opaque_to(&record.topic, slot).payload(&record.payload[..]);
     if let Some(k) = &record.key {
-        fr = fr.key(&k[..]);
+        br = br.key(&k[..]);
     }
     if let Some(p) = record.partition {
-        fr = fr.partition(p);
+        br = br.partition(p);
     }
     if let Some(ts) = record.timestamp {
-        fr = fr.timestamp(ts);
+        br = br.timestamp(ts);
     }
     if let Some(h) = headers_of(record) {
-        fr = fr.headers(h);
+        br = br.headers(h);
     }
-    fr
+    br
 }
 
-/// Hands `record` to librdkafka's queue without waiting for its delivery. When the local queue
-/// is full (`queue.buffering.max.messages` / `.kbytes`), waits for room — the producer's own
-/// poll thread drains it — at most [`QUEUE_TIMEOUT`]; the record is retried before anything
-/// after it is enqueued, so order is kept.
-async fn enqueue(native: &FutureProducer, record: &Record) -> Result<DeliveryFuture> {
-    let deadline = tokio::time::Instant::now() + QUEUE_TIMEOUT;
-    let mut fr = future_record(record);
+/// Hands `record` to librdkafka's queue without waiting for its delivery; its report goes to
+/// `slot`. When the local queue is full (`queue.buffering.max.messages` / `.kbytes`), waits for
+/// room — the producer's own poll thread drains it — at most [`QUEUE_TIMEOUT`]; the record is
+/// retried before anything after it is enqueued, so order is kept.
+async fn enqueue(native: &NativeProducer, record: &Record, slot: Box<ReportSlot>) -> Result<()> {
+    let mut deadline = None;
+    let mut br = base_record(record, slot);
     loop {
-        match native.send_result(fr) {
-            Ok(f) => return Ok(f),
+        match native.send(br) {
+            Ok(()) => return Ok(()),
             Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
-                if tokio::time::Instant::now() < deadline =>
+                if *deadline.get_or_insert_with(|| tokio::time::Instant::now() + QUEUE_TIMEOUT)
+                    > tokio::time::Instant::now() =>
             {
-                fr = back;
+                br = back;
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             Err((e, _)) => {
@@ -149,34 +236,84 @@ async fn enqueue(native: &FutureProducer, record: &Record) -> Result<DeliveryFut
     }
 }
 
-async fn delivered(record: &Record, f: DeliveryFuture) -> Result<Delivery> {
-    match f.await {
-        Ok(Ok(d)) => Ok(Delivery {
-            topic: record.topic.clone(),
-            partition: d.partition,
-            position: Position::Offset(d.offset),
-            timestamp: d.timestamp.to_millis(),
-            duplicate: false,
-        }),
-        Ok(Err((e, _))) => Err(errors::map(
-            e,
-            format_args!("send to topic '{}'", record.topic),
-        )),
-        Err(_canceled) => Err(errors::map(
-            KafkaError::Canceled,
-            format_args!("send to topic '{}'", record.topic),
-        )),
+/// Records enqueued together: their reports, and the records that never reached librdkafka's
+/// queue (too large, or refused) with their errors, by index in ascending order.
+struct Enqueued {
+    reports: Arc<Reports>,
+    failed: Vec<(usize, Error)>,
+}
+
+/// Enqueues every record, in order (librdkafka batches them per partition and the idempotent
+/// producer keeps their order).
+async fn enqueue_all(
+    native: &NativeProducer,
+    records: &[Record],
+    max_record_bytes: usize,
+) -> Enqueued {
+    let reports = Reports::new(records.len());
+    let mut failed = Vec::new();
+    for (i, r) in records.iter().enumerate() {
+        let res = match check_size(r, max_record_bytes) {
+            Ok(()) => enqueue(native, r, ReportSlot::new(&reports, i)).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = res {
+            failed.push((i, e));
+        }
+    }
+    reports.release();
+    Enqueued { reports, failed }
+}
+
+impl Enqueued {
+    fn any_enqueued(&self, len: usize) -> bool {
+        self.failed.len() < len
+    }
+
+    /// Waits for every report: one result per record, in input order. A delivery takes its
+    /// topic name from its record.
+    async fn delivered(self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        self.reports.all_in().await;
+        let mut failed = self.failed.into_iter().peekable();
+        let mut out = Vec::with_capacity(records.len());
+        for (i, r) in records.into_iter().enumerate() {
+            if failed.peek().is_some_and(|(f, _)| *f == i) {
+                if let Some((_, e)) = failed.next() {
+                    out.push(Err(e));
+                }
+                continue;
+            }
+            let report = self.reports.slots[i]
+                .get()
+                .cloned()
+                .unwrap_or(Err(KafkaError::Canceled));
+            out.push(match report {
+                Ok((partition, offset, timestamp)) => Ok(Delivery {
+                    topic: r.topic,
+                    partition,
+                    position: Position::Offset(offset),
+                    timestamp,
+                    duplicate: false,
+                }),
+                Err(e) => Err(errors::map(e, format_args!("send to topic '{}'", r.topic))),
+            });
+        }
+        out
     }
 }
 
-pub(crate) async fn send_on(
-    native: &FutureProducer,
-    record: &Record,
+async fn send_on(
+    native: &NativeProducer,
+    record: Record,
     max_record_bytes: usize,
 ) -> Result<Delivery> {
-    check_size(record, max_record_bytes)?;
-    let f = enqueue(native, record).await?;
-    delivered(record, f).await
+    let records = vec![record];
+    let enqueued = enqueue_all(native, &records, max_record_bytes).await;
+    enqueued
+        .delivered(records)
+        .await
+        .pop()
+        .unwrap_or_else(|| Err(Error::new(ErrorKind::Platform, "missing delivery report")))
 }
 
 /// librdkafka's `linger.ms` (alias `queue.buffering.max.ms`) in `config`, or its default of
@@ -221,30 +358,17 @@ fn flush_queued(native: Native, window: Duration) {
 /// call paid the whole 5 ms default). Once the batch is enqueued it is sent right away
 /// ([`flush_queued`] for `linger`, the configured `linger.ms`; nothing when that is 0).
 /// `linger.ms` still batches single `send` calls and [`TransactionBackend::enqueue_batch`].
-pub(crate) async fn send_all_on(
+async fn send_all_on(
     native: &Native,
-    records: &[Record],
+    records: Vec<Record>,
     max_record_bytes: usize,
     linger: Duration,
 ) -> Vec<Result<Delivery>> {
-    let mut pending = Vec::with_capacity(records.len());
-    for r in records {
-        pending.push(match check_size(r, max_record_bytes) {
-            Ok(()) => enqueue(native, r).await,
-            Err(e) => Err(e),
-        });
-    }
-    if !linger.is_zero() && pending.iter().any(|p| p.is_ok()) {
+    let enqueued = enqueue_all(native, &records, max_record_bytes).await;
+    if !linger.is_zero() && enqueued.any_enqueued(records.len()) {
         flush_queued(native.clone(), linger);
     }
-    let mut out = Vec::with_capacity(records.len());
-    for (r, p) in records.iter().zip(pending) {
-        out.push(match p {
-            Ok(f) => delivered(r, f).await,
-            Err(e) => Err(e),
-        });
-    }
-    out
+    enqueued.delivered(records).await
 }
 
 fn run_blocking_err(e: KafkaError, what: &str) -> Error {
@@ -392,7 +516,7 @@ impl ProducerBackend for KafkaProducer {
     async fn send(&self, record: Record) -> Result<Delivery> {
         self.check_plain_send()?;
         let native = self.native();
-        send_on(&native, &record, self.shared.kafka.max_record_bytes).await
+        send_on(&native, record, self.shared.kafka.max_record_bytes).await
     }
 
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
@@ -406,7 +530,7 @@ impl ProducerBackend for KafkaProducer {
         let native = self.native();
         send_all_on(
             &native,
-            &records,
+            records,
             self.shared.kafka.max_record_bytes,
             self.shared.linger,
         )
@@ -537,7 +661,7 @@ impl TransactionBackend for KafkaTransaction {
         if let Some(why) = &self.shared.state.lock().fenced {
             return Err(Error::new(ErrorKind::Fenced, why.clone()));
         }
-        let res = send_on(&self.native, &record, self.shared.kafka.max_record_bytes).await;
+        let res = send_on(&self.native, record, self.shared.kafka.max_record_bytes).await;
         if let Err(e) = &res {
             if e.kind() == ErrorKind::Fenced {
                 self.shared.state.lock().fenced = Some(e.message().to_string());
@@ -555,7 +679,7 @@ impl TransactionBackend for KafkaTransaction {
         }
         let out = send_all_on(
             &self.native,
-            &records,
+            records,
             self.shared.kafka.max_record_bytes,
             self.shared.linger,
         )
@@ -578,24 +702,11 @@ impl TransactionBackend for KafkaTransaction {
             return Box::pin(std::future::ready(failed));
         }
         // Enqueue now (librdkafka sends in the background); await the reports later.
-        let max = self.shared.kafka.max_record_bytes;
-        let mut pending = Vec::with_capacity(records.len());
-        for r in records {
-            let p = match check_size(&r, max) {
-                Ok(()) => enqueue(&self.native, &r).await,
-                Err(e) => Err(e),
-            };
-            pending.push((r, p));
-        }
+        let enqueued =
+            enqueue_all(&self.native, &records, self.shared.kafka.max_record_bytes).await;
         let shared = self.shared.clone();
         Box::pin(async move {
-            let mut out = Vec::with_capacity(pending.len());
-            for (r, p) in pending {
-                out.push(match p {
-                    Ok(f) => delivered(&r, f).await,
-                    Err(e) => Err(e),
-                });
-            }
+            let out = enqueued.delivered(records).await;
             if let Some(e) = out
                 .iter()
                 .find_map(|r| r.as_ref().err().filter(|e| e.kind() == ErrorKind::Fenced))
