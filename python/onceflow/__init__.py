@@ -551,18 +551,24 @@ def _traced(func: Callable[[Message], Any], system: str, group: str) -> Callable
     trace context, as an awaitable."""
 
     async def call(message: Message) -> Any:
-        span, token = _otel.start_process(message, system, group)
-        try:
-            result = func(message)
-            if inspect.isawaitable(result):
-                result = await result
-        except BaseException as e:
-            _otel.end_process(span, token, e)
-            raise
-        _otel.end_process(span, token)
-        return result
+        return await _run_in_process_span(func, message, message, system, group)
 
     return call
+
+
+async def _run_in_process_span(func: Callable[[Any], Any], arg: Any, context_of: Message, system: str, group: str) -> Any:
+    """Runs ``func(arg)`` (sync or async) inside a process span whose parent is the trace
+    context carried by ``context_of``; the span records an exception ``func`` raises."""
+    span, token = _otel.start_process(context_of, system, group)
+    try:
+        result = func(arg)
+        if inspect.isawaitable(result):
+            result = await result
+    except BaseException as e:
+        _otel.end_process(span, token, e)
+        raise
+    _otel.end_process(span, token)
+    return result
 
 
 def _traced_batch(
@@ -582,16 +588,7 @@ def _traced_batch(
         return plain
 
     async def call(messages: List[Message]) -> Any:
-        span, token = _otel.start_process(messages[0], system, group)
-        try:
-            result = func(messages)
-            if inspect.isawaitable(result):
-                result = await result
-        except BaseException as e:
-            _otel.end_process(span, token, e)
-            raise
-        _otel.end_process(span, token)
-        return result
+        return await _run_in_process_span(func, messages, messages[0], system, group)
 
     return call
 
