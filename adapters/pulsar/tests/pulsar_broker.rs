@@ -378,6 +378,26 @@ async fn nack_waits_for_the_redelivery_delay() {
     );
 }
 
+/// A client with `receiver_queue_size=queue` and a new topic (named from `prefix`) holding
+/// messages `m0`..`m{n-1}`.
+async fn filled_topic(url: &str, queue: u32, prefix: &str, n: usize) -> (Client, String) {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let client = Client::new(
+        onceflow_pulsar::connect(&format!("{url}{sep}receiver_queue_size={queue}"))
+            .await
+            .unwrap(),
+    );
+    let topic = name(prefix);
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    let records: Vec<Record> = (0..n)
+        .map(|i| Record::new(topic.clone(), format!("m{i}")))
+        .collect();
+    for r in producer.send_batch(records).await {
+        r.unwrap();
+    }
+    (client, topic)
+}
+
 /// A backlog deeper than the receiver queue, read in small polls with a commit after each: the
 /// crate's consumer engine blocks while its queue to us is full and handles our acks only
 /// behind the messages it pushes, so a commit that waited for a broker round trip without
@@ -386,22 +406,9 @@ async fn nack_waits_for_the_redelivery_delay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_polls_with_commits_drain_a_backlog_deeper_than_the_receiver_queue() {
     let Some(url) = url() else { return };
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let client = Client::new(
-        onceflow_pulsar::connect(&format!("{url}{sep}receiver_queue_size=10"))
-            .await
-            .unwrap(),
-    );
-    let topic = name("backlog");
-    let group = name("backlog-g");
     let n = 400;
-    let producer = client.producer(ProducerConfig::new()).await.unwrap();
-    let records: Vec<Record> = (0..n)
-        .map(|i| Record::new(topic.clone(), format!("m{i}")))
-        .collect();
-    for r in producer.send_batch(records).await {
-        r.unwrap();
-    }
+    let (client, topic) = filled_topic(&url, 10, "backlog", n).await;
+    let group = name("backlog-g");
     let c = client
         .consumer(ConsumerConfig::new(group.clone(), [topic.clone()]).start(StartFrom::Earliest))
         .await
@@ -426,21 +433,8 @@ async fn small_polls_with_commits_drain_a_backlog_deeper_than_the_receiver_queue
 /// Reads the first `commit_upto` of `n` messages with small polls and a commit after each,
 /// closes, and returns what a new member of the group receives first.
 async fn resume_after_close(url: &str, queue: u32, n: usize, commit_upto: usize) -> Vec<String> {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let client = Client::new(
-        onceflow_pulsar::connect(&format!("{url}{sep}receiver_queue_size={queue}"))
-            .await
-            .unwrap(),
-    );
-    let topic = name("resume");
+    let (client, topic) = filled_topic(url, queue, "resume", n).await;
     let group = name("resume-g");
-    let producer = client.producer(ProducerConfig::new()).await.unwrap();
-    let records: Vec<Record> = (0..n)
-        .map(|i| Record::new(topic.clone(), format!("m{i}")))
-        .collect();
-    for r in producer.send_batch(records).await {
-        r.unwrap();
-    }
     let config = |member: &str| {
         ConsumerConfig::new(group.clone(), [topic.clone()])
             .start(StartFrom::committed_or_earliest())
