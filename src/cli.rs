@@ -6,8 +6,53 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use onceflow::{
-    Consumer, ConsumerConfig, Error, Message, ProducerConfig, Record, Result, StartFrom,
+    Client, Consumer, ConsumerConfig, Error, ErrorKind, Message, ProducerConfig, Record, Result,
+    StartFrom,
 };
+
+/// How long the command line waits for a TCP connection to each bootstrap server.
+const REACH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connects to `url` for a command. A Kafka client contacts no broker until its first call,
+/// then waits out its request timeouts (a minute) without a word; so for `kafka://` the
+/// bootstrap servers are first tried with a TCP connection (5 s each), and when none answers
+/// the error names every address and why it failed.
+///
+/// Errors: those of [`onceflow::connect`], and [`ErrorKind::Connect`] when no bootstrap server
+/// of a `kafka://` URL accepts a connection.
+pub async fn connect(url: &str) -> Result<Client> {
+    #[cfg(feature = "kafka")]
+    if url.starts_with("kafka://") {
+        let config = onceflow_kafka::parse_url(url)?;
+        let servers: Vec<&str> = config.bootstrap_servers.split(',').collect();
+        check_reachable("Kafka", &servers).await?;
+    }
+    onceflow::connect(url).await
+}
+
+/// `Ok` as soon as one of `servers` (`HOST:PORT`) accepts a TCP connection.
+#[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+async fn check_reachable(platform: &str, servers: &[&str]) -> Result<()> {
+    let mut failures = Vec::with_capacity(servers.len());
+    for server in servers {
+        match tokio::time::timeout(REACH_TIMEOUT, tokio::net::TcpStream::connect(server)).await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => failures.push(format!("{server}: {e}")),
+            Err(_) => failures.push(format!(
+                "{server}: no answer within {} s",
+                REACH_TIMEOUT.as_secs()
+            )),
+        }
+    }
+    Err(Error::new(
+        ErrorKind::Connect,
+        format!(
+            "no {platform} bootstrap server is reachable ({}); check the URL and that the \
+             broker is running",
+            failures.join("; ")
+        ),
+    ))
+}
 
 /// Where to connect.
 #[derive(Args, Debug, Clone)]
@@ -163,7 +208,7 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         .iter()
         .map(|h| parse_header(h))
         .collect::<Result<Vec<_>>>()?;
-    let client = onceflow::connect(&a.target.url).await?;
+    let client = connect(&a.target.url).await?;
     let producer = client.producer(ProducerConfig::new()).await?;
     let payloads: Vec<String> = if a.messages.is_empty() {
         std::io::stdin()
@@ -310,7 +355,7 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
             fallback: Box::new(other),
         },
     };
-    let client = onceflow::connect(&a.target.url).await?;
+    let client = connect(&a.target.url).await?;
     let consumer = client
         .consumer(ConsumerConfig::new(a.group.clone(), a.topic.clone()).start(start))
         .await?;
@@ -348,7 +393,7 @@ fn scratch_group(what: &str) -> String {
 
 /// `onceflow tail`
 pub async fn tail(a: TailArgs) -> Result<ExitCode> {
-    let client = onceflow::connect(&a.target.url).await?;
+    let client = connect(&a.target.url).await?;
     let consumer = client
         .consumer(
             ConsumerConfig::new(scratch_group("tail"), [a.topic.clone()]).start(StartFrom::Latest),
@@ -370,7 +415,7 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
 
 /// `onceflow lag`
 pub async fn lag(a: LagArgs) -> Result<ExitCode> {
-    let client = onceflow::connect(&a.target.url).await?;
+    let client = connect(&a.target.url).await?;
     let admin = client.admin().await?;
     let lag = admin.group_lag(&a.group, &a.topic).await?;
     println!(
@@ -410,7 +455,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
             a.from
         )));
     }
-    let client = onceflow::connect(&a.target.url).await?;
+    let client = connect(&a.target.url).await?;
     let consumer = client
         .consumer(ConsumerConfig::new(scratch_group("replay"), [a.topic.clone()]).start(start))
         .await?;

@@ -6,14 +6,14 @@
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use onceflow::{
-    BoxError, ConsumerConfig, EngineConfig, Error, Guarantee, Message, MetricsSnapshot, Pipeline,
-    PipelineConfig, ProducerConfig, Record, Result, StartFrom, TopicSpec, Transform,
+    BoxError, ConsumerConfig, EngineConfig, Error, Guarantee, Message, Metrics, MetricsSnapshot,
+    Pipeline, PipelineConfig, ProducerConfig, Record, Result, StartFrom, TopicSpec, Transform,
 };
 
 /// `onceflow demo` options.
@@ -26,11 +26,15 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     messages: u64,
     /// Dedup store URL: memory://, a file path / embedded:///path, redis://… or postgres://…
-    /// (default: an embedded store in a temporary directory).
+    /// (default: an embedded store in a temporary directory). Each run claims its orders under
+    /// a fresh namespace and keeps them for the one-hour dedup window, so a file reused by many
+    /// runs within an hour grows (about 170 bytes per order) until expired keys are purged.
     #[arg(long)]
     dedup: Option<String>,
-    /// Simulate a crash after every K transformed messages (0 = never; default: a third of the
-    /// messages on memory://, never on a real broker, whose crash tests kill real processes).
+    /// Simulate a crash after every K transformed messages, at the earliest once the restarted
+    /// run has committed a transaction, so each restart makes progress (0 = never; default: a
+    /// third of the messages on memory://, never on a real broker, whose crash tests kill real
+    /// processes).
     #[arg(long)]
     crash_every: Option<u64>,
     /// Partitions of the demo topics (≥ 1).
@@ -50,9 +54,9 @@ struct BillOrder {
     processed: Arc<AtomicU64>,
     /// Crash once the transform calls of the whole run reach this...
     crash_at: Option<u64>,
-    /// ...and this run has committed at least once (set by the progress watcher), so every
-    /// restart makes progress even when one transaction holds more inputs than a crash period.
-    committed: Arc<AtomicBool>,
+    /// ...and this run has committed at least once (read from the pipeline's metrics, set once
+    /// the pipeline exists), so every restart makes progress.
+    metrics: Arc<OnceLock<Metrics>>,
     fired: AtomicBool,
     crash: Arc<tokio::sync::Notify>,
 }
@@ -68,7 +72,10 @@ impl Transform for BillOrder {
         let customer = v["customer"].as_str().unwrap_or_default().to_string();
         let n = self.processed.fetch_add(1, Ordering::Relaxed) + 1;
         if self.crash_at.is_some_and(|c| n >= c)
-            && self.committed.load(Ordering::Relaxed)
+            && self.metrics.get().is_some_and(|m| {
+                let s = m.snapshot();
+                s.transactions_committed > 0 || s.commits > 0
+            })
             && !self.fired.swap(true, Ordering::Relaxed)
         {
             self.crash.notify_one();
@@ -105,7 +112,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     let tx_id = format!("billing-pipeline-{run_id}");
     let worker = format!("billing-worker-{run_id}");
 
-    let client = onceflow::connect(&a.url).await?;
+    let client = crate::cli::connect(&a.url).await?;
     let admin = client.admin().await?;
     admin
         .create_topic(&TopicSpec::new(&input, a.partitions))
@@ -206,12 +213,12 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
             .producer(ProducerConfig::new().transactional_id(tx_id.clone()))
             .await?;
         let crash = Arc::new(tokio::sync::Notify::new());
-        let committed = Arc::new(AtomicBool::new(false));
+        let pipeline_metrics = Arc::new(OnceLock::new());
         let transform = BillOrder {
             out_topic: output.clone(),
             processed: processed.clone(),
             crash_at: (crash_every > 0).then_some(crash_every * (crashes + 1)),
-            committed: committed.clone(),
+            metrics: pipeline_metrics.clone(),
             fired: AtomicBool::new(false),
             crash: crash.clone(),
         };
@@ -221,10 +228,15 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
             ..EngineConfig::default()
         };
         engine.commit_interval = Duration::from_millis(200);
-        let config = PipelineConfig {
+        let mut config = PipelineConfig {
             engine,
             ..PipelineConfig::default()
         };
+        if crash_every > 0 {
+            // Several transactions per crash period, so a crash can come after this run's first
+            // commit even when the whole run is shorter than one transaction interval.
+            config.max_transaction_inputs = (crash_every / 4).clamp(1, 10_000) as usize;
+        }
         let pipeline = Pipeline::with_config(
             consumer.clone(),
             producer,
@@ -234,6 +246,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
         )?;
         report = Some((pipeline.guarantee(), pipeline.mechanism()));
         let metrics = pipeline.metrics();
+        let _ = pipeline_metrics.set(metrics.clone());
         let finished = Arc::new(tokio::sync::Notify::new());
         // Watch progress: done when the group has committed everything on every partition.
         let watcher = {
@@ -248,9 +261,6 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     let s = metrics.snapshot();
                     bar.set_position((base + s.processed).min(n));
-                    if s.transactions_committed > 0 || s.commits > 0 {
-                        committed.store(true, Ordering::Relaxed);
-                    }
                     if consumer.assignment().len() < partitions {
                         continue;
                     }
@@ -414,7 +424,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     }
     println!(
         "exactly-once: {verdict} guarantee={guarantee} input={n} output={} output_records={physical} \
-         redelivered={redelivered} duplicates_skipped={}",
+         redelivered={redelivered} duplicates_skipped={} crashes={crashes}",
         distinct, totals.duplicates_skipped
     );
     Ok(if exact {

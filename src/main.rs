@@ -69,8 +69,10 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            let shown = e.to_string();
-            eprintln!("onceflow: {shown}");
+            // The kind in words first: its code (`ONCEFLOW_CONFIG`, ...) reads like an
+            // environment variable to someone who has not met it, so it comes last.
+            let shown = e.message().to_string();
+            eprintln!("onceflow: {}: {shown}", e.kind().describe());
             let mut src = std::error::Error::source(&e);
             while let Some(s) = src {
                 // Most messages already end with their cause's text: print only what is new.
@@ -80,6 +82,11 @@ fn main() -> ExitCode {
                 }
                 src = s.source();
             }
+            eprintln!(
+                "  error kind: {} ({})",
+                e.kind().code(),
+                e.kind().describe()
+            );
             // Bad input (config) exits 2, like a usage error; everything else 1.
             if e.kind() == onceflow::ErrorKind::Config
                 || e.kind() == onceflow::ErrorKind::Unsupported

@@ -85,6 +85,26 @@ impl ErrorKind {
         }
     }
 
+    /// The kind in words, for people reading a terminal or a log (e.g. `"bad input"` for
+    /// [`ErrorKind::Config`]); [`ErrorKind::code`] is the stable identifier to match on.
+    pub fn describe(self) -> &'static str {
+        match self {
+            ErrorKind::Config => "bad input",
+            ErrorKind::Connect => "cannot connect",
+            ErrorKind::Timeout => "timed out",
+            ErrorKind::Fenced => "fenced",
+            ErrorKind::Aborted => "transaction aborted",
+            ErrorKind::Serialization => "cannot encode or decode",
+            ErrorKind::DedupStore => "dedup store failed",
+            ErrorKind::Conflict => "idempotency key conflict",
+            ErrorKind::Unsupported => "not supported",
+            ErrorKind::NotFound => "not found",
+            ErrorKind::Handler => "handler failed",
+            ErrorKind::Closed => "closed",
+            ErrorKind::Platform => "platform error",
+        }
+    }
+
     /// Whether errors of this kind are retriable unless the constructor says otherwise.
     fn default_retriable(self) -> bool {
         matches!(self, ErrorKind::Connect | ErrorKind::Timeout)

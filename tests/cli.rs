@@ -1,0 +1,93 @@
+//! The `onceflow` command line as a newcomer meets it: the demo on the in-process backend ends
+//! `exactly-once: OK` after real simulated crashes, and bad input or an unreachable broker gives
+//! an error that says what is wrong in words, quickly.
+//!
+//! (A target of the root package; `tests/` around it is the integration-test crate.)
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn onceflow(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(args)
+        .env_remove("ONCEFLOW_URL")
+        .output()
+        .expect("run the onceflow binary")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The value after `name=` on the demo's summary line.
+fn field(summary: &str, name: &str) -> u64 {
+    let line = summary
+        .lines()
+        .find(|l| l.starts_with("exactly-once: "))
+        .unwrap_or_else(|| panic!("no summary line in:\n{summary}"));
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{name}=")))
+        .unwrap_or_else(|| panic!("no {name}= in {line}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_small_demo_crashes_restarts_and_ends_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let dedup = dir.path().join("dedup.db");
+    let out = onceflow(&[
+        "demo",
+        "--messages",
+        "5000",
+        "--dedup",
+        dedup.to_str().unwrap(),
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed: {stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains("exactly-once: OK"), "{stdout}");
+    assert_eq!(field(&stdout, "input"), 5000);
+    assert_eq!(field(&stdout, "output"), 5000);
+    // Default: a crash every third of the messages; each waits for the run's first commit.
+    assert!(
+        field(&stdout, "crashes") >= 2,
+        "the demo promised simulated crashes: {stdout}"
+    );
+}
+
+#[test]
+fn bad_input_names_the_value_and_the_kind_in_words() {
+    let out = onceflow(&["demo", "--url", "nosuch://x", "--messages", "10"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.starts_with("onceflow: bad input: "), "{stderr}");
+    assert!(stderr.contains("nosuch://"), "{stderr}");
+    assert!(stderr.contains("error kind: ONCEFLOW_CONFIG"), "{stderr}");
+}
+
+#[test]
+fn an_unreachable_kafka_broker_is_named_at_once() {
+    let started = Instant::now();
+    let out = onceflow(&[
+        "lag",
+        "--url",
+        "kafka://127.0.0.1:1",
+        "--topic",
+        "t",
+        "--group",
+        "g",
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.starts_with("onceflow: cannot connect: "), "{stderr}");
+    assert!(stderr.contains("127.0.0.1:1"), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        started.elapsed()
+    );
+}
