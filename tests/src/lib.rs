@@ -7,3 +7,4 @@ pub mod checkpoint_suite;
 pub mod dedup_suite;
 pub mod engine_suite;
 pub mod harness;
+pub mod interop;

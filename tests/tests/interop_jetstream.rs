@@ -12,66 +12,14 @@
 //! test says it skipped, and with `ONCEFLOW_REQUIRE_BROKERS=1` (`make test`) that is a failure.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
 
-use onceflow_conformance::harness::broker_url;
-use onceflow_core::dedup::MemoryStore;
-use onceflow_core::{
-    handler_fn, Client, ConsumerConfig, EngineConfig, IdempotentConsumer, ProducerConfig, Record,
-    StartFrom, TopicSpec,
-};
-use opentelemetry::trace::TraceContextExt;
+use onceflow_conformance::interop::{handle_in_trace, run_py, unique_name as name, url_or_skip};
+use onceflow_core::{Client, ConsumerConfig, ProducerConfig, Record, StartFrom, TopicSpec};
 
-const URL_VAR: &str = "ONCEFLOW_NATS_URL";
+const ENV: &str = "nats-env.sh";
 
 fn url(test: &str) -> Option<String> {
-    match broker_url(URL_VAR, "nats") {
-        Ok(u) => Some(u),
-        Err(reason) => {
-            eprintln!("interop_jetstream: SKIPPED {test}: {reason}");
-            None
-        }
-    }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The cached venv's python (created on first use).
-fn python() -> &'static str {
-    static PY: OnceLock<String> = OnceLock::new();
-    PY.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(repo().join("tests/interop/nats-env.sh"))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .expect("run tests/interop/nats-env.sh");
-        assert!(out.status.success(), "nats-env.sh failed: {}", out.status);
-        String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("PYTHON=").map(String::from))
-            .expect("PYTHON= line")
-    })
-}
-
-fn run_py(script: &str, args: &[&str]) -> String {
-    let out = Command::new(python())
-        .arg(repo().join("tests/interop").join(script))
-        .args(args)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("run {script}: {e}"));
-    assert!(out.status.success(), "{script} failed: {}", out.status);
-    String::from_utf8(out.stdout).unwrap()
+    url_or_skip("ONCEFLOW_NATS_URL", "nats", "interop_jetstream", test)
 }
 
 async fn topic(client: &Client) -> String {
@@ -98,52 +46,25 @@ async fn nats_py_trace_continues_in_onceflow() {
     let trace_id = format!("{:032x}", rand::random::<u128>() | 1);
     let n = 5;
     let published = run_py(
+        ENV,
         "nats_publish_traced.py",
         &[&url, &t, &n.to_string(), &trace_id],
     );
     assert_eq!(published.lines().count(), n, "{published}");
 
-    type Seen = Arc<Mutex<Vec<(String, Option<String>, Option<String>)>>>;
-    let seen: Seen = Arc::default();
-    let s2 = seen.clone();
-    let handler = handler_fn(move |m: onceflow_core::Message| {
-        let seen = s2.clone();
-        async move {
-            let tid = opentelemetry::Context::current()
-                .span()
-                .span_context()
-                .trace_id()
-                .to_string();
-            seen.lock().unwrap().push((
-                tid,
-                m.headers.get_str("X-Py-Header").map(String::from),
-                m.headers.get_str("traceparent").map(String::from),
-            ));
-            Ok(None)
-        }
-    });
     let consumer = client
         .consumer(ConsumerConfig::new(name("g"), [t.clone()]).start(StartFrom::Earliest))
         .await
         .unwrap();
-    let ic = IdempotentConsumer::with_config(
-        consumer,
-        Some(Arc::new(MemoryStore::new(Duration::from_secs(600), 1000))),
-        Arc::new(handler),
-        EngineConfig::default(),
-        None,
-    )
-    .unwrap();
-    let s3 = seen.clone();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    ic.run_until(async move {
-        while s3.lock().unwrap().len() < n && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .unwrap();
-    let seen = seen.lock().unwrap().clone();
+    let seen: Vec<_> = handle_in_trace(consumer, n)
+        .await
+        .into_iter()
+        .map(|(tid, m)| {
+            let py = m.headers.get_str("X-Py-Header").map(String::from);
+            let tp = m.headers.get_str("traceparent").map(String::from);
+            (tid, py, tp)
+        })
+        .collect();
     assert_eq!(seen.len(), n, "{seen:?}");
     let spans: Vec<&str> = published
         .lines()
@@ -185,7 +106,7 @@ async fn onceflow_headers_reach_nats_py() {
             .await
             .unwrap();
     }
-    let out = run_py("nats_read_headers.py", &[&url, &t, &t, &n.to_string()]);
+    let out = run_py(ENV, "nats_read_headers.py", &[&url, &t, &t, &n.to_string()]);
     let mut messages: Vec<(String, BTreeMap<String, String>)> = Vec::new();
     for line in out.lines() {
         if let Some(rest) = line.strip_prefix("MSG ") {

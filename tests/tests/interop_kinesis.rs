@@ -11,22 +11,13 @@
 //! `~/.cache/onceflow/venv-kinesis-interop`. Runs when `ONCEFLOW_KINESIS_URL` is set; without it
 //! each test says it skipped, and with `ONCEFLOW_REQUIRE_BROKERS=1` (`make test`) that fails.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use onceflow_conformance::harness::broker_url;
+use onceflow_conformance::interop::{run_py, url_or_skip};
 use onceflow_core::{Client, ConsumerConfig, ProducerConfig, Record, StartFrom, TopicSpec};
 
 fn url(test: &str) -> Option<String> {
-    match broker_url("ONCEFLOW_KINESIS_URL", "kinesis") {
-        Ok(u) => Some(u),
-        Err(reason) => {
-            eprintln!("interop_kinesis: SKIPPED {test}: {reason}");
-            None
-        }
-    }
+    url_or_skip("ONCEFLOW_KINESIS_URL", "kinesis", "interop_kinesis", test)
 }
 
 /// `http://host:port` and the region of a `kinesis://host:port?region=…` URL.
@@ -38,44 +29,8 @@ fn endpoint(url: &str) -> (String, String) {
     )
 }
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> &'static str {
-    static PY: OnceLock<String> = OnceLock::new();
-    PY.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(repo().join("tests/interop/kinesis-env.sh"))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .expect("run tests/interop/kinesis-env.sh");
-        assert!(
-            out.status.success(),
-            "kinesis-env.sh failed: {}",
-            out.status
-        );
-        String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("PYTHON=").map(String::from))
-            .expect("PYTHON= line")
-    })
-}
-
 fn boto3(args: &[&str]) -> String {
-    let out = Command::new(python())
-        .arg(repo().join("tests/interop/kinesis_boto3.py"))
-        .args(args)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .expect("run kinesis_boto3.py");
-    assert!(
-        out.status.success(),
-        "kinesis_boto3.py {args:?} failed: {}",
-        out.status
-    );
-    String::from_utf8(out.stdout).unwrap()
+    run_py("kinesis-env.sh", "kinesis_boto3.py", args)
 }
 
 async fn stream(client: &Client) -> String {

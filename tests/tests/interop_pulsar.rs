@@ -14,66 +14,14 @@
 //! failure.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
 
-use onceflow_conformance::harness::broker_url;
-use onceflow_core::dedup::MemoryStore;
-use onceflow_core::{
-    handler_fn, Client, ConsumerConfig, EngineConfig, IdempotentConsumer, ProducerConfig, Record,
-    StartFrom, TopicSpec,
-};
-use opentelemetry::trace::TraceContextExt;
+use onceflow_conformance::interop::{handle_in_trace, run_py, unique_name as name, url_or_skip};
+use onceflow_core::{Client, ConsumerConfig, ProducerConfig, Record, StartFrom, TopicSpec};
 
-const URL_VAR: &str = "ONCEFLOW_PULSAR_URL";
+const ENV: &str = "pulsar-env.sh";
 
 fn url(test: &str) -> Option<String> {
-    match broker_url(URL_VAR, "pulsar") {
-        Ok(u) => Some(u),
-        Err(reason) => {
-            eprintln!("interop_pulsar: SKIPPED {test}: {reason}");
-            None
-        }
-    }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The cached venv's python (created on first use).
-fn python() -> &'static str {
-    static PY: OnceLock<String> = OnceLock::new();
-    PY.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(repo().join("tests/interop/pulsar-env.sh"))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .expect("run tests/interop/pulsar-env.sh");
-        assert!(out.status.success(), "pulsar-env.sh failed: {}", out.status);
-        String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("PYTHON=").map(String::from))
-            .expect("PYTHON= line")
-    })
-}
-
-fn run_py(script: &str, args: &[&str]) -> String {
-    let out = Command::new(python())
-        .arg(repo().join("tests/interop").join(script))
-        .args(args)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("run {script}: {e}"));
-    assert!(out.status.success(), "{script} failed: {}", out.status);
-    String::from_utf8(out.stdout).unwrap()
+    url_or_skip("ONCEFLOW_PULSAR_URL", "pulsar", "interop_pulsar", test)
 }
 
 /// The onceflow URL: the service URL plus the admin URL from `ONCEFLOW_PULSAR_ADMIN_URL`.
@@ -113,6 +61,7 @@ async fn pulsar_client_trace_continues_in_onceflow() {
     let trace_id = format!("{:032x}", rand::random::<u128>() | 1);
     let n = 5;
     let published = run_py(
+        ENV,
         "pulsar_produce_traced.py",
         &[&service_url(&url), &t, &n.to_string(), &trace_id],
     );
@@ -122,50 +71,23 @@ async fn pulsar_client_trace_continues_in_onceflow() {
         .collect();
     assert_eq!(published.len(), n, "{published:?}");
 
-    type Seen = Arc<Mutex<Vec<(String, Option<String>, Option<String>, Option<String>)>>>;
-    let seen: Seen = Arc::default();
-    let s2 = seen.clone();
-    let handler = handler_fn(move |m: onceflow_core::Message| {
-        let seen = s2.clone();
-        async move {
-            let tid = opentelemetry::Context::current()
-                .span()
-                .span_context()
-                .trace_id()
-                .to_string();
-            seen.lock().unwrap().push((
-                tid,
-                m.headers.get_str("X-Py-Header").map(String::from),
-                m.headers.get_str("traceparent").map(String::from),
-                m.key
-                    .as_ref()
-                    .map(|k| String::from_utf8_lossy(k).into_owned()),
-            ));
-            Ok(None)
-        }
-    });
     let consumer = client
         .consumer(ConsumerConfig::new(name("g"), [t.clone()]).start(StartFrom::Earliest))
         .await
         .unwrap();
-    let ic = IdempotentConsumer::with_config(
-        consumer,
-        Some(Arc::new(MemoryStore::new(Duration::from_secs(600), 1000))),
-        Arc::new(handler),
-        EngineConfig::default(),
-        None,
-    )
-    .unwrap();
-    let s3 = seen.clone();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    ic.run_until(async move {
-        while s3.lock().unwrap().len() < n && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .unwrap();
-    let seen = seen.lock().unwrap().clone();
+    let seen: Vec<_> = handle_in_trace(consumer, n)
+        .await
+        .into_iter()
+        .map(|(tid, m)| {
+            let py = m.headers.get_str("X-Py-Header").map(String::from);
+            let tp = m.headers.get_str("traceparent").map(String::from);
+            let key = m
+                .key
+                .as_ref()
+                .map(|k| String::from_utf8_lossy(k).into_owned());
+            (tid, py, tp, key)
+        })
+        .collect();
     assert_eq!(seen.len(), n, "{seen:?}");
     let spans: Vec<&str> = published
         .iter()
@@ -211,6 +133,7 @@ async fn onceflow_messages_reach_pulsar_client() {
             .unwrap();
     }
     let out = run_py(
+        ENV,
         "pulsar_read_properties.py",
         &[&service_url(&url), &t, &n.to_string()],
     );
