@@ -4,6 +4,7 @@
 
 pub mod backend_suite;
 pub mod checkpoint_suite;
+pub mod crash;
 pub mod dedup_suite;
 pub mod engine_suite;
 pub mod harness;
