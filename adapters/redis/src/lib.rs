@@ -770,6 +770,41 @@ mod tests {
         assert!(!redact_url("not a url ://x:pw@y").contains("pw"));
     }
 
+    #[test]
+    fn values_parse_back() {
+        let v = claim_value("w|x", Some(0xab), "600000");
+        assert_eq!(
+            v,
+            b"111|000000000000000000000000000000ab|600000|w|x".to_vec()
+        );
+        let st = parse_value(&v).unwrap();
+        assert_eq!(
+            (st.state, st.fingerprint, st.rest),
+            (b'1', Some(0xab), &b"600000|w|x"[..])
+        );
+        let st = parse_value(b"127||=r").unwrap();
+        assert_eq!(
+            (st.state, st.fingerprint, st.rest),
+            (b'2', None, &b"=r"[..])
+        );
+        for bad in [
+            &b""[..],
+            b"1",
+            b"2111||",
+            b"13||",
+            b"11|x|",
+            b"11a||",
+            b"111|abc|",
+            b"111|",
+        ] {
+            assert!(
+                parse_value(bad).is_none(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
     #[tokio::test]
     async fn bad_urls_are_config_errors_naming_them() {
         for (url, kind) in [

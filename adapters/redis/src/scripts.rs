@@ -133,6 +133,8 @@ for i, k in ipairs(KEYS) do
       if not c then return bad(k) end
       redis.call('PEXPIRE', k, lease + tonumber(string.sub(v, b + 1, c - 1)))
       out[i] = 1
+    elseif string.byte(v, 1) ~= 49 then
+      return bad(k)
     end
   end
 end
@@ -164,6 +166,8 @@ for i, k in ipairs(KEYS) do
       out[i] = 1
     elseif head == '12' .. tok .. '|' then
       out[i] = 1
+    elseif string.byte(v, 1) ~= 49 then
+      return bad(k)
     end
   end
 end
@@ -186,6 +190,8 @@ for i, k in ipairs(KEYS) do
   if v and string.sub(v, 1, #p) == p then
     redis.call('SET', k, '10' .. ARGV[i] .. '||', 'KEEPTTL')
     out[i] = 1
+  elseif v and string.byte(v, 1) ~= 49 then
+    return bad(k)
   end
 end
 return out
