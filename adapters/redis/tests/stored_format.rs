@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, DedupStore, DedupStoreExt};
+use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, DedupStoreExt};
 use onceflow_core::ErrorKind;
 
 fn base() -> Option<String> {
