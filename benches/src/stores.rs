@@ -254,10 +254,11 @@ async fn redis_unlink(conn: &mut redis::aio::MultiplexedConnection, prefix: &str
     }
 }
 
-/// The store's commands over a bare connection: per batch one pipeline of native claims
+/// The store's commands over a bare connection, in the store's pipelines of
+/// `SCRIPT_CHUNK` keys sent back to back: per batch the native claims
 /// (`SET key value NX GET PX lease+window`, the value in the store's format 1: state 1, token
 /// 1, no fingerprint, the window, the owner), tokens read from the replies (nil: a new key,
-/// token 1), one pipeline of `EVALSHA complete` chunks; then the replay's claim pipelines
+/// token 1), then the `EVALSHA complete` chunks; then the replay's claims
 /// (every reply must be a completed value).
 async fn redis_raw(
     conn: &mut redis::aio::MultiplexedConnection,
@@ -270,22 +271,39 @@ async fn redis_raw(
     let ttl = (LEASE + WINDOW).as_millis() as u64;
     let value = format!("111||{window}|bench-worker");
     let chunk = onceflow_redis::SCRIPT_CHUNK;
-    let claim_pipe = |batch_keys: &[String]| {
-        let mut pipe = redis::pipe();
-        for k in batch_keys {
-            pipe.cmd("SET")
-                .arg(format!("{prefix}{k}"))
-                .arg(&value)
-                .arg("NX")
-                .arg("GET")
-                .arg("PX")
-                .arg(ttl);
+    // As the store sends them: pipelines of `chunk` keys back to back, replies in order.
+    let claim_pipe = |batch_keys: &[String]| -> Vec<redis::Pipeline> {
+        batch_keys
+            .chunks(chunk)
+            .map(|c| {
+                let mut pipe = redis::pipe();
+                for k in c {
+                    pipe.cmd("SET")
+                        .arg(format!("{prefix}{k}"))
+                        .arg(&value)
+                        .arg("NX")
+                        .arg("GET")
+                        .arg("PX")
+                        .arg(ttl);
+                }
+                pipe
+            })
+            .collect()
+    };
+    let send = |pipes: Vec<redis::Pipeline>| {
+        let conn = conn.clone();
+        async move {
+            let parts = futures::future::try_join_all(pipes.iter().map(|p| {
+                let mut conn = conn.clone();
+                async move { p.query_async::<Vec<Value>>(&mut conn).await }
+            }))
+            .await?;
+            Ok::<Vec<Value>, redis::RedisError>(parts.into_iter().flatten().collect())
         }
-        pipe
     };
     let start = Instant::now();
     for b in keys.chunks(batch) {
-        let replies: Vec<Value> = claim_pipe(b).query_async(conn).await.expect("raw claim");
+        let replies = send(claim_pipe(b)).await.expect("raw claim");
         let mut tokens = Vec::with_capacity(b.len());
         for r in &replies {
             match r {
@@ -293,8 +311,9 @@ async fn redis_raw(
                 other => panic!("raw first claim: {other:?}"),
             }
         }
-        let mut pipe = redis::pipe();
+        let mut pipes = Vec::new();
         for (c, t) in b.chunks(chunk).zip(tokens.chunks(chunk)) {
+            let mut pipe = redis::pipe();
             let cmd = pipe.cmd("EVALSHA").arg(complete_sha).arg(c.len());
             for k in c {
                 cmd.arg(format!("{prefix}{k}"));
@@ -303,14 +322,15 @@ async fn redis_raw(
             for tok in t {
                 cmd.arg(tok.to_string()).arg("");
             }
+            pipes.push(pipe);
         }
-        let done: Vec<Value> = pipe.query_async(conn).await.expect("raw complete");
+        let done = send(pipes).await.expect("raw complete");
         assert_eq!(done.len(), b.len().div_ceil(chunk));
     }
     let first = start.elapsed();
     let start = Instant::now();
     for b in keys.chunks(batch) {
-        let replies: Vec<Value> = claim_pipe(b).query_async(conn).await.expect("raw replay");
+        let replies = send(claim_pipe(b)).await.expect("raw replay");
         for r in &replies {
             assert!(
                 matches!(r, Value::BulkString(v) if v.starts_with(b"12")),

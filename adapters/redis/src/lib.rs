@@ -9,11 +9,12 @@
 //!   Lua script run by `EVALSHA` (claim of an existing key, renew, complete, release, get).
 //!   Leases and expiry use the server's clock (relative expiries, `PX` / `PEXPIRE` / `PTTL`),
 //!   never the caller's.
-//! - **Batched**: a claim of N keys is one pipeline of N `SET key value NX GET PX ms`; only the
-//!   keys that already existed and are not completed (held, released, lease ran out) go on to
-//!   the claim script, in a second round trip. The other operations cut a batch into chunks
-//!   of at most [`SCRIPT_CHUNK`] keys, one script call per chunk, all chunks in one pipeline
-//!   (one round trip for the batch).
+//! - **Batched**: a claim of N keys is N `SET key value NX GET PX ms`; only the keys that
+//!   already existed and are not completed (held, released, lease ran out) go on to the claim
+//!   script, in a second round trip. The other operations make one script call per chunk of
+//!   at most [`SCRIPT_CHUNK`] keys. Either way a batch is sent as pipelines of
+//!   [`SCRIPT_CHUNK`] keys back to back, without waiting in between (one round trip for the
+//!   batch; the server works on the first while the next are encoded).
 //! - **Data** (stored format 1): one Redis string per key, named `PREFIX + key` (default
 //!   prefix `onceflow:dedup:`), holding `'1' STATE TOKEN '|' FP '|' REST`: the format
 //!   version `1`; STATE `0` released, `1` in progress, `2` completed; TOKEN the fencing token
@@ -66,7 +67,8 @@ mod scripts;
 
 pub use checkpoint::{RedisCheckpointStore, DEFAULT_CHECKPOINT_PREFIX};
 
-/// Keys per script call; a batch is cut into chunks of this many, pipelined.
+/// Keys per script call, and per pipeline of native claims; a batch is cut into chunks of
+/// this many, all sent back to back (one round trip).
 pub const SCRIPT_CHUNK: usize = 200;
 
 /// Default prefix of the Redis keys of a [`RedisStore`].
@@ -192,17 +194,23 @@ impl Conn {
         Ok(())
     }
 
-    /// Sends `pipe` (`n` commands) and returns its `n` replies.
+    /// Sends `pipes` (`n` commands in all) back to back without waiting between them and
+    /// returns the `n` replies in order. Several pipelines rather than one: the server works
+    /// on the first while the next ones are encoded, and their replies are read while it works
+    /// on the rest.
     pub(crate) async fn query(
         &self,
-        pipe: &redis::Pipeline,
+        pipes: &[redis::Pipeline],
         n: usize,
         what: &str,
     ) -> Result<Vec<Value>> {
-        let v: Vec<Value> = pipe
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| redis_error(&self.shown, what, e))?;
+        let parts = futures::future::try_join_all(pipes.iter().map(|p| {
+            let mut conn = self.conn.clone();
+            async move { p.query_async::<Vec<Value>>(&mut conn).await }
+        }))
+        .await
+        .map_err(|e| redis_error(&self.shown, what, e))?;
+        let v: Vec<Value> = parts.into_iter().flatten().collect();
         if v.len() != n {
             return Err(Error::dedup_store(format!(
                 "Redis store '{}': {} replies to {n} {what} commands",
@@ -223,27 +231,40 @@ impl Conn {
         if chunks.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
-        for (keys, args) in chunks {
-            let c = pipe.cmd("EVALSHA").arg(script.sha()).arg(keys.len());
-            for k in keys {
-                c.arg(k);
-            }
-            for a in args {
-                c.arg(a.as_slice());
-            }
-        }
+        // One call per chunk, all sent back to back (see `query`).
+        let pipes: Vec<redis::Pipeline> = chunks
+            .iter()
+            .map(|(keys, args)| {
+                let mut pipe = redis::pipe();
+                let c = pipe.cmd("EVALSHA").arg(script.sha()).arg(keys.len());
+                for k in keys {
+                    c.arg(k);
+                }
+                for a in args {
+                    c.arg(a.as_slice());
+                }
+                pipe
+            })
+            .collect();
         let mut reloaded = false;
         loop {
-            match pipe.query_async::<Vec<Value>>(&mut self.conn.clone()).await {
-                Ok(v) if v.len() == chunks.len() => return Ok(v),
-                Ok(v) => {
+            let sent = futures::future::try_join_all(pipes.iter().map(|p| {
+                let mut conn = self.conn.clone();
+                async move { p.query_async::<Vec<Value>>(&mut conn).await }
+            }))
+            .await;
+            match sent {
+                Ok(parts) => {
+                    let v: Vec<Value> = parts.into_iter().flatten().collect();
+                    if v.len() == chunks.len() {
+                        return Ok(v);
+                    }
                     return Err(Error::dedup_store(format!(
                         "Redis store '{}': {} replies to {} script calls",
                         self.shown,
                         v.len(),
                         chunks.len()
-                    )))
+                    )));
                 }
                 Err(e) if e.kind() == redis::ErrorKind::NoScriptError && !reloaded => {
                     reloaded = true;
@@ -578,19 +599,25 @@ impl DedupStore for RedisStore {
         // value untouched.
         let window = ms(self.window);
         let window_s = window.to_string();
-        let mut pipe = redis::pipe();
-        for r in requests {
-            pipe.cmd("SET")
-                .arg(format!("{}{}", self.prefix, r.key))
-                .arg(claim_value(&r.owner, r.fingerprint, &window_s))
-                .arg("NX")
-                .arg("GET")
-                .arg("PX")
-                .arg(ms(r.lease).saturating_add(window));
-        }
+        let pipes: Vec<redis::Pipeline> = requests
+            .chunks(SCRIPT_CHUNK)
+            .map(|chunk| {
+                let mut pipe = redis::pipe();
+                for r in chunk {
+                    pipe.cmd("SET")
+                        .arg(format!("{}{}", self.prefix, r.key))
+                        .arg(claim_value(&r.owner, r.fingerprint, &window_s))
+                        .arg("NX")
+                        .arg("GET")
+                        .arg("PX")
+                        .arg(ms(r.lease).saturating_add(window));
+                }
+                pipe
+            })
+            .collect();
         let replies = self
             .conn
-            .query(&pipe, requests.len(), "claim")
+            .query(&pipes, requests.len(), "claim")
             .await
             .map_err(|e| self.format_error(e))?;
         let mut out: Vec<Option<ClaimOutcome>> = Vec::with_capacity(requests.len());
