@@ -6,7 +6,8 @@
 //! schema). A key counts once for its claim and completion together, once for its replay.
 //!
 //! Each run is paired with the **raw client** doing the same commands in the same process:
-//! for Redis, the same `EVALSHA` pipelines over a bare multiplexed connection of the `redis`
+//! for Redis, the same pipelines (per batch: one native `SET key value NX GET PX ms` per key,
+//! then the completion's `EVALSHA` chunks) over a bare multiplexed connection of the `redis`
 //! crate; for PostgreSQL, the same two statements (the one-statement claim, then the
 //! completion), prepared once, over one bare `tokio-postgres` connection with the store's
 //! session settings (`plan_cache_mode=force_custom_plan`). Raw and onceflow runs
@@ -180,8 +181,7 @@ fn report(store: &str, batch: usize, n: usize, ours: Times, raw: Times, target: 
 // Redis.
 
 async fn redis_figures(url: &str) {
-    let (claim_lua, complete_lua) = onceflow_redis::RedisStore::bench_scripts();
-    let claim_sha = redis::Script::new(claim_lua).get_hash().to_string();
+    let complete_lua = onceflow_redis::RedisStore::bench_complete_script();
     let complete_sha = redis::Script::new(complete_lua).get_hash().to_string();
     let client = redis::Client::open(url).expect("redis client");
     let mut raw = client
@@ -201,14 +201,12 @@ async fn redis_figures(url: &str) {
         .to_string();
     println!("INFO D1 redis_server_version {version}");
     // As the store does when it opens (the server may have lost its script cache).
-    for code in [claim_lua, complete_lua] {
-        let _: String = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(code)
-            .query_async(&mut raw)
-            .await
-            .expect("SCRIPT LOAD");
-    }
+    let _: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(complete_lua)
+        .query_async(&mut raw)
+        .await
+        .expect("SCRIPT LOAD");
     for batch in BATCHES {
         let n = keys_for("redis", batch);
         let mut ours: Option<Times> = None;
@@ -216,7 +214,7 @@ async fn redis_figures(url: &str) {
         for _ in 0..2 {
             let prefix = format!("bench-raw-{}:", suffix());
             let keys = random_keys(n);
-            let t = redis_raw(&mut raw, &claim_sha, &complete_sha, &prefix, &keys, batch).await;
+            let t = redis_raw(&mut raw, &complete_sha, &prefix, &keys, batch).await;
             base = Some(base.map_or(t, |b| b.best(t)));
             redis_unlink(&mut raw, &prefix, &keys).await;
             let prefix = format!("bench-{}:", suffix());
@@ -256,75 +254,88 @@ async fn redis_unlink(conn: &mut redis::aio::MultiplexedConnection, prefix: &str
     }
 }
 
-/// The store's commands over a bare connection: per batch one pipeline of `EVALSHA claim`
-/// chunks, tokens read from the replies, one pipeline of `EVALSHA complete` chunks; then the
-/// replay's claim pipelines.
+/// The store's commands over a bare connection, in the store's pipelines of
+/// `SCRIPT_CHUNK` keys sent back to back: per batch the native claims
+/// (`SET key value NX GET PX lease+window`, the value in the store's format 1: state 1, token
+/// 1, no fingerprint, the window, the owner), tokens read from the replies (nil: a new key,
+/// token 1), then the `EVALSHA complete` chunks; then the replay's claims
+/// (every reply must be a completed value).
 async fn redis_raw(
     conn: &mut redis::aio::MultiplexedConnection,
-    claim_sha: &str,
     complete_sha: &str,
     prefix: &str,
     keys: &[String],
     batch: usize,
 ) -> Times {
     let window = (WINDOW.as_millis() as u64).to_string();
-    let lease = (LEASE.as_millis() as u64).to_string();
+    let ttl = (LEASE + WINDOW).as_millis() as u64;
+    let value = format!("111||{window}|bench-worker");
     let chunk = onceflow_redis::SCRIPT_CHUNK;
-    let claim_pipe = |batch_keys: &[String]| {
-        let mut pipe = redis::pipe();
-        for c in batch_keys.chunks(chunk) {
-            let cmd = pipe.cmd("EVALSHA").arg(claim_sha).arg(c.len());
-            for k in c {
-                cmd.arg(format!("{prefix}{k}"));
-            }
-            cmd.arg(&window);
-            for _ in c {
-                cmd.arg("bench-worker").arg(&lease).arg("");
-            }
+    // As the store sends them: pipelines of `chunk` keys back to back, replies in order.
+    let claim_pipe = |batch_keys: &[String]| -> Vec<redis::Pipeline> {
+        batch_keys
+            .chunks(chunk)
+            .map(|c| {
+                let mut pipe = redis::pipe();
+                for k in c {
+                    pipe.cmd("SET")
+                        .arg(format!("{prefix}{k}"))
+                        .arg(&value)
+                        .arg("NX")
+                        .arg("GET")
+                        .arg("PX")
+                        .arg(ttl);
+                }
+                pipe
+            })
+            .collect()
+    };
+    let send = |pipes: Vec<redis::Pipeline>| {
+        let conn = conn.clone();
+        async move {
+            let parts = futures::future::try_join_all(pipes.iter().map(|p| {
+                let mut conn = conn.clone();
+                async move { p.query_async::<Vec<Value>>(&mut conn).await }
+            }))
+            .await?;
+            Ok::<Vec<Value>, redis::RedisError>(parts.into_iter().flatten().collect())
         }
-        pipe
     };
     let start = Instant::now();
     for b in keys.chunks(batch) {
-        let replies: Vec<Value> = claim_pipe(b).query_async(conn).await.expect("raw claim");
+        let replies = send(claim_pipe(b)).await.expect("raw claim");
         let mut tokens = Vec::with_capacity(b.len());
         for r in &replies {
-            let Value::Array(items) = r else {
-                panic!("{r:?}")
-            };
-            // Three slots per key: code, token, nil.
-            for it in items.chunks(3) {
-                match it {
-                    [Value::Int(0), Value::Int(t), _] => tokens.push(*t),
-                    other => panic!("raw first claim: {other:?}"),
-                }
+            match r {
+                Value::Nil => tokens.push(1u64),
+                other => panic!("raw first claim: {other:?}"),
             }
         }
-        let mut pipe = redis::pipe();
+        let mut pipes = Vec::new();
         for (c, t) in b.chunks(chunk).zip(tokens.chunks(chunk)) {
+            let mut pipe = redis::pipe();
             let cmd = pipe.cmd("EVALSHA").arg(complete_sha).arg(c.len());
             for k in c {
                 cmd.arg(format!("{prefix}{k}"));
             }
             cmd.arg(&window);
             for tok in t {
-                cmd.arg(tok.to_string()).arg("0").arg("");
+                cmd.arg(tok.to_string()).arg("");
             }
+            pipes.push(pipe);
         }
-        let done: Vec<Value> = pipe.query_async(conn).await.expect("raw complete");
+        let done = send(pipes).await.expect("raw complete");
         assert_eq!(done.len(), b.len().div_ceil(chunk));
     }
     let first = start.elapsed();
     let start = Instant::now();
     for b in keys.chunks(batch) {
-        let replies: Vec<Value> = claim_pipe(b).query_async(conn).await.expect("raw replay");
+        let replies = send(claim_pipe(b)).await.expect("raw replay");
         for r in &replies {
-            let Value::Array(items) = r else {
-                panic!("{r:?}")
-            };
-            for it in items.chunks(3) {
-                assert!(matches!(it, [Value::Int(1), ..]), "raw replay: {it:?}");
-            }
+            assert!(
+                matches!(r, Value::BulkString(v) if v.starts_with(b"12")),
+                "raw replay: {r:?}"
+            );
         }
     }
     Times {

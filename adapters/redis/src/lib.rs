@@ -4,20 +4,36 @@
 //! lease table with checkpoints the Kinesis consumer uses
 //! ([`CheckpointStore`](onceflow_core::checkpoint::CheckpointStore)): [`RedisCheckpointStore`].
 //!
-//! - **Atomic on the server**: every operation on a key (claim, renew, complete, release, get)
-//!   is a Lua script run by `EVALSHA`, so it reads and writes the key in one step that no other
-//!   client can interleave with. Leases and expiry use the server's clock (`TIME`), never the
-//!   caller's.
-//! - **Batched**: a batch of N keys is cut into chunks of at most [`SCRIPT_CHUNK`] keys, one
-//!   script call per chunk, all chunks sent in one pipeline (one round trip for the batch).
-//! - **Data**: one hash per key, named `PREFIX + key` (default prefix `onceflow:dedup:`), with
-//!   fields `s` (state: 0 released, 1 in progress, 2 completed), `t` (fencing token), `o`
-//!   (holder), `l` (lease end, ms since the epoch on the server's clock), `e` (end of the dedup
-//!   window, same clock), `f` (16-byte fingerprint, big-endian) and `r` (stored result). The
-//!   hash expires (`PEXPIREAT`) at `e`: a completed key one window after completion, a claim
-//!   one window after its lease ended, so Redis drops forgotten keys by itself.
-//! - **Fencing tokens** increase by one per claim of a key; a released key keeps its token (the
-//!   hash stays, in state 0, until it expires), so the next claim gets a higher one.
+//! - **Atomic on the server**: every operation on a key is one server-side step that no other
+//!   client can interleave with: a native `SET … NX GET` for a claim of a new key, otherwise a
+//!   Lua script run by `EVALSHA` (claim of an existing key, renew, complete, release, get).
+//!   Leases and expiry use the server's clock (relative expiries, `PX` / `PEXPIRE` / `PTTL`),
+//!   never the caller's.
+//! - **Batched**: a claim of N keys is N `SET key value NX GET PX ms`; only the keys that
+//!   already existed and are not completed (held, released, lease ran out) go on to the claim
+//!   script, in a second round trip. The other operations make one script call per chunk of
+//!   at most [`SCRIPT_CHUNK`] keys. Either way a batch is sent as pipelines of
+//!   [`SCRIPT_CHUNK`] keys back to back, without waiting in between (one round trip for the
+//!   batch; the server works on the first while the next are encoded).
+//! - **Data** (stored format 1): one Redis string per key, named `PREFIX + key` (default
+//!   prefix `onceflow:dedup:`), holding `'1' STATE TOKEN '|' FP '|' REST`: the format
+//!   version `1`; STATE `0` released, `1` in progress, `2` completed; TOKEN the fencing token
+//!   in decimal; FP the 16-byte fingerprint as 32 lowercase hex digits (big-endian), or
+//!   empty; REST `WINDOW_MS '|' OWNER` in progress (the claimer's dedup window in ms, then the
+//!   holder), empty when released, and when completed empty (no result) or `=` followed by
+//!   the result's bytes. The key's expiry carries the times: in progress it expires at lease
+//!   end + `WINDOW_MS` (so the lease ends at its expiry minus `WINDOW_MS`), completed one
+//!   window after completion, released when its last lease would have ended + window; Redis
+//!   drops forgotten keys by itself. A new key claimed by owner `w` with a 60 s lease, a
+//!   600 s window and no fingerprint is `SET PREFIX+key "111||600000|w" NX GET PX 660000`;
+//!   completed with result `r` it becomes `"121||=r"`, expiring in 600 s.
+//! - **Older data**: onceflow-redis before format 1 stored each key as a hash; a key of
+//!   another type or value under the prefix makes the call fail with a
+//!   [`ErrorKind::DedupStore`] error naming the prefix (use a new prefix, or let the old keys
+//!   expire after their window).
+//! - **Fencing tokens** start at 1 for a key that is not stored and increase by one per claim
+//!   of a key; a released key keeps its token (state 0, until it expires), so the next claim
+//!   gets a higher one. Requires Redis ≥ 7.0 (`SET` with both `NX` and `GET`).
 //! - **Durability** is Redis's: with `appendonly yes` (as `tests/brokers/redis/up.sh` runs it)
 //!   a completed key is in the append-only file before the reply is sent, so it survives a
 //!   restart of redis-server; `appendfsync everysec` may lose the last second on power loss.
@@ -51,7 +67,8 @@ mod scripts;
 
 pub use checkpoint::{RedisCheckpointStore, DEFAULT_CHECKPOINT_PREFIX};
 
-/// Keys per script call; a batch is cut into chunks of this many, pipelined.
+/// Keys per script call, and per pipeline of native claims; a batch is cut into chunks of
+/// this many, all sent back to back (one round trip).
 pub const SCRIPT_CHUNK: usize = 200;
 
 /// Default prefix of the Redis keys of a [`RedisStore`].
@@ -177,6 +194,33 @@ impl Conn {
         Ok(())
     }
 
+    /// Sends `pipes` (`n` commands in all) back to back without waiting between them and
+    /// returns the `n` replies in order. Several pipelines rather than one: the server works
+    /// on the first while the next ones are encoded, and their replies are read while it works
+    /// on the rest.
+    pub(crate) async fn query(
+        &self,
+        pipes: &[redis::Pipeline],
+        n: usize,
+        what: &str,
+    ) -> Result<Vec<Value>> {
+        let parts = futures::future::try_join_all(pipes.iter().map(|p| {
+            let mut conn = self.conn.clone();
+            async move { p.query_async::<Vec<Value>>(&mut conn).await }
+        }))
+        .await
+        .map_err(|e| redis_error(&self.shown, what, e))?;
+        let v: Vec<Value> = parts.into_iter().flatten().collect();
+        if v.len() != n {
+            return Err(Error::dedup_store(format!(
+                "Redis store '{}': {} replies to {n} {what} commands",
+                self.shown,
+                v.len()
+            )));
+        }
+        Ok(v)
+    }
+
     /// Runs `script` once per chunk (keys, args), pipelined; reloads the scripts once if the
     /// server lost them (a restart without persistence of its script cache).
     pub(crate) async fn eval_chunks(
@@ -187,27 +231,40 @@ impl Conn {
         if chunks.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
-        for (keys, args) in chunks {
-            let c = pipe.cmd("EVALSHA").arg(script.sha()).arg(keys.len());
-            for k in keys {
-                c.arg(k);
-            }
-            for a in args {
-                c.arg(a.as_slice());
-            }
-        }
+        // One call per chunk, all sent back to back (see `query`).
+        let pipes: Vec<redis::Pipeline> = chunks
+            .iter()
+            .map(|(keys, args)| {
+                let mut pipe = redis::pipe();
+                let c = pipe.cmd("EVALSHA").arg(script.sha()).arg(keys.len());
+                for k in keys {
+                    c.arg(k);
+                }
+                for a in args {
+                    c.arg(a.as_slice());
+                }
+                pipe
+            })
+            .collect();
         let mut reloaded = false;
         loop {
-            match pipe.query_async::<Vec<Value>>(&mut self.conn.clone()).await {
-                Ok(v) if v.len() == chunks.len() => return Ok(v),
-                Ok(v) => {
+            let sent = futures::future::try_join_all(pipes.iter().map(|p| {
+                let mut conn = self.conn.clone();
+                async move { p.query_async::<Vec<Value>>(&mut conn).await }
+            }))
+            .await;
+            match sent {
+                Ok(parts) => {
+                    let v: Vec<Value> = parts.into_iter().flatten().collect();
+                    if v.len() == chunks.len() {
+                        return Ok(v);
+                    }
                     return Err(Error::dedup_store(format!(
                         "Redis store '{}': {} replies to {} script calls",
                         self.shown,
                         v.len(),
                         chunks.len()
-                    )))
+                    )));
                 }
                 Err(e) if e.kind() == redis::ErrorKind::NoScriptError && !reloaded => {
                     reloaded = true;
@@ -256,8 +313,9 @@ impl RedisStore {
     /// optional `?prefix=P`), remembering completed keys for `window`.
     ///
     /// Errors: [`ErrorKind::Config`] for a malformed URL, an unknown option or a zero window;
-    /// [`ErrorKind::Unsupported`] for `rediss://`; [`ErrorKind::DedupStore`] when the server
-    /// cannot be reached or refuses the credentials, naming the URL without its password.
+    /// [`ErrorKind::Unsupported`] for `rediss://` or a server older than Redis 7.0;
+    /// [`ErrorKind::DedupStore`] when the server cannot be reached or refuses the credentials,
+    /// naming the URL without its password.
     pub async fn open(url: &str, window: Duration) -> Result<Self> {
         Self::open_with(url, RedisOptions::new(window)).await
     }
@@ -277,6 +335,28 @@ impl RedisStore {
             &["prefix"],
         )
         .await?;
+        // `SET` with both `NX` and `GET` (the claim of a new key) needs Redis 7.0.
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut conn.conn.clone())
+            .await
+            .map_err(|e| redis_error(&conn.shown, "INFO server failed", e))?;
+        let version = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .map(str::trim)
+            .unwrap_or("");
+        let major = version
+            .split('.')
+            .next()
+            .and_then(|m| m.parse::<u32>().ok());
+        if major.is_some_and(|m| m < 7) {
+            return Err(Error::unsupported(format!(
+                "Redis store '{}': the server is Redis {version}; the store needs Redis 7.0 or \
+                 later (SET with NX and GET)",
+                conn.shown
+            )));
+        }
         let mut prefix = options.prefix;
         for (k, v) in query {
             if k == "prefix" {
@@ -300,11 +380,43 @@ impl RedisStore {
         &self.prefix
     }
 
-    /// The Lua source of the claim and complete scripts, for benchmarks that run the same
-    /// commands through the bare Redis client (argument layouts are in the scripts' comments).
+    /// The Lua source of the completion script, for benchmarks that run the same commands
+    /// through the bare Redis client (ARGV: window_ms, then per key the token and the result,
+    /// `''` for none or `'='` followed by its bytes; reply: 1 or 0 per key). A claim of a new
+    /// key is the native `SET` shown in the crate docs.
     #[doc(hidden)]
-    pub fn bench_scripts() -> (&'static str, &'static str) {
-        (scripts::CLAIM.code, scripts::COMPLETE.code)
+    pub fn bench_complete_script() -> &'static str {
+        scripts::COMPLETE.code
+    }
+
+    /// A `DedupStore` error for keys under the prefix that are not in format 1 (`WRONGTYPE`:
+    /// a hash of an older onceflow-redis, or another program's key), other errors as they are.
+    fn format_error(&self, e: Error) -> Error {
+        let m = e.message();
+        if m.contains("WRONGTYPE") || m.contains(scripts::FORMAT_ERROR) {
+            Error::dedup_store(format!(
+                "Redis store '{}': a key under prefix '{}' is not in this store's format 1 \
+                 (one string per key; onceflow-redis before it stored a hash per key): use \
+                 another prefix, or let the old keys expire after their window ({m})",
+                self.conn.shown, self.prefix
+            ))
+        } else {
+            e
+        }
+    }
+
+    /// Parses a format-1 value: state, token, fingerprint and what follows the fingerprint.
+    fn parse<'a>(&self, key: &str, v: &'a [u8]) -> Result<Stored<'a>> {
+        parse_value(v).ok_or_else(|| self.parse_error(key, v))
+    }
+
+    fn parse_error(&self, key: &str, v: &[u8]) -> Error {
+        self.format_error(Error::dedup_store(format!(
+            "{} key {}{key} holds {:?}",
+            scripts::FORMAT_ERROR,
+            self.prefix,
+            String::from_utf8_lossy(&v[..v.len().min(64)])
+        )))
     }
 
     fn window_ms(&self) -> Vec<u8> {
@@ -368,7 +480,11 @@ impl RedisStore {
         chunks: Vec<(Vec<String>, Vec<Vec<u8>>)>,
         n: usize,
     ) -> Result<Vec<bool>> {
-        let replies = self.conn.eval_chunks(script, &chunks).await?;
+        let replies = self
+            .conn
+            .eval_chunks(script, &chunks)
+            .await
+            .map_err(|e| self.format_error(e))?;
         self.items(script.name, replies, n)?
             .into_iter()
             .map(|v| match v {
@@ -398,11 +514,67 @@ fn bytes_of(v: &Value) -> Option<Bytes> {
     }
 }
 
-fn fingerprint_of(v: &Value) -> Option<Fingerprint> {
+/// A fingerprint stored as 32 hex digits; `''` is none.
+fn hex_fingerprint(v: &Value) -> Option<Fingerprint> {
     match v {
-        Value::BulkString(b) => Some(Fingerprint::from_be_bytes(b.as_slice().try_into().ok()?)),
+        Value::BulkString(b) if b.len() == 32 => {
+            Fingerprint::from_str_radix(std::str::from_utf8(b).ok()?, 16).ok()
+        }
         _ => None,
     }
+}
+
+/// A format-1 value, parsed (see the crate docs).
+struct Stored<'a> {
+    state: u8,
+    fingerprint: Option<Fingerprint>,
+    /// What follows the fingerprint's closing `|`.
+    rest: &'a [u8],
+}
+
+fn parse_value(v: &[u8]) -> Option<Stored<'_>> {
+    let (&version, v) = v.split_first()?;
+    let (&state, v) = v.split_first()?;
+    if version != b'1' || !matches!(state, b'0' | b'1' | b'2') {
+        return None;
+    }
+    let a = v.iter().position(|&c| c == b'|')?;
+    let (token, v) = (&v[..a], &v[a + 1..]);
+    if token.is_empty() || !token.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let b = v.iter().position(|&c| c == b'|')?;
+    let fingerprint = match &v[..b] {
+        [] => None,
+        hex if hex.len() == 32 => {
+            Some(Fingerprint::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?)
+        }
+        _ => return None,
+    };
+    Some(Stored {
+        state,
+        fingerprint,
+        rest: &v[b + 1..],
+    })
+}
+
+/// The value a claim of a new key stores (state 1, token 1).
+fn claim_value(owner: &str, fingerprint: Option<Fingerprint>, window_ms: &str) -> Vec<u8> {
+    let mut v = Vec::with_capacity(40 + window_ms.len() + owner.len());
+    v.extend_from_slice(b"111|");
+    if let Some(f) = fingerprint {
+        v.extend_from_slice(format!("{f:032x}").as_bytes());
+    }
+    v.push(b'|');
+    v.extend_from_slice(window_ms.as_bytes());
+    v.push(b'|');
+    v.extend_from_slice(owner.as_bytes());
+    v
+}
+
+fn fingerprint_arg(f: Option<Fingerprint>) -> Vec<u8> {
+    f.map(|f| format!("{f:032x}").into_bytes())
+        .unwrap_or_default()
 }
 
 fn token(v: &Value) -> Option<FencingToken> {
@@ -420,29 +592,86 @@ impl DedupStore for RedisStore {
     }
 
     async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
-        let chunks = self.chunks(
-            requests,
-            || vec![self.window_ms()],
-            |r| &r.key,
-            |r, a| {
-                a.push(r.owner.clone().into_bytes());
-                a.push(ms(r.lease).to_string().into_bytes());
-                a.push(
-                    r.fingerprint
-                        .map(|f| f.to_be_bytes().to_vec())
-                        .unwrap_or_default(),
-                );
-            },
-        );
-        let replies = self.conn.eval_chunks(&scripts::CLAIM, &chunks).await?;
-        // Three slots per key (see the script).
-        let items = self.items("claim", replies, requests.len() * 3)?;
-        items
-            .chunks(3)
-            .zip(requests)
-            .map(|(a, req)| {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One native command per key: sets a new key (state 1, token 1) or returns the stored
+        // value untouched.
+        let window = ms(self.window);
+        let window_s = window.to_string();
+        let pipes: Vec<redis::Pipeline> = requests
+            .chunks(SCRIPT_CHUNK)
+            .map(|chunk| {
+                let mut pipe = redis::pipe();
+                for r in chunk {
+                    pipe.cmd("SET")
+                        .arg(format!("{}{}", self.prefix, r.key))
+                        .arg(claim_value(&r.owner, r.fingerprint, &window_s))
+                        .arg("NX")
+                        .arg("GET")
+                        .arg("PX")
+                        .arg(ms(r.lease).saturating_add(window));
+                }
+                pipe
+            })
+            .collect();
+        let replies = self
+            .conn
+            .query(&pipes, requests.len(), "claim")
+            .await
+            .map_err(|e| self.format_error(e))?;
+        let mut out: Vec<Option<ClaimOutcome>> = Vec::with_capacity(requests.len());
+        // Existing keys that are not completed: decided by the claim script.
+        let mut again: Vec<usize> = Vec::new();
+        for (i, (v, r)) in replies.iter().zip(requests).enumerate() {
+            match v {
+                Value::Nil => out.push(Some(ClaimOutcome::Claimed { token: 1 })),
+                Value::BulkString(b) => {
+                    let st = self.parse(&r.key, b)?;
+                    if st.state != b'2' {
+                        again.push(i);
+                        out.push(None);
+                        continue;
+                    }
+                    out.push(Some(match (st.fingerprint, r.fingerprint) {
+                        (Some(stored), Some(given)) if stored != given => {
+                            ClaimOutcome::Mismatch { stored, given }
+                        }
+                        _ => ClaimOutcome::Duplicate {
+                            result: match st.rest {
+                                [] => None,
+                                [b'=', result @ ..] => Some(Bytes::copy_from_slice(result)),
+                                _ => return Err(self.parse_error(&r.key, b)),
+                            },
+                        },
+                    }));
+                }
+                other => return Err(self.protocol("claim", other)),
+            }
+        }
+        if !again.is_empty() {
+            let pending: Vec<&ClaimRequest> = again.iter().map(|&i| &requests[i]).collect();
+            let chunks = self.chunks(
+                &pending,
+                || vec![window_s.clone().into_bytes()],
+                |r| &r.key,
+                |r, a| {
+                    a.push(r.owner.clone().into_bytes());
+                    a.push(ms(r.lease).to_string().into_bytes());
+                    a.push(fingerprint_arg(r.fingerprint));
+                },
+            );
+            let replies = self
+                .conn
+                .eval_chunks(&scripts::CLAIM, &chunks)
+                .await
+                .map_err(|e| self.format_error(e))?;
+            // Three slots per key (see the script).
+            let items = self.items("claim", replies, again.len() * 3)?;
+            for (a, &i) in items.chunks(3).zip(&again) {
+                let req = &requests[i];
                 let bad = || self.protocol("claim", &Value::Array(a.to_vec()));
-                Ok(match a.first().and_then(int) {
+                out[i] = Some(match a.first().and_then(int) {
                     Some(0) => ClaimOutcome::Claimed {
                         token: a.get(1).and_then(token).ok_or_else(bad)?,
                     },
@@ -460,19 +689,20 @@ impl DedupStore for RedisStore {
                         ),
                     },
                     Some(3) => ClaimOutcome::Mismatch {
-                        stored: a.get(1).and_then(fingerprint_of).ok_or_else(bad)?,
+                        stored: a.get(1).and_then(hex_fingerprint).ok_or_else(bad)?,
                         given: req.fingerprint.ok_or_else(bad)?,
                     },
                     _ => return Err(bad()),
-                })
-            })
-            .collect()
+                });
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 
     async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>> {
         let chunks = self.chunks(
             claims,
-            || vec![self.window_ms(), ms(lease).to_string().into_bytes()],
+            || vec![ms(lease).to_string().into_bytes()],
             |c| &c.0,
             |c, a| a.push(c.1.to_string().into_bytes()),
         );
@@ -486,16 +716,15 @@ impl DedupStore for RedisStore {
             |c| &c.key,
             |c, a| {
                 a.push(c.token.to_string().into_bytes());
-                match &c.result {
+                a.push(match &c.result {
                     Some(r) => {
-                        a.push(b"1".to_vec());
-                        a.push(r.to_vec());
+                        let mut v = Vec::with_capacity(r.len() + 1);
+                        v.push(b'=');
+                        v.extend_from_slice(r);
+                        v
                     }
-                    None => {
-                        a.push(b"0".to_vec());
-                        a.push(Vec::new());
-                    }
-                }
+                    None => Vec::new(),
+                });
             },
         );
         self.flags(&scripts::COMPLETE, chunks, completions.len())
@@ -514,7 +743,11 @@ impl DedupStore for RedisStore {
 
     async fn get(&self, keys: &[String]) -> Result<Vec<Option<KeyState>>> {
         let chunks = self.chunks(keys, Vec::new, |k| k, |_, _| {});
-        let replies = self.conn.eval_chunks(&scripts::GET, &chunks).await?;
+        let replies = self
+            .conn
+            .eval_chunks(&scripts::GET, &chunks)
+            .await
+            .map_err(|e| self.format_error(e))?;
         let items = self.items("get", replies, keys.len())?;
         items
             .iter()
@@ -535,12 +768,12 @@ impl DedupStore for RedisStore {
                         expires_in: Duration::from_millis(
                             a.get(3).and_then(int).unwrap_or(0).max(0) as u64,
                         ),
-                        fingerprint: a.get(4).and_then(fingerprint_of),
+                        fingerprint: a.get(4).and_then(hex_fingerprint),
                     }),
                     Some(2) => Some(KeyState::Completed {
                         token: a.get(1).and_then(token).ok_or_else(bad)?,
                         result: a.get(2).and_then(bytes_of),
-                        fingerprint: a.get(3).and_then(fingerprint_of),
+                        fingerprint: a.get(3).and_then(hex_fingerprint),
                     }),
                     _ => return Err(bad()),
                 })
@@ -562,6 +795,41 @@ mod tests {
         assert_eq!(redact_url("redis://127.0.0.1:1"), "redis://127.0.0.1:1");
         assert!(!redact_url("redis://:pw@host:1").contains("pw"));
         assert!(!redact_url("not a url ://x:pw@y").contains("pw"));
+    }
+
+    #[test]
+    fn values_parse_back() {
+        let v = claim_value("w|x", Some(0xab), "600000");
+        assert_eq!(
+            v,
+            b"111|000000000000000000000000000000ab|600000|w|x".to_vec()
+        );
+        let st = parse_value(&v).unwrap();
+        assert_eq!(
+            (st.state, st.fingerprint, st.rest),
+            (b'1', Some(0xab), &b"600000|w|x"[..])
+        );
+        let st = parse_value(b"127||=r").unwrap();
+        assert_eq!(
+            (st.state, st.fingerprint, st.rest),
+            (b'2', None, &b"=r"[..])
+        );
+        for bad in [
+            &b""[..],
+            b"1",
+            b"2111||",
+            b"13||",
+            b"11|x|",
+            b"11a||",
+            b"111|abc|",
+            b"111|",
+        ] {
+            assert!(
+                parse_value(bad).is_none(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[tokio::test]

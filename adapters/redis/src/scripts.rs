@@ -1,12 +1,18 @@
-//! The Lua scripts of the Redis store. Each handles a chunk of keys (`KEYS`), one after the
-//! other, atomically; `now` is the server's clock in ms (`TIME`, read once per call). Each
-//! key costs as few `redis.call`s as its case allows (the server's time goes there): a claim of
-//! a new key is `HMGET`, `HSET`, `PEXPIREAT`; a duplicate `HMGET` alone; a completion `HMGET`,
-//! `HSET`, `HDEL`, `PEXPIREAT`.
+//! The Lua scripts of the Redis store, for what a native command cannot decide alone. Each
+//! handles a chunk of keys (`KEYS`), one after the other, atomically.
 //!
-//! Hash fields: `s` state (0 released, 1 in progress, 2 completed), `t` token, `o` holder,
-//! `l` lease end (ms), `e` end of the dedup window (ms; the hash expires then), `f` fingerprint,
-//! `r` result.
+//! A claim of a key that does not exist is no script: it is a native `SET key value NX GET PX
+//! ms` (see the crate docs), and a claim of a completed key is decided by the client from
+//! that command's reply. [`CLAIM`] runs only for the keys that exist and are not completed
+//! (held, released, lease ran out). Completion, renewal, release and reads are scripts; each
+//! key costs a `GET` and, when the key changes, one write (`SET` or `PEXPIRE`).
+//!
+//! Stored value, one Redis string per key (format 1):
+//! `'1' STATE TOKEN '|' FP '|' REST` — STATE `0` released, `1` in progress, `2` completed;
+//! TOKEN decimal; FP 32 lowercase hex digits or empty; REST `WINDOW_MS '|' OWNER` in
+//! progress, empty when released, empty (no result) or `'=' RESULT` when completed. The
+//! scripts read no clock: a lease's end is the key's expiry minus the `WINDOW_MS` stored with
+//! it (`PTTL`, the server's clock).
 
 use std::sync::OnceLock;
 
@@ -33,87 +39,103 @@ impl Script {
     }
 }
 
+/// Prefix of the error a script returns for a value not in format 1 (the client maps it to a
+/// `DedupStore` error naming the prefix).
+pub(crate) const FORMAT_ERROR: &str = "ONCEFLOW_FORMAT";
+
 macro_rules! script {
     ($body:expr) => {
         concat!(
-            "local __t = redis.call('TIME')\n",
-            "local now = tonumber(__t[1]) * 1000 + math.floor(tonumber(__t[2]) / 1000)\n",
+            r#"
+-- A value's state, token, fingerprint and the position of the '|' that ends the fingerprint;
+-- nil if it is not a format-1 value.
+local function parse(v)
+  if string.byte(v, 1) ~= 49 then return nil end
+  local a = string.find(v, '|', 3, true)
+  local b = a and string.find(v, '|', a + 1, true)
+  if not b then return nil end
+  return string.sub(v, 2, 2), string.sub(v, 3, a - 1), string.sub(v, a + 1, b - 1), b
+end
+local function bad(k)
+  return redis.error_reply('ONCEFLOW_FORMAT key ' .. k .. ' does not hold a format-1 value')
+end
+"#,
             $body
         )
     };
 }
 
-/// ARGV: window_ms, then per key: owner, lease_ms, fingerprint ('' = none).
+/// ARGV: window_ms, then per key: owner, lease_ms, fingerprint (hex, '' = none).
 /// Reply: three flat slots per key, in order: `0, token, nil` claimed, `1, result|nil, nil`
-/// duplicate, `2, owner, ms_left` in progress, `3, stored_fingerprint, nil` mismatch.
+/// duplicate, `2, owner, ms_left` in progress, `3, stored_fingerprint_hex, nil` mismatch.
 pub(crate) static CLAIM: Script = Script::new(
     "claim",
     script!(
         r#"
-local window = tonumber(ARGV[1])
+local window = ARGV[1]
+local w = tonumber(window)
 local out, j = {}, 0
--- Three reply slots per key, no table per key (a nested reply costs the server more than the
--- key's HMGET). `false` is a nil reply.
-local function put(j, c, a, b)
-  out[j + 1], out[j + 2], out[j + 3] = c, a, b
-  return j + 3
-end
 for i, k in ipairs(KEYS) do
   local owner, lease, fp = ARGV[3*i-1], tonumber(ARGV[3*i]), ARGV[3*i+1]
-  local h = redis.call('HMGET', k, 's', 't', 'o', 'l', 'e', 'f', 'r')
-  local s, tok = tonumber(h[1]) or 0, tonumber(h[2]) or 0
-  local l, e = tonumber(h[4]) or 0, tonumber(h[5]) or 0
-  local lu = now + lease
-  local exp = lu + window
-  if (s == 2 and e > now) or (s == 1 and l > now) then
-    local sf = h[6]
-    if sf and fp ~= '' and sf ~= fp then
-      j = put(j, 3, sf, false)
-    elseif s == 2 then
-      j = put(j, 1, h[7], false)
-    elseif h[3] ~= owner then
-      j = put(j, 2, h[3], l - now)
-    else
-      tok = tok + 1
-      redis.call('HSET', k, 't', tok, 'l', lu, 'e', exp)
-      if (not sf) and fp ~= '' then redis.call('HSET', k, 'f', fp) end
-      redis.call('PEXPIREAT', k, exp)
-      j = put(j, 0, tok, false)
-    end
-  else
-    tok = tok + 1
-    -- An old hash (released, lease ran out, completed past its window): drop its fields.
-    if h[2] then redis.call('DEL', k) end
-    if fp ~= '' then
-      redis.call('HSET', k, 's', 1, 't', tok, 'o', owner, 'l', lu, 'e', exp, 'f', fp)
-    else
-      redis.call('HSET', k, 's', 1, 't', tok, 'o', owner, 'l', lu, 'e', exp)
-    end
-    redis.call('PEXPIREAT', k, exp)
-    j = put(j, 0, tok, false)
+  local v = redis.call('GET', k)
+  local st, tok, sf, b = '0', '0', '', 0
+  if v then
+    st, tok, sf, b = parse(v)
+    if not st then return bad(k) end
   end
+  local live, left, holder = st == '2', 0, nil
+  if st == '1' then
+    local c = string.find(v, '|', b + 1, true)
+    if not c then return bad(k) end
+    left = redis.call('PTTL', k) - tonumber(string.sub(v, b + 1, c - 1))
+    holder = string.sub(v, c + 1)
+    live = left > 0
+  end
+  if live and sf ~= '' and fp ~= '' and sf ~= fp then
+    out[j+1], out[j+2], out[j+3] = 3, sf, false
+  elseif st == '2' then
+    local r = false
+    if b < #v then r = string.sub(v, b + 2) end
+    out[j+1], out[j+2], out[j+3] = 1, r, false
+  elseif live and holder ~= owner then
+    out[j+1], out[j+2], out[j+3] = 2, holder, left
+  else
+    -- New, released, lease ran out, or its holder claiming again (which keeps the stored
+    -- fingerprint).
+    local t = tonumber(tok) + 1
+    if live and sf ~= '' then fp = sf end
+    redis.call('SET', k, '11' .. t .. '|' .. fp .. '|' .. window .. '|' .. owner, 'PX', lease + w)
+    out[j+1], out[j+2], out[j+3] = 0, t, false
+  end
+  j = j + 3
 end
 return out
 "#
     ),
 );
 
-/// ARGV: window_ms, lease_ms, then one token per key. Reply per key: 1 renewed, 0 stale.
+/// ARGV: lease_ms, then one token per key. Reply per key: 1 renewed, 0 stale.
 pub(crate) static RENEW: Script = Script::new(
     "renew",
     script!(
         r#"
-local window, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
+local lease = tonumber(ARGV[1])
 local out = {}
 for i, k in ipairs(KEYS) do
-  local h = redis.call('HMGET', k, 's', 't')
-  if tonumber(h[1]) == 1 and tonumber(h[2]) == tonumber(ARGV[2+i]) then
-    local lu = now + lease
-    redis.call('HSET', k, 'l', lu, 'e', lu + window)
-    redis.call('PEXPIREAT', k, lu + window)
-    out[i] = 1
-  else
-    out[i] = 0
+  out[i] = 0
+  local v = redis.call('GET', k)
+  if v then
+    local p = '11' .. ARGV[1+i] .. '|'
+    local n = #p
+    if string.sub(v, 1, n) == p then
+      local b = string.find(v, '|', n + 1, true)
+      local c = b and string.find(v, '|', b + 1, true)
+      if not c then return bad(k) end
+      redis.call('PEXPIRE', k, lease + tonumber(string.sub(v, b + 1, c - 1)))
+      out[i] = 1
+    elseif string.byte(v, 1) ~= 49 then
+      return bad(k)
+    end
   end
 end
 return out
@@ -121,32 +143,32 @@ return out
     ),
 );
 
-/// ARGV: window_ms, then per key: token, has_result ('1'/'0'), result. Reply per key: 1 done
-/// (now or by an earlier completion with the same token), 0 stale.
+/// ARGV: window_ms, then per key: token, result ('' = none, else '=' followed by the bytes).
+/// Reply per key: 1 done (now or by an earlier completion with the same token), 0 stale.
 pub(crate) static COMPLETE: Script = Script::new(
     "complete",
     script!(
         r#"
-local exp = now + tonumber(ARGV[1])
+local w = ARGV[1]
 local out = {}
 for i, k in ipairs(KEYS) do
-  local tok, has, res = tonumber(ARGV[3*i-1]), ARGV[3*i], ARGV[3*i+1]
-  local h = redis.call('HMGET', k, 's', 't', 'e')
-  local s, t, e = tonumber(h[1]) or 0, tonumber(h[2]) or 0, tonumber(h[3]) or 0
-  if s == 1 and t == tok then
-    if has == '1' then
-      redis.call('HSET', k, 's', 2, 'e', exp, 'r', res)
-      redis.call('HDEL', k, 'o', 'l')
-    else
-      redis.call('HSET', k, 's', 2, 'e', exp)
-      redis.call('HDEL', k, 'o', 'l', 'r')
+  out[i] = 0
+  local v = redis.call('GET', k)
+  if v then
+    local tok = ARGV[2*i]
+    local p = '11' .. tok .. '|'
+    local n = #p
+    local head = string.sub(v, 1, n)
+    if head == p then
+      local b = string.find(v, '|', n + 1, true)
+      if not b then return bad(k) end
+      redis.call('SET', k, '12' .. string.sub(v, 3, b) .. ARGV[2*i+1], 'PX', w)
+      out[i] = 1
+    elseif head == '12' .. tok .. '|' then
+      out[i] = 1
+    elseif string.byte(v, 1) ~= 49 then
+      return bad(k)
     end
-    redis.call('PEXPIREAT', k, exp)
-    out[i] = 1
-  elseif s == 2 and t == tok and e > now then
-    out[i] = 1
-  else
-    out[i] = 0
   end
 end
 return out
@@ -162,13 +184,14 @@ pub(crate) static RELEASE: Script = Script::new(
         r#"
 local out = {}
 for i, k in ipairs(KEYS) do
-  local h = redis.call('HMGET', k, 's', 't')
-  if tonumber(h[1]) == 1 and tonumber(h[2]) == tonumber(ARGV[i]) then
-    redis.call('HSET', k, 's', 0)
-    redis.call('HDEL', k, 'o', 'l', 'f', 'r')
+  out[i] = 0
+  local v = redis.call('GET', k)
+  local p = '11' .. ARGV[i] .. '|'
+  if v and string.sub(v, 1, #p) == p then
+    redis.call('SET', k, '10' .. ARGV[i] .. '||', 'KEEPTTL')
     out[i] = 1
-  else
-    out[i] = 0
+  elseif v and string.byte(v, 1) ~= 49 then
+    return bad(k)
   end
 end
 return out
@@ -176,24 +199,30 @@ return out
     ),
 );
 
-/// No ARGV. Reply per key: {0} unknown, {1, owner, token, ms_left, fp} in progress,
-/// {2, token, result, fp} completed.
+/// No ARGV. Reply per key: {0} unknown or released, {1, owner, token, ms_left, fp_hex} in
+/// progress, {2, token, result|nil, fp_hex} completed.
 pub(crate) static GET: Script = Script::new(
     "get",
     script!(
         r#"
 local out = {}
 for i, k in ipairs(KEYS) do
-  local h = redis.call('HMGET', k, 's', 't', 'o', 'l', 'e', 'f', 'r')
-  local s, e = tonumber(h[1]) or 0, tonumber(h[5]) or 0
-  if e <= now or s == 0 then
-    out[i] = {0}
-  elseif s == 1 then
-    local left = (tonumber(h[4]) or 0) - now
-    if left < 0 then left = 0 end
-    out[i] = {1, h[3], tonumber(h[2]), left, h[6]}
-  else
-    out[i] = {2, tonumber(h[2]), h[7], h[6]}
+  local v = redis.call('GET', k)
+  out[i] = {0}
+  if v then
+    local st, tok, sf, b = parse(v)
+    if not st then return bad(k) end
+    if st == '1' then
+      local c = string.find(v, '|', b + 1, true)
+      if not c then return bad(k) end
+      local left = redis.call('PTTL', k) - tonumber(string.sub(v, b + 1, c - 1))
+      if left < 0 then left = 0 end
+      out[i] = {1, string.sub(v, c + 1), tok, left, sf}
+    elseif st == '2' then
+      local r = false
+      if b < #v then r = string.sub(v, b + 2) end
+      out[i] = {2, tok, r, sf}
+    end
   end
 end
 return out
