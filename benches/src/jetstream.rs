@@ -310,8 +310,18 @@ async fn n1(platform: &Arc<onceflow_jetstream::JetStreamPlatform>, js: &jetstrea
             "RATIO N1 publish-{size}B-client-cpu-per-msg-vs-async-nats {:.3} target (info) INFO",
             cpu(1) / cpu(0)
         );
-        report(format!("publish-{size}B-raw-msgid-vs-raw-without"), 4, 0, None);
-        report(format!("publish-{size}B-adapter-only-vs-async-nats"), 3, 0, None);
+        report(
+            format!("publish-{size}B-raw-msgid-vs-raw-without"),
+            4,
+            0,
+            None,
+        );
+        report(
+            format!("publish-{size}B-adapter-only-vs-async-nats"),
+            3,
+            0,
+            None,
+        );
         report(format!("publish-{size}B-vs-async-nats"), 1, 0, Some(0.95));
         report(format!("publish-{size}B-msgid-vs-without"), 2, 1, Some(0.9));
     }

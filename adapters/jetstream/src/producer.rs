@@ -204,33 +204,41 @@ impl JetStreamProducer {
         Ok(p)
     }
 
-    async fn start(&self, p: &mut Prepared) -> Result<PublishAckFuture> {
+    /// The message of an attempt: the record's payload and the attempt's headers.
+    fn message(p: &mut Prepared) -> Result<PublishMessage> {
         let mut message = PublishMessage::build().payload(p.record.payload.clone());
         if let Some(h) = p.take_headers()? {
             message = message.headers(h);
         }
+        Ok(message)
+    }
+
+    async fn start(&self, p: &mut Prepared) -> Result<PublishAckFuture> {
+        let message = Self::message(p)?;
         self.js
             .send_publish(p.subject.clone(), message)
             .await
             .map_err(|e| publish_err(&p.subject, e))
     }
 
+    fn ack_err(&self, p: &Prepared, e: async_nats::jetstream::context::PublishError) -> Error {
+        if e.kind() == PublishErrorKind::TimedOut {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "publishing to '{}': no ack within {:?}",
+                    p.subject, self.timeout
+                ),
+            )
+            .with_source(e)
+            .with_outcome_unknown()
+        } else {
+            publish_err(&p.subject, e)
+        }
+    }
+
     async fn wait(&self, p: &Prepared, fut: PublishAckFuture) -> Result<PublishAck> {
-        fut.await.map_err(|e| {
-            if e.kind() == PublishErrorKind::TimedOut {
-                Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "publishing to '{}': no ack within {:?}",
-                        p.subject, self.timeout
-                    ),
-                )
-                .with_source(e)
-                .with_outcome_unknown()
-            } else {
-                publish_err(&p.subject, e)
-            }
-        })
+        fut.await.map_err(|e| self.ack_err(p, e))
     }
 
     fn delivery(p: Prepared, ack: PublishAck, retried: bool) -> Delivery {
@@ -268,6 +276,7 @@ impl JetStreamProducer {
     }
 
     /// Publishes and waits for the ack; a timeout is retried with the same `Nats-Msg-Id`.
+    /// `first`: the result of a first attempt made already (`send_batch`).
     async fn publish(
         &self,
         mut p: Prepared,
@@ -277,6 +286,25 @@ impl JetStreamProducer {
             Some(r) => r,
             None => self.attempt(&mut p).await,
         };
+        self.finish(p, result).await
+    }
+
+    /// [`Self::publish`] of a record not attempted yet, for `send`: the attempt is written out
+    /// in this one future (no `start` / `wait` futures nested in it, which keep copies of
+    /// their arguments), since every send's future is boxed and moved once.
+    async fn publish_one(&self, mut p: Prepared) -> Result<Delivery> {
+        let result = match Self::message(&mut p) {
+            Ok(message) => match self.js.send_publish(p.subject.clone(), message).await {
+                Ok(ack) => ack.await.map_err(|e| self.ack_err(&p, e)),
+                Err(e) => Err(publish_err(&p.subject, e)),
+            },
+            Err(e) => Err(e),
+        };
+        self.finish(p, result).await
+    }
+
+    /// The delivery of a first attempt's result, or the retries after its timeout.
+    async fn finish(&self, p: Prepared, result: Result<PublishAck>) -> Result<Delivery> {
         match result {
             Ok(ack) => Ok(Self::delivery(p, ack, false)),
             // Retries are rare: their future lives out of line, not in every send's.
@@ -325,12 +353,12 @@ impl ProducerBackend for JetStreamProducer {
         }
         match self.shared.cached_subjects(&record.topic) {
             Some(subjects) => match self.route(record, &subjects) {
-                Ok(p) => Box::pin(self.publish(p, None)),
+                Ok(p) => Box::pin(self.publish_one(p)),
                 Err(e) => Box::pin(std::future::ready(Err(e))),
             },
             None => Box::pin(async move {
                 let p = self.prepare(record).await?;
-                self.publish(p, None).await
+                self.publish_one(p).await
             }),
         }
     }
