@@ -11,10 +11,13 @@
 //!   double-acks each message — the same guarantee; the ratio against a raw consumer with plain
 //!   (fire-and-forget) acks is printed for information.
 //!
-//! Streams use memory storage so the figures measure the clients, not the disk. Each figure is
-//! the best of `ROUNDS` alternating rounds (the machine is shared). In N1 every measurement
-//! gets a new, empty stream of the same config, the order of the four rotates between rounds,
-//! and both sides borrow their handle (`&Context`, `&Producer`) in the publish futures.
+//! Streams use memory storage so the figures measure the clients, not the disk. N2 takes the
+//! best of `ROUNDS` alternating rounds (the machine is shared). N1 runs
+//! `ONCEFLOW_BENCH_N1_ROUNDS` rounds (default 7) of five measurements; every measurement gets a
+//! new, empty stream of the same config, the order rotates between rounds, and both sides
+//! borrow their handle (`&Context`, `&Producer`) in the publish futures. Its verdict is the
+//! median of the per-round ratios (the two sides of a ratio ran seconds apart), printed with
+//! their spread and this process's CPU time per message for each side.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -193,57 +196,134 @@ async fn backend_publish(
     n as f64 / start.elapsed().as_secs_f64()
 }
 
+/// One N1 measurement: messages per second, and this process's CPU time per message in µs
+/// (the client's own cost, which other processes' load does not change much).
+#[derive(Clone, Copy, Default)]
+struct Sample {
+    rate: f64,
+    cpu_us: f64,
+}
+
+async fn measure(n: usize, run: impl std::future::Future<Output = f64>) -> Sample {
+    let cpu = crate::cpu::process_cpu();
+    let rate = run.await;
+    Sample {
+        rate,
+        cpu_us: (crate::cpu::process_cpu() - cpu).as_secs_f64() * 1e6 / n as f64,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+fn spread(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(*x), hi.max(*x)))
+}
+
+fn n1_rounds() -> usize {
+    std::env::var("ONCEFLOW_BENCH_N1_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n >= 1)
+        .unwrap_or(7)
+}
+
+/// The five N1 measurements of one round.
+const N1_KINDS: [&str; 5] = [
+    "raw",
+    "onceflow",
+    "onceflow+Msg-Id",
+    "adapter without the facade",
+    "raw+Msg-Id",
+];
+
 async fn n1(platform: &Arc<onceflow_jetstream::JetStreamPlatform>, js: &jetstream::Context) {
     let client = Client::new(platform.clone());
     let n = publish_count();
+    let rounds = n1_rounds();
     for size in [128usize, 1024] {
         let payload = Bytes::from(vec![b'x'; size]);
-        let (mut raw, mut plain, mut with_id, mut backend, mut raw_id) =
-            (0f64, 0f64, 0f64, 0f64, 0f64);
-        for round in 0..ROUNDS {
+        // samples[kind][round]
+        let mut samples = vec![Vec::with_capacity(rounds); N1_KINDS.len()];
+        for round in 0..rounds {
             // Each measurement publishes into a new, empty stream (same config), and the order
             // rotates between rounds, so no side always runs first or into a fuller stream.
+            let mut got = [Sample::default(); 5];
             for k in 0..5 {
                 let s = name("benchn1");
                 stream_for(js, &s).await;
                 let payload = payload.clone();
-                match (k + round) % 5 {
-                    0 => raw = raw.max(raw_publish(js, &s, payload, n).await),
-                    1 => plain = plain.max(onceflow_publish(&client, &s, payload, n, false).await),
-                    2 => {
-                        with_id = with_id.max(onceflow_publish(&client, &s, payload, n, true).await)
-                    }
-                    3 => backend = backend.max(backend_publish(platform, &s, payload, n).await),
-                    _ => raw_id = raw_id.max(raw_publish_msg_id(js, &s, payload, n).await),
-                }
+                let kind = (k + round) % 5;
+                got[kind] = match kind {
+                    0 => measure(n, raw_publish(js, &s, payload, n)).await,
+                    1 => measure(n, onceflow_publish(&client, &s, payload, n, false)).await,
+                    2 => measure(n, onceflow_publish(&client, &s, payload, n, true)).await,
+                    3 => measure(n, backend_publish(platform, &s, payload, n)).await,
+                    _ => measure(n, raw_publish_msg_id(js, &s, payload, n)).await,
+                };
                 let _ = js.delete_stream(&s).await;
             }
+            for (kind, g) in got.iter().enumerate() {
+                samples[kind].push(*g);
+            }
         }
-        eprintln!(
-            "[bench] N1 {size} B, window {WINDOW}, {n} msgs: raw {raw:.0}/s, onceflow {plain:.0}/s, \
-             onceflow+Msg-Id {with_id:.0}/s, adapter without the facade {backend:.0}/s, \
-             raw+Msg-Id {raw_id:.0}/s"
-        );
+        let rates = |k: usize| samples[k].iter().map(|s| s.rate).collect::<Vec<_>>();
+        // Ratios of measurements of the same round (seconds apart), then their median: a
+        // round where the machine was busy moves both sides of its ratio.
+        let paired = |a: usize, b: usize| {
+            samples[a]
+                .iter()
+                .zip(&samples[b])
+                .map(|(x, y)| x.rate / y.rate)
+                .collect::<Vec<_>>()
+        };
+        for (k, what) in N1_KINDS.iter().enumerate() {
+            let r = rates(k);
+            let (lo, hi) = spread(&r);
+            let cpu = median(samples[k].iter().map(|s| s.cpu_us).collect());
+            eprintln!(
+                "[bench] N1 {size} B, window {WINDOW}, {n} msgs, {rounds} rounds: {what}: median \
+                 {:.0}/s ({lo:.0}-{hi:.0}), client CPU {cpu:.2} us/msg",
+                median(r.clone())
+            );
+        }
+        let report = |what: String, a: usize, b: usize, target: Option<f64>| {
+            let v = paired(a, b);
+            let (lo, hi) = spread(&v);
+            let m = median(v);
+            eprintln!("[bench] N1 {what}: per-round ratios {lo:.3}-{hi:.3}, median {m:.3}");
+            match target {
+                Some(t) => ratio("N1", &what, m, t),
+                None => println!("RATIO N1 {what} {m:.3} target (info) INFO"),
+            }
+        };
+        let cpu = |k: usize| median(samples[k].iter().map(|s| s.cpu_us).collect());
         println!(
-            "RATIO N1 publish-{size}B-raw-msgid-vs-raw-without {:.3} target (info) INFO",
-            raw_id / raw
+            "RATIO N1 publish-{size}B-client-cpu-per-msg-vs-async-nats {:.3} target (info) INFO",
+            cpu(1) / cpu(0)
         );
-        println!(
-            "RATIO N1 publish-{size}B-adapter-only-vs-async-nats {:.3} target (info) INFO",
-            backend / raw
+        report(
+            format!("publish-{size}B-raw-msgid-vs-raw-without"),
+            4,
+            0,
+            None,
         );
-        ratio(
-            "N1",
-            &format!("publish-{size}B-vs-async-nats"),
-            plain / raw,
-            0.95,
+        report(
+            format!("publish-{size}B-adapter-only-vs-async-nats"),
+            3,
+            0,
+            None,
         );
-        ratio(
-            "N1",
-            &format!("publish-{size}B-msgid-vs-without"),
-            with_id / plain,
-            0.9,
-        );
+        report(format!("publish-{size}B-vs-async-nats"), 1, 0, Some(0.95));
+        report(format!("publish-{size}B-msgid-vs-without"), 2, 1, Some(0.9));
     }
 }
 

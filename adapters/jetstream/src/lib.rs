@@ -167,8 +167,10 @@ pub(crate) struct Shared {
     pub(crate) client: async_nats::Client,
     pub(crate) js: jetstream::Context,
     pub(crate) options: JetStreamOptions,
-    /// Partition count per topic, as read from (or created on) the server.
-    topics: Mutex<HashMap<String, u32>>,
+    /// The subjects of each topic's partitions (index = partition; the length is the partition
+    /// count), as read from (or created on) the server. A send clones its subject from here
+    /// (a reference count, no allocation).
+    topics: Mutex<HashMap<String, Arc<[async_nats::Subject]>>>,
     /// Held while a topic missing from `topics` is looked up, so the first sends of a new topic
     /// (a window of async publishes arrive together) ask the server once, not once each.
     lookup: tokio::sync::Mutex<()>,
@@ -212,19 +214,26 @@ impl Shared {
         })
     }
 
-    /// Partition count of `topic` if it is known already (no request to the server).
-    pub(crate) fn cached_partitions(&self, topic: &str) -> Option<u32> {
-        self.topics.lock().get(topic).copied()
+    /// The partition subjects of `topic` if they are known already (no request to the
+    /// server).
+    pub(crate) fn cached_subjects(&self, topic: &str) -> Option<Arc<[async_nats::Subject]>> {
+        self.topics.lock().get(topic).cloned()
     }
 
     /// Partition count of `topic`; creates the stream when it is missing and `auto_create` is on.
     pub(crate) async fn partitions(&self, topic: &str) -> Result<u32> {
-        if let Some(n) = self.cached_partitions(topic) {
-            return Ok(n);
+        Ok(self.subjects(topic).await?.len() as u32)
+    }
+
+    /// The subjects of `topic`'s partitions (index = partition); creates the stream when it is
+    /// missing and `auto_create` is on.
+    pub(crate) async fn subjects(&self, topic: &str) -> Result<Arc<[async_nats::Subject]>> {
+        if let Some(s) = self.cached_subjects(topic) {
+            return Ok(s);
         }
         let _lookup = self.lookup.lock().await;
-        if let Some(n) = self.topics.lock().get(topic) {
-            return Ok(*n);
+        if let Some(s) = self.cached_subjects(topic) {
+            return Ok(s);
         }
         naming::check_topic(topic)?;
         let n = match self.get_stream(topic).await {
@@ -240,8 +249,13 @@ impl Shared {
             }
             Err(e) => return Err(e),
         };
-        self.topics.lock().insert(topic.to_string(), n);
-        Ok(n)
+        let subjects: Arc<[async_nats::Subject]> = (0..n as i32)
+            .map(|p| async_nats::Subject::from(naming::subject(topic, n, p)))
+            .collect();
+        self.topics
+            .lock()
+            .insert(topic.to_string(), subjects.clone());
+        Ok(subjects)
     }
 }
 

@@ -1,5 +1,7 @@
 //! Publishing with `Nats-Msg-Id` dedup and atomic batches.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -141,6 +143,17 @@ impl JetStreamProducer {
     }
 
     async fn prepare(&self, record: Record) -> Result<Prepared> {
+        self.check_size(&record)?;
+        // The lookup's future (stream info and create requests) is several KB; kept out of line
+        // so the futures that await `prepare` stay small: a known topic is the common case.
+        let subjects = match self.shared.cached_subjects(&record.topic) {
+            Some(s) => s,
+            None => Box::pin(self.shared.subjects(&record.topic)).await?,
+        };
+        self.route(record, &subjects)
+    }
+
+    fn check_size(&self, record: &Record) -> Result<()> {
         let size = record.size_bytes();
         let limit = self.shared.max_record_bytes();
         if size > limit {
@@ -150,13 +163,13 @@ impl JetStreamProducer {
                 record.topic
             )));
         }
-        // The lookup's future (stream info and create requests) is several KB; kept out of line
-        // so every send's future (boxed and moved per call) stays small: a known topic is the
-        // common case.
-        let n = match self.shared.cached_partitions(&record.topic) {
-            Some(n) => n,
-            None => Box::pin(self.shared.partitions(&record.topic)).await?,
-        };
+        Ok(())
+    }
+
+    /// Picks the partition and its subject (`subjects`: the topic's, index = partition) and
+    /// builds the headers: everything a send does before it publishes, without awaiting.
+    fn route(&self, record: Record, subjects: &[Subject]) -> Result<Prepared> {
+        let n = subjects.len() as u32;
         let partition = match (record.partition, &record.key) {
             (Some(p), _) => {
                 if p < 0 || p as u32 >= n {
@@ -169,6 +182,7 @@ impl JetStreamProducer {
                 p
             }
             (None, Some(k)) => naming::partition_for_key(k, n),
+            (None, None) if n == 1 => 0,
             (None, None) => (self.round_robin.fetch_add(1, Ordering::Relaxed) % n) as i32,
         };
         let msg_id = match &record.idempotency_key {
@@ -177,7 +191,7 @@ impl JetStreamProducer {
             None => MsgId::None,
         };
         let mut p = Prepared {
-            subject: Subject::from(naming::subject(&record.topic, n, partition)),
+            subject: subjects[partition as usize].clone(),
             record,
             partition,
             headers: None,
@@ -190,33 +204,41 @@ impl JetStreamProducer {
         Ok(p)
     }
 
-    async fn start(&self, p: &mut Prepared) -> Result<PublishAckFuture> {
+    /// The message of an attempt: the record's payload and the attempt's headers.
+    fn message(p: &mut Prepared) -> Result<PublishMessage> {
         let mut message = PublishMessage::build().payload(p.record.payload.clone());
         if let Some(h) = p.take_headers()? {
             message = message.headers(h);
         }
+        Ok(message)
+    }
+
+    async fn start(&self, p: &mut Prepared) -> Result<PublishAckFuture> {
+        let message = Self::message(p)?;
         self.js
             .send_publish(p.subject.clone(), message)
             .await
             .map_err(|e| publish_err(&p.subject, e))
     }
 
+    fn ack_err(&self, p: &Prepared, e: async_nats::jetstream::context::PublishError) -> Error {
+        if e.kind() == PublishErrorKind::TimedOut {
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "publishing to '{}': no ack within {:?}",
+                    p.subject, self.timeout
+                ),
+            )
+            .with_source(e)
+            .with_outcome_unknown()
+        } else {
+            publish_err(&p.subject, e)
+        }
+    }
+
     async fn wait(&self, p: &Prepared, fut: PublishAckFuture) -> Result<PublishAck> {
-        fut.await.map_err(|e| {
-            if e.kind() == PublishErrorKind::TimedOut {
-                Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "publishing to '{}': no ack within {:?}",
-                        p.subject, self.timeout
-                    ),
-                )
-                .with_source(e)
-                .with_outcome_unknown()
-            } else {
-                publish_err(&p.subject, e)
-            }
-        })
+        fut.await.map_err(|e| self.ack_err(p, e))
     }
 
     fn delivery(p: Prepared, ack: PublishAck, retried: bool) -> Delivery {
@@ -254,6 +276,7 @@ impl JetStreamProducer {
     }
 
     /// Publishes and waits for the ack; a timeout is retried with the same `Nats-Msg-Id`.
+    /// `first`: the result of a first attempt made already (`send_batch`).
     async fn publish(
         &self,
         mut p: Prepared,
@@ -263,6 +286,25 @@ impl JetStreamProducer {
             Some(r) => r,
             None => self.attempt(&mut p).await,
         };
+        self.finish(p, result).await
+    }
+
+    /// [`Self::publish`] of a record not attempted yet, for `send`: the attempt is written out
+    /// in this one future (no `start` / `wait` futures nested in it, which keep copies of
+    /// their arguments), since every send's future is boxed and moved once.
+    async fn publish_one(&self, mut p: Prepared) -> Result<Delivery> {
+        let result = match Self::message(&mut p) {
+            Ok(message) => match self.js.send_publish(p.subject.clone(), message).await {
+                Ok(ack) => ack.await.map_err(|e| self.ack_err(&p, e)),
+                Err(e) => Err(publish_err(&p.subject, e)),
+            },
+            Err(e) => Err(e),
+        };
+        self.finish(p, result).await
+    }
+
+    /// The delivery of a first attempt's result, or the retries after its timeout.
+    async fn finish(&self, p: Prepared, result: Result<PublishAck>) -> Result<Delivery> {
         match result {
             Ok(ack) => Ok(Self::delivery(p, ack, false)),
             // Retries are rare: their future lives out of line, not in every send's.
@@ -295,9 +337,30 @@ impl ProducerBackend for JetStreamProducer {
         }
     }
 
-    async fn send(&self, record: Record) -> Result<Delivery> {
-        let p = self.prepare(record).await?;
-        self.publish(p, None).await
+    /// Written out instead of `async fn`: a record of a known topic is routed and its headers
+    /// built before the (boxed) future is made, so that future holds only the publish and the
+    /// ack wait, not `prepare`'s state as well; it is allocated and moved once per send.
+    fn send<'a, 'b>(
+        &'a self,
+        record: Record,
+    ) -> Pin<Box<dyn Future<Output = Result<Delivery>> + Send + 'b>>
+    where
+        'a: 'b,
+        Self: 'b,
+    {
+        if let Err(e) = self.check_size(&record) {
+            return Box::pin(std::future::ready(Err(e)));
+        }
+        match self.shared.cached_subjects(&record.topic) {
+            Some(subjects) => match self.route(record, &subjects) {
+                Ok(p) => Box::pin(self.publish_one(p)),
+                Err(e) => Box::pin(std::future::ready(Err(e))),
+            },
+            None => Box::pin(async move {
+                let p = self.prepare(record).await?;
+                self.publish_one(p).await
+            }),
+        }
     }
 
     /// Publishes every record before waiting for the first ack (async publish, bounded by
