@@ -76,9 +76,10 @@ async def test_commit_of_a_batch_commits_its_last_positions(platform):
     await producer.send_batch([onceflow.Record(topic, f"m{i}".encode()) for i in range(4)])
     group = unique("py-group")
     first = await platform.consumer(topic, group, start="earliest")
-    batch = await first.poll(4, 5.0)
+    batch = await first.poll(2, 5.0)
     while len(batch) == 0:
-        batch = await first.poll(4, 5.0)
+        batch = await first.poll(2, 5.0)
+    assert 1 <= len(batch) <= 2
     await first.commit(batch)
     await first.close()
     second = await platform.consumer(topic, group)
