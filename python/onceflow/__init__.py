@@ -354,6 +354,9 @@ class Producer:
                 raise
             _otel.end_send(span)
             return
+        if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None:
+            self._native.send_nowait(topic, payload)  # no keyword dict to build and parse
+            return
         self._native.send_nowait(
             topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
         )
@@ -401,6 +404,8 @@ def _send(native, platform, topic, payload, key, headers, partition, timestamp, 
                 raise
             fut.add_done_callback(functools.partial(_end_send_span, span))
             return fut
+    if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None:
+        return native.send(topic, payload)  # no keyword dict to build and parse
     return native.send(
         topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
     )
