@@ -58,6 +58,7 @@ from ._native import (
     ConnectError,
     DedupStore,
     DedupStoreError,
+    Deliveries,
     Delivery,
     FencedError,
     HandlerError,
@@ -88,6 +89,7 @@ __all__ = [
     "Consumer",
     "DedupStore",
     "DedupStoreError",
+    "Deliveries",
     "Delivery",
     "FencedError",
     "HandlerError",
@@ -153,7 +155,11 @@ class SendError(OnceflowError):
         self.retriable = all(getattr(e, "retriable", False) for e in failed)
 
 
-def _check(results: List[Union[Delivery, BaseException]]) -> List[Delivery]:
+def _check(results: Sequence[Union[Delivery, BaseException]]) -> Sequence[Delivery]:
+    if isinstance(results, Deliveries):
+        if results.failed():
+            raise SendError(list(results)) from results.first_error()
+        return results
     for r in results:
         if isinstance(r, BaseException):
             err = SendError(results)
@@ -289,13 +295,16 @@ class Producer:
         ``asyncio.create_task`` does not (and needs not)."""
         return _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
-    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
-        """Sends records pipelined (one boundary crossing for the batch). Raises ``SendError``
-        (with ``.results``) if any record failed; the others were sent."""
+    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
+        """Sends records pipelined (one boundary crossing for the batch); returns their
+        ``Delivery``s in order as ``Deliveries``, a sequence whose items are made when read
+        (an empty list for no records).
+        Raises ``SendError`` (with ``.results``) if any record failed; the others were sent."""
         return _check(await _send_batch(self._native, self.platform, records))
 
-    async def send_batch_results(self, records: Iterable[Union[Record, tuple]]) -> List[Union[Delivery, OnceflowError]]:
-        """Like ``send_batch`` but returns each record's ``Delivery`` or exception."""
+    async def send_batch_results(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Union[Delivery, OnceflowError]]:
+        """Like ``send_batch`` but returns each record's ``Delivery`` or exception (a
+        ``Deliveries`` sequence; ``failed()`` counts the exceptions)."""
         return await _send_batch(self._native, self.platform, records)
 
     @contextlib.asynccontextmanager
@@ -441,8 +450,8 @@ async def _send_batch(native, platform, records):
     except BaseException as e:
         _otel.end_send(span, error=e)
         raise
-    first_error = next((r for r in results if isinstance(r, BaseException)), None)
-    _otel.end_send(span, error=first_error)
+    if span is not None:
+        _otel.end_send(span, error=results.first_error())
     return results
 
 
@@ -484,7 +493,7 @@ class Transaction:
         (see ``Producer.send``)."""
         return _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
-    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         return _check(await _send_batch(self._native, self._platform, records))
 
     async def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:

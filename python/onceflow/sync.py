@@ -136,7 +136,7 @@ class Producer:
         """See ``onceflow.Producer.send_nowait``: no waiting; ``flush()`` reports failures."""
         self._inner.send_nowait(topic, payload, **kwargs)
 
-    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         return _run(self._inner.send_batch(records))
 
     @contextlib.contextmanager
@@ -165,7 +165,7 @@ class Transaction:
     def send(self, topic: str, payload: Any, **kwargs: Any) -> Delivery:
         return _run(_awaited(self._inner.send, topic, payload, **kwargs))
 
-    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         return _run(self._inner.send_batch(records))
 
     def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:

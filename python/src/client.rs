@@ -27,6 +27,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MessageBatch>()?;
     m.add_class::<MessageIter>()?;
     m.add_class::<Delivery>()?;
+    m.add_class::<Deliveries>()?;
     m.add_class::<Lag>()?;
     Ok(())
 }
@@ -185,17 +186,91 @@ fn caps(c: onceflow::Capabilities) -> HashMap<&'static str, bool> {
     ])
 }
 
-/// Per-record results as a Python list: a `Delivery` or the onceflow exception instance.
-/// Runs on the event loop's thread, once per batch.
+/// Per-record results as a `Deliveries` sequence. Runs on the event loop's thread, once per
+/// batch.
 fn results(py: Python<'_>, rs: Vec<onceflow::Result<onceflow::Delivery>>) -> PyResult<Py<PyAny>> {
-    let items = rs
-        .into_iter()
-        .map(|r| match r {
-            Ok(d) => Ok(Py::new(py, Delivery::from(d))?.into_any()),
-            Err(e) => Ok(to_pyerr(py, &e).into_value(py).into_any()),
+    Ok(Py::new(py, Deliveries { results: rs })?.into_any())
+}
+
+/// The results of a batch send, one per record in order: its `Delivery`, or the exception of
+/// a record that failed. A sequence (`len`, indexing, slicing, iteration) whose items are made
+/// when read, so a batch's results cost no Python object per record until they are looked at;
+/// `failed()` counts the failures without making any.
+#[pyclass(frozen, sequence, module = "onceflow._native")]
+pub struct Deliveries {
+    results: Vec<onceflow::Result<onceflow::Delivery>>,
+}
+
+impl Deliveries {
+    fn item(&self, py: Python<'_>, i: usize) -> PyResult<Py<PyAny>> {
+        Ok(match &self.results[i] {
+            Ok(d) => Py::new(py, Delivery::from(d.clone()))?.into_any(),
+            Err(e) => to_pyerr(py, e).into_value(py).into_any(),
         })
-        .collect::<PyResult<Vec<_>>>()?;
-    Ok(pyo3::types::PyList::new(py, items)?.into_any().unbind())
+    }
+}
+
+#[pymethods]
+impl Deliveries {
+    fn __len__(&self) -> usize {
+        self.results.len()
+    }
+
+    /// `results[i]` is a `Delivery` or an exception (negative `i` counts from the end);
+    /// `results[a:b:c]` a list of them.
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = self.results.len();
+        if let Ok(slice) = index.cast::<pyo3::types::PySlice>() {
+            let ix = slice.indices(n as isize)?;
+            let mut out = Vec::with_capacity(ix.slicelength);
+            let mut i = ix.start;
+            for _ in 0..ix.slicelength {
+                out.push(self.item(py, i as usize)?);
+                i += ix.step;
+            }
+            return Ok(pyo3::types::PyList::new(py, out)?.into_any());
+        }
+        let i: isize = index.extract()?;
+        let j = if i < 0 { i + n as isize } else { i };
+        if j < 0 || j as usize >= n {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "result index {i} out of range for a batch of {n}"
+            )));
+        }
+        Ok(self.item(py, j as usize)?.into_bound(py))
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let items = (0..self.results.len())
+            .map(|i| self.item(py, i))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(pyo3::types::PyList::new(py, items)?.try_iter()?.into_any())
+    }
+
+    /// How many records failed.
+    fn failed(&self) -> usize {
+        self.results.iter().filter(|r| r.is_err()).count()
+    }
+
+    /// The exception of the first record that failed, `None` when all were delivered.
+    fn first_error<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        self.results
+            .iter()
+            .find_map(|r| r.as_ref().err())
+            .map(|e| to_pyerr(py, e).into_value(py).into_bound(py).into_any())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Deliveries(<{} records, {} failed>)",
+            self.results.len(),
+            self.failed()
+        )
+    }
 }
 
 /// A producer.
@@ -377,8 +452,8 @@ impl Producer {
         )
     }
 
-    /// Sends records (tuples in `onceflow.Record` order) pipelined; resolves to one result per
-    /// record, in order: a `Delivery` or the exception of that record.
+    /// Sends records (tuples in `onceflow.Record` order) pipelined; resolves to `Deliveries`:
+    /// one result per record, in order, a `Delivery` or the exception of that record.
     fn send_batch<'py>(
         &self,
         py: Python<'py>,

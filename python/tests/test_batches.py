@@ -149,3 +149,22 @@ async def test_a_batch_handler_gets_a_message_batch(memory):
     engine = onceflow.IdempotentConsumer(await memory.consumer(topic, start="earliest"), handle, "memory://", batch=True, poll_timeout=0.05)
     await engine.run()
     assert seen == [f"m{i}".encode() for i in range(5)]
+
+
+async def test_batch_send_results_are_a_sequence_made_on_read(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    results = await producer.send_batch_results(
+        [onceflow.Record(topic, b"a"), onceflow.Record("", b"no topic"), onceflow.Record(topic, b"b")]
+    )
+    assert isinstance(results, onceflow.Deliveries)
+    assert len(results) == 3 and results.failed() == 1
+    assert isinstance(results[0], onceflow.Delivery) and isinstance(results[-1], onceflow.Delivery)
+    assert isinstance(results[1], onceflow.ConfigError)
+    assert isinstance(results.first_error(), onceflow.ConfigError)
+    assert [type(r) for r in results] == [type(r) for r in results[:]] == [type(r) for r in results[::-1]][::-1]
+    assert results[0].topic == topic and results[0].position != results[2].position
+    with pytest.raises(IndexError):
+        results[3]
+    ok = await producer.send_batch([onceflow.Record(topic, b"c")])
+    assert ok.failed() == 0 and ok.first_error() is None and ok[0].topic == topic
