@@ -58,11 +58,13 @@ from ._native import (
     ConnectError,
     DedupStore,
     DedupStoreError,
+    Deliveries,
     Delivery,
     FencedError,
     HandlerError,
     Lag,
     Message,
+    MessageBatch,
     NativeError,
     NotFoundError,
     OnceflowError,
@@ -87,12 +89,14 @@ __all__ = [
     "Consumer",
     "DedupStore",
     "DedupStoreError",
+    "Deliveries",
     "Delivery",
     "FencedError",
     "HandlerError",
     "IdempotentConsumer",
     "Lag",
     "Message",
+    "MessageBatch",
     "NativeError",
     "NotFoundError",
     "OnceflowError",
@@ -151,7 +155,11 @@ class SendError(OnceflowError):
         self.retriable = all(getattr(e, "retriable", False) for e in failed)
 
 
-def _check(results: List[Union[Delivery, BaseException]]) -> List[Delivery]:
+def _check(results: Sequence[Union[Delivery, BaseException]]) -> Sequence[Delivery]:
+    if isinstance(results, Deliveries):
+        if results.failed():
+            raise SendError(list(results)) from results.first_error()
+        return results
     for r in results:
         if isinstance(r, BaseException):
             err = SendError(results)
@@ -287,13 +295,16 @@ class Producer:
         ``asyncio.create_task`` does not (and needs not)."""
         return _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
-    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
-        """Sends records pipelined (one boundary crossing for the batch). Raises ``SendError``
-        (with ``.results``) if any record failed; the others were sent."""
+    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
+        """Sends records pipelined (one boundary crossing for the batch); returns their
+        ``Delivery``s in order as ``Deliveries``, a sequence whose items are made when read
+        (an empty list for no records).
+        Raises ``SendError`` (with ``.results``) if any record failed; the others were sent."""
         return _check(await _send_batch(self._native, self.platform, records))
 
-    async def send_batch_results(self, records: Iterable[Union[Record, tuple]]) -> List[Union[Delivery, OnceflowError]]:
-        """Like ``send_batch`` but returns each record's ``Delivery`` or exception."""
+    async def send_batch_results(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Union[Delivery, OnceflowError]]:
+        """Like ``send_batch`` but returns each record's ``Delivery`` or exception (a
+        ``Deliveries`` sequence; ``failed()`` counts the exceptions)."""
         return await _send_batch(self._native, self.platform, records)
 
     @contextlib.asynccontextmanager
@@ -318,11 +329,63 @@ class Producer:
         """Starts a transaction explicitly (prefer ``transaction()``)."""
         return Transaction(await self._native.begin(), self.platform)
 
+    def send_nowait(
+        self,
+        topic: str,
+        payload: Payload,
+        *,
+        key: Optional[Payload] = None,
+        headers: Headers = None,
+        partition: Optional[int] = None,
+        timestamp: Optional[int] = None,
+        idempotency_key: Optional[str] = None,
+    ) -> None:
+        """Hands one record over and returns at once, without an awaitable (the cheap path for
+        many single records, like confluent-kafka's ``produce``). The record is buffered and
+        sent, in call order, together with the records handed over around it, by a background
+        task: one ``send_batch`` of everything buffered at a time, the next one with what was
+        buffered while it ran. Nothing reports its delivery: ``flush()`` (and
+        ``close()``) wait for every record handed over and raise ``SendError`` whose
+        ``.results`` are the exceptions of the records that failed. Invalid arguments raise at
+        the call. Use ``send`` when each record's ``Delivery`` is needed. With OpenTelemetry
+        installed the current trace context is injected and the send span covers the
+        hand-over only."""
+        if _otel.ENABLED:
+            span, trace_headers = _otel.start_send(topic, self.platform)
+            if trace_headers is not None:
+                headers = _otel.merge(headers, trace_headers)
+            try:
+                self._native.send_nowait(
+                    topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
+                )
+            except BaseException as e:
+                _otel.end_send(span, error=e)
+                raise
+            _otel.end_send(span)
+            return
+        if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None:
+            self._native.send_nowait(topic, payload)  # no keyword dict to build and parse
+            return
+        self._native.send_nowait(
+            topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
+        )
+
     async def flush(self, timeout: float = 30.0) -> None:
+        """Waits, at most ``timeout`` seconds, until everything sent is acknowledged. Raises
+        ``SendError`` (``.results``: the exceptions) when records given to ``send_nowait``
+        since the last ``flush`` failed, ``TimeoutError`` when records are still in flight."""
+        failures = await self._native.drain(timeout)
         await self._native.flush(timeout)
+        _raise_failures(failures)
 
     async def close(self) -> None:
-        await self._native.close()
+        """Waits for the records given to ``send_nowait`` (at most 30 s), flushes and releases
+        the producer; raises ``SendError`` afterwards if some of them failed."""
+        try:
+            failures = await self._native.drain(30.0)
+        finally:
+            await self._native.close()
+        _raise_failures(failures)
 
     async def __aenter__(self) -> "Producer":
         return self
@@ -350,9 +413,16 @@ def _send(native, platform, topic, payload, key, headers, partition, timestamp, 
                 raise
             fut.add_done_callback(functools.partial(_end_send_span, span))
             return fut
+    if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None:
+        return native.send(topic, payload)  # no keyword dict to build and parse
     return native.send(
         topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
     )
+
+
+def _raise_failures(failures: List[BaseException]) -> None:
+    if failures:
+        raise SendError(failures) from failures[0]
 
 
 def _end_send_span(span, fut: "asyncio.Future[Delivery]") -> None:
@@ -380,13 +450,15 @@ async def _send_batch(native, platform, records):
     except BaseException as e:
         _otel.end_send(span, error=e)
         raise
-    first_error = next((r for r in results if isinstance(r, BaseException)), None)
-    _otel.end_send(span, error=first_error)
+    if span is not None:
+        _otel.end_send(span, error=results.first_error())
     return results
 
 
 def _positions(messages: Iterable[Any]) -> List[Tuple[str, int, str]]:
     """The last position per partition of messages (or ``(topic, partition, position)``)."""
+    if isinstance(messages, MessageBatch):
+        return messages.last_positions()
     last: Dict[Tuple[str, int], str] = {}
     for m in messages:
         if isinstance(m, tuple):
@@ -421,7 +493,7 @@ class Transaction:
         (see ``Producer.send``)."""
         return _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
-    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+    async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         return _check(await _send_batch(self._native, self._platform, records))
 
     async def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:
@@ -448,7 +520,7 @@ class Consumer:
         self._native = native
         self.batch_size = batch_size
         self.poll_timeout = poll_timeout
-        self._batch: List[Message] = []
+        self._batch: Optional[MessageBatch] = None
         self._index = 0
         self._last: Dict[Tuple[str, int], str] = {}
 
@@ -464,16 +536,22 @@ class Consumer:
     def platform(self) -> str:
         return self._native.platform
 
-    async def poll(self, max: Optional[int] = None, timeout: Optional[float] = None) -> List[Message]:
-        """One batch: up to ``max`` messages, waiting at most ``timeout`` s for the first.
-        ``commit()`` without arguments commits it."""
+    async def poll(self, max: Optional[int] = None, timeout: Optional[float] = None) -> MessageBatch:
+        """One batch: up to ``max`` messages, waiting at most ``timeout`` s for the first
+        (empty on timeout). ``commit()`` without arguments commits it.
+
+        The ``MessageBatch`` is a sequence of ``Message`` (``len``, indexing, slicing,
+        iteration) whose ``Message`` objects are made only when accessed; its column methods
+        (``payloads()``, ``keys()``, ``positions()``, ``partitions()``, ``topics()``,
+        ``timestamps()``, ``last_positions()``) return one list for the whole batch without
+        a ``Message`` per message."""
         batch = await self._native.poll(max or self.batch_size, self.poll_timeout if timeout is None else timeout)
         if batch:
             self._settle()
             self._batch, self._index = batch, len(batch)
         return batch
 
-    async def batches(self) -> AsyncIterator[List[Message]]:
+    async def batches(self) -> AsyncIterator[MessageBatch]:
         """Yields non-empty batches forever (``commit()`` commits the batches yielded)."""
         while True:
             batch = await self.poll()
@@ -494,10 +572,10 @@ class Consumer:
                 yield m
 
     def _settle(self) -> None:
-        if self._index:
-            for m in self._batch[: self._index]:
-                self._last[(m.topic, m.partition)] = m.position
-        self._batch, self._index = [], 0
+        if self._index and self._batch is not None:
+            for t, p, pos in self._batch.last_positions(self._index):
+                self._last[(t, p)] = pos
+        self._batch, self._index = None, 0
 
     def _yielded_positions(self) -> List[Tuple[str, int, str]]:
         self._settle()
@@ -521,7 +599,7 @@ class Consumer:
     async def seek(self, topic: str, partition: int, to: str) -> None:
         """Replays from ``to``: ``earliest``, ``latest``, ``timestamp:MS`` or a position such
         as ``offset:42`` (inclusive)."""
-        self._batch, self._index = [], 0
+        self._batch, self._index = None, 0
         await self._native.seek(topic, partition, to)
 
     async def pause(self, partitions: Sequence[Tuple[str, int]]) -> None:
@@ -572,14 +650,14 @@ async def _run_in_process_span(func: Callable[[Any], Any], arg: Any, context_of:
 
 
 def _traced_batch(
-    func: Callable[[List[Message]], Any], system: str, group: str
-) -> Callable[[List[Message]], Awaitable[Any]]:
+    func: Callable[[MessageBatch], Any], system: str, group: str
+) -> Callable[[MessageBatch], Awaitable[Any]]:
     """The callable the engine calls with a batch: runs ``func`` (sync or async) as an
     awaitable, inside the trace context of the batch's first message when OpenTelemetry is
     installed (one span per call, as for a batch send)."""
     if not _otel.ENABLED:
 
-        async def plain(messages: List[Message]) -> Any:
+        async def plain(messages: MessageBatch) -> Any:
             result = func(messages)
             if inspect.isawaitable(result):
                 result = await result
@@ -587,7 +665,7 @@ def _traced_batch(
 
         return plain
 
-    async def call(messages: List[Message]) -> Any:
+    async def call(messages: MessageBatch) -> Any:
         return await _run_in_process_span(func, messages, messages[0], system, group)
 
     return call
@@ -649,8 +727,9 @@ class IdempotentConsumer(_Engine):
     ``commit_interval``, ``commit_every``, ``shutdown_deadline``, ``namespace``, ``worker_id``,
     ``fingerprint``, ``redelivery_delay``.
 
-    With ``batch=True`` the handler takes a list of messages (consecutive messages of one
-    partition whose keys were claimed together; duplicates already removed) and returns
+    With ``batch=True`` the handler takes a ``MessageBatch`` (a sequence of ``Message`` with
+    column methods such as ``payloads()``; see ``Consumer.poll``): consecutive messages of one
+    partition whose keys were claimed together, duplicates already removed. It returns
     ``None`` or one result (``None`` or bytes) per message, in order: one call, one dedup
     claim and one completion per batch instead of per message. A batch handler that raises
     fails the whole batch: it is retried with backoff, then every message of it is given up

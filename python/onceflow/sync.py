@@ -30,6 +30,7 @@ from . import (
     Delivery,
     Lag,
     Message,
+    MessageBatch,
     Record,
 )
 from . import Client as _AsyncClient
@@ -131,7 +132,11 @@ class Producer:
     def send(self, topic: str, payload: Any, **kwargs: Any) -> Delivery:
         return _run(_awaited(self._inner.send, topic, payload, **kwargs))
 
-    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+    def send_nowait(self, topic: str, payload: Any, **kwargs: Any) -> None:
+        """See ``onceflow.Producer.send_nowait``: no waiting; ``flush()`` reports failures."""
+        self._inner.send_nowait(topic, payload, **kwargs)
+
+    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         return _run(self._inner.send_batch(records))
 
     @contextlib.contextmanager
@@ -160,7 +165,7 @@ class Transaction:
     def send(self, topic: str, payload: Any, **kwargs: Any) -> Delivery:
         return _run(_awaited(self._inner.send, topic, payload, **kwargs))
 
-    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+    def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         return _run(self._inner.send_batch(records))
 
     def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:
@@ -183,7 +188,7 @@ class Consumer:
     def group(self) -> str:
         return self._inner.group
 
-    def poll(self, max: Optional[int] = None, timeout: Optional[float] = None) -> List[Message]:
+    def poll(self, max: Optional[int] = None, timeout: Optional[float] = None) -> MessageBatch:
         return _run(self._inner.poll(max, timeout))
 
     def __iter__(self) -> Iterator[Message]:

@@ -10,7 +10,7 @@ use onceflow::{
 };
 use pyo3::prelude::*;
 
-use crate::convert::{self, Delivery, Lag, Message};
+use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter};
 use crate::errors::{config_err, to_pyerr};
 use crate::{awaitable, awaitable_py, awaitable_uncancelled, wake};
 
@@ -24,7 +24,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Admin>()?;
     m.add_class::<DedupStore>()?;
     m.add_class::<Message>()?;
+    m.add_class::<MessageBatch>()?;
+    m.add_class::<MessageIter>()?;
     m.add_class::<Delivery>()?;
+    m.add_class::<Deliveries>()?;
     m.add_class::<Lag>()?;
     Ok(())
 }
@@ -104,10 +107,10 @@ impl Client {
             options: self::options(options),
         };
         awaitable(py, async move {
-            client
-                .producer(config)
-                .await
-                .map(|inner| Producer { inner })
+            client.producer(config).await.map(|inner| Producer {
+                inner,
+                background: Arc::default(),
+            })
         })
     }
 
@@ -183,23 +186,154 @@ fn caps(c: onceflow::Capabilities) -> HashMap<&'static str, bool> {
     ])
 }
 
-/// Per-record results as a Python list: a `Delivery` or the onceflow exception instance.
-/// Runs on the event loop's thread, once per batch.
+/// Per-record results as a `Deliveries` sequence. Runs on the event loop's thread, once per
+/// batch.
 fn results(py: Python<'_>, rs: Vec<onceflow::Result<onceflow::Delivery>>) -> PyResult<Py<PyAny>> {
-    let items = rs
-        .into_iter()
-        .map(|r| match r {
-            Ok(d) => Ok(Py::new(py, Delivery::from(d))?.into_any()),
-            Err(e) => Ok(to_pyerr(py, &e).into_value(py).into_any()),
+    Ok(Py::new(py, Deliveries { results: rs })?.into_any())
+}
+
+/// The results of a batch send, one per record in order: its `Delivery`, or the exception of
+/// a record that failed. A sequence (`len`, indexing, slicing, iteration) whose items are made
+/// when read, so a batch's results cost no Python object per record until they are looked at;
+/// `failed()` counts the failures without making any.
+#[pyclass(frozen, sequence, module = "onceflow._native")]
+pub struct Deliveries {
+    results: Vec<onceflow::Result<onceflow::Delivery>>,
+}
+
+impl Deliveries {
+    fn item(&self, py: Python<'_>, i: usize) -> PyResult<Py<PyAny>> {
+        Ok(match &self.results[i] {
+            Ok(d) => Py::new(py, Delivery::from(d.clone()))?.into_any(),
+            Err(e) => to_pyerr(py, e).into_value(py).into_any(),
         })
-        .collect::<PyResult<Vec<_>>>()?;
-    Ok(pyo3::types::PyList::new(py, items)?.into_any().unbind())
+    }
+}
+
+#[pymethods]
+impl Deliveries {
+    fn __len__(&self) -> usize {
+        self.results.len()
+    }
+
+    /// `results[i]` is a `Delivery` or an exception (negative `i` counts from the end);
+    /// `results[a:b:c]` a list of them.
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = self.results.len();
+        if let Ok(slice) = index.cast::<pyo3::types::PySlice>() {
+            let ix = slice.indices(n as isize)?;
+            let mut out = Vec::with_capacity(ix.slicelength);
+            let mut i = ix.start;
+            for _ in 0..ix.slicelength {
+                out.push(self.item(py, i as usize)?);
+                i += ix.step;
+            }
+            return Ok(pyo3::types::PyList::new(py, out)?.into_any());
+        }
+        let i: isize = index.extract()?;
+        let j = if i < 0 { i + n as isize } else { i };
+        if j < 0 || j as usize >= n {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "result index {i} out of range for a batch of {n}"
+            )));
+        }
+        Ok(self.item(py, j as usize)?.into_bound(py))
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let items = (0..self.results.len())
+            .map(|i| self.item(py, i))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(pyo3::types::PyList::new(py, items)?.try_iter()?.into_any())
+    }
+
+    /// How many records failed.
+    fn failed(&self) -> usize {
+        self.results.iter().filter(|r| r.is_err()).count()
+    }
+
+    /// The exception of the first record that failed, `None` when all were delivered.
+    fn first_error<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        self.results
+            .iter()
+            .find_map(|r| r.as_ref().err())
+            .map(|e| to_pyerr(py, e).into_value(py).into_bound(py).into_any())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Deliveries(<{} records, {} failed>)",
+            self.results.len(),
+            self.failed()
+        )
+    }
 }
 
 /// A producer.
 #[pyclass(frozen, module = "onceflow._native")]
 pub struct Producer {
     pub inner: onceflow::Producer,
+    background: Arc<Background>,
+}
+
+/// Records handed over by `send_nowait`: buffered here and sent by one task per producer, one
+/// `Producer::send_batch` at a time (so they go out in call order), their failures kept until
+/// `drain` takes them.
+#[derive(Default)]
+struct Background {
+    state: parking_lot::Mutex<BackgroundState>,
+    /// `pending` went to 0.
+    idle: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct BackgroundState {
+    /// Records not yet handed to a batch send.
+    buf: Vec<onceflow::Record>,
+    /// Records accepted whose send has not finished.
+    pending: usize,
+    /// Errors of finished sends, not yet taken by `drain`.
+    failed: Vec<Error>,
+    /// The send task runs.
+    running: bool,
+}
+
+/// The send task: sends everything buffered as one batch, waits for its results, and repeats
+/// with what was buffered meanwhile; ends when nothing is buffered.
+async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
+    loop {
+        let batch = {
+            let mut st = bg.state.lock();
+            if st.buf.is_empty() {
+                st.running = false;
+                return;
+            }
+            std::mem::take(&mut st.buf)
+        };
+        let results = p.send_batch(batch).await;
+        let mut st = bg.state.lock();
+        st.pending -= results.len();
+        st.failed
+            .extend(results.into_iter().filter_map(Result::err));
+        if st.pending == 0 {
+            drop(st);
+            bg.idle.notify_waiters();
+        }
+    }
+}
+
+/// `drain`'s result: the exceptions of the failed records, as a list.
+fn failures(py: Python<'_>, r: onceflow::Result<Vec<Error>>) -> PyResult<Py<PyAny>> {
+    let errors = crate::errors::py_result(r)?;
+    let items = errors
+        .iter()
+        .map(|e| to_pyerr(py, e).into_value(py).into_any())
+        .collect::<Vec<_>>();
+    Ok(pyo3::types::PyList::new(py, items)?.into_any().unbind())
 }
 
 #[pymethods]
@@ -244,8 +378,82 @@ impl Producer {
         awaitable_uncancelled(py, async move { p.send(record).await.map(Delivery::from) })
     }
 
-    /// Sends records (tuples in `onceflow.Record` order) pipelined; resolves to one result per
-    /// record, in order: a `Delivery` or the exception of that record.
+    /// Hands one record over without an awaitable and returns at once: the record is buffered
+    /// and sent by a background task with the records buffered around it, one batch at a time,
+    /// in call order. Failures are kept until `drain` returns them. Invalid arguments raise
+    /// here.
+    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn send_nowait(
+        &self,
+        topic: String,
+        payload: &Bound<'_, PyAny>,
+        key: Option<&Bound<'_, PyAny>>,
+        headers: Option<&Bound<'_, PyAny>>,
+        partition: Option<i32>,
+        timestamp: Option<i64>,
+        idempotency_key: Option<String>,
+    ) -> PyResult<()> {
+        let record = convert::record(
+            topic,
+            payload,
+            key,
+            headers,
+            partition,
+            timestamp,
+            idempotency_key,
+        )?;
+        let spawn = {
+            let mut st = self.background.state.lock();
+            st.buf.push(record);
+            st.pending += 1;
+            !std::mem::replace(&mut st.running, true)
+        };
+        if spawn {
+            onceflow_bindings::runtime()
+                .spawn(send_buffered(self.inner.clone(), self.background.clone()));
+        }
+        Ok(())
+    }
+
+    /// Waits, at most `timeout` seconds, until every record given to `send_nowait` so far is
+    /// acknowledged or failed; resolves to the exceptions of the records that failed since the
+    /// last `drain` (an empty list when none did). Raises `TimeoutError` when records are
+    /// still in flight at the timeout.
+    #[pyo3(signature = (timeout=30.0))]
+    fn drain<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let timeout = convert::seconds("timeout", timeout)?;
+        let bg = self.background.clone();
+        wake::deliver(
+            py,
+            async move {
+                let wait = async {
+                    loop {
+                        let idle = bg.idle.notified();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        if bg.state.lock().pending == 0 {
+                            break;
+                        }
+                        idle.await;
+                    }
+                };
+                if tokio::time::timeout(timeout, wait).await.is_err() {
+                    let pending = bg.state.lock().pending;
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!("drain: {pending} records of send_nowait still in flight after {timeout:?}"),
+                    ));
+                }
+                Ok(std::mem::take(&mut bg.state.lock().failed))
+            },
+            failures,
+            true,
+        )
+    }
+
+    /// Sends records (tuples in `onceflow.Record` order) pipelined; resolves to `Deliveries`:
+    /// one result per record, in order, a `Delivery` or the exception of that record.
     fn send_batch<'py>(
         &self,
         py: Python<'py>,
@@ -412,17 +620,14 @@ impl Consumer {
     }
 
     /// Fetches up to `max` messages, waiting at most `timeout` seconds for the first; resolves
-    /// to a list (empty on timeout). One call crosses the boundary once for the whole batch.
+    /// to a `MessageBatch` (empty on timeout). One call crosses the boundary once for the whole
+    /// batch; its `Message` objects are made only when accessed.
     #[pyo3(signature = (max=500, timeout=1.0))]
     fn poll<'py>(&self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
         let timeout = convert::seconds("timeout", timeout)?;
         let c = self.inner.clone();
         awaitable(py, async move {
-            c.poll(max, timeout).await.map(|ms| {
-                ms.into_iter()
-                    .map(|inner| Message { inner })
-                    .collect::<Vec<_>>()
-            })
+            c.poll(max, timeout).await.map(MessageBatch::new)
         })
     }
 

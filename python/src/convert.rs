@@ -1,14 +1,16 @@
 //! Type conversions between Python and onceflow's model: records in, messages, deliveries
 //! and lag out. No logic beyond conversion.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use onceflow::{
     Delivery as RsDelivery, Headers, Message as RsMessage, PartitionLag, Position, Record,
     TopicPartition,
 };
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyIndexError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString, PyTuple};
 
 use crate::errors::{config_err, py_result};
 
@@ -144,10 +146,26 @@ pub fn positions(v: Vec<(String, i32, String)>) -> PyResult<Vec<(TopicPartition,
         .collect()
 }
 
-/// A received message. Fields convert to Python objects when read.
+/// A received message: a view of one message of a [`MessageBatch`] (the batch's messages are
+/// shared, not copied). Fields convert to Python objects when read.
 #[pyclass(frozen, module = "onceflow._native")]
 pub struct Message {
-    pub inner: RsMessage,
+    batch: Arc<Vec<RsMessage>>,
+    index: usize,
+}
+
+impl Message {
+    /// A message on its own (a batch of one).
+    pub fn single(m: RsMessage) -> Self {
+        Message {
+            batch: Arc::new(vec![m]),
+            index: 0,
+        }
+    }
+
+    fn inner(&self) -> &RsMessage {
+        &self.batch[self.index]
+    }
 }
 
 #[pymethods]
@@ -155,33 +173,33 @@ impl Message {
     /// Topic / stream / subject.
     #[getter]
     fn topic(&self) -> &str {
-        &self.inner.topic
+        &self.inner().topic
     }
     /// Partition (shard) number.
     #[getter]
     fn partition(&self) -> i32 {
-        self.inner.partition
+        self.inner().partition
     }
     /// Position in its partition, as text (`offset:42`, `seq:7`, ...).
     #[getter]
     fn position(&self) -> String {
-        self.inner.position.to_string()
+        self.inner().position.to_string()
     }
     /// Key bytes, if any.
     #[getter]
     fn key<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
-        self.inner.key.as_ref().map(|k| PyBytes::new(py, k))
+        self.inner().key.as_ref().map(|k| PyBytes::new(py, k))
     }
     /// Payload bytes.
     #[getter]
     fn payload<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.inner.payload)
+        PyBytes::new(py, &self.inner().payload)
     }
     /// Headers in order: `(name, value)`, value `None` for a null header.
     #[getter]
     fn headers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let items: Vec<(String, Option<Bound<'py, PyBytes>>)> = self
-            .inner
+            .inner()
             .headers
             .iter()
             .map(|h| {
@@ -197,7 +215,7 @@ impl Message {
     #[getter]
     fn headers_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for h in self.inner.headers.iter() {
+        for h in self.inner().headers.iter() {
             if !d.contains(&h.name)? {
                 d.set_item(&h.name, h.value.as_ref().map(|v| PyBytes::new(py, v)))?;
             }
@@ -206,7 +224,7 @@ impl Message {
     }
     /// The first value of header `name` (`None` if absent or null).
     fn header<'py>(&self, py: Python<'py>, name: &str) -> Option<Bound<'py, PyBytes>> {
-        self.inner
+        self.inner()
             .headers
             .get(name)
             .flatten()
@@ -215,21 +233,182 @@ impl Message {
     /// Milliseconds since the epoch, if the platform has a timestamp.
     #[getter]
     fn timestamp(&self) -> Option<i64> {
-        self.inner.timestamp
+        self.inner().timestamp
     }
     /// How many times the platform delivered this message (1 on first delivery).
     #[getter]
     fn delivery_count(&self) -> u32 {
-        self.inner.delivery_count
+        self.inner().delivery_count
     }
     fn __repr__(&self) -> String {
         format!(
             "Message(topic={:?}, partition={}, position={:?}, payload=<{} bytes>)",
-            self.inner.topic,
-            self.inner.partition,
-            self.inner.position.to_string(),
-            self.inner.payload.len()
+            self.inner().topic,
+            self.inner().partition,
+            self.inner().position.to_string(),
+            self.inner().payload.len()
         )
+    }
+}
+
+/// The messages of one poll, in the order they were read: a sequence of [`Message`] (`len`,
+/// indexing, slicing, iteration) whose message objects are made only when accessed, plus
+/// column accessors that build one Python list for the whole batch without a `Message` object
+/// per message.
+#[pyclass(frozen, sequence, module = "onceflow._native")]
+pub struct MessageBatch {
+    messages: Arc<Vec<RsMessage>>,
+}
+
+impl MessageBatch {
+    /// A batch of `messages`, in order.
+    pub fn new(messages: Vec<RsMessage>) -> Self {
+        MessageBatch {
+            messages: Arc::new(messages),
+        }
+    }
+
+    fn at(&self, index: usize) -> Message {
+        Message {
+            batch: self.messages.clone(),
+            index,
+        }
+    }
+}
+
+#[pymethods]
+impl MessageBatch {
+    fn __len__(&self) -> usize {
+        self.messages.len()
+    }
+
+    /// `batch[i]` is a `Message` (negative `i` counts from the end); `batch[a:b:c]` a list of
+    /// them.
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = self.messages.len();
+        if let Ok(slice) = index.cast::<PySlice>() {
+            let ix = slice.indices(n as isize)?;
+            let mut out = Vec::with_capacity(ix.slicelength);
+            let mut i = ix.start;
+            for _ in 0..ix.slicelength {
+                out.push(self.at(i as usize));
+                i += ix.step;
+            }
+            return Ok(PyList::new(py, out)?.into_any());
+        }
+        let i: isize = index.extract()?;
+        let j = if i < 0 { i + n as isize } else { i };
+        if j < 0 || j as usize >= n {
+            return Err(PyIndexError::new_err(format!(
+                "message index {i} out of range for a batch of {n}"
+            )));
+        }
+        Ok(Bound::new(py, self.at(j as usize))?.into_any())
+    }
+
+    fn __iter__(&self) -> MessageIter {
+        MessageIter {
+            messages: self.messages.clone(),
+            next: 0,
+        }
+    }
+
+    /// Every message's payload, in order: `list[bytes]`.
+    fn payloads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.messages.iter().map(|m| PyBytes::new(py, &m.payload)),
+        )
+    }
+
+    /// Every message's key, in order: `list[bytes | None]`.
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.messages
+                .iter()
+                .map(|m| m.key.as_ref().map(|k| PyBytes::new(py, k))),
+        )
+    }
+
+    /// Every message's position as text (`offset:42`, ...), in order: `list[str]`.
+    fn positions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.messages.iter().map(|m| m.position.to_string()))
+    }
+
+    /// Every message's topic, in order: `list[str]`.
+    fn topics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.messages.iter().map(|m| m.topic.as_str()))
+    }
+
+    /// Every message's partition, in order: `list[int]`.
+    fn partitions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.messages.iter().map(|m| m.partition))
+    }
+
+    /// Every message's timestamp (ms since the epoch, `None` where the platform has none), in
+    /// order: `list[int | None]`.
+    fn timestamps<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.messages.iter().map(|m| m.timestamp))
+    }
+
+    /// `(topic, partition, position)` of the last message of each partition among the first
+    /// `count` messages (all when `None`), in order of first appearance: what
+    /// `Consumer.commit` takes to commit them.
+    #[pyo3(signature = (count=None))]
+    fn last_positions(&self, count: Option<usize>) -> Vec<(String, i32, String)> {
+        let n = count.map_or(self.messages.len(), |c| c.min(self.messages.len()));
+        // Index of the last message per partition; positions are formatted for those only.
+        let mut last: Vec<usize> = Vec::new();
+        for (i, m) in self.messages[..n].iter().enumerate() {
+            let same = |j: &&mut usize| {
+                let o = &self.messages[**j];
+                o.partition == m.partition && o.topic == m.topic
+            };
+            match last.iter_mut().find(same) {
+                Some(j) => *j = i,
+                None => last.push(i),
+            }
+        }
+        last.into_iter()
+            .map(|i| {
+                let m = &self.messages[i];
+                (m.topic.clone(), m.partition, m.position.to_string())
+            })
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("MessageBatch(<{} messages>)", self.messages.len())
+    }
+}
+
+/// Iterates a [`MessageBatch`]'s messages.
+#[pyclass(module = "onceflow._native")]
+pub struct MessageIter {
+    messages: Arc<Vec<RsMessage>>,
+    next: usize,
+}
+
+#[pymethods]
+impl MessageIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&mut self) -> Option<Message> {
+        let i = self.next;
+        (i < self.messages.len()).then(|| {
+            self.next += 1;
+            Message {
+                batch: self.messages.clone(),
+                index: i,
+            }
+        })
     }
 }
 

@@ -13,11 +13,11 @@ use onceflow::{
 };
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict};
 use pyo3_async_runtimes::TaskLocals;
 
 use crate::client::{Consumer, DedupStore, Producer};
-use crate::convert::{self, Lag, Message};
+use crate::convert::{self, Lag, Message, MessageBatch};
 use crate::errors::{config_err, py_box};
 use crate::{awaitable, current_locals};
 
@@ -44,9 +44,7 @@ async fn call(
 ) -> Result<Py<PyAny>, BoxError> {
     let locals = locals_of(locals)?;
     let fut = Python::attach(|py| {
-        let msg = Message {
-            inner: message.clone(),
-        };
+        let msg = Message::single(message.clone());
         let aw = func.bind(py).call1((msg,))?;
         pyo3_async_runtimes::into_future_with_locals(&locals, aw)
     })
@@ -54,8 +52,8 @@ async fn call(
     fut.await.map_err(py_box)
 }
 
-/// Calls `func([messages])` and awaits the awaitable it returns on the loop in `locals`: one
-/// boundary crossing for the whole run of messages.
+/// Calls `func(batch)` with the run of messages as a `MessageBatch` and awaits the awaitable it
+/// returns on the loop in `locals`: one boundary crossing for the whole run of messages.
 async fn call_batch(
     func: &Py<PyAny>,
     locals: &Locals,
@@ -63,8 +61,8 @@ async fn call_batch(
 ) -> Result<Py<PyAny>, BoxError> {
     let locals = locals_of(locals)?;
     let fut = Python::attach(|py| {
-        let list = PyList::new(py, messages.iter().map(|m| Message { inner: m.clone() }))?;
-        let aw = func.bind(py).call1((list,))?;
+        let batch = MessageBatch::new(messages.to_vec());
+        let aw = func.bind(py).call1((batch,))?;
         pyo3_async_runtimes::into_future_with_locals(&locals, aw)
     })
     .map_err(py_box)?;
@@ -299,7 +297,7 @@ pub struct IdempotentConsumer {
 #[pymethods]
 impl IdempotentConsumer {
     /// `handler(message)` returns an awaitable of `None` or bytes; with `batch=True`,
-    /// `handler([messages])` gets consecutive messages of one partition and returns an
+    /// `handler(batch)` gets consecutive messages of one partition as a `MessageBatch` and returns an
     /// awaitable of `None` or one `None`/bytes per message. A batch handler that raises fails
     /// every message of the call: retried, then each given up (redelivered) as `on_failure`
     /// says.

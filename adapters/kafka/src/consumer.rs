@@ -528,7 +528,7 @@ impl ConsumerBackend for KafkaConsumer {
         let group = self.group.clone();
         self.blocking("poll", move |c| {
             let deadline = Instant::now() + timeout;
-            let mut out = Vec::new();
+            let mut out = Vec::with_capacity(max.min(1024));
             while out.len() < max {
                 let wait = if out.is_empty() {
                     deadline.saturating_duration_since(Instant::now())
