@@ -540,7 +540,8 @@ fn parse_value(v: &[u8]) -> Option<Stored<'_>> {
     }
     let a = v.iter().position(|&c| c == b'|')?;
     let (token, v) = (&v[..a], &v[a + 1..]);
-    if token.is_empty() || !token.iter().all(u8::is_ascii_digit) {
+    // 1-15 digits: what the scripts compute with exactly (a Lua number is a double).
+    if token.is_empty() || token.len() > 15 || !token.iter().all(u8::is_ascii_digit) {
         return None;
     }
     let b = v.iter().position(|&c| c == b'|')?;

@@ -51,10 +51,23 @@ macro_rules! script {
 -- nil if it is not a format-1 value.
 local function parse(v)
   if string.byte(v, 1) ~= 49 then return nil end
+  local st = string.sub(v, 2, 2)
+  if st ~= '0' and st ~= '1' and st ~= '2' then return nil end
   local a = string.find(v, '|', 3, true)
   local b = a and string.find(v, '|', a + 1, true)
   if not b then return nil end
-  return string.sub(v, 2, 2), string.sub(v, 3, a - 1), string.sub(v, a + 1, b - 1), b
+  local tok, sf = string.sub(v, 3, a - 1), string.sub(v, a + 1, b - 1)
+  -- A token is 1-15 digits (exact in a Lua number); a fingerprint is empty or 32 hex digits.
+  if #tok == 0 or #tok > 15 or string.find(tok, '%D') then return nil end
+  if sf ~= '' and (#sf ~= 32 or string.find(sf, '[^0-9a-f]')) then return nil end
+  return st, tok, sf, b
+end
+-- The window (ms) stored after the fingerprint's '|' at b, and the '|' that ends it; nil if
+-- it is not a number.
+local function window_at(v, b)
+  local c = string.find(v, '|', b + 1, true)
+  local w = c and tonumber(string.sub(v, b + 1, c - 1))
+  return w, c
 end
 local function bad(k)
   return redis.error_reply('ONCEFLOW_FORMAT key ' .. k .. ' does not hold a format-1 value')
@@ -85,9 +98,9 @@ for i, k in ipairs(KEYS) do
   end
   local live, left, holder = st == '2', 0, nil
   if st == '1' then
-    local c = string.find(v, '|', b + 1, true)
-    if not c then return bad(k) end
-    left = redis.call('PTTL', k) - tonumber(string.sub(v, b + 1, c - 1))
+    local kw, c = window_at(v, b)
+    if not kw then return bad(k) end
+    left = redis.call('PTTL', k) - kw
     holder = string.sub(v, c + 1)
     live = left > 0
   end
@@ -129,9 +142,9 @@ for i, k in ipairs(KEYS) do
     local n = #p
     if string.sub(v, 1, n) == p then
       local b = string.find(v, '|', n + 1, true)
-      local c = b and string.find(v, '|', b + 1, true)
-      if not c then return bad(k) end
-      redis.call('PEXPIRE', k, lease + tonumber(string.sub(v, b + 1, c - 1)))
+      local kw = b and window_at(v, b)
+      if not kw then return bad(k) end
+      redis.call('PEXPIRE', k, lease + kw)
       out[i] = 1
     elseif string.byte(v, 1) ~= 49 then
       return bad(k)
@@ -213,9 +226,9 @@ for i, k in ipairs(KEYS) do
     local st, tok, sf, b = parse(v)
     if not st then return bad(k) end
     if st == '1' then
-      local c = string.find(v, '|', b + 1, true)
-      if not c then return bad(k) end
-      local left = redis.call('PTTL', k) - tonumber(string.sub(v, b + 1, c - 1))
+      local kw, c = window_at(v, b)
+      if not kw then return bad(k) end
+      local left = redis.call('PTTL', k) - kw
       if left < 0 then left = 0 end
       out[i] = {1, string.sub(v, c + 1), tok, left, sf}
     elseif st == '2' then
