@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use onceflow::{
-    Client, Consumer, ConsumerConfig, Error, ErrorKind, Message, ProducerConfig, Record, Result,
-    StartFrom,
+    redact_credentials, Client, Consumer, ConsumerConfig, Error, ErrorKind, Message,
+    ProducerConfig, Record, Result, StartFrom,
 };
 
 /// How long the command line waits for a TCP connection to each bootstrap server.
@@ -37,9 +37,10 @@ async fn check_reachable(platform: &str, servers: &[&str]) -> Result<()> {
     for server in servers {
         match tokio::time::timeout(REACH_TIMEOUT, tokio::net::TcpStream::connect(server)).await {
             Ok(Ok(_)) => return Ok(()),
-            Ok(Err(e)) => failures.push(format!("{server}: {e}")),
+            Ok(Err(e)) => failures.push(format!("{}: {e}", redact_credentials(server))),
             Err(_) => failures.push(format!(
-                "{server}: no answer within {} s",
+                "{}: no answer within {} s",
+                redact_credentials(server),
                 REACH_TIMEOUT.as_secs()
             )),
         }
@@ -222,6 +223,7 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
     let many = payloads.len() > 1;
     let mut out = std::io::stdout().lock();
     let mut failed = 0;
+    let mut bad_input = false;
     for (i, p) in payloads.into_iter().enumerate() {
         let mut r = Record::new(a.topic.clone(), p.into_bytes());
         if let Some(k) = &a.key {
@@ -250,15 +252,23 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
             }
             Err(e) => {
                 failed += 1;
-                eprintln!("onceflow: message {i} not sent: {e}");
+                eprintln!(
+                    "onceflow: message {i} not sent: {}: {}\n  error kind: {} ({})",
+                    e.kind().describe(),
+                    e.message(),
+                    e.kind().code(),
+                    e.kind().describe()
+                );
+                bad_input |= e.kind() == ErrorKind::Config;
             }
         }
     }
     producer.flush(Duration::from_secs(30)).await?;
-    Ok(if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
+    // Like every other command: bad input exits 2, any other failure 1.
+    Ok(match failed {
+        0 => ExitCode::SUCCESS,
+        _ if bad_input => ExitCode::from(2),
+        _ => ExitCode::from(1),
     })
 }
 

@@ -236,6 +236,8 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
             // Several transactions per crash period, so a crash can come after this run's first
             // commit even when the whole run is shorter than one transaction interval.
             config.max_transaction_inputs = (crash_every / 4).clamp(1, 10_000) as usize;
+            // A transaction ends between polled batches: batches no larger than that.
+            config.engine.batch_size = config.engine.batch_size.min(config.max_transaction_inputs);
         }
         let pipeline = Pipeline::with_config(
             consumer.clone(),

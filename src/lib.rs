@@ -81,7 +81,8 @@ pub fn supported_schemes() -> Vec<&'static str> {
 pub async fn connect(url: &str) -> Result<Client> {
     let scheme = url.split_once("://").map(|(s, _)| s).ok_or_else(|| {
         Error::config(format!(
-            "'{url}' is not a platform URL: expected SCHEME://..., one of {}",
+            "'{}' is not a platform URL: expected SCHEME://..., one of {}",
+            redact_credentials(url),
             supported_schemes().join(", ")
         ))
     })?;
@@ -104,7 +105,8 @@ pub async fn connect(url: &str) -> Result<Client> {
             supported_schemes().join(", ")
         ))),
         other => Err(Error::config(format!(
-            "unknown platform scheme '{other}://' in '{url}': expected one of {}",
+            "unknown platform scheme '{other}://' in '{}': expected one of {}",
+            redact_credentials(url),
             supported_schemes().join(", ")
         ))),
     }

@@ -60,6 +60,15 @@ fn a_small_demo_crashes_restarts_and_ends_exactly_once() {
 }
 
 #[test]
+fn a_crash_period_shorter_than_a_batch_still_crashes() {
+    let out = onceflow(&["demo", "--messages", "200", "--crash-every", "10"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("exactly-once: OK"), "{stdout}");
+    assert!(field(&stdout, "crashes") >= 2, "{stdout}");
+}
+
+#[test]
 fn bad_input_names_the_value_and_the_kind_in_words() {
     let out = onceflow(&["demo", "--url", "nosuch://x", "--messages", "10"]);
     let stderr = text(&out.stderr);
@@ -90,4 +99,23 @@ fn an_unreachable_kafka_broker_is_named_at_once() {
         "took {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn credentials_in_a_url_never_reach_the_terminal() {
+    for (url, code) in [
+        ("nats://tok3n@127.0.0.1:1", 1),
+        ("nats://u:s3cret@127.0.0.1:1", 1),
+        ("kafka://u:s3cret@127.0.0.1:1", 2),
+        ("nosuch://u:s3cret@x", 2),
+    ] {
+        let out = onceflow(&["demo", "--url", url, "--messages", "10"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{url}: {stderr}");
+        assert!(
+            !stderr.contains("s3cret") && !stderr.contains("tok3n"),
+            "{url}: {stderr}"
+        );
+        assert!(stderr.contains("***"), "{url}: {stderr}");
+    }
 }

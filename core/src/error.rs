@@ -281,6 +281,25 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// [`redact_url`] for each of a comma-separated list of URLs or `HOST:PORT`s, also hiding a
+/// user name that stands alone (`nats://TOKEN@host`: token authentication) or any user info
+/// before a bare `HOST:PORT`: what errors show of a broker address list.
+pub fn redact_credentials(urls: &str) -> String {
+    urls.split(',')
+        .map(|one| {
+            let r = redact_url(one);
+            let start = r.find("://").map_or(0, |i| i + 3);
+            match r.rfind('@') {
+                Some(at) if at > start && !r[start..at].ends_with(":***") => {
+                    format!("{}***{}", &r[..start], &r[at..])
+                }
+                _ => r,
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Query parameters whose values [`redact_url`] hides (libpq's `password`, and the usual
 /// names of tokens and secrets).
 fn secret_key(key: &str) -> bool {

@@ -268,7 +268,10 @@ pub struct JetStreamPlatform {
 impl std::fmt::Debug for JetStreamPlatform {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("JetStreamPlatform")
-            .field("servers", &self.shared.options.servers)
+            .field(
+                "servers",
+                &onceflow_core::redact_credentials(&self.shared.options.servers),
+            )
             .finish()
     }
 }
@@ -302,7 +305,10 @@ impl JetStreamPlatform {
         let client = co.connect(servers.clone()).await.map_err(|e| {
             Error::new(
                 ErrorKind::Connect,
-                format!("cannot connect to NATS at {}: {e}", options.servers),
+                format!(
+                    "cannot connect to NATS at {}: {e}",
+                    onceflow_core::redact_credentials(&options.servers)
+                ),
             )
             .with_source(e)
         })?;
@@ -313,7 +319,7 @@ impl JetStreamPlatform {
                 ErrorKind::Connect,
                 format!(
                     "NATS at {} does not answer JetStream requests (is it started with -js?): {e}",
-                    options.servers
+                    onceflow_core::redact_credentials(&options.servers)
                 ),
             )
             .with_source(e)

@@ -89,6 +89,13 @@ pub fn parse_url(url: &str) -> Result<KafkaConfig> {
             "invalid Kafka URL '{url}': no broker given, expected kafka://HOST:PORT"
         )));
     }
+    if hosts.contains('@') {
+        return Err(Error::config(format!(
+            "invalid Kafka URL '{}': credentials do not go in the broker list; give SASL \
+             settings as options (?security.protocol=SASL_SSL&sasl.username=...)",
+            onceflow_core::redact_credentials(url)
+        )));
+    }
     for h in hosts.split(',') {
         let ok = h
             .rsplit_once(':')

@@ -221,7 +221,10 @@ impl PulsarPlatform {
             .map_err(|e| {
                 Error::new(
                     ErrorKind::Connect,
-                    format!("cannot connect to Pulsar at {}: {e}", options.service_url),
+                    format!(
+                        "cannot connect to Pulsar at {}: {e}",
+                        onceflow_core::redact_credentials(&options.service_url)
+                    ),
                 )
                 .with_source(e)
             })?;
