@@ -14,12 +14,13 @@ use onceflow::{
 const REACH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connects to `url` for a command. A Kafka client contacts no broker until its first call,
-/// then waits out its request timeouts (a minute) without a word; so for `kafka://` the
-/// bootstrap servers are first tried with a TCP connection (5 s each), and when none answers
-/// the error names every address and why it failed.
+/// then waits out its request timeouts (a minute) without a word, and the Pulsar client retries
+/// a refused connection for about 40 s; so for `kafka://` and `pulsar://` the brokers are first
+/// tried with a TCP connection (5 s each), and when none answers the error names every address
+/// and why it failed.
 ///
-/// Errors: those of [`onceflow::connect`], and [`ErrorKind::Connect`] when no bootstrap server
-/// of a `kafka://` URL accepts a connection.
+/// Errors: those of [`onceflow::connect`], and [`ErrorKind::Connect`] when no broker of a
+/// `kafka://` or `pulsar://` URL accepts a connection.
 pub async fn connect(url: &str) -> Result<Client> {
     #[cfg(feature = "kafka")]
     if url.starts_with("kafka://") {
@@ -27,11 +28,26 @@ pub async fn connect(url: &str) -> Result<Client> {
         let servers: Vec<&str> = config.bootstrap_servers.split(',').collect();
         check_reachable("Kafka", &servers).await?;
     }
+    // The Pulsar client retries a refused connection for about 40 s before it gives up.
+    if let Some(rest) = url
+        .strip_prefix("pulsar://")
+        .or_else(|| url.strip_prefix("pulsar+ssl://"))
+    {
+        let authority = rest.split(['/', '?']).next().unwrap_or_default();
+        let servers: Vec<&str> = authority
+            .rsplit_once('@')
+            .map_or(authority, |(_, hosts)| hosts)
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .collect();
+        if !servers.is_empty() {
+            check_reachable("Pulsar", &servers).await?;
+        }
+    }
     onceflow::connect(url).await
 }
 
 /// `Ok` as soon as one of `servers` (`HOST:PORT`) accepts a TCP connection.
-#[cfg_attr(not(feature = "kafka"), allow(dead_code))]
 async fn check_reachable(platform: &str, servers: &[&str]) -> Result<()> {
     let mut failures = Vec::with_capacity(servers.len());
     for server in servers {
@@ -48,8 +64,8 @@ async fn check_reachable(platform: &str, servers: &[&str]) -> Result<()> {
     Err(Error::new(
         ErrorKind::Connect,
         format!(
-            "no {platform} bootstrap server is reachable ({}); check the URL and that the \
-             broker is running",
+            "no {platform} broker is reachable ({}); check the URL and that the broker is \
+             running",
             failures.join("; ")
         ),
     ))
