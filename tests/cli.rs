@@ -114,3 +114,24 @@ fn credentials_in_a_url_never_reach_the_terminal() {
         assert!(stderr.contains("***"), "{url}: {stderr}");
     }
 }
+
+#[test]
+fn a_key_value_connection_string_is_not_taken_for_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["demo", "--messages", "10", "--dedup"])
+        .arg("host=127.0.0.1 port=1 user=u password=s3cret")
+        .current_dir(dir.path())
+        .env_remove("ONCEFLOW_URL")
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("postgres://"), "{stderr}");
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "no file made"
+    );
+}

@@ -240,6 +240,17 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                  '{bare}://'?); to use a file of that name, write ./{trimmed}"
             )));
         }
+        // libpq's `host=… user=… password=…` form is not a file name (it would put the
+        // password into one).
+        if trimmed.split_whitespace().count() > 1
+            && trimmed
+                .split_whitespace()
+                .all(|w| w.split_once('=').is_some_and(|(k, _)| !k.is_empty()))
+        {
+            return Err(Error::config(
+                "dedup store looks like a key=value connection string (host=… user=…): write                  it as postgres://USER:PASSWORD@HOST:PORT/DB; to use a file of that name,                  write ./ before it",
+            ));
+        }
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
     };
     match scheme.to_ascii_lowercase().as_str() {
