@@ -223,25 +223,9 @@ impl Deliveries {
         py: Python<'py>,
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let n = self.results.len();
-        if let Ok(slice) = index.cast::<pyo3::types::PySlice>() {
-            let ix = slice.indices(n as isize)?;
-            let mut out = Vec::with_capacity(ix.slicelength);
-            let mut i = ix.start;
-            for _ in 0..ix.slicelength {
-                out.push(self.item(py, i as usize)?);
-                i += ix.step;
-            }
-            return Ok(pyo3::types::PyList::new(py, out)?.into_any());
-        }
-        let i: isize = index.extract()?;
-        let j = if i < 0 { i + n as isize } else { i };
-        if j < 0 || j as usize >= n {
-            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
-                "result index {i} out of range for a batch of {n}"
-            )));
-        }
-        Ok(self.item(py, j as usize)?.into_bound(py))
+        convert::sequence_item(py, self.results.len(), index, "result", |i| {
+            Ok(self.item(py, i)?.into_bound(py))
+        })
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -289,25 +289,9 @@ impl MessageBatch {
         py: Python<'py>,
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let n = self.messages.len();
-        if let Ok(slice) = index.cast::<PySlice>() {
-            let ix = slice.indices(n as isize)?;
-            let mut out = Vec::with_capacity(ix.slicelength);
-            let mut i = ix.start;
-            for _ in 0..ix.slicelength {
-                out.push(self.at(i as usize));
-                i += ix.step;
-            }
-            return Ok(PyList::new(py, out)?.into_any());
-        }
-        let i: isize = index.extract()?;
-        let j = if i < 0 { i + n as isize } else { i };
-        if j < 0 || j as usize >= n {
-            return Err(PyIndexError::new_err(format!(
-                "message index {i} out of range for a batch of {n}"
-            )));
-        }
-        Ok(Bound::new(py, self.at(j as usize))?.into_any())
+        sequence_item(py, self.messages.len(), index, "message", |i| {
+            Ok(Bound::new(py, self.at(i))?.into_any())
+        })
     }
 
     fn __iter__(&self) -> MessageIter {
@@ -496,4 +480,33 @@ impl From<PartitionLag> for Lag {
 pub fn seconds(what: &str, s: f64) -> PyResult<std::time::Duration> {
     std::time::Duration::try_from_secs_f64(s)
         .map_err(|_| config_err(format!("{what} {s}: expected a number of seconds >= 0")))
+}
+
+/// `seq[index]` of a sequence of `n` items made on access by `item`: an int (a negative one
+/// counts from the end; `IndexError` naming `what` when out of range) or a slice (a list).
+pub(crate) fn sequence_item<'py>(
+    py: Python<'py>,
+    n: usize,
+    index: &Bound<'py, PyAny>,
+    what: &str,
+    item: impl Fn(usize) -> PyResult<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if let Ok(slice) = index.cast::<PySlice>() {
+        let ix = slice.indices(n as isize)?;
+        let mut out = Vec::with_capacity(ix.slicelength);
+        let mut i = ix.start;
+        for _ in 0..ix.slicelength {
+            out.push(item(i as usize)?);
+            i += ix.step;
+        }
+        return Ok(PyList::new(py, out)?.into_any());
+    }
+    let i: isize = index.extract()?;
+    let j = if i < 0 { i + n as isize } else { i };
+    if j < 0 || j as usize >= n {
+        return Err(PyIndexError::new_err(format!(
+            "{what} index {i} out of range for a batch of {n}"
+        )));
+    }
+    item(j as usize)
 }
