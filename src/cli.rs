@@ -75,7 +75,12 @@ async fn check_reachable(platform: &str, servers: &[&str]) -> Result<()> {
 #[derive(Args, Debug, Clone)]
 pub struct Target {
     /// Platform URL: memory://NAME, kafka://HOST:PORT, nats://HOST:PORT, pulsar://…, kinesis://…
-    #[arg(long, env = "ONCEFLOW_URL", default_value = "memory://")]
+    #[arg(
+        long,
+        env = "ONCEFLOW_URL",
+        hide_env_values = true,
+        default_value = "memory://"
+    )]
     pub url: String,
 }
 

@@ -20,7 +20,12 @@ use onceflow::{
 #[derive(Args, Debug)]
 pub struct DemoArgs {
     /// Platform URL to run on.
-    #[arg(long, env = "ONCEFLOW_URL", default_value = "memory://demo")]
+    #[arg(
+        long,
+        env = "ONCEFLOW_URL",
+        hide_env_values = true,
+        default_value = "memory://demo"
+    )]
     url: String,
     /// Number of distinct order events to produce (≥ 1).
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]

@@ -113,6 +113,33 @@ fn credentials_in_a_url_never_reach_the_terminal() {
         );
         assert!(stderr.contains("***"), "{url}: {stderr}");
     }
+    let dir = tempfile::tempdir().unwrap();
+    for dedup in ["mysql://u:s3cret@x/db", "password=s3cret"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+            .args(["demo", "--messages", "10", "--dedup", dedup])
+            .current_dir(dir.path())
+            .env_remove("ONCEFLOW_URL")
+            .output()
+            .unwrap();
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{dedup}: {stderr}");
+        assert!(!stderr.contains("s3cret"), "{dedup}: {stderr}");
+    }
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "no file made"
+    );
+    let help = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["produce", "--help"])
+        .env("ONCEFLOW_URL", "kafka://h:1?sasl.password=s3cret")
+        .output()
+        .unwrap();
+    assert!(
+        !text(&help.stdout).contains("s3cret"),
+        "{}",
+        text(&help.stdout)
+    );
 }
 
 #[test]

@@ -242,13 +242,17 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
         }
         // libpq's `host=… user=… password=…` form is not a file name (it would put the
         // password into one).
-        if trimmed.split_whitespace().count() > 1
-            && trimmed
-                .split_whitespace()
-                .all(|w| w.split_once('=').is_some_and(|(k, _)| !k.is_empty()))
+        if trimmed.contains('=')
+            && trimmed.split_whitespace().all(|w| {
+                w.split_once('=').is_some_and(|(k, _)| {
+                    !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                })
+            })
         {
             return Err(Error::config(
-                "dedup store looks like a key=value connection string (host=… user=…): write                  it as postgres://USER:PASSWORD@HOST:PORT/DB; to use a file of that name,                  write ./ before it",
+                "dedup store looks like a key=value connection string (host=… user=…): write it \
+                 as postgres://USER:PASSWORD@HOST:PORT/DB; to use a file of that name, write ./ \
+                 before it",
             ));
         }
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
@@ -322,12 +326,14 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
              onceflow-core opens memory:// and embedded stores only"
         ))),
         s @ ("postgres" | "postgresql") => Err(Error::unsupported(format!(
-            "dedup store URL scheme '{s}://' ('{url}') is provided by the onceflow-postgres \
+            "dedup store URL scheme '{s}://' ('{}') is provided by the onceflow-postgres \
              crate: open it with onceflow::dedup_store and the facade's `postgres` feature; \
-             onceflow-core opens memory:// and embedded stores only"
+             onceflow-core opens memory:// and embedded stores only",
+            crate::error::redact_credentials(url)
         ))),
         _ => Err(Error::config(format!(
-            "unknown dedup store URL scheme '{scheme}://' in '{url}': expected one of {SUPPORTED}"
+            "unknown dedup store URL scheme '{scheme}://' in '{}': expected one of {SUPPORTED}",
+            crate::error::redact_credentials(url)
         ))),
     }
 }
