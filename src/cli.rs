@@ -10,65 +10,40 @@ use onceflow::{
     ProducerConfig, Record, Result, StartFrom,
 };
 
-/// How long the command line waits for a TCP connection to each bootstrap server.
-const REACH_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Connects to `url` for a command. A Kafka client contacts no broker until its first call,
-/// then waits out its request timeouts (a minute) without a word, and the Pulsar client retries
-/// a refused connection for about 40 s; so for `kafka://` and `pulsar://` the brokers are first
-/// tried with a TCP connection (5 s each), and when none answers the error names every address
-/// and why it failed.
-///
-/// Errors: those of [`onceflow::connect`], and [`ErrorKind::Connect`] when no broker of a
-/// `kafka://` or `pulsar://` URL accepts a connection.
+/// Connects to `url` for a command: [`onceflow::connect`], which for `kafka://` and
+/// `pulsar://` first checks that a broker answers, so a wrong address fails at once.
 pub async fn connect(url: &str) -> Result<Client> {
-    #[cfg(feature = "kafka")]
-    if url.starts_with("kafka://") {
-        let config = onceflow_kafka::parse_url(url)?;
-        let servers: Vec<&str> = config.bootstrap_servers.split(',').collect();
-        check_reachable("Kafka", &servers).await?;
-    }
-    // The Pulsar client retries a refused connection for about 40 s before it gives up.
-    if let Some(rest) = url
-        .strip_prefix("pulsar://")
-        .or_else(|| url.strip_prefix("pulsar+ssl://"))
-    {
-        let authority = rest.split(['/', '?']).next().unwrap_or_default();
-        let servers: Vec<&str> = authority
-            .rsplit_once('@')
-            .map_or(authority, |(_, hosts)| hosts)
-            .split(',')
-            .filter(|s| !s.is_empty())
-            .collect();
-        if !servers.is_empty() {
-            check_reachable("Pulsar", &servers).await?;
-        }
-    }
     onceflow::connect(url).await
 }
 
-/// `Ok` as soon as one of `servers` (`HOST:PORT`) accepts a TCP connection.
-async fn check_reachable(platform: &str, servers: &[&str]) -> Result<()> {
-    let mut failures = Vec::with_capacity(servers.len());
-    for server in servers {
-        match tokio::time::timeout(REACH_TIMEOUT, tokio::net::TcpStream::connect(server)).await {
-            Ok(Ok(_)) => return Ok(()),
-            Ok(Err(e)) => failures.push(format!("{}: {e}", redact_credentials(server))),
-            Err(_) => failures.push(format!(
-                "{}: no answer within {} s",
-                redact_credentials(server),
-                REACH_TIMEOUT.as_secs()
-            )),
+/// Checks that every topic a command reads exists, so a misspelt name is an error rather than
+/// a wait that ends with "0 message(s)".
+///
+/// Errors: [`ErrorKind::Config`] for an empty name; [`ErrorKind::NotFound`] naming the topic
+/// and the URL (credentials removed) when it does not exist.
+async fn require_topics(client: &Client, url: &str, topics: &[String]) -> Result<()> {
+    if let Some(t) = topics.iter().find(|t| t.trim().is_empty()) {
+        return Err(Error::config(format!(
+            "--topic '{t}': expected a topic name, not an empty one"
+        )));
+    }
+    let admin = client.admin().await?;
+    for t in topics {
+        if let Err(e) = admin.describe_topic(t).await {
+            if e.kind() == ErrorKind::NotFound {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "topic '{t}' does not exist on {}: check the name, or create it \
+                         (producing to it does on most platforms)",
+                        redact_credentials(url)
+                    ),
+                ));
+            }
+            return Err(e);
         }
     }
-    Err(Error::new(
-        ErrorKind::Connect,
-        format!(
-            "no {platform} broker is reachable ({}); check the URL and that the broker is \
-             running",
-            failures.join("; ")
-        ),
-    ))
+    Ok(())
 }
 
 /// Where to connect.
@@ -231,6 +206,12 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         .map(|h| parse_header(h))
         .collect::<Result<Vec<_>>>()?;
     let client = connect(&a.target.url).await?;
+    if client.platform() == "memory" {
+        eprintln!(
+            "onceflow: note: memory:// is a broker inside this one command; what it sends is \
+             gone when the command ends (use a real broker's URL to keep it)"
+        );
+    }
     let producer = client.producer(ProducerConfig::new()).await?;
     let payloads: Vec<String> = if a.messages.is_empty() {
         std::io::stdin()
@@ -387,6 +368,7 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
         },
     };
     let client = connect(&a.target.url).await?;
+    require_topics(&client, &a.target.url, &a.topic).await?;
     let consumer = client
         .consumer(ConsumerConfig::new(a.group.clone(), a.topic.clone()).start(start))
         .await?;
@@ -425,6 +407,7 @@ fn scratch_group(what: &str) -> String {
 /// `onceflow tail`
 pub async fn tail(a: TailArgs) -> Result<ExitCode> {
     let client = connect(&a.target.url).await?;
+    require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let consumer = client
         .consumer(
             ConsumerConfig::new(scratch_group("tail"), [a.topic.clone()]).start(StartFrom::Latest),
@@ -446,7 +429,14 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
 
 /// `onceflow lag`
 pub async fn lag(a: LagArgs) -> Result<ExitCode> {
+    if a.group.trim().is_empty() {
+        return Err(Error::config(format!(
+            "--group '{}': expected a consumer group name, not an empty one",
+            a.group
+        )));
+    }
     let client = connect(&a.target.url).await?;
+    require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let admin = client.admin().await?;
     let lag = admin.group_lag(&a.group, &a.topic).await?;
     println!(
@@ -479,14 +469,20 @@ pub async fn lag(a: LagArgs) -> Result<ExitCode> {
 
 /// `onceflow replay`
 pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
-    let start = parse_start(&a.from)?;
-    if matches!(start, StartFrom::Committed { .. }) {
-        return Err(Error::config(format!(
-            "--from '{}': replay needs a position, a time (ts:MS) or earliest",
-            a.from
-        )));
-    }
+    let start = match parse_start(&a.from) {
+        Ok(StartFrom::Earliest) => StartFrom::Earliest,
+        Ok(s @ (StartFrom::Timestamp(_) | StartFrom::Position(_))) => s,
+        // `committed` and `latest` name no past to replay.
+        _ => {
+            return Err(Error::config(format!(
+                "--from '{}': replay expects earliest, ts:MILLISECONDS_SINCE_EPOCH or a position \
+                 (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B)",
+                a.from
+            )))
+        }
+    };
     let client = connect(&a.target.url).await?;
+    require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let consumer = client
         .consumer(ConsumerConfig::new(scratch_group("replay"), [a.topic.clone()]).start(start))
         .await?;

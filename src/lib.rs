@@ -78,6 +78,9 @@ pub fn supported_schemes() -> Vec<&'static str> {
 /// Errors: [`ErrorKind::Config`] for a malformed URL or an unknown scheme (the message names the
 /// scheme and lists the supported ones); [`ErrorKind::Unsupported`] for a known platform whose
 /// feature is not compiled in; [`ErrorKind::Connect`] when the platform cannot be reached.
+/// For `kafka://` (`onceflow_kafka::open`) and `pulsar://` a broker must answer now: a wrong
+/// address or a stopped broker fails within seconds, naming each address tried, instead of on
+/// the first call after the native client's own timeouts.
 pub async fn connect(url: &str) -> Result<Client> {
     let scheme = url.split_once("://").map(|(s, _)| s).ok_or_else(|| {
         Error::config(format!(
@@ -93,7 +96,7 @@ pub async fn connect(url: &str) -> Result<Client> {
             Ok(Client::new(p))
         }
         #[cfg(feature = "kafka")]
-        "kafka" => Ok(Client::new(onceflow_kafka::connect(url)?)),
+        "kafka" => Ok(Client::new(onceflow_kafka::open(url).await?)),
         #[cfg(feature = "jetstream")]
         "nats" => Ok(Client::new(onceflow_jetstream::connect(url).await?)),
         #[cfg(feature = "pulsar")]

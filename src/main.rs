@@ -58,7 +58,15 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.command {
-            Command::Demo(a) => demo::run(a).await,
+            // Ctrl-C ends the demo through its own drop path, so its temporary dedup store is
+            // removed (a signal's default action would leave it behind).
+            Command::Demo(a) => tokio::select! {
+                r = demo::run(a) => r,
+                _ = tokio::signal::ctrl_c() => {
+                    eprintln!("onceflow: demo interrupted; its temporary files are removed");
+                    Ok(ExitCode::from(130))
+                }
+            },
             Command::Produce(a) => cli::produce(a).await,
             Command::Consume(a) => cli::consume(a).await,
             Command::Tail(a) => cli::tail(a).await,
@@ -66,6 +74,8 @@ fn main() -> ExitCode {
             Command::Replay(a) => cli::replay(a).await,
         }
     });
+    // Tasks still running (a demo interrupted mid-run) are not waited for.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
     match result {
         Ok(code) => code,
         Err(e) => {

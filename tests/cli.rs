@@ -162,3 +162,102 @@ fn a_key_value_connection_string_is_not_taken_for_a_file() {
         "no file made"
     );
 }
+
+#[test]
+fn a_port_that_accepts_but_never_answers_is_named_quickly() {
+    // Accepts connections and holds them without a byte in reply.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in listener.incoming().flatten() {
+            held.push(s);
+        }
+    });
+    for url in [
+        format!("kafka://127.0.0.1:{port}?onceflow.timeout.ms=3000"),
+        format!("pulsar://127.0.0.1:{port}?operation_timeout_ms=3000"),
+    ] {
+        let started = Instant::now();
+        let out = onceflow(&["lag", "--url", &url, "--topic", "t", "--group", "g"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{url}: {stderr}");
+        assert!(stderr.starts_with("onceflow: cannot connect: "), "{stderr}");
+        assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{url} took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+#[test]
+fn reading_a_missing_topic_is_an_error_not_an_empty_result() {
+    for args in [
+        &["consume", "--url", "memory://x", "-t", "nosuch", "-g", "g"][..],
+        &["tail", "--url", "memory://x", "-t", "nosuch", "--max", "1"][..],
+        &["lag", "--url", "memory://x", "-t", "nosuch", "-g", "g"][..],
+    ] {
+        let out = onceflow(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("topic 'nosuch' does not exist on memory://x"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let out = onceflow(&["lag", "--url", "memory://x", "-t", "", "-g", "g"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("onceflow: bad input: --topic ''"));
+}
+
+#[test]
+fn replay_names_the_starts_it_accepts() {
+    for from in ["committed", "latest", "yesterday"] {
+        let out = onceflow(&["replay", "--url", "memory://x", "-t", "t", "--from", from]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{from}: {stderr}");
+        assert!(
+            stderr.contains(&format!("--from '{from}': replay expects earliest, ts:")),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn ctrl_c_ends_the_demo_and_removes_its_temporary_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["demo", "--messages", "10000000"])
+        .env_remove("ONCEFLOW_URL")
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the demo has made its store, then interrupt it as a terminal would.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir(tmp.path()).unwrap().count() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the demo made no temporary store"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("demo interrupted"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "temporary files left behind"
+    );
+}

@@ -17,6 +17,7 @@ pub mod error;
 pub mod inbox;
 pub mod metrics;
 pub mod model;
+pub mod net;
 pub mod trace;
 
 pub use backend::{

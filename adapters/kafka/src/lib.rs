@@ -84,13 +84,16 @@ mod consumer;
 mod errors;
 mod producer;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use onceflow_core::{
-    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, PlatformBackend, ProducerBackend,
-    ProducerConfig, Result,
+    AdminBackend, Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, PlatformBackend,
+    ProducerBackend, ProducerConfig, Result,
 };
+use rdkafka::error::RDKafkaErrorCode;
 
 pub use admin::KafkaAdmin;
 pub use config::{parse_url, KafkaConfig, DEFAULT_MAX_RECORD_BYTES, DEFAULT_TIMEOUT};
@@ -113,11 +116,28 @@ pub const CAPABILITIES: Capabilities = Capabilities {
 };
 
 /// Opens a Kafka cluster from a `kafka://` URL (see the crate docs). Nothing is contacted
-/// until the first producer, consumer or admin call.
+/// until the first producer, consumer or admin call: a wrong address shows only then, after
+/// librdkafka's request timeouts. [`open`] checks the cluster first.
+///
+/// Errors: [`ErrorKind::Config`] for a malformed URL (see [`parse_url`]).
 pub fn connect(url: &str) -> Result<Arc<KafkaPlatform>> {
     Ok(Arc::new(KafkaPlatform {
         config: parse_url(url)?,
     }))
+}
+
+/// The longest [`KafkaPlatform::check`] waits for a metadata answer (less when
+/// `onceflow.timeout.ms` is lower).
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Opens a Kafka cluster from a `kafka://` URL, like [`connect`], and then
+/// [checks](KafkaPlatform::check) that a broker answers. `onceflow::connect` uses this.
+///
+/// Errors: those of [`connect`] and of [`KafkaPlatform::check`].
+pub async fn open(url: &str) -> Result<Arc<KafkaPlatform>> {
+    let platform = connect(url)?;
+    platform.check().await?;
+    Ok(platform)
 }
 
 /// A Kafka cluster: the factory of producers, consumers and the admin handle.
@@ -135,6 +155,68 @@ impl KafkaPlatform {
     /// This connection's configuration.
     pub fn config(&self) -> &KafkaConfig {
         &self.config
+    }
+
+    /// Checks that the cluster answers: one of the bootstrap servers accepts a TCP connection
+    /// (5 s each, [`onceflow_core::net::check_reachable`]), then a metadata request is answered
+    /// within [`CHECK_TIMEOUT`] (or `onceflow.timeout.ms` if lower), with the connection's
+    /// security settings, so a wrong listener or protocol shows here too. The request asks for
+    /// `__consumer_offsets` only and never creates a topic.
+    ///
+    /// Errors: [`ErrorKind::Connect`] naming the servers when none accepts a connection or
+    /// none answers in time (for example a port that is not a Kafka listener); otherwise the
+    /// native error's kind (an authentication failure, for one).
+    pub async fn check(&self) -> Result<()> {
+        let servers: Vec<&str> = self
+            .config
+            .bootstrap_servers
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        onceflow_core::net::check_reachable("Kafka", &servers, onceflow_core::net::REACH_TIMEOUT)
+            .await?;
+        let mut native = self.config.client_config(&BTreeMap::new());
+        native.set("allow.auto.create.topics", "false");
+        let timeout = CHECK_TIMEOUT.min(self.config.timeout);
+        let servers = onceflow_core::redact_credentials(&self.config.bootstrap_servers);
+        tokio::task::spawn_blocking(move || {
+            use rdkafka::consumer::{BaseConsumer, Consumer};
+            let c: BaseConsumer = native
+                .create()
+                .map_err(|e| errors::map(e, format_args!("Kafka client for {servers}")))?;
+            match c.fetch_metadata(Some("__consumer_offsets"), timeout) {
+                Ok(_) => Ok(()),
+                Err(e)
+                    if e.rdkafka_error_code().is_some_and(|c| {
+                        matches!(
+                            c,
+                            RDKafkaErrorCode::OperationTimedOut
+                                | RDKafkaErrorCode::RequestTimedOut
+                                | RDKafkaErrorCode::AllBrokersDown
+                                | RDKafkaErrorCode::BrokerTransportFailure
+                        )
+                    }) =>
+                {
+                    Err(Error::new(
+                        ErrorKind::Connect,
+                        format!(
+                            "no Kafka broker at {servers} answered a metadata request within \
+                             {} ms ({e}); the port accepts connections: is it a Kafka listener, \
+                             with the security protocol the URL sets?",
+                            timeout.as_millis()
+                        ),
+                    )
+                    .with_source(e))
+                }
+                Err(e) => Err(errors::map(
+                    e,
+                    format_args!("metadata of Kafka at {servers}"),
+                )),
+            }
+        })
+        .await
+        .map_err(|e| errors::join(e, "Kafka check"))?
     }
 
     /// A producer as its concrete type.

@@ -220,8 +220,25 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
     Ok(o)
 }
 
-/// The URL without what could be secret: user info in the authority, and the
-/// `checkpoint_store` value (a store URL may carry a password), shown as `…`.
+/// Query keys whose values [`redact`] shows: the options that never hold a secret.
+const SHOWN_OPTIONS: &[&str] = &[
+    "region",
+    "tls",
+    "dummy_credentials",
+    "lease_ms",
+    "shards",
+    "auto_create",
+    "fetch_limit",
+    "idle_ms",
+    "put_attempts",
+    "buffer",
+    "fan_out",
+    "efo_consumer",
+];
+
+/// The URL without what could be secret: user info in the authority, the `checkpoint_store`
+/// value (a store URL may carry a password) and the value of any key that is not a known
+/// option (a misplaced `aws_secret_access_key=`, say), each shown as `…`.
 pub(crate) fn redact(url: &str) -> String {
     // Credentials in the authority (`user:password@`) are never shown.
     let url = match url.split_once("://") {
@@ -240,7 +257,7 @@ pub(crate) fn redact(url: &str) -> String {
             let parts: Vec<String> = q
                 .split('&')
                 .map(|kv| match kv.split_once('=') {
-                    Some(("checkpoint_store", _)) => "checkpoint_store=…".to_string(),
+                    Some((k, _)) if !SHOWN_OPTIONS.contains(&k) => format!("{k}=…"),
                     _ => kv.to_string(),
                 })
                 .collect();
@@ -287,5 +304,8 @@ mod tests {
             redact("kinesis://h:1?checkpoint_store=redis://:pw@h&region=x"),
             "kinesis://h:1?checkpoint_store=…&region=x"
         );
+        let e = parse_url("kinesis://h:1?region=x&aws_secret_access_key=AKSECRET").unwrap_err();
+        assert!(!e.message().contains("AKSECRET"), "secret shown: {e}");
+        assert!(e.message().contains("'aws_secret_access_key'"), "{e}");
     }
 }

@@ -40,7 +40,10 @@ const KNOWN: &str = "partitions, auto_create, max_record_bytes";
 /// Parses `memory://NAME?partitions=N&auto_create=BOOL&max_record_bytes=N` into the broker name
 /// and the options. Errors are [`onceflow_core::ErrorKind::Config`] naming the value at fault.
 pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
-    let rest = match url.split_once("://") {
+    let raw = url;
+    // What errors show of the URL: no user info or secret-looking query values.
+    let url = &onceflow_core::redact_credentials(raw);
+    let rest = match raw.split_once("://") {
         Some((scheme, rest)) if scheme.eq_ignore_ascii_case("memory") => rest,
         Some((scheme, _)) => {
             return Err(Error::config(format!(
@@ -63,6 +66,11 @@ pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
     } else {
         name
     };
+    if name.contains('@') {
+        return Err(Error::config(format!(
+            "user info in '{url}': the memory backend takes no credentials; expected memory://NAME"
+        )));
+    }
     if !name
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
@@ -160,6 +168,14 @@ mod tests {
 
     #[test]
     fn bad_params_name_the_value() {
+        let e = parse_url("memory://user:s3cret@orders").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(!e.message().contains("s3cret"), "{}", e.message());
+        assert!(
+            e.message().contains("takes no credentials"),
+            "{}",
+            e.message()
+        );
         for (url, needle) in [
             ("memory://x?partitions=0", "'0'"),
             ("memory://x?partitions=abc", "'abc'"),

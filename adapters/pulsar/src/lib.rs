@@ -187,6 +187,25 @@ impl Shared {
     }
 }
 
+/// The `HOST:PORT`s of a `pulsar://` or `pulsar+ssl://` service URL (credentials and path
+/// left out); empty when the URL has another shape.
+fn service_hosts(url: &str) -> Vec<&str> {
+    let Some(rest) = url
+        .strip_prefix("pulsar://")
+        .or_else(|| url.strip_prefix("pulsar+ssl://"))
+    else {
+        return Vec::new();
+    };
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, hosts)| hosts)
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 /// A connection to a Pulsar cluster: the factory of producers, consumers and the admin handle.
 pub struct PulsarPlatform {
     shared: Arc<Shared>,
@@ -209,22 +228,47 @@ impl PulsarPlatform {
     }
 
     /// Connects with typed options.
+    ///
+    /// The pulsar crate retries a refused connection for about 40 s, and waits much longer on
+    /// a port that accepts connections but does not speak Pulsar; so the brokers of the service
+    /// URL are first tried with a TCP connection (5 s each,
+    /// [`onceflow_core::net::check_reachable`]), and the client's handshake is bounded by
+    /// `operation_timeout_ms`.
     pub async fn connect_with(options: PulsarOptions) -> Result<Arc<PulsarPlatform>> {
         options.validate()?;
-        let client = Pulsar::builder(options.service_url.clone(), TokioExecutor)
+        let service = onceflow_core::redact_credentials(&options.service_url);
+        let servers = service_hosts(&options.service_url);
+        if !servers.is_empty() {
+            onceflow_core::net::check_reachable(
+                "Pulsar",
+                &servers,
+                onceflow_core::net::REACH_TIMEOUT,
+            )
+            .await?;
+        }
+        let build = Pulsar::builder(options.service_url.clone(), TokioExecutor)
             .with_operation_retry_options(pulsar::OperationRetryOptions {
                 operation_timeout: options.operation_timeout,
                 ..Default::default()
             })
-            .build()
+            .build();
+        let client = tokio::time::timeout(options.operation_timeout, build)
             .await
-            .map_err(|e| {
+            .map_err(|_| {
                 Error::new(
                     ErrorKind::Connect,
                     format!(
-                        "cannot connect to Pulsar at {}: {e}",
-                        onceflow_core::redact_credentials(&options.service_url)
+                        "no Pulsar broker at {service} completed the connection handshake within \
+                         {} ms; the port accepts connections: is it the broker's binary \
+                         protocol port (6650, or 6651 for pulsar+ssl://), not the HTTP admin port?",
+                        options.operation_timeout.as_millis()
                     ),
+                )
+            })?
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Connect,
+                    format!("cannot connect to Pulsar at {service}: {e}"),
                 )
                 .with_source(e)
             })?;
@@ -289,5 +333,20 @@ impl PlatformBackend for PulsarPlatform {
 
     fn max_record_bytes(&self) -> usize {
         self.shared.max_record_bytes(&self.shared.options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::service_hosts;
+
+    #[test]
+    fn service_hosts_leave_out_credentials_and_path() {
+        assert_eq!(
+            service_hosts("pulsar://u:p@a:6650,b:6650/x?y=1"),
+            vec!["a:6650", "b:6650"]
+        );
+        assert_eq!(service_hosts("pulsar+ssl://h:6651"), vec!["h:6651"]);
+        assert!(service_hosts("http://h:8080").is_empty());
     }
 }
