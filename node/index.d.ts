@@ -289,7 +289,11 @@ export interface Capabilities {
   lagMs: boolean
 }
 
-/** Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`). */
+/**
+ * Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
+ * `pulsar://`, `kinesis://`). Rejects with an `ONCEFLOW_CONNECT` error within seconds when no
+ * Kafka or Pulsar broker of the URL answers, and `ONCEFLOW_CONFIG` for a malformed URL.
+ */
 export declare function connect(url: string): Promise<Client>
 
 /** Consumer settings. */

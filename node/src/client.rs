@@ -13,7 +13,9 @@ use onceflow::{
 use crate::convert::{self, Delivery, Lag, MessageColumns, PositionIn, RecordIn, SendResult};
 use crate::{config_err, js_err, on_rt};
 
-/// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`).
+/// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
+/// `pulsar://`, `kinesis://`). Rejects with an `ONCEFLOW_CONNECT` error within seconds when no
+/// Kafka or Pulsar broker of the URL answers, and `ONCEFLOW_CONFIG` for a malformed URL.
 #[napi]
 // Only called from JavaScript: the unit-test build of the addon has no caller.
 #[cfg_attr(test, allow(dead_code))]
