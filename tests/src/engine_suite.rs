@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use onceflow_core::dedup::MemoryStore;
+use onceflow_core::dedup::{ClaimOutcome, MemoryStore};
 use onceflow_core::{
-    BoxError, Client, ConsumerConfig, DedupStore, EngineConfig, Error, ErrorKind, Guarantee,
-    Handler, IdempotentConsumer, Message, Metrics, OnFailure, Pipeline, PipelineConfig,
+    BoxError, Client, ConsumerConfig, DedupStore, DedupStoreExt, EngineConfig, Error, ErrorKind,
+    Guarantee, Handler, IdempotentConsumer, Message, Metrics, OnFailure, Pipeline, PipelineConfig,
     ProducerConfig, Record, Result, StartFrom, Transform,
 };
 use opentelemetry::trace::TraceContextExt;
@@ -45,6 +45,7 @@ macro_rules! engine_suite {
             trace_context_continues_into_handler,
             pipeline_outputs_each_input_once,
             pipeline_restart_after_crash,
+            pipeline_redoes_inputs_completed_by_an_uncommitted_transaction,
             member_joining_mid_stream_loses_and_repeats_nothing,
             shutdown_drains_and_commits,
         );
@@ -858,6 +859,91 @@ pub async fn pipeline_restart_after_crash(h: &dyn Harness) -> CaseResult {
             out.len(),
             metrics.snapshot()
         ),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// A transactional pipeline completes its keys in the dedup store just before the transaction
+/// commits, each naming the input that claimed it. A crash between the two leaves a key
+/// completed although its outputs were never committed: that input is not a duplicate and is
+/// processed; a later duplicate send of it, once its origin is committed, is skipped. A key
+/// completed by someone else (no origin of this group) stays a duplicate.
+pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
+    h: &dyn Harness,
+) -> CaseResult {
+    let client = Client::new(h.platform());
+    if !client.capabilities().transactions {
+        return Ok(Outcome::Skipped(
+            "no transactions: keys are completed after the outputs are acknowledged".into(),
+        ));
+    }
+    let input = h.topic(1).await?;
+    let output = h.topic(1).await?;
+    let group = h.group();
+    produce(
+        &client,
+        vec![record(&input, "k0", "v0"), record(&input, "k1", "v1")],
+    )
+    .await?;
+    let store = store();
+    // What a crash after the completion and before the commit leaves: k0 completed with the
+    // origin of its input (offset 0 of the input, not committed). k1 was completed by another
+    // consumer (a result without an origin).
+    let seed = |key: &str, payload: &str, result: Vec<u8>| {
+        let store = store.clone();
+        let (key, payload) = (format!("{group}/{key}"), payload.to_string());
+        async move {
+            let req = onceflow_core::dedup::ClaimRequest {
+                key: key.clone(),
+                owner: "crashed-worker".into(),
+                lease: Duration::from_secs(60),
+                fingerprint: Some(onceflow_core::dedup::fingerprint(payload.as_bytes())),
+            };
+            let ClaimOutcome::Claimed { token } = store.claim_one(req).await? else {
+                return Err(Error::new(ErrorKind::Conflict, "seed claim refused"));
+            };
+            store
+                .complete_one(&key, token, Some(Bytes::from(result)))
+                .await?;
+            Ok::<_, Error>(())
+        }
+    };
+    let origin = format!("onceflow-origin/1\n{group}\n{input}\n0\n0");
+    seed("k0", "v0", origin.into_bytes()).await?;
+    seed("k1", "v1", b"done elsewhere".to_vec()).await?;
+    let tx_id = h.transactional_id();
+    let (_, _, m1) = run_pipeline(
+        h,
+        &client,
+        &group,
+        &tx_id,
+        &input,
+        &output,
+        store.clone(),
+        None,
+        2,
+    )
+    .await?;
+    // A duplicate send of k0, now that its origin is committed.
+    produce(&client, vec![record(&input, "k0", "v0")]).await?;
+    let (_, _, m2) =
+        run_pipeline(h, &client, &group, &tx_id, &input, &output, store, None, 1).await?;
+    let out = read_all(h, &client, &output, 1).await?;
+    let payloads: Vec<String> = out
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    check(
+        payloads == ["v0"],
+        format!(
+            "k0 written once and k1 skipped, got {payloads:?} (first run {:?}, second {:?})",
+            m1.snapshot(),
+            m2.snapshot()
+        ),
+    )?;
+    check(
+        m2.snapshot().duplicates_skipped == 1,
+        format!("the duplicate send is skipped: {:?}", m2.snapshot()),
     )?;
     Ok(Outcome::Passed)
 }

@@ -100,6 +100,53 @@ struct OutputHandler {
     metrics: Arc<std::sync::OnceLock<Metrics>>,
 }
 
+/// First line of the result a transactional pipeline stores with a completed key: the origin
+/// (group, topic, partition, offset) of the input that claimed it follows, one per line.
+const ORIGIN_TAG: &str = "onceflow-origin/1";
+
+/// The stored result naming `msg` as the origin of its key's completion, for positions that
+/// order (offsets: Kafka, `memory://`); `None` otherwise.
+fn origin_of(group: &str, msg: &Message) -> Option<Bytes> {
+    let offset = msg.position.as_offset()?;
+    Some(Bytes::from(format!(
+        "{ORIGIN_TAG}\n{group}\n{}\n{}\n{offset}",
+        msg.topic, msg.partition
+    )))
+}
+
+/// `(group, partition, offset)` of a result written by [`origin_of`].
+fn parse_origin(result: &[u8]) -> Option<(&str, TopicPartition, i64)> {
+    let text = std::str::from_utf8(result).ok()?;
+    let mut lines = text.split('\n');
+    if lines.next()? != ORIGIN_TAG {
+        return None;
+    }
+    let group = lines.next()?;
+    let topic = lines.next()?;
+    let partition = lines.next()?.parse().ok()?;
+    let offset = lines.next()?.parse().ok()?;
+    Some((group, TopicPartition::new(topic, partition), offset))
+}
+
+/// Whether a key completed with `result` is a real duplicate: its origin is committed in
+/// this group (the committed next-to-read offset is past it). A completion without an origin
+/// of this group (another pipeline's, an idempotent consumer's, an older version's) counts as
+/// committed, as before.
+fn origin_committed(
+    group: &str,
+    result: &[u8],
+    committed: &HashMap<TopicPartition, Option<Position>>,
+) -> bool {
+    match parse_origin(result) {
+        Some((g, tp, offset)) if g == group => committed
+            .get(&tp)
+            .and_then(|p| p.as_ref())
+            .and_then(Position::as_offset)
+            .is_some_and(|next| next > offset),
+        _ => true,
+    }
+}
+
 fn set_output_ids(input_key: Option<&str>, outputs: &mut [Record]) {
     if let Some(k) = input_key {
         for (i, r) in outputs.iter_mut().enumerate() {
@@ -415,7 +462,20 @@ impl TxLoop<'_> {
                     }
                 }
             }
+            let committed = self.committed_origins(&outcomes).await?;
             for ((msg, key), mut outcome) in msgs.iter().zip(&keys).zip(outcomes) {
+                if let Some(ClaimOutcome::Duplicate { result: Some(r) }) = &outcome {
+                    if !origin_committed(core.consumer.group(), r, &committed) {
+                        // Completed by a transaction that did not commit (a crash or an abort
+                        // after the completion): not a duplicate. The rewind re-reads it.
+                        tracing::debug!(
+                            key = key.as_deref().unwrap_or_default(),
+                            at = %msg.position,
+                            "completed by a transaction that did not commit; processing it"
+                        );
+                        outcome = None;
+                    }
+                }
                 while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
                     let wait = (*expires_in)
                         .min(cfg.lease / 3)
@@ -449,7 +509,7 @@ impl TxLoop<'_> {
                         st.claims.push(Completion {
                             key: k,
                             token,
-                            result: None,
+                            result: origin_of(core.consumer.group(), msg),
                         });
                         if !self.process(&mut st, msg, key.as_deref()).await? {
                             return Ok(());
@@ -580,6 +640,35 @@ impl TxLoop<'_> {
         }
     }
 
+    /// The group's committed positions of the partitions named by the origins of this batch's
+    /// duplicates (one lookup per batch, none without such duplicates).
+    async fn committed_origins(
+        &self,
+        outcomes: &[Option<ClaimOutcome>],
+    ) -> Result<HashMap<TopicPartition, Option<Position>>> {
+        let group = self.core.consumer.group();
+        let mut tps: Vec<TopicPartition> = Vec::new();
+        for o in outcomes {
+            if let Some(ClaimOutcome::Duplicate { result: Some(r) }) = o {
+                if let Some((g, tp, _)) = parse_origin(r) {
+                    if g == group && !tps.contains(&tp) {
+                        tps.push(tp);
+                    }
+                }
+            }
+        }
+        if tps.is_empty() {
+            return Ok(HashMap::new());
+        }
+        Ok(self
+            .core
+            .consumer
+            .committed(&tps)
+            .await?
+            .into_iter()
+            .collect())
+    }
+
     /// Sends `msg` to the dead-letter topic inside the transaction if one is configured.
     async fn dead_letter(
         &self,
@@ -601,6 +690,27 @@ impl TxLoop<'_> {
         let core = self.core;
         if !self.flush(st).await? || !self.settle(st).await? {
             return Ok(());
+        }
+        // The keys are completed before the transaction commits, each with the position of
+        // the input that claimed it: a crash between the two leaves keys completed by a
+        // transaction that did not commit, which `origin_committed` tells from real
+        // duplicates by the group's committed positions. (Completing after the commit left a
+        // window where a crash kept keys claimed although their outputs were committed, and
+        // a later duplicate send of one was processed again.)
+        if let Some(store) = &core.store {
+            if !st.claims.is_empty() {
+                let claims = std::mem::take(&mut st.claims);
+                let ok = store.complete(&claims).await?;
+                let refused = ok.iter().filter(|b| !**b).count();
+                if refused > 0 {
+                    // Another worker took over a key (its lease ran out): its outputs are
+                    // theirs to write. Abort and re-read.
+                    core.metrics.add(Metric::Fenced, refused as u64);
+                    self.abort_and_rewind(st, "claims taken over before the commit")
+                        .await?;
+                    return Ok(());
+                }
+            }
         }
         let Some(mut tx) = st.tx.take() else {
             return Ok(());
@@ -627,15 +737,6 @@ impl TxLoop<'_> {
             Ok(()) => {
                 core.metrics.add(Metric::TransactionCommitted, 1);
                 core.metrics.add(Metric::Commit, 1);
-                if let Some(store) = &core.store {
-                    if !st.claims.is_empty() {
-                        let ok = store.complete(&st.claims).await?;
-                        let refused = ok.iter().filter(|b| !**b).count();
-                        if refused > 0 {
-                            core.metrics.add(Metric::Fenced, refused as u64);
-                        }
-                    }
-                }
                 st.claims.clear();
                 st.inflight.clear();
                 st.positions.clear();
