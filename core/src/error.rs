@@ -250,7 +250,8 @@ impl std::error::Error for Error {
 /// The URL with its password replaced by `***`, whether in the user info or in a query
 /// parameter such as libpq's `password=` (the input unchanged when it has none): what
 /// onceflow's errors, logs and CLI output show of a store or broker URL. An unparsable URL
-/// loses everything between `://` and its last `@`, to be safe.
+/// loses everything between `://` and its last `@`, to be safe, and text that is no URL
+/// (libpq's `host=h password=pw`) keeps its keys but not the values of secret ones.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() || u.query_pairs().any(|(k, _)| secret_key(&k)) => {
