@@ -311,7 +311,9 @@ async fn redis_quiesce(conn: &mut redis::aio::MultiplexedConnection) {
         let busy = info.lines().any(|l| {
             matches!(
                 l.trim(),
-                "aof_rewrite_in_progress:1" | "aof_rewrite_scheduled:1" | "rdb_bgsave_in_progress:1"
+                "aof_rewrite_in_progress:1"
+                    | "aof_rewrite_scheduled:1"
+                    | "rdb_bgsave_in_progress:1"
             )
         });
         if !busy {

@@ -126,7 +126,10 @@ async fn schema_from_a_newer_version_is_a_dedup_store_error_without_the_password
             "{e}"
         );
         if let Some(p) = &password {
-            assert!(!e.message().contains(&format!(":{p}@")), "password shown: {e}");
+            assert!(
+                !e.message().contains(&format!(":{p}@")),
+                "password shown: {e}"
+            );
         }
     }
     client
