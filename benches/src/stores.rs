@@ -11,8 +11,11 @@
 //! crate; for PostgreSQL, the same two statements (the one-statement claim, then the
 //! completion), prepared once, over one bare `tokio-postgres` connection with the store's
 //! session settings (`plan_cache_mode=force_custom_plan`). Raw and onceflow runs
-//! alternate, twice each, and the faster of each pair is kept. The ratio is onceflow's time
-//! over the raw client's (target ≤ 1.1).
+//! alternate, three times each (raw, onceflow, onceflow, raw, raw, onceflow), and the best
+//! of each is kept; before each Redis run the bench waits until redis-server is not rewriting
+//! its append-only file. The ratio is onceflow's time over the raw client's (target ≤ 1.1).
+//! Printed for information: this process's CPU time per key (client) and, for Redis,
+//! redis-server's (`INFO cpu`) for each contender, to show where the time goes.
 //!
 //! Targets: Redis ≥ 100k keys/s pipelined (batch 1000), PostgreSQL ≥ 30k keys/s at batch 1000.
 //! Needs `ONCEFLOW_REDIS_URL` / `ONCEFLOW_POSTGRES_URL` (`tests/brokers/up.sh redis postgres`);
@@ -79,11 +82,15 @@ fn suffix() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
 
-/// Elapsed time of the first phase (claim + complete) and of the replay.
+/// Elapsed time of the first phase (claim + complete) and of the replay, and the CPU time this
+/// process (the client) and the server spent on both.
 #[derive(Debug, Clone, Copy)]
 struct Times {
     first: Duration,
     replay: Duration,
+    client_cpu: Duration,
+    /// Redis only (`INFO cpu` before and after; includes any other client of the server).
+    server_cpu: Duration,
 }
 
 impl Times {
@@ -91,9 +98,15 @@ impl Times {
         Times {
             first: self.first.min(other.first),
             replay: self.replay.min(other.replay),
+            client_cpu: self.client_cpu.min(other.client_cpu),
+            server_cpu: self.server_cpu.min(other.server_cpu),
         }
     }
 }
+
+/// Rounds per contender; the order alternates (raw first in even rounds, onceflow first in odd
+/// ones) and the best of each contender is kept.
+const ROUNDS: usize = 3;
 
 /// Claims and completes every key, then replays them, through a store.
 async fn through_store(store: &dyn DedupStore, keys: &[String], batch: usize) -> Times {
@@ -122,7 +135,7 @@ async fn through_store(store: &dyn DedupStore, keys: &[String], batch: usize) ->
                 .collect()
         })
         .collect();
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), crate::cpu::process_cpu());
     for (reqs, done) in claims.iter().zip(completions.iter_mut()) {
         let outcomes = store.claim(reqs).await.expect("claim");
         for (o, c) in outcomes.iter().zip(done.iter_mut()) {
@@ -148,6 +161,8 @@ async fn through_store(store: &dyn DedupStore, keys: &[String], batch: usize) ->
     Times {
         first,
         replay: start.elapsed(),
+        client_cpu: crate::cpu::process_cpu() - cpu,
+        server_cpu: Duration::ZERO,
     }
 }
 
@@ -170,6 +185,25 @@ fn report(store: &str, batch: usize, n: usize, ours: Times, raw: Times, target: 
         &format!("{store}_b{batch}_raw_replay_keys_per_s"),
         n as f64 / raw.replay.as_secs_f64(),
     );
+    let per_key = |d: Duration| d.as_secs_f64() * 1e6 / (2 * n) as f64;
+    info(
+        &format!("{store}_b{batch}_client_cpu_ns_per_key_onceflow"),
+        per_key(ours.client_cpu) * 1e3,
+    );
+    info(
+        &format!("{store}_b{batch}_client_cpu_ns_per_key_raw"),
+        per_key(raw.client_cpu) * 1e3,
+    );
+    if !ours.server_cpu.is_zero() {
+        info(
+            &format!("{store}_b{batch}_server_cpu_ns_per_key_onceflow"),
+            per_key(ours.server_cpu) * 1e3,
+        );
+        info(
+            &format!("{store}_b{batch}_server_cpu_ns_per_key_raw"),
+            per_key(raw.server_cpu) * 1e3,
+        );
+    }
     let cost = (ours.first + ours.replay).as_secs_f64() / (raw.first + raw.replay).as_secs_f64();
     println!(
         "RATIO D1 {store}_b{batch}_time_vs_raw_client {cost:.3} target <={RATIO_TARGET} {}",
@@ -211,20 +245,30 @@ async fn redis_figures(url: &str) {
         let n = keys_for("redis", batch);
         let mut ours: Option<Times> = None;
         let mut base: Option<Times> = None;
-        for _ in 0..2 {
-            let prefix = format!("bench-raw-{}:", suffix());
+        for round in 0..ROUNDS * 2 {
+            // raw, onceflow, onceflow, raw, raw, onceflow
+            let raw_turn = (round % 2 == 0) == (round / 2 % 2 == 0);
             let keys = random_keys(n);
-            let t = redis_raw(&mut raw, &complete_sha, &prefix, &keys, batch).await;
-            base = Some(base.map_or(t, |b| b.best(t)));
-            redis_unlink(&mut raw, &prefix, &keys).await;
-            let prefix = format!("bench-{}:", suffix());
-            let store = onceflow_redis::RedisStore::open(&format!("{url}?prefix={prefix}"), WINDOW)
-                .await
-                .expect("open the Redis store");
-            let keys = random_keys(n);
-            let t = through_store(&store, &keys, batch).await;
-            ours = Some(ours.map_or(t, |b| b.best(t)));
-            redis_unlink(&mut raw, &prefix, &keys).await;
+            redis_quiesce(&mut raw).await;
+            let server = redis_server_cpu(&mut raw).await;
+            if raw_turn {
+                let prefix = format!("bench-raw-{}:", suffix());
+                let mut t = redis_raw(&mut raw, &complete_sha, &prefix, &keys, batch).await;
+                t.server_cpu = redis_server_cpu(&mut raw).await.saturating_sub(server);
+                base = Some(base.map_or(t, |b| b.best(t)));
+                redis_unlink(&mut raw, &prefix, &keys).await;
+            } else {
+                let prefix = format!("bench-{}:", suffix());
+                let store =
+                    onceflow_redis::RedisStore::open(&format!("{url}?prefix={prefix}"), WINDOW)
+                        .await
+                        .expect("open the Redis store");
+                let server = redis_server_cpu(&mut raw).await;
+                let mut t = through_store(&store, &keys, batch).await;
+                t.server_cpu = redis_server_cpu(&mut raw).await.saturating_sub(server);
+                ours = Some(ours.map_or(t, |b| b.best(t)));
+                redis_unlink(&mut raw, &prefix, &keys).await;
+            }
         }
         report(
             "redis",
@@ -234,6 +278,48 @@ async fn redis_figures(url: &str) {
             base.unwrap(),
             REDIS_TARGET,
         );
+    }
+}
+
+/// redis-server's CPU time so far (user + system, all its threads; `INFO cpu`, µs resolution).
+async fn redis_server_cpu(conn: &mut redis::aio::MultiplexedConnection) -> Duration {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(conn)
+        .await
+        .unwrap_or_default();
+    let secs: f64 = info
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("used_cpu_sys:")
+                .or_else(|| l.strip_prefix("used_cpu_user:"))
+        })
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum();
+    Duration::from_secs_f64(secs)
+}
+
+/// Waits (untimed) until redis-server is not rewriting its append-only file: a rewrite forks
+/// a child that competes for the same 2 cores and would land on whichever contender runs.
+async fn redis_quiesce(conn: &mut redis::aio::MultiplexedConnection) {
+    for _ in 0..600 {
+        let info: String = redis::cmd("INFO")
+            .arg("persistence")
+            .query_async(conn)
+            .await
+            .unwrap_or_default();
+        let busy = info.lines().any(|l| {
+            matches!(
+                l.trim(),
+                "aof_rewrite_in_progress:1"
+                    | "aof_rewrite_scheduled:1"
+                    | "rdb_bgsave_in_progress:1"
+            )
+        });
+        if !busy {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -301,7 +387,7 @@ async fn redis_raw(
             Ok::<Vec<Value>, redis::RedisError>(parts.into_iter().flatten().collect())
         }
     };
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), crate::cpu::process_cpu());
     for b in keys.chunks(batch) {
         let replies = send(claim_pipe(b)).await.expect("raw claim");
         let mut tokens = Vec::with_capacity(b.len());
@@ -341,6 +427,8 @@ async fn redis_raw(
     Times {
         first,
         replay: start.elapsed(),
+        client_cpu: crate::cpu::process_cpu() - cpu,
+        server_cpu: Duration::ZERO,
     }
 }
 
@@ -367,7 +455,23 @@ async fn postgres_figures(url: &str) {
         let n = keys_for("postgres", batch);
         let mut ours: Option<Times> = None;
         let mut base: Option<Times> = None;
-        for _ in 0..2 {
+        for round in 0..ROUNDS * 2 {
+            // raw, onceflow, onceflow, raw, raw, onceflow
+            let raw_turn = (round % 2 == 0) == (round / 2 % 2 == 0);
+            if !raw_turn {
+                let schema = format!("bench_{}", suffix());
+                let store = onceflow_postgres::PostgresStore::open(
+                    &format!("{url}?schema={schema}&pool_size=2"),
+                    WINDOW,
+                )
+                .await
+                .expect("open the PostgreSQL store");
+                schemas.push(schema);
+                let keys = random_keys(n);
+                let t = through_store(&store, &keys, batch).await;
+                ours = Some(ours.map_or(t, |b| b.best(t)));
+                continue;
+            }
             // Raw: a fresh schema made by the store, then only the bare connection uses it.
             let schema = format!("bench_{}", suffix());
             let store = onceflow_postgres::PostgresStore::open(
@@ -386,18 +490,6 @@ async fn postgres_figures(url: &str) {
             let t = postgres_raw(&raw, &statements, &keys, batch).await;
             base = Some(base.map_or(t, |b| b.best(t)));
             drop(store);
-
-            let schema = format!("bench_{}", suffix());
-            let store = onceflow_postgres::PostgresStore::open(
-                &format!("{url}?schema={schema}&pool_size=2"),
-                WINDOW,
-            )
-            .await
-            .expect("open the PostgreSQL store");
-            schemas.push(schema);
-            let keys = random_keys(n);
-            let t = through_store(&store, &keys, batch).await;
-            ours = Some(ours.map_or(t, |b| b.best(t)));
         }
         report(
             "postgres",
@@ -436,7 +528,7 @@ async fn postgres_raw(
         let fps: Vec<Option<Vec<u8>>> = sorted.iter().map(|_| None).collect();
         (sorted, owners, leases, fps)
     };
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), crate::cpu::process_cpu());
     for b in keys.chunks(batch) {
         let (sorted, owners, leases, fps) = claim_args(b);
         let rows = client
@@ -474,6 +566,8 @@ async fn postgres_raw(
     Times {
         first,
         replay: start.elapsed(),
+        client_cpu: crate::cpu::process_cpu() - cpu,
+        server_cpu: Duration::ZERO,
     }
 }
 

@@ -250,7 +250,8 @@ impl std::error::Error for Error {
 /// The URL with its password replaced by `***`, whether in the user info or in a query
 /// parameter such as libpq's `password=` (the input unchanged when it has none): what
 /// onceflow's errors, logs and CLI output show of a store or broker URL. An unparsable URL
-/// loses everything between `://` and its last `@`, to be safe.
+/// loses everything between `://` and its last `@`, to be safe, and text that is no URL
+/// (libpq's `host=h password=pw`) keeps its keys but not the values of secret ones.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() || u.query_pairs().any(|(k, _)| secret_key(&k)) => {
@@ -273,12 +274,58 @@ pub fn redact_url(url: &str) -> String {
             }
             u.to_string()
         }
-        Ok(_) => url.to_string(),
-        Err(_) => match (url.find("://"), url.rfind('@')) {
-            (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
-            _ => url.to_string(),
-        },
+        Ok(_) => redact_pairs(url),
+        Err(_) => {
+            let url = match (url.find("://"), url.rfind('@')) {
+                (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
+                _ => url.to_string(),
+            };
+            redact_pairs(&url)
+        }
     }
+}
+
+/// Hides the values of secret keys in text that is not a parsable URL: libpq's `key=value`
+/// connection strings (`host=h password=pw`, a value possibly in single quotes) and the query of
+/// a malformed URL (`…?sslpassword=pw&…`).
+fn redact_pairs(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(eq) = rest.find('=') {
+        // libpq allows blanks around '='.
+        let before = rest[..eq].trim_end();
+        let key_start = before
+            .rfind(|c: char| c.is_whitespace() || matches!(c, '?' | '&' | ';'))
+            .map_or(0, |i| i + 1);
+        out.push_str(&rest[..eq + 1]);
+        let after = &rest[eq + 1..];
+        if !secret_key(&before[key_start..]) {
+            rest = after;
+            continue;
+        }
+        let value = after.trim_start();
+        out.push_str(&after[..after.len() - value.len()]);
+        out.push_str("***");
+        let end = if let Some(quoted) = value.strip_prefix('\'') {
+            // libpq: a quoted value ends at the first quote not escaped by a backslash.
+            let mut escaped = false;
+            quoted
+                .char_indices()
+                .find(|&(_, c)| {
+                    let end = c == '\'' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    end
+                })
+                .map_or(value.len(), |(i, _)| i + 2)
+        } else {
+            value
+                .find(|c: char| c.is_whitespace() || matches!(c, '&' | ';' | '#'))
+                .unwrap_or(value.len())
+        };
+        rest = &value[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// [`redact_url`] for each of a comma-separated list of URLs or `HOST:PORT`s, also hiding a
@@ -342,6 +389,38 @@ mod tests {
             "redis://127.0.0.1:16379/0"
         );
         assert_eq!(redact_url("/tmp/d.db"), "/tmp/d.db");
+        // Secret query keys other than `password`, in any case.
+        for url in [
+            "postgres://u@h:1/db?sslpassword=s3cret&sslmode=require",
+            "postgres://u@h:1/db?PassWord=s3cret",
+            "redis://h:1/?token=s3cret",
+        ] {
+            let r = redact_url(url);
+            assert!(!r.contains("s3cret") && r.contains("***"), "{url} -> {r}");
+        }
+    }
+
+    #[test]
+    fn redact_url_hides_secrets_of_unparsable_urls_and_key_value_strings() {
+        assert_eq!(
+            redact_url("host=h user=u password=s3cret dbname=d"),
+            "host=h user=u password=*** dbname=d"
+        );
+        assert_eq!(
+            redact_url("host=h password='s3 \\'cret' sslpassword = x port=1"),
+            "host=h password=*** sslpassword = *** port=1"
+        );
+        for text in [
+            "user=u password='s3cret",
+            "postgres://u@[bad/db?sslpassword=s3cret&x=1",
+            "postgres://u:s3cret@[bad/db",
+            "password=s3cret",
+        ] {
+            let r = redact_url(text);
+            assert!(!r.contains("s3cret"), "{text} -> {r}");
+        }
+        assert_eq!(redact_url("host=h port=1"), "host=h port=1");
+        assert!(!redact_credentials("redis://s3cret@h:1").contains("s3cret"));
     }
 
     #[test]

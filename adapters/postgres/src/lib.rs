@@ -219,6 +219,8 @@ fn session_options(url_options: Option<&str>) -> String {
 
 /// Parses the URL, takes out onceflow's options, builds the pool, creates or checks the schema.
 pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> {
+    // `redact_url`, not `redact_credentials`: a user name without a password is no secret in a
+    // PostgreSQL URL, and errors name it (`postgres://onceflow@host/db`).
     let shown = redact_url(url.trim());
     let mut parsed = url::Url::parse(url.trim()).map_err(|e| {
         Error::config(format!(

@@ -15,6 +15,11 @@
 //!   at most [`SCRIPT_CHUNK`] keys. Either way a batch is sent as pipelines of
 //!   [`SCRIPT_CHUNK`] keys back to back, without waiting in between (one round trip for the
 //!   batch; the server works on the first while the next are encoded).
+//! - **Standalone Redis only**: one script call takes a whole chunk of keys (`KEYS`), which
+//!   Redis Cluster refuses unless all of them hash to one slot (`CROSSSLOT`); the store is
+//!   meant for a standalone server (with or without replicas; the URL names the primary).
+//!   [`RedisStore::open`] refuses a server whose `INFO server` says `redis_mode:cluster` (or
+//!   `sentinel`) with an [`ErrorKind::Unsupported`] error.
 //! - **Data** (stored format 1): one Redis string per key, named `PREFIX + key` (default
 //!   prefix `onceflow:dedup:`), holding `'1' STATE TOKEN '|' FP '|' REST`: the format
 //!   version `1`; STATE `0` released, `1` in progress, `2` completed; TOKEN the fencing token
@@ -120,7 +125,7 @@ impl Conn {
         response_timeout: Duration,
         allowed: &[&str],
     ) -> Result<(Conn, Vec<(String, String)>)> {
-        let shown = redact_url(url);
+        let shown = onceflow_core::redact_credentials(url);
         let mut parsed = url::Url::parse(url.trim()).map_err(|e| {
             Error::config(format!(
                 "Redis store URL '{shown}' is not a URL ({e}): expected \
@@ -313,7 +318,8 @@ impl RedisStore {
     /// optional `?prefix=P`), remembering completed keys for `window`.
     ///
     /// Errors: [`ErrorKind::Config`] for a malformed URL, an unknown option or a zero window;
-    /// [`ErrorKind::Unsupported`] for `rediss://` or a server older than Redis 7.0;
+    /// [`ErrorKind::Unsupported`] for `rediss://`, a server older than Redis 7.0 or one that
+    /// is not standalone (Redis Cluster, Sentinel);
     /// [`ErrorKind::DedupStore`] when the server cannot be reached or refuses the credentials,
     /// naming the URL without its password.
     pub async fn open(url: &str, window: Duration) -> Result<Self> {
@@ -325,7 +331,7 @@ impl RedisStore {
         if options.window.is_zero() {
             return Err(Error::config(format!(
                 "dedup window for '{}' is 0: expected a positive duration",
-                redact_url(url)
+                onceflow_core::redact_credentials(url)
             )));
         }
         let (conn, query) = Conn::open(
@@ -356,6 +362,18 @@ impl RedisStore {
                  later (SET with NX and GET)",
                 conn.shown
             )));
+        }
+        // One script call takes a chunk of keys: Redis Cluster refuses that (`CROSSSLOT`).
+        if let Some(mode) = info.lines().find_map(|l| l.strip_prefix("redis_mode:")) {
+            if mode.trim() != "standalone" {
+                return Err(Error::unsupported(format!(
+                    "Redis store '{}': the server runs in {} mode; the store needs a standalone \
+                     Redis server (its scripts take many keys per call, which Redis Cluster \
+                     refuses across hash slots)",
+                    conn.shown,
+                    mode.trim()
+                )));
+            }
         }
         let mut prefix = options.prefix;
         for (k, v) in query {

@@ -314,6 +314,8 @@ pub fn validate<'a>(
 /// scheme name such as `memory`, naming the value and listing the supported forms;
 /// [`crate::ErrorKind::DedupStore`] for an embedded path that cannot be opened, naming it.
 pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
+    // Errors show the URL without its credentials.
+    let shown = crate::error::redact_credentials(url);
     const SUPPORTED: &str = "memory://, embedded:///absolute/path.db, a plain file path, \
          redis://… or postgres://… (the last two through their crates)";
     let trimmed = url.trim();
@@ -335,7 +337,7 @@ pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
         .contains(&&*bare)
         {
             return Err(Error::config(format!(
-                "checkpoint store '{url}' looks like a URL scheme without '://' (did you mean \
+                "checkpoint store '{shown}' looks like a URL scheme without '://' (did you mean \
                  '{bare}://'?); to use a file of that name, write ./{trimmed}"
             )));
         }
@@ -345,8 +347,9 @@ pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
         "memory" => {
             if !rest.is_empty() && rest != "/" {
                 return Err(Error::config(format!(
-                    "memory checkpoint store URL '{url}' has '{rest}' after the scheme, but a \
-                     memory store takes no name or options: expected memory://"
+                    "memory checkpoint store URL '{shown}' has '{rest}' after the scheme, but a \
+                     memory store takes no name or options: expected memory://",
+                    rest = rest.rsplit('@').next().unwrap_or(rest)
                 )));
             }
             Ok(Arc::new(MemoryCheckpointStore::new()))
@@ -354,23 +357,23 @@ pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
         "embedded" => {
             if !rest.starts_with('/') || rest.contains(['?', '#']) {
                 return Err(Error::config(format!(
-                    "embedded checkpoint store URL '{url}' must be embedded:///absolute/path.db \
+                    "embedded checkpoint store URL '{shown}' must be embedded:///absolute/path.db \
                      (three slashes, no options), or give a plain file path"
                 )));
             }
             let path = percent_decode(rest).ok_or_else(|| {
                 Error::config(format!(
-                    "embedded checkpoint store URL '{url}' decodes to a path that is not UTF-8"
+                    "embedded checkpoint store URL '{shown}' decodes to a path that is not UTF-8"
                 ))
             })?;
             Ok(Arc::new(EmbeddedCheckpointStore::open(path).await?))
         }
         s @ ("redis" | "rediss" | "postgres" | "postgresql") => Err(Error::unsupported(format!(
-            "checkpoint store URL scheme '{s}://' ('{url}') is provided by the onceflow-redis / \
+            "checkpoint store URL scheme '{s}://' ('{shown}') is provided by the onceflow-redis / \
              onceflow-postgres crates; onceflow-core opens memory:// and embedded stores only"
         ))),
         _ => Err(Error::config(format!(
-            "unknown checkpoint store URL scheme '{scheme}://' in '{url}': expected one of \
+            "unknown checkpoint store URL scheme '{scheme}://' in '{shown}': expected one of \
              {SUPPORTED}"
         ))),
     }

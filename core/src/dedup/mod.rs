@@ -207,12 +207,14 @@ pub type SharedDedupStore = Arc<dyn DedupStore>;
 /// and listing the supported forms; [`crate::ErrorKind::DedupStore`] for an embedded path
 /// that cannot be opened, naming the path.
 pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
+    // Errors show the URL without its credentials.
+    let shown = crate::error::redact_credentials(url);
     use crate::error::Error;
     const SUPPORTED: &str = "memory://[?capacity=N], embedded:///absolute/path.db, a plain file \
          path, redis://… or postgres://… (the last two through the onceflow facade)";
     if window.is_zero() {
         return Err(Error::config(format!(
-            "dedup window for '{url}' is 0: expected a positive duration (how long completed \
+            "dedup window for '{shown}' is 0: expected a positive duration (how long completed \
              keys are remembered)"
         )));
     }
@@ -236,7 +238,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
         .contains(&&*bare)
         {
             return Err(Error::config(format!(
-                "dedup store '{url}' looks like a URL scheme without '://' (did you mean \
+                "dedup store '{shown}' looks like a URL scheme without '://' (did you mean \
                  '{bare}://'?); to use a file of that name, write ./{trimmed}"
             )));
         }
@@ -262,9 +264,10 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
             let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
             if !path.is_empty() && path != "/" {
                 return Err(Error::config(format!(
-                    "memory dedup store URL '{url}' names '{path}', but a memory store has no \
+                    "memory dedup store URL '{shown}' names '{path}', but a memory store has no \
                      name (every open creates a new one): expected memory:// or \
-                     memory://?capacity=N"
+                     memory://?capacity=N",
+                    path = path.rsplit('@').next().unwrap_or(path)
                 )));
             }
             let mut capacity = memory::DEFAULT_CAPACITY;
@@ -273,13 +276,13 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                     "capacity" => {
                         capacity = v.parse().ok().filter(|c| *c > 0).ok_or_else(|| {
                             Error::config(format!(
-                                "capacity '{v}' in '{url}' is not a positive whole number of keys"
+                                "capacity '{v}' in '{shown}' is not a positive whole number of keys"
                             ))
                         })?;
                     }
                     other => {
                         return Err(Error::config(format!(
-                            "unknown option '{other}' in memory dedup store URL '{url}': \
+                            "unknown option '{other}' in memory dedup store URL '{shown}': \
                              expected capacity=N"
                         )))
                     }
@@ -290,7 +293,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
         "embedded" => {
             if !rest.starts_with('/') || rest.contains(['?', '#']) {
                 return Err(Error::config(format!(
-                    "embedded dedup store URL '{url}' must be embedded:///absolute/path.db \
+                    "embedded dedup store URL '{shown}' must be embedded:///absolute/path.db \
                      (three slashes, no options), or give a plain file path"
                 )));
             }
@@ -315,13 +318,13 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
             }
             let path = String::from_utf8(decoded).map_err(|_| {
                 Error::config(format!(
-                    "embedded dedup store URL '{url}' decodes to a path that is not UTF-8"
+                    "embedded dedup store URL '{shown}' decodes to a path that is not UTF-8"
                 ))
             })?;
             Ok(Arc::new(EmbeddedStore::open(path, window).await?))
         }
         s @ ("redis" | "rediss") => Err(Error::unsupported(format!(
-            "dedup store URL scheme '{s}://' ('{url}') is provided by the onceflow-redis crate: \
+            "dedup store URL scheme '{s}://' ('{shown}') is provided by the onceflow-redis crate: \
              open it with onceflow::dedup_store and the facade's `redis` feature; \
              onceflow-core opens memory:// and embedded stores only"
         ))),
@@ -329,11 +332,11 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
             "dedup store URL scheme '{s}://' ('{}') is provided by the onceflow-postgres \
              crate: open it with onceflow::dedup_store and the facade's `postgres` feature; \
              onceflow-core opens memory:// and embedded stores only",
-            crate::error::redact_credentials(url)
+            shown
         ))),
         _ => Err(Error::config(format!(
             "unknown dedup store URL scheme '{scheme}://' in '{}': expected one of {SUPPORTED}",
-            crate::error::redact_credentials(url)
+            shown
         ))),
     }
 }

@@ -1,0 +1,147 @@
+//! Bad input (issue 7): an unreachable server, wrong credentials and malformed URLs give clear
+//! errors of a kind that name the store URL **without its password**, for the dedup store, the
+//! checkpoint store and core's URL opener. The cases that need a server use
+//! `ONCEFLOW_REDIS_URL` (`tests/brokers/up.sh redis`, which also creates the ACL user
+//! `onceflow` with password `onceflow`) and skip without it.
+
+use std::time::Duration;
+
+use onceflow_core::{Error, ErrorKind};
+use onceflow_redis::{RedisCheckpointStore, RedisStore};
+
+const SECRET: &str = "s3cret-pw-7";
+
+/// The server's URL; without one the server cases skip, unless `ONCEFLOW_REQUIRE_BROKERS=1`
+/// (`make test`) makes a missing server a failure.
+fn base() -> Option<String> {
+    let url = std::env::var("ONCEFLOW_REDIS_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    if url.is_none() {
+        assert!(
+            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+            "ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_REDIS_URL is not set (tests/brokers/up.sh redis)"
+        );
+        eprintln!("bad_input: SKIPPED: ONCEFLOW_REDIS_URL is not set");
+    }
+    url
+}
+
+/// `e` has `kind`, names `shown` and shows the secret nowhere (message, Display, Debug).
+fn check(e: &Error, kind: ErrorKind, shown: &str) {
+    assert_eq!(e.kind(), kind, "{e}");
+    assert!(e.message().contains(shown), "{shown} not named in: {e}");
+    for text in [e.to_string(), format!("{e:?}")] {
+        assert!(!text.contains(SECRET), "password shown: {text}");
+    }
+}
+
+async fn open_both(url: &str) -> (Error, Error) {
+    let d = RedisStore::open(url, Duration::from_secs(60))
+        .await
+        .expect_err(url);
+    let c = RedisCheckpointStore::open(url).await.expect_err(url);
+    (d, c)
+}
+
+#[tokio::test]
+async fn unreachable_server_is_a_dedup_store_error_without_the_password() {
+    for (url, shown) in [
+        (
+            format!("redis://user:{SECRET}@127.0.0.1:1"),
+            "redis://user:***@127.0.0.1:1".to_string(),
+        ),
+        // Password only (the default user).
+        (
+            format!("redis://:{SECRET}@127.0.0.1:1/0"),
+            "redis://:***@127.0.0.1:1/0".to_string(),
+        ),
+        // A user name alone may be a token: hidden too.
+        (
+            format!("redis://{SECRET}@127.0.0.1:1"),
+            "redis://***@127.0.0.1:1".to_string(),
+        ),
+    ] {
+        let (d, c) = open_both(&url).await;
+        check(&d, ErrorKind::DedupStore, &shown);
+        check(&c, ErrorKind::DedupStore, &shown);
+        assert!(d.is_retriable(), "{d}");
+    }
+}
+
+#[tokio::test]
+async fn wrong_password_is_a_dedup_store_error_without_the_password() {
+    let Some(base) = base() else { return };
+    let mut u = url::Url::parse(&base).unwrap();
+    // The ACL user the test server has (password `onceflow`), with a wrong password.
+    u.set_username("onceflow").unwrap();
+    u.set_password(Some(SECRET)).unwrap();
+    let wrong = u.to_string();
+    let shown = wrong.replace(SECRET, "***");
+    let (d, c) = open_both(&wrong).await;
+    for e in [&d, &c] {
+        check(e, ErrorKind::DedupStore, &shown);
+        assert!(
+            e.message().contains("WRONGPASS")
+                || e.message().to_lowercase().contains("authentication failed"),
+            "not an authentication error: {e}"
+        );
+    }
+    // The same user with its password opens: the failure above was the password.
+    u.set_password(Some("onceflow")).unwrap();
+    RedisStore::open(u.as_str(), Duration::from_secs(60))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn malformed_urls_are_config_errors_without_the_password() {
+    for (url, kind, shown) in [
+        (
+            format!("redis://u:{SECRET}@127.0.0.1:1?bogus=1"),
+            ErrorKind::Config,
+            "redis://u:***@127.0.0.1:1?bogus=1",
+        ),
+        (
+            format!("redis://u:{SECRET}@127.0.0.1:1?password={SECRET}"),
+            ErrorKind::Config,
+            "redis://u:***@127.0.0.1:1?password=***",
+        ),
+        (
+            format!("redis://u:{SECRET}@[::1"),
+            ErrorKind::Config,
+            "redis://***@[::1",
+        ),
+        (
+            format!("rediss://u:{SECRET}@127.0.0.1:1"),
+            ErrorKind::Unsupported,
+            "rediss://u:***@127.0.0.1:1",
+        ),
+    ] {
+        let (d, c) = open_both(&url).await;
+        check(&d, kind, shown);
+        check(&c, kind, shown);
+    }
+    let e = RedisStore::open(&format!("redis://u:{SECRET}@127.0.0.1:1"), Duration::ZERO)
+        .await
+        .unwrap_err();
+    check(&e, ErrorKind::Config, "redis://u:***@127.0.0.1:1");
+}
+
+/// Core's URL openers send Redis URLs to this crate: their error names the URL, redacted.
+#[tokio::test]
+async fn core_openers_name_redis_urls_without_the_password() {
+    let url = format!("redis://u:{SECRET}@127.0.0.1:1");
+    let e = onceflow_core::dedup::open(&url, Duration::from_secs(60))
+        .await
+        .err()
+        .unwrap();
+    check(&e, ErrorKind::Unsupported, "redis://u:***@127.0.0.1:1");
+    let e = onceflow_core::checkpoint::open(&url).await.err().unwrap();
+    check(&e, ErrorKind::Unsupported, "redis://u:***@127.0.0.1:1");
+    let e = onceflow_core::dedup::open(&url, Duration::ZERO)
+        .await
+        .err()
+        .unwrap();
+    check(&e, ErrorKind::Config, "redis://u:***@127.0.0.1:1");
+}
