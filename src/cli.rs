@@ -367,8 +367,20 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
             fallback: Box::new(other),
         },
     };
+    if a.group.trim().is_empty() {
+        return Err(Error::config(format!(
+            "--group '{}': expected a consumer group name, not an empty one",
+            a.group
+        )));
+    }
     let client = connect(&a.target.url).await?;
     require_topics(&client, &a.target.url, &a.topic).await?;
+    if client.platform() == "kinesis" && !a.target.url.contains("checkpoint_store=") {
+        eprintln!(
+            "onceflow: note: without checkpoint_store= in the kinesis:// URL the group's \
+             checkpoints live in this command only: the next run starts again from --from"
+        );
+    }
     let consumer = client
         .consumer(ConsumerConfig::new(a.group.clone(), a.topic.clone()).start(start))
         .await?;
@@ -382,7 +394,13 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
             for m in batch {
                 print_message(&mut out, m, a.json);
             }
-            to_commit = last_positions(batch);
+            // Every partition read so far, not only the last batch's.
+            for (tp, p) in last_positions(batch) {
+                match to_commit.iter_mut().find(|(t, _)| *t == tp) {
+                    Some((_, q)) => *q = p,
+                    None => to_commit.push((tp, p)),
+                }
+            }
             Ok(())
         },
     )

@@ -136,7 +136,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
 
     eprintln!(
         "onceflow demo on {} ({} partitions), dedup store {} ({})",
-        onceflow::redact_url(&a.url),
+        onceflow::redact_credentials(&a.url),
         a.partitions,
         store.name(),
         onceflow::redact_url(&store_url)
@@ -359,7 +359,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
 
     let elapsed = started.elapsed();
     println!();
-    println!("  onceflow demo — {}", a.url);
+    println!("  onceflow demo — {}", onceflow::redact_credentials(&a.url));
     println!("  ───────────────────────────────────────────────────────────────");
     let row = |k: &str, v: String| println!("  {k:<38} {v}");
     row("platform", client.platform().to_string());

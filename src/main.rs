@@ -86,7 +86,10 @@ fn main() -> ExitCode {
             let mut src = std::error::Error::source(&e);
             while let Some(s) = src {
                 // Most messages already end with their cause's text: print only what is new.
-                let text = s.to_string();
+                let text = match s.downcast_ref::<onceflow::Error>() {
+                    Some(inner) => inner.message().to_string(),
+                    None => s.to_string(),
+                };
                 if !shown.contains(&text) {
                     eprintln!("  caused by: {text}");
                 }

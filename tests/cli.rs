@@ -261,3 +261,66 @@ fn ctrl_c_ends_the_demo_and_removes_its_temporary_store() {
         "temporary files left behind"
     );
 }
+
+/// `consume` commits every partition it printed from, not only those of its last batch.
+#[test]
+fn consume_commits_every_partition_it_read() {
+    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_URL") else {
+        eprintln!("skipped: ONCEFLOW_KAFKA_URL is not set (tests/brokers/up.sh kafka)");
+        return;
+    };
+    let topic = format!("cli-commit-{:08x}", rand::random::<u32>());
+    let group = format!("{topic}-g");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = onceflow::connect(&url).await.unwrap();
+        client
+            .admin()
+            .await
+            .unwrap()
+            .create_topic(&onceflow::TopicSpec::new(&topic, 3))
+            .await
+            .unwrap();
+        let producer = client
+            .producer(onceflow::ProducerConfig::new())
+            .await
+            .unwrap();
+        let records = (0..30)
+            .map(|i| {
+                onceflow::Record::new(topic.clone(), format!("m{i}").into_bytes())
+                    .key(format!("k{i}").into_bytes())
+            })
+            .collect();
+        for r in producer.send_batch(records).await {
+            r.unwrap();
+        }
+    });
+    let out = onceflow(&[
+        "consume",
+        "--url",
+        &url,
+        "-t",
+        &topic,
+        "-g",
+        &group,
+        "--idle-ms",
+        "3000",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        30,
+        "{}",
+        text(&out.stdout)
+    );
+    let lag = rt.block_on(async {
+        let client = onceflow::connect(&url).await.unwrap();
+        let admin = client.admin().await.unwrap();
+        admin.group_lag(&group, &topic).await.unwrap()
+    });
+    assert_eq!(lag.len(), 3, "{lag:?}");
+    assert!(
+        lag.iter().all(|l| l.messages == 0 && l.committed.is_some()),
+        "every partition committed: {lag:?}"
+    );
+}

@@ -253,36 +253,46 @@ impl std::error::Error for Error {
 /// loses everything between `://` and its last `@`, to be safe, and text that is no URL
 /// (libpq's `host=h password=pw`) keeps its keys but not the values of secret ones.
 pub fn redact_url(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() || u.query_pairs().any(|(k, _)| secret_key(&k)) => {
-            if u.password().is_some() {
-                let _ = u.set_password(Some("***"));
-            }
-            let pairs: Vec<(String, String)> = u
-                .query_pairs()
-                .map(|(k, v)| {
-                    let v = if secret_key(&k) {
-                        "***".into()
-                    } else {
-                        v.into_owned()
-                    };
-                    (k.into_owned(), v)
-                })
-                .collect();
-            if !pairs.is_empty() {
-                u.query_pairs_mut().clear().extend_pairs(pairs);
-            }
+    let base = match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
             u.to_string()
         }
-        Ok(_) => redact_pairs(url),
-        Err(_) => {
-            let url = match (url.find("://"), url.rfind('@')) {
-                (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
-                _ => url.to_string(),
-            };
-            redact_pairs(&url)
+        Ok(_) => url.to_string(),
+        Err(_) => match (url.find("://"), url.rfind('@')) {
+            (Some(s), Some(a)) if a > s => format!("{}***{}", &url[..s + 3], &url[a..]),
+            _ => url.to_string(),
+        },
+    };
+    // The query as written (no re-encoding), secret values hidden, and the user info of URLs
+    // inside it (`?admin=http://user:pw@host`) too.
+    redact_nested(&redact_pairs(&base))
+}
+
+/// Hides the user info of every URL after the first one in `text` (URLs given as query
+/// values): `http://user:pw@host` becomes `http://***@host`.
+fn redact_nested(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    let mut first = true;
+    while let Some(i) = rest.find("://") {
+        out.push_str(&rest[..i + 3]);
+        let tail = &rest[i + 3..];
+        let end = tail
+            .find(|c: char| {
+                matches!(c, '@' | '/' | '?' | '&' | '#' | ',' | ';') || c.is_whitespace()
+            })
+            .unwrap_or(tail.len());
+        if !first && tail[end..].starts_with('@') && &tail[..end] != "***" {
+            out.push_str("***");
+            rest = &tail[end..];
+        } else {
+            rest = tail;
         }
+        first = false;
     }
+    out.push_str(rest);
+    out
 }
 
 /// Hides the values of secret keys in text that is not a parsable URL: libpq's `key=value`
@@ -299,7 +309,7 @@ fn redact_pairs(text: &str) -> String {
             .map_or(0, |i| i + 1);
         out.push_str(&rest[..eq + 1]);
         let after = &rest[eq + 1..];
-        if !secret_key(&before[key_start..]) {
+        if !is_secret_key(&before[key_start..]) {
             rest = after;
             continue;
         }
@@ -336,7 +346,11 @@ pub fn redact_credentials(urls: &str) -> String {
         .map(|one| {
             let r = redact_url(one);
             let start = r.find("://").map_or(0, |i| i + 3);
-            match r.rfind('@') {
+            // Only an '@' of the authority: one in the path or query belongs to something else.
+            let end = r[start..]
+                .find(['/', '?', '#'])
+                .map_or(r.len(), |i| start + i);
+            match r[start..end].rfind('@').map(|i| start + i) {
                 Some(at) if at > start && !r[start..at].ends_with(":***") => {
                     format!("{}***{}", &r[..start], &r[at..])
                 }
@@ -347,9 +361,10 @@ pub fn redact_credentials(urls: &str) -> String {
         .join(",")
 }
 
-/// Query parameters whose values [`redact_url`] hides (libpq's `password`, and the usual
-/// names of tokens and secrets).
-fn secret_key(key: &str) -> bool {
+/// Whether a query parameter or client property named `key` holds a secret whose value
+/// [`redact_url`] hides and errors never show (libpq's `password`, librdkafka's
+/// `sasl.password` and `ssl.key.password`, and the usual names of tokens and secrets).
+pub fn is_secret_key(key: &str) -> bool {
     let k = key.to_ascii_lowercase();
     [
         "password",
@@ -361,14 +376,30 @@ fn secret_key(key: &str) -> bool {
     ]
     .iter()
     .any(|s| k == *s)
-        || k.ends_with("_secret")
-        || k.ends_with("_token")
-        || k.ends_with("secret_access_key")
+        // librdkafka's `sasl.password`, `ssl.key.password`, `sasl.oauthbearer.client.secret`,
+        // `ssl.key.pem`, and the `_secret` / `_token` / `secret_access_key` of other clients.
+        || k.contains("password")
+        || k.contains("passwd")
+        || k.contains("secret")
+        || k.ends_with("token")
+        || k.ends_with("key.pem")
+        || k == "sasl.oauthbearer.config"
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn client_property_secrets_and_nested_urls_are_hidden() {
+        let r = redact_url("kafka://h:1?sasl.password=S3&ssl.key.password=S4&linger.ms=5");
+        assert!(!r.contains("S3") && !r.contains("S4"), "{r}");
+        assert!(r.contains("linger.ms=5"), "{r}");
+        let r = redact_credentials("pulsar://127.0.0.1:6650?admin=http://bob:S5@127.0.0.1:8080");
+        assert_eq!(r, "pulsar://127.0.0.1:6650?admin=http://***@127.0.0.1:8080");
+        let r = redact_credentials("pulsar://127.0.0.1:6650?admin=http://127.0.0.1:8080");
+        assert_eq!(r, "pulsar://127.0.0.1:6650?admin=http://127.0.0.1:8080");
+    }
 
     #[test]
     fn redact_url_hides_passwords_in_userinfo_and_query() {

@@ -31,7 +31,9 @@ pub use engine::{
     handler_fn, EngineConfig, Handler, IdempotentConsumer, KeyStrategy, OnFailure, Pipeline,
     PipelineConfig, PipelineMode, RunSummary, Transform,
 };
-pub use error::{redact_credentials, redact_url, BoxError, Error, ErrorKind, Result};
+pub use error::{
+    is_secret_key, redact_credentials, redact_url, BoxError, Error, ErrorKind, Result,
+};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{
     now_ms, Delivery, Header, Headers, Message, Position, Record, StartFrom, TimestampMs,

@@ -112,9 +112,10 @@ pub fn parse_url(url: &str) -> Result<KafkaConfig> {
         match k.as_str() {
             "" => {}
             "onceflow.timeout.ms" => {
-                let ms: u64 = v.parse().map_err(|_| {
+                let ms: u64 = v.parse().ok().filter(|ms| *ms >= 1).ok_or_else(|| {
                     Error::config(format!(
-                        "invalid onceflow.timeout.ms '{v}' in Kafka URL: expected milliseconds"
+                        "invalid onceflow.timeout.ms '{v}' in Kafka URL: expected milliseconds, \
+                         at least 1"
                     ))
                 })?;
                 config.timeout = Duration::from_millis(ms);

@@ -82,14 +82,28 @@ pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
                 Error::new(ErrorKind::Platform, message).retriable(t.is_retriable())
             }
         }
-        KafkaError::ClientConfig(_, desc, key, value) => Error::new(
-            ErrorKind::Config,
-            format!(
-                "{what}: librdkafka refused property '{key}' = '{value}': {desc} (URL query \
-                 parameters and options are librdkafka properties: \
-                 https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
-            ),
-        ),
+        KafkaError::ClientConfig(_, desc, key, value) => {
+            // A refused secret (`sasl.password`, `ssl.key.password`, …) is never shown, and
+            // neither is the native error, whose text carries the value.
+            if onceflow_core::is_secret_key(key) {
+                return Error::new(
+                    ErrorKind::Config,
+                    format!(
+                        "{what}: librdkafka refused property '{key}' (value hidden) (URL query \
+                         parameters and options are librdkafka properties: \
+                         https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
+                    ),
+                );
+            }
+            Error::new(
+                ErrorKind::Config,
+                format!(
+                    "{what}: librdkafka refused property '{key}' = '{value}': {desc} (URL query \
+                     parameters and options are librdkafka properties: \
+                     https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
+                ),
+            )
+        }
         KafkaError::ClientCreation(_) => Error::new(ErrorKind::Config, message),
         KafkaError::Canceled => Error::new(ErrorKind::Closed, message),
         other => match other.rdkafka_error_code() {

@@ -202,7 +202,7 @@ impl KafkaPlatform {
                         ErrorKind::Connect,
                         format!(
                             "no Kafka broker at {servers} answered a metadata request within \
-                             {} ms ({e}); the port accepts connections: is it a Kafka listener, \
+                             {} ms ({e}); a TCP connection was accepted: is it a Kafka listener, \
                              with the security protocol the URL sets?",
                             timeout.as_millis()
                         ),

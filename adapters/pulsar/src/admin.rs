@@ -57,6 +57,9 @@ fn http_err(what: &str, e: reqwest::Error) -> Error {
     } else {
         ErrorKind::Connect
     };
+    // The request's URL is in `what` (credentials removed); the native error's copy goes.
+    let e = e.without_url();
+    let what = onceflow_core::redact_credentials(what);
     Error::new(kind, format!("Pulsar admin API, {what}: {e}")).with_source(e)
 }
 
@@ -116,7 +119,10 @@ impl Rest {
     fn unexpected(what: &str, status: u16, body: &str) -> Error {
         Error::new(
             ErrorKind::Platform,
-            format!("Pulsar admin API, {what}: HTTP {status}: {body}"),
+            format!(
+                "Pulsar admin API, {}: HTTP {status}: {body}",
+                onceflow_core::redact_credentials(what)
+            ),
         )
     }
 

@@ -187,6 +187,9 @@ impl Shared {
     }
 }
 
+/// The longest wait for the client's connection handshake in [`PulsarPlatform::connect_with`].
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The `HOST:PORT`s of a `pulsar://` or `pulsar+ssl://` service URL (credentials and path
 /// left out); empty when the URL has another shape.
 fn service_hosts(url: &str) -> Vec<&str> {
@@ -233,7 +236,7 @@ impl PulsarPlatform {
     /// a port that accepts connections but does not speak Pulsar; so the brokers of the service
     /// URL are first tried with a TCP connection (5 s each,
     /// [`onceflow_core::net::check_reachable`]), and the client's handshake is bounded by
-    /// `operation_timeout_ms`.
+    /// `operation_timeout_ms` (at most 10 s).
     pub async fn connect_with(options: PulsarOptions) -> Result<Arc<PulsarPlatform>> {
         options.validate()?;
         let service = onceflow_core::redact_credentials(&options.service_url);
@@ -252,7 +255,8 @@ impl PulsarPlatform {
                 ..Default::default()
             })
             .build();
-        let client = tokio::time::timeout(options.operation_timeout, build)
+        let handshake = options.operation_timeout.min(HANDSHAKE_TIMEOUT);
+        let client = tokio::time::timeout(handshake, build)
             .await
             .map_err(|_| {
                 Error::new(
@@ -261,7 +265,7 @@ impl PulsarPlatform {
                         "no Pulsar broker at {service} completed the connection handshake within \
                          {} ms; the port accepts connections: is it the broker's binary \
                          protocol port (6650, or 6651 for pulsar+ssl://), not the HTTP admin port?",
-                        options.operation_timeout.as_millis()
+                        handshake.as_millis()
                     ),
                 )
             })?
@@ -281,10 +285,11 @@ impl PulsarPlatform {
                     ErrorKind::Connect,
                     format!(
                         "the Pulsar admin API at {} does not answer (set admin=http://host:port): {}",
-                        options.admin_url,
+                        onceflow_core::redact_credentials(&options.admin_url),
                         e.message()
                     ),
                 )
+                .with_source(e)
             })?;
         Ok(Arc::new(PulsarPlatform {
             shared: Arc::new(Shared {
