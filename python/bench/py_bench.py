@@ -15,7 +15,12 @@ callback counts them, checked after `flush`), aiokafka's send futures are awaite
 idempotent consumer uses the batch handler (`batch=True`: one Python call, one dedup claim and
 one completion per batch) with the memory store keyed by coordinates. PY2 reads every
 message's value on both sides: onceflow through `MessageBatch.payloads()` (one `bytes` per
-message), confluent-kafka through `Message.value()` of each message `consume` returns."""
+message), confluent-kafka through `Message.value()` of each message `consume` returns.
+
+Each client reads at its defaults, except that onceflow's Kafka consumer sets librdkafka's
+`fetch.queue.backoff.ms` to 10 ms (librdkafka's default is 1 s). An extra PY2 line (no target)
+gives confluent-kafka the same value, so the clients' code is compared alone too.
+`--only py2` pre-fills the topic (untimed) and runs PY2 only; `--only py1` runs PY1 only."""
 
 from __future__ import annotations
 

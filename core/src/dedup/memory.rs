@@ -313,11 +313,11 @@ impl Inner {
         }
     }
 
-    /// Runs `f` on the stored entry of `key`; `false` when the key is unknown.
+    /// Runs `f` on the stored entry of `key`; `false` when the key is unknown. One cache
+    /// lookup: an unknown key gets a placeholder that the dropped guard removes again, and
+    /// holding the key's stripe keeps every claim (the only inserts) away from it meanwhile.
     fn update(&self, key: &str, f: impl FnOnce(&mut Entry) -> EntryAction<bool>) -> bool {
-        if !self.cache.contains_key(key) {
-            return false;
-        }
+        let _stripe = self.stripe(key);
         match self.cache.entry(key, None, |_, e| f(e)) {
             EntryResult::Retained(ok) => ok,
             EntryResult::Removed(..) => true,
