@@ -274,40 +274,6 @@ fn convert(m: &BorrowedMessage<'_>) -> Message {
 /// [`KafkaConsumer`]'s construction. A consumer option of that name overrides it.
 const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 
-/// Polls `c` into `out` until it holds `max` messages, waiting until `deadline` for the first
-/// one and not at all for the rest.
-fn fill(
-    c: &BaseConsumer<Ctx>,
-    out: &mut Vec<Message>,
-    max: usize,
-    deadline: Instant,
-    group: &str,
-) -> Result<()> {
-    while out.len() < max {
-        let wait = if out.is_empty() {
-            deadline.saturating_duration_since(Instant::now())
-        } else {
-            Duration::ZERO
-        };
-        match c.poll(wait) {
-            Some(Ok(m)) => out.push(convert(&m)),
-            Some(Err(KafkaError::PartitionEOF(_))) => {}
-            Some(Err(e @ KafkaError::MessageConsumptionFatal(_))) => {
-                return Err(errors::map(e, format_args!("poll of group '{group}'")));
-            }
-            Some(Err(e)) => {
-                tracing::debug!(group = %group, error = %e, "kafka: poll error");
-            }
-            None => {
-                if !out.is_empty() || Instant::now() >= deadline {
-                    break;
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 /// A member of a Kafka consumer group.
 pub struct KafkaConsumer {
     native: Option<Arc<BaseConsumer<Ctx>>>,
@@ -571,21 +537,32 @@ impl ConsumerBackend for KafkaConsumer {
 
     async fn poll(&self, max: usize, timeout: Duration) -> Result<Vec<Message>> {
         let max = max.max(1);
-        // What librdkafka has queued already is taken on the calling thread, without waiting:
-        // a blocking thread (two thread hand-offs per call) only when the queue is empty. A
-        // rebalance event met here runs its callback on this thread too, as it would on the
-        // blocking one; it never waits for the runtime, and its only network round trip is the
-        // synchronous commit on revocation (and the start-position look-ups of explicit starts).
-        let mut out = Vec::with_capacity(max.min(1024));
-        let native = self.native()?;
-        fill(&native, &mut out, max, Instant::now(), &self.group)?;
-        if !out.is_empty() || timeout.is_zero() {
-            return Ok(out);
-        }
         let group = self.group.clone();
         self.blocking("poll", move |c| {
             let deadline = Instant::now() + timeout;
-            fill(c, &mut out, max, deadline, &group)?;
+            let mut out = Vec::with_capacity(max.min(1024));
+            while out.len() < max {
+                let wait = if out.is_empty() {
+                    deadline.saturating_duration_since(Instant::now())
+                } else {
+                    Duration::ZERO
+                };
+                match c.poll(wait) {
+                    Some(Ok(m)) => out.push(convert(&m)),
+                    Some(Err(KafkaError::PartitionEOF(_))) => {}
+                    Some(Err(e @ KafkaError::MessageConsumptionFatal(_))) => {
+                        return Err(errors::map(e, format_args!("poll of group '{group}'")));
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(group = %group, error = %e, "kafka: poll error");
+                    }
+                    None => {
+                        if !out.is_empty() || Instant::now() >= deadline {
+                            break;
+                        }
+                    }
+                }
+            }
             Ok(out)
         })
         .await
