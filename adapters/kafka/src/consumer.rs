@@ -270,6 +270,10 @@ fn convert(m: &BorrowedMessage<'_>) -> Message {
     }
 }
 
+/// The consumer's default `fetch.queue.backoff.ms` (librdkafka's is 1000); see
+/// [`KafkaConsumer`]'s construction. A consumer option of that name overrides it.
+const FETCH_QUEUE_BACKOFF_MS: &str = "10";
+
 /// A member of a Kafka consumer group.
 pub struct KafkaConsumer {
     native: Option<Arc<BaseConsumer<Ctx>>>,
@@ -332,6 +336,14 @@ impl KafkaConsumer {
             _ => "earliest",
         };
         set_default(&mut c, "auto.offset.reset", reset);
+        // librdkafka prefetches until `queued.min.messages` (100 000) are queued, then postpones
+        // the partition's next fetch by `fetch.queue.backoff.ms`, 1 s by default. A consumer
+        // that drains the queue faster than that (100-byte messages at more than 100k/s) then
+        // waits out the rest of the second with an empty queue: reading 1M pre-filled 100 B
+        // messages took ~7 s, ~5 s of it in six such stalls (benches/RESULTS.md, PY2). 10 ms
+        // keeps the queue filled; a fetcher whose queue stays full (a slow handler) re-checks
+        // it 100 times a second instead of once, a wake-up of its thread each.
+        set_default(&mut c, "fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS);
         let client_id = config
             .client_id
             .clone()

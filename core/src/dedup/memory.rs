@@ -26,7 +26,7 @@ pub const DEFAULT_WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default capacity of a [`MemoryStore`]: 10 million keys.
 pub const DEFAULT_CAPACITY: u64 = 10_000_000;
 
-/// Number of stripe locks serialising claims that may insert a key (a power of two).
+/// Number of stripe locks serialising the claims of a key (a power of two).
 const STRIPES: usize = 4096;
 
 /// Bounded in-memory dedup store with a TTL window.
@@ -42,9 +42,9 @@ const STRIPES: usize = 4096;
 ///   keys under a live lease are pinned and never evicted. An evicted completed key is
 ///   forgotten early: a redelivery of it runs the handler again, so size the capacity for the
 ///   number of keys expected within one window.
-/// - **Atomic per key**: a claim that only reads (duplicate, held by another owner, mismatch)
-///   decides from a consistent snapshot; a claim that writes holds one of 4096 stripe locks
-///   chosen by the key, and every change of an existing entry runs inside the cache's per-key
+/// - **Atomic per key**: every claim holds one of 4096 stripe locks chosen by the key; a claim
+///   that only reads (duplicate, held by another owner, mismatch) decides from a consistent
+///   snapshot, and every change of an existing entry runs inside the cache's per-key
 ///   `entry` closure, so two concurrent claims of one free key give exactly one `Claimed`.
 /// - Fencing tokens come from one counter per store, so they increase per key even across a
 ///   release, an expiry or an eviction.
@@ -63,7 +63,7 @@ struct Inner {
     capacity: u64,
     base: Instant,
     next_token: AtomicU64,
-    /// Serialises claims of one key that may insert it (see [`Inner::claim_one`]).
+    /// Serialises the claims of one key (see [`Inner::claim_one`]).
     stripes: Box<[parking_lot::Mutex<()>]>,
     /// Store-clock milliseconds at which the next sweep may start.
     next_sweep_ms: AtomicU64,
@@ -249,18 +249,14 @@ impl Inner {
         }
     }
 
-    /// Claims one key. Outcomes that change nothing are read under the cache's shared lock
-    /// (a consistent snapshot, so still linearisable); a claim that writes holds the key's
-    /// stripe lock, so two claims of one key never both insert it.
+    /// Claims one key under the key's stripe lock, so two claims of one key never both insert
+    /// it. Outcomes that change nothing are read from a snapshot taken under the cache's
+    /// shared lock (consistent, so still linearisable). An unknown key, the common case, costs
+    /// two cache lookups (the snapshot and the insert).
     fn claim_one(&self, req: &ClaimRequest, owner: &Arc<str>, now: u64) -> ClaimOutcome {
         let lease_until = now.saturating_add(millis(req.lease));
         let given = req.fingerprint.map(split_fp);
         let key = req.key.as_str();
-        if let Some(e) = self.cache.peek(key) {
-            if let Some(outcome) = Self::read_only_outcome(&e, &req.owner, given, now) {
-                return outcome;
-            }
-        }
         let _stripe = self.stripe(key);
         let held = |token| Entry {
             token,
@@ -268,11 +264,19 @@ impl Inner {
             fingerprint: given,
             state: State::Held(owner.clone()),
         };
-        if !self.cache.contains_key(key) {
-            // Unknown key: every claim of it waits on this stripe, so a plain insert is safe.
-            let token = self.token();
-            self.cache.insert(req.key.clone(), held(token));
-            return ClaimOutcome::Claimed { token };
+        match self.cache.peek(key) {
+            Some(e) => {
+                if let Some(outcome) = Self::read_only_outcome(&e, &req.owner, given, now) {
+                    return outcome;
+                }
+            }
+            None => {
+                // Unknown key: every claim that inserts it holds this stripe, so a plain insert
+                // is safe.
+                let token = self.token();
+                self.cache.insert(req.key.clone(), held(token));
+                return ClaimOutcome::Claimed { token };
+            }
         }
         loop {
             let result = self.cache.entry(key, None, |_, e| {
@@ -309,11 +313,11 @@ impl Inner {
         }
     }
 
-    /// Runs `f` on the stored entry of `key`; `false` when the key is unknown.
+    /// Runs `f` on the stored entry of `key`; `false` when the key is unknown. One cache
+    /// lookup: an unknown key gets a placeholder that the dropped guard removes again, and
+    /// holding the key's stripe keeps every claim (the only inserts) away from it meanwhile.
     fn update(&self, key: &str, f: impl FnOnce(&mut Entry) -> EntryAction<bool>) -> bool {
-        if !self.cache.contains_key(key) {
-            return false;
-        }
+        let _stripe = self.stripe(key);
         match self.cache.entry(key, None, |_, e| f(e)) {
             EntryResult::Retained(ok) => ok,
             EntryResult::Removed(..) => true,

@@ -285,6 +285,18 @@ impl Core {
                 }
             }
         }
+        if let KeyStrategy::Coordinates = &self.config.key {
+            // `KeyStrategy::key_of`'s `@topic/partition/position` written once into the store
+            // key, not formatted and then copied behind the namespace.
+            use std::fmt::Write as _;
+            let mut s = String::with_capacity(self.namespace.len() + m.topic.len() + 40);
+            s.push_str(&self.namespace);
+            s.push_str("/@");
+            s.push_str(&m.topic);
+            s.push('/');
+            let _ = write!(s, "{}/{}", m.partition, m.position);
+            return Some(s);
+        }
         self.config
             .key
             .key_of(m)
