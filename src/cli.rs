@@ -317,20 +317,53 @@ fn print_message(out: &mut impl Write, m: &Message, json: bool) {
 }
 
 /// Reads until `max` messages or `idle` without one; calls `each` per batch.
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM: how a terminal, `timeout` or a service manager
+/// asks a command to stop.
+pub async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).ok();
+        let terminated = async {
+            match term.as_mut() {
+                Some(t) => {
+                    t.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminated => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Polls until `max` messages, `idle` without one, or an interrupt; returns how many were
+/// read and whether an interrupt ended the loop (what was handed to `each` stays handled).
 async fn read_loop(
     consumer: &Consumer,
     max: Option<u64>,
     idle: Option<Duration>,
     mut each: impl FnMut(&[Message]) -> Result<()>,
-) -> Result<u64> {
+) -> Result<(u64, bool)> {
     let mut n = 0u64;
     let mut last = Instant::now();
+    let mut stop = std::pin::pin!(interrupted());
     loop {
         let want = max.map(|m| (m - n).min(500) as usize).unwrap_or(500);
         if want == 0 {
             break;
         }
-        let batch = consumer.poll(want, Duration::from_millis(200)).await?;
+        let batch = tokio::select! {
+            biased;
+            _ = &mut stop => return Ok((n, true)),
+            b = consumer.poll(want, Duration::from_millis(200)) => b?,
+        };
         if batch.is_empty() {
             if idle.is_some_and(|i| last.elapsed() >= i) {
                 break;
@@ -340,11 +373,8 @@ async fn read_loop(
         last = Instant::now();
         n += batch.len() as u64;
         each(&batch)?;
-        if let Some(last_msg) = batch.last() {
-            let _ = last_msg;
-        }
     }
-    Ok(n)
+    Ok((n, false))
 }
 
 fn last_positions(batch: &[Message]) -> Vec<(onceflow::TopicPartition, onceflow::Position)> {
@@ -405,17 +435,22 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
         },
     )
     .await;
-    // Commit what was printed, then leave the group.
+    // Commit what was printed (also after Ctrl-C), then leave the group.
     if !to_commit.is_empty() {
         consumer.commit(&to_commit).await?;
     }
-    let n = n?;
+    let (n, stopped) = n?;
     consumer.close().await?;
     eprintln!(
-        "onceflow: {n} message(s) read and committed for group '{}'",
-        a.group
+        "onceflow: {n} message(s) read and committed for group '{}'{}",
+        a.group,
+        if stopped { " (interrupted)" } else { "" }
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(if stopped {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn scratch_group(what: &str) -> String {
@@ -433,7 +468,7 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
         .await?;
     let mut out = std::io::stdout().lock();
     let idle = (a.idle_ms > 0).then(|| Duration::from_millis(a.idle_ms));
-    read_loop(&consumer, a.max, idle, |batch| {
+    let (_, stopped) = read_loop(&consumer, a.max, idle, |batch| {
         for m in batch {
             print_message(&mut out, m, a.json);
         }
@@ -442,7 +477,11 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
     })
     .await?;
     consumer.close().await?;
-    Ok(ExitCode::SUCCESS)
+    Ok(if stopped {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// `onceflow lag`
@@ -510,7 +549,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     };
     let mut out = std::io::stdout().lock();
     let mut copies: Vec<Record> = Vec::new();
-    let n = read_loop(
+    let (n, stopped) = read_loop(
         &consumer,
         a.max,
         Some(Duration::from_millis(a.idle_ms)),
@@ -542,5 +581,9 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
         );
     }
     consumer.close().await?;
-    Ok(ExitCode::SUCCESS)
+    Ok(if stopped {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

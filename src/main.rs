@@ -58,11 +58,11 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.command {
-            // Ctrl-C ends the demo through its own drop path, so its temporary dedup store is
-            // removed (a signal's default action would leave it behind).
+            // Ctrl-C or SIGTERM ends the demo through its own drop path, so its temporary
+            // dedup store is removed (a signal's default action would leave it behind).
             Command::Demo(a) => tokio::select! {
                 r = demo::run(a) => r,
-                _ = tokio::signal::ctrl_c() => {
+                _ = cli::interrupted() => {
                     eprintln!("onceflow: demo interrupted; its temporary files are removed");
                     Ok(ExitCode::from(130))
                 }

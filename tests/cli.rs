@@ -227,6 +227,12 @@ fn replay_names_the_starts_it_accepts() {
 
 #[test]
 fn ctrl_c_ends_the_demo_and_removes_its_temporary_store() {
+    for sig in ["-INT", "-TERM"] {
+        interrupt_demo(sig);
+    }
+}
+
+fn interrupt_demo(sig: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
         .args(["demo", "--messages", "10000000"])
@@ -247,7 +253,7 @@ fn ctrl_c_ends_the_demo_and_removes_its_temporary_store() {
     }
     std::thread::sleep(Duration::from_millis(500));
     let kill = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
+        .args([sig, &child.id().to_string()])
         .status()
         .unwrap();
     assert!(kill.success());

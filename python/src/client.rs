@@ -32,7 +32,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`).
+/// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
+/// `pulsar://`, `kinesis://`); awaitable, resolves to a `Client`. Raises `ConnectError`
+/// (code `ONCEFLOW_CONNECT`) within seconds when no Kafka or Pulsar broker of the URL answers,
+/// and `ConfigError` (`ONCEFLOW_CONFIG`) for a malformed URL.
 #[pyfunction]
 fn connect(py: Python<'_>, url: String) -> PyResult<Bound<'_, PyAny>> {
     awaitable(py, async move {

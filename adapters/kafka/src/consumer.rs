@@ -101,7 +101,17 @@ fn resolve_start(
         },
         StartFrom::Earliest => Some(Offset::Beginning),
         StartFrom::Latest => Some(Offset::End),
-        StartFrom::Position(p) => Some(Offset::Offset(p.as_offset().unwrap_or(0))),
+        StartFrom::Position(p) => {
+            // Past the high watermark librdkafka would reset by `auto.offset.reset` (to 0 by
+            // default); like a timestamp with no record at or after it, start at the end.
+            let o = p.as_offset().unwrap_or(0);
+            let (_, high) = c.fetch_watermarks(&tp.topic, tp.partition, timeout)?;
+            Some(if o > high {
+                Offset::End
+            } else {
+                Offset::Offset(o)
+            })
+        }
         StartFrom::Timestamp(ts) => Some(offset_for_time(c, tp, *ts, timeout)?),
     })
 }

@@ -50,12 +50,15 @@
 //!   (which completes or aborts the pending one on the broker).
 //! - **Consumer**: a consumer group with `partition.assignment.strategy=cooperative-sticky`
 //!   (KIP-429 incremental cooperative rebalancing) by default, `enable.auto.commit=false`,
-//!   `isolation.level=read_committed` unless [`Isolation::ReadUncommitted`]. Rebalance callbacks
+//!   `isolation.level=read_committed` unless [`Isolation::ReadUncommitted`], and
+//!   `fetch.queue.backoff.ms=10` (librdkafka's 1 s idles a reader that drains its 100 000
+//!   prefetched messages faster than that; any of these can be overridden). Rebalance callbacks
 //!   run inside [`ConsumerBackend::poll`]: on revocation the listener's positions are committed
 //!   synchronously before the partitions are given up; on a lost assignment `on_lost` is called.
 //!   Commits take the last finished position and commit the next offset to read (offset + 1).
 //!   Start positions: committed (else `auto.offset.reset` earliest/latest, or an explicit
-//!   offset or timestamp fallback), earliest, latest, an offset, or a timestamp (ListOffsets
+//!   offset or timestamp fallback), earliest, latest, an offset (past the high watermark: the
+//!   partition's end, not `auto.offset.reset`), or a timestamp (ListOffsets
 //!   by time, KIP-79; when no record is at or after it, the partition's end, never 0). Explicit
 //!   start positions apply the first time this consumer handle is assigned a partition;
 //!   afterwards the committed position wins. `nack` rewinds the partition to the message
