@@ -157,10 +157,24 @@ fn ms(key: &str, value: &str) -> Result<Duration> {
     parse_num::<u64>(key, value, "a duration in milliseconds").map(Duration::from_millis)
 }
 
-/// Checks a topic name: `name` or `tenant/namespace/name`, out of letters, digits and
-/// `-_.=:`.
+/// Checks a topic name: `name`, `tenant/namespace/name` or the full
+/// `persistent://tenant/namespace/name`, out of letters, digits and `-_.=:`.
+/// `non-persistent://` topics are refused: their messages are neither stored nor redelivered,
+/// so no guarantee holds on them.
 pub(crate) fn check_topic(topic: &str) -> Result<()> {
+    if topic.starts_with("non-persistent://") {
+        return Err(Error::unsupported(format!(
+            "topic '{}' is non-persistent: Pulsar neither stores nor redelivers its messages, \
+             so onceflow cannot consume it exactly once; use a persistent:// topic",
+            topic.escape_debug()
+        )));
+    }
+    let (topic, full) = match topic.strip_prefix("persistent://") {
+        Some(rest) => (rest, true),
+        None => (topic, false),
+    };
     let ok = !topic.is_empty()
+        && (!full || topic.split('/').count() == 3)
         && topic.split('/').count() <= 3
         && topic.split('/').all(|p| {
             !p.is_empty()
@@ -171,8 +185,8 @@ pub(crate) fn check_topic(topic: &str) -> Result<()> {
         Ok(())
     } else {
         Err(Error::config(format!(
-            "topic name '{}' is not valid on Pulsar: expected NAME or TENANT/NAMESPACE/NAME out \
-             of letters, digits and -_.=:",
+            "topic name '{}' is not valid on Pulsar: expected NAME, TENANT/NAMESPACE/NAME or \
+             persistent://TENANT/NAMESPACE/NAME out of letters, digits and -_.=:",
             topic.escape_debug()
         )))
     }
@@ -391,6 +405,14 @@ mod tests {
         assert_eq!(o.full_topic("a/b/t"), "persistent://a/b/t");
         assert_eq!(o.admin_path("t"), "public/default/t");
         assert!(check_topic("ok-name_1").is_ok());
+        assert!(check_topic("persistent://public/default/t").is_ok());
+        assert!(check_topic("persistent://t").is_err());
+        assert_eq!(
+            check_topic("non-persistent://public/default/t")
+                .unwrap_err()
+                .kind(),
+            onceflow_core::ErrorKind::Unsupported
+        );
         assert!(check_topic("bad name").is_err());
         assert!(check_topic("").is_err());
     }
