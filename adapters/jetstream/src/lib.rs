@@ -187,6 +187,23 @@ pub(crate) fn partitions_of(cfg: &jetstream::stream::Config) -> u32 {
         .unwrap_or(1)
 }
 
+/// A stream made by another tool (`nats stream add`) whose subjects are not the topic's
+/// partition subjects would be read as empty: a `Config` error naming both layouts instead.
+fn check_layout(topic: &str, partitions: u32, subjects: &[String]) -> Result<()> {
+    let expected = naming::stream_subjects(topic, partitions);
+    if expected.iter().all(|e| subjects.contains(e)) {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "stream '{topic}' has the subjects [{}], not onceflow's layout for a topic of {partitions} \
+         partition(s) [{}]: partition p of topic '{topic}' is the subject '{topic}' (one \
+         partition) or '{topic}.p'; create the topic with onceflow, or give the stream these \
+         subjects",
+        subjects.join(", "),
+        expected.join(", ")
+    )))
+}
+
 impl Shared {
     /// Largest record accepted: the server's `max_payload` minus room for onceflow's headers.
     pub(crate) fn max_record_bytes(&self) -> usize {
@@ -237,7 +254,12 @@ impl Shared {
         }
         naming::check_topic(topic)?;
         let n = match self.get_stream(topic).await {
-            Ok(s) => partitions_of(&s.cached_info().config),
+            Ok(s) => {
+                let cfg = &s.cached_info().config;
+                let n = partitions_of(cfg);
+                check_layout(topic, n, &cfg.subjects)?;
+                n
+            }
             Err(e) if e.kind() == ErrorKind::NotFound && self.options.auto_create => {
                 let spec = TopicSpec::new(topic, self.options.partitions);
                 let cfg = admin::stream_config(self, &spec)?;
@@ -431,5 +453,20 @@ impl PlatformBackend for JetStreamPlatform {
 
     fn validate_header(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
         convert::validate_header(name, value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_layout;
+
+    #[test]
+    fn streams_of_other_layouts_are_named() {
+        assert!(check_layout("orders", 1, &["orders".into()]).is_ok());
+        assert!(check_layout("orders", 4, &["orders.*".into(), "x".into()]).is_ok());
+        let e = check_layout("BRKS6", 1, &["brks6.>".into()]).unwrap_err();
+        assert_eq!(e.kind(), onceflow_core::ErrorKind::Config);
+        assert!(e.message().contains("[brks6.>]"), "{e}");
+        assert!(e.message().contains("[BRKS6]"), "{e}");
     }
 }
