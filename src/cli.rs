@@ -200,6 +200,12 @@ fn parse_header(h: &str) -> Result<(String, String)> {
 
 /// `onceflow produce`
 pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
+    if a.topic.trim().is_empty() {
+        return Err(Error::config(format!(
+            "--topic '{}': expected a topic name, not an empty one",
+            a.topic
+        )));
+    }
     let headers = a
         .headers
         .iter()
@@ -343,6 +349,9 @@ pub async fn interrupted() {
     }
 }
 
+/// How long `--idle-ms` waits for partitions to be assigned before it starts counting.
+const ASSIGNMENT_GRACE: Duration = Duration::from_secs(10);
+
 /// Polls until `max` messages, `idle` without one, or an interrupt; returns how many were
 /// read and whether an interrupt ended the loop (what was handed to `each` stays handled).
 async fn read_loop(
@@ -352,7 +361,8 @@ async fn read_loop(
     mut each: impl FnMut(&[Message]) -> Result<()>,
 ) -> Result<(u64, bool)> {
     let mut n = 0u64;
-    let mut last = Instant::now();
+    let started = Instant::now();
+    let mut last = started;
     let mut stop = std::pin::pin!(interrupted());
     loop {
         let want = max.map(|m| (m - n).min(500) as usize).unwrap_or(500);
@@ -365,6 +375,13 @@ async fn read_loop(
             b = consumer.poll(want, Duration::from_millis(200)) => b?,
         };
         if batch.is_empty() {
+            // The idle clock starts once partitions are assigned (joining a group or
+            // subscribing takes a while on some platforms), or after a grace period for a
+            // member that gets none.
+            if consumer.assignment().is_empty() && started.elapsed() < ASSIGNMENT_GRACE {
+                last = Instant::now();
+                continue;
+            }
             if idle.is_some_and(|i| last.elapsed() >= i) {
                 break;
             }

@@ -63,7 +63,7 @@ fn main() -> ExitCode {
             Command::Demo(a) => tokio::select! {
                 r = demo::run(a) => r,
                 _ = cli::interrupted() => {
-                    eprintln!("onceflow: demo interrupted; its temporary files are removed");
+                    eprintln!("onceflow: demo interrupted (its temporary dedup store, if any, is removed)");
                     Ok(ExitCode::from(130))
                 }
             },

@@ -257,6 +257,13 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                  before it",
             ));
         }
+        if std::path::Path::new(trimmed).is_dir() {
+            return Err(Error::config(format!(
+                "dedup store '{shown}' is a directory: expected a file path such as \
+                 {}/dedup.db (created if missing)",
+                trimmed.trim_end_matches('/')
+            )));
+        }
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
     };
     match scheme.to_ascii_lowercase().as_str() {
