@@ -81,7 +81,12 @@ impl Default for PipelineConfig {
 /// deduplicates by id — JetStream `Nats-Msg-Id` — drops the rewrite of a replay), and its
 /// position is committed after the outputs are acknowledged.
 ///
-/// With a dedup store, redeliveries are skipped in both modes. [`Pipeline::guarantee`] and
+/// With a dedup store, redeliveries are skipped in both modes. In transactional mode the keys
+/// of a transaction are completed just before it commits, each with the input position that
+/// claimed it as its stored result; a key found completed whose input position the group never
+/// committed (a crash or an abort between the two) is processed again, not skipped, so neither
+/// a crash after the commit (a key left claimed) nor one before it (a key completed for
+/// outputs that were never committed) repeats or loses an input. [`Pipeline::guarantee`] and
 /// [`Pipeline::mechanism`] say what runs.
 pub struct Pipeline {
     core: Arc<Core>,
