@@ -84,9 +84,11 @@ impl Default for PipelineConfig {
 /// With a dedup store, redeliveries are skipped in both modes. In transactional mode the keys
 /// of a transaction are completed just before it commits, each with the input position that
 /// claimed it as its stored result; a key found completed whose input position the group never
-/// committed (a crash or an abort between the two) is processed again, not skipped, so neither
-/// a crash after the commit (a key left claimed) nor one before it (a key completed for
-/// outputs that were never committed) repeats or loses an input. [`Pipeline::guarantee`] and
+/// committed (a crash or an abort between the two) is processed again, not skipped: a crash
+/// after the commit cannot leave a key claimed for outputs already committed, and one before
+/// it loses nothing. One case remains: when such a crash hits, a duplicate send of the same key
+/// in *another* partition that is read before the first copy is re-read is written too (both
+/// copies then carry no committed origin). [`Pipeline::guarantee`] and
 /// [`Pipeline::mechanism`] say what runs.
 pub struct Pipeline {
     core: Arc<Core>,
