@@ -867,7 +867,9 @@ pub async fn pipeline_restart_after_crash(h: &dyn Harness) -> CaseResult {
 /// commits, each naming the input that claimed it. A crash between the two leaves a key
 /// completed although its outputs were never committed: that input is not a duplicate and is
 /// processed; a later duplicate send of it, once its origin is committed, is skipped. A key
-/// completed by someone else (no origin of this group) stays a duplicate.
+/// completed by someone else (no origin of this group), naming another input as its origin, or
+/// by a transaction whose commit marker is in the store (offsets reset since), stays a
+/// duplicate.
 pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
     h: &dyn Harness,
 ) -> CaseResult {
@@ -882,7 +884,12 @@ pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
     let group = h.group();
     produce(
         &client,
-        vec![record(&input, "k0", "v0"), record(&input, "k1", "v1")],
+        vec![
+            record(&input, "k0", "v0"),
+            record(&input, "k1", "v1"),
+            record(&input, "k2", "v2"),
+            record(&input, "k3", "v3"),
+        ],
     )
     .await?;
     let store = store();
@@ -908,9 +915,30 @@ pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
             Ok::<_, Error>(())
         }
     };
-    let origin = format!("onceflow-origin/1\n{group}\n{input}\n0\n0");
-    seed("k0", "v0", origin.into_bytes()).await?;
+    let origin = |offset: u32, tx: &str| {
+        format!("onceflow-origin/1\n{group}\n{input}\n0\n{offset}\n{tx}").into_bytes()
+    };
+    seed("k0", "v0", origin(0, "crashed-1")).await?;
     seed("k1", "v1", b"done elsewhere".to_vec()).await?;
+    // k2's completion names another input (offset 99, not committed either): that copy is
+    // the one to write when it is read again; this one is a duplicate.
+    seed("k2", "v2", origin(99, "crashed-1")).await?;
+    // k3 was completed by a transaction that committed (its marker is in the store) before
+    // the group's offsets were reset: re-reading it is a redelivery, skipped.
+    seed("k3", "v3", origin(3, "committed-1")).await?;
+    let marker = format!("{group}/onceflow.tx/committed-1");
+    let ClaimOutcome::Claimed { token } = store
+        .claim_one(onceflow_core::dedup::ClaimRequest {
+            key: marker.clone(),
+            owner: "crashed-worker".into(),
+            lease: Duration::from_secs(60),
+            fingerprint: None,
+        })
+        .await?
+    else {
+        return Err(Error::new(ErrorKind::Conflict, "seed marker refused"));
+    };
+    store.complete_one(&marker, token, None).await?;
     let tx_id = h.transactional_id();
     let (_, _, m1) = run_pipeline(
         h,
@@ -921,7 +949,7 @@ pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
         &output,
         store.clone(),
         None,
-        2,
+        4,
     )
     .await?;
     // A duplicate send of k0, now that its origin is committed.
@@ -936,7 +964,7 @@ pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
     check(
         payloads == ["v0"],
         format!(
-            "k0 written once and k1 skipped, got {payloads:?} (first run {:?}, second {:?})",
+            "k0 written once, k1, k2 and k3 skipped, got {payloads:?} (first run {:?}, second {:?})",
             m1.snapshot(),
             m2.snapshot()
         ),

@@ -64,7 +64,7 @@ pub(crate) struct Core {
     pub(crate) dlq: Option<Producer>,
     pub(crate) metrics: Metrics,
     pub(crate) tracker: Tracker,
-    namespace: String,
+    pub(crate) namespace: String,
     last_commit: Mutex<Instant>,
 }
 

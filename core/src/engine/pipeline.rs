@@ -12,7 +12,7 @@ use super::idempotent::{drive, repeat_outcome, Core, RunSummary};
 use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
 use crate::backend::Guarantee;
 use crate::client::{Consumer, Producer, Transaction};
-use crate::dedup::{ClaimOutcome, Completion, DedupStore, DedupStoreExt, FencingToken};
+use crate::dedup::{ClaimOutcome, Completion, DedupStore, DedupStoreExt, FencingToken, KeyState};
 use crate::error::{BoxError, Error, ErrorKind, Result};
 use crate::metrics::{Metric, Metrics};
 use crate::model::{Message, Position, Record, StartFrom, TopicPartition};
@@ -84,11 +84,12 @@ impl Default for PipelineConfig {
 /// With a dedup store, redeliveries are skipped in both modes. In transactional mode the keys
 /// of a transaction are completed just before it commits, each with the input position that
 /// claimed it as its stored result; a key found completed whose input position the group never
-/// committed (a crash or an abort between the two) is processed again, not skipped: a crash
-/// after the commit cannot leave a key claimed for outputs already committed, and one before
-/// it loses nothing. One case remains: when such a crash hits, a duplicate send of the same key
-/// in *another* partition that is read before the first copy is re-read is written too (both
-/// copies then carry no committed origin). [`Pipeline::guarantee`] and
+/// committed (a crash or an abort between the two) is processed again when that very input
+/// is read again and its transaction left no commit marker (a key `onceflow.tx/…` written to
+/// the store after each commit, so an offset reset that re-reads committed work still skips
+/// it), and any other copy of the key is skipped: a crash after the commit cannot leave a key
+/// claimed for outputs already committed, and one before it loses nothing.
+/// [`Pipeline::guarantee`] and
 /// [`Pipeline::mechanism`] say what runs.
 pub struct Pipeline {
     core: Arc<Core>,
@@ -111,18 +112,26 @@ struct OutputHandler {
 /// (group, topic, partition, offset) of the input that claimed it follows, one per line.
 const ORIGIN_TAG: &str = "onceflow-origin/1";
 
-/// The stored result naming `msg` as the origin of its key's completion, for positions that
-/// order (offsets: Kafka, `memory://`); `None` otherwise.
-fn origin_of(group: &str, msg: &Message) -> Option<Bytes> {
+/// The stored result naming `msg`, read in transaction `tx` of group `group`, as the origin of
+/// its key's completion, for positions that order (offsets: Kafka, `memory://`); `None`
+/// otherwise.
+fn origin_of(group: &str, tx: &str, msg: &Message) -> Option<Bytes> {
     let offset = msg.position.as_offset()?;
     Some(Bytes::from(format!(
-        "{ORIGIN_TAG}\n{group}\n{}\n{}\n{offset}",
+        "{ORIGIN_TAG}\n{group}\n{}\n{}\n{offset}\n{tx}",
         msg.topic, msg.partition
     )))
 }
 
-/// `(group, partition, offset)` of a result written by [`origin_of`].
-fn parse_origin(result: &[u8]) -> Option<(&str, TopicPartition, i64)> {
+/// A completion's origin, as written by [`origin_of`].
+struct Origin<'a> {
+    group: &'a str,
+    tp: TopicPartition,
+    offset: i64,
+    tx: &'a str,
+}
+
+fn parse_origin(result: &[u8]) -> Option<Origin<'_>> {
     let text = std::str::from_utf8(result).ok()?;
     let mut lines = text.split('\n');
     if lines.next()? != ORIGIN_TAG {
@@ -132,26 +141,13 @@ fn parse_origin(result: &[u8]) -> Option<(&str, TopicPartition, i64)> {
     let topic = lines.next()?;
     let partition = lines.next()?.parse().ok()?;
     let offset = lines.next()?.parse().ok()?;
-    Some((group, TopicPartition::new(topic, partition), offset))
-}
-
-/// Whether a key completed with `result` is a real duplicate: its origin is committed in
-/// this group (the committed next-to-read offset is past it). A completion without an origin
-/// of this group (another pipeline's, an idempotent consumer's, an older version's) counts as
-/// committed, as before.
-fn origin_committed(
-    group: &str,
-    result: &[u8],
-    committed: &HashMap<TopicPartition, Option<Position>>,
-) -> bool {
-    match parse_origin(result) {
-        Some((g, tp, offset)) if g == group => committed
-            .get(&tp)
-            .and_then(|p| p.as_ref())
-            .and_then(Position::as_offset)
-            .is_some_and(|next| next > offset),
-        _ => true,
-    }
+    let tx = lines.next()?;
+    Some(Origin {
+        group,
+        tp: TopicPartition::new(topic, partition),
+        offset,
+        tx,
+    })
 }
 
 fn set_output_ids(input_key: Option<&str>, outputs: &mut [Record]) {
@@ -328,6 +324,7 @@ impl Pipeline {
                 transform: self.transform.as_ref(),
                 config: &self.config,
                 state: tokio::sync::Mutex::new(TxState::default()),
+                incarnation: rand::random(),
             };
             tx.run(shutdown).await?
         } else {
@@ -363,6 +360,8 @@ struct TxState {
     in_flight: Vec<crate::backend::DeliveriesFuture>,
     /// Keys of inputs in the open transaction.
     inflight: HashMap<String, Option<u128>>,
+    /// Sequence number of the open (or last) transaction of this run.
+    tx_seq: u64,
 }
 
 struct TxLoop<'a> {
@@ -371,6 +370,8 @@ struct TxLoop<'a> {
     transform: &'a dyn Transform,
     config: &'a PipelineConfig,
     state: tokio::sync::Mutex<TxState>,
+    /// Names this run's transactions in the dedup store (with `TxState::tx_seq`).
+    incarnation: u64,
 }
 
 impl TxLoop<'_> {
@@ -436,6 +437,7 @@ impl TxLoop<'_> {
             core.metrics.add(Metric::Consumed, msgs.len() as u64);
             if st.tx.is_none() {
                 st.tx = Some(self.producer.begin().await?);
+                st.tx_seq += 1;
                 st.started = Some(Instant::now());
             }
             let keys: Vec<Option<String>> = msgs.iter().map(|m| core.store_key(m)).collect();
@@ -469,19 +471,18 @@ impl TxLoop<'_> {
                     }
                 }
             }
-            let committed = self.committed_origins(&outcomes).await?;
-            for ((msg, key), mut outcome) in msgs.iter().zip(&keys).zip(outcomes) {
-                if let Some(ClaimOutcome::Duplicate { result: Some(r) }) = &outcome {
-                    if !origin_committed(core.consumer.group(), r, &committed) {
-                        // Completed by a transaction that did not commit (a crash or an abort
-                        // after the completion): not a duplicate. The rewind re-reads it.
-                        tracing::debug!(
-                            key = key.as_deref().unwrap_or_default(),
-                            at = %msg.position,
-                            "completed by a transaction that did not commit; processing it"
-                        );
-                        outcome = None;
-                    }
+            let redo = self.redo(&msgs, &outcomes).await?;
+            for (((msg, key), mut outcome), redo) in msgs.iter().zip(&keys).zip(outcomes).zip(redo)
+            {
+                if redo {
+                    // This very input was completed by a transaction that did not commit (a
+                    // crash or an abort after the completion): not a duplicate.
+                    tracing::debug!(
+                        key = key.as_deref().unwrap_or_default(),
+                        at = %msg.position,
+                        "completed by a transaction that did not commit; processing it"
+                    );
+                    outcome = None;
                 }
                 while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
                     let wait = (*expires_in)
@@ -513,10 +514,11 @@ impl TxLoop<'_> {
                     }
                     Some(ClaimOutcome::Claimed { token }) => {
                         let k = key.clone().expect("claimed implies key");
+                        let tx = self.tx_name(st.tx_seq);
                         st.claims.push(Completion {
                             key: k,
                             token,
-                            result: origin_of(core.consumer.group(), msg),
+                            result: origin_of(core.consumer.group(), &tx, msg),
                         });
                         if !self.process(&mut st, msg, key.as_deref()).await? {
                             return Ok(());
@@ -647,33 +649,96 @@ impl TxLoop<'_> {
         }
     }
 
-    /// The group's committed positions of the partitions named by the origins of this batch's
-    /// duplicates (one lookup per batch, none without such duplicates).
-    async fn committed_origins(
-        &self,
-        outcomes: &[Option<ClaimOutcome>],
-    ) -> Result<HashMap<TopicPartition, Option<Position>>> {
-        let group = self.core.consumer.group();
-        let mut tps: Vec<TopicPartition> = Vec::new();
-        for o in outcomes {
+    /// The name of transaction `seq` of this run, in origins and commit markers.
+    fn tx_name(&self, seq: u64) -> String {
+        format!("{:016x}-{seq}", self.incarnation)
+    }
+
+    /// The dedup-store key recording that transaction `tx` committed.
+    fn tx_marker(&self, tx: &str) -> String {
+        format!("{}/onceflow.tx/{tx}", self.core.namespace)
+    }
+
+    /// For each message of a batch, whether its key, found completed, must be processed again:
+    /// the completion names this very input as its origin, the group has not committed that
+    /// position, and the transaction that completed it left no commit marker (so an offset
+    /// reset that re-reads committed work still skips it). Any other copy of a key is a
+    /// duplicate: its origin is committed, or is an input this group reads again (or is still
+    /// processing) and writes once. One committed-positions lookup and one marker read per
+    /// batch, none when no duplicate names itself.
+    async fn redo(&self, msgs: &[Message], outcomes: &[Option<ClaimOutcome>]) -> Result<Vec<bool>> {
+        let core = self.core;
+        let group = core.consumer.group();
+        let mut candidates: Vec<(usize, TopicPartition, i64, &str)> = Vec::new();
+        for (i, (m, o)) in msgs.iter().zip(outcomes).enumerate() {
             if let Some(ClaimOutcome::Duplicate { result: Some(r) }) = o {
-                if let Some((g, tp, _)) = parse_origin(r) {
-                    if g == group && !tps.contains(&tp) {
-                        tps.push(tp);
+                if let Some(origin) = parse_origin(r) {
+                    if origin.group == group
+                        && origin.tp.topic == m.topic
+                        && origin.tp.partition == m.partition
+                        && m.position.as_offset() == Some(origin.offset)
+                    {
+                        candidates.push((i, origin.tp, origin.offset, origin.tx));
                     }
                 }
             }
         }
-        if tps.is_empty() {
-            return Ok(HashMap::new());
+        let mut redo = vec![false; msgs.len()];
+        if candidates.is_empty() {
+            return Ok(redo);
         }
-        Ok(self
-            .core
-            .consumer
-            .committed(&tps)
-            .await?
-            .into_iter()
-            .collect())
+        let mut tps: Vec<TopicPartition> = Vec::new();
+        for (_, tp, ..) in &candidates {
+            if !tps.contains(tp) {
+                tps.push(tp.clone());
+            }
+        }
+        let committed: HashMap<TopicPartition, Option<Position>> =
+            core.consumer.committed(&tps).await?.into_iter().collect();
+        // Kept: inputs whose position the group has not committed (next to read ≤ offset).
+        candidates.retain(|(_, tp, offset, _)| {
+            committed
+                .get(tp)
+                .and_then(|p| p.as_ref())
+                .and_then(Position::as_offset)
+                .is_none_or(|next| next <= *offset)
+        });
+        if candidates.is_empty() {
+            return Ok(redo);
+        }
+        let store = core.store.as_ref().expect("duplicates imply a store");
+        let markers: Vec<String> = candidates.iter().map(|c| self.tx_marker(c.3)).collect();
+        let found = store.get(&markers).await?;
+        for ((i, ..), marker) in candidates.iter().zip(found) {
+            redo[*i] = !matches!(marker, Some(KeyState::Completed { .. }));
+        }
+        Ok(redo)
+    }
+
+    /// Records in the dedup store that transaction `seq` of this run committed (read by
+    /// [`TxLoop::redo`]). A failure is logged, not returned: the transaction is committed
+    /// either way, and only an offset reset that re-reads its inputs would write them again.
+    async fn mark_committed(&self, seq: u64) {
+        let Some(store) = &self.core.store else {
+            return;
+        };
+        let key = self.tx_marker(&self.tx_name(seq));
+        let req = crate::dedup::ClaimRequest {
+            key: key.clone(),
+            owner: self.core.config.worker_id.clone(),
+            lease: self.core.config.lease,
+            fingerprint: None,
+        };
+        let r = async {
+            if let ClaimOutcome::Claimed { token } = store.claim_one(req).await? {
+                store.complete_one(&key, token, None).await?;
+            }
+            Ok::<_, Error>(())
+        }
+        .await;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, %key, "recording a committed transaction in the dedup store failed");
+        }
     }
 
     /// Sends `msg` to the dead-letter topic inside the transaction if one is configured.
@@ -704,8 +769,10 @@ impl TxLoop<'_> {
         // duplicates by the group's committed positions. (Completing after the commit left a
         // window where a crash kept keys claimed although their outputs were committed, and
         // a later duplicate send of one was processed again.)
+        let mut completed = false;
         if let Some(store) = &core.store {
             if !st.claims.is_empty() {
+                completed = true;
                 let claims = std::mem::take(&mut st.claims);
                 let ok = store.complete(&claims).await?;
                 let refused = ok.iter().filter(|b| !**b).count();
@@ -744,6 +811,9 @@ impl TxLoop<'_> {
             Ok(()) => {
                 core.metrics.add(Metric::TransactionCommitted, 1);
                 core.metrics.add(Metric::Commit, 1);
+                if completed {
+                    self.mark_committed(st.tx_seq).await;
+                }
                 st.claims.clear();
                 st.inflight.clear();
                 st.positions.clear();
