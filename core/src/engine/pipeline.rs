@@ -86,8 +86,9 @@ impl Default for PipelineConfig {
 /// claimed it as its stored result; a key found completed whose input position the group never
 /// committed (a crash or an abort between the two) is processed again when that very input
 /// is read again and its transaction left no commit marker (a key `onceflow.tx/…` written to
-/// the store after each commit, so an offset reset that re-reads committed work still skips
-/// it), and any other copy of the key is skipped: a crash after the commit cannot leave a key
+/// the store after each commit that completed keys — one more entry per transaction in the
+/// dedup window, to count in a bounded `memory://` store's capacity — so an offset reset that
+/// re-reads committed work still skips it), and any other copy of the key is skipped: a crash after the commit cannot leave a key
 /// claimed for outputs already committed, and one before it loses nothing.
 /// [`Pipeline::guarantee`] and
 /// [`Pipeline::mechanism`] say what runs.
