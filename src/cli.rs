@@ -13,7 +13,14 @@ use onceflow::{
 /// Connects to `url` for a command: [`onceflow::connect`], which for `kafka://` and
 /// `pulsar://` first checks that a broker answers, so a wrong address fails at once.
 pub async fn connect(url: &str) -> Result<Client> {
-    onceflow::connect(url).await
+    tokio::select! {
+        r = onceflow::connect(url) => r,
+        _ = interrupted() => {
+            // Nothing is made before the connection: stop at once, as a signal would.
+            eprintln!("onceflow: interrupted while connecting");
+            std::process::exit(130)
+        }
+    }
 }
 
 /// Checks that every topic a command reads exists, so a misspelt name is an error rather than
@@ -280,7 +287,9 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
     })
 }
 
-fn print_message(out: &mut impl Write, m: &Message, json: bool) {
+/// Writes one message to `out` (a line of text or JSON). A failed write (a closed pipe, a
+/// full disk) is [`ErrorKind::Closed`]: the command stops and commits only what was written.
+fn print_message(out: &mut impl Write, m: &Message, json: bool) -> Result<()> {
     if json {
         let headers: Vec<serde_json::Value> = m
             .headers
@@ -303,14 +312,14 @@ fn print_message(out: &mut impl Write, m: &Message, json: bool) {
             "headers": headers,
             "timestamp": m.timestamp,
         });
-        let _ = writeln!(out, "{v}");
+        writeln!(out, "{v}")
     } else {
         let key = m
             .key
             .as_ref()
             .map(|k| String::from_utf8_lossy(k).into_owned())
             .unwrap_or_default();
-        let _ = writeln!(
+        writeln!(
             out,
             "{}[{}] {} key={} {}",
             m.topic,
@@ -318,11 +327,17 @@ fn print_message(out: &mut impl Write, m: &Message, json: bool) {
             m.position,
             key,
             String::from_utf8_lossy(&m.payload)
-        );
+        )
     }
+    .map_err(|e| {
+        Error::new(
+            ErrorKind::Closed,
+            format!("cannot write to standard output ({e}); stopped"),
+        )
+        .with_source(e)
+    })
 }
 
-/// Reads until `max` messages or `idle` without one; calls `each` per batch.
 /// Resolves on Ctrl-C (SIGINT) or SIGTERM: how a terminal, `timeout` or a service manager
 /// asks a command to stop.
 pub async fn interrupted() {
@@ -351,6 +366,9 @@ pub async fn interrupted() {
 
 /// How long `--idle-ms` waits for partitions to be assigned before it starts counting.
 const ASSIGNMENT_GRACE: Duration = Duration::from_secs(10);
+
+/// The shortest idle wait before a command's first message.
+const FIRST_FETCH: Duration = Duration::from_secs(3);
 
 /// Polls until `max` messages, `idle` without one, or an interrupt; returns how many were
 /// read and whether an interrupt ended the loop (what was handed to `each` stays handled).
@@ -382,7 +400,14 @@ async fn read_loop(
                 last = Instant::now();
                 continue;
             }
-            if idle.is_some_and(|i| last.elapsed() >= i) {
+            // Before the first message, at least FIRST_FETCH: a Pulsar consumer is assigned
+            // its partitions at once but receives its first messages about 1 s later.
+            let wait = if n == 0 {
+                idle.map(|i| i.max(FIRST_FETCH))
+            } else {
+                idle
+            };
+            if wait.is_some_and(|i| last.elapsed() >= i) {
                 break;
             }
             continue;
@@ -392,18 +417,6 @@ async fn read_loop(
         each(&batch)?;
     }
     Ok((n, false))
-}
-
-fn last_positions(batch: &[Message]) -> Vec<(onceflow::TopicPartition, onceflow::Position)> {
-    let mut v: Vec<(onceflow::TopicPartition, onceflow::Position)> = Vec::new();
-    for m in batch {
-        let tp = m.topic_partition();
-        match v.iter_mut().find(|(t, _)| *t == tp) {
-            Some((_, p)) => *p = m.position.clone(),
-            None => v.push((tp, m.position.clone())),
-        }
-    }
-    v
 }
 
 /// `onceflow consume`
@@ -439,13 +452,12 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
         Some(Duration::from_millis(a.idle_ms)),
         |batch| {
             for m in batch {
-                print_message(&mut out, m, a.json);
-            }
-            // Every partition read so far, not only the last batch's.
-            for (tp, p) in last_positions(batch) {
+                print_message(&mut out, m, a.json)?;
+                // Every partition written so far, not only the last batch's.
+                let tp = m.topic_partition();
                 match to_commit.iter_mut().find(|(t, _)| *t == tp) {
-                    Some((_, q)) => *q = p,
-                    None => to_commit.push((tp, p)),
+                    Some((_, q)) => *q = m.position.clone(),
+                    None => to_commit.push((tp, m.position.clone())),
                 }
             }
             Ok(())
@@ -487,10 +499,14 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
     let idle = (a.idle_ms > 0).then(|| Duration::from_millis(a.idle_ms));
     let (_, stopped) = read_loop(&consumer, a.max, idle, |batch| {
         for m in batch {
-            print_message(&mut out, m, a.json);
+            print_message(&mut out, m, a.json)?;
         }
-        let _ = out.flush();
-        Ok(())
+        out.flush().map_err(|e| {
+            Error::new(
+                ErrorKind::Closed,
+                format!("cannot write to standard output ({e}); stopped"),
+            )
+        })
     })
     .await?;
     consumer.close().await?;
@@ -580,7 +596,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
                         headers: m.headers.clone(),
                         ..Default::default()
                     }),
-                    None => print_message(&mut out, m, a.json),
+                    None => print_message(&mut out, m, a.json)?,
                 }
             }
             Ok(())

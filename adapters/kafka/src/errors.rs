@@ -82,27 +82,22 @@ pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
                 Error::new(ErrorKind::Platform, message).retriable(t.is_retriable())
             }
         }
-        KafkaError::ClientConfig(_, desc, key, value) => {
-            // A refused secret (`sasl.password`, `ssl.key.password`, …) is never shown, and
-            // neither is the native error, whose text carries the value.
-            if onceflow_core::is_secret_key(key) {
-                return Error::new(
-                    ErrorKind::Config,
-                    format!(
-                        "{what}: librdkafka refused property '{key}' (value hidden) (URL query \
-                         parameters and options are librdkafka properties: \
-                         https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
-                    ),
-                );
-            }
-            Error::new(
+        KafkaError::ClientConfig(_, desc, key, _) => {
+            // The value is never shown (a mistyped `sasl.pasword` is still a secret), nor is
+            // the native error, whose text repeats it.
+            let desc = if onceflow_core::is_secret_key(key) {
+                String::new()
+            } else {
+                format!(": {desc}")
+            };
+            return Error::new(
                 ErrorKind::Config,
                 format!(
-                    "{what}: librdkafka refused property '{key}' = '{value}': {desc} (URL query \
-                     parameters and options are librdkafka properties: \
+                    "{what}: librdkafka refused property '{key}' (value not shown){desc} (URL \
+                     query parameters and options are librdkafka properties: \
                      https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
                 ),
-            )
+            );
         }
         KafkaError::ClientCreation(_) => Error::new(ErrorKind::Config, message),
         KafkaError::Canceled => Error::new(ErrorKind::Closed, message),
