@@ -11,21 +11,7 @@ use onceflow_redis::{RedisCheckpointStore, RedisStore};
 
 const SECRET: &str = "s3cret-pw-7";
 
-/// The server's URL; without one the server cases skip, unless `ONCEFLOW_REQUIRE_BROKERS=1`
-/// (`make test`) makes a missing server a failure.
-fn base() -> Option<String> {
-    let url = std::env::var("ONCEFLOW_REDIS_URL")
-        .ok()
-        .filter(|u| !u.is_empty());
-    if url.is_none() {
-        assert!(
-            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-            "ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_REDIS_URL is not set (tests/brokers/up.sh redis)"
-        );
-        eprintln!("bad_input: SKIPPED: ONCEFLOW_REDIS_URL is not set");
-    }
-    url
-}
+mod common;
 
 /// `e` has `kind`, names `shown` and shows the secret nowhere (message, Display, Debug).
 fn check(e: &Error, kind: ErrorKind, shown: &str) {
@@ -71,7 +57,9 @@ async fn unreachable_server_is_a_dedup_store_error_without_the_password() {
 
 #[tokio::test]
 async fn wrong_password_is_a_dedup_store_error_without_the_password() {
-    let Some(base) = base() else { return };
+    let Some(base) = common::base("bad_input") else {
+        return;
+    };
     let mut u = url::Url::parse(&base).unwrap();
     // The ACL user the test server has (password `onceflow`), with a wrong password.
     u.set_username("onceflow").unwrap();

@@ -8,21 +8,7 @@ use bytes::Bytes;
 use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, DedupStoreExt};
 use onceflow_core::ErrorKind;
 
-/// The server's URL; without one the tests skip, unless `ONCEFLOW_REQUIRE_BROKERS=1` (`make
-/// test`) makes a missing server a failure.
-fn base() -> Option<String> {
-    let url = std::env::var("ONCEFLOW_REDIS_URL")
-        .ok()
-        .filter(|u| !u.is_empty());
-    if url.is_none() {
-        assert!(
-            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-            "ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_REDIS_URL is not set (tests/brokers/up.sh redis)"
-        );
-        eprintln!("stored_format: SKIPPED: ONCEFLOW_REDIS_URL is not set");
-    }
-    url
-}
+mod common;
 
 fn prefix() -> String {
     let n = std::time::SystemTime::now()
@@ -42,7 +28,9 @@ async fn raw(base: &str) -> redis::aio::MultiplexedConnection {
 
 #[tokio::test]
 async fn values_are_format_1_strings_with_expiry() {
-    let Some(base) = base() else { return };
+    let Some(base) = common::base("stored_format") else {
+        return;
+    };
     let p = prefix();
     let store =
         onceflow_redis::RedisStore::open(&format!("{base}?prefix={p}"), Duration::from_secs(600))
@@ -98,7 +86,9 @@ async fn values_are_format_1_strings_with_expiry() {
 
 #[tokio::test]
 async fn old_hash_keys_are_a_clear_dedup_store_error() {
-    let Some(base) = base() else { return };
+    let Some(base) = common::base("stored_format") else {
+        return;
+    };
     let p = prefix();
     let store =
         onceflow_redis::RedisStore::open(&format!("{base}?prefix={p}"), Duration::from_secs(600))
