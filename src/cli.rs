@@ -29,10 +29,8 @@ pub async fn connect(url: &str) -> Result<Client> {
 /// Errors: [`ErrorKind::Config`] for an empty name; [`ErrorKind::NotFound`] naming the topic
 /// and the URL (credentials removed) when it does not exist.
 async fn require_topics(client: &Client, url: &str, topics: &[String]) -> Result<()> {
-    if let Some(t) = topics.iter().find(|t| t.trim().is_empty()) {
-        return Err(Error::config(format!(
-            "--topic '{t}': expected a topic name, not an empty one"
-        )));
+    for t in topics {
+        require_name("--topic", t, "a topic name")?;
     }
     let admin = client.admin().await?;
     for t in topics {
@@ -207,12 +205,7 @@ fn parse_header(h: &str) -> Result<(String, String)> {
 
 /// `onceflow produce`
 pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
-    if a.topic.trim().is_empty() {
-        return Err(Error::config(format!(
-            "--topic '{}': expected a topic name, not an empty one",
-            a.topic
-        )));
-    }
+    require_name("--topic", &a.topic, "a topic name")?;
     let headers = a
         .headers
         .iter()
@@ -329,13 +322,26 @@ fn print_message(out: &mut impl Write, m: &Message, json: bool) -> Result<()> {
             String::from_utf8_lossy(&m.payload)
         )
     }
-    .map_err(|e| {
-        Error::new(
-            ErrorKind::Closed,
-            format!("cannot write to standard output ({e}); stopped"),
-        )
-        .with_source(e)
-    })
+    .map_err(stdout_failed)
+}
+
+/// A failed write to standard output: [`ErrorKind::Closed`], the command stops.
+fn stdout_failed(e: std::io::Error) -> Error {
+    Error::new(
+        ErrorKind::Closed,
+        format!("cannot write to standard output ({e}); stopped"),
+    )
+    .with_source(e)
+}
+
+/// [`ErrorKind::Config`] when the value of `flag` is empty or blank, naming `what` it should be.
+fn require_name(flag: &str, value: &str, what: &str) -> Result<()> {
+    if value.trim().is_empty() {
+        return Err(Error::config(format!(
+            "{flag} '{value}': expected {what}, not an empty one"
+        )));
+    }
+    Ok(())
 }
 
 /// Resolves on Ctrl-C (SIGINT) or SIGTERM: how a terminal, `timeout` or a service manager
@@ -427,12 +433,7 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
             fallback: Box::new(other),
         },
     };
-    if a.group.trim().is_empty() {
-        return Err(Error::config(format!(
-            "--group '{}': expected a consumer group name, not an empty one",
-            a.group
-        )));
-    }
+    require_name("--group", &a.group, "a consumer group name")?;
     let client = connect(&a.target.url).await?;
     require_topics(&client, &a.target.url, &a.topic).await?;
     if client.platform() == "kinesis" && !a.target.url.contains("checkpoint_store=") {
@@ -501,12 +502,7 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
         for m in batch {
             print_message(&mut out, m, a.json)?;
         }
-        out.flush().map_err(|e| {
-            Error::new(
-                ErrorKind::Closed,
-                format!("cannot write to standard output ({e}); stopped"),
-            )
-        })
+        out.flush().map_err(stdout_failed)
     })
     .await?;
     consumer.close().await?;
@@ -519,12 +515,7 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
 
 /// `onceflow lag`
 pub async fn lag(a: LagArgs) -> Result<ExitCode> {
-    if a.group.trim().is_empty() {
-        return Err(Error::config(format!(
-            "--group '{}': expected a consumer group name, not an empty one",
-            a.group
-        )));
-    }
+    require_name("--group", &a.group, "a consumer group name")?;
     let client = connect(&a.target.url).await?;
     require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let admin = client.admin().await?;

@@ -435,6 +435,19 @@ async fn redis_raw(
 // ---------------------------------------------------------------------------------------------
 // PostgreSQL.
 
+/// The PostgreSQL store in a schema of its own (named in `schemas`, dropped at the end).
+async fn fresh_store(url: &str, schemas: &mut Vec<String>) -> onceflow_postgres::PostgresStore {
+    let schema = format!("bench_{}", suffix());
+    let store = onceflow_postgres::PostgresStore::open(
+        &format!("{url}?schema={schema}&pool_size=2"),
+        WINDOW,
+    )
+    .await
+    .expect("open the PostgreSQL store");
+    schemas.push(schema);
+    store
+}
+
 async fn postgres_figures(url: &str) {
     // The store's session settings (sent at connection start; see onceflow-postgres's URL docs).
     let mut config: tokio_postgres::Config = url.parse().expect("PostgreSQL URL");
@@ -459,28 +472,14 @@ async fn postgres_figures(url: &str) {
             // raw, onceflow, onceflow, raw, raw, onceflow
             let raw_turn = (round % 2 == 0) == (round / 2 % 2 == 0);
             if !raw_turn {
-                let schema = format!("bench_{}", suffix());
-                let store = onceflow_postgres::PostgresStore::open(
-                    &format!("{url}?schema={schema}&pool_size=2"),
-                    WINDOW,
-                )
-                .await
-                .expect("open the PostgreSQL store");
-                schemas.push(schema);
+                let store = fresh_store(url, &mut schemas).await;
                 let keys = random_keys(n);
                 let t = through_store(&store, &keys, batch).await;
                 ours = Some(ours.map_or(t, |b| b.best(t)));
                 continue;
             }
             // Raw: a fresh schema made by the store, then only the bare connection uses it.
-            let schema = format!("bench_{}", suffix());
-            let store = onceflow_postgres::PostgresStore::open(
-                &format!("{url}?schema={schema}&pool_size=2"),
-                WINDOW,
-            )
-            .await
-            .expect("open the PostgreSQL store");
-            schemas.push(schema);
+            let store = fresh_store(url, &mut schemas).await;
             let statements: Vec<String> = store
                 .bench_statements()
                 .iter()

@@ -270,18 +270,10 @@ pub fn redact_url(url: &str) -> String {
     // A URL inside a percent-encoded value (`?admin=http%3A%2F%2Fu%3Apw%40h`) is only seen
     // decoded: then the query is rebuilt from the decoded, redacted values.
     match url::Url::parse(&shown) {
-        Ok(mut u)
-            if u.query_pairs().any(|(_, v)| {
-                v.contains("://")
-                    && redact_nested(&format!("x://h?v={v}")) != format!("x://h?v={v}")
-            }) =>
-        {
+        Ok(mut u) if u.query_pairs().any(|(_, v)| hide_userinfo(&v, 0) != v) => {
             let pairs: Vec<(String, String)> = u
                 .query_pairs()
-                .map(|(k, v)| {
-                    let shown = redact_nested(&format!("x://h?v={v}"));
-                    (k.into_owned(), shown["x://h?v=".len()..].to_string())
-                })
+                .map(|(k, v)| (k.into_owned(), hide_userinfo(&v, 0)))
                 .collect();
             u.query_pairs_mut().clear().extend_pairs(pairs);
             u.to_string()
@@ -293,9 +285,14 @@ pub fn redact_url(url: &str) -> String {
 /// Hides the user info of every URL after the first one in `text` (URLs given as query
 /// values): `http://user:pw@host` becomes `http://***@host`.
 fn redact_nested(text: &str) -> String {
+    hide_userinfo(text, 1)
+}
+
+/// Hides the user info of every URL in `text` but the first `keep` ones.
+fn hide_userinfo(text: &str, keep: usize) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
-    let mut first = true;
+    let mut seen = 0;
     while let Some(i) = rest.find("://") {
         out.push_str(&rest[..i + 3]);
         let tail = &rest[i + 3..];
@@ -304,13 +301,13 @@ fn redact_nested(text: &str) -> String {
                 matches!(c, '@' | '/' | '?' | '&' | '#' | ',' | ';') || c.is_whitespace()
             })
             .unwrap_or(tail.len());
-        if !first && tail[end..].starts_with('@') && &tail[..end] != "***" {
+        if seen >= keep && tail[end..].starts_with('@') && &tail[..end] != "***" {
             out.push_str("***");
             rest = &tail[end..];
         } else {
             rest = tail;
         }
-        first = false;
+        seen += 1;
     }
     out.push_str(rest);
     out

@@ -896,49 +896,44 @@ pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
     // What a crash after the completion and before the commit leaves: k0 completed with the
     // origin of its input (offset 0 of the input, not committed). k1 was completed by another
     // consumer (a result without an origin).
-    let seed = |key: &str, payload: &str, result: Vec<u8>| {
+    // Completes `key` (in the store's own key space) as a crashed worker would have.
+    let seed = |key: String, payload: Option<&str>, result: Option<Vec<u8>>| {
         let store = store.clone();
-        let (key, payload) = (format!("{group}/{key}"), payload.to_string());
+        let fingerprint = payload.map(|p| onceflow_core::dedup::fingerprint(p.as_bytes()));
         async move {
             let req = onceflow_core::dedup::ClaimRequest {
                 key: key.clone(),
                 owner: "crashed-worker".into(),
                 lease: Duration::from_secs(60),
-                fingerprint: Some(onceflow_core::dedup::fingerprint(payload.as_bytes())),
+                fingerprint,
             };
             let ClaimOutcome::Claimed { token } = store.claim_one(req).await? else {
                 return Err(Error::new(ErrorKind::Conflict, "seed claim refused"));
             };
             store
-                .complete_one(&key, token, Some(Bytes::from(result)))
+                .complete_one(&key, token, result.map(Bytes::from))
                 .await?;
             Ok::<_, Error>(())
         }
     };
+    let input_key = |k: &str| format!("{group}/{k}");
     let origin = |offset: u32, tx: &str| {
         format!("onceflow-origin/1\n{group}\n{input}\n0\n{offset}\n{tx}").into_bytes()
     };
-    seed("k0", "v0", origin(0, "crashed-1")).await?;
-    seed("k1", "v1", b"done elsewhere".to_vec()).await?;
+    seed(input_key("k0"), Some("v0"), Some(origin(0, "crashed-1"))).await?;
+    seed(
+        input_key("k1"),
+        Some("v1"),
+        Some(b"done elsewhere".to_vec()),
+    )
+    .await?;
     // k2's completion names another input (offset 99, not committed either): that copy is
     // the one to write when it is read again; this one is a duplicate.
-    seed("k2", "v2", origin(99, "crashed-1")).await?;
+    seed(input_key("k2"), Some("v2"), Some(origin(99, "crashed-1"))).await?;
     // k3 was completed by a transaction that committed (its marker is in the store) before
     // the group's offsets were reset: re-reading it is a redelivery, skipped.
-    seed("k3", "v3", origin(3, "committed-1")).await?;
-    let marker = format!("{group}/onceflow.tx/committed-1");
-    let ClaimOutcome::Claimed { token } = store
-        .claim_one(onceflow_core::dedup::ClaimRequest {
-            key: marker.clone(),
-            owner: "crashed-worker".into(),
-            lease: Duration::from_secs(60),
-            fingerprint: None,
-        })
-        .await?
-    else {
-        return Err(Error::new(ErrorKind::Conflict, "seed marker refused"));
-    };
-    store.complete_one(&marker, token, None).await?;
+    seed(input_key("k3"), Some("v3"), Some(origin(3, "committed-1"))).await?;
+    seed(format!("{group}/onceflow.tx/committed-1"), None, None).await?;
     let tx_id = h.transactional_id();
     let (_, _, m1) = run_pipeline(
         h,
