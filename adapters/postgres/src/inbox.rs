@@ -224,8 +224,9 @@ impl<H: InboxHandler + ?Sized> InboxDatabase for PgInboxDb<'_, H> {
                          VALUES ($1, 1, 2, {now} + $2) \
                          ON CONFLICT (key) DO UPDATE SET token = d.token + 1, state = 2, \
                          owner = NULL, lease_until = NULL, expires_at = excluded.expires_at, \
+                         done_until = NULL, \
                          fingerprint = NULL, result = NULL \
-                         WHERE NOT (d.state = 2 AND d.expires_at > {now}) \
+                         WHERE NOT (d.state = 2 AND COALESCE(d.done_until, d.expires_at) > {now}) \
                          RETURNING d.token"
                     ),
                     &[&key, &window],

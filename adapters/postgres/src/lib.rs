@@ -15,7 +15,9 @@
 //!   fencing token. Leases and expiry use the server's clock (`clock_timestamp()`), never the
 //!   caller's.
 //! - **Batched**: one statement handles a whole batch (`unnest` of arrays), one round trip per
-//!   operation; a new key costs one row insert to claim and one update to complete.
+//!   operation; a new key costs one row insert to claim and one update to complete, made in
+//!   place (a HOT update: no index entries) when its page has room, which the table's
+//!   `fillfactor = 50` leaves.
 //! - **Fencing tokens** increase by one per claim of a key; a released key keeps its row (state
 //!   0) until its window ends, so the next claim's token is higher.
 //! - **Expiry**: rows are deleted once their window has passed, in chunks, by a purge that runs
@@ -49,6 +51,19 @@
 //! ```
 //!
 //! Migration 2 creates the lease table of [`PostgresCheckpointStore`] (see its module docs).
+//! Migration 3 lets a completion update its row in place:
+//!
+//! ```sql
+//! ALTER TABLE dedup ADD COLUMN done_until bigint;  -- ms since the epoch: end of a completed
+//!                                                  -- key's dedup window (NULL: expires_at)
+//! ALTER TABLE dedup SET (fillfactor = 50);
+//! ```
+//!
+//! From version 3 on, `expires_at` is when the purge may delete the row, an upper bound of its
+//! life that a completion leaves alone unless the lease had already run out; a completed key is
+//! remembered until `COALESCE(done_until, expires_at)`. (PostgreSQL 15 can update a row in
+//! place only if no indexed column changes; before, every completion wrote new entries in both
+//! indexes.) An older onceflow refuses a version-3 schema as written by a newer one.
 //!
 //! ## URLs
 //! `postgres://user:password@host:port/database[?schema=S&pool_size=N]` (also `postgresql://`);
@@ -84,7 +99,7 @@ pub use inbox::{Inbox, InboxConfig, InboxHandler, InboxSummary};
 pub use tokio_postgres;
 
 /// Schema version this build writes and reads.
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// Default PostgreSQL schema of the store's tables.
 pub const DEFAULT_SCHEMA: &str = "onceflow";
@@ -339,6 +354,14 @@ fn migrations(s: &str) -> Vec<String> {
             parents     text[] NOT NULL,
             PRIMARY KEY (grp, key));"
         ),
+        // A completion no longer changes an indexed column (it writes `done_until`, and
+        // `expires_at` only grows when the lease had run out), so with room left on each page
+        // PostgreSQL updates the row in place (a HOT update: no new entries in the primary key
+        // and `expires_at` indexes). Existing pages keep their fill; new pages leave half free.
+        format!(
+            "ALTER TABLE {s}.dedup ADD COLUMN done_until bigint;
+         ALTER TABLE {s}.dedup SET (fillfactor = 50);"
+        ),
     ]
 }
 
@@ -469,7 +492,7 @@ impl Sql {
                  FROM cur WHERE claimable ORDER BY key \
                  ON CONFLICT (key) DO UPDATE SET token = t.token + 1, state = 1, \
                  owner = excluded.owner, lease_until = excluded.lease_until, \
-                 expires_at = excluded.expires_at, \
+                 expires_at = excluded.expires_at, done_until = NULL, \
                  fingerprint = CASE WHEN {live_t} THEN \
                  COALESCE(t.fingerprint, excluded.fingerprint) ELSE excluded.fingerprint END, \
                  result = NULL \
@@ -478,11 +501,14 @@ impl Sql {
                  SELECT c.ord, i.token, c.claimable, c.state, c.owner, c.lease_until, \
                  c.fingerprint, c.result, c.ms \
                  FROM cur AS c LEFT JOIN ins AS i ON i.key = c.key",
-                live_d = "(d.state = 2 AND d.expires_at > n.ms) OR (d.state = 1 AND d.lease_until > n.ms)",
+                live_d = "(d.state = 2 AND COALESCE(d.done_until, d.expires_at) > n.ms) \
+                 OR (d.state = 1 AND d.lease_until > n.ms)",
                 holder_d = "d.state = 1 AND d.owner = u.owner AND (d.fingerprint IS NULL \
                  OR u.fp IS NULL OR d.fingerprint = u.fp)",
-                live_t = format!("(t.state = 2 AND t.expires_at > {NOW_MS}) \
-                 OR (t.state = 1 AND t.lease_until > {NOW_MS})"),
+                live_t = format!(
+                    "(t.state = 2 AND COALESCE(t.done_until, t.expires_at) > {NOW_MS}) \
+                 OR (t.state = 1 AND t.lease_until > {NOW_MS})"
+                ),
                 holder_t = "t.state = 1 AND t.owner = excluded.owner AND (t.fingerprint IS NULL \
                  OR excluded.fingerprint IS NULL OR t.fingerprint = excluded.fingerprint)",
             ),
@@ -497,15 +523,17 @@ impl Sql {
                 "WITH u AS (SELECT * FROM unnest($1::text[], $2::bigint[], $3::bytea[]) \
                  AS u(key, token, result)), n AS (SELECT {NOW_MS} AS ms), \
                  upd AS (UPDATE {d} AS d SET state = 2, owner = NULL, lease_until = NULL, \
-                 expires_at = n.ms + $4, result = u.result FROM u, n \
+                 expires_at = GREATEST(d.expires_at, n.ms + $4), done_until = n.ms + $4, \
+                 result = u.result FROM u, n \
                  WHERE d.key = u.key AND d.token = u.token AND d.state = 1 \
                  RETURNING d.key, d.token), \
                  rest AS MATERIALIZED (SELECT u.key, u.token FROM u \
                  LEFT JOIN upd ON upd.key = u.key WHERE upd.key IS NULL), \
                  prev AS (SELECT d.key, d.token FROM rest \
-                 CROSS JOIN LATERAL (SELECT key, token, state, expires_at FROM {d} AS x \
+                 CROSS JOIN LATERAL (SELECT key, token, state, \
+                 COALESCE(done_until, expires_at) AS until FROM {d} AS x \
                  WHERE x.key = rest.key AND x.token = rest.token LIMIT 1) AS d, n \
-                 WHERE d.state = 2 AND d.expires_at > n.ms) \
+                 WHERE d.state = 2 AND d.until > n.ms) \
                  SELECT key, token FROM upd UNION ALL SELECT key, token FROM prev"
             ),
             release: format!(
@@ -516,7 +544,8 @@ impl Sql {
                  RETURNING d.key, d.token"
             ),
             get: format!(
-                "SELECT key, token, state, owner, lease_until, expires_at, fingerprint, result, \
+                "SELECT key, token, state, owner, lease_until, \
+                 COALESCE(done_until, expires_at), fingerprint, result, \
                  {NOW_MS} FROM {d} WHERE key = ANY($1::text[])"
             ),
             purge: format!(
