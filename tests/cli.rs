@@ -177,6 +177,7 @@ fn a_port_that_accepts_but_never_answers_is_named_quickly() {
     for url in [
         format!("kafka://127.0.0.1:{port}?onceflow.timeout.ms=3000"),
         format!("pulsar://127.0.0.1:{port}?operation_timeout_ms=3000"),
+        format!("kinesis://127.0.0.1:{port}?timeout_ms=3000"),
     ] {
         let started = Instant::now();
         let out = onceflow(&["lag", "--url", &url, "--topic", "t", "--group", "g"]);

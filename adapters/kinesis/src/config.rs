@@ -46,6 +46,13 @@ pub struct KinesisOptions {
     /// `None` = the consumer group's name. One name is one registered consumer per stream (AWS
     /// allows 20), shared by every member of the group.
     pub efo_consumer: Option<String>,
+    /// Longest wait for the answer to one Kinesis API call, retries included (`timeout_ms=`,
+    /// default 10 000): an endpoint that accepts connections but never answers fails with a
+    /// `Timeout` error instead of hanging. A [SubscribeToShard] call is bounded only until its
+    /// event stream starts; the stream itself runs for its 5 minutes.
+    ///
+    /// [SubscribeToShard]: https://docs.aws.amazon.com/kinesis/latest/APIReference/API_SubscribeToShard.html
+    pub timeout: Duration,
 }
 
 /// How a Kinesis consumer reads its shards.
@@ -89,6 +96,7 @@ impl Default for KinesisOptions {
             buffer: 10_000,
             fan_out: FanOut::Poll,
             efo_consumer: None,
+            timeout: Duration::from_secs(10),
         }
     }
 }
@@ -191,6 +199,14 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
                     _ => return Err(bad("poll, efo or auto")),
                 }
             }
+            "timeout_ms" => {
+                o.timeout = Duration::from_millis(
+                    v.parse()
+                        .ok()
+                        .filter(|n| *n >= 100)
+                        .ok_or_else(|| bad("a timeout in ms of at least 100"))?,
+                )
+            }
             "efo_consumer" => {
                 let valid = (1..=128).contains(&v.len())
                     && v.bytes()
@@ -204,7 +220,8 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
                 return Err(Error::config(format!(
                     "unknown option '{other}' in Kinesis URL '{shown}': expected region, tls, \
                      dummy_credentials, checkpoint_store, lease_ms, shards, auto_create, \
-                     fetch_limit, idle_ms, put_attempts, buffer, fan_out or efo_consumer"
+                     fetch_limit, idle_ms, put_attempts, buffer, fan_out, efo_consumer or \
+                     timeout_ms"
                 )))
             }
         }
@@ -234,6 +251,7 @@ const SHOWN_OPTIONS: &[&str] = &[
     "buffer",
     "fan_out",
     "efo_consumer",
+    "timeout_ms",
 ];
 
 /// The URL without what could be secret: user info in the authority, the `checkpoint_store`
@@ -278,6 +296,11 @@ mod tests {
         assert_eq!(o.region.as_deref(), Some("us-east-1"));
         assert_eq!(o.lease, Duration::from_millis(500));
         assert_eq!(o.fan_out, FanOut::Poll);
+        assert_eq!(o.timeout, Duration::from_secs(10));
+        assert_eq!(
+            parse_url("kinesis://h:1?timeout_ms=2500").unwrap().timeout,
+            Duration::from_millis(2500)
+        );
         let efo = parse_url("kinesis://h:1?fan_out=efo&efo_consumer=app-1").unwrap();
         assert_eq!(efo.fan_out, FanOut::Efo);
         assert_eq!(efo.efo_consumer.as_deref(), Some("app-1"));
@@ -295,6 +318,8 @@ mod tests {
             "kinesis://u:p@h:1",
             "kinesis://h:1?fan_out=push",
             "kinesis://h:1?efo_consumer=a/b",
+            "kinesis://h:1?timeout_ms=50",
+            "kinesis://h:1?timeout_ms=soon",
         ] {
             let e = parse_url(bad).unwrap_err();
             assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{bad}");

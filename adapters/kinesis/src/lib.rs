@@ -272,8 +272,34 @@ impl std::fmt::Debug for KinesisPlatform {
     }
 }
 
+/// One `ListStreams` call: any answer (even a refusal) shows the endpoint is a server that
+/// answers; no connection, or no answer within `timeout`, is a `Connect` error naming it.
+async fn check_answers(client: &Client, endpoint: &str, timeout: Duration) -> Result<()> {
+    use aws_sdk_kinesis::error::SdkError;
+    match client.list_streams().limit(1).send().await {
+        Ok(_) | Err(SdkError::ServiceError(_)) | Err(SdkError::ResponseError(_)) => Ok(()),
+        Err(e @ SdkError::TimeoutError(_)) => Err(Error::new(
+            ErrorKind::Connect,
+            format!("Kinesis endpoint {endpoint} did not answer within {timeout:?} (timeout_ms)"),
+        )
+        .with_source(e)),
+        Err(e) => Err(Error::new(
+            ErrorKind::Connect,
+            format!(
+                "Kinesis endpoint {endpoint}: {}",
+                shards::aws_err("ListStreams".to_string(), e)
+                    .message()
+                    .trim_start_matches("Kinesis ")
+            ),
+        )),
+    }
+}
+
 impl KinesisPlatform {
-    /// Connects to `url`. `Config` for a bad URL. Nothing is sent until first use.
+    /// Connects to `url`. `Config` for a bad URL. With an endpoint in the URL (a local
+    /// Kinesis-compatible server), one `ListStreams` call checks that it answers within the
+    /// operation timeout (`timeout_ms`); if not, a `Connect` error names the endpoint. Against
+    /// AWS's regional endpoint nothing is sent until first use.
     pub async fn connect(url: &str) -> Result<Arc<KinesisPlatform>> {
         Self::connect_with(parse_url(url)?, None).await
     }
@@ -293,6 +319,15 @@ impl KinesisPlatform {
         if let Some(e) = &options.endpoint {
             loader = loader.endpoint_url(e);
         }
+        // Without timeouts the SDK waits forever on an endpoint that accepts connections and
+        // never answers. The operation timeout covers one call with its retries; the connect
+        // timeout stays the SDK's (3.1 s) unless the operation's is shorter.
+        loader = loader.timeout_config(
+            aws_config::timeout::TimeoutConfig::builder()
+                .operation_timeout(options.timeout)
+                .connect_timeout(options.timeout.min(Duration::from_millis(3100)))
+                .build(),
+        );
         if options.dummy_credentials {
             loader = loader.credentials_provider(aws_sdk_kinesis::config::Credentials::new(
                 "onceflow-local",
@@ -304,6 +339,9 @@ impl KinesisPlatform {
         }
         let sdk = loader.load().await;
         let client = Client::new(&sdk);
+        if let Some(endpoint) = &options.endpoint {
+            check_answers(&client, endpoint, options.timeout).await?;
+        }
         let cell = OnceCell::new();
         if let Some(s) = store {
             let _ = cell.set(s);

@@ -125,7 +125,10 @@ where
         }
         SdkError::TimeoutError(_) => Error::new(
             ErrorKind::Timeout,
-            format!("Kinesis {what}: no answer in time"),
+            format!(
+                "Kinesis {what}: no answer within the operation timeout (URL option \
+                 timeout_ms, default 10000)"
+            ),
         )
         .with_outcome_unknown(),
         SdkError::DispatchFailure(d) => {
