@@ -15,10 +15,10 @@ use onceflow::{
 pub async fn connect(url: &str) -> Result<Client> {
     tokio::select! {
         r = onceflow::connect(url) => r,
-        _ = interrupted() => {
+        code = interrupted() => {
             // Nothing is made before the connection: stop at once, as a signal would.
             eprintln!("onceflow: interrupted while connecting");
-            std::process::exit(130)
+            std::process::exit(i32::from(code))
         }
     }
 }
@@ -344,30 +344,37 @@ fn require_name(flag: &str, value: &str, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Resolves on Ctrl-C (SIGINT) or SIGTERM: how a terminal, `timeout` or a service manager
-/// asks a command to stop.
-pub async fn interrupted() {
+/// Resolves on Ctrl-C (SIGINT), SIGTERM or SIGHUP — how a terminal, `timeout`, a service
+/// manager or a closed terminal asks a command to stop — with the shell's exit status for that
+/// signal: 128 + its number (130, 143, 129).
+pub async fn interrupted() -> u8 {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).ok();
-        let terminated = async {
-            match term.as_mut() {
-                Some(t) => {
-                    t.recv().await;
+        async fn on(kind: SignalKind) {
+            match signal(kind) {
+                Ok(mut s) => {
+                    s.recv().await;
                 }
-                None => std::future::pending().await,
+                Err(_) => std::future::pending().await,
             }
-        };
+        }
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = terminated => {}
+            _ = tokio::signal::ctrl_c() => 130,
+            _ = on(SignalKind::terminate()) => 143,
+            _ = on(SignalKind::hangup()) => 129,
         }
     }
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+        130
     }
+}
+
+/// The exit status of a read command: success, or the signal's status if one stopped it.
+fn exit_status(stopped: Option<u8>) -> ExitCode {
+    stopped.map_or(ExitCode::SUCCESS, ExitCode::from)
 }
 
 /// How long `--idle-ms` waits for partitions to be assigned before it starts counting.
@@ -377,13 +384,14 @@ const ASSIGNMENT_GRACE: Duration = Duration::from_secs(10);
 const FIRST_FETCH: Duration = Duration::from_secs(3);
 
 /// Polls until `max` messages, `idle` without one, or an interrupt; returns how many were
-/// read and whether an interrupt ended the loop (what was handed to `each` stays handled).
+/// read and, if a signal ended the loop, its exit status (what was handed to `each` stays
+/// handled).
 async fn read_loop(
     consumer: &Consumer,
     max: Option<u64>,
     idle: Option<Duration>,
     mut each: impl FnMut(&[Message]) -> Result<()>,
-) -> Result<(u64, bool)> {
+) -> Result<(u64, Option<u8>)> {
     let mut n = 0u64;
     let started = Instant::now();
     let mut last = started;
@@ -395,7 +403,7 @@ async fn read_loop(
         }
         let batch = tokio::select! {
             biased;
-            _ = &mut stop => return Ok((n, true)),
+            code = &mut stop => return Ok((n, Some(code))),
             b = consumer.poll(want, Duration::from_millis(200)) => b?,
         };
         if batch.is_empty() {
@@ -422,7 +430,7 @@ async fn read_loop(
         n += batch.len() as u64;
         each(&batch)?;
     }
-    Ok((n, false))
+    Ok((n, None))
 }
 
 /// `onceflow consume`
@@ -474,13 +482,13 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
     eprintln!(
         "onceflow: {n} message(s) read and committed for group '{}'{}",
         a.group,
-        if stopped { " (interrupted)" } else { "" }
+        if stopped.is_some() {
+            " (interrupted)"
+        } else {
+            ""
+        }
     );
-    Ok(if stopped {
-        ExitCode::from(130)
-    } else {
-        ExitCode::SUCCESS
-    })
+    Ok(exit_status(stopped))
 }
 
 fn scratch_group(what: &str) -> String {
@@ -506,11 +514,7 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
     })
     .await?;
     consumer.close().await?;
-    Ok(if stopped {
-        ExitCode::from(130)
-    } else {
-        ExitCode::SUCCESS
-    })
+    Ok(exit_status(stopped))
 }
 
 /// `onceflow lag`
@@ -605,9 +609,5 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
         );
     }
     consumer.close().await?;
-    Ok(if stopped {
-        ExitCode::from(130)
-    } else {
-        ExitCode::SUCCESS
-    })
+    Ok(exit_status(stopped))
 }

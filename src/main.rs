@@ -62,9 +62,9 @@ fn main() -> ExitCode {
             // dedup store is removed (a signal's default action would leave it behind).
             Command::Demo(a) => tokio::select! {
                 r = demo::run(a) => r,
-                _ = cli::interrupted() => {
+                code = cli::interrupted() => {
                     eprintln!("onceflow: demo interrupted (its temporary dedup store, if any, is removed)");
-                    Ok(ExitCode::from(130))
+                    Ok(ExitCode::from(code))
                 }
             },
             Command::Produce(a) => cli::produce(a).await,

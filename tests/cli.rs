@@ -228,12 +228,12 @@ fn replay_names_the_starts_it_accepts() {
 
 #[test]
 fn ctrl_c_ends_the_demo_and_removes_its_temporary_store() {
-    for sig in ["-INT", "-TERM"] {
-        interrupt_demo(sig);
+    for (sig, code) in [("-INT", 130), ("-TERM", 143), ("-HUP", 129)] {
+        interrupt_demo(sig, code);
     }
 }
 
-fn interrupt_demo(sig: &str) {
+fn interrupt_demo(sig: &str, code: i32) {
     let tmp = tempfile::tempdir().unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
         .args(["demo", "--messages", "10000000"])
@@ -260,7 +260,7 @@ fn interrupt_demo(sig: &str) {
     assert!(kill.success());
     let out = child.wait_with_output().unwrap();
     let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert_eq!(out.status.code(), Some(code), "{sig}: {stderr}");
     assert!(stderr.contains("demo interrupted"), "{stderr}");
     assert_eq!(
         std::fs::read_dir(tmp.path()).unwrap().count(),
