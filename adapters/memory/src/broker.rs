@@ -135,6 +135,9 @@ pub(crate) struct TxnIdState {
     pub open: Option<u64>,
     /// The current epoch's producer was killed by fault injection.
     pub crashed: bool,
+    /// Transactions of this id aborted so far, whoever ended them (the producer, its drop,
+    /// or fencing by a newer epoch).
+    pub aborted: u64,
 }
 
 /// A group's positions added to a transaction, applied at commit.
@@ -351,6 +354,9 @@ impl State {
         if let Some(p) = self.producers.get_mut(&txn.transactional_id) {
             if p.open == Some(id) {
                 p.open = None;
+            }
+            if !commit {
+                p.aborted += 1;
             }
         }
         let now = now_ms();

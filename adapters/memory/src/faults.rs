@@ -168,6 +168,14 @@ impl Faults {
         }
     }
 
+    /// Transactions of `transactional_id` the broker has aborted so far, whoever ended them:
+    /// the producer, the drop of an unfinished transaction, or fencing by a newer producer with
+    /// the same id (Kafka's InitProducerId). 0 for an unknown id.
+    pub fn aborted_transactions(&self, transactional_id: &str) -> u64 {
+        let st = self.broker.state.lock();
+        st.producers.get(transactional_id).map_or(0, |p| p.aborted)
+    }
+
     /// Clears every armed fault (counters are kept).
     pub fn clear(&self) {
         let mut st = self.broker.state.lock();

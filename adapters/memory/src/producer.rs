@@ -104,6 +104,7 @@ impl MemoryProducer {
                 epoch: 0,
                 open: None,
                 crashed: false,
+                aborted: 0,
             });
             s.epoch += 1;
             s.crashed = false;

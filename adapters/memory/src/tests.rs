@@ -334,8 +334,17 @@ async fn a_crashed_producer_blocks_the_lso_until_fenced() {
         drain(&*rc).await.is_empty(),
         "the open transaction holds the LSO"
     );
-    let _restarted = p.producer(txp("tx-c")).await.unwrap();
+    assert_eq!(p.faults().aborted_transactions("tx-c"), 0);
+    let restarted = p.producer(txp("tx-c")).await.unwrap();
     assert_eq!(payloads(&drain(&*rc).await), ["after"]);
+    // Fencing aborted the crashed one; an abort and a dropped unfinished one count too.
+    assert_eq!(p.faults().aborted_transactions("tx-c"), 1);
+    restarted.begin().await.unwrap().abort().await.unwrap();
+    let mut unfinished = restarted.begin().await.unwrap();
+    unfinished.send(Record::new("t", "dropped")).await.unwrap();
+    drop(unfinished);
+    assert_eq!(p.faults().aborted_transactions("tx-c"), 3);
+    assert_eq!(p.faults().aborted_transactions("no-such-id"), 0);
 }
 
 #[tokio::test]
