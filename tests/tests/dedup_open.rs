@@ -86,6 +86,21 @@ async fn unusable_path_names_it() {
     assert!(e.message().contains(path.to_str().unwrap()), "{e}");
 }
 
+/// A directory is bad input however the embedded store is named: plain path or URL.
+#[tokio::test]
+async fn a_directory_is_bad_input_as_a_path_and_as_a_url() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap().to_string();
+    for location in [path.clone(), format!("embedded://{path}")] {
+        let e = err(&location).await;
+        assert_eq!(e.kind(), ErrorKind::Config, "{location}: {e}");
+        assert!(
+            e.message().contains("is a directory") && e.message().contains(&location),
+            "{location}: {e}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn shared_store_schemes_are_unsupported_here_and_name_their_crate() {
     for (url, krate) in [

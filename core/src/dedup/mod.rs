@@ -192,6 +192,19 @@ impl<T: DedupStore + ?Sized> DedupStoreExt for T {}
 /// Shared handle to a store.
 pub type SharedDedupStore = Arc<dyn DedupStore>;
 
+/// Bad input (`Config`) when the embedded store's path is a directory, whether given as a plain
+/// path or as `embedded:///…`: the same mistake gets the same error.
+fn not_a_directory(path: &str, shown: &str) -> Result<()> {
+    if std::path::Path::new(path).is_dir() {
+        return Err(crate::Error::config(format!(
+            "dedup store '{shown}' is a directory: expected a file path such as {}/dedup.db \
+             (created if missing)",
+            path.trim_end_matches('/')
+        )));
+    }
+    Ok(())
+}
+
 /// Opens a dedup store from a URL, remembering completed keys for `window` (must be > 0).
 ///
 /// - `memory://` or `memory://?capacity=N`: a new, bounded in-process [`MemoryStore`]
@@ -257,13 +270,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                  before it",
             ));
         }
-        if std::path::Path::new(trimmed).is_dir() {
-            return Err(Error::config(format!(
-                "dedup store '{shown}' is a directory: expected a file path such as \
-                 {}/dedup.db (created if missing)",
-                trimmed.trim_end_matches('/')
-            )));
-        }
+        not_a_directory(trimmed, &shown)?;
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
     };
     match scheme.to_ascii_lowercase().as_str() {
@@ -328,6 +335,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                     "embedded dedup store URL '{shown}' decodes to a path that is not UTF-8"
                 ))
             })?;
+            not_a_directory(&path, &shown)?;
             Ok(Arc::new(EmbeddedStore::open(path, window).await?))
         }
         s @ ("redis" | "rediss") => Err(Error::unsupported(format!(
