@@ -106,16 +106,6 @@ where
     wake::deliver(py, fut, convert_result::<T>, true)
 }
 
-/// Like [`awaitable`], but `fut` runs to its end even when the awaitable is cancelled: for
-/// work whose effect cannot be taken back once started (a send).
-pub fn awaitable_uncancelled<'py, F, T>(py: Python<'py>, fut: F) -> PyResult<Bound<'py, PyAny>>
-where
-    F: Future<Output = onceflow::Result<T>> + Send + 'static,
-    T: for<'a> IntoPyObject<'a> + Send + 'static,
-{
-    wake::deliver(py, fut, convert_result::<T>, false)
-}
-
 /// An asyncio awaitable resolving to the result of `fut`, which reports Python errors itself.
 pub fn awaitable_py<'py, F, T>(py: Python<'py>, fut: F) -> PyResult<Bound<'py, PyAny>>
 where
