@@ -11,6 +11,12 @@
 //! result and resolving its `asyncio.Future` with the GIL it already holds. One wake-up per
 //! burst, no GIL taken on the runtime's threads.
 //!
+//! A single send ([`send`]) goes further: no tokio task and no `asyncio.Future`. Its Rust future
+//! is polled once at the call, on the loop thread inside the runtime's context (the record is
+//! handed to the platform client there), and its waker queues it on the same queue, so the
+//! loop's drain polls it again and resolves its [`SendFuture`], a native object speaking
+//! asyncio's Future protocol.
+//!
 //! A loop that cannot carry the queue (no attribute dict, as on some third-party loops) and
 //! non-Unix platforms use pyo3-async-runtimes' path instead.
 
