@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import sys
 
 import pytest
@@ -254,3 +255,34 @@ def test_sync_facade_send_waits_for_the_delivery():
     d = producer.send("t", b"sync")
     assert isinstance(d, onceflow.Delivery) and d.topic == "t"
     producer.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+async def test_send_in_a_forked_child(memory):
+    """A child process forked after sends on this loop sends on its own loop (its own waker
+    and runtime: the parent's socket pair and threads are not the child's)."""
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send(topic, b"parent")
+    pid = os.fork()
+    if pid == 0:  # child: a new loop and client, never pytest's
+        code = 1
+        try:
+
+            async def child():
+                c = await onceflow.connect("memory://forked-child")
+                p = await c.producer()
+                fut = p.send("t", b"child")
+                assert isinstance(fut, _native.SendFuture)
+                d = await asyncio.wait_for(fut, 10)
+                assert d.topic == "t"
+                await p.close()
+
+            asyncio.run(child())
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert (await producer.send(topic, b"parent again")).topic == topic
+    await producer.close()
