@@ -155,3 +155,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     Ok(())
 }
+
+/// mimalloc for the extension's Rust allocations. A single `send` allocates a dozen small
+/// objects per record, with thousands in flight and freed in bursts, some on librdkafka's
+/// threads: glibc's per-thread cache misses and `_int_malloc`'s slow path was ~19 % of the loop
+/// thread (PY1, benches/RESULTS.md). `local_dynamic_tls`: the module is `dlopen`ed by Python,
+/// where mimalloc's default initial-exec TLS fails ("cannot allocate memory in static TLS
+/// block").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
