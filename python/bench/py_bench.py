@@ -9,7 +9,8 @@ Without OpenTelemetry installed (it would add a span per send).
 
 Same producer settings on every client: idempotence on, acks=all, linger.ms=5 (librdkafka's
 default, set explicitly on all three). Every side counts delivered records: onceflow's
-awaitables resolve on the delivery report (`send_nowait`: `flush` waits for every report and
+awaitables (`send`: a native `SendFuture` each, counted by a done-callback as confluent-kafka's
+`on_delivery`; a second line awaits them with `asyncio.gather`) resolve on the delivery report (`send_nowait`: `flush` waits for every report and
 raises on any failure), confluent-kafka's loop polls delivery reports (an `on_delivery`
 callback counts them, checked after `flush`), aiokafka's send futures are awaited. PY2's
 idempotent consumer uses the batch handler (`batch=True`: one Python call, one dedup claim and
@@ -108,6 +109,23 @@ async def of_send(client, n, window=5_000):
     secs = time.perf_counter() - t
     await p.close()
     assert delivered == [n, 0], f"onceflow send delivered {delivered}"
+    return rate(n, secs)
+
+
+async def of_send_gather(client, n, window=5_000):
+    """Single `send`s awaited the common way: `asyncio.gather` over `window` of them at a time
+    (each `SendFuture` is taken as a future by gather: no task per record)."""
+    topic = await new_topic(client)
+    p = await client.producer(idempotent=True, options=ONCEFLOW_PRODUCER)
+    t = time.perf_counter()
+    sent = 0
+    while sent < n:
+        k = min(window, n - sent)
+        deliveries = await asyncio.gather(*[p.send(topic, PAYLOAD) for _ in range(k)])
+        assert len(deliveries) == k
+        sent += k
+    secs = time.perf_counter() - t
+    await p.close()
     return rate(n, secs)
 
 
@@ -277,6 +295,7 @@ async def main():
     ck_topic = await new_topic(client)
     ck_rate = await asyncio.to_thread(ck_produce, url, ck_topic, n)
     of_single = await of_send(client, s)
+    of_gather = await of_send_gather(client, s)
     of_nowait = await of_send_nowait(client, n)
     aio_rate = await aiokafka_produce(url, await new_topic(client), s)
     print(f"PY1 produce {n} x 100 B: onceflow send_batch {of_batch:,.0f}/s, confluent-kafka produce+poll {ck_rate:,.0f}/s")
@@ -284,6 +303,8 @@ async def main():
     print(f"RATIO PY1 send_batch/confluent-kafka {of_batch / ck_rate:.2f} (target >= 2)")
     print(f"PY1 produce {n} x 100 B: onceflow send_nowait+flush {of_nowait:,.0f}/s")
     print(f"RATIO PY1 send/confluent-kafka {of_single / ck_rate:.2f} (target >= 1)")
+    print(f"PY1 produce {s} x 100 B: onceflow send + asyncio.gather of 5000 at a time {of_gather:,.0f}/s")
+    print(f"RATIO PY1 send-gather/confluent-kafka {of_gather / ck_rate:.2f} (no target: the same sends awaited with gather)")
     print(f"RATIO PY1 send_nowait/confluent-kafka {of_nowait / ck_rate:.2f} (target >= 1, single-record path)")
     print(f"RATIO PY1 send_batch/aiokafka {of_batch / aio_rate:.2f} (target >= 3)")
     if a.only != "py1":

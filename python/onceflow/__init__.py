@@ -284,15 +284,28 @@ class Producer:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
-    ) -> "asyncio.Future[Delivery]":
-        """Sends one record: starts the send at once and returns an ``asyncio.Future``
-        resolved with its ``Delivery`` when the platform acknowledges it, or failing with the
-        ``OnceflowError`` of the send. ``await`` it, or keep many in flight and
-        ``asyncio.gather`` them: no task per record. Sends in flight together may land in any
-        order; await each one, or use ``send_batch``, when order matters. Call it on the event
-        loop's thread (from a coroutine or a loop callback); invalid arguments raise at the
-        call. It is not a coroutine: ``asyncio.ensure_future`` accepts it,
-        ``asyncio.create_task`` does not (and needs not)."""
+    ) -> "_native.SendFuture[Delivery]":
+        """Sends one record: hands it to the platform client at once (for Kafka, librdkafka's
+        queue) and returns a ``SendFuture`` resolved with its ``Delivery`` when the platform
+        acknowledges it, or failing with the ``OnceflowError`` of the send. A ``SendFuture``
+        is asyncio-compatible without being an ``asyncio.Future``: ``await`` it, keep many in
+        flight and ``asyncio.gather`` / ``asyncio.wait`` them, give it a timeout with
+        ``asyncio.wait_for``, or ``add_done_callback`` (no task and no ``asyncio.Future`` per
+        record). Cancelling it (or a timeout) drops the result only: the record is sent
+        anyway. Sends in flight together may land in any order; await each one, or use
+        ``send_batch``, when order matters. Call it on the event loop's thread (from a
+        coroutine or a loop callback); invalid arguments raise at the call, a record the
+        platform refuses fails the future. It is not a coroutine: ``asyncio.ensure_future``
+        returns it as is, ``asyncio.create_task`` does not take it (and needs not)."""
+        if (
+            key is None
+            and headers is None
+            and partition is None
+            and timestamp is None
+            and idempotency_key is None
+            and not _otel.ENABLED
+        ):
+            return self._native.send(topic, payload)  # no keyword dict to build and parse
         return _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
     async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
@@ -394,7 +407,7 @@ class Producer:
         await self.close()
 
 
-def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key) -> "asyncio.Future[Delivery]":
+def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key) -> "_native.SendFuture[Delivery]":
     if _otel.ENABLED:
         span, trace_headers = _otel.start_send(topic, platform)
         if trace_headers is not None:
@@ -425,7 +438,7 @@ def _raise_failures(failures: List[BaseException]) -> None:
         raise SendError(failures) from failures[0]
 
 
-def _end_send_span(span, fut: "asyncio.Future[Delivery]") -> None:
+def _end_send_span(span, fut: "_native.SendFuture[Delivery]") -> None:
     if fut.cancelled():
         _otel.end_send(span, error=asyncio.CancelledError())
     elif fut.exception() is not None:
@@ -488,9 +501,9 @@ class Transaction:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
-    ) -> "asyncio.Future[Delivery]":
-        """Sends a record inside the transaction; an ``asyncio.Future`` of its ``Delivery``
-        (see ``Producer.send``)."""
+    ) -> "_native.SendFuture[Delivery]":
+        """Sends a record inside the transaction; a ``SendFuture`` of its ``Delivery`` (see
+        ``Producer.send``)."""
         return _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
     async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:

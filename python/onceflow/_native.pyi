@@ -1,7 +1,27 @@
 """Type stubs of onceflow's native module (pyo3). Checked against the module by
 tests/test_stubs.py. Methods returning ``Awaitable`` run on onceflow's tokio runtime."""
 
-from typing import Any, Awaitable, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, overload
+import asyncio
+import contextvars
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Dict,
+    Generator,
+    Generic,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+    overload,
+)
+
+_T = TypeVar("_T")
 
 _Bytes = Union[bytes, bytearray, memoryview, str]
 _Headers = Union[None, Dict[str, Optional[_Bytes]], Sequence[Tuple[str, Optional[_Bytes]]]]
@@ -139,6 +159,24 @@ class Client:
     ) -> Awaitable[Consumer]: ...
     def admin(self) -> Awaitable[Admin]: ...
 
+class SendFuture(Generic[_T]):
+    """The awaitable of one send, speaking asyncio's Future protocol (not an asyncio.Future)."""
+
+    _asyncio_future_blocking: bool
+    def done(self) -> bool: ...
+    def cancelled(self) -> bool: ...
+    def result(self) -> _T: ...
+    def exception(self) -> Optional[BaseException]: ...
+    def add_done_callback(
+        self, fn: Callable[[SendFuture[_T]], object], *, context: Optional[contextvars.Context] = None
+    ) -> None: ...
+    def remove_done_callback(self, fn: Callable[[SendFuture[_T]], object]) -> int: ...
+    def cancel(self, msg: Optional[Any] = None) -> bool: ...
+    def get_loop(self) -> asyncio.AbstractEventLoop: ...
+    def __await__(self) -> Generator[Any, None, _T]: ...
+    def __iter__(self) -> Generator[Any, None, _T]: ...
+    def __next__(self) -> Any: ...
+
 class Producer:
     @property
     def platform(self) -> str: ...
@@ -154,7 +192,7 @@ class Producer:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
-    ) -> Awaitable[Delivery]: ...
+    ) -> SendFuture[Delivery]: ...
     def send_nowait(
         self,
         topic: str,
@@ -183,7 +221,7 @@ class Transaction:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
-    ) -> Awaitable[Delivery]: ...
+    ) -> SendFuture[Delivery]: ...
     def send_batch(self, records: Iterable[_RecordTuple]) -> Awaitable[Deliveries]: ...
     def commit_offsets(self, consumer: Consumer, positions: List[_Position]) -> Awaitable[None]: ...
     def commit(self) -> Awaitable[None]: ...

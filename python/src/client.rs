@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 
 use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter};
 use crate::errors::{config_err, to_pyerr};
-use crate::{awaitable, awaitable_py, awaitable_uncancelled, wake};
+use crate::{awaitable, awaitable_py, wake};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(connect, m)?)?;
@@ -29,6 +29,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Delivery>()?;
     m.add_class::<Deliveries>()?;
     m.add_class::<Lag>()?;
+    #[cfg(unix)]
+    m.add_class::<wake::SendFuture>()?;
     Ok(())
 }
 
@@ -313,6 +315,12 @@ async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
     }
 }
 
+/// A send's result: its `Delivery`, or the onceflow exception it raises.
+fn delivered(py: Python<'_>, r: onceflow::Result<onceflow::Delivery>) -> PyResult<Py<PyAny>> {
+    let d = crate::errors::py_result(r)?;
+    Ok(Py::new(py, Delivery::from(d))?.into_any())
+}
+
 /// `drain`'s result: the exceptions of the failed records, as a list.
 fn failures(py: Python<'_>, r: onceflow::Result<Vec<Error>>) -> PyResult<Py<PyAny>> {
     let errors = crate::errors::py_result(r)?;
@@ -338,7 +346,9 @@ impl Producer {
         self.inner.guarantee().to_string()
     }
 
-    /// Sends one record; resolves to its `Delivery`.
+    /// Sends one record: hands it to the platform client at once and returns a `SendFuture`
+    /// that resolves to its `Delivery` when the platform acknowledged it (or raises the send's
+    /// exception). Cancelling the future never un-sends the record.
     #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn send<'py>(
@@ -362,7 +372,7 @@ impl Producer {
             idempotency_key,
         )?;
         let p = self.inner.clone();
-        awaitable_uncancelled(py, async move { p.send(record).await.map(Delivery::from) })
+        wake::send(py, async move { p.send(record).await }, delivered)
     }
 
     /// Hands one record over without an awaitable and returns at once: the record is buffered
@@ -495,7 +505,7 @@ pub struct Transaction {
 
 #[pymethods]
 impl Transaction {
-    /// Sends a record inside the transaction.
+    /// Sends a record inside the transaction; returns a `SendFuture` (see `Producer.send`).
     #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn send<'py>(
@@ -519,11 +529,12 @@ impl Transaction {
             idempotency_key,
         )?;
         let tx = self.inner.clone();
-        awaitable_uncancelled(py, async move {
+        let fut = async move {
             let mut slot = tx.lock().await;
             let tx = slot.as_mut().ok_or_else(finished)?;
-            tx.send(record).await.map(Delivery::from)
-        })
+            tx.send(record).await
+        };
+        wake::send(py, fut, delivered)
     }
 
     /// Sends records inside the transaction; one result per record (see `Producer.send_batch`).

@@ -106,16 +106,6 @@ where
     wake::deliver(py, fut, convert_result::<T>, true)
 }
 
-/// Like [`awaitable`], but `fut` runs to its end even when the awaitable is cancelled: for
-/// work whose effect cannot be taken back once started (a send).
-pub fn awaitable_uncancelled<'py, F, T>(py: Python<'py>, fut: F) -> PyResult<Bound<'py, PyAny>>
-where
-    F: Future<Output = onceflow::Result<T>> + Send + 'static,
-    T: for<'a> IntoPyObject<'a> + Send + 'static,
-{
-    wake::deliver(py, fut, convert_result::<T>, false)
-}
-
 /// An asyncio awaitable resolving to the result of `fut`, which reports Python errors itself.
 pub fn awaitable_py<'py, F, T>(py: Python<'py>, fut: F) -> PyResult<Bound<'py, PyAny>>
 where
@@ -165,3 +155,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     Ok(())
 }
+
+/// mimalloc for the extension's Rust allocations. A single `send` allocates a dozen small
+/// objects per record, with thousands in flight and freed in bursts, some on librdkafka's
+/// threads: glibc's per-thread cache misses and `_int_malloc`'s slow path was ~19 % of the loop
+/// thread (PY1, benches/RESULTS.md). `local_dynamic_tls`: the module is `dlopen`ed by Python,
+/// where mimalloc's default initial-exec TLS fails ("cannot allocate memory in static TLS
+/// block").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -11,6 +11,12 @@
 //! result and resolving its `asyncio.Future` with the GIL it already holds. One wake-up per
 //! burst, no GIL taken on the runtime's threads.
 //!
+//! A single send ([`send`]) goes further: no tokio task and no `asyncio.Future`. Its Rust future
+//! is polled once at the call, on the loop thread inside the runtime's context (the record is
+//! handed to the platform client there), and its waker queues it on the same queue, so the
+//! loop's drain polls it again and resolves its [`SendFuture`], a native object speaking
+//! asyncio's Future protocol.
+//!
 //! A loop that cannot carry the queue (no attribute dict, as on some third-party loops) and
 //! non-Unix platforms use pyo3-async-runtimes' path instead.
 
@@ -49,13 +55,44 @@ where
     })
 }
 
+/// The awaitable of one send: a [`SendFuture`](imp::SendFuture) resolving to
+/// `convert(fut.await)`. `fut` is polled at once on the calling (loop) thread, inside the
+/// bindings' runtime context, so the record is handed to the platform client before this
+/// returns (librdkafka's queue for Kafka), as confluent-kafka's `produce` does; what is left
+/// (the acknowledgement) is polled on the loop thread again each time it wakes, in the loop's
+/// bursts. No tokio task and no `asyncio.Future` per send. Cancelling the awaitable never
+/// stops `fut`: the record is sent and its result dropped.
+///
+/// On loops that cannot hold the queue, and off Unix, this is [`deliver`] (an
+/// `asyncio.Future`, uncancellable work).
+pub fn send<'py, F, R>(py: Python<'py>, fut: F, convert: Convert<R>) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = R> + Send + 'static,
+    R: Send + 'static,
+{
+    #[cfg(unix)]
+    {
+        let event_loop = imp::running_loop(py)?;
+        if let Some(waker) = imp::waker_for(py, &event_loop)? {
+            return imp::send(py, event_loop, &waker, fut, convert);
+        }
+    }
+    deliver(py, fut, convert, false)
+}
+
+#[cfg(unix)]
+pub use imp::SendFuture;
+
 #[cfg(unix)]
 mod imp {
     use std::future::Future;
     use std::io::{ErrorKind, Read, Write};
     use std::os::unix::io::AsRawFd;
     use std::os::unix::net::UnixStream;
-    use std::sync::Arc;
+    use std::panic::AssertUnwindSafe;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Weak};
+    use std::task::{Context, Poll, Wake, Waker};
 
     use futures::FutureExt;
     use parking_lot::Mutex;
@@ -73,20 +110,27 @@ mod imp {
     /// Produces the value (or the exception) of a finished future, on the loop thread.
     type Resolve = Box<dyn FnOnce(Python<'_>) -> PyResult<Py<PyAny>> + Send>;
 
-    /// A finished future's asyncio future and its result.
-    type Done = (Py<PyAny>, Resolve);
+    /// What the loop's drain does with one queued entry.
+    enum Item {
+        /// A finished future's `asyncio.Future` and its result.
+        Done(Py<PyAny>, Resolve),
+        /// A send that woke: poll it again (see [`SendTask`]).
+        Poll(Arc<dyn Drive>),
+    }
 
     struct Shared {
-        queue: Mutex<Vec<Done>>,
+        queue: Mutex<Vec<Item>>,
         tx: UnixStream,
+        /// The bindings' runtime, entered while sends are polled on the loop thread.
+        runtime: tokio::runtime::Handle,
     }
 
     impl Shared {
-        /// Queues a finished result (no GIL needed); the first of a burst wakes the loop.
-        fn push(&self, done: Done) {
+        /// Queues an entry (no GIL needed); the first of a burst wakes the loop.
+        fn push(&self, item: Item) {
             let first = {
                 let mut q = self.queue.lock();
-                q.push(done);
+                q.push(item);
                 q.len() == 1
             };
             if first {
@@ -101,14 +145,42 @@ mod imp {
     pub struct LoopWaker {
         shared: Arc<Shared>,
         rx: UnixStream,
-        pid: u32,
+        /// [`FORK_EPOCH`] when made: a child process makes its own.
+        epoch: u64,
+    }
+
+    /// Bumped in a child process after `os.fork()` (`os.register_at_fork`), so a loop's waker
+    /// made before the fork (its socket pair and runtime are the parent's) is replaced, without
+    /// a `getpid` system call per send.
+    static FORK_EPOCH: AtomicU64 = AtomicU64::new(0);
+    static AT_FORK: PyOnceLock<()> = PyOnceLock::new();
+
+    fn watch_forks(py: Python<'_>) -> PyResult<()> {
+        AT_FORK.get_or_try_init(py, || -> PyResult<()> {
+            let bump = PyCFunction::new_closure(
+                py,
+                None,
+                None,
+                |_args: &Bound<'_, pyo3::types::PyTuple>,
+                 _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>| {
+                    FORK_EPOCH.fetch_add(1, Ordering::AcqRel);
+                },
+            )?;
+            let kwargs = pyo3::types::PyDict::new(py);
+            kwargs.set_item("after_in_child", bump)?;
+            py.import("os")?
+                .getattr("register_at_fork")?
+                .call((), Some(&kwargs))?;
+            Ok(())
+        })?;
+        Ok(())
     }
 
     #[pymethods]
     impl LoopWaker {
-        /// The loop's reader callback: resolves every queued future.
+        /// The loop's reader callback: resolves every queued future and polls every woken send.
         fn drain(&self, py: Python<'_>) {
-            // Read the wake-up bytes before taking the queue: a result queued after the take
+            // Read the wake-up bytes before taking the queue: an entry queued after the take
             // then finds the queue empty and writes a new byte, so none is left unwoken.
             let mut buf = [0u8; 512];
             loop {
@@ -119,10 +191,19 @@ mod imp {
                 }
             }
             let items = std::mem::take(&mut *self.shared.queue.lock());
-            for (fut, convert) in items {
-                let fut = fut.bind(py);
-                if let Err(e) = resolve(py, fut, convert) {
-                    e.write_unraisable(py, Some(fut));
+            if items.is_empty() {
+                return;
+            }
+            let _entered = self.shared.runtime.enter();
+            for item in items {
+                match item {
+                    Item::Done(fut, convert) => {
+                        let fut = fut.bind(py);
+                        if let Err(e) = resolve(py, fut, convert) {
+                            e.write_unraisable(py, Some(fut));
+                        }
+                    }
+                    Item::Poll(task) => task.drive(py),
                 }
             }
         }
@@ -160,14 +241,15 @@ mod imp {
         py: Python<'_>,
         event_loop: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Py<LoopWaker>>> {
-        let pid = std::process::id();
+        let epoch = FORK_EPOCH.load(Ordering::Acquire);
         if let Ok(w) = event_loop.getattr(intern!(py, ATTR)) {
             if let Ok(w) = w.cast_into::<LoopWaker>() {
-                if w.get().pid == pid {
+                if w.get().epoch == epoch {
                     return Ok(Some(w.unbind()));
                 }
             }
         }
+        watch_forks(py)?;
         let (tx, rx) = UnixStream::pair()?;
         tx.set_nonblocking(true)?;
         rx.set_nonblocking(true)?;
@@ -178,9 +260,10 @@ mod imp {
                 shared: Arc::new(Shared {
                     queue: Mutex::new(Vec::new()),
                     tx,
+                    runtime: onceflow_bindings::runtime().handle().clone(),
                 }),
                 rx,
-                pid,
+                epoch,
             },
         )?;
         if event_loop.setattr(intern!(py, ATTR), &waker).is_err() {
@@ -211,19 +294,11 @@ mod imp {
             let done: Resolve = match std::panic::AssertUnwindSafe(fut).catch_unwind().await {
                 Ok(r) => Box::new(move |py: Python<'_>| convert(py, r)),
                 Err(panic) => {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    Box::new(move |_: Python<'_>| {
-                        Err(PyRuntimeError::new_err(format!(
-                            "onceflow: a native task panicked: {what}"
-                        )))
-                    })
+                    let what = panic_message(panic.as_ref());
+                    Box::new(move |_: Python<'_>| Err(panicked(&what)))
                 }
             };
-            shared.push((handle, done));
+            shared.push(Item::Done(handle, done));
         });
         if cancellable {
             let abort = task.abort_handle();
@@ -245,5 +320,512 @@ mod imp {
             py_fut.call_method1(intern!(py, "add_done_callback"), (on_done,))?;
         }
         Ok(py_fut)
+    }
+
+    fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+        panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default()
+    }
+
+    fn panicked(what: &str) -> PyErr {
+        PyRuntimeError::new_err(format!("onceflow: a native task panicked: {what}"))
+    }
+
+    // ---- The awaitable of one send --------------------------------------------------------
+
+    /// Where a [`SendFuture`] stands.
+    enum Outcome {
+        Pending,
+        /// Its result (a `Delivery`).
+        Value(Py<PyAny>),
+        /// The exception it raises.
+        Failed(Py<PyAny>),
+        /// Cancelled, with the optional message of `cancel(msg)`.
+        Cancelled(Option<Py<PyAny>>),
+    }
+
+    /// The awaitable of one `send`: resolves to the record's `Delivery` once the platform
+    /// acknowledged it, or raises the send's `OnceflowError`. It speaks asyncio's Future
+    /// protocol (`await`, `done`, `result`, `exception`, `add_done_callback`,
+    /// `remove_done_callback`, `cancel`, `cancelled`, `get_loop`), so `asyncio.gather`,
+    /// `asyncio.wait`, `asyncio.wait_for` and `asyncio.ensure_future` take it as a future (no
+    /// task each). It belongs to the event loop that was running at the `send` call; use it on
+    /// that loop's thread. Cancelling it (or the task awaiting it) drops the result only: the
+    /// record is sent anyway. Done-callbacks run on the loop thread, each in its context (the
+    /// current one at `add_done_callback` unless `context=` is given): called when the result
+    /// arrives, in arrival order; scheduled with `loop.call_soon` when the future is already
+    /// done or is cancelled, as asyncio's are.
+    #[pyclass(module = "onceflow._native")]
+    pub struct SendFuture {
+        outcome: Outcome,
+        /// Done-callbacks with their `contextvars.Context` (most futures get one at most).
+        callbacks: Callbacks,
+        event_loop: Py<PyAny>,
+        /// asyncio's marker of a future-like object; `True` while a task waits on it.
+        #[pyo3(get, set, name = "_asyncio_future_blocking")]
+        blocking: bool,
+    }
+
+    /// A done-callback and the `contextvars.Context` it runs in.
+    type Callback = (Py<PyAny>, Py<PyAny>);
+
+    /// Done-callbacks in registration order: the first without an allocation.
+    #[derive(Default)]
+    struct Callbacks {
+        first: Option<Callback>,
+        more: Vec<Callback>,
+    }
+
+    impl Callbacks {
+        fn push(&mut self, cb: Callback) {
+            if self.first.is_none() && self.more.is_empty() {
+                self.first = Some(cb);
+            } else {
+                self.more.push(cb);
+            }
+        }
+
+        fn is_empty(&self) -> bool {
+            self.first.is_none() && self.more.is_empty()
+        }
+
+        fn take(&mut self) -> impl Iterator<Item = Callback> {
+            let first = self.first.take();
+            let more = std::mem::take(&mut self.more);
+            first.into_iter().chain(more)
+        }
+    }
+
+    static ASYNCIO_ERRORS: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
+    static COPY_CONTEXT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+    /// `(asyncio.CancelledError, asyncio.InvalidStateError)`.
+    fn asyncio_errors(py: Python<'_>) -> PyResult<&(Py<PyAny>, Py<PyAny>)> {
+        ASYNCIO_ERRORS.get_or_try_init(py, || {
+            let m = py.import("asyncio")?;
+            Ok((
+                m.getattr("CancelledError")?.unbind(),
+                m.getattr("InvalidStateError")?.unbind(),
+            ))
+        })
+    }
+
+    fn cancelled_error(py: Python<'_>, msg: &Option<Py<PyAny>>) -> PyErr {
+        let made = asyncio_errors(py).and_then(|(cancelled, _)| match msg {
+            Some(m) => cancelled.bind(py).call1((m.clone_ref(py),)),
+            None => cancelled.bind(py).call0(),
+        });
+        match made {
+            Ok(e) => PyErr::from_value(e),
+            Err(e) => e,
+        }
+    }
+
+    fn invalid_state(py: Python<'_>, what: &str) -> PyErr {
+        match asyncio_errors(py).and_then(|(_, invalid)| invalid.bind(py).call1((what,))) {
+            Ok(e) => PyErr::from_value(e),
+            Err(e) => e,
+        }
+    }
+
+    fn copy_context(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        COPY_CONTEXT
+            .get_or_try_init(py, || {
+                py.import("contextvars")?
+                    .getattr("copy_context")
+                    .map(Bound::unbind)
+            })?
+            .bind(py)
+            .call0()
+            .map(Bound::unbind)
+    }
+
+    /// `loop.call_soon(callback, fut, context=context)`.
+    fn schedule(
+        event_loop: &Bound<'_, PyAny>,
+        callback: Py<PyAny>,
+        fut: &Bound<'_, SendFuture>,
+        context: Py<PyAny>,
+    ) -> PyResult<()> {
+        let py = event_loop.py();
+        let kwargs = pyo3::types::PyDict::new(py);
+        kwargs.set_item(intern!(py, "context"), context)?;
+        event_loop.call_method(intern!(py, "call_soon"), (callback, fut), Some(&kwargs))?;
+        Ok(())
+    }
+
+    /// Runs a done-callback now, in its context; an exception goes to the loop's exception
+    /// handler, as one raised by a `call_soon` callback does.
+    fn run_callback(
+        event_loop: &Bound<'_, PyAny>,
+        callback: Py<PyAny>,
+        fut: &Bound<'_, SendFuture>,
+        context: Py<PyAny>,
+    ) {
+        let py = event_loop.py();
+        let Err(e) = context
+            .bind(py)
+            .call_method1(intern!(py, "run"), (&callback, fut))
+        else {
+            return;
+        };
+        let report = || -> PyResult<()> {
+            let ctx = pyo3::types::PyDict::new(py);
+            ctx.set_item(
+                "message",
+                format!("Exception in callback {}", callback.bind(py).repr()?),
+            )?;
+            ctx.set_item("exception", e.clone_ref(py).into_value(py))?;
+            ctx.set_item("future", fut)?;
+            event_loop.call_method1(intern!(py, "call_exception_handler"), (ctx,))?;
+            Ok(())
+        };
+        if let Err(e2) = report() {
+            e2.write_unraisable(py, Some(fut.as_any()));
+        }
+    }
+
+    /// Sets the result (or exception) of a pending `SendFuture` and runs its callbacks; a
+    /// cancelled one drops it.
+    fn complete(fut: &Bound<'_, SendFuture>, result: PyResult<Py<PyAny>>) {
+        let py = fut.py();
+        let (callbacks, event_loop) = {
+            let Ok(mut this) = fut.try_borrow_mut() else {
+                PyRuntimeError::new_err("onceflow: SendFuture busy while its result arrived")
+                    .write_unraisable(py, Some(fut.as_any()));
+                return;
+            };
+            if !matches!(this.outcome, Outcome::Pending) {
+                return;
+            }
+            this.outcome = match result {
+                Ok(v) => Outcome::Value(v),
+                Err(e) => Outcome::Failed(e.into_value(py).into_any()),
+            };
+            if this.callbacks.is_empty() {
+                return;
+            }
+            (this.callbacks.take(), this.event_loop.clone_ref(py))
+        };
+        let event_loop = event_loop.bind(py);
+        for (callback, context) in callbacks {
+            run_callback(event_loop, callback, fut, context);
+        }
+    }
+
+    impl SendFuture {
+        fn outcome_result(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+            match &self.outcome {
+                Outcome::Pending => Err(invalid_state(py, "Result is not set.")),
+                Outcome::Value(v) => Ok(v.clone_ref(py)),
+                Outcome::Failed(e) => Err(PyErr::from_value(e.bind(py).clone())),
+                Outcome::Cancelled(msg) => Err(cancelled_error(py, msg)),
+            }
+        }
+    }
+
+    #[pymethods]
+    impl SendFuture {
+        /// Whether the send finished (acknowledged or failed) or the future was cancelled.
+        fn done(&self) -> bool {
+            !matches!(self.outcome, Outcome::Pending)
+        }
+
+        /// Whether the future was cancelled (the record is sent regardless).
+        fn cancelled(&self) -> bool {
+            matches!(self.outcome, Outcome::Cancelled(_))
+        }
+
+        /// The `Delivery`; raises the send's exception, `asyncio.CancelledError` when
+        /// cancelled, `asyncio.InvalidStateError` while pending.
+        fn result(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+            self.outcome_result(py)
+        }
+
+        /// The send's exception (`None` when delivered); raises `asyncio.CancelledError` when
+        /// cancelled, `asyncio.InvalidStateError` while pending.
+        fn exception(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+            match &self.outcome {
+                Outcome::Pending => Err(invalid_state(py, "Exception is not set.")),
+                Outcome::Value(_) => Ok(None),
+                Outcome::Failed(e) => Ok(Some(e.clone_ref(py))),
+                Outcome::Cancelled(msg) => Err(cancelled_error(py, msg)),
+            }
+        }
+
+        /// Calls `fn(future)` on the loop thread when the future is done (see the class).
+        #[pyo3(signature = (r#fn, *, context=None))]
+        fn add_done_callback(
+            slf: &Bound<'_, Self>,
+            r#fn: Py<PyAny>,
+            context: Option<Py<PyAny>>,
+        ) -> PyResult<()> {
+            let py = slf.py();
+            let context = match context {
+                Some(c) if !c.is_none(py) => c,
+                _ => copy_context(py)?,
+            };
+            let event_loop = {
+                let mut this = slf.borrow_mut();
+                if matches!(this.outcome, Outcome::Pending) {
+                    this.callbacks.push((r#fn, context));
+                    return Ok(());
+                }
+                this.event_loop.clone_ref(py)
+            };
+            schedule(event_loop.bind(py), r#fn, slf, context)
+        }
+
+        /// Removes every registration of `fn`; returns how many were removed.
+        fn remove_done_callback(slf: &Bound<'_, Self>, r#fn: &Bound<'_, PyAny>) -> PyResult<usize> {
+            let py = slf.py();
+            let callbacks: Vec<Callback> = slf.borrow_mut().callbacks.take().collect();
+            let before = callbacks.len();
+            let mut kept = Vec::with_capacity(before);
+            let mut failed = None;
+            for (callback, context) in callbacks {
+                let same = failed.is_none() && {
+                    let cb = callback.bind(py);
+                    cb.is(r#fn)
+                        || cb.eq(r#fn).unwrap_or_else(|e| {
+                            failed = Some(e);
+                            false
+                        })
+                };
+                if !same {
+                    kept.push((callback, context));
+                }
+            }
+            let removed = before - kept.len();
+            // Callbacks added meanwhile (by an `__eq__`) go after the kept ones.
+            let mut this = slf.borrow_mut();
+            let added: Vec<Callback> = this.callbacks.take().collect();
+            for cb in kept.into_iter().chain(added) {
+                this.callbacks.push(cb);
+            }
+            match failed {
+                Some(e) => Err(e),
+                None => Ok(removed),
+            }
+        }
+
+        /// Marks the future cancelled and schedules its callbacks; `False` when it was already
+        /// done. The record is sent anyway: only its result is dropped.
+        #[pyo3(signature = (msg=None))]
+        fn cancel(slf: &Bound<'_, Self>, msg: Option<Py<PyAny>>) -> PyResult<bool> {
+            let py = slf.py();
+            let (callbacks, event_loop) = {
+                let mut this = slf.borrow_mut();
+                if !matches!(this.outcome, Outcome::Pending) {
+                    return Ok(false);
+                }
+                this.outcome = Outcome::Cancelled(msg);
+                this.blocking = false;
+                (this.callbacks.take(), this.event_loop.clone_ref(py))
+            };
+            for (callback, context) in callbacks {
+                schedule(event_loop.bind(py), callback, slf, context)?;
+            }
+            Ok(true)
+        }
+
+        /// The event loop this future belongs to.
+        fn get_loop(&self, py: Python<'_>) -> Py<PyAny> {
+            self.event_loop.clone_ref(py)
+        }
+
+        /// `SendFuture[Delivery]` in annotations, as `asyncio.Future[T]`.
+        #[classmethod]
+        fn __class_getitem__(
+            cls: &Bound<'_, pyo3::types::PyType>,
+            _item: &Bound<'_, PyAny>,
+        ) -> Py<pyo3::types::PyType> {
+            cls.clone().unbind()
+        }
+
+        fn __await__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+            slf
+        }
+
+        fn __iter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+            slf
+        }
+
+        /// One step of `await`: yields the future itself while it is pending (asyncio's task
+        /// then waits for its done-callback), then ends with the result or raises.
+        fn __next__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+            let py = slf.py();
+            let mut this = slf.borrow_mut();
+            match &this.outcome {
+                Outcome::Pending if this.blocking => {
+                    Err(PyRuntimeError::new_err("await wasn't used with future"))
+                }
+                Outcome::Pending => {
+                    this.blocking = true;
+                    Ok(slf.clone().into_any().unbind())
+                }
+                Outcome::Value(v) => Err(pyo3::exceptions::PyStopIteration::new_err((
+                    v.clone_ref(py),
+                ))),
+                _ => Err(this.outcome_result(py).err().unwrap_or_else(|| {
+                    PyRuntimeError::new_err("onceflow: SendFuture in no state")
+                })),
+            }
+        }
+
+        fn __repr__(&self) -> &'static str {
+            match self.outcome {
+                Outcome::Pending => "<SendFuture pending>",
+                Outcome::Value(_) => "<SendFuture finished>",
+                Outcome::Failed(_) => "<SendFuture finished with an exception>",
+                Outcome::Cancelled(_) => "<SendFuture cancelled>",
+            }
+        }
+    }
+
+    // ---- Driving a send without a task -----------------------------------------------------
+
+    /// A queued send the loop's drain polls again.
+    trait Drive: Send + Sync {
+        fn drive(self: Arc<Self>, py: Python<'_>);
+        /// The loop's queue is gone: run the send to its end on the runtime, dropping its
+        /// result (a send is never undone).
+        fn orphan(&self);
+    }
+
+    struct Running<F> {
+        fut: std::pin::Pin<Box<F>>,
+        target: Py<SendFuture>,
+    }
+
+    /// One send's future, polled on the loop thread: first in `send`, then by the loop's drain
+    /// each time its waker queued it.
+    struct SendTask<F: Future> {
+        running: Mutex<Option<Running<F>>>,
+        convert: Convert<F::Output>,
+        shared: Weak<Shared>,
+        /// In the loop's queue (or being polled): a wake-up needs no new entry.
+        queued: AtomicBool,
+    }
+
+    impl<F> SendTask<F>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        /// Polls once (inside the runtime's context, entered by the caller); resolves the
+        /// `SendFuture` when the send finished.
+        fn poll_once(self: &Arc<Self>, py: Python<'_>) {
+            self.queued.store(false, Ordering::Release);
+            let waker = Waker::from(self.clone());
+            let mut cx = Context::from_waker(&waker);
+            let mut slot = self.running.lock();
+            let Some(running) = slot.as_mut() else {
+                return;
+            };
+            let polled =
+                std::panic::catch_unwind(AssertUnwindSafe(|| running.fut.as_mut().poll(&mut cx)));
+            let result = match polled {
+                Ok(Poll::Pending) => return,
+                Ok(Poll::Ready(r)) => Ok(r),
+                Err(panic) => Err(panic_message(panic.as_ref())),
+            };
+            let Some(Running { fut, target }) = slot.take() else {
+                return;
+            };
+            drop(slot);
+            drop(fut);
+            let value = match result {
+                Ok(r) => (self.convert)(py, r),
+                Err(what) => Err(panicked(&what)),
+            };
+            complete(target.bind(py), value);
+        }
+    }
+
+    impl<F> Drive for SendTask<F>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        fn drive(self: Arc<Self>, py: Python<'_>) {
+            self.poll_once(py);
+        }
+
+        fn orphan(&self) {
+            if let Some(Running { fut, target }) = self.running.lock().take() {
+                drop(target);
+                onceflow_bindings::runtime().spawn(async move {
+                    let _ = fut.await;
+                });
+            }
+        }
+    }
+
+    impl<F> Wake for SendTask<F>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref();
+        }
+
+        fn wake_by_ref(self: &Arc<Self>) {
+            if self.queued.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            match self.shared.upgrade() {
+                Some(shared) => shared.push(Item::Poll(self.clone())),
+                None => self.orphan(),
+            }
+        }
+    }
+
+    impl Drop for Shared {
+        fn drop(&mut self) {
+            for item in self.queue.get_mut().drain(..) {
+                if let Item::Poll(task) = item {
+                    task.orphan();
+                }
+            }
+        }
+    }
+
+    pub fn send<'py, F, R>(
+        py: Python<'py>,
+        event_loop: Bound<'py, PyAny>,
+        waker: &Py<LoopWaker>,
+        fut: F,
+        convert: Convert<R>,
+    ) -> PyResult<Bound<'py, PyAny>>
+    where
+        F: Future<Output = R> + Send + 'static,
+        R: Send + 'static,
+    {
+        let target = Bound::new(
+            py,
+            SendFuture {
+                outcome: Outcome::Pending,
+                callbacks: Callbacks::default(),
+                event_loop: event_loop.unbind(),
+                blocking: false,
+            },
+        )?;
+        let task = Arc::new(SendTask {
+            running: Mutex::new(Some(Running {
+                fut: Box::pin(fut),
+                target: target.clone().unbind(),
+            })),
+            convert,
+            shared: Arc::downgrade(&waker.get().shared),
+            queued: AtomicBool::new(true),
+        });
+        let _entered = waker.get().shared.runtime.enter();
+        task.poll_once(py);
+        Ok(target.into_any())
     }
 }

@@ -58,6 +58,14 @@ impl Reports {
         }
     }
 
+    /// Slot `i`'s report (a slot never filled reads as cancelled).
+    fn report(&self, i: usize) -> Report {
+        self.slots[i]
+            .get()
+            .cloned()
+            .unwrap_or(Err(KafkaError::Canceled))
+    }
+
     /// Waits until every slot handed out has been filled or dropped.
     async fn all_in(&self) {
         if self.remaining.load(Ordering::Acquire) != 0 {
@@ -283,37 +291,41 @@ impl Enqueued {
                 }
                 continue;
             }
-            let report = self.reports.slots[i]
-                .get()
-                .cloned()
-                .unwrap_or(Err(KafkaError::Canceled));
-            out.push(match report {
-                Ok((partition, offset, timestamp)) => Ok(Delivery {
-                    topic: r.topic,
-                    partition,
-                    position: Position::Offset(offset),
-                    timestamp,
-                    duplicate: false,
-                }),
-                Err(e) => Err(errors::map(e, format_args!("send to topic '{}'", r.topic))),
-            });
+            out.push(delivery_of(r.topic, self.reports.report(i)));
         }
         out
     }
 }
 
+/// A record's result from its report; the delivery takes the record's topic name.
+fn delivery_of(topic: String, report: Report) -> Result<Delivery> {
+    match report {
+        Ok((partition, offset, timestamp)) => Ok(Delivery {
+            topic,
+            partition,
+            position: Position::Offset(offset),
+            timestamp,
+            duplicate: false,
+        }),
+        Err(e) => Err(errors::map(e, format_args!("send to topic '{topic}'"))),
+    }
+}
+
+/// Sends one record and waits for its report: a single `send`'s path, the batch path's steps
+/// for one record without its record `Vec`, failure list and result `Vec` (a single send is
+/// the Python and Node bindings' per-record awaitable, where these allocations showed).
 async fn send_on(
     native: &NativeProducer,
     record: Record,
     max_record_bytes: usize,
 ) -> Result<Delivery> {
-    let records = vec![record];
-    let enqueued = enqueue_all(native, &records, max_record_bytes).await;
-    enqueued
-        .delivered(records)
-        .await
-        .pop()
-        .unwrap_or_else(|| Err(Error::new(ErrorKind::Platform, "missing delivery report")))
+    check_size(&record, max_record_bytes)?;
+    let reports = Reports::new(1);
+    let enqueued = enqueue(native, &record, ReportSlot::new(&reports, 0)).await;
+    reports.release();
+    enqueued?;
+    reports.all_in().await;
+    delivery_of(record.topic, reports.report(0))
 }
 
 /// librdkafka's `linger.ms` (alias `queue.buffering.max.ms`) in `config`, or its default of

@@ -1,0 +1,288 @@
+"""`Producer.send` returns a native `SendFuture`: asyncio's Future protocol without an
+`asyncio.Future` or a task per record. `await`, `asyncio.gather`, `asyncio.wait`,
+`asyncio.wait_for`, done-callbacks, errors and cancellation, on memory and on the real
+brokers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import sys
+
+import pytest
+
+import onceflow
+from onceflow import _native
+
+from conftest import drain
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SendFuture is the Unix send path")
+
+
+async def test_await_resolves_to_the_delivery(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    fut = producer.send(topic, b"one")
+    assert isinstance(fut, _native.SendFuture)
+    assert asyncio.isfuture(fut)
+    assert fut.get_loop() is asyncio.get_running_loop()
+    d = await fut
+    assert isinstance(d, onceflow.Delivery) and d.topic == topic
+    assert fut.done() and not fut.cancelled()
+    assert fut.result() is d or fut.result() == d
+    assert fut.exception() is None
+    # awaiting a finished future again gives the same result at once
+    d2 = await fut
+    assert (d2.topic, d2.partition, d2.position) == (d.topic, d.partition, d.position)
+    consumer = await platform.consumer(topic)
+    [m] = await drain(consumer, 1)
+    assert m.payload == b"one" and m.position == d.position
+    await consumer.close()
+    await producer.close()
+
+
+async def test_gather_and_wait_take_it_as_a_future(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    futs = [producer.send(topic, f"g{i}".encode()) for i in range(200)]
+    deliveries = await asyncio.gather(*futs)
+    assert len(deliveries) == 200 and all(isinstance(d, onceflow.Delivery) for d in deliveries)
+    assert len({d.position for d in deliveries}) == 200
+    # asyncio.wait, and gather(return_exceptions=True)
+    more = [producer.send(topic, b"w") for _ in range(20)]
+    done, pending = await asyncio.wait(more, timeout=30)
+    assert len(done) == 20 and not pending
+    assert all(f.exception() is None for f in done)
+    got = await asyncio.gather(producer.send(topic, b"x"), producer.send("", b"bad"), return_exceptions=True)
+    assert isinstance(got[0], onceflow.Delivery) and isinstance(got[1], onceflow.ConfigError)
+    consumer = await platform.consumer(topic)
+    msgs = await drain(consumer, 221)
+    assert sorted(m.payload for m in msgs[:200]) == sorted(f"g{i}".encode() for i in range(200))
+    await consumer.close()
+    await producer.close()
+
+
+async def test_wait_for_and_ensure_future(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    d = await asyncio.wait_for(producer.send(topic, b"in time"), timeout=30)
+    assert isinstance(d, onceflow.Delivery)
+    fut = producer.send(topic, b"ensured")
+    assert asyncio.ensure_future(fut) is fut
+    assert isinstance(await fut, onceflow.Delivery)
+    # a task awaiting it
+    task = asyncio.create_task(_await(producer.send(topic, b"task")))
+    assert isinstance(await task, onceflow.Delivery)
+    await producer.close()
+
+
+async def _await(fut):
+    return await fut
+
+
+async def test_wait_for_timeout_cancels_the_future_but_not_the_send(kafka):
+    """A send whose acknowledgement takes longer than the timeout: `wait_for` raises
+    `TimeoutError` and cancels the future; the record is still delivered."""
+    topic = await kafka.topic()
+    # linger.ms keeps the record in librdkafka's queue for 2 s before it is sent
+    producer = await kafka.client.producer(options={"linger.ms": "2000"})
+    fut = producer.send(topic, b"late")
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(fut, timeout=0.05)
+    assert fut.cancelled() and fut.done()
+    with pytest.raises(asyncio.CancelledError):
+        fut.result()
+    await producer.flush(30)
+    consumer = await kafka.consumer(topic)
+    [m] = await drain(consumer, 1)
+    assert m.payload == b"late"
+    await consumer.close()
+    await producer.close()
+
+
+async def test_cancelling_the_awaiting_task_cancels_only_the_result(kafka):
+    topic = await kafka.topic()
+    producer = await kafka.client.producer(options={"linger.ms": "1000"})
+    fut = producer.send(topic, b"kept")
+    task = asyncio.create_task(_await(fut))
+    await asyncio.sleep(0.05)
+    assert not fut.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fut.cancelled()
+    assert fut.cancel() is False  # already done
+    await producer.flush(30)
+    consumer = await kafka.consumer(topic)
+    [m] = await drain(consumer, 1)
+    assert m.payload == b"kept"
+    await consumer.close()
+    await producer.close()
+
+
+async def test_done_callbacks(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    var = contextvars.ContextVar("var", default="unset")
+    seen = []
+    finished = asyncio.Event()
+
+    def cb(f):
+        seen.append((f.result().topic, var.get()))
+        if len(seen) == 2:
+            finished.set()
+
+    def never(f):
+        seen.append("removed callback ran")
+
+    var.set("at-add")
+    fut = producer.send(topic, b"cb")
+    fut.add_done_callback(cb)
+    if not fut.done():  # memory:// acknowledges at the call: its callbacks are scheduled at once
+        fut.add_done_callback(never)
+        fut.add_done_callback(never)
+        assert fut.remove_done_callback(never) == 2
+    ctx = contextvars.copy_context()
+    ctx.run(var.set, "explicit")
+    fut.add_done_callback(cb, context=ctx)
+    var.set("later")
+    await asyncio.wait_for(finished.wait(), 30)
+    assert seen == [(topic, "at-add"), (topic, "explicit")]
+    # added after it is done: scheduled on the loop, not called inline
+    late = []
+    fut.add_done_callback(late.append)
+    assert late == []
+    await asyncio.sleep(0)
+    assert late == [fut]
+    await producer.close()
+
+
+async def test_a_raising_callback_goes_to_the_loop_exception_handler(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+    try:
+        fut = producer.send(topic, b"x")
+        fut.add_done_callback(lambda f: 1 / 0)
+        await fut
+        await asyncio.sleep(0.01)
+        assert len(reported) == 1 and isinstance(reported[0]["exception"], ZeroDivisionError)
+    finally:
+        loop.set_exception_handler(None)
+    await producer.close()
+
+
+async def test_errors_raise_the_onceflow_class(platform):
+    producer = await platform.client.producer()
+    # refused by validation at the call's first poll: a failed future, not an exception at the call
+    fut = producer.send("", b"x")
+    with pytest.raises(onceflow.ConfigError):
+        await fut
+    assert fut.done() and isinstance(fut.exception(), onceflow.ConfigError)
+    with pytest.raises(onceflow.ConfigError):
+        fut.result()
+    # invalid arguments still raise at the call
+    with pytest.raises(TypeError):
+        producer.send("t", 42)
+    await producer.close()
+
+
+async def test_kafka_delivery_failure_raises(kafka):
+    """A record for a partition the topic does not have fails on its delivery report."""
+    topic = await kafka.topic(partitions=1)
+    producer = await kafka.client.producer(options={"message.timeout.ms": "3000"})
+    fut = producer.send(topic, b"nowhere", partition=7)
+    with pytest.raises(onceflow.OnceflowError) as e:
+        await fut
+    assert isinstance(fut.exception(), onceflow.OnceflowError)
+    assert e.value.kind
+    await producer.close()
+
+
+async def test_pending_state_and_manual_cancel(kafka):
+    topic = await kafka.topic()
+    producer = await kafka.client.producer(options={"linger.ms": "1000"})
+    fut = producer.send(topic, b"pending")
+    assert not fut.done()
+    with pytest.raises(asyncio.InvalidStateError):
+        fut.result()
+    with pytest.raises(asyncio.InvalidStateError):
+        fut.exception()
+    called = []
+    fut.add_done_callback(called.append)
+    removed = []
+    fut.add_done_callback(removed.append)
+    fut.add_done_callback(called.append)
+    assert fut.remove_done_callback(removed.append) == 1
+    assert fut.cancel("no longer needed") is True
+    assert called == []  # scheduled, not inline
+    await asyncio.sleep(0)
+    assert called == [fut, fut] and removed == []
+    with pytest.raises(asyncio.CancelledError, match="no longer needed"):
+        await fut
+    await producer.flush(30)
+    consumer = await kafka.consumer(topic)
+    [m] = await drain(consumer, 1)
+    assert m.payload == b"pending"
+    await consumer.close()
+    await producer.close()
+
+
+async def test_transaction_send_returns_a_send_future(kafka):
+    topic = await kafka.topic()
+    producer = await kafka.client.producer(transactional_id=f"tx-{topic}")
+    async with producer.transaction() as tx:
+        futs = [tx.send(topic, f"t{i}".encode()) for i in range(10)]
+        assert all(isinstance(f, _native.SendFuture) for f in futs)
+        ds = await asyncio.gather(*futs)
+    assert len({d.position for d in ds}) == 10
+    consumer = await kafka.consumer(topic)
+    msgs = await drain(consumer, 10)
+    assert sorted(m.payload for m in msgs) == sorted(f"t{i}".encode() for i in range(10))
+    await consumer.close()
+    await producer.close()
+
+
+def test_sync_facade_send_waits_for_the_delivery():
+    """The sync facade awaits the `SendFuture` on its own loop thread."""
+    from onceflow import sync
+
+    client = sync.connect("memory://sendfuture-sync")
+    producer = client.producer()
+    d = producer.send("t", b"sync")
+    assert isinstance(d, onceflow.Delivery) and d.topic == "t"
+    producer.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+async def test_send_in_a_forked_child(memory):
+    """A child process forked after sends on this loop sends on its own loop (its own waker
+    and runtime: the parent's socket pair and threads are not the child's)."""
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send(topic, b"parent")
+    pid = os.fork()
+    if pid == 0:  # child: a new loop and client, never pytest's
+        code = 1
+        try:
+
+            async def child():
+                c = await onceflow.connect("memory://forked-child")
+                p = await c.producer()
+                fut = p.send("t", b"child")
+                assert isinstance(fut, _native.SendFuture)
+                d = await asyncio.wait_for(fut, 10)
+                assert d.topic == "t"
+                await p.close()
+
+            asyncio.run(child())
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert (await producer.send(topic, b"parent again")).topic == topic
+    await producer.close()
