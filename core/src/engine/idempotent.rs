@@ -22,8 +22,31 @@ use crate::metrics::{Metric, Metrics, MetricsSnapshot};
 use crate::model::{Message, TopicPartition};
 use crate::trace;
 
-/// Claims a chunk holds: key and fencing token.
-type Held = Mutex<Vec<(String, FencingToken)>>;
+/// Claims a chunk holds: the message's index in the chunk (its key is the chunk's `keys[i]`)
+/// and the fencing token.
+type Held = Mutex<Vec<(usize, FencingToken)>>;
+
+/// The store keys of a chunk's messages (`None`: no key, or no store) and the completions
+/// handled but not yet sent to the store: a key moves into its completion (no copy per
+/// message), so a held claim's key is in one of the two.
+struct ChunkKeys {
+    keys: Vec<Option<String>>,
+    completions: Vec<Completion>,
+    /// Message index of each pending completion.
+    completed: Vec<usize>,
+}
+
+/// Shared by the handling and the lease renewal of a chunk.
+type Keys = Mutex<ChunkKeys>;
+
+/// The store keys of `held` claims, for the store's renew and release calls (pending
+/// completions included: they are held until the store has them).
+fn held_keys(held: &[(usize, FencingToken)], ck: &ChunkKeys) -> Vec<(String, FencingToken)> {
+    held.iter()
+        .filter_map(|(i, t)| ck.keys[*i].clone().map(|k| (k, *t)))
+        .chain(ck.completions.iter().map(|c| (c.key.clone(), c.token)))
+        .collect()
+}
 
 /// A handler's result for one message, or its last error and the attempts made.
 type HandlerResult = std::result::Result<Option<Bytes>, (Error, u32)>;
@@ -344,29 +367,56 @@ impl Core {
     /// Handles one partition's messages in order.
     async fn process_chunk(&self, tp: TopicPartition, msgs: Vec<Message>) -> Result<()> {
         let generation = self.tracker.generation(&tp);
-        let keys: Vec<Option<String>> = msgs.iter().map(|m| self.store_key(m)).collect();
         let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
+        // Keys only matter with a store.
+        let mut keys: Vec<Option<String>> = match &self.store {
+            Some(_) => msgs.iter().map(|m| self.store_key(m)).collect(),
+            None => vec![None; msgs.len()],
+        };
         if let Some(store) = &self.store {
             // A key repeated within the chunk (a redelivery arriving with its original) is
             // claimed once; later copies are duplicates of the first.
-            let mut seen: HashMap<&str, Option<u128>> = HashMap::with_capacity(msgs.len());
             let mut first = vec![false; msgs.len()];
             let mut repeats: Vec<(usize, ClaimOutcome)> = Vec::new();
-            let mut reqs: Vec<ClaimRequest> = Vec::with_capacity(msgs.len());
-            for (i, (m, k)) in msgs.iter().zip(&keys).enumerate() {
-                let Some(k) = k else { continue };
-                let req = self.claim_request(k.clone(), m);
-                match seen.get(k.as_str()) {
-                    Some(fp) => repeats.push((i, repeat_outcome(*fp, req.fingerprint))),
-                    None => {
-                        seen.insert(k.as_str(), req.fingerprint);
-                        first[i] = true;
-                        reqs.push(req);
+            let mut fps: Vec<Option<u128>> = Vec::with_capacity(msgs.len());
+            {
+                let mut seen: HashMap<&str, Option<u128>, quick_cache::DefaultHashBuilder> =
+                    HashMap::with_capacity_and_hasher(msgs.len(), Default::default());
+                for (i, (m, k)) in msgs.iter().zip(&keys).enumerate() {
+                    let Some(k) = k else { continue };
+                    let fp = self.config.fingerprint.then(|| fingerprint(&m.payload));
+                    match seen.get(k.as_str()) {
+                        Some(first_fp) => repeats.push((i, repeat_outcome(*first_fp, fp))),
+                        None => {
+                            seen.insert(k.as_str(), fp);
+                            first[i] = true;
+                            fps.push(fp);
+                        }
                     }
                 }
             }
-            if !reqs.is_empty() {
-                let mut claimed = store.claim(&reqs).await?.into_iter();
+            if !fps.is_empty() {
+                // The keys move into the requests and back: no copy per message.
+                let reqs: Vec<ClaimRequest> = keys
+                    .iter_mut()
+                    .zip(&first)
+                    .filter(|(_, f)| **f)
+                    .zip(fps)
+                    .map(|((k, _), fp)| ClaimRequest {
+                        key: k.take().expect("first copies have keys"),
+                        owner: self.config.worker_id.clone(),
+                        lease: self.config.lease,
+                        fingerprint: fp,
+                    })
+                    .collect();
+                let claimed = store.claim(&reqs).await;
+                let mut reqs = reqs.into_iter();
+                for (k, f) in keys.iter_mut().zip(&first) {
+                    if *f {
+                        *k = reqs.next().map(|r| r.key);
+                    }
+                }
+                let mut claimed = claimed?.into_iter();
                 for (i, slot) in outcomes.iter_mut().enumerate() {
                     if first[i] {
                         *slot = claimed.next();
@@ -377,12 +427,18 @@ impl Core {
                 outcomes[i] = Some(o);
             }
         }
+        let keys: Keys = Mutex::new(ChunkKeys {
+            keys,
+            completions: Vec::new(),
+            completed: Vec::new(),
+        });
         // Claims this chunk holds (renewed while handlers run).
         let held: Held = Mutex::new(
-            keys.iter()
-                .zip(&outcomes)
-                .filter_map(|(k, o)| match (k, o) {
-                    (Some(k), Some(ClaimOutcome::Claimed { token })) => Some((k.clone(), *token)),
+            outcomes
+                .iter()
+                .enumerate()
+                .filter_map(|(i, o)| match o {
+                    Some(ClaimOutcome::Claimed { token }) => Some((i, *token)),
                     _ => None,
                 })
                 .collect(),
@@ -391,12 +447,13 @@ impl Core {
         let result = if held.lock().is_empty() {
             work.await
         } else {
-            self.with_renewal(&held, msgs.last(), work).await
+            self.with_renewal(&held, &keys, msgs.last(), work).await
         };
         // Whatever is still held was not completed: free it for the redelivery.
         let leftover = std::mem::take(&mut *held.lock());
         if let (Some(store), false) = (&self.store, leftover.is_empty()) {
-            store.release(&leftover).await?;
+            let claims = held_keys(&leftover, &keys.lock());
+            store.release(&claims).await?;
         }
         result
     }
@@ -406,6 +463,7 @@ impl Core {
     async fn with_renewal<T>(
         &self,
         held: &Held,
+        keys: &Keys,
         current: Option<&Message>,
         work: impl Future<Output = T>,
     ) -> T {
@@ -419,7 +477,7 @@ impl Core {
             tokio::select! {
                 v = &mut work => return v,
                 _ = ticker.tick() => {
-                    let claims = held.lock().clone();
+                    let claims = held_keys(&held.lock(), &keys.lock());
                     if let Some(store) = &self.store {
                         match store.renew(&claims, self.config.lease).await {
                             Ok(ok) => {
@@ -447,12 +505,11 @@ impl Core {
         tp: &TopicPartition,
         generation: u64,
         msgs: &[Message],
-        keys: &[Option<String>],
+        keys: &Keys,
         outcomes: Vec<Option<ClaimOutcome>>,
         held: &Held,
     ) -> Result<()> {
         let per_message_nack = self.consumer.capabilities().per_message_nack;
-        let mut completions: Vec<Completion> = Vec::new();
         // Index one past the last message whose work is done (completions pending flush).
         let mut done_upto = 0usize;
         let mut stop: Option<Error> = None;
@@ -466,7 +523,8 @@ impl Core {
                 self.metrics.add(Metric::Fenced, 1);
                 break;
             }
-            let key = keys[i].as_deref();
+            // Rare paths read a copy of the key; a completion takes it.
+            let key_copy = || keys.lock().keys[i].clone();
             // Wait out another worker's lease on this key.
             while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
                 let wait = (*expires_in)
@@ -477,10 +535,10 @@ impl Core {
                     break;
                 }
                 let store = self.store.as_ref().expect("in-progress implies a store");
-                let req = self.claim_request(key.expect("claim implies key").to_string(), msg);
+                let req = self.claim_request(key_copy().expect("claim implies key"), msg);
                 let o = store.claim_one(req).await?;
                 if let ClaimOutcome::Claimed { token } = &o {
-                    held.lock().push((key.expect("key").to_string(), *token));
+                    held.lock().push((i, *token));
                 }
                 outcome = Some(o);
             }
@@ -515,7 +573,7 @@ impl Core {
                         format!(
                             "idempotency key '{}' at {} {} was seen before with another payload \
                              (fingerprint {stored:032x}, this one {given:032x})",
-                            key.unwrap_or_default(),
+                            key_copy().unwrap_or_default(),
                             tp,
                             msg.position
                         ),
@@ -529,16 +587,15 @@ impl Core {
                     };
                     match result {
                         Ok(result) => {
-                            completions.push(Completion {
-                                key: key.expect("claimed implies key").to_string(),
-                                token,
-                                result,
-                            });
+                            let mut ck = keys.lock();
+                            let key = ck.keys[i].take().expect("claimed implies key");
+                            ck.completed.push(i);
+                            ck.completions.push(Completion { key, token, result });
                             Ok(Done::Finished)
                         }
                         Err((err, attempts)) => {
-                            let k = key.expect("claimed implies key").to_string();
-                            self.give_up(tp, msg, Some((k, token, held)), err, attempts, false)
+                            let k = key_copy().expect("claimed implies key");
+                            self.give_up(tp, msg, Some((i, &k, token, held)), err, attempts, false)
                                 .await
                         }
                     }
@@ -579,23 +636,39 @@ impl Core {
         }
         // Complete the keys handled, then record progress up to the first refused completion.
         let mut finished_upto = done_upto;
+        let (completions, completed) = {
+            let mut ck = keys.lock();
+            (
+                std::mem::take(&mut ck.completions),
+                std::mem::take(&mut ck.completed),
+            )
+        };
         if !completions.is_empty() {
             let store = self.store.as_ref().expect("completions imply a store");
-            let ok = store.complete(&completions).await?;
+            let ok = match store.complete(&completions).await {
+                Ok(ok) => ok,
+                Err(e) => {
+                    // Still held: the keys go back, so the chunk's end releases them.
+                    let mut ck = keys.lock();
+                    for (c, &i) in completions.into_iter().zip(&completed) {
+                        ck.keys[i] = Some(c.key);
+                    }
+                    return Err(e);
+                }
+            };
             {
-                let done: std::collections::HashSet<&str> =
-                    completions.iter().map(|c| c.key.as_str()).collect();
-                held.lock().retain(|(k, _)| !done.contains(k.as_str()));
+                let mut done = vec![false; msgs.len()];
+                for &i in &completed {
+                    done[i] = true;
+                }
+                held.lock().retain(|(i, _)| !done[*i]);
             }
             if let Some(bad) = ok.iter().position(|b| !*b) {
                 let refused = &completions[bad];
                 self.metrics.add(Metric::Fenced, 1);
                 tracing::warn!(key = %refused.key, "completion refused: lease lost to another worker");
                 // Commit only up to the message before the refused one, and rewind to it.
-                if let Some(idx) = keys
-                    .iter()
-                    .position(|k| k.as_deref() == Some(refused.key.as_str()))
-                {
+                if let Some(&idx) = completed.get(bad) {
                     finished_upto = finished_upto.min(idx);
                     self.tracker.bump(tp);
                     self.consumer
@@ -763,7 +836,7 @@ impl Core {
         &self,
         tp: &TopicPartition,
         msg: &Message,
-        claim: Option<(String, FencingToken, &Held)>,
+        claim: Option<(usize, &str, FencingToken, &Held)>,
         err: Error,
         attempts: u32,
         conflict: bool,
@@ -771,10 +844,10 @@ impl Core {
         if err.kind() == ErrorKind::Fenced {
             return Ok(Done::Fenced);
         }
-        if let Some((key, token, held)) = claim {
-            held.lock().retain(|(k, _)| *k != key);
+        if let Some((index, key, token, held)) = claim {
+            held.lock().retain(|(i, _)| *i != index);
             if let Some(store) = &self.store {
-                store.release_one(&key, token).await?;
+                store.release_one(key, token).await?;
             }
         }
         match &self.config.on_failure {
