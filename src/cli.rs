@@ -344,10 +344,39 @@ fn require_name(flag: &str, value: &str, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Resolves on Ctrl-C (SIGINT), SIGTERM or SIGHUP — how a terminal, `timeout`, a service
-/// manager or a closed terminal asks a command to stop — with the shell's exit status for that
-/// signal: 128 + its number (130, 143, 129).
-pub async fn interrupted() -> u8 {
+/// The signal that asked the process to stop (its exit status), once one came.
+static STOP: std::sync::OnceLock<tokio::sync::watch::Sender<Option<u8>>> =
+    std::sync::OnceLock::new();
+/// How many [`interrupted`] futures are waiting: while none is, a signal ends the process at
+/// once, as its default action would.
+static LISTENING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn stop_channel() -> &'static tokio::sync::watch::Sender<Option<u8>> {
+    STOP.get_or_init(|| tokio::sync::watch::channel(None).0)
+}
+
+/// Installs the process's handlers for Ctrl-C (SIGINT), SIGTERM and SIGHUP, once, at start
+/// (inside the runtime). Once installed, the operating system no longer ends the process on
+/// these signals, so the handler does: a signal that comes while a command waits in
+/// [`interrupted`] stops that command gracefully; one that comes while nothing waits (a
+/// `produce` reading standard input, a consumer joining its group) exits at once with the
+/// shell's status for it, 128 + its number (130, 143, 129).
+pub fn install_signal_handlers() {
+    let tx = stop_channel().clone();
+    tokio::spawn(async move {
+        let code = signalled().await;
+        if LISTENING.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            std::process::exit(i32::from(code));
+        }
+        let _ = tx.send(Some(code));
+        // A second signal while the command is stopping: do not wait for it any longer.
+        let code = signalled().await;
+        std::process::exit(i32::from(code));
+    });
+}
+
+/// The next Ctrl-C, SIGTERM or SIGHUP, as its exit status.
+async fn signalled() -> u8 {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
@@ -370,6 +399,28 @@ pub async fn interrupted() -> u8 {
         let _ = tokio::signal::ctrl_c().await;
         130
     }
+}
+
+/// Resolves when Ctrl-C (SIGINT), SIGTERM or SIGHUP asks the process to stop — how a
+/// terminal, `timeout`, a service manager or a closed terminal does it — with the shell's exit
+/// status for that signal: 128 + its number (130, 143, 129). Needs
+/// [`install_signal_handlers`]; while this future exists, a signal is the caller's to handle
+/// (without it, the process exits at once).
+pub async fn interrupted() -> u8 {
+    struct Listening;
+    impl Drop for Listening {
+        fn drop(&mut self) {
+            LISTENING.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    LISTENING.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let _listening = Listening;
+    let mut rx = stop_channel().subscribe();
+    let code = match rx.wait_for(Option::is_some).await {
+        Ok(code) => code.unwrap_or(130),
+        Err(_) => std::future::pending().await,
+    };
+    code
 }
 
 /// The exit status of a read command: success, or the signal's status if one stopped it.

@@ -57,6 +57,7 @@ fn main() -> ExitCode {
         }
     };
     let result = rt.block_on(async move {
+        cli::install_signal_handlers();
         match cli.command {
             // Ctrl-C or SIGTERM ends the demo through its own drop path, so its temporary
             // dedup store is removed (a signal's default action would leave it behind).

@@ -269,6 +269,42 @@ fn interrupt_demo(sig: &str, code: i32) {
     );
 }
 
+/// A signal ends a command that is not in a read loop (here `produce`, blocked on standard
+/// input) at once with the shell's status: the handlers installed for the graceful stops must
+/// not swallow it.
+#[test]
+fn a_signal_ends_produce_while_it_waits_for_input() {
+    for (sig, code) in [("-INT", 130), ("-TERM", 143), ("-HUP", 129)] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+            .args(["produce", "--url", "memory://sig", "-t", "orders"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Standard input stays open and empty: produce waits for a line.
+        let _stdin = child.stdin.take();
+        std::thread::sleep(Duration::from_millis(700));
+        assert!(Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("{sig}: produce still running 10 s after the signal");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(code), "{sig}");
+    }
+}
+
 /// `consume` commits every partition it printed from, not only those of its last batch.
 #[test]
 fn consume_commits_every_partition_it_read() {
