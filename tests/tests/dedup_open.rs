@@ -99,6 +99,16 @@ async fn a_directory_is_bad_input_as_a_path_and_as_a_url() {
             "{location}: {e}"
         );
     }
+    // A device is no database file either (SQLite would put a journal beside /dev/null).
+    for location in ["/dev/null", "embedded:///dev/null"] {
+        let e = err(location).await;
+        assert_eq!(e.kind(), ErrorKind::Config, "{location}: {e}");
+        assert!(
+            e.message().contains("not a regular file"),
+            "{location}: {e}"
+        );
+    }
+    assert!(!std::path::Path::new("/dev/null-journal").exists());
 }
 
 #[tokio::test]

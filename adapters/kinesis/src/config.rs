@@ -47,7 +47,7 @@ pub struct KinesisOptions {
     /// allows 20), shared by every member of the group.
     pub efo_consumer: Option<String>,
     /// Longest wait for the answer to one Kinesis API call, retries included (`timeout_ms=`,
-    /// default 10 000): an endpoint that accepts connections but never answers fails with a
+    /// 100 to 3 600 000, default 10 000): an endpoint that accepts connections but never answers fails with a
     /// `Timeout` error instead of hanging. A [SubscribeToShard] call is bounded only until its
     /// event stream starts; the stream itself runs for its 5 minutes.
     ///
@@ -203,8 +203,8 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
                 o.timeout = Duration::from_millis(
                     v.parse()
                         .ok()
-                        .filter(|n| *n >= 100)
-                        .ok_or_else(|| bad("a timeout in ms of at least 100"))?,
+                        .filter(|n| (100..=3_600_000).contains(n))
+                        .ok_or_else(|| bad("a timeout in ms from 100 to 3600000 (1 hour)"))?,
                 )
             }
             "efo_consumer" => {
@@ -320,6 +320,8 @@ mod tests {
             "kinesis://h:1?efo_consumer=a/b",
             "kinesis://h:1?timeout_ms=50",
             "kinesis://h:1?timeout_ms=soon",
+            "kinesis://h:1?timeout_ms=3600001",
+            "kinesis://h:1?timeout_ms=18446744073709551615",
         ] {
             let e = parse_url(bad).unwrap_err();
             assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{bad}");

@@ -192,9 +192,18 @@ impl<T: DedupStore + ?Sized> DedupStoreExt for T {}
 /// Shared handle to a store.
 pub type SharedDedupStore = Arc<dyn DedupStore>;
 
-/// Bad input (`Config`) when the embedded store's path is a directory, whether given as a plain
-/// path or as `embedded:///…`: the same mistake gets the same error.
+/// Bad input (`Config`) when the embedded store's path is a directory or another file that is
+/// not a regular file (a device such as `/dev/null`, a FIFO), whether given as a plain path or
+/// as `embedded:///…`: the same mistake gets the same error.
 fn not_a_directory(path: &str, shown: &str) -> Result<()> {
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_dir() && !meta.is_file() {
+            return Err(crate::Error::config(format!(
+                "dedup store '{shown}' is not a regular file (a device, FIFO or socket): \
+                 expected a database file path such as /var/lib/app/dedup.db"
+            )));
+        }
+    }
     if std::path::Path::new(path).is_dir() {
         return Err(crate::Error::config(format!(
             "dedup store '{shown}' is a directory: expected a file path such as {}/dedup.db \
