@@ -9,24 +9,10 @@ use std::time::Duration;
 use onceflow_core::{Error, ErrorKind};
 use onceflow_postgres::{PostgresCheckpointStore, PostgresStore};
 
-const SECRET: &str = "s3cret-pw-7";
+mod common;
+use common::base;
 
-/// The server's URL; without one the server cases skip, unless `ONCEFLOW_REQUIRE_BROKERS=1`
-/// (`make test`) makes a missing server a failure.
-fn base() -> Option<String> {
-    let url = std::env::var("ONCEFLOW_POSTGRES_URL")
-        .ok()
-        .filter(|u| !u.is_empty());
-    if url.is_none() {
-        assert!(
-            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-            "ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_POSTGRES_URL is not set \
-             (tests/brokers/up.sh postgres)"
-        );
-        eprintln!("bad_input: SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
-    }
-    url
-}
+const SECRET: &str = "s3cret-pw-7";
 
 /// `e` has `kind`, names `shown` and shows `secret` nowhere (message, Display, Debug).
 fn check(e: &Error, kind: ErrorKind, shown: &str, secret: &str) {
@@ -76,7 +62,9 @@ async fn unreachable_server_is_a_dedup_store_error_without_the_password() {
 
 #[tokio::test]
 async fn wrong_password_is_a_dedup_store_error_without_the_password() {
-    let Some(base) = base() else { return };
+    let Some(base) = base("bad_input") else {
+        return;
+    };
     let mut u = url::Url::parse(&base).unwrap();
     u.set_password(Some(SECRET)).unwrap();
     let wrong = u.to_string();
@@ -95,7 +83,9 @@ async fn wrong_password_is_a_dedup_store_error_without_the_password() {
 
 #[tokio::test]
 async fn schema_from_a_newer_version_is_a_dedup_store_error_without_the_password() {
-    let Some(base) = base() else { return };
+    let Some(base) = base("bad_input") else {
+        return;
+    };
     let password = url::Url::parse(&base)
         .unwrap()
         .password()

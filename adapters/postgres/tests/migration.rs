@@ -10,20 +10,8 @@ use std::time::Duration;
 use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, Completion, DedupStore};
 use onceflow_postgres::{tokio_postgres, PostgresStore, SCHEMA_VERSION};
 
-fn base() -> Option<String> {
-    let url = std::env::var("ONCEFLOW_POSTGRES_URL")
-        .ok()
-        .filter(|u| !u.is_empty());
-    if url.is_none() {
-        assert!(
-            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-            "ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_POSTGRES_URL is not set \
-             (tests/brokers/up.sh postgres)"
-        );
-        eprintln!("migration: SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
-    }
-    url
-}
+mod common;
+use common::base;
 
 fn request(key: &str) -> ClaimRequest {
     ClaimRequest {
@@ -36,7 +24,9 @@ fn request(key: &str) -> ClaimRequest {
 
 #[tokio::test]
 async fn a_version_2_schema_with_keys_migrates_to_3_and_keeps_their_meaning() {
-    let Some(base) = base() else { return };
+    let Some(base) = base("migration") else {
+        return;
+    };
     let n = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
