@@ -285,15 +285,17 @@ class Producer:
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
     ) -> "_native.SendFuture[Delivery]":
-        """Sends one record: hands it to the platform client at once (for Kafka, librdkafka's
-        queue) and returns a ``SendFuture`` resolved with its ``Delivery`` when the platform
-        acknowledges it, or failing with the ``OnceflowError`` of the send. A ``SendFuture``
+        """Sends one record: hands it at once to the producer's background sender, which
+        passes it to the platform client (for Kafka, librdkafka's queue) together with the
+        records handed over around it, ``send`` and ``send_nowait`` alike, in call order, one
+        batch at a time (the Python thread only converts the arguments). Returns a
+        ``SendFuture`` resolved with its ``Delivery`` when the platform acknowledges it, or
+        failing with the ``OnceflowError`` of the send. A ``SendFuture``
         is asyncio-compatible without being an ``asyncio.Future``: ``await`` it, keep many in
         flight and ``asyncio.gather`` / ``asyncio.wait`` them, give it a timeout with
         ``asyncio.wait_for``, or ``add_done_callback`` (no task and no ``asyncio.Future`` per
         record). Cancelling it (or a timeout) drops the result only: the record is sent
-        anyway. Sends in flight together may land in any order; await each one, or use
-        ``send_batch``, when order matters. Call it on the event loop's thread (from a
+        anyway. ``flush()`` and ``close()`` wait for it too. Call it on the event loop's thread (from a
         coroutine or a loop callback); invalid arguments raise at the call, a record the
         platform refuses fails the future. It is not a coroutine: ``asyncio.ensure_future``
         returns it as is, ``asyncio.create_task`` does not take it (and needs not)."""

@@ -269,9 +269,12 @@ pub struct Producer {
     background: Arc<Background>,
 }
 
-/// Records handed over by `send_nowait`: buffered here and sent by one task per producer, one
-/// `Producer::send_batch` at a time (so they go out in call order), their failures kept until
-/// `drain` takes them.
+/// Records handed over by `send` and `send_nowait`: buffered here and sent by one task per
+/// producer, one `Producer::send_batch` at a time (so they go out in call order, `send`s and
+/// `send_nowait`s together). A `send`'s result goes to its `SendFuture` (a batch costs the
+/// loop one wake-up); `send_nowait` failures are kept until `drain` takes them. The loop thread
+/// only converts arguments and makes the future: the platform client's per-record work runs on
+/// the runtime's threads, beside the Python code.
 #[derive(Default)]
 struct Background {
     state: parking_lot::Mutex<BackgroundState>,
@@ -281,8 +284,11 @@ struct Background {
 
 #[derive(Default)]
 struct BackgroundState {
-    /// Records not yet handed to a batch send.
+    /// Records not yet handed to the platform client.
     buf: Vec<onceflow::Record>,
+    /// Per record of `buf`: the `SendFuture` it completes (`send`), or `None` (`send_nowait`).
+    #[cfg(unix)]
+    waiting: Vec<Option<wake::Completion>>,
     /// Records accepted whose send has not finished.
     pending: usize,
     /// Errors of finished sends, not yet taken by `drain`.
@@ -291,28 +297,98 @@ struct BackgroundState {
     running: bool,
 }
 
-/// The send task: sends everything buffered as one batch, waits for its results, and repeats
-/// with what was buffered meanwhile; ends when nothing is buffered.
+#[cfg(unix)]
+type Waiting = Vec<Option<wake::Completion>>;
+#[cfg(not(unix))]
+type Waiting = ();
+
+/// One sent batch: its results, the futures they complete, its size.
+type Sent = (Vec<onceflow::Result<onceflow::Delivery>>, Waiting, usize);
+
+/// The send task: sends everything buffered as one batch, waits for its results (on Kafka a
+/// batch is flushed rather than left to wait `linger.ms`), settles it, and repeats with what
+/// was buffered meanwhile; ends when nothing is buffered.
 async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
+    use futures::FutureExt;
     loop {
-        let batch = {
+        let (batch, waiting) = {
             let mut st = bg.state.lock();
             if st.buf.is_empty() {
                 st.running = false;
                 return;
             }
-            std::mem::take(&mut st.buf)
+            #[cfg(unix)]
+            let waiting = std::mem::take(&mut st.waiting);
+            #[cfg(not(unix))]
+            let waiting = ();
+            (std::mem::take(&mut st.buf), waiting)
         };
-        let results = p.send_batch(batch).await;
-        let mut st = bg.state.lock();
-        st.pending -= results.len();
-        st.failed
-            .extend(results.into_iter().filter_map(Result::err));
+        let n = batch.len();
+        // A panic must still settle the batch, or its futures and `drain` would wait forever.
+        let results = match std::panic::AssertUnwindSafe(p.send_batch(batch))
+            .catch_unwind()
+            .await
+        {
+            Ok(results) => results,
+            Err(_) => (0..n)
+                .map(|_| {
+                    Err(Error::new(
+                        ErrorKind::Platform,
+                        "onceflow: the send task panicked",
+                    ))
+                })
+                .collect(),
+        };
+        bg.settle((results, waiting, n));
+    }
+}
+
+impl Background {
+    /// A batch's results are in: completes its `send`s' futures, keeps its `send_nowait`
+    /// failures for `drain`.
+    fn settle(&self, (results, waiting, n): Sent) {
+        let failed = settle(results, waiting, n);
+        let mut st = self.state.lock();
+        st.pending -= n;
+        st.failed.extend(failed);
         if st.pending == 0 {
             drop(st);
-            bg.idle.notify_waiters();
+            self.idle.notify_waiters();
         }
     }
+}
+
+/// Hands each `send`'s result to its `SendFuture`; returns the failures of the `send_nowait`
+/// records. `n` records were sent: a result the backend did not give is a `Platform` error.
+#[cfg(unix)]
+fn settle(
+    results: Vec<onceflow::Result<onceflow::Delivery>>,
+    waiting: Vec<Option<wake::Completion>>,
+    n: usize,
+) -> Vec<Error> {
+    let mut results = results.into_iter();
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    for slot in waiting.into_iter().take(n) {
+        let r = results
+            .next()
+            .unwrap_or_else(|| Err(Error::new(ErrorKind::Platform, "missing delivery report")));
+        match slot {
+            Some(c) => done.push((c, r)),
+            None => failed.extend(r.err()),
+        }
+    }
+    wake::complete_all(done, delivered);
+    failed
+}
+
+#[cfg(not(unix))]
+fn settle(
+    results: Vec<onceflow::Result<onceflow::Delivery>>,
+    _waiting: (),
+    _n: usize,
+) -> Vec<Error> {
+    results.into_iter().filter_map(Result::err).collect()
 }
 
 /// A send's result: its `Delivery`, or the onceflow exception it raises.
@@ -331,6 +407,25 @@ fn failures(py: Python<'_>, r: onceflow::Result<Vec<Error>>) -> PyResult<Py<PyAn
     Ok(pyo3::types::PyList::new(py, items)?.into_any().unbind())
 }
 
+impl Producer {
+    /// Queues `record` for the send task (started when it is not running); `waiting` is the
+    /// `SendFuture` it completes, if any.
+    fn buffer(&self, record: onceflow::Record, #[cfg(unix)] waiting: Option<wake::Completion>) {
+        let spawn = {
+            let mut st = self.background.state.lock();
+            st.buf.push(record);
+            #[cfg(unix)]
+            st.waiting.push(waiting);
+            st.pending += 1;
+            !std::mem::replace(&mut st.running, true)
+        };
+        if spawn {
+            onceflow_bindings::runtime()
+                .spawn(send_buffered(self.inner.clone(), self.background.clone()));
+        }
+    }
+}
+
 #[pymethods]
 impl Producer {
     /// Platform name.
@@ -346,9 +441,11 @@ impl Producer {
         self.inner.guarantee().to_string()
     }
 
-    /// Sends one record: hands it to the platform client at once and returns a `SendFuture`
-    /// that resolves to its `Delivery` when the platform acknowledged it (or raises the send's
-    /// exception). Cancelling the future never un-sends the record.
+    /// Sends one record: hands it to the producer's send task at once (sent in call order with
+    /// the other `send`s and `send_nowait`s of this producer, in batches) and returns a
+    /// `SendFuture` that resolves to its `Delivery` when the platform acknowledged it (or
+    /// raises the send's exception, a validation error included). Cancelling the future never
+    /// un-sends the record. Invalid arguments raise here.
     #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn send<'py>(
@@ -371,6 +468,11 @@ impl Producer {
             timestamp,
             idempotency_key,
         )?;
+        #[cfg(unix)]
+        if let Some((fut, completion)) = wake::pending(py)? {
+            self.buffer(record, Some(completion));
+            return Ok(fut);
+        }
         let p = self.inner.clone();
         wake::send(py, async move { p.send(record).await }, delivered)
     }
@@ -400,16 +502,10 @@ impl Producer {
             timestamp,
             idempotency_key,
         )?;
-        let spawn = {
-            let mut st = self.background.state.lock();
-            st.buf.push(record);
-            st.pending += 1;
-            !std::mem::replace(&mut st.running, true)
-        };
-        if spawn {
-            onceflow_bindings::runtime()
-                .spawn(send_buffered(self.inner.clone(), self.background.clone()));
-        }
+        #[cfg(unix)]
+        self.buffer(record, None);
+        #[cfg(not(unix))]
+        self.buffer(record);
         Ok(())
     }
 

@@ -81,7 +81,7 @@ where
 }
 
 #[cfg(unix)]
-pub use imp::SendFuture;
+pub use imp::{complete_all, pending, Completion, SendFuture};
 
 #[cfg(unix)]
 mod imp {
@@ -116,6 +116,8 @@ mod imp {
         Done(Py<PyAny>, Resolve),
         /// A send that woke: poll it again (see [`SendTask`]).
         Poll(Arc<dyn Drive>),
+        /// Results for `SendFuture`s completed off the loop (see [`complete_all`]).
+        Run(Box<dyn FnOnce(Python<'_>) + Send>),
     }
 
     struct Shared {
@@ -204,6 +206,7 @@ mod imp {
                         }
                     }
                     Item::Poll(task) => task.drive(py),
+                    Item::Run(complete) => complete(py),
                 }
             }
         }
@@ -827,5 +830,62 @@ mod imp {
         let _entered = waker.get().shared.runtime.enter();
         task.poll_once(py);
         Ok(target.into_any())
+    }
+
+    // ---- SendFutures completed off the loop -------------------------------------------------
+
+    /// The completion side of a pending [`SendFuture`] made by [`pending`]: sendable to any
+    /// thread, it hands a result to the future's loop through [`complete_all`].
+    pub struct Completion {
+        target: Py<SendFuture>,
+        queue: Weak<Shared>,
+    }
+
+    /// A pending `SendFuture` of the running loop and its [`Completion`]; `None` when the loop
+    /// cannot hold onceflow's queue (no attribute dict). Raises `RuntimeError` outside a
+    /// coroutine (no running loop).
+    pub fn pending(py: Python<'_>) -> PyResult<Option<(Bound<'_, PyAny>, Completion)>> {
+        let event_loop = running_loop(py)?;
+        let Some(waker) = waker_for(py, &event_loop)? else {
+            return Ok(None);
+        };
+        let target = Bound::new(
+            py,
+            SendFuture {
+                outcome: Outcome::Pending,
+                callbacks: Callbacks::default(),
+                event_loop: event_loop.unbind(),
+                blocking: false,
+            },
+        )?;
+        let completion = Completion {
+            target: target.clone().unbind(),
+            queue: Arc::downgrade(&waker.get().shared),
+        };
+        Ok(Some((target.into_any(), completion)))
+    }
+
+    /// Hands results to their `SendFuture`s: one queue entry per run of futures of the same
+    /// loop, so a batch costs its loop one wake-up; the loop's drain converts each result with
+    /// `convert` and completes its future (running its done-callbacks). Called from any thread,
+    /// without the GIL. Futures whose loop is gone are dropped with their results.
+    pub fn complete_all<R: Send + 'static>(done: Vec<(Completion, R)>, convert: Convert<R>) {
+        type Run<R> = (Weak<Shared>, Vec<(Py<SendFuture>, R)>);
+        let mut runs: Vec<Run<R>> = Vec::new();
+        for (c, r) in done {
+            match runs.last_mut() {
+                Some((queue, items)) if Weak::ptr_eq(queue, &c.queue) => items.push((c.target, r)),
+                _ => runs.push((c.queue, vec![(c.target, r)])),
+            }
+        }
+        for (queue, items) in runs {
+            if let Some(shared) = queue.upgrade() {
+                shared.push(Item::Run(Box::new(move |py: Python<'_>| {
+                    for (target, r) in items {
+                        complete(target.bind(py), convert(py, r));
+                    }
+                })));
+            }
+        }
     }
 }

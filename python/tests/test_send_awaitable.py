@@ -231,6 +231,48 @@ async def test_pending_state_and_manual_cancel(kafka):
     await producer.close()
 
 
+async def test_sends_and_send_nowaits_go_out_in_call_order(platform):
+    """One producer's `send`s and `send_nowait`s reach the platform in call order (one
+    background sender, batch after batch), `flush` waits for the `send`s as well, and every
+    future resolves to its own record's position."""
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    futs = {}
+    for i in range(3000):
+        payload = str(i).encode()
+        if i % 3 == 2:
+            producer.send_nowait(topic, payload)
+        else:
+            futs[i] = producer.send(topic, payload)
+        if i % 500 == 0:
+            await asyncio.sleep(0)  # let batches go while more records arrive
+    await producer.flush(30)
+    assert all(f.done() for f in futs.values())
+    consumer = await platform.consumer(topic, start="earliest")
+    got = await drain(consumer, 3000)
+    assert [int(m.payload) for m in got] == list(range(3000))
+    by_payload = {int(m.payload): m.position for m in got}
+    for i, f in futs.items():
+        assert f.result().position == by_payload[i]
+    await consumer.close()
+    await producer.close()
+
+
+async def test_a_failed_send_does_not_fail_the_others_or_drain(kafka):
+    """A record refused by the platform fails its own future only; the batch's other records
+    are delivered and `flush` reports no `send_nowait` failure for it."""
+    topic = await kafka.topic(partitions=1)
+    producer = await kafka.client.producer(options={"message.timeout.ms": "3000"})
+    ok1 = producer.send(topic, b"before")
+    bad = producer.send(topic, b"nowhere", partition=7)
+    ok2 = producer.send(topic, b"after")
+    await producer.flush(30)
+    assert (await ok1).topic == topic and (await ok2).topic == topic
+    with pytest.raises(onceflow.OnceflowError):
+        await bad
+    await producer.close()
+
+
 async def test_transaction_send_returns_a_send_future(kafka):
     topic = await kafka.topic()
     producer = await kafka.client.producer(transactional_id=f"tx-{topic}")
