@@ -310,19 +310,29 @@ type Sent = (Vec<onceflow::Result<onceflow::Delivery>>, Waiting, usize);
 /// was buffered meanwhile; ends when nothing is buffered.
 async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
     use futures::FutureExt;
+    // The buffers the loop thread fills next are allocated here, on the runtime's thread that
+    // frees them after the send, sized for a batch like the last one: the loop thread's pushes
+    // then rarely grow a vector (a copy of every record so far, in fresh pages of its own
+    // allocator heap each time, since the memory comes back on another thread).
+    let mut capacity = 64;
     loop {
-        let (batch, waiting) = {
+        let mut buf = Vec::with_capacity(capacity);
+        #[cfg(unix)]
+        let mut waiting = Vec::with_capacity(capacity);
+        {
             let mut st = bg.state.lock();
             if st.buf.is_empty() {
                 st.running = false;
                 return;
             }
+            std::mem::swap(&mut st.buf, &mut buf);
             #[cfg(unix)]
-            let waiting = std::mem::take(&mut st.waiting);
-            #[cfg(not(unix))]
-            let waiting = ();
-            (std::mem::take(&mut st.buf), waiting)
-        };
+            std::mem::swap(&mut st.waiting, &mut waiting);
+        }
+        #[cfg(not(unix))]
+        let waiting = ();
+        let batch = buf;
+        capacity = batch.len().next_power_of_two().clamp(64, 1 << 16);
         let n = batch.len();
         // A panic must still settle the batch, or its futures and `drain` would wait forever.
         let results = match std::panic::AssertUnwindSafe(p.send_batch(batch))
