@@ -34,7 +34,12 @@ pub const MAX_PARTITION_KEY_CHARS: usize = 256;
 /// else `hex:` and the hex of its 128-bit XXH3 (deterministic, so one key keeps one shard).
 pub fn partition_key_of(key: &[u8]) -> (String, bool) {
     match std::str::from_utf8(key) {
-        Ok(s) if !s.is_empty() && s.chars().count() <= MAX_PARTITION_KEY_CHARS => {
+        // At most 256 bytes is at most 256 characters: count only longer keys.
+        Ok(s)
+            if !s.is_empty()
+                && (s.len() <= MAX_PARTITION_KEY_CHARS
+                    || s.chars().count() <= MAX_PARTITION_KEY_CHARS) =>
+        {
             (s.to_string(), true)
         }
         _ => (
@@ -62,7 +67,101 @@ impl Prepared {
 struct Pending {
     rec: Prepared,
     attempt: usize,
-    reply: oneshot::Sender<Result<Delivery>>,
+    reply: Reply,
+}
+
+/// Where the delivery report of a queued record goes.
+enum Reply {
+    /// The caller of `send`, waiting for this one record.
+    One(oneshot::Sender<Result<Delivery>>),
+    /// One slot of a `send_batch`.
+    Batch(BatchSlot),
+}
+
+impl Reply {
+    fn send(self, result: Result<Delivery>) {
+        match self {
+            Reply::One(tx) => {
+                let _ = tx.send(result);
+            }
+            Reply::Batch(mut slot) => slot.fill(result),
+        }
+    }
+}
+
+/// The reports of one `send_batch`, collected in place: its caller is woken once, when the last
+/// report is in, instead of once per record (a oneshot channel per record cost a thread wake-up
+/// and a context switch for most records: 52 000 context switches for 60 000 records, against
+/// 2 700 for the same records hand-batched into raw PutRecords calls).
+struct BatchReplies {
+    state: Mutex<BatchState>,
+}
+
+struct BatchState {
+    slots: Vec<Option<Result<Delivery>>>,
+    left: usize,
+    done: Option<oneshot::Sender<()>>,
+}
+
+impl BatchReplies {
+    /// Reports for `n` records, and what resolves when all are in.
+    fn new(n: usize) -> (Arc<BatchReplies>, oneshot::Receiver<()>) {
+        let (done, rx) = oneshot::channel();
+        let state = BatchState {
+            slots: (0..n).map(|_| None).collect(),
+            left: n,
+            done: Some(done),
+        };
+        (
+            Arc::new(BatchReplies {
+                state: Mutex::new(state),
+            }),
+            rx,
+        )
+    }
+
+    /// The reports, in order; a slot never filled (cannot happen: a dropped [`BatchSlot`] fills
+    /// its slot) reads as [`dropped`].
+    fn take(&self) -> Vec<Result<Delivery>> {
+        std::mem::take(&mut self.state.lock().slots)
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| Err(dropped())))
+            .collect()
+    }
+}
+
+/// Slot `index` of a [`BatchReplies`]. Dropped unfilled (the producer stopped with the record
+/// still queued), it reports [`dropped`], so the batch always completes.
+struct BatchSlot {
+    batch: Option<Arc<BatchReplies>>,
+    index: usize,
+}
+
+impl BatchSlot {
+    fn fill(&mut self, result: Result<Delivery>) {
+        let Some(batch) = self.batch.take() else {
+            return;
+        };
+        let done = {
+            let mut state = batch.state.lock();
+            state.slots[self.index] = Some(result);
+            state.left -= 1;
+            if state.left == 0 {
+                state.done.take()
+            } else {
+                None
+            }
+        };
+        if let Some(done) = done {
+            let _ = done.send(());
+        }
+    }
+}
+
+impl Drop for BatchSlot {
+    fn drop(&mut self) {
+        self.fill(Err(dropped()));
+    }
 }
 
 struct Queue {
@@ -92,7 +191,9 @@ impl KinesisProducer {
         KinesisProducer { shared, queue }
     }
 
-    async fn prepare(&self, record: Record) -> Result<Prepared> {
+    /// Checks `record` and turns it into a PutRecords entry. `known_stream`: the stream was
+    /// already found (or created) for an earlier record of the same batch.
+    async fn prepare(&self, record: Record, known_stream: bool) -> Result<Prepared> {
         let max = self.shared.max_record_bytes();
         let size = record.size_bytes();
         if size > max {
@@ -102,7 +203,9 @@ impl KinesisProducer {
                 record.topic
             )));
         }
-        self.shared.ensure_stream(&record.topic).await?;
+        if !known_stream {
+            self.shared.ensure_stream(&record.topic).await?;
+        }
         let mut env = Envelope {
             timestamp: record.timestamp,
             headers: record.headers,
@@ -144,28 +247,25 @@ impl KinesisProducer {
         Ok(rec)
     }
 
-    fn enqueue(&self, recs: Vec<Prepared>) -> Result<Vec<oneshot::Receiver<Result<Delivery>>>> {
+    /// Queues records with where their reports go; `Closed` (and nothing queued) once the
+    /// producer is closed.
+    fn enqueue(&self, recs: impl IntoIterator<Item = (Prepared, Reply)>) -> Result<()> {
         if *self.queue.closed.lock() {
             return Err(Error::new(
                 ErrorKind::Closed,
                 "the Kinesis producer is closed",
             ));
         }
-        let mut rxs = Vec::with_capacity(recs.len());
         {
             let mut q = self.queue.items.lock();
-            for rec in recs {
-                let (reply, rx) = oneshot::channel();
-                q.push_back(Pending {
-                    rec,
-                    attempt: 0,
-                    reply,
-                });
-                rxs.push(rx);
-            }
+            q.extend(recs.into_iter().map(|(rec, reply)| Pending {
+                rec,
+                attempt: 0,
+                reply,
+            }));
         }
         self.queue.wake.notify_one();
-        Ok(rxs)
+        Ok(())
     }
 }
 
@@ -183,38 +283,59 @@ impl ProducerBackend for KinesisProducer {
     }
 
     async fn send(&self, record: Record) -> Result<Delivery> {
-        let rec = self.prepare(record).await?;
-        let rx = self.enqueue(vec![rec])?.remove(0);
+        let rec = self.prepare(record, false).await?;
+        let (reply, rx) = oneshot::channel();
+        self.enqueue([(rec, Reply::One(reply))])?;
         rx.await.unwrap_or_else(|_| Err(dropped()))
     }
 
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
         let mut slots: Vec<Option<Result<Delivery>>> = Vec::with_capacity(records.len());
-        let mut ready = Vec::new();
-        let mut at = Vec::new();
+        let mut ready = Vec::with_capacity(records.len());
+        let mut known: Option<String> = None;
         for r in records {
-            match self.prepare(r).await {
+            let is_known = known.as_deref() == Some(r.topic.as_str());
+            let topic = (!is_known).then(|| r.topic.clone());
+            match self.prepare(r, is_known).await {
                 Ok(p) => {
-                    at.push(slots.len());
+                    if topic.is_some() {
+                        known = topic;
+                    }
                     slots.push(None);
                     ready.push(p);
                 }
                 Err(e) => slots.push(Some(Err(e))),
             }
         }
-        match self.enqueue(ready) {
-            Ok(rxs) => {
-                for (i, rx) in at.into_iter().zip(rxs) {
-                    slots[i] = Some(rx.await.unwrap_or_else(|_| Err(dropped())));
-                }
+        if ready.is_empty() {
+            return slots.into_iter().map(|s| s.expect("filled")).collect();
+        }
+        let (batch, done) = BatchReplies::new(ready.len());
+        let queued = self.enqueue(ready.into_iter().enumerate().map(|(index, rec)| {
+            let slot = BatchSlot {
+                batch: Some(batch.clone()),
+                index,
+            };
+            (rec, Reply::Batch(slot))
+        }));
+        let mut sent = match queued {
+            Ok(()) => {
+                // Err only if every slot was dropped, which fills it first.
+                let _ = done.await;
+                batch.take().into_iter()
             }
             Err(e) => {
-                for i in at {
-                    slots[i] = Some(Err(Error::new(e.kind(), e.message().to_string())));
-                }
+                let n = slots.iter().filter(|s| s.is_none()).count();
+                (0..n)
+                    .map(|_| Err(Error::new(e.kind(), e.message().to_string())))
+                    .collect::<Vec<_>>()
+                    .into_iter()
             }
-        }
-        slots.into_iter().map(|s| s.expect("filled")).collect()
+        };
+        slots
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| sent.next().unwrap_or_else(|| Err(dropped()))))
+            .collect()
     }
 
     async fn flush(&self, timeout: Duration) -> Result<()> {
@@ -342,8 +463,7 @@ async fn put(shared: &Shared, batch: Vec<Pending>) -> Vec<Pending> {
                 if err.is_retriable() && p.attempt < attempts {
                     retry.push(p);
                 } else {
-                    let _ = p
-                        .reply
+                    p.reply
                         .send(Err(Error::new(err.kind(), err.message().to_string())
                             .retriable(err.is_retriable())));
                 }
@@ -353,28 +473,28 @@ async fn put(shared: &Shared, batch: Vec<Pending>) -> Vec<Pending> {
             }
         }
         Ok(out) => {
-            let results = out.records();
+            let mut results = out.records.into_iter();
             let mut worst = 0;
             for (i, mut p) in batch.into_iter().enumerate() {
-                let Some(r) = results.get(i) else {
-                    let _ = p.reply.send(Err(Error::new(
+                let Some(r) = results.next() else {
+                    p.reply.send(Err(Error::new(
                         ErrorKind::Platform,
                         format!("PutRecords to stream '{stream}': no result for entry {i}"),
                     )));
                     continue;
                 };
-                match (r.error_code(), r.sequence_number(), r.shard_id()) {
+                match (r.error_code, r.sequence_number, r.shard_id) {
                     (None, Some(seq), Some(shard)) => {
-                        let _ = p.reply.send(Ok(Delivery {
+                        p.reply.send(Ok(Delivery {
                             topic: stream.clone(),
-                            partition: partition_of_shard(shard).unwrap_or(-1),
-                            position: Position::SequenceNumber(seq.to_string()),
+                            partition: partition_of_shard(&shard).unwrap_or(-1),
+                            position: Position::SequenceNumber(seq),
                             timestamp: p.rec.timestamp,
                             duplicate: false,
                         }));
                     }
                     (code, _, _) => {
-                        let code = code.unwrap_or("NoSequenceNumber").to_string();
+                        let code = code.unwrap_or_else(|| "NoSequenceNumber".to_string());
                         let retriable = matches!(
                             code.as_str(),
                             "ProvisionedThroughputExceededException" | "InternalFailure"
@@ -384,13 +504,13 @@ async fn put(shared: &Shared, batch: Vec<Pending>) -> Vec<Pending> {
                             worst = worst.max(p.attempt - 1);
                             retry.push(p);
                         } else {
-                            let _ = p.reply.send(Err(Error::new(
+                            p.reply.send(Err(Error::new(
                                 ErrorKind::Platform,
                                 format!(
                                     "PutRecords to stream '{stream}': entry failed after {} \
                                      attempt(s): {code}: {}",
                                     p.attempt,
-                                    r.error_message().unwrap_or("")
+                                    r.error_message.as_deref().unwrap_or("")
                                 ),
                             )
                             .retriable(retriable)));
