@@ -520,6 +520,19 @@ mod imp {
     }
 
     impl SendFuture {
+        /// A pending future of `event_loop`.
+        fn pending(event_loop: Bound<'_, PyAny>) -> PyResult<Bound<'_, SendFuture>> {
+            Bound::new(
+                event_loop.py(),
+                SendFuture {
+                    outcome: Outcome::Pending,
+                    callbacks: Callbacks::default(),
+                    event_loop: event_loop.unbind(),
+                    blocking: false,
+                },
+            )
+        }
+
         fn outcome_result(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
             match &self.outcome {
                 Outcome::Pending => Err(invalid_state(py, "Result is not set.")),
@@ -809,15 +822,7 @@ mod imp {
         F: Future<Output = R> + Send + 'static,
         R: Send + 'static,
     {
-        let target = Bound::new(
-            py,
-            SendFuture {
-                outcome: Outcome::Pending,
-                callbacks: Callbacks::default(),
-                event_loop: event_loop.unbind(),
-                blocking: false,
-            },
-        )?;
+        let target = SendFuture::pending(event_loop)?;
         let task = Arc::new(SendTask {
             running: Mutex::new(Some(Running {
                 fut: Box::pin(fut),
@@ -849,15 +854,7 @@ mod imp {
         let Some(waker) = waker_for(py, &event_loop)? else {
             return Ok(None);
         };
-        let target = Bound::new(
-            py,
-            SendFuture {
-                outcome: Outcome::Pending,
-                callbacks: Callbacks::default(),
-                event_loop: event_loop.unbind(),
-                blocking: false,
-            },
-        )?;
+        let target = SendFuture::pending(event_loop)?;
         let completion = Completion {
             target: target.clone().unbind(),
             queue: Arc::downgrade(&waker.get().shared),
