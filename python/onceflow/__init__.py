@@ -257,7 +257,12 @@ class Client:
 
 
 class Producer:
-    """Sends records; ``transaction()`` for atomic writes with consumer positions."""
+    """Sends records; ``transaction()`` for atomic writes with consumer positions.
+
+    A producer belongs to the process that created it. After ``os.fork()`` the child connects
+    and creates its own: the inherited one raises ``ClosedError`` from ``send``,
+    ``send_nowait``, ``send_batch``, ``flush``, ``close`` and ``begin``, because its platform
+    client and its send task stayed in the parent."""
 
     def __init__(self, native: _native.Producer):
         self._native = native

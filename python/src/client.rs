@@ -111,10 +111,12 @@ impl Client {
             idempotent,
             options: self::options(options),
         };
+        let epoch = wake::fork_epoch(py)?;
         awaitable(py, async move {
             client.producer(config).await.map(|inner| Producer {
                 inner,
                 background: Arc::default(),
+                epoch,
             })
         })
     }
@@ -267,6 +269,8 @@ impl Deliveries {
 pub struct Producer {
     pub inner: onceflow::Producer,
     background: Arc<Background>,
+    /// [`wake::fork_epoch`] when made: a child process after `os.fork()` refuses it.
+    epoch: u64,
 }
 
 /// Records handed over by `send` and `send_nowait`: buffered here and sent by one task per
@@ -418,6 +422,23 @@ fn failures(py: Python<'_>, r: onceflow::Result<Vec<Error>>) -> PyResult<Py<PyAn
 }
 
 impl Producer {
+    /// `Closed` in a child process after `os.fork()`: the producer's platform client (librdkafka's
+    /// threads, the connections) and its send task stayed in the parent, so records handed to it
+    /// here would never be sent, and waiting for them would never end.
+    fn check_fork(&self, py: Python<'_>) -> PyResult<()> {
+        if wake::current_fork_epoch() == self.epoch {
+            return Ok(());
+        }
+        Err(to_pyerr(
+            py,
+            &Error::new(
+                ErrorKind::Closed,
+                "this producer was created before os.fork(): its platform client and send task \
+                 stayed in the parent process; connect and create a new producer in the child",
+            ),
+        ))
+    }
+
     /// Queues `record` for the send task (started when it is not running); `waiting` is the
     /// `SendFuture` it completes, if any.
     fn buffer(&self, record: onceflow::Record, #[cfg(unix)] waiting: Option<wake::Completion>) {
@@ -469,6 +490,7 @@ impl Producer {
         timestamp: Option<i64>,
         idempotency_key: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.check_fork(py)?;
         let record = convert::record(
             topic,
             payload,
@@ -503,6 +525,7 @@ impl Producer {
         timestamp: Option<i64>,
         idempotency_key: Option<String>,
     ) -> PyResult<()> {
+        self.check_fork(payload.py())?;
         let record = convert::record(
             topic,
             payload,
@@ -525,6 +548,7 @@ impl Producer {
     /// still in flight at the timeout.
     #[pyo3(signature = (timeout=30.0))]
     fn drain<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        self.check_fork(py)?;
         let timeout = convert::seconds("timeout", timeout)?;
         let bg = self.background.clone();
         wake::deliver(
@@ -562,6 +586,7 @@ impl Producer {
         py: Python<'py>,
         records: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.check_fork(py)?;
         let records = convert::records(records)?;
         let p = self.inner.clone();
         wake::deliver(
@@ -574,6 +599,7 @@ impl Producer {
 
     /// Starts a transaction (needs a `transactional_id`).
     fn begin<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.check_fork(py)?;
         let p = self.inner.clone();
         awaitable(py, async move {
             p.begin().await.map(|tx| Transaction {
@@ -585,6 +611,7 @@ impl Producer {
     /// Waits until everything sent is acknowledged, at most `timeout` seconds.
     #[pyo3(signature = (timeout=30.0))]
     fn flush<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        self.check_fork(py)?;
         let timeout = convert::seconds("timeout", timeout)?;
         let p = self.inner.clone();
         awaitable(py, async move { p.flush(timeout).await })
@@ -592,6 +619,7 @@ impl Producer {
 
     /// Flushes and releases the producer.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.check_fork(py)?;
         let p = self.inner.clone();
         awaitable(py, async move { p.close().await })
     }

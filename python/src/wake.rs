@@ -83,6 +83,34 @@ where
 #[cfg(unix)]
 pub use imp::{complete_all, pending, Completion, SendFuture};
 
+/// How many `os.fork()`s this process descends from, as counted since the first call (which
+/// starts counting through `os.register_at_fork`): a value taken in a parent differs from the
+/// child's. Always 0 off Unix.
+pub fn fork_epoch(py: Python<'_>) -> PyResult<u64> {
+    #[cfg(unix)]
+    {
+        imp::watch_forks(py)?;
+        Ok(current_fork_epoch())
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = py;
+        Ok(0)
+    }
+}
+
+/// [`fork_epoch`] without starting the count (one atomic load).
+pub fn current_fork_epoch() -> u64 {
+    #[cfg(unix)]
+    {
+        imp::FORK_EPOCH.load(std::sync::atomic::Ordering::Acquire)
+    }
+    #[cfg(not(unix))]
+    {
+        0
+    }
+}
+
 #[cfg(unix)]
 mod imp {
     use std::future::Future;
@@ -154,10 +182,10 @@ mod imp {
     /// Bumped in a child process after `os.fork()` (`os.register_at_fork`), so a loop's waker
     /// made before the fork (its socket pair and runtime are the parent's) is replaced, without
     /// a `getpid` system call per send.
-    static FORK_EPOCH: AtomicU64 = AtomicU64::new(0);
+    pub(super) static FORK_EPOCH: AtomicU64 = AtomicU64::new(0);
     static AT_FORK: PyOnceLock<()> = PyOnceLock::new();
 
-    fn watch_forks(py: Python<'_>) -> PyResult<()> {
+    pub(super) fn watch_forks(py: Python<'_>) -> PyResult<()> {
         AT_FORK.get_or_try_init(py, || -> PyResult<()> {
             let bump = PyCFunction::new_closure(
                 py,

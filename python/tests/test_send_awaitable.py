@@ -328,3 +328,41 @@ async def test_send_in_a_forked_child(memory):
     assert os.WEXITSTATUS(status) == 0
     assert (await producer.send(topic, b"parent again")).topic == topic
     await producer.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+async def test_a_producer_from_before_fork_refuses_work_in_the_child(memory):
+    """The child of a fork made while records are buffered gets `ClosedError` from the
+    inherited producer at once (its client and send task stayed in the parent), instead of
+    waiting forever; the parent's records are all delivered."""
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    for i in range(20_000):
+        producer.send_nowait(topic, b"%d" % i)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+
+            async def child():
+                for attempt in (
+                    lambda: producer.send("t", b"x"),
+                    lambda: producer.send_nowait("t", b"x"),
+                    lambda: producer.send_batch([("t", b"x")]),
+                    lambda: producer.flush(1),
+                ):
+                    try:
+                        await attempt()
+                    except onceflow.ClosedError as e:
+                        assert "before os.fork()" in str(e)
+                    else:
+                        raise AssertionError("the inherited producer accepted work")
+
+            asyncio.run(asyncio.wait_for(child(), 10))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    await producer.flush(30)
+    await producer.close()
