@@ -102,7 +102,7 @@ pub struct ConsumeArgs {
     #[arg(long, default_value = "earliest")]
     from: String,
     /// Stop after this many messages (at least 1).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
     max: Option<u64>,
     /// Stop after this long without a message (ms).
     #[arg(long, default_value_t = 5000)]
@@ -121,7 +121,7 @@ pub struct TailArgs {
     #[arg(long, short)]
     topic: String,
     /// Stop after this many messages (at least 1).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
     max: Option<u64>,
     /// Stop after this long without a message (ms); 0 = never.
     #[arg(long, default_value_t = 0)]
@@ -160,7 +160,7 @@ pub struct ReplayArgs {
     #[arg(long)]
     to_topic: Option<String>,
     /// Stop after this many messages (at least 1).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
     max: Option<u64>,
     /// Stop after this long without a message (ms).
     #[arg(long, default_value_t = 3000)]

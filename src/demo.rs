@@ -28,7 +28,12 @@ pub struct DemoArgs {
     )]
     url: String,
     /// Number of distinct order events to produce (≥ 1).
-    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(
+        long,
+        default_value_t = 100_000,
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
     messages: u64,
     /// Dedup store URL: memory://, a file path / embedded:///path, redis://… or postgres://…
     /// (default: an embedded store in a temporary directory). Each run claims its orders under
@@ -40,10 +45,15 @@ pub struct DemoArgs {
     /// run has committed a transaction, so each restart makes progress (0 = never; default: a
     /// third of the messages on memory://, never on a real broker, whose crash tests kill real
     /// processes).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     crash_every: Option<u64>,
-    /// Partitions of the demo topics (≥ 1).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Partitions of the demo topics (≥ 1; memory:// holds at most 100 000 per topic).
+    #[arg(
+        long,
+        default_value_t = 8,
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
     partitions: u32,
 }
 
@@ -308,10 +318,13 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
                 .faults()
                 .crash_producer(&tx_id);
         }
-        bar.println(format!(
-            "simulated crash #{crashes} after {} transformed messages in all; restarting",
-            processed.load(Ordering::Relaxed)
-        ));
+        say(
+            &bar,
+            format!(
+                "simulated crash #{crashes} after {} transformed messages in all; restarting",
+                processed.load(Ordering::Relaxed)
+            ),
+        );
     }
     bar.finish_and_clear();
     let (guarantee, mechanism) = report.unwrap_or((Guarantee::AtLeastOnce, ""));
@@ -472,6 +485,16 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Prints a line above the progress bar, or to stderr when the bar is hidden (stderr is not a
+/// terminal), where indicatif's `println` prints nothing.
+fn say(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
+    }
 }
 
 fn progress(len: u64, what: &str) -> ProgressBar {

@@ -57,6 +57,13 @@ fn a_small_demo_crashes_restarts_and_ends_exactly_once() {
         field(&stdout, "crashes") >= 2,
         "the demo promised simulated crashes: {stdout}"
     );
+    // stderr is a pipe here, so the progress bar is hidden: each crash is still told there.
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        stderr.matches("simulated crash #").count() as u64,
+        field(&stdout, "crashes"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -76,6 +83,34 @@ fn bad_input_names_the_value_and_the_kind_in_words() {
     assert!(stderr.starts_with("onceflow: bad input: "), "{stderr}");
     assert!(stderr.contains("nosuch://"), "{stderr}");
     assert!(stderr.contains("error kind: ONCEFLOW_CONFIG"), "{stderr}");
+}
+
+#[test]
+fn a_partition_count_memory_cannot_hold_is_bad_input_not_an_abort() {
+    // Over what any platform takes (partition ids are i32), and over what memory:// holds.
+    for (count, limit) in [("4294967295", "2147483647"), ("200000", "100000")] {
+        let out = onceflow(&["demo", "--partitions", count, "--messages", "10"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.starts_with("onceflow: bad input: "), "{stderr}");
+        assert!(stderr.contains(&format!("{count} partitions")), "{stderr}");
+        assert!(stderr.contains(limit), "{stderr}");
+    }
+}
+
+#[test]
+fn a_negative_count_names_its_option() {
+    for args in [
+        ["demo", "--messages", "-5"],
+        ["demo", "--partitions", "-1"],
+        ["demo", "--crash-every", "-3"],
+    ] {
+        let out = onceflow(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(args[1]), "{args:?}: {stderr}");
+        assert!(stderr.contains(args[2]), "{args:?}: {stderr}");
+    }
 }
 
 #[test]

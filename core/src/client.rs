@@ -530,6 +530,10 @@ impl Consumer {
     }
 }
 
+/// The most partitions a topic can have: partition ids are `i32` (as Kafka's protocol has
+/// them), so 2 147 483 647.
+pub const MAX_PARTITIONS: u32 = i32::MAX as u32;
+
 /// Topic administration.
 #[derive(Clone)]
 pub struct Admin {
@@ -537,15 +541,19 @@ pub struct Admin {
 }
 
 impl Admin {
-    /// Creates a topic (partitions ≥ 1).
+    /// Creates a topic with `spec.partitions` partitions (1 to [`MAX_PARTITIONS`]; a
+    /// backend may allow fewer: `memory://` holds at most 100 000 per topic).
+    ///
+    /// Errors: [`ErrorKind::Config`] for an empty name or a partition count out of range,
+    /// naming the value; otherwise what the platform reports.
     pub async fn create_topic(&self, spec: &TopicSpec) -> Result<()> {
         if spec.name.is_empty() {
             return Err(Error::config("topic name is empty: expected a name"));
         }
-        if spec.partitions == 0 {
+        if spec.partitions == 0 || spec.partitions > MAX_PARTITIONS {
             return Err(Error::config(format!(
-                "topic '{}' with 0 partitions: expected at least 1",
-                spec.name
+                "topic '{}' with {} partitions: expected 1 to {MAX_PARTITIONS}",
+                spec.name, spec.partitions
             )));
         }
         self.inner.create_topic(spec).await

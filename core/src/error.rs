@@ -498,3 +498,42 @@ mod tests {
         assert_eq!(src.to_string(), "disk full");
     }
 }
+
+/// How many characters of a value an error message quotes before it cuts the rest.
+const SHOWN_CHARS: usize = 80;
+
+/// `value` for an error message: control characters escaped and, past 80 characters, cut
+/// with the full length named (`abc…(100000 characters)`), so a huge bad value neither floods
+/// a terminal nor a log line.
+pub fn shown(value: &str) -> String {
+    let mut out = String::with_capacity(value.len().min(SHOWN_CHARS * 2));
+    let mut count = 0usize;
+    for c in value.chars() {
+        if count == SHOWN_CHARS {
+            let total = value.chars().count();
+            out.push_str(&format!("…({total} characters)"));
+            return out;
+        }
+        out.extend(c.escape_debug());
+        count += 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod shown_tests {
+    use super::shown;
+
+    #[test]
+    fn short_values_are_kept_and_long_ones_cut_with_their_length() {
+        assert_eq!(shown("orders"), "orders");
+        assert_eq!(shown("a\nb"), "a\\nb");
+        let long = "x".repeat(100_000);
+        let s = shown(&long);
+        assert!(s.starts_with(&"x".repeat(80)), "{s}");
+        assert!(s.ends_with("…(100000 characters)"), "{s}");
+        assert!(s.len() < 120);
+        // Cut on a character boundary, never inside one.
+        assert_eq!(shown(&"é".repeat(81)), format!("{}…(81 characters)", "é".repeat(80)));
+    }
+}

@@ -25,14 +25,16 @@ pub use backend::{
     Isolation, PartitionLag, PlatformBackend, ProducerBackend, ProducerConfig, RebalanceListener,
     TopicDescription, TopicSpec, TransactionBackend,
 };
-pub use client::{Admin, Client, Consumer, Producer, Transaction, IDEMPOTENCY_KEY_HEADER};
+pub use client::{
+    Admin, Client, Consumer, Producer, Transaction, IDEMPOTENCY_KEY_HEADER, MAX_PARTITIONS,
+};
 pub use dedup::{DedupStore, DedupStoreExt};
 pub use engine::{
     handler_fn, EngineConfig, Handler, IdempotentConsumer, KeyStrategy, OnFailure, Pipeline,
     PipelineConfig, PipelineMode, RunSummary, Transform,
 };
 pub use error::{
-    is_secret_key, redact_credentials, redact_url, BoxError, Error, ErrorKind, Result,
+    is_secret_key, redact_credentials, redact_url, shown, BoxError, Error, ErrorKind, Result,
 };
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{

@@ -486,8 +486,8 @@ impl Producer {
         payload: &Bound<'py, PyAny>,
         key: Option<&Bound<'py, PyAny>>,
         headers: Option<&Bound<'py, PyAny>>,
-        partition: Option<i32>,
-        timestamp: Option<i64>,
+        partition: Option<&Bound<'py, PyAny>>,
+        timestamp: Option<&Bound<'py, PyAny>>,
         idempotency_key: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.check_fork(py)?;
@@ -515,14 +515,14 @@ impl Producer {
     /// here.
     #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
     #[allow(clippy::too_many_arguments)]
-    fn send_nowait(
+    fn send_nowait<'py>(
         &self,
         topic: String,
-        payload: &Bound<'_, PyAny>,
-        key: Option<&Bound<'_, PyAny>>,
-        headers: Option<&Bound<'_, PyAny>>,
-        partition: Option<i32>,
-        timestamp: Option<i64>,
+        payload: &Bound<'py, PyAny>,
+        key: Option<&Bound<'py, PyAny>>,
+        headers: Option<&Bound<'py, PyAny>>,
+        partition: Option<&Bound<'py, PyAny>>,
+        timestamp: Option<&Bound<'py, PyAny>>,
         idempotency_key: Option<String>,
     ) -> PyResult<()> {
         self.check_fork(payload.py())?;
@@ -649,8 +649,8 @@ impl Transaction {
         payload: &Bound<'py, PyAny>,
         key: Option<&Bound<'py, PyAny>>,
         headers: Option<&Bound<'py, PyAny>>,
-        partition: Option<i32>,
-        timestamp: Option<i64>,
+        partition: Option<&Bound<'py, PyAny>>,
+        timestamp: Option<&Bound<'py, PyAny>>,
         idempotency_key: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let record = convert::record(

@@ -74,6 +74,43 @@ pub fn to_headers(v: Option<&Bound<'_, PyAny>>) -> PyResult<Headers> {
     Ok(h)
 }
 
+/// An optional int argument named `what`: `None` (or absent) is `None`; an int in
+/// `min..=max` is kept; an int out of that range raises `ConfigError` and anything else
+/// `TypeError`, both naming `what` (Python's own `OverflowError` names neither).
+pub fn opt_int(
+    what: &str,
+    v: Option<&Bound<'_, PyAny>>,
+    min: i64,
+    max: i64,
+) -> PyResult<Option<i64>> {
+    let Some(v) = v.filter(|v| !v.is_none()) else {
+        return Ok(None);
+    };
+    match v.extract::<i64>() {
+        Ok(n) if (min..=max).contains(&n) => Ok(Some(n)),
+        Err(e) if !e.is_instance_of::<pyo3::exceptions::PyOverflowError>(v.py()) => {
+            Err(PyTypeError::new_err(format!(
+                "{what}: expected int or None, got {}",
+                v.get_type().name()?
+            )))
+        }
+        _ => Err(config_err(format!(
+            "{what} {}: expected an int from {min} to {max}",
+            onceflow::shown(&v.str()?.to_cow()?)
+        ))),
+    }
+}
+
+/// A `partition` argument: `None` or an int from 0 to 2 147 483 647.
+pub fn opt_partition(v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i32>> {
+    Ok(opt_int("partition", v, 0, i64::from(i32::MAX))?.map(|n| n as i32))
+}
+
+/// A `timestamp` argument (ms since the Unix epoch): `None` or an int that fits 64 bits.
+pub fn opt_timestamp(v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
+    opt_int("timestamp", v, i64::MIN, i64::MAX)
+}
+
 /// A record from its fields (the order of `onceflow.Record`).
 #[allow(clippy::too_many_arguments)]
 pub fn record(
@@ -81,8 +118,8 @@ pub fn record(
     payload: &Bound<'_, PyAny>,
     key: Option<&Bound<'_, PyAny>>,
     headers: Option<&Bound<'_, PyAny>>,
-    partition: Option<i32>,
-    timestamp: Option<i64>,
+    partition: Option<&Bound<'_, PyAny>>,
+    timestamp: Option<&Bound<'_, PyAny>>,
     idempotency_key: Option<String>,
 ) -> PyResult<Record> {
     Ok(Record {
@@ -90,8 +127,8 @@ pub fn record(
         payload: to_bytes("payload", payload)?,
         key: opt_bytes("key", key)?,
         headers: to_headers(headers)?,
-        partition,
-        timestamp,
+        partition: opt_partition(partition)?,
+        timestamp: opt_timestamp(timestamp)?,
         idempotency_key,
     })
 }
@@ -114,14 +151,30 @@ pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
     let get =
         |i: usize| -> Option<Bound<'_, PyAny>> { (i < n).then(|| t.get_item(i).ok()).flatten() };
     let none_or = |i: usize| get(i).filter(|x| !x.is_none());
+    let topic = t.get_item(0)?;
+    let topic = topic.extract::<String>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "record topic: expected str, got {}",
+            topic.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    let idempotency_key = match none_or(6) {
+        None => None,
+        Some(k) => Some(k.extract::<String>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "record idempotency_key: expected str or None, got {}",
+                k.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            ))
+        })?),
+    };
     record(
-        t.get_item(0)?.extract()?,
+        topic,
         &t.get_item(1)?,
         get(2).as_ref(),
         get(3).as_ref(),
-        none_or(4).map(|x| x.extract()).transpose()?,
-        none_or(5).map(|x| x.extract()).transpose()?,
-        none_or(6).map(|x| x.extract()).transpose()?,
+        get(4).as_ref(),
+        get(5).as_ref(),
+        idempotency_key,
     )
 }
 

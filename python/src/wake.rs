@@ -254,7 +254,8 @@ mod imp {
 
     static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-    /// `asyncio.get_running_loop()`: a RuntimeError outside a coroutine.
+    /// `asyncio.get_running_loop()`. Outside a coroutine, a RuntimeError that says what to do
+    /// instead (asyncio's own "no running event loop" chained as its cause).
     pub fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
         GET_RUNNING_LOOP
             .get_or_try_init(py, || {
@@ -264,6 +265,19 @@ mod imp {
             })?
             .bind(py)
             .call0()
+            .map_err(|e| {
+                if !e.is_instance_of::<pyo3::exceptions::PyRuntimeError>(py) {
+                    return e;
+                }
+                let err = pyo3::exceptions::PyRuntimeError::new_err(
+                    "no running event loop: onceflow's awaitable methods (send, send_batch, \
+                     commit, flush, ...) are called from a coroutine under a running asyncio \
+                     loop (asyncio.run); without one, use the blocking facade \
+                     (from onceflow import sync) or Producer.send_nowait",
+                );
+                err.set_cause(py, Some(e));
+                err
+            })
     }
 
     /// The loop's waker, created and registered on first use; `None` when the loop cannot

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 import onceflow
@@ -56,3 +58,41 @@ async def test_empty_topic_is_refused_before_sending(memory):
     producer = await memory.client.producer()
     with pytest.raises(onceflow.ConfigError, match="topic"):
         await producer.send("", b"x")
+
+
+async def test_bad_send_arguments_name_the_argument_and_the_value(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    with pytest.raises(TypeError, match="topic"):
+        await producer.send(42, b"x")
+    with pytest.raises(onceflow.ConfigError, match=r"partition 1099511627776: expected an int from 0 to 2147483647"):
+        await producer.send(topic, b"x", partition=2**40)
+    with pytest.raises(onceflow.ConfigError, match=r"partition -1: expected"):
+        producer.send_nowait(topic, b"x", partition=-1)
+    with pytest.raises(onceflow.ConfigError, match=r"timestamp 1180591620717411303424"):
+        await producer.send(topic, b"x", timestamp=2**70)
+    with pytest.raises(TypeError, match=r"partition: expected int or None, got str"):
+        await producer.send(topic, b"x", partition="0")
+    with pytest.raises(onceflow.ConfigError, match="partition 4294967296"):
+        await producer.send_batch([(topic, b"x", None, None, 2**32)])
+    with pytest.raises(TypeError, match="record topic: expected str, got int"):
+        await producer.send_batch([(7, b"x")])
+    # A huge bad topic name is quoted cut, with its length, not echoed whole.
+    with pytest.raises(onceflow.ConfigError) as e:
+        await producer.send("/" * 100_000, b"x")
+    assert "(100000 characters)" in str(e.value) and len(str(e.value)) < 400
+    # Nothing bad was sent; a good record still goes through.
+    delivery = await producer.send(topic, b"ok", partition=0)
+    assert delivery.partition == 0
+    await producer.close()
+
+
+def test_send_outside_a_running_loop_says_what_to_use_instead():
+    async def make():
+        client = await onceflow.connect("memory://outside-loop")
+        return await client.producer()
+
+    producer = asyncio.run(make())
+    with pytest.raises(RuntimeError, match="from onceflow import sync") as e:
+        producer.send("t", b"x")
+    assert "no running event loop" in str(e.value.__cause__)

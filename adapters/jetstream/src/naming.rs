@@ -28,8 +28,9 @@ pub fn check_topic(topic: &str) -> Result<()> {
             .any(|c| c.is_whitespace() || c.is_control() || ".*>/\\".contains(c))
     {
         return Err(Error::config(format!(
-            "topic '{topic}' cannot be a JetStream stream name: expected 1-255 characters \
-             without whitespace, '.', '*', '>', '/' or '\\'"
+            "topic '{}' cannot be a JetStream stream name: expected 1-255 characters \
+             without whitespace, '.', '*', '>', '/' or '\\'",
+            onceflow_core::shown(topic)
         )));
     }
     Ok(())

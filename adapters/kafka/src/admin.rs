@@ -57,7 +57,8 @@ fn validate_name(name: &str) -> Result<()> {
         Ok(())
     } else {
         Err(Error::config(format!(
-            "invalid topic name '{name}': expected 1 to 249 characters of [a-zA-Z0-9._-]"
+            "invalid topic name '{}': expected 1 to 249 characters of [a-zA-Z0-9._-]",
+            onceflow_core::shown(name)
         )))
     }
 }
@@ -183,7 +184,7 @@ impl AdminBackend for KafkaAdmin {
         validate_name(&spec.name)?;
         if spec.partitions < 1 || spec.partitions > i32::MAX as u32 {
             return Err(Error::config(format!(
-                "topic '{}' with {} partitions: expected at least 1",
+                "topic '{}' with {} partitions: expected 1 to 2147483647",
                 spec.name, spec.partitions
             )));
         }

@@ -11,6 +11,10 @@ use onceflow_core::{
 use crate::broker::Broker;
 use crate::config::validate_topic_name;
 
+/// The most partitions a `memory://` topic can have: each partition is a log in this
+/// process's memory, made when the topic is created.
+pub const MAX_MEMORY_PARTITIONS: u32 = 100_000;
+
 /// Creates, describes and deletes topics.
 pub struct MemoryAdmin {
     pub(crate) broker: Arc<Broker>,
@@ -27,9 +31,10 @@ fn not_found(name: &str) -> Error {
 impl AdminBackend for MemoryAdmin {
     async fn create_topic(&self, spec: &TopicSpec) -> Result<()> {
         validate_topic_name(&spec.name)?;
-        if spec.partitions < 1 {
+        if spec.partitions < 1 || spec.partitions > MAX_MEMORY_PARTITIONS {
             return Err(Error::config(format!(
-                "topic '{}' with {} partitions: expected at least 1",
+                "topic '{}' with {} partitions: memory:// holds 1 to {MAX_MEMORY_PARTITIONS} \
+                 partitions per topic",
                 spec.name, spec.partitions
             )));
         }

@@ -140,8 +140,9 @@ pub(crate) fn validate_topic_name(name: &str) -> Result<()> {
         Ok(())
     } else {
         Err(Error::config(format!(
-            "invalid topic name '{name}': expected 1 to 249 characters out of letters, digits, \
-             '.', '_' and '-' (not '.' or '..')"
+            "invalid topic name '{}': expected 1 to 249 characters out of letters, digits, \
+             '.', '_' and '-' (not '.' or '..')",
+            onceflow_core::shown(name)
         )))
     }
 }

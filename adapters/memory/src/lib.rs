@@ -73,7 +73,7 @@ use onceflow_core::{
     ProducerConfig, Result,
 };
 
-pub use admin::MemoryAdmin;
+pub use admin::{MemoryAdmin, MAX_MEMORY_PARTITIONS};
 pub use config::{parse_url, MemoryOptions, DEFAULT_BROKER, DEFAULT_MAX_RECORD_BYTES};
 pub use consumer::{MemoryConsumer, DEFAULT_SESSION_TIMEOUT};
 pub use faults::{CrashPoint, Faults};

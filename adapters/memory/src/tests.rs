@@ -770,6 +770,14 @@ async fn admin_create_is_idempotent_and_delete_moves_on() {
             .kind(),
         ErrorKind::Config
     );
+    // Too many partitions is refused by name and value, before any log is allocated.
+    let e = admin
+        .create_topic(&TopicSpec::new("huge", u32::MAX))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.message().contains("'huge'") && e.message().contains("4294967295"));
+    assert!(e.message().contains("100000"), "{e}");
     let d = admin.describe_topic("t").await.unwrap();
     assert_eq!(d.partitions, 3);
     assert_eq!(d.watermarks.len(), 3);

@@ -166,7 +166,7 @@ pub(crate) fn check_topic(topic: &str) -> Result<()> {
         return Err(Error::unsupported(format!(
             "topic '{}' is non-persistent: Pulsar neither stores nor redelivers its messages, \
              so onceflow cannot consume it exactly once; use a persistent:// topic",
-            topic.escape_debug()
+            onceflow_core::shown(topic)
         )));
     }
     let (topic, full) = match topic.strip_prefix("persistent://") {
@@ -187,7 +187,7 @@ pub(crate) fn check_topic(topic: &str) -> Result<()> {
         Err(Error::config(format!(
             "topic name '{}' is not valid on Pulsar: expected NAME, TENANT/NAMESPACE/NAME or \
              persistent://TENANT/NAMESPACE/NAME out of letters, digits and -_.=:",
-            topic.escape_debug()
+            onceflow_core::shown(topic)
         )))
     }
 }
