@@ -534,6 +534,9 @@ mod shown_tests {
         assert!(s.ends_with("…(100000 characters)"), "{s}");
         assert!(s.len() < 120);
         // Cut on a character boundary, never inside one.
-        assert_eq!(shown(&"é".repeat(81)), format!("{}…(81 characters)", "é".repeat(80)));
+        assert_eq!(
+            shown(&"é".repeat(81)),
+            format!("{}…(81 characters)", "é".repeat(80))
+        );
     }
 }

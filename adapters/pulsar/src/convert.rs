@@ -16,10 +16,16 @@ pub const HEADERS_PROPERTY: &str = "onceflow-headers";
 /// Pulsar properties are a map of UTF-8 strings (the pulsar crate keeps them in a `HashMap`), so
 /// every header whose value is UTF-8 also becomes a native property of the same name (the
 /// first value when a name repeats; a null header is an empty string) — other clients read
-/// `traceparent` and friends there. The exact list travels in `onceflow-headers`: a JSON array
+/// `traceparent` and friends there. The exact list travels in `onceflow-headers` (on a record
+/// with headers; one without has no properties at all): a JSON array
 /// of `[name]` (null), `[name, text]` or `[name, hex, "x"]` (a value that is not UTF-8), from
 /// which onceflow rebuilds the headers exactly.
 pub(crate) fn record_properties(record: &Record) -> HashMap<String, String> {
+    if record.headers.is_empty() {
+        // Nothing to rebuild: without `onceflow-headers` a message reads back with its
+        // properties (none) as headers, the same empty list.
+        return HashMap::new();
+    }
     let mut props = HashMap::with_capacity(record.headers.len() + 1);
     let mut exact = Vec::with_capacity(record.headers.len());
     for h in record.headers.iter() {

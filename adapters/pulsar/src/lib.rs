@@ -27,7 +27,8 @@
 //!   time, else its publish time.
 //! - **Headers** are message properties (`traceparent` included, so other clients see the
 //!   trace). Properties are UTF-8 strings in a map, so the exact list (order, repeats, null
-//!   vs empty, binary values) also travels in `onceflow-headers` and is rebuilt from it;
+//!   vs empty, binary values) also travels in `onceflow-headers` (a record without headers
+//!   has no properties) and is rebuilt from it;
 //!   messages from other clients get their properties as headers in wire order.
 //!
 //! ## Producer

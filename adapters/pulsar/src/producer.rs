@@ -26,7 +26,7 @@ type RawProducer = pulsar::Producer<TokioExecutor>;
 
 /// The producers of one topic, one per partition (index = partition).
 struct TopicProducers {
-    parts: Vec<tokio::sync::Mutex<RawProducer>>,
+    parts: Vec<Arc<tokio::sync::Mutex<RawProducer>>>,
     partitioned: bool,
     round_robin: AtomicUsize,
 }
@@ -60,8 +60,9 @@ pub fn producer_options(o: &PulsarOptions) -> ProducerOptions {
     }
 }
 
-/// What a send was handed to: the partition and the receipt to wait for.
+/// What a send was handed to: the topic and partition and the receipt to wait for.
 struct InFlight {
+    topic: String,
     partition: i32,
     partitioned: bool,
     future: SendFuture,
@@ -118,7 +119,7 @@ impl PulsarProducer {
                 .build()
                 .await
                 .map_err(|e| pulsar_err(format!("creating a producer on '{n}'"), e))?;
-            parts.push(tokio::sync::Mutex::new(p));
+            parts.push(Arc::new(tokio::sync::Mutex::new(p)));
         }
         let t = Arc::new(TopicProducers {
             parts,
@@ -144,10 +145,13 @@ impl PulsarProducer {
         Ok(())
     }
 
-    /// Hands a record to the partition's producer (batched or sent by the crate).
-    async fn enqueue(&self, record: Record) -> Result<InFlight> {
-        self.check(&record)?;
-        let t = self.topic(&record.topic).await?;
+    /// The partition `record` goes to (explicit, by key, else round-robin) and its Pulsar
+    /// message; the payload is moved into the message, not copied, when nothing else holds it.
+    fn message_of(
+        &self,
+        t: &TopicProducers,
+        record: &mut Record,
+    ) -> Result<(usize, PulsarMessage)> {
         let n = t.parts.len();
         let partition = match (record.partition, &record.key) {
             (Some(p), _) => {
@@ -167,13 +171,13 @@ impl PulsarProducer {
                 };
                 pulsar::routing_policy::RoutingPolicy::compute_partition_index_for_key(&text, n)
             }
+            _ if n == 1 => 0,
             _ => t.round_robin.fetch_add(1, Ordering::Relaxed) % n,
         };
-        let timestamp = record.timestamp.unwrap_or_else(now_ms);
         let mut msg = PulsarMessage {
-            properties: convert::record_properties(&record),
+            properties: convert::record_properties(record),
             event_time: record.timestamp.filter(|t| *t > 0).map(|t| t as u64),
-            payload: record.payload.to_vec(),
+            payload: Vec::from(std::mem::take(&mut record.payload)),
             ..Default::default()
         };
         if let Some(k) = &record.key {
@@ -190,16 +194,27 @@ impl PulsarProducer {
             }
             msg.ordering_key = Some(k.to_vec());
         }
-        let future = {
-            let mut p = t.parts[partition].lock().await;
-            p.send_non_blocking(msg).await.map_err(|e| {
-                pulsar_err(
-                    format!("sending to '{}' partition {partition}", record.topic),
-                    e,
-                )
-            })?
-        };
+        Ok((partition, msg))
+    }
+
+    /// Hands `msg` to the partition's producer (batched or sent by the crate).
+    async fn hand_over(
+        &self,
+        producer: &mut RawProducer,
+        t: &TopicProducers,
+        record: Record,
+        partition: usize,
+        msg: PulsarMessage,
+    ) -> Result<InFlight> {
+        let timestamp = record.timestamp.unwrap_or_else(now_ms);
+        let future = producer.send_non_blocking(msg).await.map_err(|e| {
+            pulsar_err(
+                format!("sending to '{}' partition {partition}", record.topic),
+                e,
+            )
+        })?;
         Ok(InFlight {
+            topic: record.topic,
             partition: partition as i32,
             partitioned: t.partitioned,
             future,
@@ -207,7 +222,17 @@ impl PulsarProducer {
         })
     }
 
-    async fn complete(&self, topic: &str, f: InFlight) -> Result<Delivery> {
+    /// Hands one record to its partition's producer.
+    async fn enqueue(&self, mut record: Record) -> Result<InFlight> {
+        self.check(&record)?;
+        let t = self.topic(&record.topic).await?;
+        let (partition, msg) = self.message_of(&t, &mut record)?;
+        let mut p = t.parts[partition].lock().await;
+        self.hand_over(&mut p, &t, record, partition, msg).await
+    }
+
+    async fn complete(&self, f: InFlight) -> Result<Delivery> {
+        let topic = f.topic;
         let receipt = f.future.await.map_err(|e| {
             pulsar_err(
                 format!(
@@ -238,7 +263,7 @@ impl PulsarProducer {
             .retriable(false));
         }
         Ok(Delivery {
-            topic: topic.to_string(),
+            topic,
             partition: f.partition,
             position: convert::position(&id, if f.partitioned { f.partition } else { -1 }),
             timestamp: Some(f.timestamp),
@@ -290,22 +315,44 @@ impl ProducerBackend for PulsarProducer {
     }
 
     async fn send(&self, record: Record) -> Result<Delivery> {
-        let topic = record.topic.clone();
         let f = self.enqueue(record).await?;
-        self.complete(&topic, f).await
+        self.complete(f).await
     }
 
-    /// Hands every record to its partition's producer first (so the crate batches them), then
-    /// waits for the receipts.
+    /// Hands every record to its partition's producer first, in order (so the crate batches
+    /// them), then waits for the receipts. A run of records for the same topic looks the topic
+    /// up once, and a run for the same partition takes its producer's lock once.
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
         let mut queued = Vec::with_capacity(records.len());
-        for r in records {
-            let topic = r.topic.clone();
-            queued.push((topic, self.enqueue(r).await));
+        let mut topic: Option<(String, Arc<TopicProducers>)> = None;
+        let mut held: Option<(usize, tokio::sync::OwnedMutexGuard<RawProducer>)> = None;
+        for mut r in records {
+            let q: Result<InFlight> = async {
+                self.check(&r)?;
+                let t = match &topic {
+                    Some((name, t)) if *name == r.topic => t.clone(),
+                    _ => {
+                        held = None;
+                        let t = self.topic(&r.topic).await?;
+                        topic = Some((r.topic.clone(), t.clone()));
+                        t
+                    }
+                };
+                let (partition, msg) = self.message_of(&t, &mut r)?;
+                if held.as_ref().is_none_or(|(p, _)| *p != partition) {
+                    held = None;
+                    held = Some((partition, t.parts[partition].clone().lock_owned().await));
+                }
+                let (_, p) = held.as_mut().expect("held above");
+                self.hand_over(p, &t, r, partition, msg).await
+            }
+            .await;
+            queued.push(q);
         }
-        futures::future::join_all(queued.into_iter().map(|(topic, q)| async move {
+        drop(held);
+        futures::future::join_all(queued.into_iter().map(|q| async move {
             match q {
-                Ok(f) => self.complete(&topic, f).await,
+                Ok(f) => self.complete(f).await,
                 Err(e) => Err(e),
             }
         }))
