@@ -350,6 +350,15 @@ impl std::fmt::Debug for Transaction {
     }
 }
 
+/// A `Closed` error (the finished transaction's `e`) for each record of `records`.
+fn each_closed(records: &[Record], e: &Error) -> Vec<Result<Delivery>> {
+    let msg = e.to_string();
+    records
+        .iter()
+        .map(|_| Err(Error::new(ErrorKind::Closed, msg.clone())))
+        .collect()
+}
+
 impl Transaction {
     fn inner(&mut self) -> Result<&mut Box<dyn TransactionBackend>> {
         self.inner
@@ -365,10 +374,21 @@ impl Transaction {
         result
     }
 
-    /// Sends records inside the transaction, pipelined where the platform allows; one result
-    /// per record, in order. A record that fails validation gets its error; the others are sent.
+    /// Sends records inside the transaction, pipelined where the platform allows, and waits
+    /// for every report; one result per record, in order. A record that fails validation gets
+    /// its error; the others are sent.
+    ///
+    /// Through the platform's [`TransactionBackend::send_batch`], not `enqueue_batch`: a call
+    /// that waits for its reports has every record it will send, so the platform sends them
+    /// at once (Kafka: without waiting `linger.ms`, which [`Transaction::enqueue_batch`] keeps
+    /// so that later batches can join).
     pub async fn send_batch(&mut self, records: Vec<Record>) -> Vec<Result<Delivery>> {
-        self.enqueue_batch(records).await.await
+        let (valid, prep) = prepare_batch(self.platform.as_ref(), records);
+        let sent = match self.inner() {
+            Ok(inner) => inner.send_batch(valid).await,
+            Err(e) => each_closed(&valid, &e),
+        };
+        merge_results(prep, sent)
     }
 
     /// Enqueues records inside the transaction and returns their delivery reports (one per
@@ -383,14 +403,7 @@ impl Transaction {
         let (valid, prep) = prepare_batch(self.platform.as_ref(), records);
         let sent = match self.inner() {
             Ok(inner) => inner.enqueue_batch(valid).await,
-            Err(e) => {
-                let msg = e.to_string();
-                let failed = valid
-                    .iter()
-                    .map(|_| Err(Error::new(ErrorKind::Closed, msg.clone())))
-                    .collect();
-                Box::pin(std::future::ready(failed))
-            }
+            Err(e) => Box::pin(std::future::ready(each_closed(&valid, &e))),
         };
         Box::pin(async move { merge_results(prep, sent.await) })
     }
