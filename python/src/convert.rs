@@ -14,6 +14,14 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString, PyTuple};
 
 use crate::errors::{config_err, py_result};
 
+/// The name of `v`'s type, for error messages.
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
 /// Bytes from `bytes`, `bytearray`, `memoryview` or `str` (UTF-8).
 pub fn to_bytes(what: &str, v: &Bound<'_, PyAny>) -> PyResult<Bytes> {
     if let Ok(b) = v.cast::<PyBytes>() {
@@ -26,7 +34,7 @@ pub fn to_bytes(what: &str, v: &Bound<'_, PyAny>) -> PyResult<Bytes> {
         Ok(b) if !v.is_instance_of::<PyList>() => Ok(Bytes::from(b)),
         _ => Err(PyTypeError::new_err(format!(
             "{what}: expected bytes or str, got {}",
-            v.get_type().name()?
+            type_name(v)
         ))),
     }
 }
@@ -91,7 +99,7 @@ pub fn opt_int(
         Err(e) if !e.is_instance_of::<pyo3::exceptions::PyOverflowError>(v.py()) => {
             Err(PyTypeError::new_err(format!(
                 "{what}: expected int or None, got {}",
-                v.get_type().name()?
+                type_name(v)
             )))
         }
         _ => Err(config_err(format!(
@@ -139,7 +147,7 @@ pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
     let t = v.cast::<PyTuple>().map_err(|_| {
         PyTypeError::new_err(format!(
             "record: expected onceflow.Record or a tuple (topic, payload, key, headers, partition, timestamp, idempotency_key), got {}",
-            v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            type_name(v)
         ))
     })?;
     let n = t.len();
@@ -155,7 +163,7 @@ pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
     let topic = topic.extract::<String>().map_err(|_| {
         PyTypeError::new_err(format!(
             "record topic: expected str, got {}",
-            topic.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            type_name(&topic)
         ))
     })?;
     let idempotency_key = match none_or(6) {
@@ -163,7 +171,7 @@ pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
         Some(k) => Some(k.extract::<String>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "record idempotency_key: expected str or None, got {}",
-                k.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                type_name(&k)
             ))
         })?),
     };

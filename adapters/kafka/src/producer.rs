@@ -6,7 +6,7 @@
 //! delivery callback fills the slots, and the caller is woken once, when the last report is in.
 //! `FutureProducer` instead gives each record its own oneshot channel and future.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -140,6 +140,8 @@ struct Shared {
     state: Mutex<TxnState>,
     /// Serialises `begin` (initialisation and re-creation of the native producer).
     init_lock: tokio::sync::Mutex<()>,
+    /// A [`flush_queued_once`] is running: it covers whatever is enqueued meanwhile too.
+    flushing: Arc<AtomicBool>,
 }
 
 /// A Kafka producer. Cheap to share; every send waits for its delivery report.
@@ -347,17 +349,35 @@ fn linger_of(config: &rdkafka::ClientConfig) -> Duration {
 /// nobody waits for it. rust-rdkafka's `Producer::flush` cannot be used: it calls
 /// `rd_kafka_flush` with a zero timeout and then polls, so the flag is gone before a broker
 /// thread wakes up and the records still wait `linger.ms`.
-#[allow(unsafe_code)]
 fn flush_queued(native: Native, window: Duration) {
+    tokio::task::spawn_blocking(move || flush_blocking(&native, window));
+}
+
+/// `rd_kafka_flush(window)` on the calling (blocking) thread; see [`flush_queued`].
+#[allow(unsafe_code)]
+fn flush_blocking(native: &Native, window: Duration) {
+    let ms = i32::try_from(window.as_millis()).unwrap_or(i32::MAX).max(1);
+    // SAFETY: `native_ptr` is the rd_kafka_t owned by `native`, which the caller keeps alive
+    // for the call. `rd_kafka_flush` may be called from any thread; with the event based
+    // delivery reports rust-rdkafka configures, it only waits for the outstanding message
+    // count (it serves no queue), so the producer's own poll thread still receives every
+    // delivery report. Its result (timed out or not) needs no handling: the delivery reports
+    // carry each record's outcome.
+    unsafe { rdkafka::bindings::rd_kafka_flush(native.client().native_ptr(), ms) };
+}
+
+/// [`flush_queued`] unless one started by this function is still running (`rd_kafka_flush`
+/// keeps linger.ms off until nothing is outstanding, records enqueued meanwhile included), so
+/// awaiting many enqueued batches in a row starts one flush, not one per batch.
+fn flush_queued_once(shared: &Arc<Shared>, native: Native) {
+    if shared.flushing.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let flag = shared.flushing.clone();
+    let window = shared.linger;
     tokio::task::spawn_blocking(move || {
-        let ms = i32::try_from(window.as_millis()).unwrap_or(i32::MAX).max(1);
-        // SAFETY: `native_ptr` is the rd_kafka_t owned by `native`, which this closure keeps
-        // alive for the call. `rd_kafka_flush` may be called from any thread; with the event
-        // based delivery reports rust-rdkafka configures, it only waits for the outstanding
-        // message count (it serves no queue), so the producer's own poll thread still receives
-        // every delivery report. Its result (timed out or not) needs no handling: the delivery
-        // reports carry each record's outcome.
-        unsafe { rdkafka::bindings::rd_kafka_flush(native.client().native_ptr(), ms) };
+        flush_blocking(&native, window);
+        flag.store(false, Ordering::Release);
     });
 }
 
@@ -369,7 +389,8 @@ fn flush_queued(native: Native, window: Duration) {
 /// `linger.ms` for more records to join them only adds latency (with one call in flight, each
 /// call paid the whole 5 ms default). Once the batch is enqueued it is sent right away
 /// ([`flush_queued`] for `linger`, the configured `linger.ms`; nothing when that is 0).
-/// `linger.ms` still batches single `send` calls and [`TransactionBackend::enqueue_batch`].
+/// `linger.ms` still batches single `send` calls, and [`TransactionBackend::enqueue_batch`]
+/// until its reports are awaited.
 async fn send_all_on(
     native: &Native,
     records: Vec<Record>,
@@ -442,6 +463,7 @@ impl KafkaProducer {
                 native: Mutex::new(native),
                 state: Mutex::new(TxnState::default()),
                 init_lock: tokio::sync::Mutex::new(()),
+                flushing: Arc::new(AtomicBool::new(false)),
             }),
         };
         if transactional {
@@ -713,11 +735,18 @@ impl TransactionBackend for KafkaTransaction {
                 .collect();
             return Box::pin(std::future::ready(failed));
         }
-        // Enqueue now (librdkafka sends in the background); await the reports later.
+        // Enqueue now (librdkafka sends in the background, after `linger.ms` so that later
+        // batches join these); await the reports later.
         let enqueued =
             enqueue_all(&self.native, &records, self.shared.kafka.max_record_bytes).await;
         let shared = self.shared.clone();
+        let native = self.native.clone();
         Box::pin(async move {
+            // Awaited: the caller waits for these reports now (before committing), so no later
+            // batch joins them; what is queued leaves at once instead of after `linger.ms`.
+            if !shared.linger.is_zero() && enqueued.any_enqueued(records.len()) {
+                flush_queued_once(&shared, native);
+            }
             let out = enqueued.delivered(records).await;
             if let Some(e) = out
                 .iter()

@@ -71,7 +71,11 @@ impl KeyStrategy {
 }
 
 fn coordinates(m: &Message) -> String {
-    format!("@{}/{}/{}", m.topic, m.partition, m.position)
+    use std::fmt::Write as _;
+    // Room for the position and a `:N` output suffix, so neither reallocates.
+    let mut s = String::with_capacity(m.topic.len() + 48);
+    let _ = write!(s, "@{}/{}/{}", m.topic, m.partition, m.position);
+    s
 }
 
 /// What to do with a message whose handler still fails after the last retry.
