@@ -476,7 +476,13 @@ fn k4_python(input: &str, output: &str, n: u64) -> Option<f64> {
 /// K4: one pre-filled input, read by each contender with its own group.
 fn k4() {
     let rt = rt();
-    let n = 100_000u64;
+    // Inputs per run (`ONCEFLOW_K4_MESSAGES`, default 1 000 000). Each contender's clock
+    // includes its group join and the first fetches: with 100 000 inputs (0.3–0.9 s a run)
+    // those decided the figure, and the raw loops swung 2.5× between runs.
+    let n: u64 = std::env::var("ONCEFLOW_K4_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
     let input = rt.block_on(async {
         let c = client().await;
         let input = topic(&c, "k4-in").await;

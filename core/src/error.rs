@@ -507,15 +507,13 @@ const SHOWN_CHARS: usize = 80;
 /// a terminal nor a log line.
 pub fn shown(value: &str) -> String {
     let mut out = String::with_capacity(value.len().min(SHOWN_CHARS * 2));
-    let mut count = 0usize;
-    for c in value.chars() {
+    for (count, c) in value.chars().enumerate() {
         if count == SHOWN_CHARS {
             let total = value.chars().count();
             out.push_str(&format!("…({total} characters)"));
             return out;
         }
         out.extend(c.escape_debug());
-        count += 1;
     }
     out
 }
