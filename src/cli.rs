@@ -39,9 +39,10 @@ async fn require_topics(client: &Client, url: &str, topics: &[String]) -> Result
                 return Err(Error::new(
                     ErrorKind::NotFound,
                     format!(
-                        "topic '{t}' does not exist on {}: check the name, or create it \
+                        "topic '{}' does not exist on {}: check the name, or create it \
                          (producing to it does on most platforms)",
-                        redact_credentials(url)
+                        onceflow::shown(t),
+                        onceflow::shown(&redact_credentials(url))
                     ),
                 ));
             }
@@ -102,10 +103,15 @@ pub struct ConsumeArgs {
     #[arg(long, default_value = "earliest")]
     from: String,
     /// Stop after this many messages (at least 1).
-    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::positive_count)]
     max: Option<u64>,
     /// Stop after this long without a message (ms).
-    #[arg(long, default_value_t = 5000)]
+    #[arg(
+        long,
+        default_value_t = 5000,
+        allow_negative_numbers = true,
+        value_parser = crate::milliseconds
+    )]
     idle_ms: u64,
     /// Print as JSON lines instead of text.
     #[arg(long)]
@@ -121,10 +127,15 @@ pub struct TailArgs {
     #[arg(long, short)]
     topic: String,
     /// Stop after this many messages (at least 1).
-    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::positive_count)]
     max: Option<u64>,
     /// Stop after this long without a message (ms); 0 = never.
-    #[arg(long, default_value_t = 0)]
+    #[arg(
+        long,
+        default_value_t = 0,
+        allow_negative_numbers = true,
+        value_parser = crate::milliseconds
+    )]
     idle_ms: u64,
     /// Print as JSON lines.
     #[arg(long)]
@@ -160,10 +171,15 @@ pub struct ReplayArgs {
     #[arg(long)]
     to_topic: Option<String>,
     /// Stop after this many messages (at least 1).
-    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::positive_count)]
     max: Option<u64>,
     /// Stop after this long without a message (ms).
-    #[arg(long, default_value_t = 3000)]
+    #[arg(
+        long,
+        default_value_t = 3000,
+        allow_negative_numbers = true,
+        value_parser = crate::milliseconds
+    )]
     idle_ms: u64,
     /// Print as JSON lines.
     #[arg(long)]
@@ -180,14 +196,16 @@ pub fn parse_start(s: &str) -> Result<StartFrom> {
             if let Some(ms) = s.strip_prefix("ts:") {
                 return ms.parse::<i64>().map(StartFrom::Timestamp).map_err(|_| {
                     Error::config(format!(
-                        "--from '{s}': expected ts:MILLISECONDS_SINCE_EPOCH"
+                        "--from '{}': expected ts:MILLISECONDS_SINCE_EPOCH",
+                        onceflow::shown(s)
                     ))
                 });
             }
             s.parse().map(StartFrom::Position).map_err(|_| {
                 Error::config(format!(
-                    "--from '{s}': expected earliest, latest, committed, ts:MS or a position \
-                     (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B)"
+                    "--from '{}': expected earliest, latest, committed, ts:MS or a position \
+                     (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B)",
+                    onceflow::shown(s)
                 ))
             })
         }
@@ -198,7 +216,8 @@ fn parse_header(h: &str) -> Result<(String, String)> {
     match h.split_once('=') {
         Some((n, v)) if !n.is_empty() => Ok((n.to_string(), v.to_string())),
         _ => Err(Error::config(format!(
-            "--header '{h}': expected NAME=VALUE with a non-empty name"
+            "--header '{}': expected NAME=VALUE with a non-empty name",
+            onceflow::shown(h)
         ))),
     }
 }

@@ -32,7 +32,7 @@ pub struct DemoArgs {
         long,
         default_value_t = 100_000,
         allow_negative_numbers = true,
-        value_parser = clap::value_parser!(u64).range(1..)
+        value_parser = crate::positive_count
     )]
     messages: u64,
     /// Dedup store URL: memory://, a file path / embedded:///path, redis://… or postgres://…
@@ -45,14 +45,14 @@ pub struct DemoArgs {
     /// run has committed a transaction, so each restart makes progress (0 = never; default: a
     /// third of the messages on memory://, never on a real broker, whose crash tests kill real
     /// processes).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::count)]
     crash_every: Option<u64>,
     /// Partitions of the demo topics (≥ 1; memory:// holds at most 100 000 per topic).
     #[arg(
         long,
         default_value_t = 8,
         allow_negative_numbers = true,
-        value_parser = clap::value_parser!(u32).range(1..)
+        value_parser = crate::partition_count
     )]
     partitions: u32,
 }

@@ -85,7 +85,7 @@ pub async fn connect(url: &str) -> Result<Client> {
     let scheme = url.split_once("://").map(|(s, _)| s).ok_or_else(|| {
         Error::config(format!(
             "'{}' is not a platform URL: expected SCHEME://..., one of {}",
-            redact_credentials(url),
+            onceflow_core::shown(&redact_credentials(url)),
             supported_schemes().join(", ")
         ))
     })?;
@@ -108,8 +108,9 @@ pub async fn connect(url: &str) -> Result<Client> {
             supported_schemes().join(", ")
         ))),
         other => Err(Error::config(format!(
-            "unknown platform scheme '{other}://' in '{}': expected one of {}",
-            redact_credentials(url),
+            "unknown platform scheme '{}://' in '{}': expected one of {}",
+            onceflow_core::shown(other),
+            onceflow_core::shown(&redact_credentials(url)),
             supported_schemes().join(", ")
         ))),
     }

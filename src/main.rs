@@ -34,6 +34,44 @@ enum Command {
     Replay(cli::ReplayArgs),
 }
 
+/// `--messages`, `--max`: a whole number ≥ 1 (clap's own parser says "invalid digit found in
+/// string" for `-5`).
+fn positive_count(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("expected a whole number from 1 to {}", u64::MAX)),
+    }
+}
+
+/// `--crash-every`: a whole number ≥ 0.
+fn count(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse::<u64>()
+        .map_err(|_| format!("expected a whole number from 0 to {}", u64::MAX))
+}
+
+/// `--idle-ms`: milliseconds, a whole number ≥ 0.
+fn milliseconds(s: &str) -> Result<u64, String> {
+    s.trim().parse::<u64>().map_err(|_| {
+        format!(
+            "expected milliseconds, a whole number from 0 to {}",
+            u64::MAX
+        )
+    })
+}
+
+/// `--partitions`: 1 to [`onceflow::MAX_PARTITIONS`] (a platform may hold fewer; memory://
+/// at most 100 000, checked when the topic is created).
+fn partition_count(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<u32>() {
+        Ok(n) if (1..=onceflow::MAX_PARTITIONS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a whole number from 1 to {} (memory:// holds at most 100000)",
+            onceflow::MAX_PARTITIONS
+        )),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,

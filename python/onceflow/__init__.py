@@ -565,7 +565,7 @@ class Consumer:
         (``payloads()``, ``keys()``, ``positions()``, ``partitions()``, ``topics()``,
         ``timestamps()``, ``last_positions()``) return one list for the whole batch without
         a ``Message`` per message."""
-        batch = await self._native.poll(max or self.batch_size, self.poll_timeout if timeout is None else timeout)
+        batch = await self._native.poll(self.batch_size if max is None else max, self.poll_timeout if timeout is None else timeout)
         if batch:
             self._settle()
             self._batch, self._index = batch, len(batch)

@@ -114,9 +114,9 @@ pub fn opt_partition(v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i32>> {
     Ok(opt_int("partition", v, 0, i64::from(i32::MAX))?.map(|n| n as i32))
 }
 
-/// A `timestamp` argument (ms since the Unix epoch): `None` or an int that fits 64 bits.
+/// A `timestamp` argument (ms since the Unix epoch): `None` or an int from 0 to 2^63 - 1.
 pub fn opt_timestamp(v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
-    opt_int("timestamp", v, i64::MIN, i64::MAX)
+    opt_int("timestamp", v, 0, i64::MAX)
 }
 
 /// A record from its fields (the order of `onceflow.Record`).
@@ -537,10 +537,23 @@ impl From<PartitionLag> for Lag {
     }
 }
 
-/// Seconds (float) → Duration, refusing negatives and NaN.
+/// The longest duration a seconds argument takes: 100 years (no deadline arithmetic overflows).
+const MAX_SECONDS: f64 = 100.0 * 365.25 * 24.0 * 3600.0;
+
+/// Seconds (float) → Duration: 0 to 100 years (3 155 760 000 s); refuses negatives, NaN and
+/// larger values with a `ConfigError` naming `what` and the value.
 pub fn seconds(what: &str, s: f64) -> PyResult<std::time::Duration> {
-    std::time::Duration::try_from_secs_f64(s)
-        .map_err(|_| config_err(format!("{what} {s}: expected a number of seconds >= 0")))
+    if !(0.0..=MAX_SECONDS).contains(&s) {
+        let text = if s.is_finite() && s.abs() < 1e15 {
+            s.to_string()
+        } else {
+            format!("{s:e}")
+        };
+        return Err(config_err(format!(
+            "{what} {text}: expected a number of seconds from 0 to {MAX_SECONDS} (100 years)"
+        )));
+    }
+    Ok(std::time::Duration::from_secs_f64(s))
 }
 
 /// `seq[index]` of a sequence of `n` items made on access by `item`: an int (a negative one

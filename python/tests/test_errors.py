@@ -96,3 +96,17 @@ def test_send_outside_a_running_loop_says_what_to_use_instead():
     with pytest.raises(RuntimeError, match="from onceflow import sync") as e:
         producer.send("t", b"x")
     assert "no running event loop" in str(e.value.__cause__)
+
+
+async def test_zero_max_and_out_of_range_timeouts_are_refused(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send(topic, b"x")
+    consumer = await memory.consumer(topic)
+    with pytest.raises(onceflow.ConfigError):
+        await consumer.poll(max=0)
+    with pytest.raises(onceflow.ConfigError, match=r"timeout 1e308: expected a number of seconds from 0 to"):
+        await producer.flush(timeout=1e308)
+    with pytest.raises(onceflow.ConfigError, match=r"timestamp -1: expected an int from 0 to"):
+        await producer.send(topic, b"x", timestamp=-1)
+    await producer.close()

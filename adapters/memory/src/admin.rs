@@ -23,7 +23,7 @@ pub struct MemoryAdmin {
 fn not_found(name: &str) -> Error {
     Error::new(
         ErrorKind::NotFound,
-        format!("topic '{name}' does not exist"),
+        format!("topic '{}' does not exist", onceflow_core::shown(name)),
     )
 }
 

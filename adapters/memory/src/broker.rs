@@ -264,7 +264,7 @@ impl State {
                     ErrorKind::NotFound,
                     format!(
                         "topic '{}' does not exist (auto_create=false): create it first",
-                        record.topic
+                        onceflow_core::shown(&record.topic)
                     ),
                 ))
             }

@@ -42,7 +42,7 @@ const KNOWN: &str = "partitions, auto_create, max_record_bytes";
 pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
     let raw = url;
     // What errors show of the URL: no user info or secret-looking query values.
-    let url = &onceflow_core::redact_credentials(raw);
+    let url = &onceflow_core::shown(&onceflow_core::redact_credentials(raw));
     let rest = match raw.split_once("://") {
         Some((scheme, rest)) if scheme.eq_ignore_ascii_case("memory") => rest,
         Some((scheme, _)) => {
@@ -76,7 +76,8 @@ pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
     {
         return Err(Error::config(format!(
-            "invalid broker name '{name}' in '{url}': expected letters, digits, '-', '_' or '.'"
+            "invalid broker name '{}' in '{url}': expected letters, digits, '-', '_' or '.'",
+            onceflow_core::shown(name)
         )));
     }
     let mut options = MemoryOptions::default();

@@ -230,7 +230,7 @@ fn not_a_directory(path: &str, shown: &str) -> Result<()> {
 /// that cannot be opened, naming the path.
 pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
     // Errors show the URL without its credentials.
-    let shown = crate::error::redact_credentials(url);
+    let shown = crate::error::shown(&crate::error::redact_credentials(url));
     use crate::error::Error;
     const SUPPORTED: &str = "memory://[?capacity=N], embedded:///absolute/path.db, a plain file \
          path, redis://… or postgres://… (the last two through the onceflow facade)";
@@ -359,7 +359,8 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
             shown
         ))),
         _ => Err(Error::config(format!(
-            "unknown dedup store URL scheme '{scheme}://' in '{}': expected one of {SUPPORTED}",
+            "unknown dedup store URL scheme '{}://' in '{}': expected one of {SUPPORTED}",
+            crate::error::shown(scheme),
             shown
         ))),
     }
