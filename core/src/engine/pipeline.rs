@@ -157,13 +157,12 @@ fn set_output_ids(input_key: Option<String>, outputs: &mut [Record]) {
     use std::fmt::Write as _;
     let Some(mut k) = input_key else { return };
     let n = outputs.len();
-    let base = k.len();
     for (i, r) in outputs.iter_mut().enumerate() {
         let mut id = if i + 1 == n {
             std::mem::take(&mut k)
         } else {
-            let mut id = String::with_capacity(base + 8);
-            id.push_str(&k[..base]);
+            let mut id = String::with_capacity(k.len() + 8);
+            id.push_str(&k);
             id
         };
         let _ = write!(id, ":{i}");
