@@ -60,13 +60,13 @@ fn milliseconds(s: &str) -> Result<u64, String> {
     })
 }
 
-/// `--partitions`: 1 to [`onceflow::MAX_PARTITIONS`] (a platform may hold fewer; memory://
-/// at most 100 000, checked when the topic is created).
+/// `--partitions`: 1 to [`onceflow::MAX_PARTITIONS`] (a platform may hold fewer, which it
+/// reports when the topic is created).
 fn partition_count(s: &str) -> Result<u32, String> {
     match s.trim().parse::<u32>() {
         Ok(n) if (1..=onceflow::MAX_PARTITIONS).contains(&n) => Ok(n),
         _ => Err(format!(
-            "expected a whole number from 1 to {} (memory:// holds at most 100000)",
+            "expected a whole number from 1 to {}",
             onceflow::MAX_PARTITIONS
         )),
     }

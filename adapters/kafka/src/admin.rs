@@ -182,10 +182,12 @@ impl AdminBackend for KafkaAdmin {
 
     async fn create_topic(&self, spec: &TopicSpec) -> Result<()> {
         validate_name(&spec.name)?;
-        if spec.partitions < 1 || spec.partitions > i32::MAX as u32 {
+        if spec.partitions < 1 || spec.partitions > onceflow_core::MAX_PARTITIONS {
             return Err(Error::config(format!(
-                "topic '{}' with {} partitions: expected 1 to 2147483647",
-                spec.name, spec.partitions
+                "topic '{}' with {} partitions: expected 1 to {}",
+                spec.name,
+                spec.partitions,
+                onceflow_core::MAX_PARTITIONS
             )));
         }
         let mut options = spec.options.clone();
