@@ -176,14 +176,14 @@ impl EmbeddedStore {
             .map_err(|e| {
                 Error::dedup_store(format!(
                     "embedded dedup store '{}': cannot start its thread",
-                    path.display()
+                    shown_path(&path)
                 ))
                 .with_source(e)
             })?;
         let opened = ready_rx.await.unwrap_or_else(|_| {
             Err(Error::dedup_store(format!(
                 "embedded dedup store '{}': its thread stopped while opening",
-                path.display()
+                shown_path(&path)
             )))
         });
         if let Err(e) = opened {
@@ -232,7 +232,7 @@ impl EmbeddedStore {
         let stopped = || {
             Error::dedup_store(format!(
                 "embedded dedup store '{}': its thread has stopped",
-                self.path.display()
+                shown_path(&self.path)
             ))
         };
         self.jobs
@@ -246,7 +246,7 @@ impl EmbeddedStore {
     fn protocol_error(&self) -> Error {
         Error::dedup_store(format!(
             "embedded dedup store '{}': unexpected reply from its thread",
-            self.path.display()
+            shown_path(&self.path)
         ))
     }
 }
@@ -464,7 +464,7 @@ pub(crate) fn db_error(path: &Path, what: &str, e: rusqlite::Error) -> Error {
     };
     Error::dedup_store(format!(
         "embedded dedup store '{}': {what}: {e}{hint}",
-        path.display()
+        shown_path(path)
     ))
     .with_source(e)
     .retriable(busy)
@@ -512,7 +512,7 @@ impl Tokens {
 /// [`Durability`], busy timeout, cache size); the schema is not touched. Used by the store's
 /// thread and by the transactional inbox.
 pub(crate) fn open_connection(path: &Path, options: &EmbeddedOptions) -> Result<Connection> {
-    let shown = path.display().to_string();
+    let shown = shown_path(path);
     if path.as_os_str().is_empty() {
         return Err(Error::dedup_store(
                 "embedded dedup store: the path is empty; expected a file path such as /var/lib/app/dedup.db",
@@ -527,7 +527,7 @@ pub(crate) fn open_connection(path: &Path, options: &EmbeddedOptions) -> Result<
         if !parent.is_dir() {
             return Err(Error::dedup_store(format!(
                     "embedded dedup store '{shown}': directory '{}' does not exist or is not a directory",
-                    parent.display()
+                    shown_path(parent)
                 )));
         }
     }
@@ -596,7 +596,7 @@ impl Worker {
 
     /// Creates the schema in a new file, or checks the version of an existing one.
     fn migrate(conn: &Connection, path: &Path) -> Result<()> {
-        let shown = path.display();
+        let shown = shown_path(path);
         let run = || -> rusqlite::Result<std::result::Result<(), i64>> {
             conn.execute_batch("BEGIN IMMEDIATE")?;
             let inner = || -> rusqlite::Result<std::result::Result<(), i64>> {
@@ -899,6 +899,12 @@ impl Worker {
             }
         }
     }
+}
+
+/// `path` for an error message: cut past 80 characters and control characters escaped
+/// ([`crate::error::shown`]).
+fn shown_path(path: &Path) -> String {
+    crate::error::shown(&path.display().to_string())
 }
 
 #[cfg(test)]
