@@ -366,6 +366,55 @@ fn flush_blocking(native: &Native, window: Duration) {
     unsafe { rdkafka::bindings::rd_kafka_flush(native.client().native_ptr(), ms) };
 }
 
+/// Starts the idempotent producer's ProducerID acquisition now rather than after 500 ms.
+///
+/// librdkafka (2.12) asks for a ProducerID (KIP-98 `InitProducerId`) from a 500 ms timer it
+/// starts when the producer is created, and also whenever a metadata response arrives
+/// (`rdkafka_idempotence.c`, `rdkafka_metadata.c`). The first response usually comes over the
+/// bootstrap connection, before the broker it names is connected; no broker is then eligible,
+/// so the request waits for the timer, and every record sent meanwhile waits with it: the
+/// first delivery of a new idempotent producer took ~505 ms on a loopback broker, against
+/// ~5 ms without idempotence (librdkafka PR #5032 works on the same first-produce delay). Two
+/// metadata requests for no topic, one after the other, on a blocking thread: the second is
+/// answered by a broker learned from the first, once it is up, and its response acquires the
+/// ProducerID then (~55 ms). Nobody waits for them; a failure (broker down) leaves the timer
+/// in charge, as before.
+#[allow(unsafe_code)]
+fn acquire_producer_id_early(native: &Native, timeout: Duration) {
+    let native = native.clone();
+    let ms = i32::try_from(timeout.min(PRIME_TIMEOUT).as_millis())
+        .unwrap_or(i32::MAX)
+        .max(1);
+    tokio::task::spawn_blocking(move || {
+        for _ in 0..2 {
+            let mut md: *const rdkafka::bindings::rd_kafka_metadata_t = std::ptr::null();
+            // SAFETY: the rd_kafka_t is owned by `native`, alive for the call. With
+            // `all_topics` 0 and no topic handle, librdkafka asks for the topics it knows
+            // locally (none for a new producer): a brokers-only request. On success it hands
+            // over `md`, freed right away with `rd_kafka_metadata_destroy`.
+            let err = unsafe {
+                rdkafka::bindings::rd_kafka_metadata(
+                    native.client().native_ptr(),
+                    0,
+                    std::ptr::null_mut(),
+                    &mut md,
+                    ms,
+                )
+            };
+            if !md.is_null() {
+                // SAFETY: `md` came from `rd_kafka_metadata` above and is freed once.
+                unsafe { rdkafka::bindings::rd_kafka_metadata_destroy(md) };
+            }
+            if err != rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+                return;
+            }
+        }
+    });
+}
+
+/// Bound of each metadata request of [`acquire_producer_id_early`].
+const PRIME_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// [`flush_queued`] unless one started by this function is still running (`rd_kafka_flush`
 /// keeps linger.ms off until nothing is outstanding, records enqueued meanwhile included), so
 /// awaiting many enqueued batches in a row starts one flush, not one per batch.
@@ -454,6 +503,12 @@ impl KafkaProducer {
             native_config.set("enable.idempotence", if on { "true" } else { "false" });
         }
         let native = create_native(&native_config)?;
+        let idempotent = native_config
+            .get("enable.idempotence")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+        if idempotent && !transactional {
+            acquire_producer_id_early(&native, kafka.timeout);
+        }
         let producer = KafkaProducer {
             shared: Arc::new(Shared {
                 kafka,
