@@ -217,7 +217,10 @@ fn not_a_directory(path: &str, shown: &str) -> Result<()> {
 /// Opens a dedup store from a URL, remembering completed keys for `window` (must be > 0).
 ///
 /// - `memory://` or `memory://?capacity=N`: a new, bounded in-process [`MemoryStore`]
-///   (default capacity [`memory::DEFAULT_CAPACITY`] keys). Each call creates a new store.
+///   (default capacity [`memory::DEFAULT_CAPACITY`] keys). Each call creates a new store. When
+///   more than N keys arrive within one window, the oldest completed keys are evicted early and
+///   their redeliveries run the handler again; the store logs a warning the first time and
+///   counts every such eviction ([`MemoryStore::evicted_in_window`]).
 /// - `embedded:///absolute/path.db` (percent-escapes decoded) or a plain file path such as
 ///   `./dedup.db`: an on-disk [`EmbeddedStore`] that survives restarts.
 ///
@@ -299,7 +302,8 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                     "capacity" => {
                         capacity = v.parse().ok().filter(|c| *c > 0).ok_or_else(|| {
                             Error::config(format!(
-                                "capacity '{v}' in '{shown}' is not a positive whole number of keys"
+                                "capacity '{}' in '{shown}' is not a positive whole number of keys",
+                                crate::error::shown(&v)
                             ))
                         })?;
                     }
