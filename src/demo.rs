@@ -127,6 +127,15 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     let tx_id = format!("billing-pipeline-{run_id}");
     let worker = format!("billing-worker-{run_id}");
 
+    // The dedup store first: a bad --dedup is refused before any topic is made on the broker.
+    let tmp = tempfile::tempdir()
+        .map_err(|e| Error::config("cannot create a temporary directory").with_source(e))?;
+    let store_url = match &a.dedup {
+        Some(u) => u.clone(),
+        None => tmp.path().join("dedup.db").display().to_string(),
+    };
+    let store = onceflow::dedup_store(&store_url, Duration::from_secs(3600)).await?;
+
     let client = crate::cli::connect(&a.url).await?;
     let admin = client.admin().await?;
     admin
@@ -135,14 +144,6 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     admin
         .create_topic(&TopicSpec::new(&output, a.partitions))
         .await?;
-
-    let tmp = tempfile::tempdir()
-        .map_err(|e| Error::config("cannot create a temporary directory").with_source(e))?;
-    let store_url = match &a.dedup {
-        Some(u) => u.clone(),
-        None => tmp.path().join("dedup.db").display().to_string(),
-    };
-    let store = onceflow::dedup_store(&store_url, Duration::from_secs(3600)).await?;
 
     eprintln!(
         "onceflow demo on {} ({} partitions), dedup store {} ({})",

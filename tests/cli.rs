@@ -190,6 +190,25 @@ fn credentials_in_a_url_never_reach_the_terminal() {
     );
 }
 
+/// The break test's finding: a --dedup path in a directory that does not exist exited 1 (a
+/// failure) where every other bad value exits 2 (bad input).
+#[test]
+fn a_dedup_path_in_a_missing_directory_is_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("no-such-dir").join("d.db");
+    let path = path.to_str().unwrap();
+    let stderr = refused(&["demo", "--messages", "10", "--dedup", path]);
+    assert!(stderr.starts_with("onceflow: bad input: "), "{stderr}");
+    assert!(stderr.contains(path), "{stderr}");
+    assert!(
+        stderr.contains("does not exist")
+            && stderr.contains("expected a file path in an existing directory"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("error kind: ONCEFLOW_CONFIG"), "{stderr}");
+    assert!(!dir.path().join("no-such-dir").exists(), "directory made");
+}
+
 #[test]
 fn a_key_value_connection_string_is_not_taken_for_a_file() {
     let dir = tempfile::tempdir().unwrap();

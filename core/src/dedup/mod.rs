@@ -193,9 +193,10 @@ impl<T: DedupStore + ?Sized> DedupStoreExt for T {}
 pub type SharedDedupStore = Arc<dyn DedupStore>;
 
 /// Bad input (`Config`) when the embedded store's path is a directory or another file that is
-/// not a regular file (a device such as `/dev/null`, a FIFO), whether given as a plain path or
-/// as `embedded:///…`: the same mistake gets the same error.
-fn not_a_directory(path: &str, shown: &str) -> Result<()> {
+/// not a regular file (a device such as `/dev/null`, a FIFO), or lies in a directory that does
+/// not exist, whether given as a plain path or as `embedded:///…`: the same mistake gets the
+/// same error.
+fn check_file_path(path: &str, shown: &str) -> Result<()> {
     if let Ok(meta) = std::fs::metadata(path) {
         if !meta.is_dir() && !meta.is_file() {
             return Err(crate::Error::config(format!(
@@ -210,6 +211,19 @@ fn not_a_directory(path: &str, shown: &str) -> Result<()> {
              (created if missing)",
             path.trim_end_matches('/')
         )));
+    }
+    if let Some(parent) = std::path::Path::new(path)
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+    {
+        if !parent.is_dir() {
+            return Err(crate::Error::config(format!(
+                "dedup store '{shown}': directory '{}' does not exist or is not a directory: \
+                 expected a file path in an existing directory (the file is created if missing, \
+                 its directory is not)",
+                crate::error::shown(&parent.display().to_string())
+            )));
+        }
     }
     Ok(())
 }
@@ -229,8 +243,9 @@ fn not_a_directory(path: &str, shown: &str) -> Result<()> {
 /// opened by the `onceflow` facade with its `redis` / `postgres` feature);
 /// [`crate::ErrorKind::Config`] for any other scheme, a bad option, a zero window or a bare
 /// scheme name such as `memory` (a forgotten `://`, not a file to create), naming the value
-/// and listing the supported forms; [`crate::ErrorKind::DedupStore`] for an embedded path
-/// that cannot be opened, naming the path.
+/// and listing the supported forms, and for an embedded path that is a directory, a device or
+/// in a directory that does not exist; [`crate::ErrorKind::DedupStore`] for an embedded path
+/// that cannot be opened otherwise (no permission, not a database), naming the path.
 pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
     // Errors show the URL without its credentials.
     let shown = crate::error::shown(&crate::error::redact_credentials(url));
@@ -282,7 +297,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                  before it",
             ));
         }
-        not_a_directory(trimmed, &shown)?;
+        check_file_path(trimmed, &shown)?;
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
     };
     match scheme.to_ascii_lowercase().as_str() {
@@ -348,7 +363,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                     "embedded dedup store URL '{shown}' decodes to a path that is not UTF-8"
                 ))
             })?;
-            not_a_directory(&path, &shown)?;
+            check_file_path(&path, &shown)?;
             Ok(Arc::new(EmbeddedStore::open(path, window).await?))
         }
         s @ ("redis" | "rediss") => Err(Error::unsupported(format!(
