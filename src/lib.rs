@@ -143,10 +143,10 @@ async fn connect_kinesis(url: &str) -> Result<Arc<onceflow_kinesis::KinesisPlatf
 /// `onceflow_postgres::PostgresStore`), shared by every consumer that opens the same URL.
 /// Completed keys are remembered for `window`.
 ///
-/// Errors: [`ErrorKind::Config`] for an unknown scheme or a zero window,
-/// [`ErrorKind::Unsupported`] for `redis://` / `postgres://` in a build without that feature,
-/// [`ErrorKind::DedupStore`] for a path or server that cannot be used (naming it, without its
-/// password).
+/// Errors: [`ErrorKind::Config`] for an unknown scheme, a zero window or a file path that is a
+/// directory, a device or in a directory that does not exist, [`ErrorKind::Unsupported`] for
+/// `redis://` / `postgres://` in a build without that feature, [`ErrorKind::DedupStore`] for a
+/// path or server that cannot be used otherwise (naming it, without its password).
 pub async fn dedup_store(url: &str, window: Duration) -> Result<Arc<dyn DedupStore>> {
     let scheme = url
         .trim()

@@ -34,12 +34,25 @@ enum Command {
     Replay(cli::ReplayArgs),
 }
 
-/// `--messages`, `--max`: a whole number ≥ 1 (clap's own parser says "invalid digit found in
+/// `--max`: a whole number ≥ 1 (clap's own parser says "invalid digit found in
 /// string" for `-5`).
 fn positive_count(s: &str) -> Result<u64, String> {
     match s.trim().parse::<u64>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("expected a whole number from 1 to {}", u64::MAX)),
+    }
+}
+
+/// `onceflow demo --messages`: 1 to [`demo::MAX_MESSAGES`] (the demo checks
+/// [`demo::MAX_MEMORY_MESSAGES`] itself on memory://, whose URL the parser does not see).
+fn demo_message_count(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) if (1..=demo::MAX_MESSAGES).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a whole number from 1 to {} (at most {} on memory://)",
+            demo::MAX_MESSAGES,
+            demo::MAX_MEMORY_MESSAGES
+        )),
     }
 }
 

@@ -126,6 +126,49 @@ fn a_negative_count_names_its_option() {
     }
 }
 
+/// The break test's finding: `demo --messages` with a huge count on memory:// ran until the
+/// process aborted out of memory. Now the count is bounded (100 000 000 anywhere, 1 000 000
+/// on memory://, which keeps every record in the process) and refused before anything runs.
+#[test]
+fn a_message_count_the_demo_cannot_hold_is_bad_input_not_an_abort() {
+    for n in ["100000001", "18446744073709551615"] {
+        let stderr = refused(&["demo", "--messages", n]);
+        assert!(
+            stderr.contains("--messages") && stderr.contains(n),
+            "{n}: {stderr}"
+        );
+        assert!(
+            stderr.contains("expected a whole number from 1 to 100000000"),
+            "{n}: {stderr}"
+        );
+    }
+    for url in ["memory://demo", "MEMORY://big"] {
+        let stderr = refused(&["demo", "--url", url, "--messages", "1000001"]);
+        assert!(stderr.starts_with("onceflow: bad input: "), "{stderr}");
+        assert!(
+            stderr.contains("--messages 1000001") && stderr.contains("at most 1000000"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("memory://"), "{stderr}");
+        assert!(
+            !stderr.contains("onceflow demo on"),
+            "the demo started: {stderr}"
+        );
+    }
+    // The memory:// bound is memory://'s: elsewhere the count is accepted, and the run fails
+    // only at its broker (nothing listens on port 1).
+    let out = onceflow(&[
+        "demo",
+        "--url",
+        "kafka://127.0.0.1:1",
+        "--messages",
+        "1000001",
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.starts_with("onceflow: cannot connect: "), "{stderr}");
+}
+
 #[test]
 fn an_unreachable_broker_is_named_at_once() {
     for url in ["kafka://127.0.0.1:1", "pulsar://127.0.0.1:1"] {
@@ -188,6 +231,25 @@ fn credentials_in_a_url_never_reach_the_terminal() {
         "{}",
         text(&help.stdout)
     );
+}
+
+/// The break test's finding: a --dedup path in a directory that does not exist exited 1 (a
+/// failure) where every other bad value exits 2 (bad input).
+#[test]
+fn a_dedup_path_in_a_missing_directory_is_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("no-such-dir").join("d.db");
+    let path = path.to_str().unwrap();
+    let stderr = refused(&["demo", "--messages", "10", "--dedup", path]);
+    assert!(stderr.starts_with("onceflow: bad input: "), "{stderr}");
+    assert!(stderr.contains(path), "{stderr}");
+    assert!(
+        stderr.contains("does not exist")
+            && stderr.contains("expected a file path in an existing directory"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("error kind: ONCEFLOW_CONFIG"), "{stderr}");
+    assert!(!dir.path().join("no-such-dir").exists(), "directory made");
 }
 
 #[test]
@@ -284,7 +346,8 @@ fn ctrl_c_ends_the_demo_and_removes_its_temporary_store() {
 fn interrupt_demo(sig: &str, code: i32) {
     let tmp = tempfile::tempdir().unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
-        .args(["demo", "--messages", "10000000"])
+        // The most memory:// takes: long enough to be interrupted mid-run.
+        .args(["demo", "--messages", "1000000"])
         .env_remove("ONCEFLOW_URL")
         .env("TMPDIR", tmp.path())
         .stdout(std::process::Stdio::null())

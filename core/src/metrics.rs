@@ -1,6 +1,10 @@
 //! Engine metrics: counted in-process (readable in code through [`Metrics::snapshot`]) and
 //! exported through the globally installed OpenTelemetry meter provider, with the instrument
 //! names below (`onceflow.*`). Without a meter provider the OpenTelemetry side is a no-op.
+//!
+//! The bounded memory dedup store counts on its own, per store rather than per engine:
+//! `onceflow.dedup.evicted_in_window`, keys it evicted while still inside their dedup window
+//! (read in code with [`crate::dedup::MemoryStore::evicted_in_window`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -34,11 +34,23 @@ async def test_unknown_scheme_is_a_config_error():
     assert "carrier-pigeon" in str(err) and "memory://" in err.message
 
 
-async def test_bad_dedup_store_path_chains_the_native_cause(tmp_path):
-    with pytest.raises(onceflow.OnceflowError) as e:
-        await onceflow.dedup_store(str(tmp_path / "no" / "such" / "dir" / "keys.db"))
+async def test_dedup_store_path_in_a_missing_directory_is_a_config_error(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir" / "keys.db"
+    with pytest.raises(onceflow.ConfigError) as e:
+        await onceflow.dedup_store(str(missing))
+    assert e.value.kind == "config"
+    assert str(missing) in str(e.value) and "does not exist" in str(e.value)
+    assert not (tmp_path / "no").exists()
+
+
+async def test_bad_dedup_store_file_chains_the_native_cause(tmp_path):
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("not an SQLite database, but long enough to have a header.\n" * 4)
+    with pytest.raises(onceflow.DedupStoreError) as e:
+        await onceflow.dedup_store(str(not_a_db))
     assert e.value.kind == "dedup_store"
-    assert str(tmp_path) in str(e.value)
+    assert str(not_a_db) in str(e.value)
+    assert e.value.__cause__ is not None
 
 
 async def test_bad_start_and_engine_settings_are_config_errors(memory):

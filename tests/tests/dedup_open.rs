@@ -77,13 +77,30 @@ async fn embedded_url_without_absolute_path_is_a_config_error() {
     }
 }
 
+/// A path in a directory that does not exist is bad input (`Config`, like a directory given as
+/// the path), as a plain path and as a URL; a file that is there but is no database cannot be
+/// opened (`DedupStore`). Both name the path.
 #[tokio::test]
 async fn unusable_path_names_it() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("no-such-dir").join("d.db");
-    let e = err(path.to_str().unwrap()).await;
-    assert_eq!(e.kind(), ErrorKind::DedupStore);
-    assert!(e.message().contains(path.to_str().unwrap()), "{e}");
+    let path = path.to_str().unwrap();
+    for location in [path.to_string(), format!("embedded://{path}")] {
+        let e = err(&location).await;
+        assert_eq!(e.kind(), ErrorKind::Config, "{location}: {e}");
+        assert!(e.message().contains(&location), "{e}");
+        assert!(e.message().contains("does not exist"), "{e}");
+    }
+    assert!(!dir.path().join("no-such-dir").exists(), "directory made");
+    let not_a_db = dir.path().join("notes.txt");
+    std::fs::write(
+        &not_a_db,
+        "not an SQLite database, but long enough to have a header.",
+    )
+    .unwrap();
+    let e = err(not_a_db.to_str().unwrap()).await;
+    assert_eq!(e.kind(), ErrorKind::DedupStore, "{e}");
+    assert!(e.message().contains(not_a_db.to_str().unwrap()), "{e}");
 }
 
 /// A directory is bad input however the embedded store is named: plain path or URL.

@@ -109,7 +109,10 @@ impl EmbeddedOptions {
 ///
 /// Opening a path that cannot be used (a missing directory, a directory, a file that is not a
 /// database, no permission) is an error of kind [`crate::ErrorKind::DedupStore`] naming the
-/// path.
+/// path. Several processes or threads may open one file, a new one included, at the same time:
+/// an open waits up to 5 s for the others (busy timeout, and retries of the switch to WAL mode,
+/// which SQLite refuses at once while another connection holds the file) before failing with
+/// that error, marked retriable.
 pub struct EmbeddedStore {
     path: PathBuf,
     window: Duration,
@@ -451,10 +454,7 @@ pub(crate) fn sql_token(t: FencingToken) -> i64 {
 }
 
 pub(crate) fn db_error(path: &Path, what: &str, e: rusqlite::Error) -> Error {
-    let busy = matches!(
-        e.sqlite_error_code(),
-        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
-    );
+    let busy = is_busy(&e);
     let hint = match e.sqlite_error_code() {
         Some(ErrorCode::NotADatabase) => " (the file exists but is not an SQLite database)",
         Some(ErrorCode::CannotOpen) => " (check that the path is a writable file location)",
@@ -543,9 +543,7 @@ pub(crate) fn open_connection(path: &Path, options: &EmbeddedOptions) -> Result<
         "cannot set the busy timeout",
         conn.busy_timeout(Duration::from_secs(5)),
     )?;
-    let mode: String = conn
-        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
-        .map_err(|e| db_error(path, "cannot switch to WAL mode", e))?;
+    let mode = switch_to_wal(&conn).map_err(|e| db_error(path, "cannot switch to WAL mode", e))?;
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::dedup_store(format!(
             "embedded dedup store '{shown}': SQLite refused WAL mode (journal mode is '{mode}')"
@@ -575,6 +573,37 @@ pub(crate) fn open_connection(path: &Path, options: &EmbeddedOptions) -> Result<
     )?;
     conn.set_prepared_statement_cache_capacity(32);
     Ok(conn)
+}
+
+/// How long opening keeps retrying the switch to WAL mode while other connections hold the file.
+const WAL_SWITCH_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Switches the connection to WAL mode, retrying while the file is busy for at most
+/// [`WAL_SWITCH_PATIENCE`]. The switch needs the file to itself, and where waiting for it could
+/// deadlock (another connection holds a lock it wants to upgrade, as when several processes
+/// create the same new file at once) SQLite answers busy at once instead of calling the busy
+/// handler, so the busy timeout alone does not cover it. Returns the journal mode in effect.
+fn switch_to_wal(conn: &Connection) -> rusqlite::Result<String> {
+    let deadline = std::time::Instant::now() + WAL_SWITCH_PATIENCE;
+    let mut pause_ms = 1u64;
+    loop {
+        match conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get::<_, String>(0)) {
+            Err(e) if is_busy(&e) && std::time::Instant::now() < deadline => {
+                // Jittered so connections that collided do not collide again in step.
+                let jitter = rand::random::<u64>() % (pause_ms + 1);
+                std::thread::sleep(Duration::from_millis(pause_ms + jitter));
+                pause_ms = (pause_ms * 2).min(50);
+            }
+            r => return r,
+        }
+    }
+}
+
+fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
+    )
 }
 
 impl Worker {
@@ -964,6 +993,49 @@ mod tests {
             panic!()
         };
         assert!(t2 > t1, "{t2} > {t1}");
+    }
+
+    /// The break test's finding: processes or threads opening the same new file at the same
+    /// time failed now and then with "cannot switch to WAL mode: database is locked" (SQLite
+    /// answers busy at once, without its busy handler, where waiting could deadlock). Every
+    /// open must succeed, and every store must work on the shared file.
+    #[test]
+    fn concurrent_opens_of_one_new_file_all_succeed() {
+        const THREADS: usize = 8;
+        for round in 0..20 {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("dedup.db");
+            let start = std::sync::Arc::new(std::sync::Barrier::new(THREADS));
+            let opens: Vec<_> = (0..THREADS)
+                .map(|i| {
+                    let (path, start) = (path.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        futures::executor::block_on(async {
+                            let store = EmbeddedStore::open(&path, Duration::from_secs(60)).await?;
+                            let key = format!("k{i}");
+                            match store.claim_one(req(&key, "w")).await? {
+                                ClaimOutcome::Claimed { token } => {
+                                    store.complete_one(&key, token, None).await
+                                }
+                                other => panic!("{key}: {other:?}"),
+                            }
+                        })
+                    })
+                })
+                .collect();
+            for (i, open) in opens.into_iter().enumerate() {
+                match open.join().unwrap() {
+                    Ok(done) => assert!(done, "round {round}, thread {i}: completion refused"),
+                    Err(e) => panic!("round {round}, thread {i}: {e}"),
+                }
+            }
+            let conn = Connection::open(&path).unwrap();
+            let done: i64 = conn
+                .query_row("SELECT count(*) FROM onceflow_dedup", [], |r| r.get(0))
+                .unwrap();
+            assert_eq!(done, THREADS as i64, "round {round}");
+        }
     }
 
     #[tokio::test]

@@ -6,12 +6,14 @@
 //! API gives the same per-key atomicity at a fraction of the cost. The figures are in
 //! `benches/RESULTS.md`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use opentelemetry::metrics::Counter;
+use opentelemetry::{global, KeyValue};
 use quick_cache::sync::{Cache, EntryAction, EntryResult};
 use quick_cache::{DefaultHashBuilder, Lifecycle, OptionsBuilder, UnitWeighter};
 
@@ -40,8 +42,13 @@ const STRIPES: usize = 4096;
 /// - **Bounded**: at most `capacity` keys (default [`DEFAULT_CAPACITY`]). When full, the cache's
 ///   S3-FIFO policy evicts completed keys (least recently and least frequently seen first);
 ///   keys under a live lease are pinned and never evicted. An evicted completed key is
-///   forgotten early: a redelivery of it runs the handler again, so size the capacity for the
-///   number of keys expected within one window.
+///   forgotten early: **a redelivery of it runs the handler again**, so the store deduplicates
+///   only as far back as its capacity reaches, not its whole window. Size the capacity for the
+///   number of keys expected within one window. The store says when this happens: the first
+///   eviction of a key still inside its window logs one `tracing` warning per store (naming
+///   the capacity and the window), and every such eviction is counted, readable with
+///   [`MemoryStore::evicted_in_window`] and exported as the OpenTelemetry counter
+///   `onceflow.dedup.evicted_in_window` (attribute `onceflow.dedup.store` = `memory`).
 /// - **Atomic per key**: every claim holds one of 4096 stripe locks chosen by the key; a claim
 ///   that only reads (duplicate, held by another owner, mismatch) decides from a consistent
 ///   snapshot, and every change of an existing entry runs inside the cache's per-key
@@ -58,6 +65,8 @@ pub struct MemoryStore {
 
 struct Inner {
     cache: Cache<String, Entry, UnitWeighter, DefaultHashBuilder, Pinning>,
+    /// Shared with the cache's [`Pinning`] lifecycle, which sees every eviction.
+    evictions: Arc<Evictions>,
     window: Duration,
     window_ms: u64,
     capacity: u64,
@@ -102,10 +111,44 @@ impl Entry {
     }
 }
 
-/// Pins entries whose lease is live so capacity eviction never drops an in-progress key.
+/// Pins entries whose lease is live so capacity eviction never drops an in-progress key, and
+/// reports evictions of entries still inside their window (see [`Evictions`]).
 #[derive(Clone)]
 struct Pinning {
     base: Instant,
+    window_ms: u64,
+    evictions: Arc<Evictions>,
+}
+
+/// Capacity evictions of entries the store was still keeping (a completed key within its
+/// window, or an expired lease within the window after it): each one lets a duplicate through.
+struct Evictions {
+    count: AtomicU64,
+    warned: AtomicBool,
+    capacity: u64,
+    window: Duration,
+    otel: Counter<u64>,
+    attrs: [KeyValue; 1],
+}
+
+impl Evictions {
+    fn record(&self) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.otel.add(1, &self.attrs);
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                capacity = self.capacity,
+                window = ?self.window,
+                "memory dedup store is full (capacity {} keys): it evicted a key still inside its \
+                 {:?} dedup window, so a redelivery of an evicted key runs the handler again \
+                 (duplicates older than the eviction can now pass); raise capacity= to the keys \
+                 expected within one window, or use an embedded store. Logged once per store; \
+                 every such eviction is counted (onceflow.dedup.evicted_in_window)",
+                self.capacity,
+                self.window,
+            );
+        }
+    }
 }
 
 impl Lifecycle<String, Entry> for Pinning {
@@ -115,6 +158,13 @@ impl Lifecycle<String, Entry> for Pinning {
 
     fn is_pinned(&self, _key: &String, val: &Entry) -> bool {
         matches!(val.state, State::Held(_)) && val.deadline_ms > millis(self.base.elapsed())
+    }
+
+    fn on_evict(&self, _state: &mut Self::RequestState, _key: String, val: Entry) {
+        // Called for capacity evictions only (not for removals, replacements or the sweep).
+        if !val.is_dead(millis(self.base.elapsed()), self.window_ms) {
+            self.evictions.record();
+        }
     }
 }
 
@@ -153,16 +203,36 @@ impl MemoryStore {
             .weight_capacity(capacity)
             .build()
             .expect("quick_cache options are valid: capacity ≥ 1");
+        let window_ms = millis(window);
+        let evictions = Arc::new(Evictions {
+            count: AtomicU64::new(0),
+            warned: AtomicBool::new(false),
+            capacity,
+            window,
+            otel: global::meter(crate::trace::SCOPE)
+                .u64_counter("onceflow.dedup.evicted_in_window")
+                .with_description(
+                    "Keys a full dedup store evicted while still inside their dedup window \
+                     (a redelivery of such a key runs the handler again)",
+                )
+                .with_unit("{key}")
+                .build(),
+            attrs: [KeyValue::new("onceflow.dedup.store", "memory")],
+        });
         let cache = Cache::with_options(
             options,
             UnitWeighter,
             DefaultHashBuilder::default(),
-            Pinning { base },
+            Pinning {
+                base,
+                window_ms,
+                evictions: Arc::clone(&evictions),
+            },
         );
-        let window_ms = millis(window);
         MemoryStore {
             inner: Arc::new(Inner {
                 cache,
+                evictions,
                 window,
                 window_ms,
                 capacity,
@@ -178,6 +248,15 @@ impl MemoryStore {
     /// Maximum number of keys held.
     pub fn capacity(&self) -> u64 {
         self.inner.capacity
+    }
+
+    /// How many keys the store evicted, because it was full, while they were still inside their
+    /// dedup window (completed keys, or expired leases not yet past the window). Each such
+    /// key is forgotten early: its redelivery runs the handler again. Non-zero means the
+    /// capacity is too small for the window; the first such eviction is also logged (once per
+    /// store).
+    pub fn evicted_in_window(&self) -> u64 {
+        self.inner.evictions.count.load(Ordering::Relaxed)
     }
 
     /// Number of keys held right now, including expired ones not dropped yet.
@@ -517,6 +596,108 @@ mod tests {
                 "{key} evicted"
             );
         }
+    }
+
+    /// Collects the WARN events logged on this thread, as text (message and fields).
+    #[derive(Clone, Default)]
+    struct Warnings(Arc<parking_lot::Mutex<Vec<String>>>);
+
+    impl tracing::Subscriber for Warnings {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            struct Text(String);
+            impl tracing::field::Visit for Text {
+                fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                    self.0.push_str(&format!("{}={v:?} ", f.name()));
+                }
+            }
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut text = Text(String::new());
+                event.record(&mut text);
+                self.0.lock().push(text.0);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    async fn claim_and_complete(store: &MemoryStore, key: &str) {
+        let ClaimOutcome::Claimed { token } = store.claim_one(req(key, "w")).await.unwrap() else {
+            panic!("{key} not claimed")
+        };
+        assert!(store.complete_one(key, token, None).await.unwrap());
+    }
+
+    /// The break test's finding: `memory://?capacity=1` forgets a completed key inside its
+    /// window as soon as a second key arrives, so the redelivery runs the handler again. That
+    /// stays so (the store is bounded), but it is no longer silent: counted, and warned once.
+    #[tokio::test]
+    async fn eviction_inside_the_window_is_counted_and_warned_once() {
+        let warnings = Warnings::default();
+        let _guard = tracing::subscriber::set_default(warnings.clone());
+        let store = MemoryStore::new(Duration::from_secs(3600), 1);
+        claim_and_complete(&store, "a").await;
+        assert_eq!(store.evicted_in_window(), 0);
+        claim_and_complete(&store, "b").await;
+        // "a" was evicted inside its window: its redelivery is claimed again, not a duplicate.
+        assert!(matches!(
+            store.claim_one(req("a", "w")).await.unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+        let after_first = store.evicted_in_window();
+        assert!(after_first >= 1, "no eviction counted");
+        for i in 0..10 {
+            claim_and_complete(&store, &format!("k{i}")).await;
+        }
+        assert!(store.evicted_in_window() > after_first);
+        let logged = warnings.0.lock().clone();
+        assert_eq!(
+            logged.len(),
+            1,
+            "expected one warning per store: {logged:?}"
+        );
+        let text = &logged[0];
+        assert!(text.contains("capacity=1 "), "{text}");
+        assert!(text.contains("window=3600s"), "{text}");
+        assert!(
+            text.contains("duplicates older than the eviction can now pass"),
+            "{text}"
+        );
+
+        // A second store warns on its own.
+        let other = MemoryStore::new(Duration::from_secs(60), 1);
+        claim_and_complete(&other, "x").await;
+        claim_and_complete(&other, "y").await;
+        assert!(other.evicted_in_window() >= 1);
+        assert_eq!(warnings.0.lock().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn no_eviction_warning_when_the_capacity_suffices_or_the_key_has_expired() {
+        let warnings = Warnings::default();
+        let _guard = tracing::subscriber::set_default(warnings.clone());
+        let roomy = MemoryStore::new(Duration::from_secs(3600), 1000);
+        for i in 0..100 {
+            claim_and_complete(&roomy, &format!("k{i}")).await;
+        }
+        assert_eq!(roomy.evicted_in_window(), 0);
+
+        // A completed key past its window is evicted without loss: not counted.
+        let short = MemoryStore::new(Duration::from_millis(1), 1);
+        claim_and_complete(&short, "a").await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let ClaimOutcome::Claimed { .. } = short.claim_one(req("b", "w")).await.unwrap() else {
+            panic!("b not claimed")
+        };
+        assert_eq!(short.evicted_in_window(), 0);
+        assert!(warnings.0.lock().is_empty(), "{:?}", warnings.0.lock());
     }
 
     #[tokio::test]

@@ -193,9 +193,10 @@ impl<T: DedupStore + ?Sized> DedupStoreExt for T {}
 pub type SharedDedupStore = Arc<dyn DedupStore>;
 
 /// Bad input (`Config`) when the embedded store's path is a directory or another file that is
-/// not a regular file (a device such as `/dev/null`, a FIFO), whether given as a plain path or
-/// as `embedded:///…`: the same mistake gets the same error.
-fn not_a_directory(path: &str, shown: &str) -> Result<()> {
+/// not a regular file (a device such as `/dev/null`, a FIFO), or lies in a directory that does
+/// not exist, whether given as a plain path or as `embedded:///…`: the same mistake gets the
+/// same error.
+fn check_file_path(path: &str, shown: &str) -> Result<()> {
     if let Ok(meta) = std::fs::metadata(path) {
         if !meta.is_dir() && !meta.is_file() {
             return Err(crate::Error::config(format!(
@@ -211,13 +212,29 @@ fn not_a_directory(path: &str, shown: &str) -> Result<()> {
             path.trim_end_matches('/')
         )));
     }
+    if let Some(parent) = std::path::Path::new(path)
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+    {
+        if !parent.is_dir() {
+            return Err(crate::Error::config(format!(
+                "dedup store '{shown}': directory '{}' does not exist or is not a directory: \
+                 expected a file path in an existing directory (the file is created if missing, \
+                 its directory is not)",
+                crate::error::shown(&parent.display().to_string())
+            )));
+        }
+    }
     Ok(())
 }
 
 /// Opens a dedup store from a URL, remembering completed keys for `window` (must be > 0).
 ///
 /// - `memory://` or `memory://?capacity=N`: a new, bounded in-process [`MemoryStore`]
-///   (default capacity [`memory::DEFAULT_CAPACITY`] keys). Each call creates a new store.
+///   (default capacity [`memory::DEFAULT_CAPACITY`] keys). Each call creates a new store. When
+///   more than N keys arrive within one window, the oldest completed keys are evicted early and
+///   their redeliveries run the handler again; the store logs a warning the first time and
+///   counts every such eviction ([`MemoryStore::evicted_in_window`]).
 /// - `embedded:///absolute/path.db` (percent-escapes decoded) or a plain file path such as
 ///   `./dedup.db`: an on-disk [`EmbeddedStore`] that survives restarts.
 ///
@@ -226,8 +243,9 @@ fn not_a_directory(path: &str, shown: &str) -> Result<()> {
 /// opened by the `onceflow` facade with its `redis` / `postgres` feature);
 /// [`crate::ErrorKind::Config`] for any other scheme, a bad option, a zero window or a bare
 /// scheme name such as `memory` (a forgotten `://`, not a file to create), naming the value
-/// and listing the supported forms; [`crate::ErrorKind::DedupStore`] for an embedded path
-/// that cannot be opened, naming the path.
+/// and listing the supported forms, and for an embedded path that is a directory, a device or
+/// in a directory that does not exist; [`crate::ErrorKind::DedupStore`] for an embedded path
+/// that cannot be opened otherwise (no permission, not a database), naming the path.
 pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
     // Errors show the URL without its credentials.
     let shown = crate::error::shown(&crate::error::redact_credentials(url));
@@ -279,7 +297,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                  before it",
             ));
         }
-        not_a_directory(trimmed, &shown)?;
+        check_file_path(trimmed, &shown)?;
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
     };
     match scheme.to_ascii_lowercase().as_str() {
@@ -299,7 +317,8 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                     "capacity" => {
                         capacity = v.parse().ok().filter(|c| *c > 0).ok_or_else(|| {
                             Error::config(format!(
-                                "capacity '{v}' in '{shown}' is not a positive whole number of keys"
+                                "capacity '{}' in '{shown}' is not a positive whole number of keys",
+                                crate::error::shown(&v)
                             ))
                         })?;
                     }
@@ -344,7 +363,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
                     "embedded dedup store URL '{shown}' decodes to a path that is not UTF-8"
                 ))
             })?;
-            not_a_directory(&path, &shown)?;
+            check_file_path(&path, &shown)?;
             Ok(Arc::new(EmbeddedStore::open(path, window).await?))
         }
         s @ ("redis" | "rediss") => Err(Error::unsupported(format!(
