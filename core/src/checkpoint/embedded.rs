@@ -120,8 +120,8 @@ fn open_conn(path: &Path) -> Result<Connection> {
     .map_err(|e| db_error(path, "cannot open", e))?;
     conn.busy_timeout(Duration::from_secs(5))
         .map_err(|e| db_error(path, "cannot set the busy timeout", e))?;
-    let mode: String = conn
-        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+    // Retried while other connections create the same file (see `switch_to_wal`).
+    let mode = crate::dedup::embedded::switch_to_wal(&conn)
         .map_err(|e| db_error(path, "cannot switch to WAL mode", e))?;
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::dedup_store(format!(
@@ -515,5 +515,37 @@ impl CheckpointStore for EmbeddedCheckpointStore {
                 .collect()
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Processes or threads opening the same new file at once: SQLite answers the switch to
+    /// WAL mode with "database is locked" at once where waiting could deadlock, so the open
+    /// retries it (shared with the embedded dedup store). Every open must succeed.
+    #[test]
+    fn concurrent_opens_of_one_new_file_all_succeed() {
+        const THREADS: usize = 8;
+        for round in 0..20 {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("checkpoints.db");
+            let start = std::sync::Arc::new(std::sync::Barrier::new(THREADS));
+            let opens: Vec<_> = (0..THREADS)
+                .map(|_| {
+                    let (path, start) = (path.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        futures::executor::block_on(EmbeddedCheckpointStore::open(&path)).map(drop)
+                    })
+                })
+                .collect();
+            for (i, open) in opens.into_iter().enumerate() {
+                if let Err(e) = open.join().unwrap() {
+                    panic!("round {round}, thread {i}: {e}");
+                }
+            }
+        }
     }
 }

@@ -583,7 +583,7 @@ const WAL_SWITCH_PATIENCE: Duration = Duration::from_secs(5);
 /// deadlock (another connection holds a lock it wants to upgrade, as when several processes
 /// create the same new file at once) SQLite answers busy at once instead of calling the busy
 /// handler, so the busy timeout alone does not cover it. Returns the journal mode in effect.
-fn switch_to_wal(conn: &Connection) -> rusqlite::Result<String> {
+pub(crate) fn switch_to_wal(conn: &Connection) -> rusqlite::Result<String> {
     let deadline = std::time::Instant::now() + WAL_SWITCH_PATIENCE;
     let mut pause_ms = 1u64;
     loop {
