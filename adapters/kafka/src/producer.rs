@@ -415,6 +415,22 @@ fn acquire_producer_id_early(native: &Native, timeout: Duration) {
 /// Bound of each metadata request of [`acquire_producer_id_early`].
 const PRIME_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// `commit_transaction` without rust-rdkafka's up-to-100 ms stall.
+///
+/// rust-rdkafka's `commit_transaction` first runs its own `flush`: `rd_kafka_flush` with a zero
+/// timeout, and while records are outstanding, a `poll` of the main queue for up to 100 ms on
+/// the calling thread. Here the producer's poll thread serves that queue, and a record counts
+/// as outstanding until that thread has released its delivery report, which it does just
+/// after our callback woke the caller: when the commit came first, its poll found no event
+/// (the poll thread had taken it) and waited the whole 100 ms. That was 2 of ~24 commits in a
+/// K3 run (and the K3 figure with them). `rd_kafka_flush` with the real timeout first instead
+/// waits on librdkafka's condition variable for the count to reach zero (event mode: it serves
+/// no queue, see [`flush_blocking`]), so rust-rdkafka's flush then returns at once.
+fn commit_blocking(native: &Native, timeout: Duration) -> std::result::Result<(), KafkaError> {
+    flush_blocking(native, timeout);
+    native.commit_transaction(timeout)
+}
+
 /// [`flush_queued`] unless one started by this function is still running (`rd_kafka_flush`
 /// keeps linger.ms off until nothing is outstanding, records enqueued meanwhile included), so
 /// awaiting many enqueued batches in a row starts one flush, not one per batch.
@@ -876,7 +892,7 @@ impl TransactionBackend for KafkaTransaction {
                 return Err(e);
             }
         }
-        let res = tokio::task::spawn_blocking(move || native.commit_transaction(timeout))
+        let res = tokio::task::spawn_blocking(move || commit_blocking(&native, timeout))
             .await
             .map_err(|e| errors::join(e, "commit_transaction"));
         self.finish();
