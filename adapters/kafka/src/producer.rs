@@ -35,38 +35,69 @@ type Native = Arc<NativeProducer>;
 /// What librdkafka reported for one record: partition, offset and timestamp, or the error.
 type Report = std::result::Result<(i32, i64, Option<i64>), KafkaError>;
 
+/// One record's report, inside its batch's [`Reports`].
+struct Slot {
+    report: OnceLock<Report>,
+    /// The `Reports` this slot belongs to (its address, known from `Arc::new_cyclic`).
+    owner: *const Reports,
+}
+
 /// The delivery reports of records enqueued together.
+///
+/// No allocation and no shared counter update per record on the enqueuing side: each record's
+/// delivery opaque is a [`SlotRef`], a pointer to its slot in this one allocation, and
+/// `remaining` is set for the whole batch up front. (With a `Box` per record, freed on the
+/// poll thread, and a reference count and counter updated by both threads, the report
+/// bookkeeping cost more than librdkafka's own produce call.)
 struct Reports {
-    slots: Box<[OnceLock<Report>]>,
-    /// Slots whose [`ReportSlot`] is alive, plus one while records are being enqueued.
+    slots: Box<[Slot]>,
+    /// Records not yet reported (slots whose [`SlotRef`] is alive or not yet handed out),
+    /// plus one for the enqueuing caller until it has handed every record over.
     remaining: AtomicUsize,
     done: tokio::sync::Notify,
 }
 
+// SAFETY: `owner` is only dereferenced by `release`, under the liveness rules given there;
+// every other field is Send + Sync.
+#[allow(unsafe_code)]
+unsafe impl Send for Reports {}
+#[allow(unsafe_code)]
+unsafe impl Sync for Reports {}
+
 impl Reports {
+    /// Reports for `len` records. The records in flight keep the allocation alive together:
+    /// one strong count taken here, given back by the [`release`] that brings `remaining` to
+    /// zero.
     fn new(len: usize) -> Arc<Reports> {
-        Arc::new(Reports {
-            slots: (0..len).map(|_| OnceLock::new()).collect(),
-            remaining: AtomicUsize::new(1),
+        let reports = Arc::new_cyclic(|me| Reports {
+            slots: (0..len)
+                .map(|_| Slot {
+                    report: OnceLock::new(),
+                    owner: me.as_ptr(),
+                })
+                .collect(),
+            remaining: AtomicUsize::new(len + 1),
             done: tokio::sync::Notify::new(),
-        })
+        });
+        std::mem::forget(Arc::clone(&reports));
+        reports
     }
 
-    fn release(&self) {
-        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.done.notify_one();
-        }
+    /// The opaque for record `index`'s delivery report. Each index is handed out at most once.
+    fn slot(self: &Arc<Self>, index: usize) -> SlotRef {
+        SlotRef(std::ptr::NonNull::from(&self.slots[index]))
     }
 
     /// Slot `i`'s report (a slot never filled reads as cancelled).
     fn report(&self, i: usize) -> Report {
         self.slots[i]
+            .report
             .get()
             .cloned()
             .unwrap_or(Err(KafkaError::Canceled))
     }
 
-    /// Waits until every slot handed out has been filled or dropped.
+    /// Waits until every slot has been filled or released.
     async fn all_in(&self) {
         if self.remaining.load(Ordering::Acquire) != 0 {
             self.done.notified().await;
@@ -74,28 +105,71 @@ impl Reports {
     }
 }
 
-/// One record's delivery opaque. The callback fills the slot; a slot dropped without a report
-/// (the producer went away, or the record was never enqueued) reads as cancelled, as a
-/// `FutureProducer`'s dropped oneshot sender does.
-struct ReportSlot {
-    reports: Arc<Reports>,
-    index: usize,
-}
-
-impl ReportSlot {
-    fn new(reports: &Arc<Reports>, index: usize) -> Box<ReportSlot> {
-        reports.remaining.fetch_add(1, Ordering::Relaxed);
-        Box::new(ReportSlot {
-            reports: reports.clone(),
-            index,
-        })
+/// Counts one record (or the enqueuing caller) out of `reports`; the last one wakes the
+/// waiter and gives back the in-flight records' strong count.
+///
+/// # Safety
+/// `reports` points to a live `Reports` (from `Arc`) whose `remaining` this caller still
+/// counts in; the caller must not touch it afterwards unless it holds its own `Arc`.
+#[allow(unsafe_code)]
+unsafe fn release(reports: *const Reports) {
+    // SAFETY: live, per the contract.
+    let r = unsafe { &*reports };
+    if r.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        r.done.notify_one();
+        // SAFETY: the strong count `Reports::new` took for the records in flight; `remaining`
+        // reaches zero exactly once, and `r` is not used after this.
+        unsafe { Arc::decrement_strong_count(reports) };
     }
 }
 
-impl Drop for ReportSlot {
+/// One record's delivery opaque: a pointer to its [`Slot`]. The callback fills the slot; a
+/// `SlotRef` dropped without a report (the producer went away, or the record was refused and
+/// handed back) reads as cancelled, as a `FutureProducer`'s dropped oneshot sender does.
+/// Dropping it counts the record out of its `Reports`.
+struct SlotRef(std::ptr::NonNull<Slot>);
+
+// SAFETY: a `SlotRef` is the only handle to its slot, which its `Reports` keeps alive until
+// the `SlotRef` is dropped (see `Reports::new`); `Slot`'s report is a `OnceLock`.
+#[allow(unsafe_code)]
+unsafe impl Send for SlotRef {}
+#[allow(unsafe_code)]
+unsafe impl Sync for SlotRef {}
+
+#[allow(unsafe_code)]
+impl SlotRef {
+    fn slot(&self) -> &Slot {
+        // SAFETY: the slot lives as long as this `SlotRef` (see the `Send` impl).
+        unsafe { self.0.as_ref() }
+    }
+}
+
+#[allow(unsafe_code)]
+impl Drop for SlotRef {
     fn drop(&mut self) {
-        let _ = self.reports.slots[self.index].set(Err(KafkaError::Canceled));
-        self.reports.release();
+        let slot = self.slot();
+        let _ = slot.report.set(Err(KafkaError::Canceled));
+        let owner = slot.owner;
+        // SAFETY: this record was counted in `remaining` by `Reports::new` and is counted out
+        // once, here; the slot is not touched afterwards.
+        unsafe { release(owner) };
+    }
+}
+
+/// `into_ptr` hands the `SlotRef` over as its slot pointer (not dropped), and `from_ptr` takes
+/// it back exactly once (librdkafka's delivery callback, or rust-rdkafka when the produce call
+/// refused the record).
+#[allow(unsafe_code)]
+impl rdkafka::util::IntoOpaque for SlotRef {
+    fn into_ptr(self) -> *mut std::ffi::c_void {
+        let ptr = self.0.as_ptr().cast();
+        std::mem::forget(self);
+        ptr
+    }
+
+    unsafe fn from_ptr(ptr: *mut std::ffi::c_void) -> Self {
+        // SAFETY: `ptr` came from `into_ptr`, so it is a non-null slot pointer.
+        SlotRef(unsafe { std::ptr::NonNull::new_unchecked(ptr.cast()) })
     }
 }
 
@@ -106,14 +180,14 @@ struct ReportContext;
 impl ClientContext for ReportContext {}
 
 impl ProducerContext for ReportContext {
-    type DeliveryOpaque = Box<ReportSlot>;
+    type DeliveryOpaque = SlotRef;
 
-    fn delivery(&self, result: &DeliveryResult<'_>, slot: Box<ReportSlot>) {
+    fn delivery(&self, result: &DeliveryResult<'_>, slot: SlotRef) {
         let report = match result {
             Ok(m) => Ok((m.partition(), m.offset(), m.timestamp().to_millis())),
             Err((e, _)) => Err(e.clone()),
         };
-        let _ = slot.reports.slots[slot.index].set(report);
+        let _ = slot.slot().report.set(report);
     }
 }
 
@@ -199,10 +273,7 @@ fn check_size(record: &Record, max_record_bytes: usize) -> Result<()> {
     Ok(())
 }
 
-fn base_record(
-    record: &Record,
-    slot: Box<ReportSlot>,
-) -> BaseRecord<'_, [u8], [u8], Box<ReportSlot>> {
+fn base_record(record: &Record, slot: SlotRef) -> BaseRecord<'_, [u8], [u8], SlotRef> {
     let mut br = BaseRecord::with_opaque_to(&record.topic, slot).payload(&record.payload[..]);
     if let Some(k) = &record.key {
         br = br.key(&k[..]);
@@ -223,7 +294,7 @@ fn base_record(
 /// `slot`. When the local queue is full (`queue.buffering.max.messages` / `.kbytes`), waits for
 /// room — the producer's own poll thread drains it — at most [`QUEUE_TIMEOUT`]; the record is
 /// retried before anything after it is enqueued, so order is kept.
-async fn enqueue(native: &NativeProducer, record: &Record, slot: Box<ReportSlot>) -> Result<()> {
+async fn enqueue(native: &NativeProducer, record: &Record, slot: SlotRef) -> Result<()> {
     let mut deadline = None;
     let mut br = base_record(record, slot);
     loop {
@@ -246,6 +317,14 @@ async fn enqueue(native: &NativeProducer, record: &Record, slot: Box<ReportSlot>
     }
 }
 
+/// [`release`] for one count held by the caller of `reports` (its own hold, or a record it
+/// never handed out), which keeps its `Arc`.
+#[allow(unsafe_code)]
+fn release_own(reports: &Arc<Reports>) {
+    // SAFETY: `reports` is alive (the caller's `Arc`) and the caller counts this one out once.
+    unsafe { release(Arc::as_ptr(reports)) };
+}
+
 /// Records enqueued together: their reports, and the records that never reached librdkafka's
 /// queue (too large, or refused) with their errors, by index in ascending order.
 struct Enqueued {
@@ -264,14 +343,18 @@ async fn enqueue_all(
     let mut failed = Vec::new();
     for (i, r) in records.iter().enumerate() {
         let res = match check_size(r, max_record_bytes) {
-            Ok(()) => enqueue(native, r, ReportSlot::new(&reports, i)).await,
-            Err(e) => Err(e),
+            Ok(()) => enqueue(native, r, reports.slot(i)).await,
+            Err(e) => {
+                // Never handed out: counted out here (a refused `SlotRef` counts itself out).
+                release_own(&reports);
+                Err(e)
+            }
         };
         if let Err(e) = res {
             failed.push((i, e));
         }
     }
-    reports.release();
+    release_own(&reports);
     Enqueued { reports, failed }
 }
 
@@ -323,8 +406,8 @@ async fn send_on(
 ) -> Result<Delivery> {
     check_size(&record, max_record_bytes)?;
     let reports = Reports::new(1);
-    let enqueued = enqueue(native, &record, ReportSlot::new(&reports, 0)).await;
-    reports.release();
+    let enqueued = enqueue(native, &record, reports.slot(0)).await;
+    release_own(&reports);
     enqueued?;
     reports.all_in().await;
     delivery_of(record.topic, reports.report(0))
