@@ -475,6 +475,12 @@ async def _send_batch(native, platform, records):
     return results
 
 
+def _shown(v: Any) -> str:
+    """``repr(v)`` cut to 80 characters (bad input is echoed, never in full)."""
+    r = repr(v)
+    return r if len(r) <= 80 else f"{r[:80]}…({len(r)} characters)"
+
+
 def _positions(messages: Iterable[Any]) -> List[Tuple[str, int, str]]:
     """The last position per partition of messages (or ``(topic, partition, position)``)."""
     if isinstance(messages, MessageBatch):
@@ -482,9 +488,18 @@ def _positions(messages: Iterable[Any]) -> List[Tuple[str, int, str]]:
     last: Dict[Tuple[str, int], str] = {}
     for m in messages:
         if isinstance(m, tuple):
+            if len(m) != 3:
+                raise ConfigError(
+                    f"position {_shown(m)}: expected (topic, partition, position), e.g. "
+                    f"('orders', 0, 'offset:42'), or a Message"
+                )
             t, p, pos = m
-        else:
+        elif hasattr(m, "position") and hasattr(m, "partition") and hasattr(m, "topic"):
             t, p, pos = m.topic, m.partition, m.position
+        else:
+            raise TypeError(
+                f"position: expected a Message or a (topic, partition, position) tuple, got {type(m).__name__}"
+            )
         last[(t, p)] = pos
     return [(t, p, pos) for (t, p), pos in last.items()]
 

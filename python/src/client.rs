@@ -14,6 +14,9 @@ use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter};
 use crate::errors::{config_err, to_pyerr};
 use crate::{awaitable, awaitable_py, wake};
 
+/// The most messages one `poll` may ask for (a bound for bad input, far above any batch).
+const MAX_POLL: i64 = 1_000_000_000;
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(connect, m)?)?;
     m.add_function(wrap_pyfunction!(dedup_store, m)?)?;
@@ -751,11 +754,20 @@ impl Consumer {
         self.inner.group().to_string()
     }
 
-    /// Fetches up to `max` messages, waiting at most `timeout` seconds for the first; resolves
+    /// Fetches up to `max` messages (default 500), waiting at most `timeout` seconds for the first; resolves
     /// to a `MessageBatch` (empty on timeout). One call crosses the boundary once for the whole
     /// batch; its `Message` objects are made only when accessed.
-    #[pyo3(signature = (max=500, timeout=1.0))]
-    fn poll<'py>(&self, py: Python<'py>, max: usize, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+    ///
+    /// Errors: `ConfigError` naming `max` when it is not from 1 to 1 000 000 000 (Python's own
+    /// `OverflowError` for -1 named nothing), `TypeError` when it is not an int.
+    #[pyo3(signature = (max=None, timeout=1.0))]
+    fn poll<'py>(
+        &self,
+        py: Python<'py>,
+        max: Option<&Bound<'py, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let max = convert::opt_int("max", max, 1, MAX_POLL)?.unwrap_or(500) as usize;
         let timeout = convert::seconds("timeout", timeout)?;
         let c = self.inner.clone();
         awaitable(py, async move {

@@ -117,6 +117,14 @@ async def test_zero_max_and_out_of_range_timeouts_are_refused(memory):
     consumer = await memory.consumer(topic)
     with pytest.raises(onceflow.ConfigError):
         await consumer.poll(max=0)
+    with pytest.raises(onceflow.ConfigError, match=r"max -1: expected an int from 1 to"):
+        await consumer.poll(max=-1)
+    with pytest.raises(TypeError, match=r"max: expected int or None, got str"):
+        await consumer.poll(max="10")
+    with pytest.raises(onceflow.ConfigError, match=r"position \('t', 0\): expected \(topic, partition, position\)"):
+        await consumer.commit([("t", 0)])
+    with pytest.raises(TypeError, match=r"expected a Message or a \(topic, partition, position\) tuple, got int"):
+        await consumer.commit([42])
     with pytest.raises(onceflow.ConfigError, match=r"timeout 1e308: expected a number of seconds from 0 to"):
         await producer.flush(timeout=1e308)
     with pytest.raises(onceflow.ConfigError, match=r"timestamp -1: expected an int from 0 to"):
