@@ -34,6 +34,7 @@ import atexit
 import contextlib
 import functools
 import inspect
+import os
 from typing import (
     Any,
     AsyncIterator,
@@ -706,6 +707,20 @@ def _traced_batch(
     return call
 
 
+def _check_store(store: Any) -> Any:
+    """``store`` as given to an engine, checked at construction: ``None``, a ``DedupStore``, a
+    URL or path (``str`` or ``os.PathLike``, opened by ``run()``). Anything else raises
+    ``TypeError`` naming its type (before, it surfaced only when ``run()`` opened it)."""
+    if store is None or isinstance(store, (DedupStore, str)):
+        return store
+    if isinstance(store, os.PathLike):
+        return os.fspath(store)
+    raise TypeError(
+        f"store: expected None, a DedupStore, or a dedup store URL or path (str or os.PathLike), "
+        f"got {type(store).__name__}"
+    )
+
+
 async def _store(store: Union[None, str, DedupStore], window: float) -> Optional[DedupStore]:
     if store is None or isinstance(store, DedupStore):
         return store
@@ -784,7 +799,7 @@ class IdempotentConsumer(_Engine):
         self.consumer = consumer
         self.handler = handler
         self.batch = batch
-        self._store = store
+        self._store = _check_store(store)
         self._window = window
         self._dlq = dead_letter_producer
         self._config = config
@@ -856,7 +871,7 @@ class Pipeline(_Engine):
         self.consumer = consumer
         self.producer = producer
         self.transform = transform
-        self._store = store
+        self._store = _check_store(store)
         self._window = window
         self._mode = mode
         self._tx_interval = transaction_interval

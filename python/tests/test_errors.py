@@ -130,3 +130,17 @@ async def test_zero_max_and_out_of_range_timeouts_are_refused(memory):
     with pytest.raises(onceflow.ConfigError, match=r"timestamp -1: expected an int from 0 to"):
         await producer.send(topic, b"x", timestamp=-1)
     await producer.close()
+
+
+async def test_a_store_of_the_wrong_type_is_refused_when_the_engine_is_made(memory, tmp_path):
+    topic = await memory.topic()
+    consumer = await memory.consumer(topic)
+    with pytest.raises(TypeError, match=r"store: expected None, a DedupStore, or a dedup store URL or path .* got int"):
+
+        @onceflow.idempotent(consumer, store=42)
+        async def handle(message):
+            pass
+
+    # A path object is a path: accepted at construction, opened by run().
+    engine = onceflow.IdempotentConsumer(consumer, lambda m: None, tmp_path / "dedup.db")
+    assert engine._store == str(tmp_path / "dedup.db")
