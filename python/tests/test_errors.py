@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -34,17 +37,26 @@ async def test_unknown_scheme_is_a_config_error():
     assert "carrier-pigeon" in str(err) and "memory://" in err.message
 
 
-async def test_dedup_store_path_in_a_missing_directory_is_a_config_error(tmp_path):
-    missing = tmp_path / "no" / "such" / "dir" / "keys.db"
+@pytest.fixture
+def short_tmp():
+    """A temporary directory with a short path: echoed paths are cut past 80 characters, and
+    pytest's own tmp_path can be longer than that."""
+    d = Path(tempfile.mkdtemp(prefix="of-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_dedup_store_path_in_a_missing_directory_is_a_config_error(short_tmp):
+    missing = short_tmp / "no" / "such" / "dir" / "keys.db"
     with pytest.raises(onceflow.ConfigError) as e:
         await onceflow.dedup_store(str(missing))
     assert e.value.kind == "config"
     assert str(missing) in str(e.value) and "does not exist" in str(e.value)
-    assert not (tmp_path / "no").exists()
+    assert not (short_tmp / "no").exists()
 
 
-async def test_bad_dedup_store_file_chains_the_native_cause(tmp_path):
-    not_a_db = tmp_path / "notes.txt"
+async def test_bad_dedup_store_file_chains_the_native_cause(short_tmp):
+    not_a_db = short_tmp / "notes.txt"
     not_a_db.write_text("not an SQLite database, but long enough to have a header.\n" * 4)
     with pytest.raises(onceflow.DedupStoreError) as e:
         await onceflow.dedup_store(str(not_a_db))
