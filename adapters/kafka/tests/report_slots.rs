@@ -21,6 +21,8 @@
 //!   enqueued batch: no crash, and a caller that waits gets one result per record.
 //! - `report_slots_are_freed`: with a counting global allocator, batches (delivered, mixed with
 //!   failures) and cancelled sends leave nothing allocated once their records are reported.
+//! - `dropped_producer_frees_its_report_slots`: the same when producers are dropped with their
+//!   records in flight (librdkafka purges them and reports them as such).
 //!
 //! Every test body runs under a hang guard (a generous timeout that only turns a hang into a
 //! failure; nothing here asserts a duration). Runs when `ONCEFLOW_KAFKA_URL` is set; without it
@@ -706,6 +708,20 @@ async fn live_bytes() -> isize {
     LIVE.load(Ordering::SeqCst)
 }
 
+/// Heap growth since `before`, once it is under `limit` or after 30 s of waiting for it to
+/// get there (memory released by background work: blocking tasks that hold a native producer,
+/// delivery reports still being served). Not a speed assertion: the caller checks the size.
+async fn growth_after(before: isize, limit: isize) -> isize {
+    let since = tokio::time::Instant::now();
+    loop {
+        let growth = live_bytes().await - before;
+        if growth < limit || since.elapsed() > Duration::from_secs(30) {
+            return growth;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn report_slots_are_freed() {
     let Some(url) = url("report_slots_are_freed") else {
@@ -748,7 +764,7 @@ async fn report_slots_are_freed() {
                 .unwrap();
         }
         producer.flush(FLUSH).await.unwrap();
-        let delivered_growth = live_bytes().await - before;
+        let delivered_growth = growth_after(before, LIMIT).await;
 
         // Sends dropped while waiting for room in a full local queue.
         let producer = self::producer(&tiny).await;
@@ -767,7 +783,7 @@ async fn report_slots_are_freed() {
             let _ = producer.send(single).now_or_never();
         }
         producer.flush(FLUSH).await.unwrap();
-        let cancelled_growth = live_bytes().await - before;
+        let cancelled_growth = growth_after(before, LIMIT).await;
         let _ = writeln!(
             std::io::stderr(),
             "report_slots_are_freed: heap growth {delivered_growth} bytes after {} delivered \
@@ -784,6 +800,55 @@ async fn report_slots_are_freed() {
             "{cancelled_growth} bytes still allocated after {ROUNDS} batches of {RECORDS} \
              dropped while waiting for room in the local queue, every record since reported: \
              their report slots are never freed"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_producer_frees_its_report_slots() {
+    let Some(url) = url("dropped_producer_frees_its_report_slots") else {
+        return;
+    };
+    let _heap = HEAP.write().await;
+    guarded("dropped_producer_frees_its_report_slots", async {
+        const ROUNDS: usize = 10;
+        const RECORDS: usize = 20_000;
+        // Far less than the slots of the records dropped in flight (ROUNDS × RECORDS × 8
+        // bytes or more).
+        const LIMIT: isize = 1 << 20;
+        // The native producer can outlive the dropped send for a while (the early ProducerID
+        // request's blocking task holds it too), hence `growth_after`.
+        let p = platform(&url);
+        let t = topic(&p, 3).await;
+        let warm = producer(&p).await;
+        warm.send(Record::new(t.clone(), "warm-up")).await.unwrap();
+        drop(warm);
+        let before = live_bytes().await;
+        for round in 0..ROUNDS {
+            let producer = producer(&p).await;
+            let batch: Vec<Record> = (0..RECORDS)
+                .map(|i| keyed(&t, i, format!("d{round}-{i}")))
+                .collect();
+            // The send owns the producer's last handle: dropping it after the batch is
+            // enqueued tears librdkafka down with the records in flight, and every record's
+            // slot must still be given back (reported as purged, or delivered).
+            let mut send = Box::pin(async move { producer.send_batch(batch).await });
+            assert!(futures::poll!(&mut send).is_pending());
+            tokio::task::spawn_blocking(move || drop(send))
+                .await
+                .unwrap();
+        }
+        let growth = growth_after(before, LIMIT).await;
+        let _ = writeln!(
+            std::io::stderr(),
+            "dropped_producer_frees_its_report_slots: heap growth {growth} bytes after \
+             {ROUNDS} producers dropped with {RECORDS} records in flight"
+        );
+        assert!(
+            growth < LIMIT,
+            "{growth} bytes still allocated after {ROUNDS} producers were dropped with \
+             {RECORDS} records in flight each"
         );
     })
     .await;
