@@ -79,7 +79,8 @@ impl Reports {
             remaining: AtomicUsize::new(len + 1),
             done: tokio::sync::Notify::new(),
         });
-        std::mem::forget(Arc::clone(&reports));
+        // The records' shared strong count, given back by `release` through this pointer.
+        let _ = Arc::into_raw(Arc::clone(&reports));
         reports
     }
 
@@ -105,17 +106,18 @@ impl Reports {
     }
 }
 
-/// Counts one record (or the enqueuing caller) out of `reports`; the last one wakes the
-/// waiter and gives back the in-flight records' strong count.
+/// Counts `n` (≥ 1) records, or the enqueuing caller's share, out of `reports`; the last one
+/// wakes the waiter and gives back the in-flight records' strong count.
 ///
 /// # Safety
-/// `reports` points to a live `Reports` (from `Arc`) whose `remaining` this caller still
-/// counts in; the caller must not touch it afterwards unless it holds its own `Arc`.
+/// `reports` points to a live `Reports` (from `Arc`) in whose `remaining` this caller still
+/// holds `n` counts; the caller must not touch it afterwards unless it holds its own `Arc`.
 #[allow(unsafe_code)]
-unsafe fn release(reports: *const Reports) {
+unsafe fn release(reports: *const Reports, n: usize) {
+    debug_assert!(n > 0);
     // SAFETY: live, per the contract.
     let r = unsafe { &*reports };
-    if r.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+    if r.remaining.fetch_sub(n, Ordering::AcqRel) == n {
         r.done.notify_one();
         // SAFETY: the strong count `Reports::new` took for the records in flight; `remaining`
         // reaches zero exactly once, and `r` is not used after this.
@@ -152,7 +154,7 @@ impl Drop for SlotRef {
         let owner = slot.owner;
         // SAFETY: this record was counted in `remaining` by `Reports::new` and is counted out
         // once, here; the slot is not touched afterwards.
-        unsafe { release(owner) };
+        unsafe { release(owner, 1) };
     }
 }
 
@@ -317,12 +319,37 @@ async fn enqueue(native: &NativeProducer, record: &Record, slot: SlotRef) -> Res
     }
 }
 
-/// [`release`] for one count held by the caller of `reports` (its own hold, or a record it
-/// never handed out), which keeps its `Arc`.
+/// The enqueuing caller's share of `remaining`: its own count and those of the records it has
+/// not handed out (yet, or ever: too large). Given back when dropped, on every way out of the
+/// caller, a cancelled one included (a send dropped while it waits for room in a full local
+/// queue): otherwise `remaining` never reaches zero and the `Reports` is never freed.
+struct Hold<'a> {
+    reports: &'a Arc<Reports>,
+    count: usize,
+}
+
+impl<'a> Hold<'a> {
+    fn new(reports: &'a Arc<Reports>) -> Self {
+        Hold {
+            count: reports.slots.len() + 1,
+            reports,
+        }
+    }
+
+    /// Record `index`'s opaque: its count passes from this hold to the `SlotRef`.
+    fn hand_out(&mut self, index: usize) -> SlotRef {
+        self.count -= 1;
+        self.reports.slot(index)
+    }
+}
+
 #[allow(unsafe_code)]
-fn release_own(reports: &Arc<Reports>) {
-    // SAFETY: `reports` is alive (the caller's `Arc`) and the caller counts this one out once.
-    unsafe { release(Arc::as_ptr(reports)) };
+impl Drop for Hold<'_> {
+    fn drop(&mut self) {
+        // SAFETY: `reports` is alive (the caller's `Arc`), and the caller's own count keeps
+        // `count` ≥ 1; these counts are given back once, here.
+        unsafe { release(Arc::as_ptr(self.reports), self.count) };
+    }
 }
 
 /// Records enqueued together: their reports, and the records that never reached librdkafka's
@@ -341,20 +368,19 @@ async fn enqueue_all(
 ) -> Enqueued {
     let reports = Reports::new(records.len());
     let mut failed = Vec::new();
+    let mut hold = Hold::new(&reports);
     for (i, r) in records.iter().enumerate() {
+        // A record never handed out stays counted in `hold` (a refused `SlotRef` counts
+        // itself out).
         let res = match check_size(r, max_record_bytes) {
-            Ok(()) => enqueue(native, r, reports.slot(i)).await,
-            Err(e) => {
-                // Never handed out: counted out here (a refused `SlotRef` counts itself out).
-                release_own(&reports);
-                Err(e)
-            }
+            Ok(()) => enqueue(native, r, hold.hand_out(i)).await,
+            Err(e) => Err(e),
         };
         if let Err(e) = res {
             failed.push((i, e));
         }
     }
-    release_own(&reports);
+    drop(hold);
     Enqueued { reports, failed }
 }
 
@@ -406,8 +432,9 @@ async fn send_on(
 ) -> Result<Delivery> {
     check_size(&record, max_record_bytes)?;
     let reports = Reports::new(1);
-    let enqueued = enqueue(native, &record, reports.slot(0)).await;
-    release_own(&reports);
+    let mut hold = Hold::new(&reports);
+    let enqueued = enqueue(native, &record, hold.hand_out(0)).await;
+    drop(hold);
     enqueued?;
     reports.all_in().await;
     delivery_of(record.topic, reports.report(0))
@@ -596,6 +623,16 @@ impl KafkaProducer {
                  transactions need the idempotent producer",
                 config.transactional_id.as_deref().unwrap_or_default()
             )));
+        }
+        if native_config
+            .get("delivery.report.only.error")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+        {
+            return Err(Error::config(
+                "delivery.report.only.error=true: expected false (the default): onceflow waits \
+                 for every record's delivery report, which librdkafka would then send only for \
+                 failed records, so a successful send would never return",
+            ));
         }
         if !kafka.is_set("enable.idempotence", &config.options) {
             let on = config.idempotent.unwrap_or(true) || transactional;

@@ -241,3 +241,22 @@ impl Transform for UpperTo {
         )])
     }
 }
+
+/// `delivery.report.only.error=true` would make librdkafka report only failed records, so a
+/// successful send would never return (break test: a `send` was still pending after 15 s).
+/// Refused at producer creation; needs no broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivery_reports_for_errors_only_are_refused() {
+    let p = onceflow_kafka::connect("kafka://127.0.0.1:1?delivery.report.only.error=true").unwrap();
+    let e = p
+        .producer(ProducerConfig::default())
+        .await
+        .err()
+        .expect("a producer that would never hear of its successful records");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(
+        e.message()
+            .contains("delivery.report.only.error=true: expected false"),
+        "{e}"
+    );
+}
