@@ -22,6 +22,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::stats::median;
+
 use async_nats::jetstream::{self, consumer::pull, stream};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -210,16 +212,6 @@ async fn measure(n: usize, run: impl std::future::Future<Output = f64>) -> Sampl
     Sample {
         rate,
         cpu_us: (crate::cpu::process_cpu() - cpu).as_secs_f64() * 1e6 / n as f64,
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
     }
 }
 

@@ -8,6 +8,7 @@ mod kafka;
 mod kinesis;
 mod m0;
 mod pulsar;
+mod stats;
 mod stores;
 
 /// Benchmark ids, in the order they run when none is named.

@@ -18,6 +18,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::stats::median;
+
 use ::pulsar::consumer::InitialPosition;
 use ::pulsar::message::proto::command_subscribe::SubType;
 use ::pulsar::{ConsumerOptions, TokioExecutor};
@@ -157,16 +159,6 @@ fn rounds() -> usize {
         .and_then(|v| v.parse().ok())
         .filter(|n| *n >= 1)
         .unwrap_or(ROUNDS)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
 }
 
 /// onceflow's side of one round, on a fresh topic: produce `n` records, then consume them
