@@ -3,6 +3,9 @@
 //! pipeline of the engine. Runs when `ONCEFLOW_KAFKA_URL` is set
 //! (`tests/brokers/up.sh kafka`); otherwise each test prints that it skipped and why.
 
+mod common;
+
+use common::name;
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::sync::Arc;
@@ -30,10 +33,6 @@ fn platform(test: &str) -> Option<Arc<KafkaPlatform>> {
             None
         }
     }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
 }
 
 async fn topic(p: &KafkaPlatform, partitions: u32) -> String {

@@ -23,8 +23,11 @@
 //! Runs when `ONCEFLOW_KAFKA_URL` is set (`tests/brokers/up.sh kafka`); without it each test
 //! says it skipped, and with `ONCEFLOW_REQUIRE_BROKERS=1` (`make test`) that is a failure.
 
+mod common;
+
+use common::{name, url};
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -37,32 +40,9 @@ use onceflow_core::{
 };
 use rand::Rng;
 
-const URL_VAR: &str = "ONCEFLOW_KAFKA_URL";
 /// Set in a child process: the pipeline's settings, tab-separated (see [`ChildSpec`]).
 const CHILD_VAR: &str = "ONCEFLOW_EOS_CHILD";
 const CHILD_TEST: &str = "eos_child_process";
-
-fn url(test: &str) -> Option<String> {
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {URL_VAR} is not set"
-            );
-            let _ = writeln!(
-                std::io::stderr(),
-                "onceflow-kafka: SKIPPED {test}: {URL_VAR} is not set (start a broker with \
-                 tests/brokers/up.sh kafka)"
-            );
-            None
-        }
-    }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
-}
 
 /// What a child pipeline process runs.
 #[derive(Clone, Debug)]

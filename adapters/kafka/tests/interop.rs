@@ -16,8 +16,10 @@
 //! each test says it skipped, and with `ONCEFLOW_REQUIRE_BROKERS=1` (`make test`) that is a
 //! failure.
 
+mod common;
+
+use common::{name, url};
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -31,32 +33,8 @@ use opentelemetry::trace::{SpanKind, TraceContextExt};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use serde_json::Value;
 
-const URL_VAR: &str = "ONCEFLOW_KAFKA_URL";
-
-fn url(test: &str) -> Option<String> {
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {URL_VAR} is not set"
-            );
-            let _ = writeln!(
-                std::io::stderr(),
-                "onceflow-kafka: SKIPPED {test}: {URL_VAR} is not set (start a broker with \
-                 tests/brokers/up.sh kafka)"
-            );
-            None
-        }
-    }
-}
-
 fn bootstrap(url: &str) -> String {
     onceflow_kafka::parse_url(url).unwrap().bootstrap_servers
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
 }
 
 fn repo() -> PathBuf {

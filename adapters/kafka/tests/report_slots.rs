@@ -29,6 +29,9 @@
 //! each test says it skipped, and with `ONCEFLOW_REQUIRE_BROKERS=1` (`make test`) that is a
 //! failure.
 
+mod common;
+
+use common::{name, url};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
@@ -43,8 +46,6 @@ use onceflow_core::{
     Record, Result, StartFrom, TopicSpec,
 };
 use onceflow_kafka::KafkaPlatform;
-
-const URL_VAR: &str = "ONCEFLOW_KAFKA_URL";
 
 /// Turns a hang into a failure; not a speed assertion.
 const HANG_GUARD: Duration = Duration::from_secs(300);
@@ -105,24 +106,6 @@ static ALLOCATOR: Counting = Counting;
 /// test's allocations fall into its measurement.
 static HEAP: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
-fn url(test: &str) -> Option<String> {
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {URL_VAR} is not set"
-            );
-            let _ = writeln!(
-                std::io::stderr(),
-                "onceflow-kafka: SKIPPED {test}: {URL_VAR} is not set (start a broker with \
-                 tests/brokers/up.sh kafka)"
-            );
-            None
-        }
-    }
-}
-
 /// `url` with one more `KEY=VALUE` option.
 fn with_option(url: &str, option: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
@@ -131,10 +114,6 @@ fn with_option(url: &str, option: &str) -> String {
 
 fn platform(url: &str) -> Arc<KafkaPlatform> {
     onceflow_kafka::connect(url).expect("Kafka URL")
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
 }
 
 async fn topic(p: &KafkaPlatform, partitions: u32) -> String {
