@@ -152,7 +152,9 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     let worker = format!("billing-worker-{run_id}");
 
     // The dedup store first: a bad --dedup is refused before any topic is made on the broker.
-    let tmp = tempfile::tempdir()
+    let tmp = tempfile::Builder::new()
+        .prefix("onceflow-demo-")
+        .tempdir()
         .map_err(|e| Error::config("cannot create a temporary directory").with_source(e))?;
     let store_url = match &a.dedup {
         Some(u) => u.clone(),
@@ -171,10 +173,10 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
 
     eprintln!(
         "onceflow demo on {} ({} partitions), dedup store {} ({})",
-        onceflow::redact_credentials(&a.url),
+        onceflow::shown(&onceflow::redact_credentials(&a.url)),
         a.partitions,
         store.name(),
-        onceflow::redact_url(&store_url)
+        onceflow::shown(&onceflow::redact_url(&store_url))
     );
 
     // 1. Produce the orders, with ~1% sent twice (same idempotency key) like a retrying producer.
@@ -412,7 +414,10 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
 
     let elapsed = started.elapsed();
     println!();
-    println!("  onceflow demo — {}", onceflow::redact_credentials(&a.url));
+    println!(
+        "  onceflow demo — {}",
+        onceflow::shown(&onceflow::redact_credentials(&a.url))
+    );
     println!("  ───────────────────────────────────────────────────────────────");
     let row = |k: &str, v: String| println!("  {k:<38} {v}");
     row("platform", client.platform().to_string());
@@ -420,7 +425,11 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     row("mechanism", mechanism.to_string());
     row(
         "dedup store",
-        format!("{} ({})", store.name(), onceflow::redact_url(&store_url)),
+        format!(
+            "{} ({})",
+            store.name(),
+            onceflow::shown(&onceflow::redact_url(&store_url))
+        ),
     );
     row("orders (distinct inputs)", n.to_string());
     row(

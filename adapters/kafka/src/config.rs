@@ -74,9 +74,11 @@ impl KafkaConfig {
 /// Parses `kafka://HOST:PORT[,HOST:PORT…][?KEY=VALUE&…]`. [`onceflow_core::ErrorKind::Config`]
 /// naming the value for anything else.
 pub fn parse_url(url: &str) -> Result<KafkaConfig> {
+    // Echoed in errors: without credentials, cut past 80 characters, control characters escaped.
+    let shown_url = onceflow_core::shown(&onceflow_core::redact_credentials(url));
     let rest = url.strip_prefix("kafka://").ok_or_else(|| {
         Error::config(format!(
-            "invalid Kafka URL '{url}': expected kafka://HOST:PORT[,HOST:PORT][?KEY=VALUE]"
+            "invalid Kafka URL '{shown_url}': expected kafka://HOST:PORT[,HOST:PORT][?KEY=VALUE]"
         ))
     })?;
     let (hosts, query) = match rest.split_once('?') {
@@ -86,7 +88,7 @@ pub fn parse_url(url: &str) -> Result<KafkaConfig> {
     let hosts = hosts.trim_end_matches('/');
     if hosts.is_empty() {
         return Err(Error::config(format!(
-            "invalid Kafka URL '{url}': no broker given, expected kafka://HOST:PORT"
+            "invalid Kafka URL '{shown_url}': no broker given, expected kafka://HOST:PORT"
         )));
     }
     if hosts.contains('@') {
@@ -102,7 +104,8 @@ pub fn parse_url(url: &str) -> Result<KafkaConfig> {
             .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         if !ok {
             return Err(Error::config(format!(
-                "invalid broker '{h}' in Kafka URL '{url}': expected HOST:PORT"
+                "invalid broker '{}' in Kafka URL '{shown_url}': expected HOST:PORT",
+                onceflow_core::shown(h)
             )));
         }
     }
@@ -167,5 +170,17 @@ mod tests {
         }
         let e = parse_url("kafka://h:1?message.max.bytes=lots").unwrap_err();
         assert!(e.message().contains("lots"));
+    }
+
+    /// A long bad URL is cut in the error (break test: a 100 000-character host was echoed in
+    /// full, twice), and its credentials are not echoed.
+    #[test]
+    fn long_bad_urls_are_cut_and_credentials_not_echoed() {
+        let host = "h".repeat(100_000);
+        let e = parse_url(&format!("kafka://{host}")).unwrap_err();
+        assert!(e.message().len() < 600, "{} bytes", e.message().len());
+        assert!(e.message().contains("(100000 characters)"), "{e}");
+        let e = parse_url("kafka://user:secret@").unwrap_err();
+        assert!(!e.message().contains("secret"), "{e}");
     }
 }

@@ -92,7 +92,8 @@ pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
                         .filter(|n| *n >= 1)
                         .ok_or_else(|| {
                             Error::config(format!(
-                                "invalid partitions '{value}' in '{url}': expected an integer >= 1"
+                                "invalid partitions '{}' in '{url}': expected an integer >= 1",
+                                onceflow_core::shown(value)
                             ))
                         })?;
             }
@@ -102,7 +103,8 @@ pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
                     "false" | "0" => false,
                     _ => {
                         return Err(Error::config(format!(
-                            "invalid auto_create '{value}' in '{url}': expected true or false"
+                            "invalid auto_create '{}' in '{url}': expected true or false",
+                            onceflow_core::shown(value)
                         )))
                     }
                 };
@@ -114,13 +116,15 @@ pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
                     .filter(|n| *n >= 1)
                     .ok_or_else(|| {
                         Error::config(format!(
-                            "invalid max_record_bytes '{value}' in '{url}': expected an integer >= 1"
+                            "invalid max_record_bytes '{}' in '{url}': expected an integer >= 1",
+                            onceflow_core::shown(value)
                         ))
                     })?;
             }
             _ => {
                 return Err(Error::config(format!(
-                    "unknown parameter '{key}' in '{url}': expected one of {KNOWN}"
+                    "unknown parameter '{}' in '{url}': expected one of {KNOWN}",
+                    onceflow_core::shown(key)
                 )))
             }
         }
