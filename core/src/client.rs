@@ -147,8 +147,8 @@ impl Producer {
     }
 
     /// Validates a record and writes the platform-neutral headers: `idempotency-key` and
-    /// trace context. Returns the send span's context.
-    fn prepare(&self, record: &mut Record) -> Result<opentelemetry::Context> {
+    /// trace context. Returns the send span's context, `None` when the span records nothing.
+    fn prepare(&self, record: &mut Record) -> Result<Option<opentelemetry::Context>> {
         prepare_record(self.platform.as_ref(), record)
     }
 
@@ -159,7 +159,9 @@ impl Producer {
     pub async fn send(&self, mut record: Record) -> Result<Delivery> {
         let cx = self.prepare(&mut record)?;
         let result = self.inner.send(record).await;
-        trace::end_send(&cx, result.as_ref());
+        if let Some(cx) = &cx {
+            trace::end_send(cx, result.as_ref());
+        }
         result
     }
 
@@ -173,9 +175,9 @@ impl Producer {
 
     /// Writes all records or none (platforms with [`Capabilities::atomic_batch`]).
     pub async fn send_atomic(&self, mut records: Vec<Record>) -> Result<Vec<Delivery>> {
-        let mut spans = Vec::with_capacity(records.len());
+        let mut spans = Vec::new();
         for r in records.iter_mut() {
-            spans.push(self.prepare(r)?);
+            spans.extend(self.prepare(r)?);
         }
         let result = self.inner.send_atomic(records).await;
         for cx in &spans {
@@ -288,11 +290,10 @@ fn merge_results(prep: BatchPrep, sent: Vec<Result<Delivery>>) -> Vec<Result<Del
 pub(crate) fn prepare_record(
     platform: &dyn PlatformBackend,
     record: &mut Record,
-) -> Result<opentelemetry::Context> {
+) -> Result<Option<opentelemetry::Context>> {
     let limit = platform.max_record_bytes();
     let system = platform.name();
-    prepare_with(platform, limit, record, |r| Some(trace::on_send(system, r)))
-        .map(Option::unwrap_or_default)
+    prepare_with(platform, limit, record, |r| trace::on_send(system, r))
 }
 
 /// Validates `record` (limit: the platform's `max_record_bytes`), writes the `idempotency-key`
@@ -370,7 +371,9 @@ impl Transaction {
     pub async fn send(&mut self, mut record: Record) -> Result<Delivery> {
         let cx = prepare_record(self.platform.as_ref(), &mut record)?;
         let result = self.inner()?.send(record).await;
-        trace::end_send(&cx, result.as_ref());
+        if let Some(cx) = &cx {
+            trace::end_send(cx, result.as_ref());
+        }
         result
     }
 

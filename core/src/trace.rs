@@ -130,12 +130,34 @@ fn parent_for_send(record: &Record) -> Context {
 
 /// Starts the producer span for `record` on `system` (`kafka`, `nats`, `pulsar`,
 /// `aws_kinesis`, `memory`) and injects its context into the record's headers. Returns the span
-/// context to end when the send completes.
-pub fn on_send(system: &'static str, record: &mut Record) -> Context {
+/// context to end with [`end_send`] when the send completes, or `None` when the span records
+/// nothing: its `end` would do nothing (the no-op tracer of an application without a tracer
+/// provider, or a span the sampler dropped), so no context is made to carry it. The headers
+/// are the same either way: a sampled-out span's context is still injected (its
+/// `traceparent` says "not sampled"), and the no-op tracer's span hands the parent's context
+/// through.
+pub fn on_send(system: &'static str, record: &mut Record) -> Option<Context> {
+    on_send_with(&global::tracer(SCOPE), system, record)
+}
+
+fn on_send_with(
+    tracer: &global::BoxedTracer,
+    system: &'static str,
+    record: &mut Record,
+) -> Option<Context> {
     let parent = parent_for_send(record);
-    let cx = start_send(&global::tracer(SCOPE), system, &parent, record);
-    inject(&cx, &mut record.headers);
-    cx
+    let span = start_span(tracer, system, &parent, record);
+    if span.is_recording() {
+        let cx = parent.with_span(span);
+        inject(&cx, &mut record.headers);
+        return Some(cx);
+    }
+    if span.span_context() == parent.span().span_context() {
+        inject(&parent, &mut record.headers);
+    } else {
+        inject(&parent.with_span(span), &mut record.headers);
+    }
+    None
 }
 
 /// Producer spans for records sent together ([`crate::Producer::send_batch`], a transaction's
@@ -234,6 +256,16 @@ fn start_send(
     parent: &Context,
     record: &Record,
 ) -> Context {
+    parent.with_span(start_span(tracer, system, parent, record))
+}
+
+/// The producer span for `record`, a child of `parent`, with its attributes when it records.
+fn start_span(
+    tracer: &global::BoxedTracer,
+    system: &'static str,
+    parent: &Context,
+    record: &Record,
+) -> global::BoxedSpan {
     // The name and attributes are only built for a span that records: without a tracer
     // provider (or when the sampler drops the span) a send costs no allocation for them.
     let mut span = tracer
@@ -250,7 +282,7 @@ fn start_send(
             KeyValue::new("messaging.message.body.size", record.payload.len() as i64),
         ]);
     }
-    parent.with_span(span)
+    span
 }
 
 /// Records the outcome of a send on the span started by [`on_send`] and ends it.
@@ -377,8 +409,8 @@ mod tests {
         let mut r = Record::new("t", "x")
             .header(TRACEPARENT, TP)
             .header(TRACEPARENT, TP);
-        let cx = on_send("memory", &mut r);
-        end_send(&cx, Err(&crate::Error::config("x")));
+        // The no-op tracer's span records nothing: no context to end.
+        assert!(on_send("memory", &mut r).is_none());
         assert_eq!(r.headers.get_all(TRACEPARENT).count(), 1);
         // With the no-op tracer the caller's context is what propagates.
         assert!(r
@@ -391,8 +423,7 @@ mod tests {
     #[test]
     fn send_without_context_adds_nothing() {
         let mut r = Record::new("t", "x");
-        let cx = on_send("memory", &mut r);
-        end(&cx, None);
+        assert!(on_send("memory", &mut r).is_none());
         assert!(r.headers.is_empty());
     }
 
@@ -419,7 +450,7 @@ mod tests {
         let parent = extract(&Headers::new().with(TRACEPARENT, TP));
         let _guard = parent.attach();
         let mut single = Record::new("t", "x");
-        end(&on_send("memory", &mut single), None);
+        assert!(on_send("memory", &mut single).is_none());
         let (records, cxs) = batch(3, None);
         for r in &records {
             assert_eq!(r.headers, single.headers);
@@ -472,5 +503,47 @@ mod tests {
         let finished = exporter.get_finished_spans().unwrap();
         assert_eq!(finished.len(), 3);
         assert!(finished.iter().all(|s| s.name == "send t"));
+    }
+
+    fn sdk_tracer(
+        sampler: opentelemetry_sdk::trace::Sampler,
+    ) -> (
+        global::BoxedTracer,
+        opentelemetry_sdk::trace::InMemorySpanExporter,
+    ) {
+        use opentelemetry::trace::TracerProvider as _;
+        let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .with_sampler(sampler)
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let tracer = global::BoxedTracer::new(Box::new(provider.tracer(SCOPE)));
+        (tracer, exporter)
+    }
+
+    #[test]
+    fn a_recording_send_span_is_returned_to_end() {
+        let (tracer, exporter) = sdk_tracer(opentelemetry_sdk::trace::Sampler::AlwaysOn);
+        let mut r = Record::new("t", "x").header(TRACEPARENT, TP);
+        let cx = on_send_with(&tracer, "memory", &mut r).expect("a recording span");
+        end_send(&cx, Err(&crate::Error::config("x")));
+        let tp = r.headers.get_str(TRACEPARENT).unwrap().to_string();
+        // A child of the record's traceparent: same trace, a new span id, sampled.
+        assert!(tp.contains(&TP[3..35]) && !tp.contains(&TP[36..52]) && tp.ends_with("-01"));
+        let finished = exporter.get_finished_spans().unwrap();
+        assert_eq!(finished.len(), 1);
+        assert_eq!(finished[0].name, "send t");
+    }
+
+    #[test]
+    fn a_sampled_out_send_span_still_propagates_its_context() {
+        let (tracer, exporter) = sdk_tracer(opentelemetry_sdk::trace::Sampler::AlwaysOff);
+        let mut r = Record::new("t", "x");
+        assert!(on_send_with(&tracer, "memory", &mut r).is_none());
+        // The sampler dropped the span, but its context (a new trace, not sampled) is injected
+        // for the next hop, as the SDK's own propagation does.
+        let tp = r.headers.get_str(TRACEPARENT).expect("traceparent");
+        assert!(tp.ends_with("-00"), "{tp}");
+        assert!(exporter.get_finished_spans().unwrap().is_empty());
     }
 }
