@@ -86,6 +86,35 @@ async fn same_msg_id_is_a_duplicate_with_the_original_position() {
     assert_eq!(d.options.get("messages").map(String::as_str), Some("1"));
 }
 
+/// More sends in flight than async-nats allows acks pending (5 000 by default): the first
+/// ones are handed to the connection at once, the rest wait for a permit (the send's async
+/// path). Every record is stored exactly once, each with its own Msg-Id and stream sequence.
+#[tokio::test]
+async fn sends_past_the_in_flight_ack_limit_all_land_once() {
+    let Some(p) = platform("sends_past_the_in_flight_ack_limit_all_land_once").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    // The first send looks the topic up; the others find it known and take the direct path.
+    prod.send(Record::new(t.clone(), "first")).await.unwrap();
+    let n = 12_000;
+    let sends = (0..n).map(|i| prod.send(Record::new(t.clone(), format!("m{i}"))));
+    let deliveries: Vec<_> = futures::future::join_all(sends).await;
+    let mut sequences = std::collections::HashSet::new();
+    for d in deliveries {
+        let d = d.expect("every send is acknowledged");
+        assert!(!d.duplicate);
+        assert!(sequences.insert(d.position), "two sends got one position");
+    }
+    assert_eq!(sequences.len(), n);
+    let d = p.admin().await.unwrap().describe_topic(&t).await.unwrap();
+    assert_eq!(
+        d.options.get("messages").map(String::as_str),
+        Some((n + 1).to_string().as_str())
+    );
+}
+
 #[tokio::test]
 async fn header_names_keep_their_case_on_the_wire() {
     let Some(p) = platform("header_names_keep_their_case_on_the_wire").await else {
