@@ -85,6 +85,34 @@ fn partition_count(s: &str) -> Result<u32, String> {
     }
 }
 
+/// What the library logs through `tracing` goes to stderr, so that a user of the command line
+/// sees its warnings: a dedup store whose window is shorter than a JetStream stream's
+/// duplicate window, a memory store evicting keys still inside their dedup window, a Kafka
+/// consumer that could not commit on revocation. `RUST_LOG` chooses what is shown (for example
+/// `RUST_LOG=onceflow=debug`, syntax of `tracing_subscriber::EnvFilter`); the default is
+/// warnings and errors. An invalid `RUST_LOG` is reported and the default kept.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
+            eprintln!(
+                "onceflow: ignoring RUST_LOG={}: {e} (expected directives such as \
+                 'warn' or 'onceflow=debug'); showing warnings",
+                onceflow::shown(&v)
+            );
+            EnvFilter::new("warn")
+        }),
+        _ => EnvFilter::new("warn"),
+    };
+    let stderr = std::io::stderr();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&stderr))
+        .with_target(false)
+        .try_init();
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -97,6 +125,7 @@ fn main() -> ExitCode {
             };
         }
     };
+    init_logging();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

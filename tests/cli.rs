@@ -478,3 +478,41 @@ fn consume_commits_every_partition_it_read() {
         "every partition committed: {lag:?}"
     );
 }
+
+/// The library's warnings reach the command line's stderr: a memory dedup store too small for
+/// the demo's keys says that it evicted keys still inside their dedup window, which is why such
+/// a run can fail its exactly-once check.
+#[test]
+fn library_warnings_reach_stderr() {
+    let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args([
+            "demo",
+            "--messages",
+            "2000",
+            "--dedup",
+            "memory://?capacity=1",
+        ])
+        .env_remove("ONCEFLOW_URL")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run the onceflow binary");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("WARN") && stderr.contains("evicted a key still inside its"),
+        "{stderr}"
+    );
+}
+
+/// A `RUST_LOG` that is not a filter is named, and the default (warnings) is kept.
+#[test]
+fn a_bad_rust_log_is_reported_and_ignored() {
+    let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["demo", "--messages", "100"])
+        .env_remove("ONCEFLOW_URL")
+        .env("RUST_LOG", "onceflow=[")
+        .output()
+        .expect("run the onceflow binary");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("ignoring RUST_LOG=onceflow=["), "{stderr}");
+    assert!(out.status.success(), "{stderr}");
+}
