@@ -419,3 +419,62 @@ async fn a_record_whose_headers_overflow_max_payload_on_the_wire_is_refused() {
     prod.send(Record::new(t.clone(), "ok")).await.unwrap();
     assert_eq!(stored(&p, &t).await, 2);
 }
+
+/// Acks that time out (a 1 ms publish timeout under a flood) are retried with the same
+/// `Nats-Msg-Id`, from either path: whatever each send's result, no record is stored twice,
+/// every acknowledged one is stored, and a retry that finds its own earlier attempt stored is
+/// not flagged a duplicate (the ids are generated).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn timed_out_acks_are_retried_and_nothing_is_stored_twice() {
+    let Some(p) = platform("timed_out_acks_are_retried_and_nothing_is_stored_twice").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let client = Client::new(p.clone());
+    let producer = client
+        .producer(
+            ProducerConfig::default()
+                .option("publish_timeout_ms", "1")
+                .option("publish_retries", "20"),
+        )
+        .await
+        .unwrap();
+    producer
+        .send(Record::new(t.clone(), "first"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let n = 8_000;
+    let sends = (0..n).map(|i| producer.send(Record::new(t.clone(), format!("m{i}"))));
+    let results = futures::future::join_all(sends).await;
+    let mut acked = HashSet::new();
+    let mut timed_out = 0;
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(d) => {
+                assert!(!d.duplicate, "m{i}: its own earlier attempt, not a duplicate");
+                acked.insert(format!("m{i}"));
+            }
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Timeout, "m{i}: {e}");
+                timed_out += 1;
+            }
+        }
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "timed_out_acks: {} acknowledged, {timed_out} timed out",
+        acked.len()
+    );
+    let total = stored(&p, &t).await as usize;
+    let c = reader(&t).await;
+    let all = take(c.as_ref(), total).await;
+    c.close().await.unwrap();
+    let mut seen = HashSet::new();
+    for m in &all {
+        let body = String::from_utf8(m.payload.to_vec()).unwrap();
+        assert!(seen.insert(body.clone()), "{body} stored twice");
+    }
+    for a in &acked {
+        assert!(seen.contains(a), "{a} acknowledged but not stored");
+    }
+}
