@@ -451,7 +451,10 @@ async fn timed_out_acks_are_retried_and_nothing_is_stored_twice() {
     for (i, r) in results.into_iter().enumerate() {
         match r {
             Ok(d) => {
-                assert!(!d.duplicate, "m{i}: its own earlier attempt, not a duplicate");
+                assert!(
+                    !d.duplicate,
+                    "m{i}: its own earlier attempt, not a duplicate"
+                );
                 acked.insert(format!("m{i}"));
             }
             Err(e) => {
@@ -476,5 +479,59 @@ async fn timed_out_acks_are_retried_and_nothing_is_stored_twice() {
     }
     for a in &acked {
         assert!(seen.contains(a), "{a} acknowledged but not stored");
+    }
+}
+
+/// A producer that is not idempotent sends records without headers as plain `PUB`s (no
+/// header block at all), from either path; a flood of them lands once each, read back without
+/// headers, and the few with a key keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_without_msg_ids_lands_once_without_headers() {
+    let Some(p) = platform("a_flood_without_msg_ids_lands_once_without_headers").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let client = Client::new(p.clone());
+    let producer = client
+        .producer(ProducerConfig {
+            idempotent: Some(false),
+            ..ProducerConfig::default()
+        })
+        .await
+        .unwrap();
+    producer
+        .send(Record::new(t.clone(), "first"))
+        .await
+        .unwrap();
+    let n: usize = 12_000;
+    let sends = (0..n).map(|i| {
+        let r = Record::new(t.clone(), format!("m{i}"));
+        if i.is_multiple_of(100) {
+            r.key(format!("k{i}"))
+        } else {
+            r
+        }
+    });
+    for d in futures::future::join_all(sends.map(|r| producer.send(r))).await {
+        assert!(!d.unwrap().duplicate);
+    }
+    assert_eq!(stored(&p, &t).await, n as u64 + 1);
+    let c = reader(&t).await;
+    let all = take(c.as_ref(), n + 1).await;
+    c.close().await.unwrap();
+    let mut seen = HashSet::new();
+    for m in &all {
+        let body = String::from_utf8(m.payload.to_vec()).unwrap();
+        assert!(m.headers.is_empty(), "{body}: {:?}", m.headers);
+        if body != "first" {
+            let i: usize = body[1..].parse().unwrap();
+            let want = i.is_multiple_of(100).then(|| format!("k{i}"));
+            assert_eq!(
+                m.key.as_deref(),
+                want.as_deref().map(str::as_bytes),
+                "{body}"
+            );
+        }
+        assert!(seen.insert(body.clone()), "{body} stored twice");
     }
 }
