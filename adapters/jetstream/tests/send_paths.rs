@@ -535,3 +535,26 @@ async fn a_flood_without_msg_ids_lands_once_without_headers() {
         assert!(seen.insert(body.clone()), "{body} stored twice");
     }
 }
+
+/// A send's future made on a thread outside the runtime (the producer's `send` called there),
+/// then awaited on the runtime: the record lands, as any future made outside and awaited
+/// inside does. (`send` used to hand the publish over at once, which starts a tokio timer:
+/// it panicked without a runtime.)
+#[tokio::test]
+async fn a_send_made_outside_the_runtime_and_awaited_inside_lands() {
+    let Some(p) = platform("a_send_made_outside_the_runtime_and_awaited_inside_lands").await else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    // Known to the producer: its next send takes the direct path.
+    prod.send(Record::new(t.clone(), "first")).await.unwrap();
+    let future = std::thread::scope(|s| {
+        s.spawn(|| prod.send(Record::new(t.clone(), "made outside")))
+            .join()
+            .expect("making a send's future outside the runtime")
+    });
+    let d = future.await.unwrap();
+    assert!(!d.duplicate);
+    assert_eq!(stored(&p, &t).await, 2);
+}
