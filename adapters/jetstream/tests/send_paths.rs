@@ -558,3 +558,69 @@ async fn a_send_made_outside_the_runtime_and_awaited_inside_lands() {
     assert!(!d.duplicate);
     assert_eq!(stored(&p, &t).await, 2);
 }
+
+/// Without a tracer provider (none is installed in this binary) a send adds no trace context
+/// of its own: a record carrying a `traceparent` keeps exactly that one on the wire, a record
+/// sent in a caller's context carries the caller's, and one with neither carries none.
+#[tokio::test]
+async fn without_a_tracer_provider_the_wire_carries_only_the_callers_or_records_traceparent() {
+    use opentelemetry::context::FutureExt as _;
+    use opentelemetry::trace::{
+        SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+    };
+    let Some(p) = platform(
+        "without_a_tracer_provider_the_wire_carries_only_the_callers_or_records_traceparent",
+    )
+    .await
+    else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let producer = Client::new(p.clone())
+        .producer(ProducerConfig::default())
+        .await
+        .unwrap();
+    let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let caller = SpanContext::new(
+        TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap(),
+        SpanId::from_hex("00f067aa0ba902b7").unwrap(),
+        TraceFlags::SAMPLED,
+        true,
+        TraceState::default(),
+    );
+    let caller_cx = opentelemetry::Context::new().with_remote_span_context(caller);
+    let mut sent = Vec::new();
+    // Twice each: the first send of the producer looks the topic up (the async path).
+    for _ in 0..2 {
+        let own = producer
+            .send(Record::new(t.clone(), "own").header("traceparent", tp))
+            .await
+            .unwrap();
+        let in_caller = producer
+            .send(Record::new(t.clone(), "caller").idempotency_key(name("k")))
+            .with_context(caller_cx.clone())
+            .await
+            .unwrap();
+        let none = producer.send(Record::new(t.clone(), "none")).await.unwrap();
+        sent.push((own, Some(tp.to_string())));
+        sent.push((
+            in_caller,
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_string()),
+        ));
+        sent.push((none, None));
+    }
+    let js = async_nats::jetstream::new(p.nats_client());
+    let stream = js.get_stream(&t).await.unwrap();
+    for (d, want) in sent {
+        let raw = stream
+            .get_raw_message(d.position.as_sequence().unwrap())
+            .await
+            .unwrap();
+        let got: Vec<String> = raw
+            .headers
+            .get_all("traceparent")
+            .map(|v| v.as_str().to_string())
+            .collect();
+        assert_eq!(got, want.into_iter().collect::<Vec<_>>(), "{d:?}");
+    }
+}
