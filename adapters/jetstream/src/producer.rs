@@ -322,11 +322,18 @@ impl JetStreamProducer {
     /// room) and the boxed future is ~0.5 KB. When it cannot be (no permit, a full channel, or
     /// tokio's cooperative budget spent), `send_publish` has queued nothing (both of its waits
     /// come before the command is sent) and is dropped, and the send takes the async path.
+    ///
+    /// Outside a tokio runtime (a send's future made on a thread of its own, to be awaited on
+    /// the runtime) the publish is not started either: `send_publish` starts a tokio timer,
+    /// which panics without a runtime; the send waits for its first poll, as before.
     fn start_now<'a>(
         &'a self,
         mut p: Prepared,
     ) -> Pin<Box<dyn Future<Output = Result<Delivery>> + Send + 'a>> {
         use futures::FutureExt;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Box::pin(self.publish_one(p));
+        }
         let message = match Self::message(&mut p) {
             Ok(m) => m,
             Err(e) => return Box::pin(std::future::ready(Err(e))),
