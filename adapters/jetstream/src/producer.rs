@@ -311,66 +311,48 @@ impl JetStreamProducer {
         self.finish(p, result).await
     }
 
-    /// A send's publish handed to the connection at once when it can be, so that the send's
-    /// boxed future holds only the ack wait.
+    /// The future of a send whose record is routed: on its first poll it hands the publish to
+    /// the connection at once when it can, so that the future holds only the ack wait.
     ///
     /// async-nats' `send_publish` future is ~850 bytes. Awaited inside the send's future
     /// ([`Self::publish_one`]) it made every send allocate ~1.5 KB, past glibc's per-thread
     /// cache of small chunks (up to 1032 bytes): each send paid a slow `malloc` and `free`
-    /// (15 % of a send's CPU in a `perf` profile of N1). Polled here once, the publish is queued
-    /// in the common case (an ack permit is free and the connection's command channel has
-    /// room) and the boxed future is ~0.5 KB. When it cannot be (no permit, a full channel, or
-    /// tokio's cooperative budget spent), `send_publish` has queued nothing (both of its waits
-    /// come before the command is sent) and is dropped, and the send takes the async path.
+    /// (15 % of a send's CPU in a `perf` profile of N1). Polled once on the spot
+    /// (`now_or_never`, not held across an await), the publish is queued in the common case (an
+    /// ack permit is free and the connection's command channel has room) and this future is
+    /// ~0.3 KB. When it cannot be (no permit, a full channel, or tokio's cooperative budget
+    /// spent), `send_publish` has queued nothing (both of its waits come before the command is
+    /// sent) and is dropped, and the send takes the async path, out of line.
     ///
-    /// Outside a tokio runtime (a send's future made on a thread of its own, to be awaited on
-    /// the runtime) the publish is not started either: `send_publish` starts a tokio timer,
-    /// which panics without a runtime; the send waits for its first poll, as before.
+    /// Nothing happens before the first poll: a send's future made outside the runtime and
+    /// awaited on it works, and one dropped unpolled publishes nothing.
     fn start_now<'a>(
         &'a self,
         mut p: Prepared,
     ) -> Pin<Box<dyn Future<Output = Result<Delivery>> + Send + 'a>> {
-        use futures::FutureExt;
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Box::pin(self.publish_one(p));
-        }
-        let message = match Self::message(&mut p) {
-            Ok(m) => m,
-            Err(e) => return Box::pin(std::future::ready(Err(e))),
-        };
-        match self
-            .js
-            .send_publish(p.subject.clone(), message)
-            .now_or_never()
-        {
-            Some(Ok(ack)) => Box::pin(self.wait_one(p, ack)),
-            Some(Err(e)) => {
-                let e = publish_err(&p.subject, e);
-                Box::pin(self.finish(p, Err(e)))
-            }
-            // The headers went with the dropped attempt; `publish_one` builds them again.
-            None => Box::pin(self.publish_one(p)),
-        }
-    }
-
-    /// The ack wait of a publish [`Self::start_now`] queued, then its delivery (or retries).
-    ///
-    /// An `async move` block rather than an `async fn`: an `async fn`'s future stores its
-    /// arguments twice (as passed, and moved into its locals when first polled), which for
-    /// `Prepared` (~270 bytes) doubled this future's size.
-    #[allow(clippy::manual_async_fn)] // on purpose, see above
-    fn wait_one(
-        &self,
-        p: Prepared,
-        ack: PublishAckFuture,
-    ) -> impl Future<Output = Result<Delivery>> + Send + '_ {
-        async move {
-            let result = ack.await.map_err(|e| self.ack_err(&p, e));
+        // An `async move` block, not an `async fn`: an `async fn` stores its arguments twice
+        // (as passed, and moved into its locals), which for `Prepared` (~270 bytes) doubled
+        // the future's size.
+        Box::pin(async move {
+            use futures::FutureExt;
+            let first = match Self::message(&mut p) {
+                Ok(message) => self
+                    .js
+                    .send_publish(p.subject.clone(), message)
+                    .now_or_never(),
+                Err(e) => return Err(e),
+            };
+            let result = match first {
+                Some(Ok(ack)) => ack.await.map_err(|e| self.ack_err(&p, e)),
+                Some(Err(e)) => Err(publish_err(&p.subject, e)),
+                // The headers went with the dropped attempt; `publish_one` builds them again.
+                None => return Box::pin(self.publish_one(p)).await,
+            };
             match self.outcome(p, result) {
                 Outcome::Done(done) => done,
                 Outcome::Retry(p) => Box::pin(self.retry(p)).await,
             }
-        }
+        })
     }
 
     /// The delivery of a first attempt's result, or the retries after its timeout.
