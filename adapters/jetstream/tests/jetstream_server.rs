@@ -3,78 +3,23 @@
 //! (`set -a; eval "$(tests/brokers/up.sh nats)"; set +a`); without it each test prints that it
 //! skipped and why.
 
-use std::io::Write;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
 use onceflow_core::{
-    ConsumerBackend, ConsumerConfig, ErrorKind, Message, PlatformBackend, ProducerConfig, Record,
-    StartFrom, TopicSpec,
+    ConsumerConfig, ErrorKind, PlatformBackend, ProducerConfig, Record, StartFrom, TopicSpec,
 };
-use onceflow_jetstream::JetStreamPlatform;
 
-const URL_VAR: &str = "ONCEFLOW_NATS_URL";
-
-async fn platform(test: &str) -> Option<Arc<JetStreamPlatform>> {
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(
-            onceflow_jetstream::connect(&url)
-                .await
-                .unwrap_or_else(|e| panic!("{URL_VAR}='{url}': {e}")),
-        ),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {URL_VAR} is not set (tests/brokers/up.sh nats)"
-            );
-            // Straight to stderr (not captured by the test harness): a skip is never silent.
-            let _ = writeln!(
-                std::io::stderr(),
-                "jetstream_server: SKIPPED {test}: {URL_VAR} is not set (start a server with \
-                 tests/brokers/up.sh nats)"
-            );
-            None
-        }
-    }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
-}
-
-async fn topic(p: &JetStreamPlatform, partitions: u32) -> String {
-    let t = name("js-topic");
-    p.admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(t.clone(), partitions))
-        .await
-        .unwrap();
-    t
-}
-
-async fn take(c: &dyn ConsumerBackend, n: usize) -> Vec<Message> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "expected {n} messages, got {}",
-            out.len()
-        );
-        out.extend(c.poll(100, Duration::from_millis(200)).await.unwrap());
-    }
-    out
-}
+mod common;
+use common::{name, platform, take, topic, URL_VAR};
 
 #[tokio::test]
 async fn same_msg_id_is_a_duplicate_with_the_original_position() {
     let Some(p) = platform("same_msg_id_is_a_duplicate_with_the_original_position").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     let r = Record::new(t.clone(), "once").idempotency_key("order-1");
     let first = prod.send(r.clone()).await.unwrap();
@@ -94,7 +39,7 @@ async fn sends_past_the_in_flight_ack_limit_all_land_once() {
     let Some(p) = platform("sends_past_the_in_flight_ack_limit_all_land_once").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     // The first send looks the topic up; the others find it known and take the direct path.
     prod.send(Record::new(t.clone(), "first")).await.unwrap();
@@ -120,7 +65,7 @@ async fn header_names_keep_their_case_on_the_wire() {
     let Some(p) = platform("header_names_keep_their_case_on_the_wire").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     let d = prod
         .send(
@@ -184,7 +129,7 @@ async fn a_reconnecting_consumer_resumes_its_durable() {
     let Some(p) = platform("a_reconnecting_consumer_resumes_its_durable").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let group = name("g");
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     for i in 0..6 {
@@ -233,7 +178,7 @@ async fn in_progress_holds_and_nack_redelivers() {
     let Some(p) = platform("in_progress_holds_and_nack_redelivers").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     prod.send(Record::new(t.clone(), "slow")).await.unwrap();
     let c = p
@@ -273,7 +218,7 @@ async fn a_dead_owners_unacked_messages_reach_the_next_owner() {
     let Some(p) = platform("a_dead_owners_unacked_messages_reach_the_next_owner").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let group = name("g");
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     for i in 0..5 {
@@ -346,7 +291,7 @@ async fn a_held_message_is_not_polled_again_after_ack_wait() {
     let Some(p) = platform("a_held_message_is_not_polled_again_after_ack_wait").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     for i in 0..3 {
         prod.send(Record::new(t.clone(), format!("m{i}")))
@@ -391,7 +336,7 @@ async fn partitions_are_subjects() {
     let Some(p) = platform("partitions_are_subjects").await else {
         return;
     };
-    let t = topic(&p, 3).await;
+    let t = topic(&p, "js-topic", 3).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     let d = prod
         .send(Record::new(t.clone(), "x").partition(2))
@@ -460,8 +405,8 @@ async fn max_deliver_sends_the_message_to_the_dead_letter_topic() {
     let Some(p) = platform("max_deliver_sends_the_message_to_the_dead_letter_topic").await else {
         return;
     };
-    let t = topic(&p, 1).await;
-    let dlq = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
+    let dlq = topic(&p, "js-topic", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     for i in 0..3 {
         prod.send(
@@ -543,7 +488,7 @@ async fn dead_letter_needs_max_deliver() {
     let Some(p) = platform("dead_letter_needs_max_deliver").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-topic", 1).await;
     let e = p
         .consumer(ConsumerConfig::new(name("g"), [t]).option("dead_letter", "dlq"))
         .await

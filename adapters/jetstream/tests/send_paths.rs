@@ -10,34 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceflow_core::{
-    Client, ConsumerBackend, ConsumerConfig, ErrorKind, Message, PlatformBackend, ProducerConfig,
-    Record, TopicSpec, IDEMPOTENCY_KEY_HEADER,
+    Client, ConsumerBackend, ConsumerConfig, ErrorKind, PlatformBackend, ProducerConfig, Record,
+    TopicSpec, IDEMPOTENCY_KEY_HEADER,
 };
 use onceflow_jetstream::JetStreamPlatform;
 
-const URL_VAR: &str = "ONCEFLOW_NATS_URL";
-
-async fn platform(test: &str) -> Option<Arc<JetStreamPlatform>> {
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(
-            onceflow_jetstream::connect(&url)
-                .await
-                .unwrap_or_else(|e| panic!("{URL_VAR}='{url}': {e}")),
-        ),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {URL_VAR} is not set (tests/brokers/up.sh nats)"
-            );
-            let _ = writeln!(
-                std::io::stderr(),
-                "send_paths: SKIPPED {test}: {URL_VAR} is not set (start a server with \
-                 tests/brokers/up.sh nats)"
-            );
-            None
-        }
-    }
-}
+mod common;
+use common::{name, platform, take, topic, URL_VAR};
 
 /// A second connection to the server, with `options` (`k=v&…`) on its URL.
 async fn platform_with(options: &str) -> Arc<JetStreamPlatform> {
@@ -57,38 +36,9 @@ async fn reader(t: &str) -> Arc<dyn ConsumerBackend> {
         .unwrap()
 }
 
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:016x}", rand::random::<u64>())
-}
-
-async fn topic(p: &JetStreamPlatform, partitions: u32) -> String {
-    let t = name("js-paths");
-    p.admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(t.clone(), partitions))
-        .await
-        .unwrap();
-    t
-}
-
 async fn stored(p: &JetStreamPlatform, t: &str) -> u64 {
     let d = p.admin().await.unwrap().describe_topic(t).await.unwrap();
     d.options["messages"].parse().unwrap()
-}
-
-async fn take(c: &dyn ConsumerBackend, n: usize) -> Vec<Message> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "expected {n} messages, got {}",
-            out.len()
-        );
-        out.extend(c.poll(1000, Duration::from_millis(200)).await.unwrap());
-    }
-    out
 }
 
 /// A record of the flood: every other one has an idempotency key (its `Nats-Msg-Id`), the
@@ -119,7 +69,7 @@ async fn flood_and_check(test: &str, spawned: bool) {
     let Some(p) = platform(test).await else {
         return;
     };
-    let t = topic(&p, 3).await;
+    let t = topic(&p, "js-paths", 3).await;
     let client = Client::new(p.clone());
     let producer = Arc::new(client.producer(ProducerConfig::default()).await.unwrap());
     // The topic is looked up once; every later send finds it known.
@@ -148,7 +98,7 @@ async fn flood_and_check(test: &str, spawned: bool) {
         assert_eq!(positions.len(), n);
     } else {
         // One partition's sequences: positions are distinct per partition, so use one.
-        let t1 = topic(&p, 1).await;
+        let t1 = topic(&p, "js-paths", 1).await;
         producer
             .send(Record::new(t1.clone(), "first"))
             .await
@@ -249,7 +199,7 @@ async fn backend_futures_made_before_any_is_polled_all_land_and_give_back_their_
     else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     prod.send(Record::new(t.clone(), "first")).await.unwrap();
     let n = 8_000;
@@ -291,7 +241,7 @@ async fn a_send_to_a_deleted_stream_is_not_found_and_works_again_after_recreatin
         return;
     };
     let p = platform_with("auto_create=false").await;
-    let t = topic(&other, 1).await;
+    let t = topic(&other, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     prod.send(Record::new(t.clone(), "a")).await.unwrap();
     other.admin().await.unwrap().delete_topic(&t).await.unwrap();
@@ -328,7 +278,7 @@ async fn an_oversized_record_is_refused_before_it_is_published() {
     let Some(p) = platform("an_oversized_record_is_refused_before_it_is_published").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     let limit = p.max_record_bytes();
     let big = vec![b'x'; limit + 1];
@@ -358,7 +308,7 @@ async fn a_send_on_a_closed_connection_fails() {
     let Some(p) = platform("a_send_on_a_closed_connection_fails").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     prod.send(Record::new(t.clone(), "a")).await.unwrap();
     let client = p.nats_client();
@@ -398,7 +348,7 @@ async fn a_record_whose_headers_overflow_max_payload_on_the_wire_is_refused() {
     else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     let big = || {
         let mut r = Record::new(t.clone(), vec![b'x'; p.max_record_bytes() - 400]);
@@ -426,7 +376,7 @@ async fn timed_out_acks_are_retried_and_nothing_is_stored_twice() {
     let Some(p) = platform("timed_out_acks_are_retried_and_nothing_is_stored_twice").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let client = Client::new(p.clone());
     let producer = client
         .producer(
@@ -487,7 +437,7 @@ async fn a_flood_without_msg_ids_lands_once_without_headers() {
     let Some(p) = platform("a_flood_without_msg_ids_lands_once_without_headers").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let client = Client::new(p.clone());
     let producer = client
         .producer(ProducerConfig {
@@ -542,7 +492,7 @@ async fn a_send_made_outside_the_runtime_and_awaited_inside_lands() {
     let Some(p) = platform("a_send_made_outside_the_runtime_and_awaited_inside_lands").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     // Known to the producer: its next send takes the direct path.
     prod.send(Record::new(t.clone(), "first")).await.unwrap();
@@ -563,7 +513,7 @@ async fn a_send_dropped_before_its_first_poll_publishes_nothing() {
     let Some(p) = platform("a_send_dropped_before_its_first_poll_publishes_nothing").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     prod.send(Record::new(t.clone(), "first")).await.unwrap();
     for i in 0..100 {
@@ -581,7 +531,7 @@ async fn a_send_future_is_small() {
     let Some(p) = platform("a_send_future_is_small").await else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
     prod.send(Record::new(t.clone(), "first")).await.unwrap();
     for r in [
@@ -611,7 +561,7 @@ async fn without_a_tracer_provider_the_wire_carries_only_the_callers_or_records_
     else {
         return;
     };
-    let t = topic(&p, 1).await;
+    let t = topic(&p, "js-paths", 1).await;
     let producer = Client::new(p.clone())
         .producer(ProducerConfig::default())
         .await

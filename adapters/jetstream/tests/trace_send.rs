@@ -5,10 +5,9 @@
 //! (It cannot go by the topic: the sampler sees the span before it is named after it.)
 //! Runs when `ONCEFLOW_NATS_URL` is set; without it each test prints that it skipped and why.
 
-use std::io::Write;
 use std::sync::{Arc, OnceLock};
 
-use onceflow_core::{Client, PlatformBackend, ProducerConfig, Record, TopicSpec};
+use onceflow_core::{Client, ProducerConfig, Record};
 use onceflow_jetstream::JetStreamPlatform;
 use opentelemetry::context::FutureExt as _;
 use opentelemetry::trace::{Link, SpanKind, TraceContextExt as _, TraceId, Tracer as _};
@@ -17,7 +16,8 @@ use opentelemetry_sdk::trace::{
     InMemorySpanExporter, Sampler, SamplingResult, SdkTracerProvider, ShouldSample, SpanData,
 };
 
-const URL_VAR: &str = "ONCEFLOW_NATS_URL";
+mod common;
+use common::topic;
 
 thread_local! {
     /// Whether spans started on this thread are dropped by the sampler.
@@ -70,38 +70,10 @@ fn sends_to(topic: &str) -> Vec<SpanData> {
         .collect()
 }
 
+/// [`common::platform`], with the SDK tracer provider installed first.
 async fn platform(test: &str) -> Option<Arc<JetStreamPlatform>> {
     exporter();
-    match std::env::var(URL_VAR) {
-        Ok(url) if !url.is_empty() => Some(
-            onceflow_jetstream::connect(&url)
-                .await
-                .unwrap_or_else(|e| panic!("{URL_VAR}='{url}': {e}")),
-        ),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {URL_VAR} is not set (tests/brokers/up.sh nats)"
-            );
-            let _ = writeln!(
-                std::io::stderr(),
-                "trace_send: SKIPPED {test}: {URL_VAR} is not set (start a server with \
-                 tests/brokers/up.sh nats)"
-            );
-            None
-        }
-    }
-}
-
-async fn topic(p: &JetStreamPlatform, infix: &str) -> String {
-    let t = format!("js-trace-{infix}-{:016x}", rand::random::<u64>());
-    p.admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(t.clone(), 1))
-        .await
-        .unwrap();
-    t
+    common::platform(test).await
 }
 
 /// The `traceparent` values of the stored message at `seq`, as any NATS client reads them.
@@ -135,7 +107,7 @@ async fn a_recorded_send_exports_one_span_per_send_a_child_of_the_callers_contex
     else {
         return;
     };
-    let t = topic(&p, "on").await;
+    let t = topic(&p, "js-trace-on", 1).await;
     let client = Client::new(p.clone());
     let producer = client.producer(ProducerConfig::default()).await.unwrap();
     // The first send looks the topic up (the async path), the next ones take the direct path.
@@ -218,7 +190,7 @@ async fn a_sampled_out_send_propagates_a_not_sampled_context_and_exports_nothing
     else {
         return;
     };
-    let t = topic(&p, "off").await;
+    let t = topic(&p, "js-trace-off", 1).await;
     OFF.with(|off| off.set(true));
     let client = Client::new(p.clone());
     let producer = client.producer(ProducerConfig::default()).await.unwrap();
