@@ -260,7 +260,13 @@ impl Group {
             }
         }
         // Even out: move one partition at a time from the most loaded member to the least loaded
-        // one that can take it, until counts differ by at most one.
+        // one that can take it, until counts differ by at most one. Each member's partitions are
+        // kept in order, so a move finds its partition (the highest that `to` can take) without
+        // scanning the whole assignment: a rebalance of P partitions was O(P²) with that scan.
+        let mut owned: HashMap<Arc<str>, BTreeSet<TopicPartition>> = HashMap::new();
+        for (tp, m) in &target {
+            owned.entry(m.clone()).or_default().insert(tp.clone());
+        }
         loop {
             let mut order: Vec<(usize, Arc<str>)> =
                 counts.iter().map(|(k, c)| (*c, k.clone())).collect();
@@ -271,11 +277,9 @@ impl Group {
                     if *cf <= ct + 1 {
                         break;
                     }
-                    let candidate = target
-                        .iter()
-                        .filter(|(tp, m)| *m == from && eligible(to, tp))
-                        .map(|(tp, _)| tp)
-                        .max();
+                    let candidate = owned
+                        .get(from)
+                        .and_then(|tps| tps.iter().rev().find(|tp| eligible(to, tp)));
                     if let Some(tp) = candidate {
                         step = Some((tp.clone(), from.clone(), to.clone()));
                         break 'find;
@@ -285,6 +289,10 @@ impl Group {
             let Some((tp, from, to)) = step else { break };
             *counts.get_mut(&from).expect("member counted") -= 1;
             *counts.get_mut(&to).expect("member counted") += 1;
+            if let Some(tps) = owned.get_mut(&from) {
+                tps.remove(&tp);
+            }
+            owned.entry(to.clone()).or_default().insert(tp.clone());
             target.insert(tp, to);
         }
         self.target = target;
