@@ -320,13 +320,13 @@ impl JetStreamProducer {
     /// (15 % of a send's CPU in a `perf` profile of N1). Polled once on the spot
     /// (`now_or_never`, not held across an await), the publish is queued in the common case (an
     /// ack permit is free and the connection's command channel has room) and this future is
-    /// ~0.3 KB. When it cannot be (no permit, a full channel, or tokio's cooperative budget
+    /// 624 bytes. When it cannot be (no permit, a full channel, or tokio's cooperative budget
     /// spent), `send_publish` has queued nothing (both of its waits come before the command is
     /// sent) and is dropped, and the send takes the async path, out of line.
     ///
     /// Nothing happens before the first poll: a send's future made outside the runtime and
     /// awaited on it works, and one dropped unpolled publishes nothing.
-    fn start_now<'a>(
+    fn send_routed<'a>(
         &'a self,
         mut p: Prepared,
     ) -> Pin<Box<dyn Future<Output = Result<Delivery>> + Send + 'a>> {
@@ -413,7 +413,7 @@ impl ProducerBackend for JetStreamProducer {
         }
         match self.shared.cached_subjects(&record.topic) {
             Some(subjects) => match self.route(record, &subjects) {
-                Ok(p) => self.start_now(p),
+                Ok(p) => self.send_routed(p),
                 Err(e) => Box::pin(std::future::ready(Err(e))),
             },
             None => Box::pin(async move {

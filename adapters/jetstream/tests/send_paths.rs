@@ -525,7 +525,7 @@ async fn a_send_dropped_before_its_first_poll_publishes_nothing() {
 
 /// A send's boxed future, on the direct path, stays within glibc's per-thread cache of small
 /// chunks (requests up to 1032 bytes): with async-nats' ~850-byte `send_publish` future inside
-/// it, it was ~1.5 KB and every send paid a slow `malloc` and `free` (see `start_now`).
+/// it, it was ~1.5 KB and every send paid a slow `malloc` and `free` (see `JetStreamProducer::send_routed`).
 #[tokio::test]
 async fn a_send_future_is_small() {
     let Some(p) = platform("a_send_future_is_small").await else {

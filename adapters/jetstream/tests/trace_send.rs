@@ -92,6 +92,20 @@ async fn traceparents(p: &JetStreamPlatform, t: &str, seq: u64) -> Vec<String> {
         .collect()
 }
 
+/// The exported span whose context is the sampled `traceparent` `tp`.
+fn span_of<'a>(spans: &'a [SpanData], tp: &str) -> &'a SpanData {
+    spans
+        .iter()
+        .find(|s| {
+            tp == format!(
+                "00-{}-{}-01",
+                s.span_context.trace_id(),
+                s.span_context.span_id()
+            )
+        })
+        .unwrap_or_else(|| panic!("no exported span for {tp}"))
+}
+
 fn seq(d: &onceflow_core::Delivery) -> u64 {
     d.position.as_sequence().unwrap()
 }
@@ -136,17 +150,7 @@ async fn a_recorded_send_exports_one_span_per_send_a_child_of_the_callers_contex
     for d in &deliveries {
         let tps = traceparents(&p, &t, seq(d)).await;
         assert_eq!(tps.len(), 1, "{tps:?}");
-        let span = spans
-            .iter()
-            .find(|s| {
-                tps[0]
-                    == format!(
-                        "00-{}-{}-01",
-                        s.span_context.trace_id(),
-                        s.span_context.span_id()
-                    )
-            })
-            .unwrap_or_else(|| panic!("no exported span for {}", tps[0]));
+        let span = span_of(&spans, &tps[0]);
         assert_eq!(span.span_context.trace_id(), caller_sc.trace_id());
         assert_eq!(span.parent_span_id, caller_sc.span_id());
         assert_eq!(span.span_kind, SpanKind::Producer);
@@ -157,17 +161,7 @@ async fn a_recorded_send_exports_one_span_per_send_a_child_of_the_callers_contex
         tps[0], RECORD_TP,
         "the send's own span, a child of the record's"
     );
-    let span = spans
-        .iter()
-        .find(|s| {
-            tps[0]
-                == format!(
-                    "00-{}-{}-01",
-                    s.span_context.trace_id(),
-                    s.span_context.span_id()
-                )
-        })
-        .unwrap_or_else(|| panic!("no exported span for {}", tps[0]));
+    let span = span_of(&spans, &tps[0]);
     assert_eq!(span.span_context.trace_id().to_string(), RECORD_TP[3..35]);
     assert_eq!(span.parent_span_id.to_string(), RECORD_TP[36..52]);
     let tps = traceparents(&p, &t, seq(&root)).await;
