@@ -10,8 +10,8 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 /// connection's: two handles on the same broker may auto-create topics with different defaults).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryOptions {
-    /// Partitions of topics created automatically on first produce (URL `partitions`, default 1;
-    /// Kafka's `num.partitions`).
+    /// Partitions of topics created automatically on first produce (URL `partitions`, 1 to
+    /// [`crate::MAX_MEMORY_PARTITIONS`], default 1; Kafka's `num.partitions`).
     pub partitions: u32,
     /// Whether producing to a missing topic creates it (URL `auto_create`, default `true`;
     /// Kafka's `auto.create.topics.enable`). When `false` it is a
@@ -85,17 +85,18 @@ pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         match key {
             "partitions" => {
-                options.partitions =
-                    value
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|n| *n >= 1)
-                        .ok_or_else(|| {
-                            Error::config(format!(
-                                "invalid partitions '{}' in '{url}': expected an integer >= 1",
-                                onceflow_core::shown(value)
-                            ))
-                        })?;
+                options.partitions = value
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|n| (1..=crate::admin::MAX_MEMORY_PARTITIONS).contains(n))
+                    .ok_or_else(|| {
+                        Error::config(format!(
+                            "invalid partitions '{}' in '{url}': expected an integer from 1 \
+                                 to {} (memory:// holds at most that many per topic)",
+                            onceflow_core::shown(value),
+                            crate::admin::MAX_MEMORY_PARTITIONS
+                        ))
+                    })?;
             }
             "auto_create" => {
                 options.auto_create = match value {
@@ -185,6 +186,8 @@ mod tests {
         for (url, needle) in [
             ("memory://x?partitions=0", "'0'"),
             ("memory://x?partitions=abc", "'abc'"),
+            // Past memory://'s per-topic limit: refused here, not an allocation abort later.
+            ("memory://x?partitions=2147483647", "'2147483647'"),
             ("memory://x?auto_create=maybe", "'maybe'"),
             ("memory://x?colour=red", "'colour'"),
             ("kafka://x", "'kafka'"),

@@ -150,7 +150,9 @@ pub(crate) struct CommitOnRevoke {
 impl RebalanceListener for CommitOnRevoke {
     fn on_assigned(&self, partitions: &[TopicPartition]) {
         self.tracker.metrics.add(Metric::Rebalance, 1);
-        tracing::debug!(?partitions, "partitions assigned");
+        // The count and the first few: a list of 100 000 partitions made a 6 MB log line.
+        let first = &partitions[..partitions.len().min(8)];
+        tracing::debug!(count = partitions.len(), ?first, "partitions assigned");
     }
 
     fn on_revoked(&self, partitions: &[TopicPartition]) -> Vec<(TopicPartition, Position)> {
