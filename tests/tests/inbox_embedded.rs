@@ -226,3 +226,61 @@ async fn run_until_with_a_closure_handles_every_message_once() {
         200
     );
 }
+
+/// A shutdown that completes while a batch is being handled lets that batch finish: the summary
+/// counts every transaction the file committed (it once dropped the step mid-batch, after a
+/// commit whose count was then lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_during_a_batch_counts_every_committed_transaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let store = EmbeddedStore::open(&path, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch("CREATE TABLE seen (payload TEXT NOT NULL)")
+        .unwrap();
+    let id = format!("{:08x}", rand::random::<u32>());
+    let client = Client::new(onceflow_memory::connect(&format!("memory://stop-{id}")).unwrap());
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new("t", 1))
+        .await
+        .unwrap();
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    for r in producer
+        .send_batch((0..50).map(|i| Record::new("t", format!("{i}"))).collect())
+        .await
+    {
+        r.unwrap();
+    }
+    let consumer = client
+        .consumer(ConsumerConfig::new("g", ["t"]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let inbox = store.inbox(consumer, InboxConfig::default()).await.unwrap();
+    let first = Arc::new(tokio::sync::Notify::new());
+    let signal = first.clone();
+    let summary = inbox
+        .run_until(
+            move |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
+                tx.execute(
+                    "INSERT INTO seen (payload) VALUES (?1)",
+                    [String::from_utf8_lossy(&m.payload).into_owned()],
+                )?;
+                // Shut down while this transaction (and the rest of the batch) is in flight.
+                signal.notify_one();
+                std::thread::sleep(Duration::from_millis(2));
+                Ok(())
+            },
+            async move { first.notified().await },
+        )
+        .await
+        .unwrap();
+    let committed = count(&path, "SELECT count(*) FROM seen");
+    assert!(committed >= 1, "{committed}");
+    assert_eq!(summary.handled, committed as u64, "{summary:?}");
+}

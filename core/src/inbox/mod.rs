@@ -317,10 +317,22 @@ impl InboxLoop {
     /// error that is not retriable); messages of the batch after it are not handled and come
     /// again on the next start.
     pub async fn step<D: InboxDatabase + ?Sized>(&mut self, db: &D) -> Result<usize> {
-        let messages = self
-            .consumer
+        let messages = self.poll().await?;
+        self.handle_batch(db, messages).await
+    }
+
+    async fn poll(&self) -> Result<Vec<Message>> {
+        self.consumer
             .poll(self.config.batch_size, self.config.poll_timeout)
-            .await?;
+            .await
+    }
+
+    /// Handles one polled batch in order; returns its length. See [`step`](Self::step).
+    async fn handle_batch<D: InboxDatabase + ?Sized>(
+        &mut self,
+        db: &D,
+        messages: Vec<Message>,
+    ) -> Result<usize> {
         let n = messages.len();
         let mut tps: HashSet<TopicPartition> =
             messages.iter().map(|m| m.topic_partition()).collect();
@@ -410,6 +422,9 @@ impl InboxLoop {
 
     /// Runs [`step`](Self::step) until `shutdown` completes or an error stops it; then commits
     /// the broker offsets and returns what it did. Does not close the consumer.
+    ///
+    /// `shutdown` stops a poll that is waiting; a batch already polled is handled to its end
+    /// first, so every transaction the database committed is counted in the summary.
     pub async fn run_until<D: InboxDatabase + ?Sized>(
         mut self,
         db: &D,
@@ -417,11 +432,12 @@ impl InboxLoop {
     ) -> Result<InboxSummary> {
         tokio::pin!(shutdown);
         loop {
-            tokio::select! {
+            let messages = tokio::select! {
                 biased;
                 _ = &mut shutdown => break,
-                r = self.step(db) => { r?; }
-            }
+                r = self.poll() => r?,
+            };
+            self.handle_batch(db, messages).await?;
         }
         self.commit_broker().await;
         Ok(self.summary.clone())
