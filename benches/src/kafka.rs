@@ -5,13 +5,18 @@
 //! - **K1** produce 100 B and 1 KiB records: onceflow's producer (`send_batch`) vs rdkafka's
 //!   `BaseProducer` (produce + poll, then poll until every report is in) and `FutureProducer`
 //!   (every delivery future awaited), all idempotent with librdkafka's defaults otherwise.
-//!   Target ≥ 0.95× BaseProducer.
+//!   Target ≥ 0.95× BaseProducer. Also printed (info): the raw `ThreadedProducer`, the client
+//!   under onceflow's producer, against `BaseProducer`.
 //!
 //! K1 and K3 time the steady state: every producer has delivered one record before its clock
 //! starts (connected, ProducerID acquired: a new idempotent librdkafka producer otherwise
 //! spends up to 500 ms on that, see the Kafka adapter's producer).
 //! - **K3** onceflow's transactional producer committing every 100 ms vs the same loop without
-//!   transactions. Target ≥ 0.90×.
+//!   transactions, with up to 8 chunks of 1000 records in flight. Target ≥ 0.90×. Also printed
+//!   (info): the same loop stop-and-wait (each chunk's reports awaited before the next), and
+//!   raw rdkafka's own ratio, transactions every 100 ms vs none, on a `BaseProducer`.
+//!
+//! Every topic a measurement made is deleted after it (a K3 run writes ~3 GB).
 //! - **K4** onceflow's exactly-once `Pipeline` A → B vs a hand-written rdkafka
 //!   consume-transform-produce transactional loop (target ≥ 0.95×) and vs the same loop in
 //!   confluent-kafka-python (`benches/kafka_eos_loop.py`, target ≥ 3×), each on its own copy of
@@ -26,7 +31,9 @@ use onceflow_core::{
     ProducerConfig, Record, StartFrom, TopicSpec, Transform,
 };
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::producer::{BaseProducer, BaseRecord, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{
+    BaseProducer, BaseRecord, FutureProducer, FutureRecord, Producer, ThreadedProducer,
+};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 
 const PARTITIONS: u32 = 4;
@@ -73,6 +80,9 @@ async fn client() -> Client {
     Client::new(onceflow_kafka::connect(&url()).expect("Kafka URL"))
 }
 
+/// Topics made by [`topic`] and not yet deleted by [`delete_topics`].
+static CREATED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
 async fn topic(c: &Client, prefix: &str) -> String {
     let t = name(prefix);
     c.admin()
@@ -81,7 +91,20 @@ async fn topic(c: &Client, prefix: &str) -> String {
         .create_topic(&TopicSpec::new(t.clone(), PARTITIONS))
         .await
         .expect("create topic");
+    CREATED.lock().expect("topic list").push(t.clone());
     t
+}
+
+/// Deletes every topic [`topic`] made so far, once its measurement is over: a K3 run writes
+/// ~3 GB (twelve loops of 2M records), and a few runs filled the broker's disk.
+async fn delete_topics(c: &Client) {
+    let topics = std::mem::take(&mut *CREATED.lock().expect("topic list"));
+    let admin = c.admin().await.expect("admin");
+    for t in topics {
+        if let Err(e) = admin.delete_topic(&t).await {
+            eprintln!("bench: could not delete topic '{t}': {e}");
+        }
+    }
 }
 
 fn raw_producer(extra: &[(&str, &str)]) -> ClientConfig {
@@ -164,6 +187,44 @@ fn drain(p: &BaseProducer) {
     }
 }
 
+/// rdkafka's `ThreadedProducer` (the client under onceflow's producer): every record enqueued
+/// from this thread, the reports served by its own poll thread; done when none is in flight.
+fn k1_threaded(topic: &str, warm: &str, payload: &[u8], n: usize) -> Run {
+    let p: ThreadedProducer<rdkafka::producer::DefaultProducerContext> =
+        raw_producer(&[]).create().expect("ThreadedProducer");
+    p.send(BaseRecord::<(), [u8]>::to(warm).payload(payload))
+        .expect("warm-up record");
+    wait_delivered(&p);
+    let cpu = crate::cpu::process_cpu();
+    let start = Instant::now();
+    for _ in 0..n {
+        let mut rec: BaseRecord<'_, (), [u8]> = BaseRecord::to(topic).payload(payload);
+        loop {
+            match p.send(rec) {
+                Ok(()) => break,
+                Err((_, back)) => {
+                    rec = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+    wait_delivered(&p);
+    Run::measure(n, start, cpu)
+}
+
+/// Waits (checking every 0.2 ms) until `p`'s poll thread has served every report.
+fn wait_delivered<C: rdkafka::producer::ProducerContext + 'static>(p: &ThreadedProducer<C>) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while p.in_flight_count() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "ThreadedProducer: reports missing after 60 s"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// rdkafka's `FutureProducer`: every record enqueued, every delivery future awaited.
 async fn k1_future(topic: &str, warm: &str, payload: &[u8], n: usize) -> Run {
     let p: FutureProducer = raw_producer(&[]).create().expect("FutureProducer");
@@ -223,9 +284,12 @@ fn k1() {
     rt.block_on(async {
         let c = client().await;
         let warm = topic(&c, "k1-warm").await;
+        // Kept for every round; deleted at the end.
+        CREATED.lock().expect("topic list").clear();
         for (label, size, n) in [("100B", 100usize, 200_000usize), ("1KiB", 1024, 50_000)] {
             let payload = bytes::Bytes::from(vec![b'x'; size]);
             let (mut base, mut fut, mut of) = (Run::default(), Run::default(), Run::default());
+            let mut threaded = Run::default();
             for _ in 0..rounds {
                 let t = topic(&c, "k1").await;
                 let (pl, w) = (payload.clone(), warm.clone());
@@ -235,9 +299,17 @@ fn k1() {
                         .expect("base"),
                 );
                 let t = topic(&c, "k1").await;
+                let (pl, w) = (payload.clone(), warm.clone());
+                threaded = threaded.best(
+                    tokio::task::spawn_blocking(move || k1_threaded(&t, &w, &pl, n))
+                        .await
+                        .expect("threaded"),
+                );
+                let t = topic(&c, "k1").await;
                 fut = fut.best(k1_future(&t, &warm, &payload, n).await);
                 let t = topic(&c, "k1").await;
                 of = of.best(k1_onceflow(&c, &t, &warm, &payload, n).await);
+                delete_topics(&c).await;
             }
             println!(
                 "K1 {label}: onceflow {:.0} msg/s, BaseProducer {:.0} msg/s, \
@@ -260,16 +332,49 @@ fn k1() {
                 of.rate / fut.rate
             );
             println!(
+                "K1 {label}: raw ThreadedProducer {:.0} msg/s, {:.2} us/record (best of {rounds})",
+                threaded.rate, threaded.cpu_us
+            );
+            println!(
+                "RATIO K1 produce-{label}-ThreadedProducer-vs-BaseProducer {:.3} target (info) INFO",
+                threaded.rate / base.rate
+            );
+            println!(
                 "RATIO K1 cpu-per-record-{label}-BaseProducer-vs-onceflow {:.3} target (info) INFO",
                 base.cpu_us / of.cpu_us
             );
         }
+        CREATED.lock().expect("topic list").push(warm);
+        delete_topics(&c).await;
     });
 }
 
-/// The same loop with and without transactions: chunks of 1000 records sent with
-/// `send_batch`; with transactions, a commit whenever 100 ms have passed.
-async fn k3_loop(c: &Client, transactional: bool, n: usize) -> f64 {
+/// How K3 hands its chunks of 1000 records over.
+#[derive(Clone, Copy, PartialEq)]
+enum K3Mode {
+    /// Each chunk's reports are awaited before the next chunk is sent.
+    StopAndWait,
+    /// Up to [`K3_WINDOW`] chunks in flight: a chunk's reports are awaited only when the window
+    /// is full (and, with transactions, before each commit).
+    Pipelined,
+}
+
+/// One chunk's delivery reports, to be awaited.
+type InFlight = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Vec<onceflow_core::Result<onceflow_core::Delivery>>>
+            + Send,
+    >,
+>;
+
+/// Chunks in flight in [`K3Mode::Pipelined`].
+const K3_WINDOW: usize = 8;
+
+/// The same loop with and without transactions: chunks of 1000 records; with transactions, a
+/// commit whenever 100 ms have passed. Without transactions each chunk is a `send_batch` call
+/// polled once at once (its records are enqueued then) and awaited later; with them, a
+/// `Transaction::enqueue_batch` future. Either way one task builds and enqueues every chunk.
+async fn k3_loop(c: &Client, transactional: bool, mode: K3Mode, n: usize) -> f64 {
     let t = topic(c, "k3").await;
     let config = if transactional {
         ProducerConfig::new().transactional_id(name("k3-tx"))
@@ -288,41 +393,165 @@ async fn k3_loop(c: &Client, transactional: bool, n: usize) -> f64 {
     } else {
         p.send(warm).await.expect("warm-up record");
     }
+    let window = match mode {
+        K3Mode::StopAndWait => 1,
+        K3Mode::Pipelined => K3_WINDOW,
+    };
     let chunk = 1000;
     let start = Instant::now();
     let mut tx = None;
     let mut tx_started = Instant::now();
+    let mut in_flight: std::collections::VecDeque<InFlight> = std::collections::VecDeque::new();
     let mut sent = 0;
     while sent < n {
         let records: Vec<Record> = (0..chunk)
             .map(|_| Record::new(t.clone(), payload.clone()))
             .collect();
+        if in_flight.len() >= window {
+            for r in in_flight.pop_front().expect("in flight").await {
+                r.expect("delivered");
+            }
+        }
         if transactional {
             if tx.is_none() {
                 tx = Some(p.begin().await.expect("begin"));
                 tx_started = Instant::now();
             }
             let open = tx.as_mut().expect("open");
-            for r in open.send_batch(records).await {
-                r.expect("delivered");
-            }
-            if tx_started.elapsed() >= Duration::from_millis(100) {
-                tx.take().expect("open").commit().await.expect("commit");
-            }
+            in_flight.push_back(open.enqueue_batch(records).await);
         } else {
-            for r in p.send_batch(records).await {
+            // Polled once here, so that its records are enqueued now, by this task, as
+            // `enqueue_batch` does with transactions; awaited later.
+            let p = p.clone();
+            let mut send: InFlight = Box::pin(async move { p.send_batch(records).await });
+            let early = std::future::poll_fn(|cx| {
+                std::task::Poll::Ready(match send.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => Some(v),
+                    std::task::Poll::Pending => None,
+                })
+            })
+            .await;
+            in_flight.push_back(match early {
+                Some(v) => Box::pin(std::future::ready(v)),
+                None => send,
+            });
+        }
+        if mode == K3Mode::StopAndWait {
+            for r in in_flight.pop_front().expect("in flight").await {
                 r.expect("delivered");
             }
         }
         sent += chunk;
+        if transactional && tx_started.elapsed() >= Duration::from_millis(100) {
+            for f in in_flight.drain(..) {
+                for r in f.await {
+                    r.expect("delivered");
+                }
+            }
+            tx.take().expect("open").commit().await.expect("commit");
+        }
+    }
+    for f in in_flight.drain(..) {
+        for r in f.await {
+            r.expect("delivered");
+        }
     }
     if let Some(open) = tx.take() {
         open.commit().await.expect("commit");
     }
+    let rate = sent as f64 / start.elapsed().as_secs_f64();
+    delete_topics(c).await;
+    rate
+}
+
+/// The pipelined K3 loop on raw rdkafka (`BaseProducer`, polled on this thread), for the
+/// platform's own cost of transactions: records produced in chunks of 1000 without waiting for
+/// reports (only for room when the local queue is full); with transactions, every report is in
+/// before each commit (every 100 ms). Run on a blocking thread. (No stop-and-wait variant:
+/// `BaseProducer::poll` with a timeout always lasts that long, which would set its pace.)
+fn k3_raw(transactional: bool, topic: &str, n: usize) -> f64 {
+    let id = name("k3-raw-tx");
+    let mut config = raw_producer(&[]);
+    if transactional {
+        config.set("transactional.id", &id);
+    }
+    let p: BaseProducer = config.create().expect("BaseProducer");
+    let payload = [b'x'; 100];
+    if transactional {
+        p.init_transactions(Duration::from_secs(30))
+            .expect("init_transactions");
+        p.begin_transaction().expect("begin");
+    }
+    p.send(BaseRecord::<(), [u8]>::to(topic).payload(&payload[..]))
+        .expect("warm-up record");
+    drain(&p);
+    if transactional {
+        p.commit_transaction(Duration::from_secs(30))
+            .expect("commit");
+    }
+    let chunk = 1000;
+    let start = Instant::now();
+    let mut open = false;
+    let mut tx_started = Instant::now();
+    let mut sent = 0;
+    while sent < n {
+        if transactional && !open {
+            p.begin_transaction().expect("begin");
+            open = true;
+            tx_started = Instant::now();
+        }
+        for _ in 0..chunk {
+            let mut rec: BaseRecord<'_, (), [u8]> = BaseRecord::to(topic).payload(&payload[..]);
+            loop {
+                match p.send(rec) {
+                    Ok(()) => break,
+                    Err((_, back)) => {
+                        rec = back;
+                        p.poll(Duration::from_millis(1));
+                    }
+                }
+            }
+            p.poll(Duration::ZERO);
+        }
+        sent += chunk;
+        if open && tx_started.elapsed() >= Duration::from_millis(100) {
+            // Reports first (see `drain`): rust-rdkafka's commit would flush in polls of up to
+            // 100 ms.
+            drain(&p);
+            p.commit_transaction(Duration::from_secs(30))
+                .expect("commit");
+            open = false;
+        }
+    }
+    drain(&p);
+    if open {
+        p.commit_transaction(Duration::from_secs(30))
+            .expect("commit");
+    }
     sent as f64 / start.elapsed().as_secs_f64()
 }
 
-/// K3: best of two rounds each.
+/// [`k3_raw`] pipelined, best of two rounds each: (no transactions, transactions) in msg/s.
+async fn k3_raw_rounds(c: &Client, n: usize) -> (f64, f64) {
+    let (mut plain, mut txn) = (0f64, 0f64);
+    for _ in 0..2 {
+        for transactional in [false, true] {
+            let t = topic(c, "k3-raw").await;
+            let r = tokio::task::spawn_blocking(move || k3_raw(transactional, &t, n))
+                .await
+                .expect("raw K3");
+            if transactional {
+                txn = txn.max(r);
+            } else {
+                plain = plain.max(r);
+            }
+            delete_topics(c).await;
+        }
+    }
+    (plain, txn)
+}
+
+/// K3: best of two rounds each, pipelined (the figure) and stop-and-wait (info).
 fn k3() {
     rt().block_on(async {
         let c = client().await;
@@ -334,13 +563,37 @@ fn k3() {
             .and_then(|v| v.parse().ok())
             .filter(|n| *n > 0)
             .unwrap_or(2_000_000);
-        let (mut plain, mut txn) = (0f64, 0f64);
-        for _ in 0..2 {
-            plain = plain.max(k3_loop(&c, false, n).await);
-            txn = txn.max(k3_loop(&c, true, n).await);
+        for (mode, label) in [
+            (K3Mode::Pipelined, "pipelined"),
+            (K3Mode::StopAndWait, "stop-and-wait"),
+        ] {
+            let (mut plain, mut txn) = (0f64, 0f64);
+            for _ in 0..2 {
+                plain = plain.max(k3_loop(&c, false, mode, n).await);
+                txn = txn.max(k3_loop(&c, true, mode, n).await);
+            }
+            println!(
+                "K3 {label}: transactions every 100 ms {txn:.0} msg/s, no transactions \
+                 {plain:.0} msg/s"
+            );
+            if mode == K3Mode::Pipelined {
+                let (raw_plain, raw_txn) = k3_raw_rounds(&c, n).await;
+                println!(
+                    "K3 {label} raw rdkafka: transactions every 100 ms {raw_txn:.0} msg/s, no \
+                     transactions {raw_plain:.0} msg/s"
+                );
+                println!(
+                    "RATIO K3 raw-rdkafka-tx-every-100ms-vs-no-tx {:.3} target (info) INFO",
+                    raw_txn / raw_plain
+                );
+                ratio("K3", "tx-every-100ms-vs-no-tx", txn / plain, 0.90);
+            } else {
+                println!(
+                    "RATIO K3 tx-every-100ms-vs-no-tx-stop-and-wait {:.3} target (info) INFO",
+                    txn / plain
+                );
+            }
         }
-        println!("K3: transactions every 100 ms {txn:.0} msg/s, no transactions {plain:.0} msg/s");
-        ratio("K3", "tx-every-100ms-vs-no-tx", txn / plain, 0.90);
     });
 }
 
@@ -572,6 +825,7 @@ fn k4() {
         py.map(|v| format!("{v:.0}"))
             .unwrap_or_else(|| "n/a".into())
     );
+    rt.block_on(async { delete_topics(&client().await).await });
     ratio("K4", "eos-pipeline-vs-rdkafka-loop", of / raw, 0.95);
     match py {
         Some(py) => ratio("K4", "eos-pipeline-vs-confluent-kafka-python", of / py, 3.0),
