@@ -81,7 +81,7 @@ pub struct ProduceArgs {
     headers: Vec<String>,
     /// Idempotency key (written to the `idempotency-key` header and used as the platform's
     /// message id where it has one). With several messages, `-N` is appended per message.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::idempotency_key)]
     idempotency_key: Option<String>,
     /// Messages to send; without any, one message per line of standard input.
     messages: Vec<String>,

@@ -63,6 +63,15 @@ fn count(s: &str) -> Result<u64, String> {
         .map_err(|_| format!("expected a whole number from 0 to {}", u64::MAX))
 }
 
+/// `--idempotency-key`: a non-empty key (an empty one would identify no message; with several
+/// messages it would become `-0`, `-1`, … and hide that).
+fn idempotency_key(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Err("expected a non-empty idempotency key".into());
+    }
+    Ok(s.to_string())
+}
+
 /// `--idle-ms`: milliseconds, a whole number ≥ 0.
 fn milliseconds(s: &str) -> Result<u64, String> {
     s.trim().parse::<u64>().map_err(|_| {

@@ -126,6 +126,29 @@ fn a_negative_count_names_its_option() {
     }
 }
 
+#[test]
+fn an_empty_idempotency_key_is_refused_before_anything_is_sent() {
+    // With several messages it would have become `-0`, `-1`, … and been taken.
+    for msgs in [&["one"][..], &["one", "two"][..]] {
+        let mut args = vec![
+            "produce",
+            "--url",
+            "memory://empty-key",
+            "--topic",
+            "orders",
+            "--idempotency-key",
+            "",
+        ];
+        args.extend_from_slice(msgs);
+        let stderr = refused(&args);
+        assert!(stderr.contains("--idempotency-key"), "{stderr}");
+        assert!(
+            stderr.contains("expected a non-empty idempotency key"),
+            "{stderr}"
+        );
+    }
+}
+
 /// The break test's finding: `demo --messages` with a huge count on memory:// ran until the
 /// process aborted out of memory. Now the count is bounded (100 000 000 anywhere, 1 000 000
 /// on memory://, which keeps every record in the process) and refused before anything runs.
