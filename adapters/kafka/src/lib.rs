@@ -18,7 +18,9 @@
 //! query parameter is handed verbatim to librdkafka as a client property on producers, consumers
 //! and the admin client (for example `?compression.type=lz4&linger.ms=5`). Two keys are read by
 //! onceflow as well: `message.max.bytes` sets [`PlatformBackend::max_record_bytes`] (default
-//! 1 MiB), and `onceflow.timeout.ms` (not passed to librdkafka) bounds blocking calls such as
+//! 1 MiB; a record is also checked the way librdkafka checks it against the producer's
+//! `message.max.bytes`, with up to 36 bytes of record framing and each header's varint
+//! lengths, so that one just under the limit fails with onceflow's error naming it), and `onceflow.timeout.ms` (not passed to librdkafka) bounds blocking calls such as
 //! transaction commits and synchronous offset commits (default 30 s). See [`KafkaConfig`].
 //!
 //! ## Semantics

@@ -213,6 +213,8 @@ struct Shared {
     native: Mutex<Native>,
     /// The producer's `linger.ms` (see [`send_all_on`]).
     linger: Duration,
+    /// What [`check_size`] checks records against.
+    limits: SizeLimits,
     state: Mutex<TxnState>,
     /// Serialises `begin` (initialisation and re-creation of the native producer).
     init_lock: tokio::sync::Mutex<()>,
@@ -262,14 +264,79 @@ fn headers_of(record: &Record) -> Option<OwnedHeaders> {
     Some(h)
 }
 
-/// Refuses a record larger than the connection's limit, naming it.
-fn check_size(record: &Record, max_record_bytes: usize) -> Result<()> {
+/// The size limits a record is checked against before it is handed to librdkafka.
+#[derive(Debug, Clone, Copy)]
+struct SizeLimits {
+    /// The connection's largest record (key + payload + headers), [`KafkaConfig::max_record_bytes`].
+    record: usize,
+    /// The producer's `message.max.bytes`, which librdkafka compares with [`wire_size`].
+    wire: usize,
+}
+
+impl SizeLimits {
+    fn of(kafka: &KafkaConfig, native_config: &rdkafka::ClientConfig) -> SizeLimits {
+        let wire = native_config
+            .get("message.max.bytes")
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(usize::MAX);
+        SizeLimits {
+            record: kafka.max_record_bytes,
+            wire,
+        }
+    }
+}
+
+/// Worst-case framing librdkafka counts for one record before it compares it with
+/// `message.max.bytes`: `RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD` (librdkafka `rdkafka_proto.h`:
+/// length, attributes, timestamp delta, offset delta, key length, value length and header count,
+/// each at its largest varint size).
+const RECORD_FRAMING_MAX: usize = 36;
+
+/// Bytes of `n` as a zigzag varint (Kafka's record format v2, KIP-98).
+fn zigzag_varint_len(n: usize) -> usize {
+    let mut z = (n as u64) << 1;
+    let mut len = 1;
+    while z >= 0x80 {
+        z >>= 7;
+        len += 1;
+    }
+    len
+}
+
+/// The size librdkafka compares with `message.max.bytes` when a record is produced
+/// (`rd_kafka_msg_max_wire_size`, librdkafka `rdkafka_msg.h`): [`RECORD_FRAMING_MAX`] + key +
+/// payload + each header's name and value with their varint lengths (`rd_kafka_header_add`).
+fn wire_size(record: &Record) -> usize {
+    let headers: usize = record
+        .headers
+        .iter()
+        .map(|h| {
+            let value = h.value.as_deref().map_or(0, <[u8]>::len);
+            h.name.len() + value + zigzag_varint_len(h.name.len()) + zigzag_varint_len(value)
+        })
+        .sum();
+    RECORD_FRAMING_MAX + record.key.as_ref().map_or(0, |k| k.len()) + record.payload.len() + headers
+}
+
+/// Refuses a record larger than the connection's limit, or one that librdkafka would refuse
+/// for `message.max.bytes` once framed, naming both sizes and the limit.
+fn check_size(record: &Record, limits: SizeLimits) -> Result<()> {
     let size = record.size_bytes();
-    if size > max_record_bytes {
+    let max = limits.record;
+    if size > max {
         return Err(Error::config(format!(
             "record of {size} bytes (key + payload + headers) for topic '{}' exceeds the limit of \
-             {max_record_bytes} bytes (message.max.bytes): expected at most {max_record_bytes}",
+             {max} bytes (message.max.bytes): expected at most {max}",
             record.topic
+        )));
+    }
+    let wire = wire_size(record);
+    if wire > limits.wire {
+        return Err(Error::config(format!(
+            "record of {size} bytes (key + payload + headers) for topic '{}' is {wire} bytes with \
+             librdkafka's record framing, over message.max.bytes = {}: expected at most {} \
+             bytes with framing ({RECORD_FRAMING_MAX} of framing plus each header's lengths)",
+            record.topic, limits.wire, limits.wire
         )));
     }
     Ok(())
@@ -361,18 +428,14 @@ struct Enqueued {
 
 /// Enqueues every record, in order (librdkafka batches them per partition and the idempotent
 /// producer keeps their order).
-async fn enqueue_all(
-    native: &NativeProducer,
-    records: &[Record],
-    max_record_bytes: usize,
-) -> Enqueued {
+async fn enqueue_all(native: &NativeProducer, records: &[Record], limits: SizeLimits) -> Enqueued {
     let reports = Reports::new(records.len());
     let mut failed = Vec::new();
     let mut hold = Hold::new(&reports);
     for (i, r) in records.iter().enumerate() {
         // A record never handed out stays counted in `hold` (a refused `SlotRef` counts
         // itself out).
-        let res = match check_size(r, max_record_bytes) {
+        let res = match check_size(r, limits) {
             Ok(()) => enqueue(native, r, hold.hand_out(i)).await,
             Err(e) => Err(e),
         };
@@ -425,12 +488,8 @@ fn delivery_of(topic: String, report: Report) -> Result<Delivery> {
 /// Sends one record and waits for its report: a single `send`'s path, the batch path's steps
 /// for one record without its record `Vec`, failure list and result `Vec` (a single send is
 /// the Python and Node bindings' per-record awaitable, where these allocations showed).
-async fn send_on(
-    native: &NativeProducer,
-    record: Record,
-    max_record_bytes: usize,
-) -> Result<Delivery> {
-    check_size(&record, max_record_bytes)?;
+async fn send_on(native: &NativeProducer, record: Record, limits: SizeLimits) -> Result<Delivery> {
+    check_size(&record, limits)?;
     let reports = Reports::new(1);
     let mut hold = Hold::new(&reports);
     let enqueued = enqueue(native, &record, hold.hand_out(0)).await;
@@ -569,10 +628,10 @@ fn flush_queued_once(shared: &Arc<Shared>, native: Native) {
 async fn send_all_on(
     native: &Native,
     records: Vec<Record>,
-    max_record_bytes: usize,
+    limits: SizeLimits,
     linger: Duration,
 ) -> Vec<Result<Delivery>> {
-    let enqueued = enqueue_all(native, &records, max_record_bytes).await;
+    let enqueued = enqueue_all(native, &records, limits).await;
     if !linger.is_zero() && enqueued.any_enqueued(records.len()) {
         flush_queued(native.clone(), linger);
     }
@@ -647,6 +706,7 @@ impl KafkaProducer {
         }
         let producer = KafkaProducer {
             shared: Arc::new(Shared {
+                limits: SizeLimits::of(&kafka, &native_config),
                 kafka,
                 transactional_id: config.transactional_id,
                 linger: linger_of(&native_config),
@@ -741,7 +801,7 @@ impl ProducerBackend for KafkaProducer {
     async fn send(&self, record: Record) -> Result<Delivery> {
         self.check_plain_send()?;
         let native = self.native();
-        send_on(&native, record, self.shared.kafka.max_record_bytes).await
+        send_on(&native, record, self.shared.limits).await
     }
 
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
@@ -753,13 +813,7 @@ impl ProducerBackend for KafkaProducer {
                 .collect();
         }
         let native = self.native();
-        send_all_on(
-            &native,
-            records,
-            self.shared.kafka.max_record_bytes,
-            self.shared.linger,
-        )
-        .await
+        send_all_on(&native, records, self.shared.limits, self.shared.linger).await
     }
 
     async fn begin(&self) -> Result<Box<dyn TransactionBackend>> {
@@ -886,7 +940,7 @@ impl TransactionBackend for KafkaTransaction {
         if let Some(why) = &self.shared.state.lock().fenced {
             return Err(Error::new(ErrorKind::Fenced, why.clone()));
         }
-        let res = send_on(&self.native, record, self.shared.kafka.max_record_bytes).await;
+        let res = send_on(&self.native, record, self.shared.limits).await;
         if let Err(e) = &res {
             if e.kind() == ErrorKind::Fenced {
                 self.shared.state.lock().fenced = Some(e.message().to_string());
@@ -905,7 +959,7 @@ impl TransactionBackend for KafkaTransaction {
         let out = send_all_on(
             &self.native,
             records,
-            self.shared.kafka.max_record_bytes,
+            self.shared.limits,
             self.shared.linger,
         )
         .await;
@@ -928,8 +982,7 @@ impl TransactionBackend for KafkaTransaction {
         }
         // Enqueue now (librdkafka sends in the background, after `linger.ms` so that later
         // batches join these); await the reports later.
-        let enqueued =
-            enqueue_all(&self.native, &records, self.shared.kafka.max_record_bytes).await;
+        let enqueued = enqueue_all(&self.native, &records, self.shared.limits).await;
         let shared = self.shared.clone();
         let native = self.native.clone();
         Box::pin(async move {
@@ -1093,6 +1146,82 @@ impl Drop for KafkaTransaction {
             h.spawn_blocking(move || {
                 let _ = native.abort_transaction(timeout);
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::producer::{BaseProducer, PurgeConfig};
+
+    /// [`wire_size`] is librdkafka's own count: with `message.max.bytes` set to a record's wire
+    /// size librdkafka takes the record, one byte lower it refuses it (both when produced, on
+    /// the calling thread, before any broker is involved).
+    #[test]
+    fn wire_size_is_what_librdkafka_checks() {
+        let records = [
+            Record::new("t", vec![b'x'; 1000]),
+            Record::new("t", vec![b'x'; 1000]).key(vec![b'k'; 20]),
+            Record::new("t", vec![b'x'; 990])
+                .header("a", b"v".to_vec())
+                .header("traceparent", vec![b'0'; 55]),
+            // Lengths of 64 and more take two varint bytes.
+            Record::new("t", vec![b'x'; 900])
+                .header("n".repeat(70), vec![b'y'; 200])
+                .header("empty", Vec::new()),
+        ];
+        for r in &records {
+            let wire = wire_size(r);
+            for (limit, taken) in [(wire, true), (wire - 1, false)] {
+                let p: BaseProducer = rdkafka::ClientConfig::new()
+                    .set("bootstrap.servers", "127.0.0.1:1")
+                    .set("message.max.bytes", limit.to_string())
+                    .create()
+                    .expect("producer");
+                let mut br = BaseRecord::<[u8], [u8]>::to(&r.topic).payload(&r.payload[..]);
+                if let Some(k) = &r.key {
+                    br = br.key(&k[..]);
+                }
+                if let Some(h) = headers_of(r) {
+                    br = br.headers(h);
+                }
+                let sent = p.send(br).map_err(|(e, _)| e);
+                assert_eq!(
+                    sent.is_ok(),
+                    taken,
+                    "message.max.bytes={limit}, wire size {wire}: {sent:?}"
+                );
+                let limits = SizeLimits {
+                    record: usize::MAX,
+                    wire: limit,
+                };
+                assert_eq!(check_size(r, limits).is_ok(), taken, "{limit}");
+                p.purge(PurgeConfig::default().queue().inflight());
+            }
+        }
+    }
+
+    #[test]
+    fn a_record_over_message_max_bytes_once_framed_is_named() {
+        let r = Record::new("orders", vec![b'x'; 2000]);
+        let e = check_size(
+            &r,
+            SizeLimits {
+                record: 2048,
+                wire: 2020,
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), onceflow_core::ErrorKind::Config);
+        let m = e.to_string();
+        for part in [
+            "2000 bytes",
+            "'orders'",
+            "2036 bytes",
+            "message.max.bytes = 2020",
+        ] {
+            assert!(m.contains(part), "{part}: {m}");
         }
     }
 }

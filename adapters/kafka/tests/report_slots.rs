@@ -303,7 +303,8 @@ async fn oversized_and_refused_records_fail_at_their_index() {
 
         // Too large at 0, at every 7th index and at the end; valid records between them, some
         // of 1 900 bytes (near the limit; librdkafka's own `message.max.bytes` check counts the
-        // record's framing too, so a record of exactly 2 048 bytes is refused by librdkafka).
+        // record's framing too, and so does onceflow's: a record of exactly 2 048 bytes is
+        // refused before librdkafka sees it, with the same error kind and limit).
         let too_large = |i: usize| i == 0 || i % 7 == 3 || i == RECORDS - 1;
         let batch = |b: usize| -> Vec<Record> {
             (0..RECORDS)
