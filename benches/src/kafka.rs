@@ -147,6 +147,22 @@ impl Run {
     }
 }
 
+/// Hands one record of `payload` for `topic` to a raw producer's `send` (which gives a refused
+/// record back), running `on_full` (a poll, or a sleep while the producer's own thread polls)
+/// while librdkafka's local queue is full.
+fn produce_raw<'a>(
+    topic: &'a str,
+    payload: &'a [u8],
+    send: impl Fn(BaseRecord<'a, (), [u8]>) -> Option<BaseRecord<'a, (), [u8]>>,
+    on_full: impl Fn(),
+) {
+    let mut rec = BaseRecord::to(topic).payload(payload);
+    while let Some(back) = send(rec) {
+        rec = back;
+        on_full();
+    }
+}
+
 /// rdkafka's `BaseProducer`: produce everything (polling when the local queue is full), then
 /// flush.
 fn k1_base(topic: &str, warm: &str, payload: &[u8], n: usize) -> Run {
@@ -157,16 +173,12 @@ fn k1_base(topic: &str, warm: &str, payload: &[u8], n: usize) -> Run {
     let cpu = crate::cpu::process_cpu();
     let start = Instant::now();
     for _ in 0..n {
-        let mut rec: BaseRecord<'_, (), [u8]> = BaseRecord::to(topic).payload(payload);
-        loop {
-            match p.send(rec) {
-                Ok(()) => break,
-                Err((_, back)) => {
-                    rec = back;
-                    p.poll(Duration::from_millis(1));
-                }
-            }
-        }
+        produce_raw(
+            topic,
+            payload,
+            |r| p.send(r).err().map(|(_, back)| back),
+            || p.poll(Duration::from_millis(1)),
+        );
         p.poll(Duration::ZERO);
     }
     drain(&p);
@@ -198,16 +210,12 @@ fn k1_threaded(topic: &str, warm: &str, payload: &[u8], n: usize) -> Run {
     let cpu = crate::cpu::process_cpu();
     let start = Instant::now();
     for _ in 0..n {
-        let mut rec: BaseRecord<'_, (), [u8]> = BaseRecord::to(topic).payload(payload);
-        loop {
-            match p.send(rec) {
-                Ok(()) => break,
-                Err((_, back)) => {
-                    rec = back;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }
-        }
+        produce_raw(
+            topic,
+            payload,
+            |r| p.send(r).err().map(|(_, back)| back),
+            || std::thread::sleep(Duration::from_millis(1)),
+        );
     }
     wait_delivered(&p);
     Run::measure(n, start, cpu)
@@ -501,16 +509,12 @@ fn k3_raw(transactional: bool, topic: &str, n: usize) -> f64 {
             tx_started = Instant::now();
         }
         for _ in 0..chunk {
-            let mut rec: BaseRecord<'_, (), [u8]> = BaseRecord::to(topic).payload(&payload[..]);
-            loop {
-                match p.send(rec) {
-                    Ok(()) => break,
-                    Err((_, back)) => {
-                        rec = back;
-                        p.poll(Duration::from_millis(1));
-                    }
-                }
-            }
+            produce_raw(
+                topic,
+                &payload,
+                |r| p.send(r).err().map(|(_, back)| back),
+                || p.poll(Duration::from_millis(1)),
+            );
             p.poll(Duration::ZERO);
         }
         sent += chunk;

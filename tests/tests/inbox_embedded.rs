@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use onceflow_core::dedup::{DedupStore, EmbeddedStore, KeyState};
-use onceflow_core::inbox::{inbox_key, EmbeddedInboxHandler, InboxConfig};
+use onceflow_core::inbox::{inbox_key, EmbeddedInbox, EmbeddedInboxHandler, InboxConfig};
 use onceflow_core::rusqlite::{Connection, Transaction};
 use onceflow_core::{
     BoxError, Client, ConsumerConfig, ErrorKind, Message, ProducerConfig, Record, StartFrom,
@@ -163,8 +163,13 @@ async fn inbox_skips_duplicates_rolls_back_failures_and_resumes_from_the_file() 
     assert_eq!(again.stored_positions().await.unwrap(), stored);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_until_with_a_closure_handles_every_message_once() {
+/// An inbox in a fresh file whose database has `table_sql` run, reading topic `t`
+/// (`partitions`) of a fresh memory:// platform from the start, after `records` were sent to it.
+async fn inbox_over(
+    table_sql: &str,
+    partitions: u32,
+    records: Vec<Record>,
+) -> (tempfile::TempDir, std::path::PathBuf, EmbeddedInbox) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
     let store = EmbeddedStore::open(&path, Duration::from_secs(3600))
@@ -172,7 +177,7 @@ async fn run_until_with_a_closure_handles_every_message_once() {
         .unwrap();
     Connection::open(&path)
         .unwrap()
-        .execute_batch("CREATE TABLE seen (payload TEXT NOT NULL, position TEXT NOT NULL)")
+        .execute_batch(table_sql)
         .unwrap();
     let id = format!("{:08x}", rand::random::<u32>());
     let client = Client::new(onceflow_memory::connect(&format!("memory://run-{id}")).unwrap());
@@ -180,18 +185,11 @@ async fn run_until_with_a_closure_handles_every_message_once() {
         .admin()
         .await
         .unwrap()
-        .create_topic(&TopicSpec::new("t", 3))
+        .create_topic(&TopicSpec::new("t", partitions))
         .await
         .unwrap();
     let producer = client.producer(ProducerConfig::new()).await.unwrap();
-    for r in producer
-        .send_batch(
-            (0..200)
-                .map(|i| Record::new("t", format!("{i}")).key(format!("{}", i % 5)))
-                .collect(),
-        )
-        .await
-    {
+    for r in producer.send_batch(records).await {
         r.unwrap();
     }
     let consumer = client
@@ -199,6 +197,19 @@ async fn run_until_with_a_closure_handles_every_message_once() {
         .await
         .unwrap();
     let inbox = store.inbox(consumer, InboxConfig::default()).await.unwrap();
+    (dir, path, inbox)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_until_with_a_closure_handles_every_message_once() {
+    let (_dir, path, inbox) = inbox_over(
+        "CREATE TABLE seen (payload TEXT NOT NULL, position TEXT NOT NULL)",
+        3,
+        (0..200)
+            .map(|i| Record::new("t", format!("{i}")).key(format!("{}", i % 5)))
+            .collect(),
+    )
+    .await;
     let done_path = path.clone();
     let summary = inbox
         .run_until(
@@ -232,36 +243,12 @@ async fn run_until_with_a_closure_handles_every_message_once() {
 /// commit whose count was then lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_during_a_batch_counts_every_committed_transaction() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("inbox.db");
-    let store = EmbeddedStore::open(&path, Duration::from_secs(3600))
-        .await
-        .unwrap();
-    Connection::open(&path)
-        .unwrap()
-        .execute_batch("CREATE TABLE seen (payload TEXT NOT NULL)")
-        .unwrap();
-    let id = format!("{:08x}", rand::random::<u32>());
-    let client = Client::new(onceflow_memory::connect(&format!("memory://stop-{id}")).unwrap());
-    client
-        .admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new("t", 1))
-        .await
-        .unwrap();
-    let producer = client.producer(ProducerConfig::new()).await.unwrap();
-    for r in producer
-        .send_batch((0..50).map(|i| Record::new("t", format!("{i}"))).collect())
-        .await
-    {
-        r.unwrap();
-    }
-    let consumer = client
-        .consumer(ConsumerConfig::new("g", ["t"]).start(StartFrom::Earliest))
-        .await
-        .unwrap();
-    let inbox = store.inbox(consumer, InboxConfig::default()).await.unwrap();
+    let (_dir, path, inbox) = inbox_over(
+        "CREATE TABLE seen (payload TEXT NOT NULL)",
+        1,
+        (0..50).map(|i| Record::new("t", format!("{i}"))).collect(),
+    )
+    .await;
     let first = Arc::new(tokio::sync::Notify::new());
     let signal = first.clone();
     let summary = inbox
