@@ -152,13 +152,25 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     let worker = format!("billing-worker-{run_id}");
 
     // The dedup store first: a bad --dedup is refused before any topic is made on the broker.
-    let tmp = tempfile::Builder::new()
-        .prefix("onceflow-demo-")
-        .tempdir()
-        .map_err(|e| Error::config("cannot create a temporary directory").with_source(e))?;
-    let store_url = match &a.dedup {
-        Some(u) => u.clone(),
-        None => tmp.path().join("dedup.db").display().to_string(),
+    // A temporary directory only for the default store (removed when `_tmp` drops): with
+    // `--dedup` none is made, so an unusable TMPDIR does not matter then.
+    let (_tmp, store_url) = match &a.dedup {
+        Some(u) => (None, u.clone()),
+        None => {
+            let tmp = tempfile::Builder::new()
+                .prefix("onceflow-demo-")
+                .tempdir()
+                .map_err(|e| {
+                    Error::config(format!(
+                        "cannot create a temporary directory for the demo's dedup store in \
+                         '{}': expected a writable TMPDIR, or give --dedup",
+                        std::env::temp_dir().display()
+                    ))
+                    .with_source(e)
+                })?;
+            let url = tmp.path().join("dedup.db").display().to_string();
+            (Some(tmp), url)
+        }
     };
     let store = onceflow::dedup_store(&store_url, Duration::from_secs(3600)).await?;
 

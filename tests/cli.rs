@@ -256,6 +256,47 @@ fn credentials_in_a_url_never_reach_the_terminal() {
     );
 }
 
+/// The demo's temporary directory is only for its default dedup store: with `--dedup` an
+/// unusable TMPDIR does not matter, and without it the error names TMPDIR and the way out.
+#[test]
+fn the_demo_needs_a_temporary_directory_only_for_its_default_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-tmp");
+    let dedup = dir.path().join("dedup.db");
+    let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args([
+            "demo",
+            "--messages",
+            "30",
+            "--dedup",
+            dedup.to_str().unwrap(),
+        ])
+        .env_remove("ONCEFLOW_URL")
+        .env("TMPDIR", &missing)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("exactly-once: OK"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["demo", "--messages", "30"])
+        .env_remove("ONCEFLOW_URL")
+        .env("TMPDIR", &missing)
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.starts_with("onceflow: bad input: ")
+            && stderr.contains(missing.to_str().unwrap())
+            && stderr.contains("expected a writable TMPDIR, or give --dedup"),
+        "{stderr}"
+    );
+}
+
 /// The break test's finding: a --dedup path in a directory that does not exist exited 1 (a
 /// failure) where every other bad value exits 2 (bad input).
 #[test]
