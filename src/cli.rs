@@ -194,12 +194,16 @@ pub fn parse_start(s: &str) -> Result<StartFrom> {
         "committed" => Ok(StartFrom::committed_or_earliest()),
         _ => {
             if let Some(ms) = s.strip_prefix("ts:") {
-                return ms.parse::<i64>().map(StartFrom::Timestamp).map_err(|_| {
+                let start = ms.parse::<i64>().map(StartFrom::Timestamp).map_err(|_| {
                     Error::config(format!(
                         "--from '{}': expected ts:MILLISECONDS_SINCE_EPOCH",
                         onceflow::shown(s)
                     ))
-                });
+                })?;
+                start
+                    .validate()
+                    .map_err(|e| Error::config(format!("--from '{s}': {}", e.message())))?;
+                return Ok(start);
             }
             s.parse().map(StartFrom::Position).map_err(|_| {
                 Error::config(format!(
@@ -627,6 +631,8 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     let start = match parse_start(&a.from) {
         Ok(StartFrom::Earliest) => StartFrom::Earliest,
         Ok(s @ (StartFrom::Timestamp(_) | StartFrom::Position(_))) => s,
+        // A timestamp before the epoch: its own error says so.
+        Err(e) if a.from.starts_with("ts:") => return Err(e),
         // `committed` and `latest` name no past to replay.
         _ => {
             return Err(Error::config(format!(

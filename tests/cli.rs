@@ -256,6 +256,32 @@ fn credentials_in_a_url_never_reach_the_terminal() {
     );
 }
 
+/// A start before the epoch is refused before any topic is looked up (Kafka would have read
+/// `ts:-1` as "latest").
+#[test]
+fn a_start_timestamp_before_the_epoch_is_bad_input() {
+    for cmd in [&["consume", "--group", "g"][..], &["replay"][..]] {
+        let mut args = cmd.to_vec();
+        args.extend([
+            "--url",
+            "memory://ts-check",
+            "--topic",
+            "missing",
+            "--from",
+            "ts:-1",
+        ]);
+        let stderr = refused(&args);
+        assert!(
+            stderr.starts_with("onceflow: bad input: "),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            stderr.contains("-1") && stderr.contains(">= 0") && !stderr.contains("missing"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
 /// The demo's temporary directory is only for its default dedup store: with `--dedup` an
 /// unusable TMPDIR does not matter, and without it the error names TMPDIR and the way out.
 #[test]

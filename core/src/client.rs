@@ -82,6 +82,7 @@ impl Client {
                 config.topics
             )));
         }
+        config.start.validate()?;
         let group = config.group.clone();
         let inner = self.backend.consumer(config).await?;
         Ok(Consumer {
@@ -507,6 +508,7 @@ impl Consumer {
 
     /// Moves the fetch position of an assigned partition (replay).
     pub async fn seek(&self, partition: &TopicPartition, to: &StartFrom) -> Result<()> {
+        to.validate()?;
         self.inner.seek(partition, to).await
     }
 

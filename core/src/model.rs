@@ -488,6 +488,26 @@ impl StartFrom {
             fallback: Box::new(StartFrom::Latest),
         }
     }
+
+    /// Checks what no platform can mean: a timestamp before the epoch (Kafka's ListOffsets
+    /// would read -1 as "latest" and -2 as "earliest", KIP-79), or a committed start whose
+    /// fallback is not `Earliest`, `Latest` or a valid timestamp or position.
+    /// [`ErrorKind::Config`](crate::ErrorKind::Config) naming the value otherwise.
+    pub fn validate(&self) -> crate::Result<()> {
+        match self {
+            StartFrom::Timestamp(ms) if *ms < 0 => Err(crate::Error::config(format!(
+                "start timestamp {ms}: expected milliseconds since the epoch, >= 0"
+            ))),
+            StartFrom::Committed { fallback } => match fallback.as_ref() {
+                StartFrom::Committed { .. } => Err(crate::Error::config(
+                    "start from committed with a committed fallback: expected Earliest, Latest, \
+                     a timestamp or a position as the fallback",
+                )),
+                other => other.validate(),
+            },
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Default for StartFrom {
@@ -499,6 +519,41 @@ impl Default for StartFrom {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn starts_before_the_epoch_or_nested_committed_are_config_errors() {
+        for ok in [
+            StartFrom::Earliest,
+            StartFrom::Latest,
+            StartFrom::Timestamp(0),
+            StartFrom::Position(Position::Offset(3)),
+            StartFrom::committed_or_latest(),
+            StartFrom::Committed {
+                fallback: Box::new(StartFrom::Timestamp(1_700_000_000_000)),
+            },
+        ] {
+            ok.validate().unwrap();
+        }
+        let e = StartFrom::Timestamp(-1).validate().unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Config);
+        assert!(
+            e.message().contains("-1") && e.message().contains(">= 0"),
+            "{e}"
+        );
+        let e = StartFrom::Committed {
+            fallback: Box::new(StartFrom::Timestamp(-2)),
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.message().contains("-2"), "{e}");
+        let nested = StartFrom::Committed {
+            fallback: Box::new(StartFrom::committed_or_earliest()),
+        };
+        assert_eq!(
+            nested.validate().unwrap_err().kind(),
+            crate::ErrorKind::Config
+        );
+    }
 
     #[test]
     fn headers_keep_order_repeats_and_null() {
