@@ -259,3 +259,192 @@ async fn delivery_reports_for_errors_only_are_refused() {
         "{e}"
     );
 }
+
+/// Bytes of `n` as a zigzag varint (record format v2), counted here independently of the
+/// adapter.
+fn varint_len(n: usize) -> usize {
+    let mut z = (n as u64) << 1;
+    let mut len = 1;
+    while z >= 0x80 {
+        z >>= 7;
+        len += 1;
+    }
+    len
+}
+
+/// What librdkafka compares with `message.max.bytes` (36 bytes of framing + key + payload +
+/// each header's name, value and their varint lengths).
+fn wire_of(r: &Record) -> usize {
+    36 + r.key.as_ref().map_or(0, |k| k.len())
+        + r.payload.len()
+        + r.headers
+            .iter()
+            .map(|h| {
+                let v = h.value.as_ref().map_or(0, |v| v.len());
+                h.name.len() + v + varint_len(h.name.len()) + varint_len(v)
+            })
+            .sum::<usize>()
+}
+
+/// Record shapes around the varint boundaries of header lengths (63/64, 8191/8192), with
+/// keys, null headers and many headers; each padded with payload to `wire` bytes.
+fn shaped_records(topic: &str, wire: usize) -> Vec<(String, Record)> {
+    let shapes: Vec<(&str, Record)> = vec![
+        ("plain", Record::new(topic, Vec::<u8>::new())),
+        (
+            "key",
+            Record::new(topic, Vec::<u8>::new()).key(vec![b'k'; 300]),
+        ),
+        (
+            "name 63 / value 64",
+            Record::new(topic, Vec::<u8>::new()).header("n".repeat(63), vec![b'v'; 64]),
+        ),
+        (
+            "name 64 / value 63",
+            Record::new(topic, Vec::<u8>::new()).header("n".repeat(64), vec![b'v'; 63]),
+        ),
+        (
+            "value 8191",
+            Record::new(topic, Vec::<u8>::new()).header("a", vec![b'v'; 8191]),
+        ),
+        (
+            "value 8192",
+            Record::new(topic, Vec::<u8>::new()).header("a", vec![b'v'; 8192]),
+        ),
+        ("null headers", {
+            let mut r = Record::new(topic, Vec::<u8>::new()).key(vec![b'k'; 5]);
+            for i in 0..50 {
+                r.headers.insert_null(format!("null-{i}"));
+            }
+            r
+        }),
+        ("many headers", {
+            let mut r = Record::new(topic, Vec::<u8>::new());
+            for _ in 0..1000 {
+                r.headers.insert("", Vec::<u8>::new());
+            }
+            r
+        }),
+    ];
+    shapes
+        .into_iter()
+        .map(|(what, mut r)| {
+            let pad = wire - wire_of(&r);
+            r.payload = vec![b'x'; pad].into();
+            assert_eq!(wire_of(&r), wire);
+            (what.to_string(), r)
+        })
+        .collect()
+}
+
+/// With `message.max.bytes` = N (in the URL or in the producer's options), a record whose
+/// librdkafka count is N is delivered, and one byte more is onceflow's Config error naming N
+/// (never librdkafka's "Message size too large"), on plain and transactional producers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_max_bytes_is_checked_as_librdkafka_counts() {
+    let Some(url) = common::url("message_max_bytes_is_checked_as_librdkafka_counts") else {
+        return;
+    };
+    const N: usize = 20_000;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let limited = onceflow_kafka::connect(&format!("{url}{sep}message.max.bytes={N}")).unwrap();
+    let plain = onceflow_kafka::connect(&url).unwrap();
+    let t = topic(&plain, 1).await;
+    let mut in_options = ProducerConfig::default();
+    in_options
+        .options
+        .insert("message.max.bytes".into(), N.to_string());
+    let producers = [
+        (
+            "URL",
+            limited.producer(ProducerConfig::default()).await.unwrap(),
+        ),
+        ("options", plain.producer(in_options.clone()).await.unwrap()),
+    ];
+    let mut expected = 0;
+    for (place, producer) in &producers {
+        for (what, r) in shaped_records(&t, N) {
+            producer
+                .send(r)
+                .await
+                .unwrap_or_else(|e| panic!("{place}, {what}: at the limit: {e}"));
+            expected += 1;
+        }
+        for (what, r) in shaped_records(&t, N + 1) {
+            let e = producer.send(r).await.expect_err(&what);
+            assert_eq!(e.kind(), ErrorKind::Config, "{place}, {what}: {e}");
+            assert!(e.message().contains(&N.to_string()), "{place}, {what}: {e}");
+        }
+        let over = shaped_records(&t, N + 1).into_iter().map(|(_, r)| r);
+        let at = shaped_records(&t, N).into_iter().map(|(_, r)| r);
+        for (i, res) in producer
+            .send_batch(over.chain(at).collect())
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            if i < 8 {
+                assert_eq!(
+                    res.unwrap_err().kind(),
+                    ErrorKind::Config,
+                    "{place} batch {i}"
+                );
+            } else {
+                res.unwrap_or_else(|e| panic!("{place} batch {i}: {e}"));
+                expected += 1;
+            }
+        }
+    }
+    for (place, p, mut config) in [
+        ("URL", &limited, ProducerConfig::default()),
+        ("options", &plain, in_options),
+    ] {
+        config.transactional_id = Some(name("kafka-size-tx"));
+        let producer = p.producer(config).await.unwrap();
+        let mut tx = producer.begin().await.unwrap();
+        for (what, r) in shaped_records(&t, N) {
+            tx.send(r)
+                .await
+                .unwrap_or_else(|e| panic!("tx {place}, {what}: at the limit: {e}"));
+            expected += 1;
+        }
+        for (what, r) in shaped_records(&t, N + 1) {
+            let e = tx.send(r).await.expect_err(&what);
+            assert_eq!(e.kind(), ErrorKind::Config, "tx {place}, {what}: {e}");
+            assert!(
+                e.message().contains(&N.to_string()),
+                "tx {place}, {what}: {e}"
+            );
+        }
+        tx.commit().await.unwrap();
+    }
+    let got = read(&plain, &t, expected).await;
+    assert_eq!(got.len(), expected);
+    plain.admin().await.unwrap().delete_topic(&t).await.unwrap();
+}
+
+/// Without `message.max.bytes` anywhere, a record at onceflow's default limit (1 MiB of key +
+/// payload + headers) is accepted by onceflow, so it must be delivered by a broker with
+/// default settings; if it cannot be, onceflow must refuse it first with its Config error
+/// naming the limit. Fails on a default Kafka 4.x broker (message.max.bytes = 1048588 for the
+/// whole batch): the broker refuses it with "Broker: Message size too large", naming no limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_at_the_default_limit_is_delivered_or_named() {
+    let Some(p) = platform("a_record_at_the_default_limit_is_delivered_or_named") else {
+        return;
+    };
+    let t = topic(&p, 1).await;
+    let producer = p.producer(ProducerConfig::default()).await.unwrap();
+    let limit = p.max_record_bytes();
+    let res = producer
+        .send(Record::new(t.clone(), vec![b'x'; limit]))
+        .await;
+    p.admin().await.unwrap().delete_topic(&t).await.unwrap();
+    if let Err(e) = res {
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(
+            e.message().contains(&limit.to_string()),
+            "a record of {limit} bytes, accepted by onceflow, refused without naming a limit: {e}"
+        );
+    }
+}
