@@ -271,3 +271,157 @@ async fn shutdown_during_a_batch_counts_every_committed_transaction() {
     assert!(committed >= 1, "{committed}");
     assert_eq!(summary.handled, committed as u64, "{summary:?}");
 }
+
+/// An embedded store with a `seen` table and a `memory://` topic `t` (one partition) holding
+/// `n` messages "0".."n-1"; returns the store, the file and a consumer of `t` from the earliest.
+async fn seen_setup(
+    dir: &tempfile::TempDir,
+    n: usize,
+) -> (EmbeddedStore, std::path::PathBuf, onceflow_core::Consumer) {
+    let path = dir.path().join("inbox.db");
+    let store = EmbeddedStore::open(&path, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch("CREATE TABLE seen (payload TEXT NOT NULL)")
+        .unwrap();
+    let id = format!("{:08x}", rand::random::<u32>());
+    let client = Client::new(onceflow_memory::connect(&format!("memory://brk-{id}")).unwrap());
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new("t", 1))
+        .await
+        .unwrap();
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    for r in producer
+        .send_batch((0..n).map(|i| Record::new("t", format!("{i}"))).collect())
+        .await
+    {
+        r.unwrap();
+    }
+    let consumer = client
+        .consumer(ConsumerConfig::new("g", ["t"]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    (store, path, consumer)
+}
+
+/// A shutdown stops a handler that is being retried: the retry waits for no transaction, so
+/// nothing is lost by stopping there (the message comes again on the next start). Before, a
+/// handler failing with a retriable error under a large `max_attempts` kept `run_until` going
+/// long after the shutdown (here 8 attempts, in production until the database came back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_a_handler_that_is_being_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, path, consumer) = seen_setup(&dir, 3).await;
+    let config = InboxConfig {
+        max_attempts: u32::MAX,
+        backoff: Duration::from_millis(1),
+        ..InboxConfig::default()
+    };
+    let inbox = store.inbox(consumer, config).await.unwrap();
+    let first = Arc::new(tokio::sync::Notify::new());
+    let signal = first.clone();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen_calls = calls.clone();
+    let summary = inbox
+        .run_until(
+            move |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
+                tx.execute(
+                    "INSERT INTO seen (payload) VALUES (?1)",
+                    [String::from_utf8_lossy(&m.payload).into_owned()],
+                )?;
+                signal.notify_one();
+                // The database is down for the first 8 attempts.
+                if seen_calls.fetch_add(1, Ordering::SeqCst) < 8 {
+                    return Err("database unavailable (retriable)".into());
+                }
+                Ok(())
+            },
+            async move { first.notified().await },
+        )
+        .await
+        .unwrap();
+    let committed = count(&path, "SELECT count(*) FROM seen");
+    assert_eq!(summary.handled, committed as u64, "{summary:?}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the handler was retried after the shutdown completed ({summary:?})"
+    );
+}
+
+/// A handler error after the shutdown fired, in the same batch: `run_until` returns the error,
+/// the messages before it are committed with their position, nothing of it or after it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_after_shutdown_in_the_batch_is_returned_and_commits_only_what_came_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, path, consumer) = seen_setup(&dir, 10).await;
+    let config = InboxConfig {
+        max_attempts: 1,
+        ..InboxConfig::default()
+    };
+    let inbox = store.inbox(consumer, config).await.unwrap();
+    let first = Arc::new(tokio::sync::Notify::new());
+    let signal = first.clone();
+    let e = inbox
+        .run_until(
+            move |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
+                let payload = String::from_utf8_lossy(&m.payload).into_owned();
+                tx.execute("INSERT INTO seen (payload) VALUES (?1)", [&payload])?;
+                signal.notify_one();
+                if payload == "3" {
+                    return Err("poison".into());
+                }
+                Ok(())
+            },
+            async move { first.notified().await },
+        )
+        .await
+        .expect_err("the poison message's error");
+    assert_eq!(e.kind(), ErrorKind::Handler, "{e}");
+    assert!(e.message().contains("poison"), "{e}");
+    assert_eq!(count(&path, "SELECT count(*) FROM seen"), 3);
+    assert_eq!(
+        count(
+            &path,
+            "SELECT count(*) FROM seen WHERE payload IN ('0','1','2')"
+        ),
+        3
+    );
+    // The position stored with the last committed message, in the same file.
+    let stored: String = Connection::open(&path)
+        .unwrap()
+        .query_row("SELECT position FROM onceflow_inbox_position", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(stored, "offset:2");
+    drop(store);
+}
+
+/// A shutdown already complete when `run_until` starts: nothing is polled or handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_complete_at_the_start_handles_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, path, consumer) = seen_setup(&dir, 5).await;
+    let inbox = store.inbox(consumer, InboxConfig::default()).await.unwrap();
+    let summary = inbox
+        .run_until(
+            |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
+                tx.execute(
+                    "INSERT INTO seen (payload) VALUES (?1)",
+                    [String::from_utf8_lossy(&m.payload).into_owned()],
+                )?;
+                Ok(())
+            },
+            std::future::ready(()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(summary.handled, 0, "{summary:?}");
+    assert_eq!(count(&path, "SELECT count(*) FROM seen"), 0);
+}
