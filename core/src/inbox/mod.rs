@@ -33,6 +33,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -318,7 +319,10 @@ impl InboxLoop {
     /// again on the next start.
     pub async fn step<D: InboxDatabase + ?Sized>(&mut self, db: &D) -> Result<usize> {
         let messages = self.poll().await?;
-        self.handle_batch(db, messages).await
+        let n = messages.len();
+        let never = std::pin::pin!(std::future::pending::<()>());
+        self.handle_batch(db, messages, never).await?;
+        Ok(n)
     }
 
     async fn poll(&self) -> Result<Vec<Message>> {
@@ -327,13 +331,15 @@ impl InboxLoop {
             .await
     }
 
-    /// Handles one polled batch in order; returns its length. See [`step`](Self::step).
-    async fn handle_batch<D: InboxDatabase + ?Sized>(
+    /// Handles one polled batch in order. See [`step`](Self::step). Returns `false` when
+    /// `shutdown` completed while a message waited to be retried: no transaction is in flight
+    /// then, and that message and the rest of the batch come again on the next start.
+    async fn handle_batch<D: InboxDatabase + ?Sized, S: Future<Output = ()> + ?Sized>(
         &mut self,
         db: &D,
         messages: Vec<Message>,
-    ) -> Result<usize> {
-        let n = messages.len();
+        mut shutdown: Pin<&mut S>,
+    ) -> Result<bool> {
         let mut tps: HashSet<TopicPartition> =
             messages.iter().map(|m| m.topic_partition()).collect();
         tps.extend(self.consumer.assignment());
@@ -355,7 +361,9 @@ impl InboxLoop {
                     continue;
                 }
             }
-            self.handle_one(db, &m).await?;
+            if !self.handle_one(db, &m, shutdown.as_mut()).await? {
+                return Ok(false);
+            }
             self.listener
                 .positions
                 .lock()
@@ -365,7 +373,7 @@ impl InboxLoop {
         if self.last_broker_commit.elapsed() >= self.config.broker_commit_interval {
             self.commit_broker().await;
         }
-        Ok(n)
+        Ok(true)
     }
 
     /// Brings the broker's group offset up to the positions committed in the database (best
@@ -386,7 +394,14 @@ impl InboxLoop {
         }
     }
 
-    async fn handle_one<D: InboxDatabase + ?Sized>(&mut self, db: &D, m: &Message) -> Result<()> {
+    /// Handles `m` in one transaction, retried while its error is retriable; `false` when
+    /// `shutdown` completed while a retry waited (nothing of `m` committed).
+    async fn handle_one<D: InboxDatabase + ?Sized, S: Future<Output = ()> + ?Sized>(
+        &mut self,
+        db: &D,
+        m: &Message,
+        mut shutdown: Pin<&mut S>,
+    ) -> Result<bool> {
         let key = self
             .config
             .key
@@ -399,15 +414,19 @@ impl InboxLoop {
             match db.transact(&self.namespace, key.as_deref(), m).await {
                 Ok(InboxOutcome::Handled) => {
                     self.summary.handled += 1;
-                    return Ok(());
+                    return Ok(true);
                 }
                 Ok(InboxOutcome::Duplicate) => {
                     self.summary.duplicates += 1;
-                    return Ok(());
+                    return Ok(true);
                 }
                 Err(e) if attempt < self.config.max_attempts && e.is_retriable() => {
                     tracing::debug!(attempt, error = %e, "inbox handler retry");
-                    tokio::time::sleep(delay).await;
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.as_mut() => return Ok(false),
+                        _ = tokio::time::sleep(delay) => {}
+                    }
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => {
@@ -423,8 +442,10 @@ impl InboxLoop {
     /// Runs [`step`](Self::step) until `shutdown` completes or an error stops it; then commits
     /// the broker offsets and returns what it did. Does not close the consumer.
     ///
-    /// `shutdown` stops a poll that is waiting; a batch already polled is handled to its end
-    /// first, so every transaction the database committed is counted in the summary.
+    /// `shutdown` stops a poll that is waiting, or a retry that is waiting (no transaction is in
+    /// flight then; that message and the rest of its batch come again on the next start);
+    /// otherwise a batch already polled is handled to its end first, so every transaction the
+    /// database committed is counted in the summary.
     pub async fn run_until<D: InboxDatabase + ?Sized>(
         mut self,
         db: &D,
@@ -437,7 +458,9 @@ impl InboxLoop {
                 _ = &mut shutdown => break,
                 r = self.poll() => r?,
             };
-            self.handle_batch(db, messages).await?;
+            if !self.handle_batch(db, messages, shutdown.as_mut()).await? {
+                break;
+            }
         }
         self.commit_broker().await;
         Ok(self.summary.clone())
