@@ -149,6 +149,29 @@ fn an_empty_idempotency_key_is_refused_before_anything_is_sent() {
     }
 }
 
+/// `replay --to-topic ''` (or blank) names no topic to copy into: refused as bad input naming
+/// the option before anything is read. It was taken, and found out only after every message
+/// had been read, when each copy failed to send (here, on memory://, hidden behind the source
+/// topic's "does not exist", exit 1).
+#[test]
+fn an_empty_replay_target_topic_is_refused_before_anything_is_read() {
+    for to in ["", "  "] {
+        let stderr = refused(&[
+            "replay",
+            "--url",
+            "memory://empty-to",
+            "--topic",
+            "orders",
+            "--from",
+            "earliest",
+            "--to-topic",
+            to,
+        ]);
+        assert!(stderr.contains("--to-topic"), "{stderr}");
+        assert!(stderr.contains("error kind: ONCEFLOW_CONFIG"), "{stderr}");
+    }
+}
+
 /// The break test's finding: `demo --messages` with a huge count on memory:// ran until the
 /// process aborted out of memory. Now the count is bounded (100 000 000 anywhere, 1 000 000
 /// on memory://, which keeps every record in the process) and refused before anything runs.
