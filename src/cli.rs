@@ -642,6 +642,9 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
             )))
         }
     };
+    if let Some(t) = &a.to_topic {
+        require_name("--to-topic", t, "a topic name")?;
+    }
     let client = connect(&a.target.url).await?;
     require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let consumer = client
