@@ -448,3 +448,67 @@ async fn a_record_at_the_default_limit_is_delivered_or_named() {
         );
     }
 }
+
+/// `message.max.bytes` spelt the ways librdkafka also reads it (`strtol` with base 0: hex,
+/// octal with a leading 0, text after the number ignored) must not leave onceflow checking
+/// another limit than librdkafka's 20 000: either the producer is refused naming the property,
+/// or a record one byte over librdkafka's limit is onceflow's Config error naming 20000 and
+/// one at the limit is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_max_bytes_spelt_as_librdkafka_reads_it_is_the_limit_checked() {
+    let Some(url) =
+        common::url("message_max_bytes_spelt_as_librdkafka_reads_it_is_the_limit_checked")
+    else {
+        return;
+    };
+    const N: usize = 20_000;
+    let plain = onceflow_kafka::connect(&url).unwrap();
+    let t = topic(&plain, 1).await;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let mut failures = Vec::new();
+    for (place, value) in [
+        ("options", "0x4e20"),
+        ("options", "047040"),
+        ("options", "20000b"),
+        ("URL", "047040"),
+        ("URL", "0x4e20"),
+        ("URL", "20000b"),
+    ] {
+        let made = match place {
+            "URL" => match onceflow_kafka::connect(&format!("{url}{sep}message.max.bytes={value}"))
+            {
+                Ok(p) => p.producer(ProducerConfig::default()).await,
+                Err(e) => Err(e),
+            },
+            _ => {
+                let mut c = ProducerConfig::default();
+                c.options.insert("message.max.bytes".into(), value.into());
+                plain.producer(c).await
+            }
+        };
+        let producer = match made {
+            Ok(p) => p,
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Config, "{place} {value}: {e}");
+                assert!(
+                    e.message().contains("message.max.bytes"),
+                    "{place} {value}: {e}"
+                );
+                continue;
+            }
+        };
+        let mut over = Record::new(t.clone(), Vec::<u8>::new());
+        over.payload = vec![b'x'; N + 1 - 36].into();
+        match producer.send(over).await {
+            Err(e) if e.kind() == ErrorKind::Config && e.message().contains("20000") => {}
+            other => failures.push(format!("{place} {value}: one byte over: {other:?}")),
+        }
+        let mut at = Record::new(t.clone(), Vec::<u8>::new());
+        at.payload = vec![b'x'; N - 36].into();
+        if let Err(e) = producer.send(at).await {
+            failures.push(format!("{place} {value}: at the limit: {e}"));
+        }
+    }
+    plain.admin().await.unwrap().delete_topic(&t).await.unwrap();
+    assert!(failures.is_empty(), "{failures:#?}");
+}
