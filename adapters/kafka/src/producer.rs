@@ -277,13 +277,39 @@ impl SizeLimits {
     fn of(kafka: &KafkaConfig, native_config: &rdkafka::ClientConfig) -> SizeLimits {
         let wire = native_config
             .get("message.max.bytes")
-            .and_then(|v| v.trim().parse::<usize>().ok())
+            .and_then(librdkafka_int)
             .unwrap_or(usize::MAX);
         SizeLimits {
             record: kafka.max_record_bytes,
             wire,
         }
     }
+}
+
+/// An integer property as librdkafka reads it (`strtol(value, &end, 0)` in `rdkafka_conf.c`):
+/// leading white space skipped, an optional sign, `0x` for hex, a leading `0` for octal, and
+/// anything after the digits ignored. `None` when no digit comes first (librdkafka refuses the
+/// value then) or the value is negative (below every limit librdkafka allows).
+fn librdkafka_int(v: &str) -> Option<usize> {
+    let v = v.trim_start_matches([' ', '\t', '\n', '\r', '\x0b', '\x0c']);
+    let (negative, v) = match v.as_bytes().first() {
+        Some(b'-') => (true, &v[1..]),
+        Some(b'+') => (false, &v[1..]),
+        _ => (false, v),
+    };
+    let (radix, digits) = match v.as_bytes() {
+        [b'0', b'x' | b'X', h, ..] if h.is_ascii_hexdigit() => (16, &v[2..]),
+        [b'0', ..] => (8, v),
+        _ => (10, v),
+    };
+    let end = digits
+        .find(|c: char| !c.is_digit(radix))
+        .unwrap_or(digits.len());
+    if end == 0 || negative {
+        return None;
+    }
+    // Past usize, librdkafka's range check refuses the value anyway.
+    Some(usize::from_str_radix(&digits[..end], radix).unwrap_or(usize::MAX))
 }
 
 /// Worst-case framing librdkafka counts for one record before it compares it with
@@ -1199,6 +1225,31 @@ mod tests {
                 assert_eq!(check_size(r, limits).is_ok(), taken, "{limit}");
                 p.purge(PurgeConfig::default().queue().inflight());
             }
+        }
+    }
+
+    /// `message.max.bytes` is read as librdkafka reads it: here each spelling gives a
+    /// producer that takes a record of 20 000 bytes with framing and refuses one of 20 001.
+    #[test]
+    fn message_max_bytes_is_read_as_librdkafka_reads_it() {
+        for v in [
+            "20000", " 20000", "+20000", "0x4e20", "0X4E20", "047040", "20000b", "20000 ",
+        ] {
+            assert_eq!(librdkafka_int(v), Some(20_000), "{v:?}");
+            let p: BaseProducer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", "127.0.0.1:1")
+                .set("message.max.bytes", v)
+                .create()
+                .expect("producer");
+            for (len, taken) in [(20_000 - 36, true), (20_001 - 36, false)] {
+                let payload = vec![b'x'; len];
+                let sent = p.send(BaseRecord::<[u8], [u8]>::to("t").payload(&payload[..]));
+                assert_eq!(sent.is_ok(), taken, "{v:?}, {len}");
+            }
+            p.purge(PurgeConfig::default().queue().inflight());
+        }
+        for v in ["", "x", "-5", "0x"] {
+            assert!(librdkafka_int(v).unwrap_or(0) < 1000, "{v:?}");
         }
     }
 
