@@ -512,3 +512,36 @@ async fn message_max_bytes_spelt_as_librdkafka_reads_it_is_the_limit_checked() {
     plain.admin().await.unwrap().delete_topic(&t).await.unwrap();
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// `message.max.bytes` raised in [`ProducerConfig::options`] (librdkafka takes it) on a topic
+/// whose `max.message.bytes` allows the record: the record is delivered, or refused naming
+/// the limit that refuses it. Fails: onceflow keeps the connection's 1 MiB and refuses it as
+/// "exceeds the limit of 1048576 bytes (message.max.bytes)" although message.max.bytes is
+/// 3000000 on this producer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_max_bytes_raised_in_the_options_is_the_limit() {
+    let Some(p) = platform("message_max_bytes_raised_in_the_options_is_the_limit") else {
+        return;
+    };
+    let admin = p.admin().await.unwrap();
+    let t = name("kafka-test");
+    let mut spec = TopicSpec::new(t.clone(), 1);
+    spec.options
+        .insert("max.message.bytes".into(), "3000000".into());
+    admin.create_topic(&spec).await.unwrap();
+    let mut config = ProducerConfig::default();
+    config
+        .options
+        .insert("message.max.bytes".into(), "3000000".into());
+    let producer = p.producer(config).await.unwrap();
+    let res = producer
+        .send(Record::new(t.clone(), vec![b'x'; 1_500_000]))
+        .await;
+    admin.delete_topic(&t).await.unwrap();
+    if let Err(e) = res {
+        assert!(
+            !e.message().contains("1048576"),
+            "refused for a limit this producer does not have: {e}"
+        );
+    }
+}
