@@ -288,8 +288,9 @@ impl SizeLimits {
 
 /// An integer property as librdkafka reads it (`strtol(value, &end, 0)` in `rdkafka_conf.c`):
 /// leading white space skipped, an optional sign, `0x` for hex, a leading `0` for octal, and
-/// anything after the digits ignored. `None` when no digit comes first (librdkafka refuses the
-/// value then) or the value is negative (below every limit librdkafka allows).
+/// anything after the digits ignored, the result cut to a C `int`. `None` when no digit comes
+/// first (librdkafka refuses the value then) or the value is negative (below every limit
+/// librdkafka allows).
 fn librdkafka_int(v: &str) -> Option<usize> {
     let v = v.trim_start_matches([' ', '\t', '\n', '\r', '\x0b', '\x0c']);
     let (negative, v) = match v.as_bytes().first() {
@@ -308,8 +309,11 @@ fn librdkafka_int(v: &str) -> Option<usize> {
     if end == 0 || negative {
         return None;
     }
-    // Past usize, librdkafka's range check refuses the value anyway.
-    Some(usize::from_str_radix(&digits[..end], radix).unwrap_or(usize::MAX))
+    // `strtol` stops at LONG_MAX, then librdkafka keeps the low 32 bits (`(int)strtol(…)`):
+    // 4294987296 is 20000 to it.
+    let long = u64::from_str_radix(&digits[..end], radix)
+        .map_or(i64::MAX, |n| n.min(i64::MAX as u64) as i64);
+    usize::try_from(long as i32).ok()
 }
 
 /// Worst-case framing librdkafka counts for one record before it compares it with
@@ -1233,7 +1237,15 @@ mod tests {
     #[test]
     fn message_max_bytes_is_read_as_librdkafka_reads_it() {
         for v in [
-            "20000", " 20000", "+20000", "0x4e20", "0X4E20", "047040", "20000b", "20000 ",
+            "20000",
+            " 20000",
+            "+20000",
+            "0x4e20",
+            "0X4E20",
+            "047040",
+            "20000b",
+            "20000 ",
+            "4294987296",
         ] {
             assert_eq!(librdkafka_int(v), Some(20_000), "{v:?}");
             let p: BaseProducer = rdkafka::ClientConfig::new()
