@@ -6,15 +6,28 @@ use std::time::Duration;
 use onceflow_core::{Error, Result};
 use rdkafka::ClientConfig;
 
-/// Largest record accepted when `message.max.bytes` is not given: 1 MiB.
-pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
+/// A Kafka broker's default `message.max.bytes`: the largest record batch it takes (1 MiB + 12
+/// bytes; also each topic's `max.message.bytes` unless set).
+pub const BROKER_DEFAULT_MESSAGE_MAX_BYTES: usize = 1_048_588;
+
+/// Bytes of a record batch (format v2, KIP-98) before its first record.
+pub(crate) const RECORD_BATCH_HEADER: usize = 61;
+
+/// Worst-case framing librdkafka counts for one record before it compares it with
+/// `message.max.bytes`: `RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD` (librdkafka `rdkafka_proto.h`:
+/// length, attributes, timestamp delta, offset delta, key length, value length and header count,
+/// each at its largest varint size).
+pub(crate) const RECORD_FRAMING_MAX: usize = 36;
+
+/// Largest record (key + payload + headers) accepted when `message.max.bytes` is not given:
+/// 1 048 491 bytes, what fits alone in a batch under a default broker's limit
+/// ([`BROKER_DEFAULT_MESSAGE_MAX_BYTES`] less the batch header and the worst-case record
+/// framing). Each header adds its varint lengths to what librdkafka and the broker count.
+pub const DEFAULT_MAX_RECORD_BYTES: usize =
+    BROKER_DEFAULT_MESSAGE_MAX_BYTES - RECORD_BATCH_HEADER - RECORD_FRAMING_MAX;
 
 /// Default bound of blocking calls (transaction commit, synchronous offset commit, metadata).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Room librdkafka needs beyond the record itself (batch and record framing) when onceflow
-/// sets `message.max.bytes` from [`DEFAULT_MAX_RECORD_BYTES`].
-const FRAMING_ALLOWANCE: usize = 16 * 1024;
 
 /// Configuration of a Kafka connection: typed fields plus raw librdkafka properties.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,7 +38,8 @@ pub struct KafkaConfig {
     /// options ([`onceflow_core::ProducerConfig::options`], [`onceflow_core::ConsumerConfig::options`])
     /// override them.
     pub properties: BTreeMap<String, String>,
-    /// Largest record accepted, in bytes (key + payload + headers); from `message.max.bytes`.
+    /// Largest record accepted, in bytes (key + payload + headers); from `message.max.bytes`,
+    /// else [`DEFAULT_MAX_RECORD_BYTES`].
     pub max_record_bytes: usize,
     /// Bound of blocking calls; from `onceflow.timeout.ms`.
     pub timeout: Duration,
@@ -59,10 +73,17 @@ impl KafkaConfig {
         if c.get("message.max.bytes").is_none() {
             c.set(
                 "message.max.bytes",
-                (self.max_record_bytes + FRAMING_ALLOWANCE).to_string(),
+                self.default_message_max_bytes().to_string(),
             );
         }
         c
+    }
+
+    /// The `message.max.bytes` given to librdkafka when none is set: [`Self::max_record_bytes`]
+    /// and the worst-case record framing (for the default, a default broker's limit less the
+    /// batch header).
+    pub(crate) fn default_message_max_bytes(&self) -> usize {
+        self.max_record_bytes.saturating_add(RECORD_FRAMING_MAX)
     }
 
     /// Whether `key` was set on the connection or in `overrides`.

@@ -18,10 +18,14 @@
 //! query parameter is handed verbatim to librdkafka as a client property on producers, consumers
 //! and the admin client (for example `?compression.type=lz4&linger.ms=5`). Two keys are read by
 //! onceflow as well: `message.max.bytes` sets [`PlatformBackend::max_record_bytes`] (default
-//! 1 MiB; a record is also checked the way librdkafka checks it against the producer's
-//! `message.max.bytes`, with up to 36 bytes of record framing and each header's varint
-//! lengths, so that one just under the limit fails with onceflow's error naming it), and `onceflow.timeout.ms` (not passed to librdkafka) bounds blocking calls such as
-//! transaction commits and synchronous offset commits (default 30 s). See [`KafkaConfig`].
+//! [`DEFAULT_MAX_RECORD_BYTES`], 1 048 491 bytes: what fits alone in a record batch under a
+//! default broker's `message.max.bytes` of 1 048 588). A record is also checked the way
+//! librdkafka checks it against the producer's `message.max.bytes` (36 bytes of worst-case
+//! record framing and each header's varint lengths), so one near the limit fails with
+//! onceflow's error naming it. A producer's options may lower `message.max.bytes`, not raise
+//! it above the connection's (a larger limit goes on the URL). The second key,
+//! `onceflow.timeout.ms` (not passed to librdkafka), bounds blocking calls such as transaction
+//! commits and synchronous offset commits (default 30 s). See [`KafkaConfig`].
 //!
 //! ## Semantics
 //! - **Producer**: idempotent by default (`enable.idempotence=true`, KIP-98), so retries never
@@ -101,7 +105,10 @@ use onceflow_core::{
 use rdkafka::error::RDKafkaErrorCode;
 
 pub use admin::KafkaAdmin;
-pub use config::{parse_url, KafkaConfig, DEFAULT_MAX_RECORD_BYTES, DEFAULT_TIMEOUT};
+pub use config::{
+    parse_url, KafkaConfig, BROKER_DEFAULT_MESSAGE_MAX_BYTES, DEFAULT_MAX_RECORD_BYTES,
+    DEFAULT_TIMEOUT,
+};
 pub use consumer::KafkaConsumer;
 pub use producer::KafkaProducer;
 

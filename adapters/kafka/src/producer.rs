@@ -22,7 +22,7 @@ use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
-use crate::config::KafkaConfig;
+use crate::config::{KafkaConfig, BROKER_DEFAULT_MESSAGE_MAX_BYTES, RECORD_FRAMING_MAX};
 use crate::errors;
 use crate::CAPABILITIES;
 
@@ -271,18 +271,43 @@ struct SizeLimits {
     record: usize,
     /// The producer's `message.max.bytes`, which librdkafka compares with [`wire_size`].
     wire: usize,
+    /// `wire` is onceflow's default (no `message.max.bytes` on the URL or in the options).
+    wire_is_default: bool,
 }
 
 impl SizeLimits {
-    fn of(kafka: &KafkaConfig, native_config: &rdkafka::ClientConfig) -> SizeLimits {
+    /// The limits of a producer of `kafka` with `options`, whose native configuration is
+    /// `native_config`. [`ErrorKind::Config`] when `options` raise `message.max.bytes` above
+    /// the connection's: the record limit is the connection's (it is checked before a record
+    /// reaches the producer), so a larger one belongs on the URL.
+    fn of(
+        kafka: &KafkaConfig,
+        options: &std::collections::BTreeMap<String, String>,
+        native_config: &rdkafka::ClientConfig,
+    ) -> Result<SizeLimits> {
         let wire = native_config
             .get("message.max.bytes")
             .and_then(librdkafka_int)
             .unwrap_or(usize::MAX);
-        SizeLimits {
+        if let Some(v) = options.get("message.max.bytes") {
+            let connection = kafka
+                .properties
+                .get("message.max.bytes")
+                .and_then(|v| librdkafka_int(v))
+                .unwrap_or_else(|| kafka.default_message_max_bytes());
+            if wire > connection {
+                return Err(Error::config(format!(
+                    "message.max.bytes '{v}' in the producer's options is above the connection's \
+                     {connection}: expected it on the URL (kafka://…?message.max.bytes={wire}), \
+                     where onceflow's record size check reads it too"
+                )));
+            }
+        }
+        Ok(SizeLimits {
             record: kafka.max_record_bytes,
             wire,
-        }
+            wire_is_default: !kafka.is_set("message.max.bytes", options),
+        })
     }
 }
 
@@ -315,12 +340,6 @@ fn librdkafka_int(v: &str) -> Option<usize> {
         .map_or(i64::MAX, |n| n.min(i64::MAX as u64) as i64);
     usize::try_from(long as i32).ok()
 }
-
-/// Worst-case framing librdkafka counts for one record before it compares it with
-/// `message.max.bytes`: `RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD` (librdkafka `rdkafka_proto.h`:
-/// length, attributes, timestamp delta, offset delta, key length, value length and header count,
-/// each at its largest varint size).
-const RECORD_FRAMING_MAX: usize = 36;
 
 /// Bytes of `n` as a zigzag varint (Kafka's record format v2, KIP-98).
 fn zigzag_varint_len(n: usize) -> usize {
@@ -362,10 +381,20 @@ fn check_size(record: &Record, limits: SizeLimits) -> Result<()> {
     }
     let wire = wire_size(record);
     if wire > limits.wire {
+        let default = if limits.wire_is_default {
+            format!(
+                " (onceflow's default: what fits in a default broker's message.max.bytes of \
+                 {BROKER_DEFAULT_MESSAGE_MAX_BYTES}; a larger one goes on the URL, \
+                 kafka://…?message.max.bytes=N, with the topic's max.message.bytes)"
+            )
+        } else {
+            String::new()
+        };
         return Err(Error::config(format!(
             "record of {size} bytes (key + payload + headers) for topic '{}' is {wire} bytes with \
-             librdkafka's record framing, over message.max.bytes = {}: expected at most {} \
-             bytes with framing ({RECORD_FRAMING_MAX} of framing plus each header's lengths)",
+             librdkafka's record framing, over message.max.bytes = {}{default}: expected at \
+             most {} bytes with framing ({RECORD_FRAMING_MAX} of framing plus each header's \
+             lengths)",
             record.topic, limits.wire, limits.wire
         )));
     }
@@ -727,6 +756,7 @@ impl KafkaProducer {
             let on = config.idempotent.unwrap_or(true) || transactional;
             native_config.set("enable.idempotence", if on { "true" } else { "false" });
         }
+        let limits = SizeLimits::of(&kafka, &config.options, &native_config)?;
         let native = create_native(&native_config)?;
         let idempotent = native_config
             .get("enable.idempotence")
@@ -736,7 +766,7 @@ impl KafkaProducer {
         }
         let producer = KafkaProducer {
             shared: Arc::new(Shared {
-                limits: SizeLimits::of(&kafka, &native_config),
+                limits,
                 kafka,
                 transactional_id: config.transactional_id,
                 linger: linger_of(&native_config),
@@ -1225,6 +1255,7 @@ mod tests {
                 let limits = SizeLimits {
                     record: usize::MAX,
                     wire: limit,
+                    wire_is_default: false,
                 };
                 assert_eq!(check_size(r, limits).is_ok(), taken, "{limit}");
                 p.purge(PurgeConfig::default().queue().inflight());
@@ -1273,6 +1304,7 @@ mod tests {
             SizeLimits {
                 record: 2048,
                 wire: 2020,
+                wire_is_default: false,
             },
         )
         .unwrap_err();
