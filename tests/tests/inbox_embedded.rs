@@ -163,12 +163,13 @@ async fn inbox_skips_duplicates_rolls_back_failures_and_resumes_from_the_file() 
     assert_eq!(again.stored_positions().await.unwrap(), stored);
 }
 
-/// An inbox in a fresh file whose database has `table_sql` run, reading topic `t`
+/// An inbox (`config`) in a fresh file whose database has `table_sql` run, reading topic `t`
 /// (`partitions`) of a fresh memory:// platform from the start, after `records` were sent to it.
 async fn inbox_over(
     table_sql: &str,
     partitions: u32,
     records: Vec<Record>,
+    config: InboxConfig,
 ) -> (tempfile::TempDir, std::path::PathBuf, EmbeddedInbox) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
@@ -196,7 +197,7 @@ async fn inbox_over(
         .consumer(ConsumerConfig::new("g", ["t"]).start(StartFrom::Earliest))
         .await
         .unwrap();
-    let inbox = store.inbox(consumer, InboxConfig::default()).await.unwrap();
+    let inbox = store.inbox(consumer, config).await.unwrap();
     (dir, path, inbox)
 }
 
@@ -208,6 +209,7 @@ async fn run_until_with_a_closure_handles_every_message_once() {
         (0..200)
             .map(|i| Record::new("t", format!("{i}")).key(format!("{}", i % 5)))
             .collect(),
+        InboxConfig::default(),
     )
     .await;
     let done_path = path.clone();
@@ -243,12 +245,7 @@ async fn run_until_with_a_closure_handles_every_message_once() {
 /// commit whose count was then lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_during_a_batch_counts_every_committed_transaction() {
-    let (_dir, path, inbox) = inbox_over(
-        "CREATE TABLE seen (payload TEXT NOT NULL)",
-        1,
-        (0..50).map(|i| Record::new("t", format!("{i}"))).collect(),
-    )
-    .await;
+    let (_dir, path, inbox) = seen(50, InboxConfig::default()).await;
     let first = Arc::new(tokio::sync::Notify::new());
     let signal = first.clone();
     let summary = inbox
@@ -272,41 +269,18 @@ async fn shutdown_during_a_batch_counts_every_committed_transaction() {
     assert_eq!(summary.handled, committed as u64, "{summary:?}");
 }
 
-/// An embedded store with a `seen` table and a `memory://` topic `t` (one partition) holding
-/// `n` messages "0".."n-1"; returns the store, the file and a consumer of `t` from the earliest.
-async fn seen_setup(
-    dir: &tempfile::TempDir,
+/// [`inbox_over`] with a `seen` table and one partition holding `n` messages "0".."n-1".
+async fn seen(
     n: usize,
-) -> (EmbeddedStore, std::path::PathBuf, onceflow_core::Consumer) {
-    let path = dir.path().join("inbox.db");
-    let store = EmbeddedStore::open(&path, Duration::from_secs(3600))
-        .await
-        .unwrap();
-    Connection::open(&path)
-        .unwrap()
-        .execute_batch("CREATE TABLE seen (payload TEXT NOT NULL)")
-        .unwrap();
-    let id = format!("{:08x}", rand::random::<u32>());
-    let client = Client::new(onceflow_memory::connect(&format!("memory://brk-{id}")).unwrap());
-    client
-        .admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new("t", 1))
-        .await
-        .unwrap();
-    let producer = client.producer(ProducerConfig::new()).await.unwrap();
-    for r in producer
-        .send_batch((0..n).map(|i| Record::new("t", format!("{i}"))).collect())
-        .await
-    {
-        r.unwrap();
-    }
-    let consumer = client
-        .consumer(ConsumerConfig::new("g", ["t"]).start(StartFrom::Earliest))
-        .await
-        .unwrap();
-    (store, path, consumer)
+    config: InboxConfig,
+) -> (tempfile::TempDir, std::path::PathBuf, EmbeddedInbox) {
+    inbox_over(
+        "CREATE TABLE seen (payload TEXT NOT NULL)",
+        1,
+        (0..n).map(|i| Record::new("t", format!("{i}"))).collect(),
+        config,
+    )
+    .await
 }
 
 /// A shutdown stops a handler that is being retried: the retry waits for no transaction, so
@@ -315,14 +289,15 @@ async fn seen_setup(
 /// long after the shutdown (here 8 attempts, in production until the database came back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_stops_a_handler_that_is_being_retried() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, path, consumer) = seen_setup(&dir, 3).await;
-    let config = InboxConfig {
-        max_attempts: u32::MAX,
-        backoff: Duration::from_millis(1),
-        ..InboxConfig::default()
-    };
-    let inbox = store.inbox(consumer, config).await.unwrap();
+    let (_dir, path, inbox) = seen(
+        3,
+        InboxConfig {
+            max_attempts: u32::MAX,
+            backoff: Duration::from_millis(1),
+            ..InboxConfig::default()
+        },
+    )
+    .await;
     let first = Arc::new(tokio::sync::Notify::new());
     let signal = first.clone();
     let calls = Arc::new(AtomicUsize::new(0));
@@ -358,13 +333,14 @@ async fn shutdown_stops_a_handler_that_is_being_retried() {
 /// the messages before it are committed with their position, nothing of it or after it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_after_shutdown_in_the_batch_is_returned_and_commits_only_what_came_before() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, path, consumer) = seen_setup(&dir, 10).await;
-    let config = InboxConfig {
-        max_attempts: 1,
-        ..InboxConfig::default()
-    };
-    let inbox = store.inbox(consumer, config).await.unwrap();
+    let (_dir, path, inbox) = seen(
+        10,
+        InboxConfig {
+            max_attempts: 1,
+            ..InboxConfig::default()
+        },
+    )
+    .await;
     let first = Arc::new(tokio::sync::Notify::new());
     let signal = first.clone();
     let e = inbox
@@ -400,15 +376,12 @@ async fn an_error_after_shutdown_in_the_batch_is_returned_and_commits_only_what_
         })
         .unwrap();
     assert_eq!(stored, "offset:2");
-    drop(store);
 }
 
 /// A shutdown already complete when `run_until` starts: nothing is polled or handled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_complete_at_the_start_handles_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, path, consumer) = seen_setup(&dir, 5).await;
-    let inbox = store.inbox(consumer, InboxConfig::default()).await.unwrap();
+    let (_dir, path, inbox) = seen(5, InboxConfig::default()).await;
     let summary = inbox
         .run_until(
             |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {

@@ -146,8 +146,9 @@ impl Inbox {
     /// Runs until `shutdown` completes or an error stops it; then commits the broker offsets and
     /// returns what it did. Does not close the consumer.
     ///
-    /// `shutdown` stops a poll that is waiting; a batch already polled is handled to its end
-    /// first, so the summary counts every transaction that committed.
+    /// `shutdown` stops a poll or a retry that is waiting (that message and the rest of its
+    /// batch come again on the next start); otherwise a batch already polled is handled to its
+    /// end first, so the summary counts every transaction that committed.
     pub async fn run_until<H: InboxHandler>(
         self,
         handler: H,
