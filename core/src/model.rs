@@ -492,7 +492,7 @@ impl StartFrom {
     /// Checks what no platform can mean: a timestamp before the epoch (Kafka's ListOffsets
     /// would read -1 as "latest" and -2 as "earliest", KIP-79), or a committed start whose
     /// fallback is not `Earliest`, `Latest` or a valid timestamp or position.
-    /// [`ErrorKind::Config`](crate::ErrorKind::Config) naming the value otherwise.
+    /// [`ErrorKind::Config`] naming the value otherwise.
     pub fn validate(&self) -> crate::Result<()> {
         match self {
             StartFrom::Timestamp(ms) if *ms < 0 => Err(crate::Error::config(format!(
