@@ -598,14 +598,17 @@ pub async fn lag(a: LagArgs) -> Result<ExitCode> {
     require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let admin = client.admin().await?;
     let lag = admin.group_lag(&a.group, &a.topic).await?;
-    println!(
+    say!(
         "{:<40} {:>24} {:>24} {:>10}",
-        "PARTITION", "COMMITTED", "END", "LAG"
+        "PARTITION",
+        "COMMITTED",
+        "END",
+        "LAG"
     );
     let mut total = 0u64;
     for l in &lag {
         total += l.messages;
-        println!(
+        say!(
             "{:<40} {:>24} {:>24} {:>10}",
             l.partition.to_string(),
             l.committed
@@ -619,9 +622,10 @@ pub async fn lag(a: LagArgs) -> Result<ExitCode> {
             l.messages
         );
     }
-    println!(
+    say!(
         "total lag for group '{}' on '{}': {total} message(s)",
-        a.group, a.topic
+        a.group,
+        a.topic
     );
     Ok(ExitCode::SUCCESS)
 }

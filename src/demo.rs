@@ -425,13 +425,13 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
         .saturating_sub(total_records - dropped_by_broker);
 
     let elapsed = started.elapsed();
-    println!();
-    println!(
+    say!("");
+    say!(
         "  onceflow demo — {}",
         onceflow::shown(&onceflow::redact_credentials(&a.url))
     );
-    println!("  ───────────────────────────────────────────────────────────────");
-    let row = |k: &str, v: String| println!("  {k:<38} {v}");
+    say!("  ───────────────────────────────────────────────────────────────");
+    let row = |k: &str, v: String| say!("  {k:<38} {v}");
     row("platform", client.platform().to_string());
     row("guarantee", guarantee.to_string());
     row("mechanism", mechanism.to_string());
@@ -508,20 +508,20 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
             n as f64 / elapsed.as_secs_f64()
         ),
     );
-    println!();
+    say!("");
     let exact =
         missing == 0 && distinct == n && (physical == n || guarantee < Guarantee::EffectivelyOnce);
     let verdict = if exact { "OK" } else { "FAILED" };
     if guarantee < Guarantee::EffectivelyOnce {
         // Say what was checked: the output topic may hold copies; each order counted once.
-        println!(
+        say!(
             "  {guarantee} output on {}: the output topic held {physical} records for {distinct} \
              orders; every order was processed once (dedup store) and a reader that keeps each \
              order id once sees each exactly once.",
             client.platform()
         );
     }
-    println!(
+    say!(
         "exactly-once: {verdict} guarantee={guarantee} input={n} output={} output_records={physical} \
          redelivered={redelivered} duplicates_skipped={} crashes={crashes}",
         distinct, totals.duplicates_skipped

@@ -5,6 +5,15 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// `println!` that does not panic when standard output is closed (`onceflow demo | head -1`):
+/// a line nobody reads any more is dropped, and the command ends as it would have.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 mod cli;
 mod demo;
 

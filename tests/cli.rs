@@ -305,6 +305,24 @@ fn a_start_timestamp_before_the_epoch_is_bad_input() {
     }
 }
 
+/// Standard output closed early (`onceflow demo | head -1`): the demo ends as it would have,
+/// without a panic (the newcomer's finding: exit 101, "failed printing to stdout").
+#[test]
+fn a_closed_standard_output_is_not_a_panic() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["demo", "--messages", "200"])
+        .env_remove("ONCEFLOW_URL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
+
 /// The demo's temporary directory is only for its default dedup store: with `--dedup` an
 /// unusable TMPDIR does not matter, and without it the error names TMPDIR and the way out.
 #[test]
