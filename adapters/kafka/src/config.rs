@@ -92,6 +92,28 @@ impl KafkaConfig {
     }
 }
 
+/// librdkafka's range of `message.max.bytes` (CONFIGURATION.md).
+const MESSAGE_MAX_BYTES_RANGE: std::ops::RangeInclusive<usize> = 1000..=1_000_000_000;
+
+/// A `message.max.bytes` value given `place` (for the error): plain decimal digits without a
+/// leading zero, in librdkafka's range. librdkafka itself would read `0x4e20` or `047040` as
+/// 20000, ignore text after the digits and cut a number past a C int to its low 32 bits, so
+/// such a spelling would leave onceflow checking another limit than librdkafka's.
+/// [`onceflow_core::ErrorKind::Config`] naming the value otherwise.
+pub(crate) fn message_max_bytes(v: &str, place: &str) -> Result<usize> {
+    let plain = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) && !v.starts_with('0');
+    match v.parse::<usize>() {
+        Ok(n) if plain && MESSAGE_MAX_BYTES_RANGE.contains(&n) => Ok(n),
+        _ => Err(Error::config(format!(
+            "invalid message.max.bytes '{}' {place}: expected a number of bytes from {} to {}, \
+             in decimal digits",
+            onceflow_core::shown(v),
+            MESSAGE_MAX_BYTES_RANGE.start(),
+            MESSAGE_MAX_BYTES_RANGE.end()
+        ))),
+    }
+}
+
 /// Parses `kafka://HOST:PORT[,HOST:PORT…][?KEY=VALUE&…]`. [`onceflow_core::ErrorKind::Config`]
 /// naming the value for anything else.
 pub fn parse_url(url: &str) -> Result<KafkaConfig> {
@@ -146,12 +168,7 @@ pub fn parse_url(url: &str) -> Result<KafkaConfig> {
             }
             _ => {
                 if k == "message.max.bytes" {
-                    config.max_record_bytes = v.parse().map_err(|_| {
-                        Error::config(format!(
-                            "invalid message.max.bytes '{v}' in Kafka URL: expected a number of \
-                             bytes"
-                        ))
-                    })?;
+                    config.max_record_bytes = message_max_bytes(&v, "in Kafka URL")?;
                 }
                 config.properties.insert(k, v);
             }

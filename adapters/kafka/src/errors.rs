@@ -102,9 +102,20 @@ pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
         KafkaError::ClientCreation(_) => Error::new(ErrorKind::Config, message),
         KafkaError::Canceled => Error::new(ErrorKind::Closed, message),
         other => match other.rdkafka_error_code() {
-            Some(C::MessageSizeTooLarge) | Some(C::InvalidRecord) => {
-                Error::new(ErrorKind::Config, message)
-            }
+            // onceflow checks what librdkafka checks before a record is sent, so a size refusal
+            // here is the broker's: the topic's `max.message.bytes` (the broker's
+            // `message.max.bytes` unless set) is below the producer's.
+            Some(C::MessageSizeTooLarge) => Error::new(
+                ErrorKind::Config,
+                format!(
+                    "{message}: the broker refused the record batch as larger than the topic's \
+                     max.message.bytes (default: the broker's message.max.bytes, {}): expected \
+                     records within it, or the topic's max.message.bytes raised to the \
+                     producer's message.max.bytes",
+                    crate::BROKER_DEFAULT_MESSAGE_MAX_BYTES
+                ),
+            ),
+            Some(C::InvalidRecord) => Error::new(ErrorKind::Config, message),
             Some(code) if is_fencing(code) => Error::new(ErrorKind::Fenced, message),
             Some(code) if is_timeout(code) => Error::new(ErrorKind::Timeout, message),
             Some(code) if is_connect(code) => Error::new(ErrorKind::Connect, message),

@@ -23,7 +23,9 @@
 //! librdkafka checks it against the producer's `message.max.bytes` (36 bytes of worst-case
 //! record framing and each header's varint lengths), so one near the limit fails with
 //! onceflow's error naming it. A producer's options may lower `message.max.bytes`, not raise
-//! it above the connection's (a larger limit goes on the URL). The second key,
+//! it above the connection's (a larger limit goes on the URL). The value is decimal digits in
+//! librdkafka's range, 1000 to 1 000 000 000. A record the broker still refuses (over the
+//! topic's `max.message.bytes`) is a Config error naming that setting. The second key,
 //! `onceflow.timeout.ms` (not passed to librdkafka), bounds blocking calls such as transaction
 //! commits and synchronous offset commits (default 30 s). See [`KafkaConfig`].
 //!

@@ -290,6 +290,7 @@ impl SizeLimits {
             .and_then(librdkafka_int)
             .unwrap_or(usize::MAX);
         if let Some(v) = options.get("message.max.bytes") {
+            crate::config::message_max_bytes(v, "in the producer's options")?;
             let connection = kafka
                 .properties
                 .get("message.max.bytes")

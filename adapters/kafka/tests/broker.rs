@@ -564,3 +564,38 @@ async fn message_max_bytes_raised_in_the_options_is_the_limit() {
     let d = res.unwrap();
     assert_eq!(d.partition, 0);
 }
+
+/// A record within the producer's `message.max.bytes` but over the topic's
+/// `max.message.bytes` is the broker's refusal, and its error names the topic's limit (the
+/// newcomer found "Broker: Message size too large" naming none). Out-of-range or non-decimal
+/// `message.max.bytes` values are refused when given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_over_the_topic_limit_names_it() {
+    let Some(url) = common::url("a_record_over_the_topic_limit_names_it") else {
+        return;
+    };
+    let sep = if url.contains('?') { '&' } else { '?' };
+    for bad in ["4294987296", "999", "1000000001", "047040", "+20000", ""] {
+        let e = onceflow_kafka::connect(&format!("{url}{sep}message.max.bytes={bad}"))
+            .err()
+            .unwrap_or_else(|| panic!("message.max.bytes={bad} taken"));
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(
+            e.message().contains("from 1000 to 1000000000"),
+            "{bad}: {e}"
+        );
+    }
+    let big = onceflow_kafka::connect(&format!("{url}{sep}message.max.bytes=2000000")).unwrap();
+    let t = topic(&big, 1).await;
+    let producer = big.producer(ProducerConfig::default()).await.unwrap();
+    let res = producer
+        .send(Record::new(t.clone(), vec![b'x'; 1_500_000]))
+        .await;
+    big.admin().await.unwrap().delete_topic(&t).await.unwrap();
+    let e = res.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(
+        e.message().contains("max.message.bytes") && e.message().contains("1048588"),
+        "{e}"
+    );
+}
