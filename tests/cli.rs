@@ -323,6 +323,25 @@ fn a_closed_standard_output_is_not_a_panic() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
 }
 
+/// A record over the platform's limit names the limit and the setting it comes from.
+#[test]
+fn a_record_over_the_limit_names_its_setting() {
+    let stderr = refused(&[
+        "produce",
+        "--url",
+        "memory://limit?max_record_bytes=5",
+        "--topic",
+        "t",
+        "123456",
+    ]);
+    assert!(
+        stderr.contains("6 bytes")
+            && stderr.contains("is 5 bytes")
+            && stderr.contains("max_record_bytes on the memory:// URL"),
+        "{stderr}"
+    );
+}
+
 /// The demo's temporary directory is only for its default dedup store: with `--dedup` an
 /// unusable TMPDIR does not matter, and without it the error names TMPDIR and the way out.
 #[test]

@@ -407,6 +407,12 @@ pub trait PlatformBackend: Send + Sync {
     async fn admin(&self) -> Result<Arc<dyn AdminBackend>>;
     /// Largest record accepted, in bytes (key + payload + headers).
     fn max_record_bytes(&self) -> usize;
+    /// Where [`max_record_bytes`](Self::max_record_bytes) comes from, quoted by the error of a
+    /// record over it (for example "message.max.bytes on the kafka:// URL"). Default: nothing
+    /// named.
+    fn max_record_bytes_source(&self) -> Option<&'static str> {
+        None
+    }
     /// Validates a header for this platform (JetStream header names are tokens without `:` or
     /// whitespace, for example). Default: any name that is not empty.
     fn validate_header(&self, name: &str, value: Option<&[u8]>) -> Result<()> {

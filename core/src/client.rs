@@ -329,8 +329,13 @@ fn prepare_with(
         if let Some(cx) = &cx {
             trace::end(cx, None);
         }
+        let source = platform
+            .max_record_bytes_source()
+            .map(|s| format!(" ({s})"))
+            .unwrap_or_default();
         return Err(Error::config(format!(
-            "record for topic '{}' is {size} bytes (key + payload + headers): the limit on {} is {limit} bytes",
+            "record for topic '{}' is {size} bytes (key + payload + headers): the limit on {} is \
+             {limit} bytes{source}",
             record.topic,
             platform.name()
         )));

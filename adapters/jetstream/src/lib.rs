@@ -451,6 +451,10 @@ impl PlatformBackend for JetStreamPlatform {
         self.shared.max_record_bytes()
     }
 
+    fn max_record_bytes_source(&self) -> Option<&'static str> {
+        Some("the NATS server's max_payload, less 512 bytes for onceflow's headers")
+    }
+
     fn validate_header(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
         convert::validate_header(name, value)
     }

@@ -269,4 +269,8 @@ impl PlatformBackend for KafkaPlatform {
     fn max_record_bytes(&self) -> usize {
         self.config.max_record_bytes
     }
+
+    fn max_record_bytes_source(&self) -> Option<&'static str> {
+        Some("message.max.bytes on the kafka:// URL")
+    }
 }

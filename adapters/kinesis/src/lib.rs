@@ -405,4 +405,8 @@ impl PlatformBackend for KinesisPlatform {
     fn max_record_bytes(&self) -> usize {
         self.shared.max_record_bytes()
     }
+
+    fn max_record_bytes_source(&self) -> Option<&'static str> {
+        Some("Kinesis's 1 MiB per record, less 4 KiB for the envelope and partition key")
+    }
 }

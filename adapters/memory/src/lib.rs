@@ -198,4 +198,8 @@ impl PlatformBackend for MemoryPlatform {
     fn max_record_bytes(&self) -> usize {
         self.options.max_record_bytes
     }
+
+    fn max_record_bytes_source(&self) -> Option<&'static str> {
+        Some("max_record_bytes on the memory:// URL")
+    }
 }

@@ -340,6 +340,10 @@ impl PlatformBackend for PulsarPlatform {
     fn max_record_bytes(&self) -> usize {
         self.shared.max_record_bytes(&self.shared.options)
     }
+
+    fn max_record_bytes_source(&self) -> Option<&'static str> {
+        Some("max_message_bytes on the pulsar:// URL, the broker's maxMessageSize, less 16 KiB for onceflow's properties")
+    }
 }
 
 #[cfg(test)]
