@@ -105,7 +105,7 @@ pub struct ConsumeArgs {
     /// Stop after this many messages (at least 1).
     #[arg(long, allow_negative_numbers = true, value_parser = crate::positive_count)]
     max: Option<u64>,
-    /// Stop after this long without a message (ms).
+    /// Stop after this long without a message (ms; 0: after the first poll that brings none).
     #[arg(
         long,
         default_value_t = 5000,
@@ -173,7 +173,7 @@ pub struct ReplayArgs {
     /// Stop after this many messages (at least 1).
     #[arg(long, allow_negative_numbers = true, value_parser = crate::positive_count)]
     max: Option<u64>,
-    /// Stop after this long without a message (ms).
+    /// Stop after this long without a message (ms; 0: after the first poll that brings none).
     #[arg(
         long,
         default_value_t = 3000,
@@ -648,6 +648,13 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     };
     if let Some(t) = &a.to_topic {
         require_name("--to-topic", t, "a topic name")?;
+        if *t == a.topic {
+            return Err(Error::config(format!(
+                "--to-topic '{}' is the topic being replayed: expected another topic (a copy \
+                 into itself doubles what it reads)",
+                onceflow::shown(t)
+            )));
+        }
     }
     let client = connect(&a.target.url).await?;
     require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;

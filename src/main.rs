@@ -72,11 +72,12 @@ fn count(s: &str) -> Result<u64, String> {
         .map_err(|_| format!("expected a whole number from 0 to {}", u64::MAX))
 }
 
-/// `--idempotency-key`: a non-empty key (an empty one would identify no message; with several
-/// messages it would become `-0`, `-1`, … and hide that).
+/// `--idempotency-key`: a key that is not empty or blank (it would identify no message; with
+/// several messages it would become `-0`, `-1`, … and hide that), as `--topic` and `--group`
+/// must not be.
 fn idempotency_key(s: &str) -> Result<String, String> {
-    if s.is_empty() {
-        return Err("expected a non-empty idempotency key".into());
+    if s.trim().is_empty() {
+        return Err("expected a non-empty idempotency key (not only white space)".into());
     }
     Ok(s.to_string())
 }

@@ -129,7 +129,11 @@ fn a_negative_count_names_its_option() {
 #[test]
 fn an_empty_idempotency_key_is_refused_before_anything_is_sent() {
     // With several messages it would have become `-0`, `-1`, … and been taken.
-    for msgs in [&["one"][..], &["one", "two"][..]] {
+    for (key, msgs) in [
+        ("", &["one"][..]),
+        ("", &["one", "two"][..]),
+        ("  ", &["one"][..]),
+    ] {
         let mut args = vec![
             "produce",
             "--url",
@@ -137,7 +141,7 @@ fn an_empty_idempotency_key_is_refused_before_anything_is_sent() {
             "--topic",
             "orders",
             "--idempotency-key",
-            "",
+            key,
         ];
         args.extend_from_slice(msgs);
         let stderr = refused(&args);
@@ -338,6 +342,28 @@ fn a_record_over_the_limit_names_its_setting() {
         stderr.contains("6 bytes")
             && stderr.contains("is 5 bytes")
             && stderr.contains("max_record_bytes on the memory:// URL"),
+        "{stderr}"
+    );
+}
+
+/// Replaying a topic into itself is refused before anything is read (the newcomer found it
+/// copying the topic into itself).
+#[test]
+fn a_replay_into_its_own_topic_is_refused() {
+    let stderr = refused(&[
+        "replay",
+        "--url",
+        "memory://self",
+        "--topic",
+        "orders",
+        "--from",
+        "earliest",
+        "--to-topic",
+        "orders",
+    ]);
+    assert!(
+        stderr.starts_with("onceflow: bad input: ")
+            && stderr.contains("--to-topic 'orders' is the topic being replayed"),
         "{stderr}"
     );
 }
