@@ -1,6 +1,6 @@
 //! The everyday verbs: produce, consume, tail, lag, replay.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -83,7 +83,8 @@ pub struct ProduceArgs {
     /// message id where it has one). With several messages, `-N` is appended per message.
     #[arg(long, value_parser = crate::idempotency_key)]
     idempotency_key: Option<String>,
-    /// Messages to send; without any, one message per line of standard input.
+    /// Messages to send; without any, one message per line of standard input (any bytes but
+    /// the line end), each sent as it is read (with --idempotency-key, one line is read ahead).
     messages: Vec<String>,
 }
 
@@ -242,21 +243,29 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         );
     }
     let producer = client.producer(ProducerConfig::new()).await?;
-    let payloads: Vec<String> = if a.messages.is_empty() {
-        std::io::stdin()
-            .lock()
-            .lines()
-            .collect::<std::io::Result<_>>()
-            .map_err(|e| Error::config("cannot read standard input").with_source(e))?
-    } else {
-        a.messages.clone()
-    };
-    let many = payloads.len() > 1;
+    let mut input = Payloads::new(a.messages.clone());
+    // Each line of standard input is sent as it is read (`tail -f log | onceflow produce`).
+    // With an idempotency key, one message is read ahead, to know whether there are several
+    // (each then gets its own `-N` suffix).
+    let mut ahead = std::collections::VecDeque::new();
+    if a.idempotency_key.is_some() {
+        for _ in 0..2 {
+            if let Some(p) = input.next().await? {
+                ahead.push_back(p);
+            }
+        }
+    }
+    let many = ahead.len() > 1;
     let mut out = std::io::stdout().lock();
     let mut failed = 0;
     let mut bad_input = false;
-    for (i, p) in payloads.into_iter().enumerate() {
-        let mut r = Record::new(a.topic.clone(), p.into_bytes());
+    for i in 0usize.. {
+        let next = match ahead.pop_front() {
+            Some(p) => Some(p),
+            None => input.next().await?,
+        };
+        let Some(p) = next else { break };
+        let mut r = Record::new(a.topic.clone(), p);
         if let Some(k) = &a.key {
             r = r.key(k.clone().into_bytes());
         }
@@ -301,6 +310,47 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         _ if bad_input => ExitCode::from(2),
         _ => ExitCode::from(1),
     })
+}
+
+/// What `produce` sends: its arguments, or each line of standard input as it is read (without
+/// the line end; any bytes, not only UTF-8).
+enum Payloads {
+    Args(std::vec::IntoIter<String>),
+    Stdin(tokio::io::BufReader<tokio::io::Stdin>),
+}
+
+impl Payloads {
+    fn new(messages: Vec<String>) -> Self {
+        if messages.is_empty() {
+            Payloads::Stdin(tokio::io::BufReader::new(tokio::io::stdin()))
+        } else {
+            Payloads::Args(messages.into_iter())
+        }
+    }
+
+    async fn next(&mut self) -> Result<Option<Vec<u8>>> {
+        use tokio::io::AsyncBufReadExt as _;
+        match self {
+            Payloads::Args(it) => Ok(it.next().map(String::into_bytes)),
+            Payloads::Stdin(r) => {
+                let mut line = Vec::new();
+                let n = r
+                    .read_until(b'\n', &mut line)
+                    .await
+                    .map_err(|e| Error::config("cannot read standard input").with_source(e))?;
+                if n == 0 {
+                    return Ok(None);
+                }
+                if line.last() == Some(&b'\n') {
+                    line.pop();
+                    if line.last() == Some(&b'\r') {
+                        line.pop();
+                    }
+                }
+                Ok(Some(line))
+            }
+        }
+    }
 }
 
 /// Writes one message to `out` (a line of text or JSON). A failed write (a closed pipe, a

@@ -368,6 +368,36 @@ fn a_replay_into_its_own_topic_is_refused() {
     );
 }
 
+/// `produce` sends each line of standard input as it is read (`tail -f log | onceflow produce`
+/// sent nothing until the end of input), and a line need not be UTF-8.
+#[test]
+fn produce_sends_each_line_of_standard_input_as_it_comes() {
+    use std::io::{BufRead, BufReader, Write};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["produce", "--url", "memory://stream", "-t", "logs"])
+        .env_remove("ONCEFLOW_URL")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    stdin.write_all(b"first\n").unwrap();
+    stdin.flush().unwrap();
+    // Its delivery is printed while standard input is still open.
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim_end(), "logs[0] offset:0");
+    stdin.write_all(b"\xff\xfe binary\r\n").unwrap();
+    drop(stdin);
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim_end(), "logs[0] offset:1");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
 /// The demo's temporary directory is only for its default dedup store: with `--dedup` an
 /// unusable TMPDIR does not matter, and without it the error names TMPDIR and the way out.
 #[test]
