@@ -251,10 +251,7 @@ async fn shutdown_during_a_batch_counts_every_committed_transaction() {
     let summary = inbox
         .run_until(
             move |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
-                tx.execute(
-                    "INSERT INTO seen (payload) VALUES (?1)",
-                    [String::from_utf8_lossy(&m.payload).into_owned()],
-                )?;
+                insert_seen(tx, m)?;
                 // Shut down while this transaction (and the rest of the batch) is in flight.
                 signal.notify_one();
                 std::thread::sleep(Duration::from_millis(2));
@@ -267,6 +264,14 @@ async fn shutdown_during_a_batch_counts_every_committed_transaction() {
     let committed = count(&path, "SELECT count(*) FROM seen");
     assert!(committed >= 1, "{committed}");
     assert_eq!(summary.handled, committed as u64, "{summary:?}");
+}
+
+/// The handlers' write: the message's payload into `seen`.
+fn insert_seen(tx: &mut Transaction<'_>, m: &Message) -> onceflow_core::rusqlite::Result<usize> {
+    tx.execute(
+        "INSERT INTO seen (payload) VALUES (?1)",
+        [String::from_utf8_lossy(&m.payload).into_owned()],
+    )
 }
 
 /// [`inbox_over`] with a `seen` table and one partition holding `n` messages "0".."n-1".
@@ -305,10 +310,7 @@ async fn shutdown_stops_a_handler_that_is_being_retried() {
     let summary = inbox
         .run_until(
             move |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
-                tx.execute(
-                    "INSERT INTO seen (payload) VALUES (?1)",
-                    [String::from_utf8_lossy(&m.payload).into_owned()],
-                )?;
+                insert_seen(tx, m)?;
                 signal.notify_one();
                 // The database is down for the first 8 attempts.
                 if seen_calls.fetch_add(1, Ordering::SeqCst) < 8 {
@@ -385,10 +387,7 @@ async fn a_shutdown_complete_at_the_start_handles_nothing() {
     let summary = inbox
         .run_until(
             |tx: &mut Transaction<'_>, m: &Message| -> Result<(), BoxError> {
-                tx.execute(
-                    "INSERT INTO seen (payload) VALUES (?1)",
-                    [String::from_utf8_lossy(&m.payload).into_owned()],
-                )?;
+                insert_seen(tx, m)?;
                 Ok(())
             },
             std::future::ready(()),
