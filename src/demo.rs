@@ -521,6 +521,15 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
             client.platform()
         );
     }
+    if client.platform() != "memory" {
+        // Left for inspection; named so that they can be found and deleted.
+        eprintln!(
+            "onceflow: the demo's topics '{input}' and '{output}' and consumer groups \
+             '{group}' and 'verify-{run_id}' stay on {}; delete them with the platform's tools \
+             when done",
+            onceflow::shown(&onceflow::redact_credentials(&a.url))
+        );
+    }
     say!(
         "exactly-once: {verdict} guarantee={guarantee} input={n} output={} output_records={physical} \
          redelivered={redelivered} duplicates_skipped={} crashes={crashes}",
