@@ -357,7 +357,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
                 .faults()
                 .crash_producer(&tx_id);
         }
-        say(
+        note(
             &bar,
             format!(
                 "simulated crash #{crashes} after {} transformed messages in all; restarting",
@@ -544,7 +544,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
 
 /// Prints a line above the progress bar, or to stderr when the bar is hidden (stderr is not a
 /// terminal), where indicatif's `println` prints nothing.
-fn say(bar: &ProgressBar, line: String) {
+fn note(bar: &ProgressBar, line: String) {
     if bar.is_hidden() {
         eprintln!("{line}");
     } else {

@@ -291,11 +291,12 @@ impl SizeLimits {
             .unwrap_or(usize::MAX);
         if let Some(v) = options.get("message.max.bytes") {
             crate::config::message_max_bytes(v, "in the producer's options")?;
+            // What the connection alone gives librdkafka (its own value, else the default).
             let connection = kafka
-                .properties
+                .client_config(&Default::default())
                 .get("message.max.bytes")
-                .and_then(|v| librdkafka_int(v))
-                .unwrap_or_else(|| kafka.default_message_max_bytes());
+                .and_then(librdkafka_int)
+                .unwrap_or(usize::MAX);
             if wire > connection {
                 return Err(Error::config(format!(
                     "message.max.bytes '{v}' in the producer's options is above the connection's \
