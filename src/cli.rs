@@ -17,7 +17,7 @@ pub async fn connect(url: &str) -> Result<Client> {
         r = onceflow::connect(url) => r,
         code = interrupted() => {
             // Nothing is made before the connection: stop at once, as a signal would.
-            eprintln!("onceflow: interrupted while connecting");
+            warn_line!("onceflow: interrupted while connecting");
             std::process::exit(i32::from(code))
         }
     }
@@ -237,7 +237,7 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         .collect::<Result<Vec<_>>>()?;
     let client = connect(&a.target.url).await?;
     if client.platform() == "memory" {
-        eprintln!(
+        warn_line!(
             "onceflow: note: memory:// is a broker inside this one command; what it sends is \
              gone when the command ends (use a real broker's URL to keep it)"
         );
@@ -292,7 +292,7 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
             }
             Err(e) => {
                 failed += 1;
-                eprintln!(
+                warn_line!(
                     "onceflow: message {i} not sent: {}: {}\n  error kind: {} ({})",
                     e.kind().describe(),
                     e.message(),
@@ -569,7 +569,7 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
     let client = connect(&a.target.url).await?;
     require_topics(&client, &a.target.url, &a.topic).await?;
     if client.platform() == "kinesis" && !a.target.url.contains("checkpoint_store=") {
-        eprintln!(
+        warn_line!(
             "onceflow: note: without checkpoint_store= in the kinesis:// URL the group's \
              checkpoints live in this command only: the next run starts again from --from"
         );
@@ -603,7 +603,7 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
     }
     let (n, stopped) = n?;
     consumer.close().await?;
-    eprintln!(
+    warn_line!(
         "onceflow: {n} message(s) read and committed for group '{}'{}",
         a.group,
         if stopped.is_some() {
@@ -743,7 +743,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
             r?;
         }
         p.flush(Duration::from_secs(30)).await?;
-        eprintln!(
+        warn_line!(
             "onceflow: replayed {n} message(s) into '{}'",
             a.to_topic.unwrap_or_default()
         );

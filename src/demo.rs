@@ -183,7 +183,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
         .create_topic(&TopicSpec::new(&output, a.partitions))
         .await?;
 
-    eprintln!(
+    warn_line!(
         "onceflow demo on {} ({} partitions), dedup store {} ({})",
         onceflow::shown(&onceflow::redact_credentials(&a.url)),
         a.partitions,
@@ -523,7 +523,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
     }
     if client.platform() != "memory" {
         // Left for inspection; named so that they can be found and deleted.
-        eprintln!(
+        warn_line!(
             "onceflow: the demo's topics '{input}' and '{output}' and consumer groups \
              '{group}' and 'verify-{run_id}' stay on {}; delete them with the platform's tools \
              when done",
@@ -546,7 +546,7 @@ pub async fn run(a: DemoArgs) -> Result<ExitCode> {
 /// terminal), where indicatif's `println` prints nothing.
 fn note(bar: &ProgressBar, line: String) {
     if bar.is_hidden() {
-        eprintln!("{line}");
+        warn_line!("{line}");
     } else {
         bar.println(line);
     }

@@ -14,6 +14,15 @@ macro_rules! say {
     }};
 }
 
+/// `eprintln!` that does not panic when standard error cannot be written (`2>/dev/full`, or
+/// `2>&1 | head -1` once the pipe is closed): the exit code stays the command's own.
+macro_rules! warn_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 mod cli;
 mod demo;
 
@@ -114,7 +123,7 @@ fn init_logging() {
     use tracing_subscriber::EnvFilter;
     let filter = match std::env::var("RUST_LOG") {
         Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
-            eprintln!(
+            warn_line!(
                 "onceflow: ignoring RUST_LOG={}: {e} (expected directives such as \
                  'warn' or 'onceflow=debug'); showing warnings",
                 onceflow::shown(&v)
@@ -151,7 +160,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("onceflow: cannot start the async runtime: {e}");
+            warn_line!("onceflow: cannot start the async runtime: {e}");
             return ExitCode::from(1);
         }
     };
@@ -163,7 +172,7 @@ fn main() -> ExitCode {
             Command::Demo(a) => tokio::select! {
                 r = demo::run(a) => r,
                 code = cli::interrupted() => {
-                    eprintln!("onceflow: demo interrupted (its temporary dedup store, if any, is removed)");
+                    warn_line!("onceflow: demo interrupted (its temporary dedup store, if any, is removed)");
                     Ok(ExitCode::from(code))
                 }
             },
@@ -182,7 +191,7 @@ fn main() -> ExitCode {
             // The kind in words first: its code (`ONCEFLOW_CONFIG`, ...) reads like an
             // environment variable to someone who has not met it, so it comes last.
             let shown = e.message().to_string();
-            eprintln!("onceflow: {}: {shown}", e.kind().describe());
+            warn_line!("onceflow: {}: {shown}", e.kind().describe());
             let mut src = std::error::Error::source(&e);
             while let Some(s) = src {
                 // Most messages already end with their cause's text: print only what is new.
@@ -191,11 +200,11 @@ fn main() -> ExitCode {
                     None => s.to_string(),
                 };
                 if !shown.contains(&text) {
-                    eprintln!("  caused by: {text}");
+                    warn_line!("  caused by: {text}");
                 }
                 src = s.source();
             }
-            eprintln!(
+            warn_line!(
                 "  error kind: {} ({})",
                 e.kind().code(),
                 e.kind().describe()

@@ -398,6 +398,25 @@ fn produce_sends_each_line_of_standard_input_as_it_comes() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
 }
 
+/// Standard error that cannot be written (`2>/dev/full`, or `2>&1 | head -1` once the pipe is
+/// closed) leaves the command's own exit code, without a panic (the newcomer found exit 101).
+#[test]
+fn an_unwritable_standard_error_is_not_a_panic() {
+    for (args, code) in [
+        (&["produce", "-t", "t", "x"][..], 0),
+        (&["produce", "-t", "", "x"][..], 2),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+            .args(args)
+            .env_remove("ONCEFLOW_URL")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code), "{args:?}");
+    }
+}
+
 /// The demo's temporary directory is only for its default dedup store: with `--dedup` an
 /// unusable TMPDIR does not matter, and without it the error names TMPDIR and the way out.
 #[test]
