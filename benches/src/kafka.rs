@@ -288,6 +288,8 @@ fn k1() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2)
         .max(1);
+    // For profiling onceflow's producer alone (`perf record`): no raw client runs, no ratio.
+    let only_onceflow = std::env::var("ONCEFLOW_K1_ONLY").is_ok_and(|v| v == "onceflow");
     let rt = rt();
     rt.block_on(async {
         let c = client().await;
@@ -299,6 +301,12 @@ fn k1() {
             let (mut base, mut fut, mut of) = (Run::default(), Run::default(), Run::default());
             let mut threaded = Run::default();
             for _ in 0..rounds {
+                if only_onceflow {
+                    let t = topic(&c, "k1").await;
+                    of = of.best(k1_onceflow(&c, &t, &warm, &payload, n).await);
+                    delete_topics(&c).await;
+                    continue;
+                }
                 let t = topic(&c, "k1").await;
                 let (pl, w) = (payload.clone(), warm.clone());
                 base = base.best(
@@ -318,6 +326,13 @@ fn k1() {
                 let t = topic(&c, "k1").await;
                 of = of.best(k1_onceflow(&c, &t, &warm, &payload, n).await);
                 delete_topics(&c).await;
+            }
+            if only_onceflow {
+                println!(
+                    "K1 {label}: onceflow {:.0} msg/s, {:.2} us/record (best of {rounds}; alone)",
+                    of.rate, of.cpu_us
+                );
+                continue;
             }
             println!(
                 "K1 {label}: onceflow {:.0} msg/s, BaseProducer {:.0} msg/s, \
