@@ -566,11 +566,28 @@ struct Enqueued {
 
 /// Enqueues every record, in order (librdkafka batches them per partition and the idempotent
 /// producer keeps their order).
+///
+/// Consecutive records for one topic that leave the partition, the timestamp and the headers
+/// to librdkafka go in runs of up to [`PRODUCE_BATCH`] through `rd_kafka_produce_batch`
+/// ([`enqueue_run`]); any other record through `rd_kafka_producev`, one by one ([`enqueue`]).
 async fn enqueue_all(native: &NativeProducer, records: &[Record], limits: SizeLimits) -> Enqueued {
     let reports = Reports::new(records.len());
     let mut failed = Vec::new();
     let mut hold = Hold::new(&reports);
-    for (i, r) in records.iter().enumerate() {
+    let mut i = 0;
+    while i < records.len() {
+        let r = &records[i];
+        if batchable(r) {
+            let end = records[i..]
+                .iter()
+                .take(PRODUCE_BATCH)
+                .position(|n| !batchable(n) || n.topic != r.topic)
+                .map_or((i + PRODUCE_BATCH).min(records.len()), |k| i + k);
+            if enqueue_run(native, records, i..end, limits, &mut hold, &mut failed).await {
+                i = end;
+                continue;
+            }
+        }
         // A record never handed out stays counted in `hold` (a refused `SlotRef` counts
         // itself out).
         let res = match check_size(r, limits) {
@@ -580,9 +597,189 @@ async fn enqueue_all(native: &NativeProducer, records: &[Record], limits: SizeLi
         if let Err(e) = res {
             failed.push((i, e));
         }
+        i += 1;
     }
     drop(hold);
     Enqueued { reports, failed }
+}
+
+/// librdkafka's `RD_KAFKA_PARTITION_UA`: the partitioner places the record.
+const PARTITION_UA: i32 = -1;
+
+/// Most records handed to one `rd_kafka_produce_batch` call (it holds the topic's read lock
+/// for the call).
+const PRODUCE_BATCH: usize = 1024;
+
+/// Whether `record` can go through `rd_kafka_produce_batch`, which takes neither headers nor a
+/// timestamp (every record gets the call's time, as `rd_kafka_producev` gives a record without
+/// one its own), and whose fixed-partition path leaks a record refused for an unknown
+/// partition (librdkafka 2.12 `rdkafka_msg.c`): only records the partitioner places.
+fn batchable(record: &Record) -> bool {
+    record.partition.is_none() && record.timestamp.is_none() && record.headers.is_empty()
+}
+
+/// Records of one `rd_kafka_produce_batch` run not yet accepted by librdkafka, from `from` on:
+/// their opaques (`SlotRef`s) are given back when this is dropped, and with them the topic
+/// handle, on every way out of [`enqueue_run`], a cancelled one included.
+struct Run {
+    topic: *mut rdkafka::bindings::rd_kafka_topic_t,
+    messages: Vec<rdkafka::bindings::rd_kafka_message_t>,
+    /// The index in the caller's records of each message.
+    index: Vec<usize>,
+    from: usize,
+}
+
+// SAFETY: the topic handle and the opaques are owned by this value alone (librdkafka's topic
+// handles may be used and destroyed from any thread); the payload and key pointers are only
+// read during `rd_kafka_produce_batch` calls, made while the records they point into are
+// borrowed by `enqueue_run`.
+#[allow(unsafe_code)]
+unsafe impl Send for Run {}
+
+#[allow(unsafe_code)]
+impl Drop for Run {
+    fn drop(&mut self) {
+        for m in &self.messages[self.from..] {
+            // SAFETY: librdkafka did not take these messages, so each opaque is still the
+            // `SlotRef` handed over by `into_ptr`, taken back here once.
+            drop(unsafe { <SlotRef as rdkafka::util::IntoOpaque>::from_ptr(m._private) });
+        }
+        // SAFETY: the handle came from `rd_kafka_topic_new` and is destroyed once.
+        unsafe { rdkafka::bindings::rd_kafka_topic_destroy(self.topic) };
+    }
+}
+
+/// Enqueues `records[range]` (one topic, each [`batchable`]) through `rd_kafka_produce_batch`:
+/// one topic lookup, one clock reading and one read lock per call instead of per record, and
+/// no topic name copy per record. A record too large, or refused by librdkafka, fails at its
+/// index; when the local queue is full, waits for room as [`enqueue`] does and goes on with
+/// the first record not taken, so order is kept. `false` (nothing enqueued, nothing handed
+/// out) when librdkafka has no handle for the topic name (a NUL in it): [`enqueue`] then names
+/// the error per record.
+#[allow(unsafe_code)]
+async fn enqueue_run(
+    native: &NativeProducer,
+    records: &[Record],
+    range: std::ops::Range<usize>,
+    limits: SizeLimits,
+    hold: &mut Hold<'_>,
+    failed: &mut Vec<(usize, Error)>,
+) -> bool {
+    use rdkafka::bindings as rd;
+    let topic_name = &records[range.start].topic;
+    let Ok(c_topic) = std::ffi::CString::new(topic_name.as_str()) else {
+        return false;
+    };
+    // SAFETY: the rd_kafka_t is owned by `native`, alive for the call; `c_topic` is a valid C
+    // string; a NULL configuration takes the producer's default topic configuration, as
+    // `rd_kafka_producev` does.
+    let topic = unsafe {
+        rd::rd_kafka_topic_new(
+            native.client().native_ptr(),
+            c_topic.as_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    if topic.is_null() {
+        return false;
+    }
+    let mut run = Run {
+        topic,
+        messages: Vec::with_capacity(range.len()),
+        index: Vec::with_capacity(range.len()),
+        from: 0,
+    };
+    let mut refused = Vec::new();
+    for i in range {
+        let r = &records[i];
+        if let Err(e) = check_size(r, limits) {
+            refused.push((i, e));
+            continue;
+        }
+        let (key, key_len) = r.key.as_ref().map_or((std::ptr::null_mut(), 0), |k| {
+            (k.as_ptr() as *mut _, k.len())
+        });
+        run.messages.push(rd::rd_kafka_message_t {
+            err: rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR,
+            rkt: std::ptr::null_mut(),
+            partition: -1,
+            payload: r.payload.as_ptr() as *mut _,
+            len: r.payload.len(),
+            key,
+            key_len,
+            offset: 0,
+            _private: rdkafka::util::IntoOpaque::into_ptr(hold.hand_out(i)),
+        });
+        run.index.push(i);
+    }
+    let mut deadline = None;
+    while run.from < run.messages.len() {
+        let pending = &mut run.messages[run.from..];
+        // SAFETY: `topic` is a live handle; `pending` is a valid array of its length (which
+        // fits an int: at most PRODUCE_BATCH); librdkafka copies every payload and key
+        // (RD_KAFKA_MSG_F_COPY) before returning, and sets each message's `err`.
+        unsafe {
+            rd::rd_kafka_produce_batch(
+                run.topic,
+                PARTITION_UA,
+                rd::RD_KAFKA_MSG_F_COPY,
+                pending.as_mut_ptr(),
+                pending.len() as std::ffi::c_int,
+            )
+        };
+        let mut queue_full = None;
+        for (k, m) in pending.iter_mut().enumerate() {
+            match m.err {
+                rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR => {}
+                rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR__QUEUE_FULL => {
+                    // This one and every one after it were not taken.
+                    queue_full = Some(k);
+                    break;
+                }
+                err => {
+                    // SAFETY: librdkafka refused this message, so its opaque is still the
+                    // `SlotRef` handed over above, taken back here once.
+                    drop(unsafe { <SlotRef as rdkafka::util::IntoOpaque>::from_ptr(m._private) });
+                    m._private = std::ptr::null_mut();
+                    let e = KafkaError::MessageProduction(err.into());
+                    refused.push((
+                        run.index[run.from + k],
+                        errors::map(e, format_args!("send to topic '{topic_name}'")),
+                    ));
+                }
+            }
+        }
+        // Refused messages are skipped from here on (their opaques are given back).
+        let Some(k) = queue_full else {
+            run.from = run.messages.len();
+            break;
+        };
+        run.from += k;
+        if k > 0 {
+            // Room was found for some: the wait for room starts again.
+            deadline = None;
+        }
+        let now = tokio::time::Instant::now();
+        if *deadline.get_or_insert(now + QUEUE_TIMEOUT) <= now {
+            // Given back by `run`'s drop, failed here.
+            for &i in &run.index[run.from..] {
+                let e = KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull);
+                refused.push((
+                    i,
+                    errors::map(e, format_args!("send to topic '{topic_name}'")),
+                ));
+            }
+            break;
+        }
+        for m in &mut run.messages[run.from..] {
+            m.err = rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    drop(run);
+    refused.sort_unstable_by_key(|(i, _)| *i);
+    failed.append(&mut refused);
+    true
 }
 
 // `Enqueued::delivered` collects its results in place of the records only while a result is
