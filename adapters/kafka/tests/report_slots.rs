@@ -10,6 +10,9 @@
 //!   `message.max.bytes` (never handed to librdkafka) and records librdkafka refuses at once
 //!   (unknown partition, a topic name with a NUL) with valid ones: each failure at its index,
 //!   the others delivered in order; all-failed and empty batches return at once.
+//! - `records_refused_inside_a_produce_batch_run_fail_at_their_index`: records for a topic name
+//!   the broker refuses, between valid ones, in three batches: librdkafka refuses the later
+//!   ones inside `rd_kafka_produce_batch`; each fails at its index, the others are delivered.
 //! - `full_local_queue_delivers_everything`: `queue.buffering.max.messages=10`, so enqueueing
 //!   waits for room over and over: a 5 000-record batch, then concurrent batches and single
 //!   sends, all delivered.
@@ -411,6 +414,61 @@ async fn oversized_and_refused_records_fail_at_their_index() {
         let last: Vec<String> = got[got.len() - 3..].iter().map(payload).collect();
         assert_eq!(last, ["kept-1", "kept-3", "kept-5"]);
     })
+    .await;
+}
+
+#[tokio::test]
+async fn records_refused_inside_a_produce_batch_run_fail_at_their_index() {
+    let Some(url) = url("records_refused_inside_a_produce_batch_run_fail_at_their_index") else {
+        return;
+    };
+    let _heap = HEAP.read().await;
+    guarded(
+        "records_refused_inside_a_produce_batch_run_fail_at_their_index",
+        async {
+            let plain = platform(&url);
+            let t = topic(&plain, 1).await;
+            let producer = producer(&plain).await;
+            // A name the broker refuses (a space is not a legal topic character): librdkafka
+            // learns that from the first batch's metadata, and refuses every later record for
+            // it inside `rd_kafka_produce_batch` itself.
+            let bad = format!("{t} refused");
+            let batch = |round: usize| -> Vec<Record> {
+                (0..12)
+                    .map(|i| {
+                        let topic = if (4..8).contains(&i) { &bad } else { &t };
+                        Record::new(topic.clone(), format!("r{round}-{i:02}"))
+                    })
+                    .collect()
+            };
+            let mut kept = 0;
+            for round in 0..3 {
+                let out = producer.send_batch(batch(round)).await;
+                assert_eq!(out.len(), 12, "round {round}: one result per record");
+                let mut last = -1;
+                for (i, r) in out.into_iter().enumerate() {
+                    if (4..8).contains(&i) {
+                        let e = r.expect_err("a topic the broker refuses");
+                        assert!(e.message().contains(&bad), "round {round} record {i}: {e}");
+                    } else {
+                        let d = r.unwrap_or_else(|e| panic!("round {round} record {i}: {e}"));
+                        assert!(offset(&d) > last, "round {round} record {i}: in order");
+                        last = offset(&d);
+                        kept += 1;
+                    }
+                }
+            }
+            let got = read(&plain, &t, kept).await;
+            let want: Vec<String> = (0..3)
+                .flat_map(|round| {
+                    (0..12)
+                        .filter(|i| !(4..8).contains(i))
+                        .map(move |i| format!("r{round}-{i:02}"))
+                })
+                .collect();
+            assert_eq!(got.iter().map(payload).collect::<Vec<_>>(), want);
+        },
+    )
     .await;
 }
 
