@@ -390,8 +390,19 @@ type InFlight = std::pin::Pin<
     >,
 >;
 
-/// Chunks in flight in [`K3Mode::Pipelined`].
-const K3_WINDOW: usize = 8;
+/// Chunks in flight in [`K3Mode::Pipelined`], unless `ONCEFLOW_K3_WINDOW` says otherwise:
+/// 32 000 records, as the raw loop ([`k3_raw`]) keeps up to librdkafka's local queue (100 000
+/// records) in flight. With 8 the onceflow loops were bound by the round trip: waiting for the
+/// window's oldest chunk took 50-100 ms of each 100 ms transaction.
+const K3_WINDOW: usize = 32;
+
+fn k3_window() -> usize {
+    std::env::var("ONCEFLOW_K3_WINDOW")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|w| *w > 0)
+        .unwrap_or(K3_WINDOW)
+}
 
 /// The same loop with and without transactions: chunks of 1000 records; with transactions, a
 /// commit whenever 100 ms have passed. Without transactions each chunk is a `send_batch` call
@@ -418,7 +429,7 @@ async fn k3_loop(c: &Client, transactional: bool, mode: K3Mode, n: usize) -> f64
     }
     let window = match mode {
         K3Mode::StopAndWait => 1,
-        K3Mode::Pipelined => K3_WINDOW,
+        K3Mode::Pipelined => k3_window(),
     };
     let chunk = 1000;
     let start = Instant::now();
@@ -550,27 +561,42 @@ fn k3_raw(transactional: bool, topic: &str, n: usize) -> f64 {
     sent as f64 / start.elapsed().as_secs_f64()
 }
 
-/// [`k3_raw`] pipelined, best of two rounds each: (no transactions, transactions) in msg/s.
-async fn k3_raw_rounds(c: &Client, n: usize) -> (f64, f64) {
-    let (mut plain, mut txn) = (0f64, 0f64);
-    for _ in 0..2 {
-        for transactional in [false, true] {
-            let t = topic(c, "k3-raw").await;
-            let r = tokio::task::spawn_blocking(move || k3_raw(transactional, &t, n))
+/// [`k3_raw`] pipelined, `rounds` paired rounds (no transactions, then transactions; the order
+/// swapped every other round): (best no-transaction rate, best transaction rate, each round's
+/// ratio).
+async fn k3_raw_rounds(c: &Client, n: usize, rounds: usize) -> (f64, f64, Vec<f64>) {
+    let (mut plain, mut txn, mut ratios) = (0f64, 0f64, Vec::new());
+    for round in 0..rounds {
+        let (mut p, mut t) = (0f64, 0f64);
+        let order = if round % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for transactional in order {
+            let topic = topic(c, "k3-raw").await;
+            let r = tokio::task::spawn_blocking(move || k3_raw(transactional, &topic, n))
                 .await
                 .expect("raw K3");
             if transactional {
-                txn = txn.max(r);
+                t = r;
             } else {
-                plain = plain.max(r);
+                p = r;
             }
             delete_topics(c).await;
         }
+        plain = plain.max(p);
+        txn = txn.max(t);
+        ratios.push(t / p);
     }
-    (plain, txn)
+    (plain, txn, ratios)
 }
 
-/// K3: best of two rounds each, pipelined (the figure) and stop-and-wait (info).
+/// K3: `ONCEFLOW_K3_ROUNDS` paired rounds (default 5; the order of the two loops swapped every
+/// other round), pipelined (the figure: the median of the rounds' ratios) and stop-and-wait
+/// (info, two rounds). Paired because the rates move by ±30 % between runs minutes apart on
+/// this machine (the broker's disk writes back GBs per run); a ratio of two runs side by side
+/// moves less.
 fn k3() {
     rt().block_on(async {
         let c = client().await;
@@ -582,34 +608,64 @@ fn k3() {
             .and_then(|v| v.parse().ok())
             .filter(|n| *n > 0)
             .unwrap_or(2_000_000);
-        for (mode, label) in [
-            (K3Mode::Pipelined, "pipelined"),
-            (K3Mode::StopAndWait, "stop-and-wait"),
+        let rounds: usize = std::env::var("ONCEFLOW_K3_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| *n > 0)
+            .unwrap_or(5);
+        for (mode, label, rounds) in [
+            (K3Mode::Pipelined, "pipelined", rounds),
+            (K3Mode::StopAndWait, "stop-and-wait", 2),
         ] {
-            let (mut plain, mut txn) = (0f64, 0f64);
-            for _ in 0..2 {
-                plain = plain.max(k3_loop(&c, false, mode, n).await);
-                txn = txn.max(k3_loop(&c, true, mode, n).await);
+            let (mut plain, mut txn, mut ratios) = (0f64, 0f64, Vec::new());
+            for round in 0..rounds {
+                let (p, t) = if round % 2 == 0 {
+                    let p = k3_loop(&c, false, mode, n).await;
+                    (p, k3_loop(&c, true, mode, n).await)
+                } else {
+                    let t = k3_loop(&c, true, mode, n).await;
+                    (k3_loop(&c, false, mode, n).await, t)
+                };
+                plain = plain.max(p);
+                txn = txn.max(t);
+                ratios.push(t / p);
             }
+            let shown = |r: &[f64]| {
+                r.iter()
+                    .map(|x| format!("{x:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
             println!(
                 "K3 {label}: transactions every 100 ms {txn:.0} msg/s, no transactions \
-                 {plain:.0} msg/s"
+                 {plain:.0} msg/s (best of {rounds}); ratio per round {}",
+                shown(&ratios)
             );
             if mode == K3Mode::Pipelined {
-                let (raw_plain, raw_txn) = k3_raw_rounds(&c, n).await;
+                println!(
+                    "K3 {label}: window of {} chunks of 1000 records",
+                    k3_window()
+                );
+                let (raw_plain, raw_txn, raw_ratios) = k3_raw_rounds(&c, n, rounds).await;
                 println!(
                     "K3 {label} raw rdkafka: transactions every 100 ms {raw_txn:.0} msg/s, no \
-                     transactions {raw_plain:.0} msg/s"
+                     transactions {raw_plain:.0} msg/s (best of {rounds}); ratio per round {}",
+                    shown(&raw_ratios)
                 );
                 println!(
                     "RATIO K3 raw-rdkafka-tx-every-100ms-vs-no-tx {:.3} target (info) INFO",
-                    raw_txn / raw_plain
+                    crate::stats::median(raw_ratios)
                 );
-                ratio("K3", "tx-every-100ms-vs-no-tx", txn / plain, 0.90);
+                ratio(
+                    "K3",
+                    "tx-every-100ms-vs-no-tx",
+                    crate::stats::median(ratios),
+                    0.90,
+                );
             } else {
                 println!(
                     "RATIO K3 tx-every-100ms-vs-no-tx-stop-and-wait {:.3} target (info) INFO",
-                    txn / plain
+                    crate::stats::median(ratios)
                 );
             }
         }
