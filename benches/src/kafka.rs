@@ -280,13 +280,14 @@ async fn k1_onceflow(c: &Client, topic: &str, warm: &str, payload: &bytes::Bytes
     Run::measure(n, start, cpu)
 }
 
-/// K1: best of `ONCEFLOW_K1_ROUNDS` rounds (default 2) per client, a fresh topic per
-/// measurement.
+/// K1: `ONCEFLOW_K1_ROUNDS` rounds (default 5) of every client, a fresh topic per measurement.
+/// The figure is the median of the rounds' onceflow / `BaseProducer` ratios (the rates of one
+/// client moved by ±30 % between runs minutes apart); rates and CPU are the best of the rounds.
 fn k1() {
     let rounds: usize = std::env::var("ONCEFLOW_K1_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(2)
+        .unwrap_or(5)
         .max(1);
     // For profiling onceflow's producer alone (`perf record`): no raw client runs, no ratio.
     let only_onceflow = std::env::var("ONCEFLOW_K1_ONLY").is_ok_and(|v| v == "onceflow");
@@ -300,31 +301,43 @@ fn k1() {
             let payload = bytes::Bytes::from(vec![b'x'; size]);
             let (mut base, mut fut, mut of) = (Run::default(), Run::default(), Run::default());
             let mut threaded = Run::default();
-            for _ in 0..rounds {
+            // Each round's onceflow / BaseProducer ratio: the figure is their median.
+            let mut ratios = Vec::new();
+            for round in 0..rounds {
                 if only_onceflow {
                     let t = topic(&c, "k1").await;
                     of = of.best(k1_onceflow(&c, &t, &warm, &payload, n).await);
                     delete_topics(&c).await;
                     continue;
                 }
-                let t = topic(&c, "k1").await;
-                let (pl, w) = (payload.clone(), warm.clone());
-                base = base.best(
-                    tokio::task::spawn_blocking(move || k1_base(&t, &w, &pl, n))
-                        .await
-                        .expect("base"),
-                );
-                let t = topic(&c, "k1").await;
-                let (pl, w) = (payload.clone(), warm.clone());
-                threaded = threaded.best(
-                    tokio::task::spawn_blocking(move || k1_threaded(&t, &w, &pl, n))
-                        .await
-                        .expect("threaded"),
-                );
-                let t = topic(&c, "k1").await;
-                fut = fut.best(k1_future(&t, &warm, &payload, n).await);
-                let t = topic(&c, "k1").await;
-                of = of.best(k1_onceflow(&c, &t, &warm, &payload, n).await);
+                // The four clients in turn, starting one later each round, so that none is
+                // always measured first after a topic deletion or always last.
+                let (mut of_run, mut base_run) = (Run::default(), Run::default());
+                for k in 0..4 {
+                    let t = topic(&c, "k1").await;
+                    let (pl, w) = (payload.clone(), warm.clone());
+                    match (round + k) % 4 {
+                        0 => {
+                            base_run = tokio::task::spawn_blocking(move || k1_base(&t, &w, &pl, n))
+                                .await
+                                .expect("base");
+                            base = base.best(base_run);
+                        }
+                        1 => {
+                            threaded = threaded.best(
+                                tokio::task::spawn_blocking(move || k1_threaded(&t, &w, &pl, n))
+                                    .await
+                                    .expect("threaded"),
+                            );
+                        }
+                        2 => fut = fut.best(k1_future(&t, &w, &pl, n).await),
+                        _ => {
+                            of_run = k1_onceflow(&c, &t, &w, &pl, n).await;
+                            of = of.best(of_run);
+                        }
+                    }
+                }
+                ratios.push(of_run.rate / base_run.rate);
                 delete_topics(&c).await;
             }
             if only_onceflow {
@@ -344,10 +357,18 @@ fn k1() {
                  {:.2} (lowest of {rounds})",
                 of.cpu_us, base.cpu_us, fut.cpu_us
             );
+            println!(
+                "K1 {label}: onceflow / BaseProducer per round {}",
+                ratios
+                    .iter()
+                    .map(|r| format!("{r:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
             ratio(
                 "K1",
                 &format!("produce-{label}-vs-BaseProducer"),
-                of.rate / base.rate,
+                crate::stats::median(ratios),
                 0.95,
             );
             println!(
