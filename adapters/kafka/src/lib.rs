@@ -35,7 +35,11 @@
 //!   send waits for its delivery report. Batching and compression are librdkafka's
 //!   (`linger.ms`, `batch.size`, `compression.type` via [`ProducerConfig::options`] or the URL).
 //!   Headers map one to one onto Kafka record headers (KIP-82): binary values, null distinct
-//!   from empty, repeated names kept in order.
+//!   from empty, repeated names kept in order. A batch hands consecutive records for one topic
+//!   without partition, timestamp or headers to librdkafka in runs of up to 1024
+//!   (`rd_kafka_produce_batch`: one topic lookup, clock reading and lock per run; each record
+//!   of a run gets the run's time as its CreateTime); any other record goes alone
+//!   (`rd_kafka_producev`). Either way the records keep their order.
 //! - **Transactions** (KIP-98, EOS v2 of KIP-447): a [`ProducerConfig::transactional_id`] turns
 //!   the producer transactional. `init_transactions` runs once per native producer (fencing
 //!   older producers with the same id); `begin` / `send` / `commit_offsets`
