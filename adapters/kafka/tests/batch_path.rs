@@ -24,6 +24,11 @@
 //!   read exactly once, in order; a send dropped while waiting for room in a full queue inside
 //!   a transaction, then the transaction aborted, leaves nothing visible and the next one
 //!   commits.
+//! - `a_record_that_never_fits_the_local_queue_fails_alone`: with
+//!   `queue.buffering.max.kbytes=1`, a 2 000-byte record can never enter librdkafka's local
+//!   queue and fails with QueueFull after the wait for room; the records after it fit and must
+//!   be delivered, as they are on the per-record path (FAILS on the batch path: the rest of its
+//!   run fails with it).
 //! - `a_topic_that_does_not_exist_yet`: a mixed batch to a name nobody created (the broker
 //!   creates it): every record delivered, read back exactly once, in order.
 //!
@@ -790,5 +795,68 @@ async fn a_topic_that_does_not_exist_yet() {
         let got = read(&p, &topics, sent.len(), Isolation::ReadCommitted).await;
         compare("new topics", &sent, &got);
     })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_never_fits_the_local_queue_fails_alone() {
+    let Some(url) = url("a_record_that_never_fits_the_local_queue_fails_alone") else {
+        return;
+    };
+    guarded(
+        "a_record_that_never_fits_the_local_queue_fails_alone",
+        async {
+            let plain = platform(&url);
+            // librdkafka's local queue holds at most 1 KiB of payloads: a record of 2 000 bytes
+            // never fits (`rd_kafka_curr_msgs_add`), whatever is drained.
+            let tiny = platform(&with_option(&url, "queue.buffering.max.kbytes=1"));
+            let t = topic(&plain, 1).await;
+            let producer = producer(&tiny).await;
+            let batch = |header: bool| -> Vec<Record> {
+                (0..6)
+                    .map(|i| {
+                        let body = if i == 1 {
+                            vec![b'x'; 2000]
+                        } else {
+                            format!("r{i}").into_bytes()
+                        };
+                        let r = Record::new(t.clone(), body);
+                        if header {
+                            r.header("h", "v")
+                        } else {
+                            r
+                        }
+                    })
+                    .collect()
+            };
+            // Both paths concurrently (each waits for room for the large record, in vain).
+            let per_record = {
+                let producer = producer.clone();
+                let records = batch(true);
+                tokio::spawn(async move { producer.send_batch(records).await })
+            };
+            let batched = producer.send_batch(batch(false)).await;
+            let per_record = per_record.await.unwrap();
+            for (path, out) in [
+                ("rd_kafka_producev", &per_record),
+                ("produce_batch", &batched),
+            ] {
+                assert_eq!(out.len(), 6, "{path}");
+                let e = out[1].as_ref().expect_err("never fits the local queue");
+                assert!(e.message().contains("Queue full"), "{path}: {e}");
+                let failed: Vec<String> = out
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != 1)
+                    .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("record {i}: {e}")))
+                    .collect();
+                assert!(
+                    failed.is_empty(),
+                    "{path}: records that fit the local queue failed with the one that never \
+                 does: {failed:#?}"
+                );
+            }
+        },
+    )
     .await;
 }
