@@ -29,6 +29,9 @@
 //!   queue and fails with QueueFull after the wait for room; the records after it fit and must
 //!   be delivered, as they are on the per-record path (FAILS on the batch path: the rest of its
 //!   run fails with it).
+//! - `log_append_time_deliveries_carry_the_brokers_timestamp`: on a topic with
+//!   `message.timestamp.type=LogAppendTime`, every delivery's timestamp (plain, with headers,
+//!   with its own timestamp) is the one the broker wrote, as a consumer reads it.
 //! - `a_topic_that_does_not_exist_yet`: a mixed batch to a name nobody created (the broker
 //!   creates it): every record delivered, read back exactly once, in order.
 //!
@@ -854,6 +857,62 @@ async fn a_record_that_never_fits_the_local_queue_fails_alone() {
                     failed.is_empty(),
                     "{path}: records that fit the local queue failed with the one that never \
                  does: {failed:#?}"
+                );
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_append_time_deliveries_carry_the_brokers_timestamp() {
+    let Some(url) = url("log_append_time_deliveries_carry_the_brokers_timestamp") else {
+        return;
+    };
+    guarded(
+        "log_append_time_deliveries_carry_the_brokers_timestamp",
+        async {
+            let p = platform(&url);
+            let t = name("kafka-batch-lat");
+            let mut spec = TopicSpec::new(t.clone(), 2);
+            spec.options.insert(
+                "message.timestamp.type".to_string(),
+                "LogAppendTime".to_string(),
+            );
+            p.admin().await.unwrap().create_topic(&spec).await.unwrap();
+            let producer = producer(&p).await;
+            use Shape::*;
+            let segments: Vec<(&str, Shape, usize)> = vec![
+                (&t, Plain, 1030),
+                (&t, Header, 2),
+                (&t, Timestamp, 2),
+                (&t, Plain, 10),
+            ];
+            let mut sent = Vec::new();
+            for round in 0..2 {
+                let records = batch(&format!("l{round}"), &segments, 0);
+                let from = now_ms();
+                let out = producer.send_batch(records.clone()).await;
+                let to = now_ms();
+                let ds = delivered(&format!("round {round}"), &records, out);
+                sent.extend(ds.into_iter().map(|d| (d, from, to)));
+            }
+            let got = read(&p, &[&t], sent.len(), Isolation::ReadCommitted).await;
+            assert_eq!(got.len(), sent.len(), "exactly the records sent");
+            let by_pos: HashMap<(i32, i64), &Message> = got
+                .iter()
+                .map(|m| ((m.partition, m.position.as_offset().unwrap()), m))
+                .collect();
+            for (i, (d, from, to)) in sent.iter().enumerate() {
+                let m = by_pos[&(d.partition, offset(d))];
+                assert_eq!(
+                    d.timestamp, m.timestamp,
+                    "record {i}: the broker's timestamp"
+                );
+                let ts = m.timestamp.unwrap();
+                assert!(
+                    (*from..=*to).contains(&ts),
+                    "record {i}: LogAppendTime {ts} outside its send call [{from}, {to}]"
                 );
             }
         },
