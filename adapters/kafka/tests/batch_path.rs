@@ -11,7 +11,8 @@
 //!   partition; a plain record's CreateTime lies within its send call.
 //! - `keys_choose_the_same_partition_on_both_paths`: a key goes to the same partition through
 //!   `rd_kafka_produce_batch` (a plain record in a batch), `rd_kafka_producev` (a single send,
-//!   and a record with a header in a batch).
+//!   and a record with a header in a batch), with the default partitioner and with
+//!   `partitioner=murmur2_random`, also when the batch path makes the topic handle first.
 //! - `null_and_empty_keys_and_payloads_reach_a_raw_consumer`: with rdkafka's own consumer, a
 //!   batch-path record's empty payload is an empty value (not a null, a tombstone) and its
 //!   `None` / empty key a null / empty key, as on the per-record path.
@@ -339,48 +340,68 @@ async fn keys_choose_the_same_partition_on_both_paths() {
     };
     guarded("keys_choose_the_same_partition_on_both_paths", async {
         const KEYS: usize = 300;
-        let p = platform(&url);
-        let t = topic(&p, 7).await;
-        let producer = producer(&p).await;
-        let key = |k: usize| format!("key-{k}");
-        // The per-record path first, one send per key: it also settles the topic's metadata.
-        let mut single = Vec::with_capacity(KEYS);
-        for k in 0..KEYS {
-            let d = producer
-                .send(Record::new(t.clone(), format!("single-{k}")).key(key(k)))
-                .await
-                .unwrap();
-            single.push(d.partition);
-        }
-        assert!(
-            single
-                .iter()
-                .collect::<std::collections::HashSet<_>>()
-                .len()
-                > 1,
-            "{KEYS} keys spread over more than one of 7 partitions"
-        );
-        // The batch path: plain records (runs), and the same keys with a header (per record).
-        let plain: Vec<Record> = (0..KEYS)
-            .map(|k| Record::new(t.clone(), format!("plain-{k}")).key(key(k)))
-            .collect();
-        let out = producer.send_batch(plain.clone()).await;
-        let plain_ds = delivered("plain", &plain, out);
-        let headed: Vec<Record> = (0..KEYS)
-            .map(|k| {
-                Record::new(t.clone(), format!("headed-{k}"))
-                    .key(key(k))
-                    .header("h", "v")
-            })
-            .collect();
-        let out = producer.send_batch(headed.clone()).await;
-        let headed_ds = delivered("headed", &headed, out);
-        for k in 0..KEYS {
-            assert_eq!(
-                plain_ds[k].partition, single[k],
-                "key {k}: rd_kafka_produce_batch and rd_kafka_producev disagree"
+        let plain = platform(&url);
+        // The default partitioner, and the Java client's (a topic-level property: the
+        // produce_batch path's topic handle must have it too).
+        for option in [None, Some("partitioner=murmur2_random")] {
+            let p = match option {
+                Some(o) => platform(&with_option(&url, o)),
+                None => plain.clone(),
+            };
+            let t = topic(&plain, 7).await;
+            let producer = producer(&p).await;
+            let key = |k: usize| format!("key-{k}");
+            // The per-record path first, one send per key: it also settles the metadata.
+            let mut single = Vec::with_capacity(KEYS);
+            for k in 0..KEYS {
+                let d = producer
+                    .send(Record::new(t.clone(), format!("single-{k}")).key(key(k)))
+                    .await
+                    .unwrap();
+                single.push(d.partition);
+            }
+            assert!(
+                single
+                    .iter()
+                    .collect::<std::collections::HashSet<_>>()
+                    .len()
+                    > 1,
+                "{option:?}: {KEYS} keys spread over more than one of 7 partitions"
             );
-            assert_eq!(headed_ds[k].partition, single[k], "key {k}");
+            // Plain records (runs), and the same keys with a header (per record).
+            let plain_records: Vec<Record> = (0..KEYS)
+                .map(|k| Record::new(t.clone(), format!("plain-{k}")).key(key(k)))
+                .collect();
+            let out = producer.send_batch(plain_records.clone()).await;
+            let plain_ds = delivered("plain", &plain_records, out);
+            let headed: Vec<Record> = (0..KEYS)
+                .map(|k| {
+                    Record::new(t.clone(), format!("headed-{k}"))
+                        .key(key(k))
+                        .header("h", "v")
+                })
+                .collect();
+            let out = producer.send_batch(headed.clone()).await;
+            let headed_ds = delivered("headed", &headed, out);
+            for k in 0..KEYS {
+                assert_eq!(
+                    plain_ds[k].partition, single[k],
+                    "{option:?}: key {k}: rd_kafka_produce_batch and rd_kafka_producev disagree"
+                );
+                assert_eq!(headed_ds[k].partition, single[k], "{option:?}: key {k}");
+            }
+            // A fresh producer whose first records for the topic go through produce_batch
+            // (its topic handle is created there, not by rd_kafka_producev).
+            let fresh = self::producer(&p).await;
+            let out = fresh.send_batch(plain_records.clone()).await;
+            let fresh_ds = delivered("fresh", &plain_records, out);
+            for k in 0..KEYS {
+                assert_eq!(
+                    fresh_ds[k].partition, single[k],
+                    "{option:?}: key {k}: a topic handle made by the batch path partitions \
+                     otherwise"
+                );
+            }
         }
     })
     .await;
