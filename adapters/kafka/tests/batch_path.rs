@@ -30,6 +30,9 @@
 //!   queue and fails with QueueFull after the wait for room; the records after it fit and must
 //!   be delivered, as they are on the per-record path (FAILS on the batch path: the rest of its
 //!   run fails with it).
+//! - `new_topics_inside_transactions`: a transaction's mixed batches to names nobody created:
+//!   the committed one read exactly once in order by a read_committed reader, nothing of the
+//!   aborted one.
 //! - `log_append_time_deliveries_carry_the_brokers_timestamp`: on a topic with
 //!   `message.timestamp.type=LogAppendTime`, every delivery's timestamp (plain, with headers,
 //!   with its own timestamp) is the one the broker wrote, as a consumer reads it.
@@ -938,5 +941,58 @@ async fn log_append_time_deliveries_carry_the_brokers_timestamp() {
             }
         },
     )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_topics_inside_transactions() {
+    let Some(url) = url("new_topics_inside_transactions") else {
+        return;
+    };
+    guarded("new_topics_inside_transactions", async {
+        let p = platform(&url);
+        let producer = p
+            .producer(ProducerConfig {
+                transactional_id: Some(name("kafka-batch-tx-new")),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let kept = name("kafka-batch-new-kept");
+        let dropped = name("kafka-batch-new-aborted");
+        use Shape::*;
+        // One transaction writes both new topics and aborts; the next writes `kept` again
+        // and commits.
+        let mut tx = producer.begin().await.unwrap();
+        let aborted = batch(
+            "aborted",
+            &[
+                (&dropped, Plain, 1500),
+                (&kept, Plain, 700),
+                (&dropped, Header, 1),
+            ],
+            0,
+        );
+        let out = tx.send_batch(aborted.clone()).await;
+        delivered("aborted", &aborted, out);
+        tx.abort().await.unwrap();
+        let mut tx = producer.begin().await.unwrap();
+        let records = batch(
+            "committed",
+            &[
+                (&kept, Plain, 1100),
+                (&kept, Header, 1),
+                (&kept, Plain, 300),
+            ],
+            0,
+        );
+        let pending = tx.enqueue_batch(records.clone()).await;
+        delivered("committed", &records, pending.await);
+        tx.commit().await.unwrap();
+        let mut committed = BTreeMap::new();
+        committed.insert("committed".to_string(), records);
+        let got = read(&p, &[&kept, &dropped], 1401, Isolation::ReadCommitted).await;
+        check_batches_in_order("new topics in transactions", &got, &committed);
+    })
     .await;
 }
