@@ -760,21 +760,30 @@ async fn enqueue_run(
             deadline = None;
         }
         let now = tokio::time::Instant::now();
-        if *deadline.get_or_insert(now + QUEUE_TIMEOUT) <= now {
-            // Given back by `run`'s drop, failed here.
-            for &i in &run.index[run.from..] {
-                let e = KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull);
-                refused.push((
-                    i,
-                    errors::map(e, format_args!("send to topic '{topic_name}'")),
-                ));
-            }
-            break;
+        let timed_out = *deadline.get_or_insert(now + QUEUE_TIMEOUT) <= now;
+        if timed_out {
+            // The first record not taken found no room for QUEUE_TIMEOUT (it may never fit:
+            // larger than `queue.buffering.max.kbytes`): it fails alone, as with `enqueue`, and
+            // the records after it get their own wait.
+            let m = &mut run.messages[run.from];
+            // SAFETY: librdkafka did not take this message, so its opaque is still the
+            // `SlotRef` handed over above, taken back here once.
+            drop(unsafe { <SlotRef as rdkafka::util::IntoOpaque>::from_ptr(m._private) });
+            m._private = std::ptr::null_mut();
+            let e = KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull);
+            refused.push((
+                run.index[run.from],
+                errors::map(e, format_args!("send to topic '{topic_name}'")),
+            ));
+            run.from += 1;
+            deadline = None;
         }
         for m in &mut run.messages[run.from..] {
             m.err = rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR;
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        if !timed_out {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
     drop(run);
     refused.sort_unstable_by_key(|(i, _)| *i);

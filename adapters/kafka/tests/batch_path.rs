@@ -27,9 +27,8 @@
 //!   commits.
 //! - `a_record_that_never_fits_the_local_queue_fails_alone`: with
 //!   `queue.buffering.max.kbytes=1`, a 2 000-byte record can never enter librdkafka's local
-//!   queue and fails with QueueFull after the wait for room; the records after it fit and must
-//!   be delivered, as they are on the per-record path (FAILS on the batch path: the rest of its
-//!   run fails with it).
+//!   queue and fails with QueueFull after the wait for room; the records after it fit and are
+//!   delivered, on both paths (the batch path once failed the rest of its run with it).
 //! - `new_topics_inside_transactions`: a transaction's mixed batches to names nobody created:
 //!   the committed one read exactly once in order by a read_committed reader, nothing of the
 //!   aborted one.
