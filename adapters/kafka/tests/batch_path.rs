@@ -43,88 +43,17 @@
 
 mod common;
 
-use common::{name, url};
+use common::{
+    guarded, name, offset, payload, platform, producer, read_topics, topic, url, with_option,
+};
 use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures::FutureExt;
 use onceflow_core::{
-    ConsumerConfig, Delivery, Isolation, Message, PlatformBackend, ProducerBackend, ProducerConfig,
-    Record, Result, StartFrom, TopicSpec,
+    Delivery, Message, PlatformBackend, ProducerConfig, Record, Result, TopicSpec,
 };
-use onceflow_kafka::KafkaPlatform;
-
-/// Turns a hang into a failure; not a speed assertion.
-const HANG_GUARD: Duration = Duration::from_secs(300);
-
-fn with_option(url: &str, option: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}{option}")
-}
-
-fn platform(url: &str) -> Arc<KafkaPlatform> {
-    onceflow_kafka::connect(url).expect("Kafka URL")
-}
-
-async fn topic(p: &KafkaPlatform, partitions: u32) -> String {
-    let t = name("kafka-batch");
-    p.admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(t.clone(), partitions))
-        .await
-        .unwrap();
-    t
-}
-
-async fn producer(p: &KafkaPlatform) -> Arc<dyn ProducerBackend> {
-    p.producer(ProducerConfig::default()).await.unwrap()
-}
-
-async fn guarded<F: Future<Output = ()>>(test: &str, body: F) {
-    tokio::time::timeout(HANG_GUARD, body)
-        .await
-        .unwrap_or_else(|_| panic!("{test} hung: no result after {HANG_GUARD:?}"));
-}
-
-/// Reads `topics` from the start with a new group (`isolation`) until `n` messages are in, or
-/// nothing new came for 30 s; then whatever more shows up within 3 s (a duplicate, or an
-/// aborted record, would).
-async fn read(p: &KafkaPlatform, topics: &[&str], n: usize, isolation: Isolation) -> Vec<Message> {
-    let c = p
-        .consumer(ConsumerConfig {
-            group: name("kafka-batch-reader"),
-            topics: topics.iter().map(|t| t.to_string()).collect(),
-            start: StartFrom::Earliest,
-            isolation,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    let mut idle_since = tokio::time::Instant::now();
-    while out.len() < n && idle_since.elapsed() < Duration::from_secs(30) {
-        let got = c.poll(10_000, Duration::from_millis(250)).await.unwrap();
-        if !got.is_empty() {
-            idle_since = tokio::time::Instant::now();
-        }
-        out.extend(got);
-    }
-    out.extend(c.poll(10_000, Duration::from_secs(3)).await.unwrap());
-    c.close().await.unwrap();
-    out
-}
-
-fn payload(m: &Message) -> String {
-    String::from_utf8_lossy(&m.payload).into_owned()
-}
-
-fn offset(d: &Delivery) -> i64 {
-    d.position.as_offset().expect("a Kafka offset")
-}
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -329,7 +258,7 @@ async fn mixed_batches_round_trip_record_by_record() {
             let ds = delivered(&format!("plain batch of {n}"), &records, out);
             sent.extend(records.into_iter().zip(ds).map(|(r, d)| (r, d, from, to)));
         }
-        let got = read(&p, &[&a, &b], sent.len(), Isolation::ReadCommitted).await;
+        let got = read_topics(&p, &[&a, &b], sent.len()).await;
         compare("mixed batches", &sent, &got);
     })
     .await;
@@ -587,7 +516,7 @@ async fn full_local_queue_by_count_and_by_size_keeps_each_batch_in_order() {
                     task.await.unwrap();
                 }
                 let n = batches.values().map(Vec::len).sum();
-                let got = read(&plain, &[&t], n, Isolation::ReadCommitted).await;
+                let got = read_topics(&plain, &[&t], n).await;
                 assert_eq!(got.len(), n, "{option}: exactly the records sent");
                 check_batches_in_order(option, &got, &batches);
             }
@@ -665,7 +594,7 @@ async fn transactions_on_the_batch_path() {
         committed.insert("sent".to_string(), records);
 
         let n: usize = committed.values().map(Vec::len).sum();
-        let got = read(&p, &[&a, &b], n, Isolation::ReadCommitted).await;
+        let got = read_topics(&p, &[&a, &b], n).await;
         assert_eq!(
             got.len(),
             n,
@@ -781,7 +710,7 @@ async fn a_send_dropped_in_a_full_queue_inside_a_transaction() {
             delivered("after the dropped sends", &records, out);
             tx.commit().await.unwrap();
             committed.insert("kept".to_string(), records);
-            let got = read(&plain, &[&t], 2006, Isolation::ReadCommitted).await;
+            let got = read_topics(&plain, &[&t], 2006).await;
             check_batches_in_order("after dropped sends", &got, &committed);
         },
     )
@@ -818,7 +747,7 @@ async fn a_topic_that_does_not_exist_yet() {
             topics.push(t);
         }
         let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-        let got = read(&p, &topics, sent.len(), Isolation::ReadCommitted).await;
+        let got = read_topics(&p, &topics, sent.len()).await;
         compare("new topics", &sent, &got);
     })
     .await;
@@ -920,7 +849,7 @@ async fn log_append_time_deliveries_carry_the_brokers_timestamp() {
                 let ds = delivered(&format!("round {round}"), &records, out);
                 sent.extend(ds.into_iter().map(|d| (d, from, to)));
             }
-            let got = read(&p, &[&t], sent.len(), Isolation::ReadCommitted).await;
+            let got = read_topics(&p, &[&t], sent.len()).await;
             assert_eq!(got.len(), sent.len(), "exactly the records sent");
             let by_pos: HashMap<(i32, i64), &Message> = got
                 .iter()
@@ -990,7 +919,7 @@ async fn new_topics_inside_transactions() {
         tx.commit().await.unwrap();
         let mut committed = BTreeMap::new();
         committed.insert("committed".to_string(), records);
-        let got = read(&p, &[&kept, &dropped], 1401, Isolation::ReadCommitted).await;
+        let got = read_topics(&p, &[&kept, &dropped], 1401).await;
         check_batches_in_order("new topics in transactions", &got, &committed);
     })
     .await;

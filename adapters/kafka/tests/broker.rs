@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::name;
+use common::{name, payload, read, topic};
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use onceflow_core::{
     BoxError, Client, ConsumerConfig, ErrorKind, Guarantee, Isolation, Message, Pipeline,
-    PlatformBackend, ProducerConfig, Record, StartFrom, TopicSpec, Transform,
+    PlatformBackend, ProducerConfig, Record, TopicSpec, Transform,
 };
 use onceflow_kafka::KafkaPlatform;
 
@@ -33,43 +33,6 @@ fn platform(test: &str) -> Option<Arc<KafkaPlatform>> {
             None
         }
     }
-}
-
-async fn topic(p: &KafkaPlatform, partitions: u32) -> String {
-    let t = name("kafka-test");
-    p.admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(t.clone(), partitions))
-        .await
-        .unwrap();
-    t
-}
-
-/// Reads `n` messages (read_committed) from `topic` with a new group, or fewer after 30 s.
-async fn read(p: &KafkaPlatform, topic: &str, n: usize) -> Vec<Message> {
-    let c = p
-        .consumer(ConsumerConfig {
-            group: name("kafka-reader"),
-            topics: vec![topic.to_string()],
-            start: StartFrom::Earliest,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let mut out = Vec::new();
-    while out.len() < n && tokio::time::Instant::now() < deadline {
-        out.extend(c.poll(100, Duration::from_millis(250)).await.unwrap());
-    }
-    // Anything more that shows up soon is a duplicate or an aborted record.
-    out.extend(c.poll(100, Duration::from_secs(2)).await.unwrap());
-    c.close().await.unwrap();
-    out
-}
-
-fn payload(m: &Message) -> String {
-    String::from_utf8_lossy(&m.payload).into_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

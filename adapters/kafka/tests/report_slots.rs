@@ -34,24 +34,15 @@
 
 mod common;
 
-use common::{name, url};
+use common::{guarded, name, offset, payload, platform, producer, read, topic, url, with_option};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::{BTreeMap, HashSet};
-use std::future::Future;
 use std::io::Write;
 use std::sync::atomic::{AtomicIsize, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
-use onceflow_core::{
-    ConsumerConfig, Delivery, ErrorKind, Message, PlatformBackend, ProducerBackend, ProducerConfig,
-    Record, Result, StartFrom, TopicSpec,
-};
-use onceflow_kafka::KafkaPlatform;
-
-/// Turns a hang into a failure; not a speed assertion.
-const HANG_GUARD: Duration = Duration::from_secs(300);
+use onceflow_core::{Delivery, ErrorKind, PlatformBackend, ProducerConfig, Record, Result};
 
 /// Bound of a producer flush before its handles are dropped.
 const FLUSH: Duration = Duration::from_secs(120);
@@ -108,72 +99,6 @@ static ALLOCATOR: Counting = Counting;
 /// The other tests hold it shared; [`report_slots_are_freed`] holds it alone, so no other
 /// test's allocations fall into its measurement.
 static HEAP: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
-
-/// `url` with one more `KEY=VALUE` option.
-fn with_option(url: &str, option: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}{option}")
-}
-
-fn platform(url: &str) -> Arc<KafkaPlatform> {
-    onceflow_kafka::connect(url).expect("Kafka URL")
-}
-
-async fn topic(p: &KafkaPlatform, partitions: u32) -> String {
-    let t = name("kafka-slots");
-    p.admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(t.clone(), partitions))
-        .await
-        .unwrap();
-    t
-}
-
-async fn producer(p: &KafkaPlatform) -> Arc<dyn ProducerBackend> {
-    p.producer(ProducerConfig::default()).await.unwrap()
-}
-
-/// Runs `body` under [`HANG_GUARD`].
-async fn guarded<F: Future<Output = ()>>(test: &str, body: F) {
-    tokio::time::timeout(HANG_GUARD, body)
-        .await
-        .unwrap_or_else(|_| panic!("{test} hung: no result after {HANG_GUARD:?}"));
-}
-
-/// Reads `topic` from the start with a new group until `n` messages are in, or nothing new came
-/// for 30 s; then whatever more shows up within 2 s (a duplicate would).
-async fn read(p: &KafkaPlatform, topic: &str, n: usize) -> Vec<Message> {
-    let c = p
-        .consumer(ConsumerConfig {
-            group: name("kafka-slots-reader"),
-            topics: vec![topic.to_string()],
-            start: StartFrom::Earliest,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    let mut idle_since = tokio::time::Instant::now();
-    while out.len() < n && idle_since.elapsed() < Duration::from_secs(30) {
-        let got = c.poll(10_000, Duration::from_millis(250)).await.unwrap();
-        if !got.is_empty() {
-            idle_since = tokio::time::Instant::now();
-        }
-        out.extend(got);
-    }
-    out.extend(c.poll(10_000, Duration::from_secs(2)).await.unwrap());
-    c.close().await.unwrap();
-    out
-}
-
-fn payload(m: &Message) -> String {
-    String::from_utf8_lossy(&m.payload).into_owned()
-}
-
-fn offset(d: &Delivery) -> i64 {
-    d.position.as_offset().expect("a Kafka offset")
-}
 
 /// Checks one batch's results: one per record, each a delivery to `topic` with a partition in
 /// `0..partitions` and an offset ≥ 0, and within each partition offsets rising in input order.
