@@ -280,6 +280,15 @@ async fn k1_onceflow(c: &Client, topic: &str, warm: &str, payload: &bytes::Bytes
     Run::measure(n, start, cpu)
 }
 
+/// Per-round ratios as printed: `0.912, 1.004, …`.
+fn per_round(ratios: &[f64]) -> String {
+    ratios
+        .iter()
+        .map(|r| format!("{r:.3}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// K1: `ONCEFLOW_K1_ROUNDS` rounds (default 5) of every client, a fresh topic per measurement.
 /// The figure is the median of the rounds' onceflow / `BaseProducer` ratios (the rates of one
 /// client moved by ±30 % between runs minutes apart); rates and CPU are the best of the rounds.
@@ -361,11 +370,7 @@ fn k1() {
             );
             println!(
                 "K1 {label}: onceflow / BaseProducer per round {}",
-                ratios
-                    .iter()
-                    .map(|r| format!("{r:.3}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                per_round(&ratios)
             );
             ratio(
                 "K1",
@@ -654,16 +659,10 @@ fn k3() {
                 txn = txn.max(t);
                 ratios.push(t / p);
             }
-            let shown = |r: &[f64]| {
-                r.iter()
-                    .map(|x| format!("{x:.3}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
             println!(
                 "K3 {label}: transactions every 100 ms {txn:.0} msg/s, no transactions \
                  {plain:.0} msg/s (best of {rounds}); ratio per round {}",
-                shown(&ratios)
+                per_round(&ratios)
             );
             if mode == K3Mode::Pipelined {
                 println!(
@@ -674,7 +673,7 @@ fn k3() {
                 println!(
                     "K3 {label} raw rdkafka: transactions every 100 ms {raw_txn:.0} msg/s, no \
                      transactions {raw_plain:.0} msg/s (best of {rounds}); ratio per round {}",
-                    shown(&raw_ratios)
+                    per_round(&raw_ratios)
                 );
                 println!(
                     "RATIO K3 raw-rdkafka-tx-every-100ms-vs-no-tx {:.3} target (info) INFO",

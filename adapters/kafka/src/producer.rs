@@ -514,12 +514,7 @@ async fn enqueue(native: &NativeProducer, record: &Record, slot: SlotRef) -> Res
                 br = back;
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            Err((e, _)) => {
-                return Err(errors::map(
-                    e,
-                    format_args!("send to topic '{}'", record.topic),
-                ))
-            }
+            Err((e, _)) => return Err(send_error(e, &record.topic)),
         }
     }
 }
@@ -618,6 +613,25 @@ fn batchable(record: &Record) -> bool {
     record.partition.is_none() && record.timestamp.is_none() && record.headers.is_empty()
 }
 
+/// Takes back the [`SlotRef`] of a message of a run that librdkafka did not take (dropping
+/// it counts the record out as cancelled) and clears the message's opaque, so it is given back
+/// once.
+#[allow(unsafe_code)]
+fn give_back(m: &mut rdkafka::bindings::rd_kafka_message_t) {
+    if m._private.is_null() {
+        return;
+    }
+    // SAFETY: a non-null opaque of a message librdkafka did not take is still the `SlotRef`
+    // handed over by `into_ptr`; it is cleared right after, so it is taken back once.
+    drop(unsafe { <SlotRef as rdkafka::util::IntoOpaque>::from_ptr(m._private) });
+    m._private = std::ptr::null_mut();
+}
+
+/// The error of a record of `topic` that librdkafka refused or failed.
+fn send_error(e: KafkaError, topic: &str) -> Error {
+    errors::map(e, format_args!("send to topic '{topic}'"))
+}
+
 /// Records of one `rd_kafka_produce_batch` run not yet accepted by librdkafka, from `from` on:
 /// their opaques (`SlotRef`s) are given back when this is dropped, and with them the topic
 /// handle, on every way out of [`enqueue_run`], a cancelled one included.
@@ -639,10 +653,8 @@ unsafe impl Send for Run {}
 #[allow(unsafe_code)]
 impl Drop for Run {
     fn drop(&mut self) {
-        for m in &self.messages[self.from..] {
-            // SAFETY: librdkafka did not take these messages, so each opaque is still the
-            // `SlotRef` handed over by `into_ptr`, taken back here once.
-            drop(unsafe { <SlotRef as rdkafka::util::IntoOpaque>::from_ptr(m._private) });
+        for m in &mut self.messages[self.from..] {
+            give_back(m);
         }
         // SAFETY: the handle came from `rd_kafka_topic_new` and is destroyed once.
         unsafe { rdkafka::bindings::rd_kafka_topic_destroy(self.topic) };
@@ -737,15 +749,9 @@ async fn enqueue_run(
                     break;
                 }
                 err => {
-                    // SAFETY: librdkafka refused this message, so its opaque is still the
-                    // `SlotRef` handed over above, taken back here once.
-                    drop(unsafe { <SlotRef as rdkafka::util::IntoOpaque>::from_ptr(m._private) });
-                    m._private = std::ptr::null_mut();
+                    give_back(m);
                     let e = KafkaError::MessageProduction(err.into());
-                    refused.push((
-                        run.index[run.from + k],
-                        errors::map(e, format_args!("send to topic '{topic_name}'")),
-                    ));
+                    refused.push((run.index[run.from + k], send_error(e, topic_name)));
                 }
             }
         }
@@ -765,16 +771,9 @@ async fn enqueue_run(
             // The first record not taken found no room for QUEUE_TIMEOUT (it may never fit:
             // larger than `queue.buffering.max.kbytes`): it fails alone, as with `enqueue`, and
             // the records after it get their own wait.
-            let m = &mut run.messages[run.from];
-            // SAFETY: librdkafka did not take this message, so its opaque is still the
-            // `SlotRef` handed over above, taken back here once.
-            drop(unsafe { <SlotRef as rdkafka::util::IntoOpaque>::from_ptr(m._private) });
-            m._private = std::ptr::null_mut();
+            give_back(&mut run.messages[run.from]);
             let e = KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull);
-            refused.push((
-                run.index[run.from],
-                errors::map(e, format_args!("send to topic '{topic_name}'")),
-            ));
+            refused.push((run.index[run.from], send_error(e, topic_name)));
             run.from += 1;
             deadline = None;
         }
@@ -837,7 +836,7 @@ fn delivery_of(topic: String, report: Report) -> Result<Delivery> {
             timestamp,
             duplicate: false,
         }),
-        Err(e) => Err(errors::map(e, format_args!("send to topic '{topic}'"))),
+        Err(e) => Err(send_error(e, &topic)),
     }
 }
 
