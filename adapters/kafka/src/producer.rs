@@ -959,6 +959,21 @@ fn commit_blocking(native: &Native, timeout: Duration) -> std::result::Result<()
     native.commit_transaction(timeout)
 }
 
+/// `abort_transaction` once the records in flight are delivered (or `timeout` passed).
+///
+/// Aborting with records still in flight raced librdkafka's partition registration: when the
+/// transaction's `AddPartitionsToTxn` had met the previous transaction's markers
+/// (`CONCURRENT_TRANSACTIONS`) and waited for its retry, librdkafka 2.12 sent `EndTxn(ABORT)`
+/// to a coordinator still in `CompleteCommit`, which refused it as `INVALID_TXN_STATE`, a fatal
+/// error (1 abort in 4 right after an unawaited `enqueue_batch` on the test broker). A record
+/// is only delivered once its partition is registered, so after [`flush_blocking`] the
+/// coordinator holds the transaction open and the abort ends it; the delivered records are
+/// aborted with it and never visible to a read_committed reader.
+fn abort_blocking(native: &Native, timeout: Duration) -> std::result::Result<(), KafkaError> {
+    flush_blocking(native, timeout);
+    native.abort_transaction(timeout)
+}
+
 /// [`flush_queued`] unless one started by this function is still running (`rd_kafka_flush`
 /// keeps linger.ms off until nothing is outstanding, records enqueued meanwhile included), so
 /// awaiting many enqueued batches in a row starts one flush, not one per batch.
@@ -1416,7 +1431,7 @@ impl TransactionBackend for KafkaTransaction {
                 if !producer_fenced {
                     let n = self.native.clone();
                     let aborted =
-                        tokio::task::spawn_blocking(move || n.abort_transaction(timeout)).await;
+                        tokio::task::spawn_blocking(move || abort_blocking(&n, timeout)).await;
                     if !matches!(aborted, Ok(Ok(()))) {
                         self.shared.state.lock().needs_reinit = true;
                     }
@@ -1443,7 +1458,7 @@ impl TransactionBackend for KafkaTransaction {
                 // Abortable: abort now, so nothing of it becomes visible.
                 let native = self.native.clone();
                 let aborted =
-                    tokio::task::spawn_blocking(move || native.abort_transaction(timeout)).await;
+                    tokio::task::spawn_blocking(move || abort_blocking(&native, timeout)).await;
                 if !matches!(aborted, Ok(Ok(()))) {
                     self.shared.state.lock().needs_reinit = true;
                 }
@@ -1471,7 +1486,7 @@ impl TransactionBackend for KafkaTransaction {
     async fn abort(mut self: Box<Self>) -> Result<()> {
         let native = self.native.clone();
         let timeout = self.shared.kafka.timeout;
-        let res = tokio::task::spawn_blocking(move || native.abort_transaction(timeout))
+        let res = tokio::task::spawn_blocking(move || abort_blocking(&native, timeout))
             .await
             .map_err(|e| errors::join(e, "abort_transaction"));
         self.finish();
@@ -1504,7 +1519,7 @@ impl Drop for KafkaTransaction {
         let timeout = self.shared.kafka.timeout;
         if let Ok(h) = tokio::runtime::Handle::try_current() {
             h.spawn_blocking(move || {
-                let _ = native.abort_transaction(timeout);
+                let _ = abort_blocking(&native, timeout);
             });
         }
     }
