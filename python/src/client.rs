@@ -296,6 +296,9 @@ struct BackgroundState {
     /// Per record of `buf`: the `SendFuture` it completes (`send`), or `None` (`send_nowait`).
     #[cfg(unix)]
     waiting: Vec<Option<wake::Completion>>,
+    /// The send task's second pair of buffers, kept (empty, with their capacity) while the task
+    /// is not running.
+    spare: Buffers,
     /// Records accepted whose send has not finished.
     pending: usize,
     /// Errors of finished sends, not yet taken by `drain`.
@@ -304,43 +307,52 @@ struct BackgroundState {
     running: bool,
 }
 
-#[cfg(unix)]
-type Waiting = Vec<Option<wake::Completion>>;
-#[cfg(not(unix))]
-type Waiting = ();
+/// A pair of buffers as `BackgroundState` holds them: records, and the futures they complete.
+#[derive(Default)]
+struct Buffers {
+    records: Vec<onceflow::Record>,
+    #[cfg(unix)]
+    waiting: Vec<Option<wake::Completion>>,
+}
 
-/// One sent batch: its results, the futures they complete, its size.
-type Sent = (Vec<onceflow::Result<onceflow::Delivery>>, Waiting, usize);
+impl BackgroundState {
+    /// Swaps the buffered records (and their futures) with `b`'s (empty) buffers.
+    fn swap(&mut self, b: &mut Buffers) {
+        std::mem::swap(&mut self.buf, &mut b.records);
+        #[cfg(unix)]
+        std::mem::swap(&mut self.waiting, &mut b.waiting);
+    }
+}
+
+#[cfg(unix)]
+type Waiting<'a> = std::vec::Drain<'a, Option<wake::Completion>>;
+#[cfg(not(unix))]
+type Waiting<'a> = std::marker::PhantomData<&'a ()>;
 
 /// The send task: sends everything buffered as one batch, waits for its results (on Kafka a
 /// batch is flushed rather than left to wait `linger.ms`), settles it, and repeats with what
 /// was buffered meanwhile; ends when nothing is buffered.
+///
+/// Two pairs of buffers take turns: the loop thread fills one while the task sends the other's
+/// records, moved into a batch of their own here, so the buffers keep their capacity. The loop
+/// thread's pushes then grow no vector once a few batches went by: growing one there cost a
+/// copy of every record so far and, in fresh pages, the kernel zeroing them (a twentieth of a
+/// single send's time on the loop thread).
 async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
     use futures::FutureExt;
-    // The buffers the loop thread fills next are allocated here, on the runtime's thread that
-    // frees them after the send, sized for a batch like the last one: the loop thread's pushes
-    // then rarely grow a vector (a copy of every record so far, in fresh pages of its own
-    // allocator heap each time, since the memory comes back on another thread).
-    let mut capacity = 64;
+    let mut mine = std::mem::take(&mut bg.state.lock().spare);
     loop {
-        let mut buf = Vec::with_capacity(capacity);
-        #[cfg(unix)]
-        let mut waiting = Vec::with_capacity(capacity);
         {
             let mut st = bg.state.lock();
             if st.buf.is_empty() {
                 st.running = false;
+                st.spare = mine;
                 return;
             }
-            std::mem::swap(&mut st.buf, &mut buf);
-            #[cfg(unix)]
-            std::mem::swap(&mut st.waiting, &mut waiting);
+            st.swap(&mut mine);
         }
-        #[cfg(not(unix))]
-        let waiting = ();
-        let batch = buf;
-        capacity = batch.len().next_power_of_two().clamp(64, 1 << 16);
-        let n = batch.len();
+        let n = mine.records.len();
+        let batch: Vec<onceflow::Record> = mine.records.drain(..).collect();
         // A panic must still settle the batch, or its futures and `drain` would wait forever.
         let results = match std::panic::AssertUnwindSafe(p.send_batch(batch))
             .catch_unwind()
@@ -356,14 +368,29 @@ async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
                 })
                 .collect(),
         };
-        bg.settle((results, waiting, n));
+        #[cfg(unix)]
+        let waiting = mine.waiting.drain(..);
+        #[cfg(not(unix))]
+        let waiting = std::marker::PhantomData;
+        bg.settle(results, waiting, n);
+        // A burst far larger than the batches since gives its memory back.
+        if mine.records.capacity() > (1 << 16).max(8 * n) {
+            mine.records.shrink_to(2 * n);
+            #[cfg(unix)]
+            mine.waiting.shrink_to(2 * n);
+        }
     }
 }
 
 impl Background {
     /// A batch's results are in: completes its `send`s' futures, keeps its `send_nowait`
     /// failures for `drain`.
-    fn settle(&self, (results, waiting, n): Sent) {
+    fn settle(
+        &self,
+        results: Vec<onceflow::Result<onceflow::Delivery>>,
+        waiting: Waiting<'_>,
+        n: usize,
+    ) {
         let failed = settle(results, waiting, n);
         let mut st = self.state.lock();
         st.pending -= n;
@@ -380,13 +407,13 @@ impl Background {
 #[cfg(unix)]
 fn settle(
     results: Vec<onceflow::Result<onceflow::Delivery>>,
-    waiting: Vec<Option<wake::Completion>>,
+    waiting: Waiting<'_>,
     n: usize,
 ) -> Vec<Error> {
     let mut results = results.into_iter();
     let mut done = Vec::new();
     let mut failed = Vec::new();
-    for slot in waiting.into_iter().take(n) {
+    for slot in waiting.take(n) {
         let r = results
             .next()
             .unwrap_or_else(|| Err(Error::new(ErrorKind::Platform, "missing delivery report")));
@@ -402,7 +429,7 @@ fn settle(
 #[cfg(not(unix))]
 fn settle(
     results: Vec<onceflow::Result<onceflow::Delivery>>,
-    _waiting: (),
+    _waiting: Waiting<'_>,
     _n: usize,
 ) -> Vec<Error> {
     results.into_iter().filter_map(Result::err).collect()
@@ -411,7 +438,11 @@ fn settle(
 /// A send's result: its `Delivery`, or the onceflow exception it raises.
 fn delivered(py: Python<'_>, r: onceflow::Result<onceflow::Delivery>) -> PyResult<Py<PyAny>> {
     let d = crate::errors::py_result(r)?;
-    Ok(Py::new(py, Delivery::from(d))?.into_any())
+    let d = Bound::new(py, Delivery::from(d))?.into_any();
+    // A `Delivery` holds no Python object: no cycle for the collector to look for.
+    #[cfg(unix)]
+    wake::untrack(&d);
+    Ok(d.unbind())
 }
 
 /// `drain`'s result: the exceptions of the failed records, as a list.

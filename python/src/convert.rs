@@ -458,28 +458,39 @@ impl MessageIter {
 }
 
 /// Where a sent record landed.
-#[pyclass(frozen, get_all, module = "onceflow._native")]
+#[pyclass(frozen, module = "onceflow._native")]
 pub struct Delivery {
     /// Topic written to.
+    #[pyo3(get)]
     pub topic: String,
     /// Partition written to.
+    #[pyo3(get)]
     pub partition: i32,
-    /// Position assigned by the platform, as text.
-    pub position: String,
+    /// Position assigned by the platform; `position` gives it as text, formatted when read
+    /// (most deliveries of a stream of sends are never read).
+    pub position: Position,
     /// Timestamp assigned, ms since the epoch, if known.
+    #[pyo3(get)]
     pub timestamp: Option<i64>,
     /// The platform recognised the record as a duplicate of one already written.
+    #[pyo3(get)]
     pub duplicate: bool,
 }
 
 #[pymethods]
 impl Delivery {
+    /// Position assigned by the platform, as text (`offset:42`, `seq:42`, ...).
+    #[getter]
+    fn position(&self) -> String {
+        self.position.to_string()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Delivery(topic={:?}, partition={}, position={:?}, duplicate={})",
             self.topic,
             self.partition,
-            self.position,
+            self.position.to_string(),
             if self.duplicate { "True" } else { "False" }
         )
     }
@@ -490,7 +501,7 @@ impl From<RsDelivery> for Delivery {
         Delivery {
             topic: d.topic,
             partition: d.partition,
-            position: d.position.to_string(),
+            position: d.position,
             timestamp: d.timestamp,
             duplicate: d.duplicate,
         }

@@ -43,8 +43,8 @@ where
 {
     #[cfg(unix)]
     {
-        let event_loop = imp::running_loop(py)?;
-        if let Some(waker) = imp::waker_for(py, &event_loop)? {
+        let (event_loop, waker) = imp::current(py)?;
+        if let Some(waker) = waker {
             return imp::spawn(py, &event_loop, waker, fut, convert, cancellable);
         }
     }
@@ -72,8 +72,8 @@ where
 {
     #[cfg(unix)]
     {
-        let event_loop = imp::running_loop(py)?;
-        if let Some(waker) = imp::waker_for(py, &event_loop)? {
+        let (event_loop, waker) = imp::current(py)?;
+        if let Some(waker) = waker {
             return imp::send(py, event_loop, &waker, fut, convert);
         }
     }
@@ -81,7 +81,7 @@ where
 }
 
 #[cfg(unix)]
-pub use imp::{complete_all, pending, Completion, SendFuture};
+pub use imp::{complete_all, pending, untrack, Completion, SendFuture};
 
 /// How many `os.fork()`s this process descends from, as counted since the first call (which
 /// starts counting through `os.register_at_fork`): a value taken in a parent differs from the
@@ -252,11 +252,75 @@ mod imp {
         Ok(())
     }
 
+    /// The running loop and its waker as last found on this thread (see [`current`]).
+    struct Current {
+        event_loop: Py<PyAny>,
+        waker: Option<Py<LoopWaker>>,
+        /// [`FORK_EPOCH`] when found.
+        epoch: u64,
+    }
+
+    thread_local! {
+        static CURRENT: std::cell::RefCell<Option<Current>> = const { std::cell::RefCell::new(None) };
+    }
+
+    /// The running loop of this thread and its waker (`None` when the loop cannot hold one).
+    /// Raises as [`running_loop`] does outside a coroutine.
+    ///
+    /// `asyncio.get_running_loop()` makes a `getpid` system call per call on CPython before
+    /// 3.12 (its check for a forked child), a tenth of a single send's time on the loop thread.
+    /// So the loop found last on this thread is taken again while its `_thread_id` (set by
+    /// `BaseEventLoop.run_forever` to the ident of the thread running it, `None` once stopped)
+    /// is this thread's: a thread runs one loop at a time, so that loop is the running one. A
+    /// fork bumps [`FORK_EPOCH`], which drops the entry. Loops without `_thread_id` are asked
+    /// every time.
+    pub fn current(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Option<Py<LoopWaker>>)> {
+        let epoch = FORK_EPOCH.load(Ordering::Acquire);
+        let cached = CURRENT.with_borrow(|c| {
+            c.as_ref().filter(|c| c.epoch == epoch).map(|c| {
+                (
+                    c.event_loop.clone_ref(py),
+                    c.waker.as_ref().map(|w| w.clone_ref(py)),
+                )
+            })
+        });
+        if let Some((event_loop, waker)) = cached {
+            let event_loop = event_loop.into_bound(py);
+            if runs_here(&event_loop) {
+                return Ok((event_loop, waker));
+            }
+        }
+        let event_loop = running_loop(py)?;
+        let waker = waker_for(py, &event_loop)?;
+        let entry = runs_here(&event_loop).then(|| Current {
+            event_loop: event_loop.clone().unbind(),
+            waker: waker.as_ref().map(|w| w.clone_ref(py)),
+            epoch,
+        });
+        // The entry replaced (or dropped) is released after the borrow ends: its `Drop` may
+        // run Python code.
+        let old = CURRENT.with_borrow_mut(|c| std::mem::replace(c, entry));
+        drop(old);
+        Ok((event_loop, waker))
+    }
+
+    /// `event_loop._thread_id` is this thread's ident (`threading.get_ident()`).
+    #[allow(unsafe_code)]
+    fn runs_here(event_loop: &Bound<'_, PyAny>) -> bool {
+        let py = event_loop.py();
+        let Ok(id) = event_loop.getattr(intern!(py, "_thread_id")) else {
+            return false;
+        };
+        // SAFETY: no precondition; the ident of the calling thread.
+        let here = unsafe { pyo3::ffi::PyThread_get_thread_ident() };
+        id.extract::<u64>().is_ok_and(|id| id == u64::from(here))
+    }
+
     static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
     /// `asyncio.get_running_loop()`. Outside a coroutine, a RuntimeError that says what to do
     /// instead (asyncio's own "no running event loop" chained as its cause).
-    pub fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
         GET_RUNNING_LOOP
             .get_or_try_init(py, || {
                 py.import("asyncio")?
@@ -282,10 +346,7 @@ mod imp {
 
     /// The loop's waker, created and registered on first use; `None` when the loop cannot
     /// hold one.
-    pub fn waker_for(
-        py: Python<'_>,
-        event_loop: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Py<LoopWaker>>> {
+    fn waker_for(py: Python<'_>, event_loop: &Bound<'_, PyAny>) -> PyResult<Option<Py<LoopWaker>>> {
         let epoch = FORK_EPOCH.load(Ordering::Acquire);
         if let Ok(w) = event_loop.getattr(intern!(py, ATTR)) {
             if let Ok(w) = w.cast_into::<LoopWaker>() {
@@ -437,6 +498,10 @@ mod imp {
             self.first.is_none() && self.more.is_empty()
         }
 
+        fn iter(&self) -> impl Iterator<Item = &Callback> {
+            self.first.iter().chain(self.more.iter())
+        }
+
         fn take(&mut self) -> impl Iterator<Item = Callback> {
             let first = self.first.take();
             let more = std::mem::take(&mut self.more);
@@ -473,6 +538,29 @@ mod imp {
         match asyncio_errors(py).and_then(|(_, invalid)| invalid.bind(py).call1((what,))) {
             Ok(e) => PyErr::from_value(e),
             Err(e) => e,
+        }
+    }
+
+    /// Takes `obj` out of the cycle collector's lists. Objects that cannot be in a reference
+    /// cycle (a `Delivery`, a pending `SendFuture`) then cost nothing at each collection;
+    /// with thousands of sends in flight, collections traversing them took a tenth of a
+    /// single send's time on the loop thread.
+    #[allow(unsafe_code)]
+    pub fn untrack(obj: &Bound<'_, PyAny>) {
+        // SAFETY: `obj` is a live object of a GC type (every `#[pyclass]`); untracking an
+        // untracked object does nothing.
+        unsafe { pyo3::ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) }
+    }
+
+    /// Puts `obj` back in the cycle collector's lists (see [`untrack`]).
+    #[allow(unsafe_code)]
+    fn track(obj: &Bound<'_, PyAny>) {
+        // SAFETY: `obj` is a live object of a GC type; tracking a tracked object aborts, so it
+        // is checked first (the GIL is held: nothing tracks it meanwhile).
+        unsafe {
+            if pyo3::ffi::PyObject_GC_IsTracked(obj.as_ptr()) == 0 {
+                pyo3::ffi::PyObject_GC_Track(obj.as_ptr().cast());
+            }
         }
     }
 
@@ -548,7 +636,12 @@ mod imp {
             }
             this.outcome = match result {
                 Ok(v) => Outcome::Value(v),
-                Err(e) => Outcome::Failed(e.into_value(py).into_any()),
+                Err(e) => {
+                    // An exception's traceback can lead back here (a frame holding the
+                    // future): a cycle only the collector can free.
+                    track(fut.as_any());
+                    Outcome::Failed(e.into_value(py).into_any())
+                }
             };
             if this.callbacks.is_empty() {
                 return;
@@ -563,8 +656,13 @@ mod imp {
 
     impl SendFuture {
         /// A pending future of `event_loop`.
+        ///
+        /// It starts outside the cycle collector's lists ([`untrack`]): while pending, the
+        /// references it holds (its loop, its done-callbacks) are given up when it completes,
+        /// which every send does, and a `Delivery` holds nothing. It is tracked again when it
+        /// gets an exception (or a cancel message), which can hold a cycle back to it.
         fn pending(event_loop: Bound<'_, PyAny>) -> PyResult<Bound<'_, SendFuture>> {
-            Bound::new(
+            let fut = Bound::new(
                 event_loop.py(),
                 SendFuture {
                     outcome: Outcome::Pending,
@@ -572,7 +670,9 @@ mod imp {
                     event_loop: event_loop.unbind(),
                     blocking: false,
                 },
-            )
+            )?;
+            untrack(fut.as_any());
+            Ok(fut)
         }
 
         fn outcome_result(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
@@ -587,6 +687,32 @@ mod imp {
 
     #[pymethods]
     impl SendFuture {
+        fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+            match &self.outcome {
+                Outcome::Value(v) | Outcome::Failed(v) | Outcome::Cancelled(Some(v)) => {
+                    visit.call(v)?
+                }
+                Outcome::Pending | Outcome::Cancelled(None) => {}
+            }
+            for (callback, context) in self.callbacks.iter() {
+                visit.call(callback)?;
+                visit.call(context)?;
+            }
+            visit.call(&self.event_loop)
+        }
+
+        /// Breaks a cycle through this future (run by the cycle collector only): drops its
+        /// done-callbacks and its exception.
+        fn __clear__(&mut self) {
+            drop(self.callbacks.take());
+            if matches!(
+                self.outcome,
+                Outcome::Failed(_) | Outcome::Cancelled(Some(_))
+            ) {
+                self.outcome = Outcome::Cancelled(None);
+            }
+        }
+
         /// Whether the send finished (acknowledged or failed) or the future was cancelled.
         fn done(&self) -> bool {
             !matches!(self.outcome, Outcome::Pending)
@@ -679,6 +805,9 @@ mod imp {
                 let mut this = slf.borrow_mut();
                 if !matches!(this.outcome, Outcome::Pending) {
                     return Ok(false);
+                }
+                if msg.is_some() {
+                    track(slf.as_any());
                 }
                 this.outcome = Outcome::Cancelled(msg);
                 this.blocking = false;
@@ -892,8 +1021,8 @@ mod imp {
     /// cannot hold onceflow's queue (no attribute dict). Raises `RuntimeError` outside a
     /// coroutine (no running loop).
     pub fn pending(py: Python<'_>) -> PyResult<Option<(Bound<'_, PyAny>, Completion)>> {
-        let event_loop = running_loop(py)?;
-        let Some(waker) = waker_for(py, &event_loop)? else {
+        let (event_loop, waker) = current(py)?;
+        let Some(waker) = waker else {
             return Ok(None);
         };
         let target = SendFuture::pending(event_loop)?;
