@@ -256,6 +256,9 @@ mod imp {
     struct Current {
         event_loop: Py<PyAny>,
         waker: Option<Py<LoopWaker>>,
+        /// The loop's `_thread_id` object when found (held, so no other object takes its
+        /// address).
+        thread_id: Py<PyAny>,
         /// [`FORK_EPOCH`] when found.
         epoch: u64,
     }
@@ -269,11 +272,11 @@ mod imp {
     ///
     /// `asyncio.get_running_loop()` makes a `getpid` system call per call on CPython before
     /// 3.12 (its check for a forked child), a tenth of a single send's time on the loop thread.
-    /// So the loop found last on this thread is taken again while its `_thread_id` (set by
-    /// `BaseEventLoop.run_forever` to the ident of the thread running it, `None` once stopped)
-    /// is this thread's: a thread runs one loop at a time, so that loop is the running one. A
-    /// fork bumps [`FORK_EPOCH`], which drops the entry. Loops without `_thread_id` are asked
-    /// every time.
+    /// So the loop found last on this thread is taken again while its `_thread_id` is the very
+    /// object it was then. `BaseEventLoop.run_forever` sets `_thread_id` to the ident of the
+    /// thread running it (a new int each run) and `None` once stopped, and a thread runs one
+    /// loop at a time: the loop is still running here. A fork bumps [`FORK_EPOCH`], which drops
+    /// the entry. Loops without `_thread_id` are asked every time.
     pub fn current(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Option<Py<LoopWaker>>)> {
         let epoch = FORK_EPOCH.load(Ordering::Acquire);
         let cached = CURRENT.with_borrow(|c| {
@@ -281,22 +284,26 @@ mod imp {
                 (
                     c.event_loop.clone_ref(py),
                     c.waker.as_ref().map(|w| w.clone_ref(py)),
+                    c.thread_id.clone_ref(py),
                 )
             })
         });
-        if let Some((event_loop, waker)) = cached {
+        if let Some((event_loop, waker, thread_id)) = cached {
             let event_loop = event_loop.into_bound(py);
-            if runs_here(&event_loop) {
+            if thread_id_of(&event_loop).is_some_and(|id| id.is(&thread_id)) {
                 return Ok((event_loop, waker));
             }
         }
         let event_loop = running_loop(py)?;
         let waker = waker_for(py, &event_loop)?;
-        let entry = runs_here(&event_loop).then(|| Current {
-            event_loop: event_loop.clone().unbind(),
-            waker: waker.as_ref().map(|w| w.clone_ref(py)),
-            epoch,
-        });
+        let entry = thread_id_of(&event_loop)
+            .filter(|id| is_this_thread(id))
+            .map(|thread_id| Current {
+                event_loop: event_loop.clone().unbind(),
+                waker: waker.as_ref().map(|w| w.clone_ref(py)),
+                thread_id: thread_id.unbind(),
+                epoch,
+            });
         // The entry replaced (or dropped) is released after the borrow ends: its `Drop` may
         // run Python code.
         let old = CURRENT.with_borrow_mut(|c| std::mem::replace(c, entry));
@@ -304,16 +311,19 @@ mod imp {
         Ok((event_loop, waker))
     }
 
-    /// `event_loop._thread_id` is this thread's ident (`threading.get_ident()`).
+    /// `event_loop._thread_id`, if it has one.
+    fn thread_id_of<'py>(event_loop: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
+        event_loop
+            .getattr(intern!(event_loop.py(), "_thread_id"))
+            .ok()
+    }
+
+    /// `id` is this thread's ident (`threading.get_ident()`).
     #[allow(unsafe_code)]
-    fn runs_here(event_loop: &Bound<'_, PyAny>) -> bool {
-        let py = event_loop.py();
-        let Ok(id) = event_loop.getattr(intern!(py, "_thread_id")) else {
-            return false;
-        };
+    fn is_this_thread(id: &Bound<'_, PyAny>) -> bool {
         // SAFETY: no precondition; the ident of the calling thread.
         let here = unsafe { pyo3::ffi::PyThread_get_thread_ident() };
-        id.extract::<u64>().is_ok_and(|id| id == u64::from(here))
+        id.extract::<std::ffi::c_ulong>().is_ok_and(|id| id == here)
     }
 
     static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
