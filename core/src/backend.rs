@@ -197,6 +197,16 @@ pub trait ProducerBackend: Send + Sync {
         out
     }
 
+    /// Enqueues records and returns their delivery reports (one per record, in input order) as
+    /// a future that does not borrow the producer, so the caller can hand over its next records
+    /// while these are in flight. Records of successive calls are sent in call order. The
+    /// default sends now through [`ProducerBackend::send_batch`] and returns the finished
+    /// reports; adapters whose client sends in the background (Kafka) override it.
+    async fn enqueue_batch(&self, records: Vec<Record>) -> DeliveriesFuture {
+        let done = self.send_batch(records).await;
+        Box::pin(std::future::ready(done))
+    }
+
     /// Writes all records or none ([`Capabilities::atomic_batch`]).
     async fn send_atomic(&self, records: Vec<Record>) -> Result<Vec<Delivery>> {
         let _ = records;

@@ -174,6 +174,19 @@ impl Producer {
         merge_results(prep, sent)
     }
 
+    /// Enqueues records and returns their delivery reports (one per record, in order) as a
+    /// future that does not borrow the producer: the caller can hand over its next records
+    /// while these are in flight, and the records of successive calls are sent in call order
+    /// (on Kafka, librdkafka's queue; the idempotent producer keeps their order per
+    /// partition). On Kafka the records wait up to `linger.ms` for later ones to join them
+    /// until the future is first polled, and leave at once from then. A record that fails
+    /// validation gets its error in its slot.
+    pub async fn enqueue_batch(&self, records: Vec<Record>) -> crate::backend::DeliveriesFuture {
+        let (valid, prep) = prepare_batch(self.platform.as_ref(), records);
+        let sent = self.inner.enqueue_batch(valid).await;
+        Box::pin(async move { merge_results(prep, sent.await) })
+    }
+
     /// Writes all records or none (platforms with [`Capabilities::atomic_batch`]).
     pub async fn send_atomic(&self, mut records: Vec<Record>) -> Result<Vec<Delivery>> {
         let mut spans = Vec::new();

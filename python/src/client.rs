@@ -277,8 +277,8 @@ pub struct Producer {
 }
 
 /// Records handed over by `send` and `send_nowait`: buffered here and sent by one task per
-/// producer, one `Producer::send_batch` at a time (so they go out in call order, `send`s and
-/// `send_nowait`s together). A `send`'s result goes to its `SendFuture` (a batch costs the
+/// producer, in batches through `Producer::enqueue_batch` (so they go out in call order, `send`s
+/// and `send_nowait`s together). A `send`'s result goes to its `SendFuture` (a batch costs the
 /// loop one wake-up); `send_nowait` failures are kept until `drain` takes them. The loop thread
 /// only converts arguments and makes the future: the platform client's per-record work runs on
 /// the runtime's threads, beside the Python code.
@@ -287,6 +287,8 @@ struct Background {
     state: parking_lot::Mutex<BackgroundState>,
     /// `pending` went to 0.
     idle: tokio::sync::Notify,
+    /// Records were buffered while the send task ran with nothing buffered.
+    more: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -296,9 +298,9 @@ struct BackgroundState {
     /// Per record of `buf`: the `SendFuture` it completes (`send`), or `None` (`send_nowait`).
     #[cfg(unix)]
     waiting: Vec<Option<wake::Completion>>,
-    /// The send task's second pair of buffers, kept (empty, with their capacity) while the task
-    /// is not running.
-    spare: Buffers,
+    /// The send task's other buffers, kept (empty, with their capacity) while the task is not
+    /// running.
+    spare: Vec<Buffers>,
     /// Records accepted whose send has not finished.
     pending: usize,
     /// Errors of finished sends, not yet taken by `drain`.
@@ -329,56 +331,101 @@ type Waiting<'a> = std::vec::Drain<'a, Option<wake::Completion>>;
 #[cfg(not(unix))]
 type Waiting<'a> = std::marker::PhantomData<&'a ()>;
 
-/// The send task: sends everything buffered as one batch, waits for its results (on Kafka a
-/// batch is flushed rather than left to wait `linger.ms`), settles it, and repeats with what
-/// was buffered meanwhile; ends when nothing is buffered.
+/// Batches the send task keeps in flight: while one batch's reports are outstanding, the
+/// next is already in the platform client's queue.
+const IN_FLIGHT: usize = 2;
+
+/// The results of one batch, the buffers it was taken in, its size.
+type Sent = (Vec<onceflow::Result<onceflow::Delivery>>, Buffers, usize);
+
+/// The send task: hands everything buffered to the platform client as one batch
+/// (`enqueue_batch`: on Kafka into librdkafka's queue, sent at once rather than after
+/// `linger.ms`), takes what was buffered meanwhile as the next batch while the first one's
+/// reports are outstanding, settles each batch in order when its reports are in, and ends when
+/// nothing is buffered or in flight. A platform without a client-side queue sends each batch
+/// before taking the next.
 ///
-/// Two pairs of buffers take turns: the loop thread fills one while the task sends the other's
-/// records, moved into a batch of their own here, so the buffers keep their capacity. The loop
+/// Buffers take turns: the loop thread fills one while the task sends the records of the
+/// others, moved into a batch of their own here, so the buffers keep their capacity. The loop
 /// thread's pushes then grow no vector once a few batches went by: growing one there cost a
 /// copy of every record so far and, in fresh pages, the kernel zeroing them (a twentieth of a
 /// single send's time on the loop thread).
 async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
-    use futures::FutureExt;
-    let mut mine = std::mem::take(&mut bg.state.lock().spare);
+    use futures::stream::{FuturesOrdered, StreamExt};
+    let mut free = std::mem::take(&mut bg.state.lock().spare);
+    let mut in_flight = FuturesOrdered::new();
     loop {
-        {
-            let mut st = bg.state.lock();
-            if st.buf.is_empty() {
-                st.running = false;
-                st.spare = mine;
-                return;
+        if in_flight.len() < IN_FLIGHT {
+            let mut mine = free.pop().unwrap_or_default();
+            let taken = {
+                let mut st = bg.state.lock();
+                if st.buf.is_empty() {
+                    if in_flight.is_empty() {
+                        st.running = false;
+                        free.push(mine);
+                        st.spare = free;
+                        return;
+                    }
+                    false
+                } else {
+                    st.swap(&mut mine);
+                    true
+                }
+            };
+            if taken {
+                in_flight.push_back(send_taken(&p, mine).await);
+                continue;
             }
-            st.swap(&mut mine);
+            free.push(mine);
         }
-        let n = mine.records.len();
-        let batch: Vec<onceflow::Record> = mine.records.drain(..).collect();
-        // A panic must still settle the batch, or its futures and `drain` would wait forever.
-        let results = match std::panic::AssertUnwindSafe(p.send_batch(batch))
-            .catch_unwind()
-            .await
-        {
-            Ok(results) => results,
-            Err(_) => (0..n)
+        tokio::select! {
+            Some((results, mut mine, n)) = in_flight.next() => {
+                #[cfg(unix)]
+                let waiting = mine.waiting.drain(..);
+                #[cfg(not(unix))]
+                let waiting = std::marker::PhantomData;
+                bg.settle(results, waiting, n);
+                // A burst far larger than the batches since gives its memory back.
+                if mine.records.capacity() > (1 << 16).max(8 * n) {
+                    mine.records.shrink_to(2 * n);
+                    #[cfg(unix)]
+                    mine.waiting.shrink_to(2 * n);
+                }
+                free.push(mine);
+            }
+            _ = bg.more.notified(), if in_flight.len() < IN_FLIGHT => {}
+        }
+    }
+}
+
+/// Enqueues the records of `mine` as one batch; the future of its results. A panic still
+/// settles the batch (every record fails), or its futures and `drain` would wait forever.
+async fn send_taken(
+    p: &onceflow::Producer,
+    mut mine: Buffers,
+) -> impl std::future::Future<Output = Sent> {
+    use futures::FutureExt;
+    let n = mine.records.len();
+    let batch: Vec<onceflow::Record> = mine.records.drain(..).collect();
+    let reports = std::panic::AssertUnwindSafe(p.enqueue_batch(batch))
+        .catch_unwind()
+        .await;
+    async move {
+        let results = match reports {
+            Ok(reports) => std::panic::AssertUnwindSafe(reports).catch_unwind().await,
+            Err(panic) => Err(panic),
+        };
+        let results = results.unwrap_or_else(|_| {
+            (0..n)
                 .map(|_| {
                     Err(Error::new(
                         ErrorKind::Platform,
                         "onceflow: the send task panicked",
                     ))
                 })
-                .collect(),
-        };
-        #[cfg(unix)]
-        let waiting = mine.waiting.drain(..);
-        #[cfg(not(unix))]
-        let waiting = std::marker::PhantomData;
-        bg.settle(results, waiting, n);
-        // A burst far larger than the batches since gives its memory back.
-        if mine.records.capacity() > (1 << 16).max(8 * n) {
-            mine.records.shrink_to(2 * n);
-            #[cfg(unix)]
-            mine.waiting.shrink_to(2 * n);
-        }
+                .collect()
+        });
+        (results, mine, n)
     }
 }
 
@@ -476,17 +523,21 @@ impl Producer {
     /// Queues `record` for the send task (started when it is not running); `waiting` is the
     /// `SendFuture` it completes, if any.
     fn buffer(&self, record: onceflow::Record, #[cfg(unix)] waiting: Option<wake::Completion>) {
-        let spawn = {
+        let (spawn, more) = {
             let mut st = self.background.state.lock();
             st.buf.push(record);
             #[cfg(unix)]
             st.waiting.push(waiting);
             st.pending += 1;
-            !std::mem::replace(&mut st.running, true)
+            let running = std::mem::replace(&mut st.running, true);
+            (!running, running && st.buf.len() == 1)
         };
         if spawn {
             onceflow_bindings::runtime()
                 .spawn(send_buffered(self.inner.clone(), self.background.clone()));
+        } else if more {
+            // The task may wait with room for another batch: at most one wake-up per batch.
+            self.background.more.notify_one();
         }
     }
 }

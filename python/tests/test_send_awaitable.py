@@ -158,6 +158,34 @@ async def test_done_callbacks(platform):
     await producer.close()
 
 
+async def test_callbacks_added_where_no_variable_is_set_each_start_from_none(platform):
+    """Done-callbacks registered where no context variable is set run where none is set,
+    and what one of them sets is seen neither by the next nor by the task."""
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    var = contextvars.ContextVar("var", default="unset")
+    seen = []
+
+    def setter(f):
+        seen.append(var.get())
+        var.set("set by a callback")
+
+    async def body():
+        assert len(contextvars.copy_context()) == 0
+        futs = [producer.send(topic, b"x") for _ in range(3)]
+        for f in futs:
+            f.add_done_callback(setter)
+            f.add_done_callback(setter)
+        await asyncio.gather(*futs)
+        await asyncio.sleep(0)
+        assert var.get() == "unset"
+
+    # A task made in an empty context runs in a copy of it: no variable set.
+    await contextvars.Context().run(asyncio.ensure_future, body())
+    assert seen == ["unset"] * 6
+    await producer.close()
+
+
 async def test_a_raising_callback_goes_to_the_loop_exception_handler(memory):
     topic = await memory.topic()
     producer = await memory.client.producer()

@@ -989,6 +989,30 @@ fn flush_queued_once(shared: &Arc<Shared>, native: Native) {
     });
 }
 
+/// The reports of records an `enqueue_batch` enqueued. Polled, the caller waits for them now,
+/// so no later batch joins them: what is queued leaves at once ([`flush_queued_once`])
+/// instead of after `linger.ms`.
+async fn reports_of(
+    shared: Arc<Shared>,
+    native: Native,
+    enqueued: Enqueued,
+    records: Vec<Record>,
+) -> Vec<Result<Delivery>> {
+    if !shared.linger.is_zero() && enqueued.any_enqueued(records.len()) {
+        flush_queued_once(&shared, native);
+    }
+    enqueued.delivered(records).await
+}
+
+/// `e` as the result of each of `records`.
+fn each_failed(records: &[Record], e: &Error) -> Vec<Result<Delivery>> {
+    let msg = e.to_string();
+    records
+        .iter()
+        .map(|_| Err(Error::new(e.kind(), msg.clone())))
+        .collect()
+}
+
 /// Sends `records` pipelined: every record is enqueued first, in order (librdkafka batches
 /// them per partition and the idempotent producer keeps their order), then every delivery
 /// report is awaited. One result per record, in input order.
@@ -1181,14 +1205,19 @@ impl ProducerBackend for KafkaProducer {
 
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
         if let Err(e) = self.check_plain_send() {
-            let msg = e.to_string();
-            return records
-                .iter()
-                .map(|_| Err(Error::new(e.kind(), msg.clone())))
-                .collect();
+            return each_failed(&records, &e);
         }
         let native = self.native();
         send_all_on(&native, records, self.shared.limits, self.shared.linger).await
+    }
+
+    async fn enqueue_batch(&self, records: Vec<Record>) -> DeliveriesFuture {
+        if let Err(e) = self.check_plain_send() {
+            return Box::pin(std::future::ready(each_failed(&records, &e)));
+        }
+        let native = self.native();
+        let enqueued = enqueue_all(&native, &records, self.shared.limits).await;
+        Box::pin(reports_of(self.shared.clone(), native, enqueued, records))
     }
 
     async fn begin(&self) -> Result<Box<dyn TransactionBackend>> {
@@ -1361,12 +1390,7 @@ impl TransactionBackend for KafkaTransaction {
         let shared = self.shared.clone();
         let native = self.native.clone();
         Box::pin(async move {
-            // Awaited: the caller waits for these reports now (before committing), so no later
-            // batch joins them; what is queued leaves at once instead of after `linger.ms`.
-            if !shared.linger.is_zero() && enqueued.any_enqueued(records.len()) {
-                flush_queued_once(&shared, native);
-            }
-            let out = enqueued.delivered(records).await;
+            let out = reports_of(shared.clone(), native, enqueued, records).await;
             if let Some(e) = out
                 .iter()
                 .find_map(|r| r.as_ref().err().filter(|e| e.kind() == ErrorKind::Fenced))
