@@ -10,7 +10,9 @@ Without OpenTelemetry installed (it would add a span per send).
 Same producer settings on every client: idempotence on, acks=all, linger.ms=5 (librdkafka's
 default, set explicitly on all three). Every side counts delivered records: onceflow's
 awaitables (`send`: a native `SendFuture` each, counted by a done-callback as confluent-kafka's
-`on_delivery`; a second line awaits them with `asyncio.gather`) resolve on the delivery report (`send_nowait`: `flush` waits for every report and
+`on_delivery`, at most 100 000 in flight as librdkafka's queue allows confluent-kafka, the loop
+given a turn every 1 000 sends as confluent-kafka's loop polls; an info line keeps at most
+5 000 in flight; another awaits them with `asyncio.gather`) resolve on the delivery report (`send_nowait`: `flush` waits for every report and
 raises on any failure), confluent-kafka's loop polls delivery reports (an `on_delivery`
 callback counts them, checked after `flush`), aiokafka's send futures are awaited. PY2's
 idempotent consumer uses the batch handler (`batch=True`: one Python call, one dedup claim and
@@ -99,10 +101,18 @@ async def of_send_batch(client, n, chunk=10_000):
     return topic, rate(n, secs)
 
 
-async def of_send(client, n, window=5_000):
+# confluent-kafka's `produce` raises BufferError once librdkafka's local queue holds
+# `queue.buffering.max.messages` records (100 000 by default): the most records its loop has in
+# flight. The single-`send` loop gets the same bound.
+CK_QUEUE_MESSAGES = 100_000
+
+
+async def of_send(client, n, window=CK_QUEUE_MESSAGES, yield_every=1000):
     """At most `window` sends in flight; a done-callback per send counts its delivery (as
     confluent-kafka's `on_delivery` does), instead of `asyncio.wait` over the whole window,
-    which adds and removes a callback on every pending future per call."""
+    which adds and removes a callback on every pending future per call. Every `yield_every`
+    sends the loop gets a turn to resolve what was delivered, as confluent-kafka's loop calls
+    `poll(0)` every 1 000 records."""
     topic = await new_topic(client)
     p = await of_producer(client)
     delivered = [0, 0]
@@ -117,10 +127,12 @@ async def of_send(client, n, window=5_000):
             room.set()
 
     t = time.perf_counter()
-    for _ in range(n):
+    for i in range(n):
         if inflight >= window:
             room.clear()
             await room.wait()
+        elif i % yield_every == 0:
+            await asyncio.sleep(0)
         p.send(topic, PAYLOAD).add_done_callback(on_done)
         inflight += 1
     while inflight:
@@ -321,6 +333,7 @@ async def main():
     ck_topic = await new_topic(client)
     ck_rate = await asyncio.to_thread(ck_produce, url, ck_topic, n)
     of_single = await of_send(client, s)
+    of_small_window = await of_send(client, s, window=5_000)
     of_gather = await of_send_gather(client, s)
     of_nowait = await of_send_nowait(client, n)
     aio_rate = await aiokafka_produce(url, await new_topic(client), s)
@@ -329,6 +342,10 @@ async def main():
     print(f"RATIO PY1 send_batch/confluent-kafka {of_batch / ck_rate:.2f} (target >= 2)")
     print(f"PY1 produce {n} x 100 B: onceflow send_nowait+flush {of_nowait:,.0f}/s")
     print(f"RATIO PY1 send/confluent-kafka {of_single / ck_rate:.2f} (target >= 1)")
+    print(
+        f"RATIO PY1 send-window-5000/confluent-kafka {of_small_window / ck_rate:.2f} "
+        "(no target: at most 5 000 sends in flight instead of librdkafka's 100 000)"
+    )
     print(f"PY1 produce {s} x 100 B: onceflow send + asyncio.gather of 5000 at a time {of_gather:,.0f}/s")
     print(f"RATIO PY1 send-gather/confluent-kafka {of_gather / ck_rate:.2f} (no target: the same sends awaited with gather)")
     print(f"RATIO PY1 send_nowait/confluent-kafka {of_nowait / ck_rate:.2f} (target >= 1, single-record path)")

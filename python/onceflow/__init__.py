@@ -298,8 +298,9 @@ class Producer:
     ) -> "_native.SendFuture[Delivery]":
         """Sends one record: hands it at once to the producer's background sender, which
         passes it to the platform client (for Kafka, librdkafka's queue) together with the
-        records handed over around it, ``send`` and ``send_nowait`` alike, in call order, one
-        batch at a time (the Python thread only converts the arguments). Returns a
+        records handed over around it, ``send`` and ``send_nowait`` alike, in call order, in
+        batches (the next one handed over while the previous one's acknowledgements are
+        outstanding; the Python thread only converts the arguments). Returns a
         ``SendFuture`` resolved with its ``Delivery`` when the platform acknowledges it, or
         failing with the ``OnceflowError`` of the send. A ``SendFuture``
         is asyncio-compatible without being an ``asyncio.Future``: ``await`` it, keep many in

@@ -595,8 +595,8 @@ impl Producer {
     }
 
     /// Hands one record over without an awaitable and returns at once: the record is buffered
-    /// and sent by a background task with the records buffered around it, one batch at a time,
-    /// in call order. Failures are kept until `drain` returns them. Invalid arguments raise
+    /// and sent by a background task with the records buffered around it, in batches, in call
+    /// order. Failures are kept until `drain` returns them. Invalid arguments raise
     /// here.
     #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
     #[allow(clippy::too_many_arguments)]

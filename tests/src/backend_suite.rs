@@ -19,7 +19,7 @@
 //! to the harness's deadlines, so they are fast in process and tolerant of broker latency.
 //!
 //! Cases: `round_trip`, `same_key_same_partition_in_order`, `send_batch_results_in_order`,
-//! `oversized_record_rejected`, `group_members_share_partitions`,
+//! `enqueue_batch_in_call_order`, `oversized_record_rejected`, `group_members_share_partitions`,
 //! `commit_then_new_member_resumes`, `start_from_earliest`, `start_from_latest`,
 //! `start_from_position`, `start_from_timestamp`, `seek`, `pause_resume`, `lag`,
 //! `committed_positions`, `nack_redelivers`, `tx_commit_makes_records_visible`,
@@ -94,6 +94,7 @@ macro_rules! backend_suite {
             round_trip,
             same_key_same_partition_in_order,
             send_batch_results_in_order,
+            enqueue_batch_in_call_order,
             oversized_record_rejected,
             group_members_share_partitions,
             commit_then_new_member_resumes,
@@ -448,6 +449,48 @@ pub async fn send_batch_results_in_order(h: &dyn Harness) -> CaseResult {
             .collect();
         assert_eq!(order, want);
     }
+    Ok(Outcome::Passed)
+}
+
+/// `enqueue_batch` keeps call order: three batches enqueued one after another, their reports
+/// awaited afterwards (the last batch's first), are delivered and read in call order, one
+/// result per record.
+pub async fn enqueue_batch_in_call_order(h: &dyn Harness) -> CaseResult {
+    let topic = h.topic(1).await?;
+    let p = producer(h).await?;
+    let mut pending = Vec::new();
+    for b in 0..3 {
+        let records: Vec<Record> = (0..5)
+            .map(|i| Record::new(topic.clone(), format!("e{b}-{i}")))
+            .collect();
+        pending.push(p.enqueue_batch(records).await);
+    }
+    let mut batches = Vec::new();
+    while let Some(reports) = pending.pop() {
+        batches.push(reports.await);
+    }
+    batches.reverse();
+    let mut last: Option<Position> = None;
+    for (b, results) in batches.into_iter().enumerate() {
+        assert_eq!(results.len(), 5, "batch {b}: one result per record");
+        for (i, r) in results.into_iter().enumerate() {
+            let d = r?;
+            assert_eq!(d.topic, topic);
+            if let Some(prev) = last.replace(d.position.clone()) {
+                assert!(
+                    prev < d.position,
+                    "batch {b}, record {i}: position {} not after {prev}",
+                    d.position
+                );
+            }
+        }
+    }
+    let mut r = Reader::new(h, config(&h.group(), &topic, StartFrom::Earliest)).await?;
+    let got: Vec<String> = r.take(15).await?.iter().map(|m| text(&m.payload)).collect();
+    let want: Vec<String> = (0..3)
+        .flat_map(|b| (0..5).map(move |i| format!("e{b}-{i}")))
+        .collect();
+    assert_eq!(got, want, "read in call order");
     Ok(Outcome::Passed)
 }
 

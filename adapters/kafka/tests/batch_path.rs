@@ -20,6 +20,10 @@
 //!   messages, and one of 1 KiB (records of different sizes, so a large one waits while the
 //!   run stops at it), concurrent mixed batches of 1 025: each batch's records exactly once and
 //!   in input order.
+//! - `enqueued_batches_leave_in_call_order`: five mixed batches handed to a plain producer's
+//!   `enqueue_batch` one after another, their reports awaited afterwards in reverse order:
+//!   every record delivered, the batches' offsets in call order on the one partition, each
+//!   record read back once, in order.
 //! - `transactions_on_the_batch_path`: aborted `send_batch` records are invisible to a
 //!   read_committed reader; committed `enqueue_batch` and two-topic `send_batch` records are
 //!   read exactly once, in order; a send dropped while waiting for room in a full queue inside
@@ -522,6 +526,56 @@ async fn full_local_queue_by_count_and_by_size_keeps_each_batch_in_order() {
             }
         },
     )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueued_batches_leave_in_call_order() {
+    let Some(url) = url("enqueued_batches_leave_in_call_order") else {
+        return;
+    };
+    guarded("enqueued_batches_leave_in_call_order", async {
+        let p = platform(&url);
+        let t = topic(&p, 1).await;
+        let producer = producer(&p).await;
+        use Shape::*;
+        let shapes: [&[(&str, Shape, usize)]; 5] = [
+            &[(&t, Plain, 1)],
+            &[(&t, Plain, 1000), (&t, Header, 2), (&t, Plain, 25)],
+            &[(&t, Timestamp, 1), (&t, Plain, 2)],
+            &[(&t, Plain, 2049)],
+            &[(&t, Partition, 3), (&t, Plain, 4)],
+        ];
+        let mut batches = BTreeMap::new();
+        let mut pending = Vec::new();
+        for (k, segments) in shapes.iter().enumerate() {
+            let tag = format!("e{k}");
+            let records = batch(&tag, segments, 0);
+            batches.insert(tag.clone(), records.clone());
+            pending.push((tag, records.clone(), producer.enqueue_batch(records).await));
+        }
+        let mut sent = Vec::new();
+        while let Some((tag, records, reports)) = pending.pop() {
+            sent.push((tag.clone(), delivered(&tag, &records, reports.await)));
+        }
+        sent.reverse();
+        for pair in sent.windows(2) {
+            let (before, after) = (&pair[0], &pair[1]);
+            let last = before.1.last().map(offset).unwrap();
+            let first = after.1.first().map(offset).unwrap();
+            assert!(
+                first > last,
+                "batch {} starts at offset {first}, not after batch {}'s last, {last}",
+                after.0,
+                before.0
+            );
+        }
+        let n = batches.values().map(Vec::len).sum();
+        let got = read_topics(&p, &[&t], n).await;
+        assert_eq!(got.len(), n, "exactly the records enqueued");
+        check_batches_in_order("enqueued batches", &got, &batches);
+        producer.close().await.unwrap();
+    })
     .await;
 }
 
