@@ -25,6 +25,10 @@ Each client reads at its defaults, except that onceflow's Kafka consumer sets li
 gives confluent-kafka the same value, so the clients' code is compared alone too.
 `--only py2` pre-fills the topic (untimed) and runs PY2 only; `--only py1` runs PY1 only.
 
+PY1 runs `--rounds` rounds (5), the clients in an order rotated every round, each on a fresh
+topic; every PY1 `RATIO` is the median of the per-round ratios (both rates from the same round),
+and the per-round figures are printed with it.
+
 PY1 times the steady state: every producer delivers one record to a warm-up topic before its
 clock starts (connected, ProducerID acquired), as aiokafka's `start()` does on its own. The
 time from creating a producer to that first delivery is printed as an info line: librdkafka's
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import time
 import uuid
 
@@ -50,10 +55,15 @@ def bootstrap(url: str) -> str:
     return url.split("://", 1)[1].split("?", 1)[0]
 
 
+# Topics made by `new_topic` and not deleted yet.
+CREATED: list[str] = []
+
+
 async def new_topic(client, partitions=1) -> str:
     name = f"pybench-{uuid.uuid4().hex[:10]}"
     admin = await client.admin()
     await admin.create_topic(name, partitions)
+    CREATED.append(name)
     for _ in range(100):
         try:
             await admin.describe_topic(name)
@@ -298,10 +308,45 @@ def ck_consume(url, topic, n, extra=None):
     return rate(n, secs)
 
 
+async def py1_rounds(client, url, n, rounds):
+    """`rounds` rounds of PY1's clients, each on fresh topics, in an order rotated every round
+    (so no client is always first after the broker's quiet spell); the rates per client, round
+    by round, and the topic of the last `send_batch` round (PY2 reads it)."""
+    topic = None
+
+    async def confluent():
+        return await asyncio.to_thread(ck_produce, url, await new_topic(client), n)
+
+    async def batch():
+        nonlocal topic
+        topic, figure = await of_send_batch(client, n)
+        return figure
+
+    runs = [
+        ("confluent-kafka", confluent),
+        ("send_batch", batch),
+        ("send", lambda: of_send(client, n)),
+        ("send_nowait", lambda: of_send_nowait(client, n)),
+        ("send-window-5000", lambda: of_send(client, n, window=5_000)),
+    ]
+    figures = {who: [] for who, _ in runs}
+    admin = await client.admin()
+    for r in range(rounds):
+        for who, run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            figures[who].append(await run())
+        # A round writes ~5M records: the broker keeps only what is read later, or its growing
+        # log slows the rounds after (send_batch 2.0-2.4M/s on a new broker, 1.6M/s by 8 GB).
+        for t in [t for t in CREATED if t not in (WARM_TOPIC, topic)]:
+            await admin.delete_topic(t)
+            CREATED.remove(t)
+    return topic, figures
+
+
 async def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--messages", type=int, default=1_000_000)
-    ap.add_argument("--single-messages", type=int, default=200_000, help="for single send and aiokafka")
+    ap.add_argument("--single-messages", type=int, default=200_000, help="for aiokafka and the gathered sends")
+    ap.add_argument("--rounds", type=int, default=5, help="PY1 rounds (a median of per-round ratios is printed)")
     ap.add_argument(
         "--only",
         choices=["py1", "py2"],
@@ -329,27 +374,30 @@ async def main():
         topic, _ = await of_send_batch(client, n)
         await py2(client, url, topic, n)
         return
-    topic, of_batch = await of_send_batch(client, n)
-    ck_topic = await new_topic(client)
-    ck_rate = await asyncio.to_thread(ck_produce, url, ck_topic, n)
-    of_single = await of_send(client, s)
-    of_small_window = await of_send(client, s, window=5_000)
+    topic, figures = await py1_rounds(client, url, n, a.rounds)
     of_gather = await of_send_gather(client, s)
-    of_nowait = await of_send_nowait(client, n)
     aio_rate = await aiokafka_produce(url, await new_topic(client), s)
-    print(f"PY1 produce {n} x 100 B: onceflow send_batch {of_batch:,.0f}/s, confluent-kafka produce+poll {ck_rate:,.0f}/s")
-    print(f"PY1 produce {s} x 100 B: onceflow send {of_single:,.0f}/s, aiokafka {aio_rate:,.0f}/s")
-    print(f"RATIO PY1 send_batch/confluent-kafka {of_batch / ck_rate:.2f} (target >= 2)")
-    print(f"PY1 produce {n} x 100 B: onceflow send_nowait+flush {of_nowait:,.0f}/s")
-    print(f"RATIO PY1 send/confluent-kafka {of_single / ck_rate:.2f} (target >= 1)")
-    print(
-        f"RATIO PY1 send-window-5000/confluent-kafka {of_small_window / ck_rate:.2f} "
-        "(no target: at most 5 000 sends in flight instead of librdkafka's 100 000)"
-    )
-    print(f"PY1 produce {s} x 100 B: onceflow send + asyncio.gather of 5000 at a time {of_gather:,.0f}/s")
-    print(f"RATIO PY1 send-gather/confluent-kafka {of_gather / ck_rate:.2f} (no target: the same sends awaited with gather)")
-    print(f"RATIO PY1 send_nowait/confluent-kafka {of_nowait / ck_rate:.2f} (target >= 1, single-record path)")
-    print(f"RATIO PY1 send_batch/aiokafka {of_batch / aio_rate:.2f} (target >= 3)")
+    ck_rate = statistics.median(figures["confluent-kafka"])
+
+    def median_ratio(who):
+        return statistics.median(x / c for x, c in zip(figures[who], figures["confluent-kafka"]))
+
+    for who, rates in figures.items():
+        print(f"PY1 produce {n} x 100 B: {who} {', '.join(f'{r:,.0f}' for r in rates)}/s (per round)")
+    for who, target in [
+        ("send_batch", "target >= 2"),
+        ("send", "target >= 1"),
+        ("send_nowait", "target >= 1, single-record path"),
+        ("send-window-5000", "no target: at most 5 000 sends in flight instead of librdkafka's 100 000"),
+    ]:
+        per_round = [x / c for x, c in zip(figures[who], figures["confluent-kafka"])]
+        print(
+            f"RATIO PY1 {who}/confluent-kafka {median_ratio(who):.2f} ({target}; median of "
+            f"{len(per_round)} rounds: {', '.join(f'{r:.2f}' for r in per_round)})"
+        )
+    print(f"PY1 produce {s} x 100 B: onceflow send + asyncio.gather of 5000 at a time {of_gather:,.0f}/s, aiokafka {aio_rate:,.0f}/s")
+    print(f"RATIO PY1 send-gather/confluent-kafka {of_gather / ck_rate:.2f} (no target: the same sends awaited with gather; against the median confluent-kafka round)")
+    print(f"RATIO PY1 send_batch/aiokafka {statistics.median(figures['send_batch']) / aio_rate:.2f} (target >= 3; median send_batch round)")
     for who, ms in FIRST_DELIVERY.items():
         print(f"PY1 first delivery of a new idempotent producer, {who}: {', '.join(f'{m:.0f}' for m in ms)} ms (info)")
     if a.only != "py1":

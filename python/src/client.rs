@@ -354,6 +354,10 @@ async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
     use futures::stream::{FuturesOrdered, StreamExt};
     let mut free = std::mem::take(&mut bg.state.lock().spare);
     let mut in_flight = FuturesOrdered::new();
+    // The largest batch lately (halving over 16 batches): buffers are kept at least twice as
+    // large, so a small batch between large ones shrinks none that the loop thread would grow
+    // again.
+    let mut recent = 0usize;
     loop {
         if in_flight.len() < IN_FLIGHT {
             let mut mine = free.pop().unwrap_or_default();
@@ -385,11 +389,12 @@ async fn send_buffered(p: onceflow::Producer, bg: Arc<Background>) {
                 #[cfg(not(unix))]
                 let waiting = std::marker::PhantomData;
                 bg.settle(results, waiting, n);
+                recent = n.max(recent - recent / 24);
                 // A burst far larger than the batches since gives its memory back.
-                if mine.records.capacity() > (1 << 16).max(8 * n) {
-                    mine.records.shrink_to(2 * n);
+                if mine.records.capacity() > (1 << 16).max(8 * recent) {
+                    mine.records.shrink_to(2 * recent);
                     #[cfg(unix)]
-                    mine.waiting.shrink_to(2 * n);
+                    mine.waiting.shrink_to(2 * recent);
                 }
                 free.push(mine);
             }

@@ -605,7 +605,7 @@ mod imp {
     /// current one, as asyncio's futures take, or `None` when no variable is set in it.
     ///
     /// A callback registered where no variable is set runs in an empty context
-    /// ([`with_empty_context`]): the same variables (none), without a copy kept per pending
+    /// ([`run_in_empty_context`]): the same variables (none), without a copy kept per pending
     /// future. Those copies are GC-tracked Python objects the cycle collector cannot be kept
     /// from (CPython's `Context` deallocation expects them tracked); with thousands of sends in
     /// flight, collections traversing them took a seventh of a single send's time on the loop
@@ -618,27 +618,42 @@ mod imp {
         Ok((copy.bind(py).len()? > 0).then_some(copy))
     }
 
+    /// An empty context and its bound `run` method.
+    struct EmptyContext {
+        context: Py<PyAny>,
+        run: Py<PyAny>,
+    }
+
     thread_local! {
         /// An empty context for callbacks registered where no variable was set, reused while
         /// the callbacks it ran left it empty.
-        static EMPTY_CONTEXT: std::cell::RefCell<Option<Py<PyAny>>> = const { std::cell::RefCell::new(None) };
+        static EMPTY_CONTEXT: std::cell::RefCell<Option<EmptyContext>> = const { std::cell::RefCell::new(None) };
     }
 
-    /// Runs `f` in an empty context: the thread's kept one (taken out while `f` runs, so a
-    /// nested call makes its own), kept again when `f` left no variable set in it. Each
-    /// callback thus starts where no variable is set, as in a copy of an empty context.
-    fn with_empty_context<'py, T>(
-        py: Python<'py>,
-        f: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
-    ) -> PyResult<T> {
+    /// Runs `callback(fut)` in an empty context: the thread's kept one (taken out while the
+    /// callback runs, so a nested call makes its own), kept again when the callback left no
+    /// variable set in it. Each callback thus starts where no variable is set, as in a copy of
+    /// an empty context.
+    fn run_in_empty_context(
+        py: Python<'_>,
+        callback: &Py<PyAny>,
+        fut: &Bound<'_, SendFuture>,
+    ) -> PyResult<()> {
         let kept = EMPTY_CONTEXT.with_borrow_mut(Option::take);
-        let context = match kept {
-            Some(c) => c.into_bound(py),
-            None => new_empty_context(py)?,
+        let empty = match kept {
+            Some(e) => e,
+            None => {
+                let context = new_empty_context(py)?;
+                let run = context.getattr(intern!(py, "run"))?.unbind();
+                EmptyContext {
+                    context: context.unbind(),
+                    run,
+                }
+            }
         };
-        let out = f(&context);
-        if context.len().is_ok_and(|n| n == 0) {
-            let old = EMPTY_CONTEXT.with_borrow_mut(|c| c.replace(context.unbind()));
+        let out = empty.run.bind(py).call1((callback, fut)).map(drop);
+        if empty.context.bind(py).len().is_ok_and(|n| n == 0) {
+            let old = EMPTY_CONTEXT.with_borrow_mut(|c| c.replace(empty));
             drop(old);
         }
         out
@@ -671,14 +686,12 @@ mod imp {
         context: Option<Py<PyAny>>,
     ) {
         let py = event_loop.py();
-        let run = |context: &Bound<'_, PyAny>| {
-            context
-                .call_method1(intern!(py, "run"), (&callback, fut))
-                .map(drop)
-        };
         let ran = match context {
-            Some(c) => run(c.bind(py)),
-            None => with_empty_context(py, run),
+            Some(c) => c
+                .bind(py)
+                .call_method1(intern!(py, "run"), (&callback, fut))
+                .map(drop),
+            None => run_in_empty_context(py, &callback, fut),
         };
         let Err(e) = ran else {
             return;
