@@ -332,12 +332,7 @@ mod imp {
     /// instead (asyncio's own "no running event loop" chained as its cause).
     fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
         GET_RUNNING_LOOP
-            .get_or_try_init(py, || {
-                py.import("asyncio")?
-                    .getattr("get_running_loop")
-                    .map(Bound::unbind)
-            })?
-            .bind(py)
+            .import(py, "asyncio", "get_running_loop")?
             .call0()
             .map_err(|e| {
                 if !e.is_instance_of::<pyo3::exceptions::PyRuntimeError>(py) {
@@ -577,12 +572,7 @@ mod imp {
 
     fn copy_context(py: Python<'_>) -> PyResult<Py<PyAny>> {
         COPY_CONTEXT
-            .get_or_try_init(py, || {
-                py.import("contextvars")?
-                    .getattr("copy_context")
-                    .map(Bound::unbind)
-            })?
-            .bind(py)
+            .import(py, "contextvars", "copy_context")?
             .call0()
             .map(Bound::unbind)
     }
@@ -591,14 +581,7 @@ mod imp {
 
     /// `contextvars.Context()`: a context where no variable is set.
     fn new_empty_context(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-        CONTEXT_TYPE
-            .get_or_try_init(py, || {
-                py.import("contextvars")?
-                    .getattr("Context")
-                    .map(Bound::unbind)
-            })?
-            .bind(py)
-            .call0()
+        CONTEXT_TYPE.import(py, "contextvars", "Context")?.call0()
     }
 
     /// The context of a done-callback registered now: `context` when given, else a copy of the
