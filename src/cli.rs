@@ -236,6 +236,7 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         .map(|h| parse_header(h))
         .collect::<Result<Vec<_>>>()?;
     let client = connect(&a.target.url).await?;
+    client.validate_topic(&a.topic)?;
     if client.platform() == "memory" {
         warn_line!(
             "onceflow: note: memory:// is a broker inside this one command; what it sends is \
@@ -707,6 +708,9 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
         }
     }
     let client = connect(&a.target.url).await?;
+    if let Some(t) = &a.to_topic {
+        client.validate_topic(t)?;
+    }
     require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let consumer = client
         .consumer(ConsumerConfig::new(scratch_group("replay"), [a.topic.clone()]).start(start))

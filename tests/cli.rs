@@ -741,3 +741,54 @@ fn a_bad_rust_log_is_reported_and_ignored() {
     assert!(stderr.contains("ignoring RUST_LOG=onceflow=["), "{stderr}");
     assert!(out.status.success(), "{stderr}");
 }
+
+/// A topic name Kafka refuses is bad input on every command, named with Kafka's rule, before
+/// anything is sent: `produce` and `replay --to-topic` went to the broker and failed there with
+/// a platform error, one per line of input (the newcomer check of the thirteenth session).
+#[test]
+fn a_topic_name_kafka_refuses_is_bad_input_before_anything_is_sent() {
+    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_URL") else {
+        eprintln!("skipped: ONCEFLOW_KAFKA_URL is not set (tests/brokers/up.sh kafka)");
+        return;
+    };
+    let long = "a".repeat(250);
+    for bad in ["a b", "tö-pic", "..", long.as_str()] {
+        for args in [
+            vec!["produce", "--url", &url, "-t", bad, "hi"],
+            vec![
+                "consume",
+                "--url",
+                &url,
+                "-t",
+                bad,
+                "-g",
+                "g",
+                "--idle-ms",
+                "500",
+            ],
+            vec![
+                "replay",
+                "--url",
+                &url,
+                "-t",
+                "src",
+                "--from",
+                "earliest",
+                "--to-topic",
+                bad,
+            ],
+        ] {
+            let stderr = refused(&args);
+            assert!(
+                stderr.starts_with("onceflow: bad input: ")
+                    && stderr.contains("invalid topic name")
+                    && stderr.contains("[a-zA-Z0-9._-]"),
+                "{args:?}: {stderr}"
+            );
+            assert!(
+                !stderr.contains("not sent") && !stderr.contains("platform"),
+                "{args:?}: nothing sent: {stderr}"
+            );
+        }
+    }
+}

@@ -423,6 +423,16 @@ pub trait PlatformBackend: Send + Sync {
     fn max_record_bytes_source(&self) -> Option<&'static str> {
         None
     }
+    /// Validates a topic (stream, subject) name for this platform, so a name the platform would
+    /// refuse fails before anything is sent. Default: any name that is not empty.
+    ///
+    /// Errors: [`crate::ErrorKind::Config`] naming the topic and what was expected.
+    fn validate_topic(&self, topic: &str) -> Result<()> {
+        if topic.is_empty() {
+            return Err(Error::config("topic name is empty: expected a topic name"));
+        }
+        Ok(())
+    }
     /// Validates a header for this platform (JetStream header names are tokens without `:` or
     /// whitespace, for example). Default: any name that is not empty.
     fn validate_header(&self, name: &str, value: Option<&[u8]>) -> Result<()> {

@@ -48,6 +48,14 @@ impl Client {
         self.backend.capabilities()
     }
 
+    /// Checks a topic name against the platform's rules without contacting it (Kafka: 1 to
+    /// 249 characters of `[a-zA-Z0-9._-]`); every record sent is checked the same way.
+    ///
+    /// Errors: [`ErrorKind::Config`] naming the topic and what was expected.
+    pub fn validate_topic(&self, topic: &str) -> Result<()> {
+        self.backend.validate_topic(topic)
+    }
+
     /// The backend, for adapter-specific extensions.
     pub fn backend(&self) -> &Arc<dyn PlatformBackend> {
         &self.backend
@@ -328,6 +336,7 @@ fn prepare_with(
             "record topic is empty: expected a topic name",
         ));
     }
+    platform.validate_topic(&record.topic)?;
     if let Some(k) = &record.idempotency_key {
         if k.is_empty() {
             return Err(Error::config(

@@ -45,7 +45,9 @@ fn not_found(name: &str) -> Error {
     )
 }
 
-fn validate_name(name: &str) -> Result<()> {
+/// Kafka's rule for topic names (`org.apache.kafka.common.internals.Topic.validate`): 1 to 249
+/// characters of `[a-zA-Z0-9._-]`, neither `.` nor `..`.
+pub(crate) fn validate_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 249
         && name != "."

@@ -277,4 +277,8 @@ impl PlatformBackend for KafkaPlatform {
     fn max_record_bytes_source(&self) -> Option<&'static str> {
         Some("message.max.bytes on the kafka:// URL")
     }
+
+    fn validate_topic(&self, topic: &str) -> Result<()> {
+        admin::validate_name(topic)
+    }
 }
