@@ -743,14 +743,29 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     )
     .await?;
     if let Some(p) = producer {
+        let to = a.to_topic.unwrap_or_default();
+        let mut refused = 0;
+        let mut first = None;
         for r in p.send_batch(std::mem::take(&mut copies)).await {
-            r?;
+            if let Err(e) = r {
+                refused += 1;
+                first.get_or_insert(e);
+            }
         }
         p.flush(Duration::from_secs(30)).await?;
-        warn_line!(
-            "onceflow: replayed {n} message(s) into '{}'",
-            a.to_topic.unwrap_or_default()
-        );
+        if let Some(e) = first {
+            consumer.close().await?;
+            // Every refusal would be the same story: the count, and the first one's reason.
+            return Err(Error::new(
+                e.kind(),
+                format!(
+                    "replayed {} of {n} message(s) into '{to}': {refused} refused, the first: {}",
+                    n as usize - refused,
+                    e.message()
+                ),
+            ));
+        }
+        warn_line!("onceflow: replayed {n} message(s) into '{to}'");
     }
     consumer.close().await?;
     Ok(exit_status(stopped))

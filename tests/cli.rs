@@ -792,3 +792,54 @@ fn a_topic_name_kafka_refuses_is_bad_input_before_anything_is_sent() {
         }
     }
 }
+
+/// `replay --to-topic` that cannot copy some messages says how many it copied and refused, with
+/// the first refusal's reason (it said only the first refusal).
+#[test]
+fn a_replay_that_cannot_copy_everything_counts_what_it_copied() {
+    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_URL") else {
+        eprintln!("skipped: ONCEFLOW_KAFKA_URL is not set (tests/brokers/up.sh kafka)");
+        return;
+    };
+    let src = format!("cli-replay-src-{:08x}", rand::random::<u32>());
+    let dst = format!("{src}-copy");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = onceflow::connect(&url).await.unwrap();
+        let producer = client
+            .producer(onceflow::ProducerConfig::new())
+            .await
+            .unwrap();
+        let records = (0..10)
+            .map(|i| {
+                let size = if i == 3 || i == 7 { 2000 } else { 500 };
+                onceflow::Record::new(src.clone(), vec![b'x'; size])
+            })
+            .collect();
+        for r in producer.send_batch(records).await {
+            r.unwrap();
+        }
+    });
+    let small = format!("{url}?message.max.bytes=1000");
+    let out = onceflow(&[
+        "replay",
+        "--url",
+        &small,
+        "-t",
+        &src,
+        "--from",
+        "earliest",
+        "--to-topic",
+        &dst,
+        "--idle-ms",
+        "1500",
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "replayed 8 of 10 message(s) into '{dst}': 2 refused, the first: "
+        )) && stderr.contains("message.max.bytes"),
+        "{stderr}"
+    );
+}
