@@ -641,11 +641,19 @@ fn a_signal_ends_produce_while_it_waits_for_input() {
     }
 }
 
+/// The test broker's URL (`ONCEFLOW_KAFKA_URL`); `None`, said on stderr, when it is not set.
+fn kafka_url() -> Option<String> {
+    let url = std::env::var("ONCEFLOW_KAFKA_URL").ok();
+    if url.is_none() {
+        eprintln!("skipped: ONCEFLOW_KAFKA_URL is not set (tests/brokers/up.sh kafka)");
+    }
+    url
+}
+
 /// `consume` commits every partition it printed from, not only those of its last batch.
 #[test]
 fn consume_commits_every_partition_it_read() {
-    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_URL") else {
-        eprintln!("skipped: ONCEFLOW_KAFKA_URL is not set (tests/brokers/up.sh kafka)");
+    let Some(url) = kafka_url() else {
         return;
     };
     let topic = format!("cli-commit-{:08x}", rand::random::<u32>());
@@ -747,8 +755,7 @@ fn a_bad_rust_log_is_reported_and_ignored() {
 /// a platform error, one per line of input (the newcomer check of the thirteenth session).
 #[test]
 fn a_topic_name_kafka_refuses_is_bad_input_before_anything_is_sent() {
-    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_URL") else {
-        eprintln!("skipped: ONCEFLOW_KAFKA_URL is not set (tests/brokers/up.sh kafka)");
+    let Some(url) = kafka_url() else {
         return;
     };
     let long = "a".repeat(250);
@@ -797,8 +804,7 @@ fn a_topic_name_kafka_refuses_is_bad_input_before_anything_is_sent() {
 /// the first refusal's reason (it said only the first refusal).
 #[test]
 fn a_replay_that_cannot_copy_everything_counts_what_it_copied() {
-    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_URL") else {
-        eprintln!("skipped: ONCEFLOW_KAFKA_URL is not set (tests/brokers/up.sh kafka)");
+    let Some(url) = kafka_url() else {
         return;
     };
     let src = format!("cli-replay-src-{:08x}", rand::random::<u32>());
