@@ -394,3 +394,30 @@ async def test_a_producer_from_before_fork_refuses_work_in_the_child(memory):
     assert os.WEXITSTATUS(status) == 0
     await producer.flush(30)
     await producer.close()
+
+
+async def test_a_loop_run_nested_in_a_coroutine_gets_its_own_futures(memory):
+    """A second loop run inside a coroutine of the first, with the running loop swapped as
+    nest_asyncio and sync bridges do: `send` there belongs to the loop actually running (the
+    first loop's `_thread_id` is still set while it waits for the nested run)."""
+    import asyncio.events as events
+
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send(topic, b"outer")  # this thread last saw the outer loop
+
+    async def inner():
+        fut = producer.send(topic, b"inner")
+        assert fut.get_loop() is asyncio.get_running_loop()
+        return await fut
+
+    outer = events._get_running_loop()
+    nested = asyncio.new_event_loop()
+    events._set_running_loop(None)
+    try:
+        d = nested.run_until_complete(inner())
+    finally:
+        events._set_running_loop(outer)
+        nested.close()
+    assert d.topic == topic
+    await producer.close()
