@@ -421,3 +421,28 @@ async def test_a_loop_run_nested_in_a_coroutine_gets_its_own_futures(memory):
         nested.close()
     assert d.topic == topic
     await producer.close()
+
+
+async def test_send_overridden_by_a_subclass_or_patched_on_the_class_is_the_one_called(memory):
+    """`Producer.send` stays a method of the class: a subclass's override is what its
+    instances call, and `mock.patch.object(onceflow.Producer, "send")` (a user's test double)
+    intercepts `producer.send` (no instance attribute shadows either)."""
+    from unittest import mock
+
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    calls = []
+
+    class Logged(onceflow.Producer):
+        def send(self, topic, payload, **kw):
+            calls.append(topic)
+            return super().send(topic, payload, **kw)
+
+    d = await Logged(producer.native).send(topic, b"through the subclass")
+    assert d.topic == topic
+    assert calls == [topic]
+
+    with mock.patch.object(onceflow.Producer, "send", autospec=True) as patched:
+        producer.send(topic, b"patched")
+    assert patched.call_count == 1
+    await producer.close()
