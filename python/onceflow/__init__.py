@@ -51,6 +51,9 @@ from typing import (
 )
 
 from . import _native, _otel
+
+# Whether OpenTelemetry is installed (fixed at import): one global read on `send`'s fast path.
+_OTEL = _otel.ENABLED
 from ._native import (
     AbortedError,
     ClosedError,
@@ -267,11 +270,6 @@ class Producer:
 
     def __init__(self, native: _native.Producer):
         self._native = native
-        if not _otel.ENABLED:
-            # Without OpenTelemetry, `send` has nothing to add in Python: the instance's `send`
-            # is the native method itself (same arguments, same result), so a call costs no
-            # Python frame, a tenth of a single send's time on the loop thread.
-            self.send = native.send
 
     @property
     def native(self) -> _native.Producer:
@@ -311,6 +309,15 @@ class Producer:
         coroutine or a loop callback); invalid arguments raise at the call, a record the
         platform refuses fails the future. It is not a coroutine: ``asyncio.ensure_future``
         returns it as is, ``asyncio.create_task`` does not take it (and needs not)."""
+        if (
+            key is None
+            and headers is None
+            and partition is None
+            and timestamp is None
+            and idempotency_key is None
+            and not _OTEL
+        ):
+            return self._native.send(topic, payload)  # no keyword dict to build and parse
         return _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
 
     async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:

@@ -572,13 +572,13 @@ impl Producer {
     fn send<'py>(
         &self,
         py: Python<'py>,
-        topic: String,
+        topic: &Bound<'py, PyAny>,
         payload: &Bound<'py, PyAny>,
         key: Option<&Bound<'py, PyAny>>,
         headers: Option<&Bound<'py, PyAny>>,
         partition: Option<&Bound<'py, PyAny>>,
         timestamp: Option<&Bound<'py, PyAny>>,
-        idempotency_key: Option<String>,
+        idempotency_key: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.check_fork(py)?;
         let record = convert::record(
@@ -607,13 +607,13 @@ impl Producer {
     #[allow(clippy::too_many_arguments)]
     fn send_nowait<'py>(
         &self,
-        topic: String,
+        topic: &Bound<'py, PyAny>,
         payload: &Bound<'py, PyAny>,
         key: Option<&Bound<'py, PyAny>>,
         headers: Option<&Bound<'py, PyAny>>,
         partition: Option<&Bound<'py, PyAny>>,
         timestamp: Option<&Bound<'py, PyAny>>,
-        idempotency_key: Option<String>,
+        idempotency_key: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<()> {
         self.check_fork(payload.py())?;
         let record = convert::record(
@@ -735,13 +735,13 @@ impl Transaction {
     fn send<'py>(
         &self,
         py: Python<'py>,
-        topic: String,
+        topic: &Bound<'py, PyAny>,
         payload: &Bound<'py, PyAny>,
         key: Option<&Bound<'py, PyAny>>,
         headers: Option<&Bound<'py, PyAny>>,
         partition: Option<&Bound<'py, PyAny>>,
         timestamp: Option<&Bound<'py, PyAny>>,
-        idempotency_key: Option<String>,
+        idempotency_key: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let record = convert::record(
             topic,

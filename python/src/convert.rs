@@ -15,6 +15,14 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString, PyTuple};
 use crate::errors::{config_err, py_result};
 
 /// The name of `v`'s type, for error messages.
+/// `v` as a `String`; a `TypeError` naming `what` and the type given otherwise (pyo3's own
+/// message names the argument only from CPython 3.11, in an exception note).
+pub fn text(what: &str, v: &Bound<'_, PyAny>, expected: &str) -> PyResult<String> {
+    v.extract::<String>().map_err(|_| {
+        PyTypeError::new_err(format!("{what}: expected {expected}, got {}", type_name(v)))
+    })
+}
+
 fn type_name(v: &Bound<'_, PyAny>) -> String {
     v.get_type()
         .name()
@@ -122,6 +130,32 @@ pub fn opt_timestamp(v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<i64>> {
 /// A record from its fields (the order of `onceflow.Record`).
 #[allow(clippy::too_many_arguments)]
 pub fn record(
+    topic: &Bound<'_, PyAny>,
+    payload: &Bound<'_, PyAny>,
+    key: Option<&Bound<'_, PyAny>>,
+    headers: Option<&Bound<'_, PyAny>>,
+    partition: Option<&Bound<'_, PyAny>>,
+    timestamp: Option<&Bound<'_, PyAny>>,
+    idempotency_key: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Record> {
+    let idempotency_key = match idempotency_key.filter(|k| !k.is_none()) {
+        Some(k) => Some(text("idempotency_key", k, "str or None")?),
+        None => None,
+    };
+    let topic = text("topic", topic, "str")?;
+    build(
+        topic,
+        payload,
+        key,
+        headers,
+        partition,
+        timestamp,
+        idempotency_key,
+    )
+}
+
+/// A record of a topic and idempotency key already converted.
+fn build(
     topic: String,
     payload: &Bound<'_, PyAny>,
     key: Option<&Bound<'_, PyAny>>,
@@ -159,23 +193,12 @@ pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
     let get =
         |i: usize| -> Option<Bound<'_, PyAny>> { (i < n).then(|| t.get_item(i).ok()).flatten() };
     let none_or = |i: usize| get(i).filter(|x| !x.is_none());
-    let topic = t.get_item(0)?;
-    let topic = topic.extract::<String>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "record topic: expected str, got {}",
-            type_name(&topic)
-        ))
-    })?;
+    let topic = text("record topic", &t.get_item(0)?, "str")?;
     let idempotency_key = match none_or(6) {
         None => None,
-        Some(k) => Some(k.extract::<String>().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "record idempotency_key: expected str or None, got {}",
-                type_name(&k)
-            ))
-        })?),
+        Some(k) => Some(text("record idempotency_key", &k, "str or None")?),
     };
-    record(
+    build(
         topic,
         &t.get_item(1)?,
         get(2).as_ref(),

@@ -177,6 +177,8 @@ mod imp {
         rx: UnixStream,
         /// [`FORK_EPOCH`] when made: a child process makes its own.
         epoch: u64,
+        /// `process` is scheduled on the loop and has not started yet.
+        scheduled: AtomicBool,
     }
 
     /// Bumped in a child process after `os.fork()` (`os.register_at_fork`), so a loop's waker
@@ -208,18 +210,48 @@ mod imp {
 
     #[pymethods]
     impl LoopWaker {
-        /// The loop's reader callback: resolves every queued future and polls every woken send.
-        fn drain(&self, py: Python<'_>) {
-            // Read the wake-up bytes before taking the queue: an entry queued after the take
-            // then finds the queue empty and writes a new byte, so none is left unwoken.
+        /// The loop's reader callback: takes the wake-up bytes and schedules [`process`]
+        /// with `loop.call_soon` (once until it starts).
+        ///
+        /// The queued work is not done here: it resumes tasks, whose code may run the loop
+        /// nested (`nest_asyncio`, as in Jupyter), and the nested loop then runs this reader
+        /// again, whose handle's context asyncio cannot enter twice: it raised "cannot enter
+        /// context" at every turn and the loop spun. A `call_soon` handle has a context of its
+        /// own each time.
+        ///
+        /// [`process`]: LoopWaker::process
+        fn drain(slf: &Bound<'_, Self>) -> PyResult<()> {
+            let this = slf.get();
+            // Read the wake-up bytes before `process` takes the queue: an entry queued after
+            // the take then finds the queue empty and writes a new byte, so none is left
+            // unwoken.
             let mut buf = [0u8; 512];
             loop {
-                match (&self.rx).read(&mut buf) {
+                match (&this.rx).read(&mut buf) {
                     Ok(n) if n == buf.len() => continue,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     _ => break,
                 }
             }
+            if this.scheduled.swap(true, Ordering::AcqRel) {
+                return Ok(());
+            }
+            let py = slf.py();
+            let scheduled = running_loop(py).and_then(|l| {
+                l.call_method1(
+                    intern!(py, "call_soon"),
+                    (slf.getattr(intern!(py, "process"))?,),
+                )
+            });
+            if scheduled.is_err() {
+                this.scheduled.store(false, Ordering::Release);
+            }
+            scheduled.map(drop)
+        }
+
+        /// Resolves every queued future and polls every woken send (scheduled by `drain`).
+        fn process(&self, py: Python<'_>) {
+            self.scheduled.store(false, Ordering::Release);
             let items = std::mem::take(&mut *self.shared.queue.lock());
             if items.is_empty() {
                 return;
@@ -254,11 +286,11 @@ mod imp {
 
     /// The running loop and its waker as last found on this thread (see [`current`]).
     struct Current {
+        /// What identifies the running loop cheaply (see [`current`]); held, so no other object
+        /// takes its address.
+        key: Py<PyAny>,
         event_loop: Py<PyAny>,
         waker: Option<Py<LoopWaker>>,
-        /// The loop's `_thread_id` object when found (held, so no other object takes its
-        /// address).
-        thread_id: Py<PyAny>,
         /// [`FORK_EPOCH`] when found.
         epoch: u64,
     }
@@ -270,40 +302,54 @@ mod imp {
     /// The running loop of this thread and its waker (`None` when the loop cannot hold one).
     /// Raises as [`running_loop`] does outside a coroutine.
     ///
-    /// `asyncio.get_running_loop()` makes a `getpid` system call per call on CPython before
-    /// 3.12 (its check for a forked child), a tenth of a single send's time on the loop thread.
-    /// So the loop found last on this thread is taken again while its `_thread_id` is the very
-    /// object it was then. `BaseEventLoop.run_forever` sets `_thread_id` to the ident of the
-    /// thread running it (a new int each run) and `None` once stopped, and a thread runs one
-    /// loop at a time: the loop is still running here. A fork bumps [`FORK_EPOCH`], which drops
-    /// the entry. Loops without `_thread_id` are asked every time.
+    /// The loop and its waker found last on this thread are taken again while the running loop
+    /// is the same, which is told by an object compared by identity:
+    /// - from CPython 3.12, the running loop itself: `asyncio.get_running_loop()` is cheap there;
+    /// - on CPython 3.10 and 3.11, whose `get_running_loop()` makes a `getpid` system call per
+    ///   call (a tenth of a single send's time on the loop thread), the holder object that
+    ///   asyncio's C `_set_running_loop` stores in the thread state dict under
+    ///   `__asyncio_running_event_loop__`: it makes a new one each time the running loop is set
+    ///   or cleared, nested loops (`nest_asyncio`) included. Without it (asyncio's pure-Python
+    ///   fallback), the loop is asked every time.
+    ///
+    /// A fork bumps [`FORK_EPOCH`], which drops the entry (a child inherits the holder of a loop
+    /// that is not running there).
     pub fn current(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Option<Py<LoopWaker>>)> {
         let epoch = FORK_EPOCH.load(Ordering::Acquire);
-        let cached = CURRENT.with_borrow(|c| {
-            c.as_ref().filter(|c| c.epoch == epoch).map(|c| {
-                (
-                    c.event_loop.clone_ref(py),
-                    c.waker.as_ref().map(|w| w.clone_ref(py)),
-                    c.thread_id.clone_ref(py),
-                )
-            })
-        });
-        if let Some((event_loop, waker, thread_id)) = cached {
-            let event_loop = event_loop.into_bound(py);
-            if thread_id_of(&event_loop).is_some_and(|id| id.is(&thread_id)) {
-                return Ok((event_loop, waker));
+        static CHEAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let cheap = *CHEAP.get_or_init(|| py.version_info() >= (3, 12));
+        let (key, running) = if cheap {
+            let l = running_loop(py)?;
+            (Some(l.clone()), Some(l))
+        } else {
+            (running_loop_holder(py), None)
+        };
+        if let Some(key) = &key {
+            let cached = CURRENT.with_borrow(|c| {
+                c.as_ref()
+                    .filter(|c| c.epoch == epoch && c.key.is(key))
+                    .map(|c| {
+                        (
+                            c.event_loop.clone_ref(py),
+                            c.waker.as_ref().map(|w| w.clone_ref(py)),
+                        )
+                    })
+            });
+            if let Some((event_loop, waker)) = cached {
+                return Ok((event_loop.into_bound(py), waker));
             }
         }
-        let event_loop = running_loop(py)?;
+        let event_loop = match running {
+            Some(l) => l,
+            None => running_loop(py)?,
+        };
         let waker = waker_for(py, &event_loop)?;
-        let entry = thread_id_of(&event_loop)
-            .filter(|id| is_this_thread(id))
-            .map(|thread_id| Current {
-                event_loop: event_loop.clone().unbind(),
-                waker: waker.as_ref().map(|w| w.clone_ref(py)),
-                thread_id: thread_id.unbind(),
-                epoch,
-            });
+        let entry = key.map(|key| Current {
+            key: key.unbind(),
+            event_loop: event_loop.clone().unbind(),
+            waker: waker.as_ref().map(|w| w.clone_ref(py)),
+            epoch,
+        });
         // The entry replaced (or dropped) is released after the borrow ends: its `Drop` may
         // run Python code.
         let old = CURRENT.with_borrow_mut(|c| std::mem::replace(c, entry));
@@ -311,19 +357,24 @@ mod imp {
         Ok((event_loop, waker))
     }
 
-    /// `event_loop._thread_id`, if it has one.
-    fn thread_id_of<'py>(event_loop: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
-        event_loop
-            .getattr(intern!(event_loop.py(), "_thread_id"))
-            .ok()
-    }
-
-    /// `id` is this thread's ident (`threading.get_ident()`).
+    /// The running-loop holder of CPython 3.10 / 3.11's C asyncio in this thread's state dict
+    /// (see [`current`]), if there is one.
     #[allow(unsafe_code)]
-    fn is_this_thread(id: &Bound<'_, PyAny>) -> bool {
-        // SAFETY: no precondition; the ident of the calling thread.
-        let here = unsafe { pyo3::ffi::PyThread_get_thread_ident() };
-        id.extract::<std::ffi::c_ulong>().is_ok_and(|id| id == here)
+    fn running_loop_holder(py: Python<'_>) -> Option<Bound<'_, PyAny>> {
+        // SAFETY: the GIL is held (`py`); the result is a borrowed reference or NULL, taken as
+        // a new strong reference at once.
+        let dict = unsafe {
+            let d = pyo3::ffi::PyThreadState_GetDict();
+            if d.is_null() {
+                return None;
+            }
+            Bound::from_borrowed_ptr(py, d)
+        };
+        dict.cast_into::<pyo3::types::PyDict>()
+            .ok()?
+            .get_item(intern!(py, "__asyncio_running_event_loop__"))
+            .ok()
+            .flatten()
     }
 
     static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -375,6 +426,7 @@ mod imp {
                 }),
                 rx,
                 epoch,
+                scheduled: AtomicBool::new(false),
             },
         )?;
         if event_loop.setattr(intern!(py, ATTR), &waker).is_err() {

@@ -186,6 +186,30 @@ async def test_callbacks_added_where_no_variable_is_set_each_start_from_none(pla
     await producer.close()
 
 
+async def test_the_same_loop_run_nested_resolves_sends(platform):
+    """A coroutine resumed by a send runs the same loop nested (as nest_asyncio's
+    run_until_complete does, in Jupyter): the nested turns resolve its next send. The queue's
+    reader once ran the resumed task inside its own handle, so the nested loop could not run
+    the reader again ("cannot enter context") and spun."""
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    loop = asyncio.get_running_loop()
+    await producer.send(topic, b"first")  # what follows runs where this send resumed the task
+    fut = producer.send(topic, b"nested")
+    errors = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    try:
+        for _ in range(10_000):
+            if fut.done():
+                break
+            loop._run_once()
+    finally:
+        loop.set_exception_handler(None)
+    assert fut.done() and errors == []
+    assert (await fut).topic == topic
+    await producer.close()
+
+
 async def test_a_raising_callback_goes_to_the_loop_exception_handler(memory):
     topic = await memory.topic()
     producer = await memory.client.producer()
