@@ -72,9 +72,8 @@ where
 {
     #[cfg(unix)]
     {
-        let (event_loop, waker) = imp::current(py)?;
-        if let Some(waker) = waker {
-            return imp::send(py, event_loop, &waker, fut, convert);
+        if let (_, Some(waker)) = imp::current(py)? {
+            return imp::send(py, &waker, fut, convert);
         }
     }
     deliver(py, fut, convert, false)
@@ -179,6 +178,59 @@ mod imp {
         epoch: u64,
         /// `process` is scheduled on the loop and has not started yet.
         scheduled: AtomicBool,
+        /// The loop, for its `SendFuture`s.
+        loop_ref: LoopRef,
+    }
+
+    /// A `SendFuture`'s event loop: a weak reference when the loop takes one, so that results
+    /// queued for a loop that closed before taking them (sends not awaited when `asyncio.run`
+    /// ends) do not keep the loop, its queue and its socket pair alive. The queue holds the
+    /// futures from Rust, where the cycle collector cannot see that cycle. A loop without weak
+    /// references is held strongly.
+    struct LoopRef {
+        obj: Py<PyAny>,
+        weak: bool,
+    }
+
+    static WEAKREF: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+    impl LoopRef {
+        fn new(event_loop: &Bound<'_, PyAny>) -> PyResult<LoopRef> {
+            let py = event_loop.py();
+            let weakref = WEAKREF.import(py, "weakref", "ref")?;
+            Ok(match weakref.call1((event_loop,)) {
+                Ok(r) => LoopRef {
+                    obj: r.unbind(),
+                    weak: true,
+                },
+                Err(_) => LoopRef {
+                    obj: event_loop.clone().unbind(),
+                    weak: false,
+                },
+            })
+        }
+
+        fn clone_ref(&self, py: Python<'_>) -> LoopRef {
+            LoopRef {
+                obj: self.obj.clone_ref(py),
+                weak: self.weak,
+            }
+        }
+
+        /// The loop; `RuntimeError` when it is gone.
+        fn get<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+            let obj = self.obj.bind(py);
+            if !self.weak {
+                return Ok(obj.clone());
+            }
+            let l = obj.call0()?;
+            if l.is_none() {
+                return Err(PyRuntimeError::new_err(
+                    "onceflow: the event loop of this SendFuture is gone",
+                ));
+            }
+            Ok(l)
+        }
     }
 
     /// Bumped in a child process after `os.fork()` (`os.register_at_fork`), so a loop's waker
@@ -427,6 +479,7 @@ mod imp {
                 rx,
                 epoch,
                 scheduled: AtomicBool::new(false),
+                loop_ref: LoopRef::new(event_loop)?,
             },
         )?;
         if event_loop.setattr(intern!(py, ATTR), &waker).is_err() {
@@ -526,7 +579,7 @@ mod imp {
         outcome: Outcome,
         /// Done-callbacks with their `contextvars.Context` (most futures get one at most).
         callbacks: Callbacks,
-        event_loop: Py<PyAny>,
+        event_loop: LoopRef,
         /// asyncio's marker of a future-like object; `True` while a task waits on it.
         #[pyo3(get, set, name = "_asyncio_future_blocking")]
         blocking: bool,
@@ -715,12 +768,12 @@ mod imp {
     /// Runs a done-callback now, in its context; an exception goes to the loop's exception
     /// handler, as one raised by a `call_soon` callback does.
     fn run_callback(
-        event_loop: &Bound<'_, PyAny>,
+        event_loop: &LoopRef,
         callback: Py<PyAny>,
         fut: &Bound<'_, SendFuture>,
         context: Option<Py<PyAny>>,
     ) {
-        let py = event_loop.py();
+        let py = fut.py();
         let ran = match context {
             Some(c) => c
                 .bind(py)
@@ -739,7 +792,9 @@ mod imp {
             )?;
             ctx.set_item("exception", e.clone_ref(py).into_value(py))?;
             ctx.set_item("future", fut)?;
-            event_loop.call_method1(intern!(py, "call_exception_handler"), (ctx,))?;
+            event_loop
+                .get(py)?
+                .call_method1(intern!(py, "call_exception_handler"), (ctx,))?;
             Ok(())
         };
         if let Err(e2) = report() {
@@ -774,26 +829,25 @@ mod imp {
             }
             (this.callbacks.take(), this.event_loop.clone_ref(py))
         };
-        let event_loop = event_loop.bind(py);
         for (callback, context) in callbacks {
-            run_callback(event_loop, callback, fut, context);
+            run_callback(&event_loop, callback, fut, context);
         }
     }
 
     impl SendFuture {
-        /// A pending future of `event_loop`.
+        /// A pending future of `waker`'s loop.
         ///
         /// It starts outside the cycle collector's lists ([`untrack`]): while pending, the
         /// references it holds (its loop, its done-callbacks) are given up when it completes,
         /// which every send does, and a `Delivery` holds nothing. It is tracked again when it
         /// gets an exception (or a cancel message), which can hold a cycle back to it.
-        fn pending(event_loop: Bound<'_, PyAny>) -> PyResult<Bound<'_, SendFuture>> {
+        fn pending<'py>(py: Python<'py>, waker: &LoopWaker) -> PyResult<Bound<'py, SendFuture>> {
             let fut = Bound::new(
-                event_loop.py(),
+                py,
                 SendFuture {
                     outcome: Outcome::Pending,
                     callbacks: Callbacks::default(),
-                    event_loop: event_loop.unbind(),
+                    event_loop: waker.loop_ref.clone_ref(py),
                     blocking: false,
                 },
             )?;
@@ -824,7 +878,7 @@ mod imp {
                 visit.call(callback)?;
                 visit.call(context)?;
             }
-            visit.call(&self.event_loop)
+            visit.call(&self.event_loop.obj)
         }
 
         /// Breaks a cycle through this future (run by the cycle collector only): drops its
@@ -883,7 +937,7 @@ mod imp {
                 }
                 this.event_loop.clone_ref(py)
             };
-            schedule(event_loop.bind(py), r#fn, slf, context)
+            schedule(&event_loop.get(py)?, r#fn, slf, context)
         }
 
         /// Removes every registration of `fn`; returns how many were removed.
@@ -936,15 +990,16 @@ mod imp {
                 this.blocking = false;
                 (this.callbacks.take(), this.event_loop.clone_ref(py))
             };
+            let event_loop = event_loop.get(py)?;
             for (callback, context) in callbacks {
-                schedule(event_loop.bind(py), callback, slf, context)?;
+                schedule(&event_loop, callback, slf, context)?;
             }
             Ok(true)
         }
 
-        /// The event loop this future belongs to.
-        fn get_loop(&self, py: Python<'_>) -> Py<PyAny> {
-            self.event_loop.clone_ref(py)
+        /// The event loop this future belongs to; `RuntimeError` once it is gone.
+        fn get_loop<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+            self.event_loop.get(py)
         }
 
         /// `SendFuture[Delivery]` in annotations, as `asyncio.Future[T]`.
@@ -1107,7 +1162,6 @@ mod imp {
 
     pub fn send<'py, F, R>(
         py: Python<'py>,
-        event_loop: Bound<'py, PyAny>,
         waker: &Py<LoopWaker>,
         fut: F,
         convert: Convert<R>,
@@ -1116,7 +1170,7 @@ mod imp {
         F: Future<Output = R> + Send + 'static,
         R: Send + 'static,
     {
-        let target = SendFuture::pending(event_loop)?;
+        let target = SendFuture::pending(py, waker.get())?;
         let task = Arc::new(SendTask {
             running: Mutex::new(Some(Running {
                 fut: Box::pin(fut),
@@ -1144,11 +1198,11 @@ mod imp {
     /// cannot hold onceflow's queue (no attribute dict). Raises `RuntimeError` outside a
     /// coroutine (no running loop).
     pub fn pending(py: Python<'_>) -> PyResult<Option<(Bound<'_, PyAny>, Completion)>> {
-        let (event_loop, waker) = current(py)?;
+        let (_, waker) = current(py)?;
         let Some(waker) = waker else {
             return Ok(None);
         };
-        let target = SendFuture::pending(event_loop)?;
+        let target = SendFuture::pending(py, waker.get())?;
         let completion = Completion {
             target: target.clone().unbind(),
             queue: Arc::downgrade(&waker.get().shared),

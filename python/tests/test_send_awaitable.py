@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import os
 import sys
+import time
 
 import pytest
 
@@ -208,6 +210,37 @@ async def test_the_same_loop_run_nested_resolves_sends(platform):
     assert fut.done() and errors == []
     assert (await fut).topic == topic
     await producer.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_sends_not_awaited_when_the_loop_ends_leave_no_loop_behind():
+    """A send not awaited when asyncio.run ends: its result is queued for a loop that is gone.
+    The queue held the future, the future its loop, the loop its queue (through Rust, unseen by
+    the cycle collector): every such run kept its loop and socket pair."""
+
+    async def make():
+        client = await onceflow.connect("memory://unawaited")
+        return await client.producer()
+
+    producer = asyncio.run(make())
+
+    async def once():
+        producer.send("t", b"x")  # not awaited
+
+    async def awaited():
+        await producer.send("t", b"last")
+
+    def fds():
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+
+    asyncio.run(awaited())
+    before = fds()
+    for _ in range(100):
+        asyncio.run(once())
+    asyncio.run(awaited())
+    time.sleep(0.5)  # the results of the sends not awaited reach their loops' queues
+    assert fds() - before < 20
 
 
 async def test_a_raising_callback_goes_to_the_loop_exception_handler(memory):
