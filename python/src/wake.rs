@@ -43,9 +43,8 @@ where
 {
     #[cfg(unix)]
     {
-        let (event_loop, waker) = imp::current(py)?;
-        if let Some(waker) = waker {
-            return imp::spawn(py, &event_loop, waker, fut, convert, cancellable);
+        if let Some(waker) = imp::current(py)? {
+            return imp::spawn(py, waker, fut, convert, cancellable);
         }
     }
     let _ = cancellable;
@@ -72,7 +71,7 @@ where
 {
     #[cfg(unix)]
     {
-        if let (_, Some(waker)) = imp::current(py)? {
+        if let Some(waker) = imp::current(py)? {
             return imp::send(py, &waker, fut, convert);
         }
     }
@@ -336,12 +335,11 @@ mod imp {
         Ok(())
     }
 
-    /// The running loop and its waker as last found on this thread (see [`current`]).
+    /// The running loop's waker as last found on this thread (see [`current`]).
     struct Current {
         /// What identifies the running loop cheaply (see [`current`]); held, so no other object
         /// takes its address.
         key: Py<PyAny>,
-        event_loop: Py<PyAny>,
         waker: Option<Py<LoopWaker>>,
         /// [`FORK_EPOCH`] when found.
         epoch: u64,
@@ -351,11 +349,10 @@ mod imp {
         static CURRENT: std::cell::RefCell<Option<Current>> = const { std::cell::RefCell::new(None) };
     }
 
-    /// The running loop of this thread and its waker (`None` when the loop cannot hold one).
-    /// Raises as [`running_loop`] does outside a coroutine.
+    /// The waker of this thread's running loop (`None` when the loop cannot hold one; the loop
+    /// itself is the waker's `loop_ref`). Raises as [`running_loop`] does outside a coroutine.
     ///
-    /// The loop and its waker found last on this thread are taken again while the running loop
-    /// is the same, which is told by an object compared by identity:
+    /// The waker found last on this thread is taken again while the running loop is the same, which is told by an object compared by identity:
     /// - from CPython 3.12, the running loop itself: `asyncio.get_running_loop()` is cheap there;
     /// - on CPython 3.10 and 3.11, whose `get_running_loop()` makes a `getpid` system call per
     ///   call (a tenth of a single send's time on the loop thread), the holder object that
@@ -366,7 +363,7 @@ mod imp {
     ///
     /// A fork bumps [`FORK_EPOCH`], which drops the entry (a child inherits the holder of a loop
     /// that is not running there).
-    pub fn current(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Option<Py<LoopWaker>>)> {
+    pub fn current(py: Python<'_>) -> PyResult<Option<Py<LoopWaker>>> {
         let epoch = FORK_EPOCH.load(Ordering::Acquire);
         static CHEAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let cheap = *CHEAP.get_or_init(|| py.version_info() >= (3, 12));
@@ -380,15 +377,10 @@ mod imp {
             let cached = CURRENT.with_borrow(|c| {
                 c.as_ref()
                     .filter(|c| c.epoch == epoch && c.key.is(key))
-                    .map(|c| {
-                        (
-                            c.event_loop.clone_ref(py),
-                            c.waker.as_ref().map(|w| w.clone_ref(py)),
-                        )
-                    })
+                    .map(|c| c.waker.as_ref().map(|w| w.clone_ref(py)))
             });
-            if let Some((event_loop, waker)) = cached {
-                return Ok((event_loop.into_bound(py), waker));
+            if let Some(waker) = cached {
+                return Ok(waker);
             }
         }
         let event_loop = match running {
@@ -398,7 +390,6 @@ mod imp {
         let waker = waker_for(py, &event_loop)?;
         let entry = key.map(|key| Current {
             key: key.unbind(),
-            event_loop: event_loop.clone().unbind(),
             waker: waker.as_ref().map(|w| w.clone_ref(py)),
             epoch,
         });
@@ -406,7 +397,7 @@ mod imp {
         // run Python code.
         let old = CURRENT.with_borrow_mut(|c| std::mem::replace(c, entry));
         drop(old);
-        Ok((event_loop, waker))
+        Ok(waker)
     }
 
     /// The running-loop holder of CPython 3.10 / 3.11's C asyncio in this thread's state dict
@@ -490,9 +481,10 @@ mod imp {
         Ok(Some(waker))
     }
 
+    /// An `asyncio.Future` of `waker`'s loop resolved with `convert(fut.await)`, `fut` running
+    /// on the bindings' runtime (see [`super::deliver`]).
     pub fn spawn<'py, F, R>(
         py: Python<'py>,
-        event_loop: &Bound<'py, PyAny>,
         waker: Py<LoopWaker>,
         fut: F,
         convert: Convert<R>,
@@ -502,7 +494,11 @@ mod imp {
         F: Future<Output = R> + Send + 'static,
         R: Send + 'static,
     {
-        let py_fut = event_loop.call_method0(intern!(py, "create_future"))?;
+        let py_fut = waker
+            .get()
+            .loop_ref
+            .get(py)?
+            .call_method0(intern!(py, "create_future"))?;
         let shared = waker.get().shared.clone();
         let handle = py_fut.clone().unbind();
         let task = onceflow_bindings::runtime().spawn(async move {
@@ -1198,8 +1194,7 @@ mod imp {
     /// cannot hold onceflow's queue (no attribute dict). Raises `RuntimeError` outside a
     /// coroutine (no running loop).
     pub fn pending(py: Python<'_>) -> PyResult<Option<(Bound<'_, PyAny>, Completion)>> {
-        let (_, waker) = current(py)?;
-        let Some(waker) = waker else {
+        let Some(waker) = current(py)? else {
             return Ok(None);
         };
         let target = SendFuture::pending(py, waker.get())?;
