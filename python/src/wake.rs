@@ -899,6 +899,27 @@ mod imp {
             matches!(self.outcome, Outcome::Cancelled(_))
         }
 
+        /// The `asyncio.CancelledError` (with the `cancel(msg)` message) a cancelled future
+        /// raises. Not public API: `asyncio.gather` calls it on a cancelled child (3.10+), and
+        /// without it a gather over sends with one cancelled never finished.
+        fn _make_cancelled_error(&self, py: Python<'_>) -> Py<PyAny> {
+            let msg = match &self.outcome {
+                Outcome::Cancelled(msg) => msg.as_ref().map(|m| m.clone_ref(py)),
+                _ => None,
+            };
+            cancelled_error(py, &msg).into_value(py).into_any()
+        }
+
+        /// The message given to `cancel(msg)`, or `None` (read by `asyncio.gather` of 3.10 and
+        /// 3.11 on a cancelled child).
+        #[getter]
+        fn _cancel_message(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+            match &self.outcome {
+                Outcome::Cancelled(msg) => msg.as_ref().map(|m| m.clone_ref(py)),
+                _ => None,
+            }
+        }
+
         /// The `Delivery`; raises the send's exception, `asyncio.CancelledError` when
         /// cancelled, `asyncio.InvalidStateError` while pending.
         fn result(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {

@@ -243,6 +243,26 @@ def test_sends_not_awaited_when_the_loop_ends_leave_no_loop_behind():
     assert fds() - before < 20
 
 
+async def test_gather_over_sends_with_one_cancelled(platform):
+    """asyncio.gather reads a cancelled child's error through `_make_cancelled_error`: without
+    it, gather over sends with one cancelled never finished (nor wait_for around it)."""
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    futs = [producer.send(topic, b"g") for _ in range(3)]
+    futs[1].cancel("not needed")
+    results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30)
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert results[0].topic == topic and results[2].topic == topic
+    futs = [producer.send(topic, b"g") for _ in range(3)]
+    futs[0].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.gather(*futs), 30)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*[producer.send(topic, b"t") for _ in range(20_000)]), 0)
+    await producer.flush(30)
+    await producer.close()
+
+
 async def test_a_raising_callback_goes_to_the_loop_exception_handler(memory):
     topic = await memory.topic()
     producer = await memory.client.producer()
