@@ -73,6 +73,32 @@ pub fn supported_schemes() -> Vec<&'static str> {
     v
 }
 
+/// Dedup and checkpoint store kinds this build can open with [`dedup_store`], for
+/// `onceflow --version` and error messages: `memory://` and `embedded` (a file path or
+/// `embedded:///path`) always, `redis://` and `postgres://` with their features.
+pub fn supported_stores() -> Vec<&'static str> {
+    let mut v = vec!["memory://", "embedded"];
+    if cfg!(feature = "redis") {
+        v.push("redis://");
+    }
+    if cfg!(feature = "postgres") {
+        v.push("postgres://");
+    }
+    v
+}
+
+/// The version line `onceflow --version` prints: the crate version, then the platforms and
+/// stores compiled into this build, e.g.
+/// `0.1.0 (platforms: memory:// kafka:// nats:// pulsar:// kinesis://; stores: memory:// embedded redis:// postgres://)`.
+pub fn version_line() -> String {
+    format!(
+        "{} (platforms: {}; stores: {})",
+        env!("CARGO_PKG_VERSION"),
+        supported_schemes().join(" "),
+        supported_stores().join(" ")
+    )
+}
+
 /// Connects to the platform named by `url`'s scheme: `memory://NAME` (feature `memory`).
 ///
 /// Errors: [`ErrorKind::Config`] for a malformed URL or an unknown scheme (the message names the

@@ -142,7 +142,13 @@ fn init_logging() {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    // `--version` names the platforms and stores compiled in, not just the number.
+    let version: &'static str = Box::leak(onceflow::version_line().into_boxed_str());
+    let parsed = <Cli as clap::CommandFactory>::command()
+        .version(version)
+        .try_get_matches()
+        .and_then(|m| <Cli as clap::FromArgMatches>::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();

@@ -33,6 +33,33 @@ fn field(summary: &str, name: &str) -> u64 {
 }
 
 #[test]
+fn version_names_the_compiled_in_platforms_and_stores() {
+    let out = onceflow(&["--version"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let line = text(&out.stdout);
+    assert!(
+        line.starts_with(&format!(
+            "onceflow {} (platforms: ",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{line}"
+    );
+    // The CLI is built with the default features: every platform and every store.
+    for name in [
+        "memory://",
+        "kafka://",
+        "nats://",
+        "pulsar://",
+        "kinesis://",
+        "embedded",
+        "redis://",
+        "postgres://",
+    ] {
+        assert!(line.contains(name), "{name} missing from {line}");
+    }
+}
+
+#[test]
 fn a_small_demo_crashes_restarts_and_ends_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
     let dedup = dir.path().join("dedup.db");
