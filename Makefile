@@ -2,7 +2,7 @@
 #   cargo run --release -- demo     the main job
 #   make test                       every test (starts the brokers itself)
 
-.PHONY: test test-unit demo lint bench brokers-up brokers-down doc
+.PHONY: test test-unit demo lint bench brokers-up brokers-down doc dist bench-check
 
 ## Every test, against real brokers started on loopback by tests/brokers/up.sh.
 test:
@@ -17,6 +17,12 @@ test-unit:
 demo:
 	cargo run --release -- demo
 
+## What `pip install onceflow` and `npm install onceflow` get, in dist/: the abi3 manylinux wheel
+## and the npm tarball with its prebuilt addon, every backend compiled in, release profile.
+dist:
+	bash python/dist.sh
+	bash node/dist.sh
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
@@ -26,6 +32,11 @@ doc:
 
 bench:
 	cargo run --release -p onceflow-bench
+
+## The headline benchmarks in short form, each figure next to the last recorded one
+## (benches/recorded.tsv); fails when one fell by more than 20 %.
+bench-check:
+	bash benches/check.sh
 
 brokers-up:
 	@tests/brokers/up.sh kafka nats

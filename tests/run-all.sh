@@ -39,3 +39,26 @@ export ONCEFLOW_REQUIRE_BROKERS=1
 cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log
 bash python/run-tests.sh 2>&1 | tee target/python-test-output.log
 bash node/run-tests.sh
+
+# Installs as users get them (tests/packaging/): the crates as published, a Rust user's crate
+# outside the workspace with one platform feature, the wheel and the npm tarball installed
+# with no Rust on PATH. Each runs the README's quick start against the brokers above.
+packaging=(
+    "tests/packaging/cargo-package.sh"
+    "tests/packaging/rust-user-crate.sh kafka $ONCEFLOW_KAFKA_URL"
+    "tests/packaging/rust-user-crate.sh jetstream $ONCEFLOW_NATS_URL"
+    "tests/packaging/python-wheel.sh $ONCEFLOW_KAFKA_URL $ONCEFLOW_NATS_URL"
+    "tests/packaging/node-tarball.sh $ONCEFLOW_KAFKA_URL $ONCEFLOW_NATS_URL"
+)
+passed=0 failed=()
+for t in "${packaging[@]}"; do
+    # shellcheck disable=SC2086  # each entry is a script and its arguments
+    if bash $t; then
+        passed=$((passed + 1))
+    else
+        failed+=("$t")
+    fi
+done
+for t in "${failed[@]}"; do log "packaging test failed: $t"; done
+echo "packaging: $passed passed, ${#failed[@]} failed"
+((${#failed[@]} == 0))

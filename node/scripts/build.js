@@ -11,11 +11,24 @@ const here = path.resolve(__dirname, '..')
 const args = process.argv.slice(2)
 const force = args.includes('--force') || process.env.ONCEFLOW_NODE_FORCE_BUILD === '1'
 const debug = args.includes('--debug') || process.env.ONCEFLOW_NODE_PROFILE === 'debug'
+// `--strip`: drop debug info from the copied addon (node/dist.sh, for the published package).
+const strip = args.includes('--strip')
 const binary = path.join(here, `onceflow.${process.platform}-${process.arch}.node`)
 
 if (!force && fs.existsSync(binary)) {
   console.log(`[onceflow] using prebuilt ${path.basename(binary)}`)
   process.exit(0)
+}
+
+// The addon builds from the onceflow repository only (its crate depends on the workspace's);
+// a published package carries a prebuilt binary instead.
+if (!fs.existsSync(path.join(here, 'Cargo.toml'))) {
+  console.error(
+    `[onceflow] this package has no prebuilt native addon for ${process.platform}-${process.arch} ` +
+      `(it has: ${fs.readdirSync(here).filter((f) => f.endsWith('.node')).join(', ') || 'none'}); ` +
+      'build one from a clone of the onceflow repository with `npm install ./node`'
+  )
+  process.exit(1)
 }
 
 const cargo = process.env.CARGO || 'cargo'
@@ -46,5 +59,12 @@ const built = path.join(targetDir, debug ? 'debug' : 'release', libName)
 // Copy to a temporary name and rename, so a running process never sees a half-written file.
 const tmp = `${binary}.tmp-${process.pid}`
 fs.copyFileSync(built, tmp)
+if (strip) {
+  const s = spawnSync('strip', ['--strip-debug', tmp], { stdio: 'inherit' })
+  if (s.status !== 0) {
+    console.error(`[onceflow] strip --strip-debug ${tmp} failed (exit ${s.status})`)
+    process.exit(s.status || 1)
+  }
+}
 fs.renameSync(tmp, binary)
 console.log(`[onceflow] built ${path.basename(binary)}`)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds the tarball users install with `npm install onceflow`: the package with the native
+# addon for this platform prebuilt inside it (`onceflow.<platform>-<arch>.node`, the napi-rs
+# "binary in the package" layout), so installing it runs no cargo. Every backend and store is
+# compiled in.
+#
+#   node/dist.sh [--profile release|dev] [--out DIR]      (default: release, dist/node)
+#
+# Prints the tarball's path on stdout and its size on stderr. `make dist` runs it; the
+# packaging test (tests/packaging/node-tarball.sh) runs it with `--profile dev` to reuse the
+# test build.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(dirname "$here")
+profile=release
+out=$root/dist/node
+while (($#)); do
+    case $1 in
+    --profile) profile=${2:?--profile needs release or dev}; shift 2 ;;
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    *) echo "node/dist.sh: unknown argument '$1' (expected --profile release|dev, --out DIR)" >&2; exit 2 ;;
+    esac
+done
+case $profile in
+release) flags=() ;;
+dev) flags=(--debug) ;;
+*) echo "node/dist.sh: --profile '$profile': expected release or dev" >&2; exit 2 ;;
+esac
+log() { printf '[node dist] %s\n' "$*" >&2; }
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+export npm_config_cache=${ONCEFLOW_NPM_CACHE:-$HOME/.cache/onceflow/npm}
+log "building the $profile addon (target dir $CARGO_TARGET_DIR)"
+(cd "$here" && node scripts/build.js --force --strip "${flags[@]}" >&2)
+rm -rf "$out"
+mkdir -p "$out"
+tarball=$(cd "$here" && npm pack --silent --pack-destination "$out")
+tarball=$out/$(tail -n 1 <<<"$tarball")
+[[ -f $tarball ]] || { log "npm pack made no tarball in $out"; exit 1; }
+binary="onceflow.$(node -p 'process.platform + "-" + process.arch').node"
+tar -tzf "$tarball" | grep -qx "package/$binary" || { log "$tarball lacks package/$binary"; exit 1; }
+log "$(basename "$tarball"): $(du -h "$tarball" | cut -f1) ($(stat -c %s "$tarball") bytes), with $binary"
+echo "$tarball"
