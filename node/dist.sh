@@ -12,20 +12,11 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$here")
-profile=release
-out=$root/dist/node
-while (($#)); do
-    case $1 in
-    --profile) profile=${2:?--profile needs release or dev}; shift 2 ;;
-    --out) out=${2:?--out needs a directory}; shift 2 ;;
-    *) echo "node/dist.sh: unknown argument '$1' (expected --profile release|dev, --out DIR)" >&2; exit 2 ;;
-    esac
-done
-case $profile in
-release) flags=() ;;
-dev) flags=(--debug) ;;
-*) echo "node/dist.sh: --profile '$profile': expected release or dev" >&2; exit 2 ;;
-esac
+DIST_NAME=node/dist.sh DIST_DEFAULT_OUT=$root/dist/node
+# shellcheck source=../tools/dist-args.sh
+source "$root/tools/dist-args.sh"
+flags=()
+[[ $profile == dev ]] && flags=(--debug)
 log() { printf '[node dist] %s\n' "$*" >&2; }
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}

@@ -11,20 +11,11 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$here")
-profile=release
-out=$root/dist/python
-while (($#)); do
-    case $1 in
-    --profile) profile=${2:?--profile needs release or dev}; shift 2 ;;
-    --out) out=${2:?--out needs a directory}; shift 2 ;;
-    *) echo "python/dist.sh: unknown argument '$1' (expected --profile release|dev, --out DIR)" >&2; exit 2 ;;
-    esac
-done
-case $profile in
-release) flags=(--release) ;;
-dev) flags=() ;;
-*) echo "python/dist.sh: --profile '$profile': expected release or dev" >&2; exit 2 ;;
-esac
+DIST_NAME=python/dist.sh DIST_DEFAULT_OUT=$root/dist/python
+# shellcheck source=../tools/dist-args.sh
+source "$root/tools/dist-args.sh"
+flags=()
+[[ $profile == release ]] && flags=(--release)
 log() { printf '[python dist] %s\n' "$*" >&2; }
 
 venv=${ONCEFLOW_PY_VENV:-$HOME/.cache/onceflow/venv-py}

@@ -38,3 +38,18 @@ expect_once() {
     n=$(grep -cF -- "$2" "$1" || true)
     [[ $n == 1 ]] || { echo "expected '$2' once, found it $n times in:" >&2; cat "$1" >&2; return 1; }
 }
+
+# packaging_test NAME: the common start of a packaging test. Defines `log` and `fail` (prefixed
+# with NAME), sets `root` (the checkout), `dir` (a temp dir removed on exit) and
+# CARGO_TARGET_DIR (the checkout's target dir unless set), and `bare_path` (PATH without Rust).
+packaging_test() {
+    PACKAGING_NAME=$1
+    log() { printf '[%s] %s\n' "$PACKAGING_NAME" "$*" >&2; }
+    fail() { log "FAILED: $*"; exit 1; }
+    root=$PACKAGING_ROOT
+    dir=$(mktemp -d "${TMPDIR:-/tmp}/onceflow-$1.XXXXXX")
+    # shellcheck disable=SC2064  # $dir is fixed now
+    trap "rm -rf '$dir'" EXIT
+    export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+    bare_path=$(path_without_rust) || fail "cannot hide the Rust toolchain"
+}

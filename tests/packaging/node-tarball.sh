@@ -14,17 +14,10 @@
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-root=$PACKAGING_ROOT
-log() { printf '[node-tarball] %s\n' "$*" >&2; }
-fail() { log "FAILED: $*"; exit 1; }
-
-dir=$(mktemp -d "${TMPDIR:-/tmp}/onceflow-npm.XXXXXX")
-trap 'rm -rf "$dir"' EXIT
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+packaging_test node-tarball
 export npm_config_cache=${ONCEFLOW_NPM_CACHE:-$HOME/.cache/onceflow/npm}
 tarball=$("$root/node/dist.sh" --profile "${ONCEFLOW_DIST_PROFILE:-dev}" --out "$CARGO_TARGET_DIR/dist-test/node")
 
-bare_path=$(path_without_rust) || fail "cannot hide the Rust toolchain"
 mkdir -p "$dir/app"
 (cd "$dir/app" && npm init -y >/dev/null &&
     PATH=$bare_path npm install --no-audit --no-fund --loglevel=error "$tarball" >"$dir/install.txt" 2>&1) ||

@@ -12,16 +12,9 @@
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-root=$PACKAGING_ROOT
-log() { printf '[python-wheel] %s\n' "$*" >&2; }
-fail() { log "FAILED: $*"; exit 1; }
-
-dir=$(mktemp -d "${TMPDIR:-/tmp}/onceflow-wheel.XXXXXX")
-trap 'rm -rf "$dir"' EXIT
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
+packaging_test python-wheel
 wheel=$("$root/python/dist.sh" --profile "${ONCEFLOW_DIST_PROFILE:-dev}" --out "$CARGO_TARGET_DIR/dist-test/python")
 
-bare_path=$(path_without_rust) || fail "cannot hide the Rust toolchain"
 "${PYTHON:-python3}" -m venv "$dir/venv"
 PATH=$bare_path "$dir/venv/bin/python" -m pip install -q --disable-pip-version-check --no-index "$wheel" ||
     fail "pip could not install $(basename "$wheel") without Rust"
