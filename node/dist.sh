@@ -29,6 +29,9 @@ tarball=$(cd "$here" && npm pack --silent --pack-destination "$out")
 tarball=$out/$(tail -n 1 <<<"$tarball")
 [[ -f $tarball ]] || { log "npm pack made no tarball in $out"; exit 1; }
 binary="onceflow.$(node -p 'process.platform + "-" + process.arch').node"
-tar -tzf "$tarball" | grep -qx "package/$binary" || { log "$tarball lacks package/$binary"; exit 1; }
+# The listing first: `grep -q` stops reading at the first match, and under pipefail the
+# SIGPIPE that then ends tar would fail the check.
+listing=$(tar -tzf "$tarball")
+grep -qx "package/$binary" <<<"$listing" || { log "$tarball lacks package/$binary"; exit 1; }
 log "$(basename "$tarball"): $(du -h "$tarball" | cut -f1) ($(stat -c %s "$tarball") bytes), with $binary"
 echo "$tarball"
