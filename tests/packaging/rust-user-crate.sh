@@ -50,7 +50,7 @@ cp "$root/Cargo.lock" "$dir/Cargo.lock"
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 start=$(date +%s)
-log "building $(grep -o 'onceflow = .*' "$dir/Cargo.toml") in $dir"
+log "building $(grep -o 'onceflow = {[^}]*}' "$dir/Cargo.toml") in $dir"
 (cd "$dir" && cargo build --quiet) || fail "the crate does not build"
 log "built in $(($(date +%s) - start))s; running it against $url"
 
