@@ -47,7 +47,7 @@ packaging_test() {
     log() { printf '[%s] %s\n' "$PACKAGING_NAME" "$*" >&2; }
     fail() { log "FAILED: $*"; exit 1; }
     root=$PACKAGING_ROOT
-    dir=$(mktemp -d "${TMPDIR:-/tmp}/onceflow-$1.XXXXXX")
+    dir=$(mktemp -d "${TMPDIR:-/tmp}/onceflow-${1// /-}.XXXXXX")
     # shellcheck disable=SC2064  # $dir is fixed now
     trap "rm -rf '$dir'" EXIT
     export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}

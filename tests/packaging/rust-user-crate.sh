@@ -14,14 +14,11 @@
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-root=$PACKAGING_ROOT
 feature=${1:?usage: rust-user-crate.sh FEATURE URL}
 url=${2:?usage: rust-user-crate.sh FEATURE URL}
-log() { printf '[rust-user-crate %s] %s\n' "$feature" "$*" >&2; }
-fail() { log "FAILED: $*"; exit 1; }
-
-dir=$(mktemp -d "${TMPDIR:-/tmp}/onceflow-user-crate-$feature.XXXXXX")
+packaging_test "rust-user-crate $feature"
 pid=
+# packaging_test's own EXIT trap removes $dir; this one also ends the crate's run if it is left.
 cleanup() {
     [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null || true
     rm -rf "$dir"
@@ -48,7 +45,6 @@ printf '%s\n' "$code" | sed -e "s/\"orders\"/\"orders-$suffix\"/g" -e "s/\"billi
     >"$dir/src/main.rs"
 cp "$root/Cargo.lock" "$dir/Cargo.lock"
 
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 start=$(date +%s)
 log "building $(grep -o 'onceflow = {[^}]*}' "$dir/Cargo.toml") in $dir"
 (cd "$dir" && cargo build --quiet) || fail "the crate does not build"
