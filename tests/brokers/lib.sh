@@ -12,7 +12,9 @@
 #   - everything binds to 127.0.0.1 only.
 #
 # Default ports (each overridable by the env variable named):
-#   kafka     19092  ONCEFLOW_KAFKA_PORT,  controller 19093 ONCEFLOW_KAFKA_CONTROLLER_PORT
+#   kafka     19092  ONCEFLOW_KAFKA_PORT,  controller 19093 ONCEFLOW_KAFKA_CONTROLLER_PORT,
+#             fault listener 19094 ONCEFLOW_KAFKA_FAULT_PORT (advertised as the fault proxy's
+#             19095, ONCEFLOW_KAFKA_FAULT_PROXY_PORT)
 #   nats      14222  ONCEFLOW_NATS_PORT,   monitor 18222    ONCEFLOW_NATS_MONITOR_PORT
 #   redis     16379  ONCEFLOW_REDIS_PORT
 #   postgres  15432  ONCEFLOW_POSTGRES_PORT

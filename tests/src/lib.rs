@@ -7,5 +7,6 @@ pub mod checkpoint_suite;
 pub mod crash;
 pub mod dedup_suite;
 pub mod engine_suite;
+pub mod fault_proxy;
 pub mod harness;
 pub mod interop;

@@ -3,6 +3,10 @@
 # 127.0.0.1:${ONCEFLOW_KAFKA_PORT:-19092}, controller ${ONCEFLOW_KAFKA_CONTROLLER_PORT:-19093}.
 # Jars come from Maven Central through pom.xml beside this script, cached in
 # $CACHE_DIR/kafka/libs. Replication factors are 1 so transactions work.
+# A second listener, FAULT, on 127.0.0.1:${ONCEFLOW_KAFKA_FAULT_PORT:-19094} advertises
+# 127.0.0.1:${ONCEFLOW_KAFKA_FAULT_PROXY_PORT:-19095}, where a test's fault proxy
+# (tests/src/fault_proxy.rs) listens and relays to it: a client bootstrapped at the proxy stays
+# behind it for every broker connection (ONCEFLOW_KAFKA_FAULT_URL, FAULT_UPSTREAM).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
@@ -10,6 +14,8 @@ SERVICE=kafka
 HERE="$BROKERS_DIR/kafka"
 PORT=${ONCEFLOW_KAFKA_PORT:-19092}
 CONTROLLER_PORT=${ONCEFLOW_KAFKA_CONTROLLER_PORT:-19093}
+FAULT_PORT=${ONCEFLOW_KAFKA_FAULT_PORT:-19094}
+FAULT_PROXY_PORT=${ONCEFLOW_KAFKA_FAULT_PROXY_PORT:-19095}
 BOOTSTRAP="127.0.0.1:$PORT"
 URL="kafka://$BOOTSTRAP"
 LIBS="$CACHE_DIR/kafka/libs"
@@ -56,6 +62,7 @@ version=${version%.jar}
 
 port_in_use "$PORT" && die "port $PORT is taken by a process we did not start"
 port_in_use "$CONTROLLER_PORT" && die "port $CONTROLLER_PORT is taken by a process we did not start"
+port_in_use "$FAULT_PORT" && die "port $FAULT_PORT is taken by a process we did not start"
 
 data=$(fresh_data_dir kafka)
 tmp_dir="$RUN_DIR/kafka-tmp" # JVM temp files (native libs), kept out of log.dirs
@@ -66,11 +73,11 @@ cat >"$props" <<PROPS
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$CONTROLLER_PORT
-listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$PORT
+listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT,FAULT://127.0.0.1:$FAULT_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$PORT,FAULT://127.0.0.1:$FAULT_PROXY_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,FAULT:PLAINTEXT
 log.dirs=$data
 num.partitions=1
 default.replication.factor=1
@@ -139,4 +146,6 @@ wait_until 60 tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$BOOT
     die "Kafka cannot create a topic"
 tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$BOOTSTRAP" \
     --delete --topic "$probe_topic" >&2 || die "Kafka cannot delete a topic"
-emit_env kafka "ONCEFLOW_KAFKA_URL=$URL"
+emit_env kafka "ONCEFLOW_KAFKA_URL=$URL" \
+    "ONCEFLOW_KAFKA_FAULT_URL=kafka://127.0.0.1:$FAULT_PROXY_PORT" \
+    "ONCEFLOW_KAFKA_FAULT_UPSTREAM=127.0.0.1:$FAULT_PORT"
