@@ -3,6 +3,13 @@
 # on loopback for the tests. Prints only KEY=VALUE lines on stdout:
 #   ONCEFLOW_PULSAR_URL=pulsar://127.0.0.1:16650
 #   ONCEFLOW_PULSAR_ADMIN_URL=http://127.0.0.1:18080
+#   ONCEFLOW_PULSAR_FAULT_URL=pulsar://127.0.0.1:16653
+#   ONCEFLOW_PULSAR_FAULT_UPSTREAM=127.0.0.1:16652
+# A second listener, `fault`, binds 127.0.0.1:${ONCEFLOW_PULSAR_FAULT_PORT:-16652} and
+# advertises 127.0.0.1:${ONCEFLOW_PULSAR_FAULT_PROXY_PORT:-16653}, where a test's fault proxy
+# (tests/src/fault_proxy.rs) listens and relays to it. The broker answers a lookup that names no
+# listener with the listener of the address the client connected to (PIP-95), so a client whose
+# service URL is the proxy is sent back to the proxy for every topic and stays behind it.
 # Jars come from Maven Central (pom.xml here), cached in $CACHE_DIR/pulsar/libs.
 # Ports: ONCEFLOW_PULSAR_PORT (16650), ONCEFLOW_PULSAR_ADMIN_PORT (18080),
 # ONCEFLOW_PULSAR_BOOKIE_PORT (13181). Extra JVM flags: ONCEFLOW_PULSAR_JAVA_OPTS.
@@ -15,6 +22,8 @@ source "$HERE/../lib.sh"
 PORT=${ONCEFLOW_PULSAR_PORT:-16650}
 ADMIN_PORT=${ONCEFLOW_PULSAR_ADMIN_PORT:-18080}
 BOOKIE_PORT=${ONCEFLOW_PULSAR_BOOKIE_PORT:-13181}
+FAULT_PORT=${ONCEFLOW_PULSAR_FAULT_PORT:-16652}
+FAULT_PROXY_PORT=${ONCEFLOW_PULSAR_FAULT_PROXY_PORT:-16653}
 START_TIMEOUT_S=${ONCEFLOW_PULSAR_START_TIMEOUT_S:-180}
 ADMIN_URL=http://127.0.0.1:$ADMIN_PORT
 PROBE_TOPIC=$ADMIN_URL/admin/v2/persistent/public/default/onceflow-probe
@@ -87,7 +96,7 @@ if [[ $(cat "$LIBS/.pom.sha256" 2>/dev/null) != "$POM_SUM" ]]; then
 fi
 
 # --- start ----------------------------------------------------------------------
-for p in "$PORT" "$ADMIN_PORT" "$BOOKIE_PORT"; do
+for p in "$PORT" "$ADMIN_PORT" "$BOOKIE_PORT" "$FAULT_PORT"; do
     ! port_in_use "$p" || die "port $p on 127.0.0.1 is already in use (not by our pulsar)"
 done
 
@@ -95,6 +104,13 @@ DATA=$(fresh_data_dir pulsar)
 sed -e "s/^brokerServicePort=.*/brokerServicePort=$PORT/" \
     -e "s/^webServicePort=.*/webServicePort=$ADMIN_PORT/" \
     "$HERE/standalone.conf" >"$DATA/standalone.conf"
+# The fault listener (PIP-61 advertised listeners, PIP-95 bind addresses): `internal` is the
+# brokerServicePort above, `fault` binds FAULT_PORT and advertises the proxy's FAULT_PROXY_PORT.
+cat >>"$DATA/standalone.conf" <<CONF
+advertisedListeners=internal:pulsar://127.0.0.1:$PORT,fault:pulsar://127.0.0.1:$FAULT_PROXY_PORT
+internalListenerName=internal
+bindAddresses=fault:pulsar://127.0.0.1:$FAULT_PORT
+CONF
 
 java_opts=(
     -Xms256m -Xmx1g -XX:MaxDirectMemorySize=384m
@@ -150,4 +166,6 @@ log "pulsar ready after ${SECONDS}s"
 
 emit_env pulsar \
     "ONCEFLOW_PULSAR_URL=pulsar://127.0.0.1:$PORT" \
-    "ONCEFLOW_PULSAR_ADMIN_URL=$ADMIN_URL"
+    "ONCEFLOW_PULSAR_ADMIN_URL=$ADMIN_URL" \
+    "ONCEFLOW_PULSAR_FAULT_URL=pulsar://127.0.0.1:$FAULT_PROXY_PORT" \
+    "ONCEFLOW_PULSAR_FAULT_UPSTREAM=127.0.0.1:$FAULT_PORT"
