@@ -253,9 +253,17 @@ struct BatchPrep {
 /// order, and what was set aside. No vector per record is made when every record is valid
 /// and no span is started (a batch of 20 000 records otherwise paid for three fresh vectors
 /// of that length).
-fn prepare_batch(
+fn prepare_batch(platform: &dyn PlatformBackend, records: Vec<Record>) -> (Vec<Record>, BatchPrep) {
+    prepare_batch_in(platform, records, &[])
+}
+
+/// [`prepare_batch`] where record `i`'s producer span is a child of `parents[i]` when that is
+/// given (see [`trace::SendSpans::on_send_in`]); records past the end of `parents`, or with
+/// `None`, get the usual parent (the current context, else their own `traceparent`).
+fn prepare_batch_in(
     platform: &dyn PlatformBackend,
     mut records: Vec<Record>,
+    parents: &[Option<opentelemetry::Context>],
 ) -> (Vec<Record>, BatchPrep) {
     let len = records.len();
     let mut failed = Vec::new();
@@ -266,7 +274,8 @@ fn prepare_batch(
     records.retain_mut(|r| {
         let i = index;
         index += 1;
-        match prepare_with(platform, limit, r, |r| send_spans.on_send(r)) {
+        let parent = parents.get(i).and_then(Option::as_ref);
+        match prepare_with(platform, limit, r, |r| send_spans.on_send_in(r, parent)) {
             Ok(cx) => {
                 if let Some(cx) = cx {
                     spans.push((i, cx));
@@ -436,7 +445,19 @@ impl Transaction {
         &mut self,
         records: Vec<Record>,
     ) -> crate::backend::DeliveriesFuture {
-        let (valid, prep) = prepare_batch(self.platform.as_ref(), records);
+        self.enqueue_batch_in(records, &[]).await
+    }
+
+    /// [`Transaction::enqueue_batch`] where record `i` is sent as a child of `parents[i]` when
+    /// that is given: a pipeline sends the outputs of many inputs in one batch, each output a
+    /// child of its input's process span (a `None`, or a record past the end of `parents`, gets
+    /// the usual parent: the current context, else its own `traceparent`).
+    pub(crate) async fn enqueue_batch_in(
+        &mut self,
+        records: Vec<Record>,
+        parents: &[Option<opentelemetry::Context>],
+    ) -> crate::backend::DeliveriesFuture {
+        let (valid, prep) = prepare_batch_in(self.platform.as_ref(), records, parents);
         let sent = match self.inner() {
             Ok(inner) => inner.enqueue_batch(valid).await,
             Err(e) => Box::pin(std::future::ready(each_closed(&valid, &e))),

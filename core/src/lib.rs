@@ -31,7 +31,7 @@ pub use client::{
 pub use dedup::{DedupStore, DedupStoreExt};
 pub use engine::{
     handler_fn, EngineConfig, Handler, IdempotentConsumer, KeyStrategy, OnFailure, Pipeline,
-    PipelineConfig, PipelineMode, RunSummary, Transform,
+    PipelineConfig, PipelineMode, RunSummary, Transform, TransformOutput,
 };
 pub use error::{
     is_secret_key, redact_credentials, redact_url, shown, BoxError, Error, ErrorKind, Result,

@@ -14,6 +14,15 @@ use opentelemetry::{global, KeyValue};
 
 use crate::backend::PartitionLag;
 
+/// Name of the OpenTelemetry counter of malformed `traceparent` headers ignored
+/// ([`MetricsSnapshot::malformed_traceparents`]). An engine's points carry
+/// `messaging.system` and `messaging.consumer.group.name`; those found outside an engine
+/// (a record sent with one, [`crate::trace::extract`] called directly) carry none.
+pub const MALFORMED_TRACEPARENTS: &str = "onceflow.malformed_traceparents";
+
+pub(crate) const MALFORMED_TRACEPARENTS_DESCRIPTION: &str =
+    "Malformed W3C traceparent headers ignored (the message was handled outside its trace)";
+
 /// A point-in-time copy of the engine's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MetricsSnapshot {
@@ -43,6 +52,10 @@ pub struct MetricsSnapshot {
     pub commits: u64,
     /// Records produced by a pipeline.
     pub produced: u64,
+    /// Messages whose `traceparent` header was malformed (W3C Trace Context §3.2: not
+    /// `version-traceid-parentid-flags` in lowercase hex, or an all-zero id) and was ignored:
+    /// the message was processed outside the trace its producer meant (a new trace, or none).
+    pub malformed_traceparents: u64,
 }
 
 #[derive(Default)]
@@ -60,6 +73,7 @@ struct Counts {
     fenced: AtomicU64,
     commits: AtomicU64,
     produced: AtomicU64,
+    malformed_traceparents: AtomicU64,
 }
 
 struct Instruments {
@@ -72,6 +86,7 @@ struct Instruments {
     transactions: Counter<u64>,
     rebalances: Counter<u64>,
     fenced: Counter<u64>,
+    malformed_traceparents: Counter<u64>,
     lag: Gauge<u64>,
 }
 
@@ -104,6 +119,8 @@ pub enum Metric {
     Commit,
     /// [`MetricsSnapshot::produced`]
     Produced,
+    /// [`MetricsSnapshot::malformed_traceparents`]
+    MalformedTraceparent,
 }
 
 /// Counters of one engine instance (an idempotent consumer or a pipeline). Cheap to clone.
@@ -167,6 +184,11 @@ impl Metrics {
             fenced: meter
                 .u64_counter("onceflow.fenced")
                 .with_unit("{event}")
+                .build(),
+            malformed_traceparents: meter
+                .u64_counter(MALFORMED_TRACEPARENTS)
+                .with_description(MALFORMED_TRACEPARENTS_DESCRIPTION)
+                .with_unit("{message}")
                 .build(),
             lag: meter
                 .u64_gauge("onceflow.lag")
@@ -244,6 +266,10 @@ impl Metrics {
             Metric::Produced => {
                 c.produced.fetch_add(n, Ordering::Relaxed);
             }
+            Metric::MalformedTraceparent => {
+                c.malformed_traceparents.fetch_add(n, Ordering::Relaxed);
+                o.malformed_traceparents.add(n, a);
+            }
         }
     }
 
@@ -287,6 +313,7 @@ impl Metrics {
             fenced: l(&c.fenced),
             commits: l(&c.commits),
             produced: l(&c.produced),
+            malformed_traceparents: l(&c.malformed_traceparents),
         }
     }
 }
@@ -301,7 +328,9 @@ mod tests {
         m.add(Metric::Consumed, 3);
         m.add(Metric::DuplicateSkipped, 1);
         m.add(Metric::TransactionCommitted, 2);
+        m.add(Metric::MalformedTraceparent, 1);
         let s = m.snapshot();
+        assert_eq!(s.malformed_traceparents, 1);
         assert_eq!(s.consumed, 3);
         assert_eq!(s.duplicates_skipped, 1);
         assert_eq!(s.transactions_committed, 2);

@@ -96,6 +96,15 @@ impl Headers {
         before - self.0.len()
     }
 
+    /// Removes every header whose name is `name` in any ASCII casing (`Traceparent` and
+    /// `traceparent` alike); returns how many were removed. For names a specification defines
+    /// case-insensitively, such as the W3C trace context headers.
+    pub fn remove_ignore_case(&mut self, name: &str) -> usize {
+        let before = self.0.len();
+        self.0.retain(|h| !h.name.eq_ignore_ascii_case(name));
+        before - self.0.len()
+    }
+
     /// The first header called `name`: `None` if absent, `Some(None)` if present and null.
     pub fn get(&self, name: &str) -> Option<Option<&Bytes>> {
         self.0

@@ -8,8 +8,17 @@
 //! - On receive, the context is extracted from the message headers; a `process {topic}` span of
 //!   kind `Consumer` is its child for one-message handling, or carries links to every message's
 //!   context for batch handling.
-//! - A malformed `traceparent` is ignored and counted ([`malformed_traceparents`]); it never
-//!   stops consumption.
+//! - A malformed `traceparent` is ignored and counted ([`malformed_traceparents`] for the
+//!   process, [`crate::MetricsSnapshot::malformed_traceparents`] per engine, and the
+//!   OpenTelemetry counter [`crate::metrics::MALFORMED_TRACEPARENTS`]); it never stops
+//!   consumption.
+//! - Header names are matched case-insensitively on read, replace and remove (`Traceparent`,
+//!   as some older clients write it, is the same header as `traceparent`; W3C Trace Context
+//!   §3.1 and §3.3 name the headers in lowercase and HTTP treats names case-insensitively):
+//!   after a send a record carries exactly one `traceparent` and at most one `tracestate`,
+//!   both under the lowercase W3C names. A record's own `tracestate` travels on when its own
+//!   `traceparent` is the trace continued, and is dropped when another trace (the caller's)
+//!   is: trace state belongs to the trace it came with (§3.3, §4.3).
 //!
 //! Spans go to the globally installed OpenTelemetry tracer provider; without one, no span is
 //! recorded but the caller's context still propagates (the no-op tracer keeps parent contexts).
@@ -22,9 +31,13 @@ use opentelemetry::propagation::{
     Extractor, Injector, TextMapCompositePropagator, TextMapPropagator,
 };
 use opentelemetry::trace::{Link, Span, SpanKind, TraceContextExt, Tracer};
-use opentelemetry::{global, Context, KeyValue};
+/// OpenTelemetry's context (re-exported): what [`extract`] returns and
+/// [`crate::TransformOutput::parent`] holds, nameable without depending on `opentelemetry`.
+pub use opentelemetry::Context;
+use opentelemetry::{global, KeyValue};
 use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
 
+use crate::metrics::{Metric, Metrics, MALFORMED_TRACEPARENTS, MALFORMED_TRACEPARENTS_DESCRIPTION};
 use crate::model::{Headers, Message, Record};
 
 /// Header carrying the W3C trace parent.
@@ -39,9 +52,28 @@ pub const SCOPE: &str = "onceflow";
 
 static MALFORMED: AtomicU64 = AtomicU64::new(0);
 
-/// How many malformed `traceparent` headers were ignored in this process.
+/// How many malformed `traceparent` headers were ignored in this process (engines and sends
+/// alike; an engine's own count is [`crate::MetricsSnapshot::malformed_traceparents`]).
 pub fn malformed_traceparents() -> u64 {
     MALFORMED.load(Ordering::Relaxed)
+}
+
+/// Counts one malformed `traceparent`: in the process total, and in `metrics` (the engine that
+/// met it, whose OpenTelemetry point carries its system and group) or, outside an engine, in
+/// the OpenTelemetry counter without attributes.
+fn count_malformed(metrics: Option<&Metrics>) {
+    MALFORMED.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!("ignoring malformed traceparent header");
+    match metrics {
+        Some(m) => m.add(Metric::MalformedTraceparent, 1),
+        // Rare: the instrument is looked up when needed, so it is the provider installed now.
+        None => global::meter(SCOPE)
+            .u64_counter(MALFORMED_TRACEPARENTS)
+            .with_description(MALFORMED_TRACEPARENTS_DESCRIPTION)
+            .with_unit("{message}")
+            .build()
+            .add(1, &[]),
+    }
 }
 
 fn propagator() -> &'static TextMapCompositePropagator {
@@ -81,8 +113,21 @@ impl Injector for HeaderWriter<'_> {
         if value.is_empty() && key == TRACESTATE {
             return;
         }
-        self.0.set(key, value.into_bytes());
+        replace(self.0, key, value.into_bytes());
     }
+}
+
+/// Replaces every header called `name`, in any casing, with one `name` (as the propagator
+/// spells it: lowercase) carrying `value`.
+fn replace(headers: &mut Headers, name: &str, value: impl Into<bytes::Bytes>) {
+    headers.remove_ignore_case(name);
+    headers.insert(name, value);
+}
+
+/// Removes `traceparent` and `tracestate` in any casing: what [`inject`] replaces.
+fn remove_trace_headers(headers: &mut Headers) {
+    headers.remove_ignore_case(TRACEPARENT);
+    headers.remove_ignore_case(TRACESTATE);
 }
 
 fn has_trace_headers(headers: &Headers) -> bool {
@@ -91,25 +136,39 @@ fn has_trace_headers(headers: &Headers) -> bool {
         .any(|h| h.name.eq_ignore_ascii_case(TRACEPARENT) || h.name.eq_ignore_ascii_case(BAGGAGE))
 }
 
-/// Extracts the trace context carried by `headers` (W3C trace context and baggage). Returns an
-/// empty context when there is none; a malformed `traceparent` is counted and ignored.
+/// Extracts the trace context carried by `headers` (W3C trace context and baggage; names in
+/// any casing). Returns an empty context when there is none; a malformed `traceparent` is
+/// counted (see [`malformed_traceparents`]) and ignored, with the `tracestate` that came
+/// with it (W3C Trace Context §4.3: without a valid parent, trace state is discarded).
 pub fn extract(headers: &Headers) -> Context {
+    extract_counted(headers, None)
+}
+
+/// The context `headers` carry when it names a valid span (W3C Trace Context §3.2), `None`
+/// otherwise: a parent to send records as children of, such as a binding's `process` span
+/// handed to the core as its W3C headers (see [`crate::TransformOutput::parent`]).
+pub fn extract_parent(headers: &Headers) -> Option<Context> {
+    let cx = extract(headers);
+    cx.span().span_context().is_valid().then_some(cx)
+}
+
+/// [`extract`], counting a malformed `traceparent` in `metrics` when given.
+fn extract_counted(headers: &Headers, metrics: Option<&Metrics>) -> Context {
     if !has_trace_headers(headers) {
         return Context::new();
     }
     let cx = propagator().extract_with_context(&Context::new(), &HeaderReader(headers));
     if HeaderReader(headers).get(TRACEPARENT).is_some() && !cx.span().span_context().is_valid() {
-        MALFORMED.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!("ignoring malformed traceparent header");
+        count_malformed(metrics);
     }
     cx
 }
 
-/// Writes `cx` into `headers`, replacing any earlier `traceparent`, `tracestate` and `baggage`.
-/// A context without a valid span writes no `traceparent`.
+/// Writes `cx` into `headers`, replacing any earlier `traceparent` and `tracestate` (and, when
+/// `cx` has baggage, `baggage`), whatever the casing of their names. A context without a valid
+/// span writes no `traceparent`, and an empty trace state no `tracestate`.
 pub fn inject(cx: &Context, headers: &mut Headers) {
-    headers.remove(TRACEPARENT);
-    headers.remove(TRACESTATE);
+    remove_trace_headers(headers);
     if cx.span().span_context().is_valid() || !cx.baggage().is_empty() {
         propagator().inject_context(cx, &mut HeaderWriter(headers));
     }
@@ -146,14 +205,26 @@ fn on_send_with(
     record: &mut Record,
 ) -> Option<Context> {
     let parent = parent_for_send(record);
-    let span = start_span(tracer, system, &parent, record);
+    send_in(tracer, system, &parent, record)
+}
+
+/// Starts the producer span for `record` as a child of `parent` and injects its context (or,
+/// for a span that records nothing, what propagates through it); returns the span context to
+/// end, `None` when there is nothing to end.
+fn send_in(
+    tracer: &global::BoxedTracer,
+    system: &'static str,
+    parent: &Context,
+    record: &mut Record,
+) -> Option<Context> {
+    let span = start_span(tracer, system, parent, record);
     if span.is_recording() {
         let cx = parent.with_span(span);
         inject(&cx, &mut record.headers);
         return Some(cx);
     }
     if span.span_context() == parent.span().span_context() {
-        inject(&parent, &mut record.headers);
+        inject(parent, &mut record.headers);
     } else {
         inject(&parent.with_span(span), &mut record.headers);
     }
@@ -216,12 +287,13 @@ impl SendSpans {
         if parent_is_current {
             if let PassThrough::Yes(injected) = &self.mode {
                 // What `inject` of the caller's context does to these headers.
-                record.headers.remove(TRACEPARENT);
-                record.headers.remove(TRACESTATE);
+                remove_trace_headers(&mut record.headers);
                 for h in injected.iter() {
-                    record
-                        .headers
-                        .set(&h.name, h.value.clone().unwrap_or_default());
+                    replace(
+                        &mut record.headers,
+                        &h.name,
+                        h.value.clone().unwrap_or_default(),
+                    );
                 }
                 return None;
             }
@@ -246,6 +318,16 @@ impl SendSpans {
         }
         inject(&cx, &mut record.headers);
         Some(cx)
+    }
+
+    /// [`SendSpans::on_send`] with an explicit parent: the producer span of `record` is a child
+    /// of `parent` (a pipeline's process span), whatever the current context or the record's
+    /// own trace headers say; those are replaced. `None` as `parent` is [`SendSpans::on_send`].
+    pub fn on_send_in(&mut self, record: &mut Record, parent: Option<&Context>) -> Option<Context> {
+        match parent {
+            Some(parent) => send_in(&self.tracer, self.system, parent, record),
+            None => self.on_send(record),
+        }
     }
 }
 
@@ -330,7 +412,17 @@ fn process_attributes(system: &'static str, message: &Message, group: &str) -> V
 /// Starts a `process {topic}` span (kind `Consumer`) as a child of the context the message
 /// carries, and returns the context to run the handler in.
 pub fn process_context(system: &'static str, group: &str, message: &Message) -> Context {
-    let parent = extract(&message.headers);
+    process_context_counted(system, group, message, None)
+}
+
+/// [`process_context`] for an engine: a malformed `traceparent` is counted in its `metrics`.
+pub(crate) fn process_context_counted(
+    system: &'static str,
+    group: &str,
+    message: &Message,
+    metrics: Option<&Metrics>,
+) -> Context {
+    let parent = extract_counted(&message.headers, metrics);
     let tracer = global::tracer(SCOPE);
     let span = tracer
         .span_builder(format!("process {}", message.topic))
@@ -418,6 +510,54 @@ mod tests {
             .get_str(TRACEPARENT)
             .unwrap()
             .contains("4bf92f3577b34da6a3ce929d0e0e4736"));
+    }
+
+    #[test]
+    fn trace_headers_are_replaced_whatever_their_case() {
+        let count = |h: &Headers, name: &str| {
+            h.iter()
+                .filter(|x| x.name.eq_ignore_ascii_case(name))
+                .count()
+        };
+        // No current context: the record's own trace continues, with its trace state.
+        let mut r = Record::new("t", "x")
+            .header("Traceparent", TP)
+            .header("TraceState", "congo=t61rcWkgMzE")
+            .header("x", "y");
+        on_send("memory", &mut r);
+        assert_eq!(count(&r.headers, TRACEPARENT), 1);
+        assert_eq!(count(&r.headers, TRACESTATE), 1);
+        assert_eq!(r.headers.get_str(TRACEPARENT), Some(TP));
+        assert_eq!(r.headers.get_str(TRACESTATE), Some("congo=t61rcWkgMzE"));
+        assert_eq!(r.headers.get_str("x"), Some("y"));
+        // Inside another trace: its context wins and the record's trace state goes with its
+        // trace.
+        let other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let _guard = extract(&Headers::new().with(TRACEPARENT, other)).attach();
+        for batch in [false, true] {
+            let mut r = Record::new("t", "x")
+                .header("TRACEPARENT", TP)
+                .header("Tracestate", "congo=t61rcWkgMzE");
+            if batch {
+                let mut spans = SendSpans::new("memory");
+                spans.on_send(&mut Record::new("t", "first"));
+                spans.on_send(&mut r);
+            } else {
+                on_send("memory", &mut r);
+            }
+            assert_eq!(count(&r.headers, TRACEPARENT), 1, "batch {batch}");
+            assert_eq!(r.headers.get_str(TRACEPARENT), Some(other), "batch {batch}");
+            assert_eq!(count(&r.headers, TRACESTATE), 0, "batch {batch}");
+        }
+    }
+
+    #[test]
+    fn a_malformed_traceparent_drops_its_tracestate() {
+        let mut r = Record::new("t", "x")
+            .header("Traceparent", "00-zz-01")
+            .header("tracestate", "a=b");
+        on_send("memory", &mut r);
+        assert!(r.headers.is_empty(), "{:?}", r.headers);
     }
 
     #[test]

@@ -701,8 +701,12 @@ impl Core {
         let mut attempt = 1u32;
         loop {
             let result = if self.config.tracing {
-                let cx =
-                    trace::process_context(self.consumer.platform(), self.consumer.group(), msg);
+                let cx = trace::process_context_counted(
+                    self.consumer.platform(),
+                    self.consumer.group(),
+                    msg,
+                    Some(&self.metrics),
+                );
                 let r = self
                     .handler
                     .handle(msg)
@@ -757,10 +761,11 @@ impl Core {
         let err = loop {
             let result = if self.config.tracing {
                 // One span for the call, in the context of its first message.
-                let cx = trace::process_context(
+                let cx = trace::process_context_counted(
                     self.consumer.platform(),
                     self.consumer.group(),
                     &msgs[0],
+                    Some(&self.metrics),
                 );
                 let r = self
                     .handler

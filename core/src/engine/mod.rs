@@ -22,7 +22,7 @@ mod pipeline;
 pub(crate) mod tracker;
 
 pub use idempotent::{IdempotentConsumer, RunSummary};
-pub use pipeline::{Pipeline, PipelineConfig, PipelineMode, Transform};
+pub use pipeline::{Pipeline, PipelineConfig, PipelineMode, Transform, TransformOutput};
 
 /// A user function giving a message's idempotency key.
 pub type KeyFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use opentelemetry::context::FutureExt as _;
 
 use super::idempotent::{drive, repeat_outcome, Core, RunSummary};
 use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
@@ -18,12 +19,43 @@ use crate::metrics::{Metric, Metrics};
 use crate::model::{Message, Position, Record, StartFrom, TopicPartition};
 
 /// Turns one input message into zero or more output records.
+///
+/// In every mode the pipeline runs the transform inside a `process {topic}` span (kind
+/// `Consumer`, a child of the producer span whose context the input carries; see
+/// [`crate::trace`]) and sends the outputs as children of that span, whatever trace headers
+/// the transform put on them (a copy of the input's headers, say): the transform's work and
+/// its outputs stay in the input's trace, one hop further.
 #[async_trait]
 pub trait Transform: Send + Sync {
     /// The outputs of `message`. Errors are retried with backoff (see
     /// [`EngineConfig::max_attempts`]). Output idempotency keys are set by the pipeline
     /// (`{input key}:{index}`); any set here are replaced.
     async fn transform(&self, message: &Message) -> std::result::Result<Vec<Record>, BoxError>;
+
+    /// [`Transform::transform`], plus the trace context the outputs are sent as children of.
+    /// The default calls `transform` and names none: the outputs are children of the
+    /// pipeline's process span. A transform that runs in a span of its own, recorded by
+    /// another tracer (a binding's `process` span in Python's or JavaScript's OpenTelemetry),
+    /// returns that span's context here so that the outputs are its children instead.
+    async fn transform_traced(
+        &self,
+        message: &Message,
+    ) -> std::result::Result<TransformOutput, BoxError> {
+        Ok(TransformOutput {
+            records: self.transform(message).await?,
+            parent: None,
+        })
+    }
+}
+
+/// What [`Transform::transform_traced`] returns.
+#[derive(Debug, Default)]
+pub struct TransformOutput {
+    /// The output records.
+    pub records: Vec<Record>,
+    /// The context the outputs' producer spans are children of; `None`: the pipeline's
+    /// process span for the input.
+    pub parent: Option<opentelemetry::Context>,
 }
 
 #[async_trait]
@@ -173,16 +205,25 @@ fn set_output_ids(input_key: Option<String>, outputs: &mut [Record]) {
 #[async_trait]
 impl Handler for OutputHandler {
     async fn handle(&self, message: &Message) -> std::result::Result<Option<Bytes>, BoxError> {
-        let mut outputs = self.transform.transform(message).await?;
+        // Runs inside the engine's process span (the current context): the outputs are its
+        // children unless the transform names another parent.
+        let TransformOutput {
+            records: mut outputs,
+            parent,
+        } = self.transform.transform_traced(message).await?;
         set_output_ids(self.key.key_of(message), &mut outputs);
         if outputs.is_empty() {
             return Ok(None);
         }
         let n = outputs.len() as u64;
+        let parent = parent.unwrap_or_else(opentelemetry::Context::current);
         if self.atomic && outputs.len() > 1 {
-            self.producer.send_atomic(outputs).await?;
+            self.producer
+                .send_atomic(outputs)
+                .with_context(parent)
+                .await?;
         } else {
-            for r in self.producer.send_batch(outputs).await {
+            for r in self.producer.send_batch(outputs).with_context(parent).await {
                 r?;
             }
         }
@@ -365,8 +406,9 @@ struct TxState {
     /// First input position per partition in the open transaction (rewind target).
     first: HashMap<TopicPartition, Position>,
     claims: Vec<Completion>,
-    /// Outputs of the current batch not sent yet.
-    pending: Vec<Record>,
+    /// Outputs of the current batch not sent yet, each with the context its producer span is
+    /// a child of (its input's process span; `None` without tracing).
+    pending: Vec<(Record, Option<opentelemetry::Context>)>,
     /// Delivery reports of outputs enqueued in the open transaction and not awaited yet: the
     /// next batch is read while they are in flight; all are awaited before the commit.
     in_flight: Vec<crate::backend::DeliveriesFuture>,
@@ -525,7 +567,7 @@ impl TxLoop<'_> {
                                 msg.position
                             ),
                         );
-                        if !self.dead_letter(&mut st, msg, &err, 1).await? {
+                        if !self.dead_letter(&mut st, msg, &err, 1, None).await? {
                             self.abort_and_rewind(&mut st, "conflict").await?;
                             return Err(err);
                         }
@@ -577,9 +619,11 @@ impl TxLoop<'_> {
         let core = self.core;
         let mut delays = core.config.backoff();
         let mut attempt = 1u32;
-        let outputs = loop {
-            match self.transform.transform(msg).await {
-                Ok(o) => break o,
+        let (outputs, parent) = loop {
+            // Each attempt in a process span of its own, as the idempotent mode's handler runs.
+            let (result, cx) = self.traced_transform(msg).await;
+            match result {
+                Ok(o) => break (o.records, o.parent.or(cx)),
                 Err(e) => {
                     let e = Error::handler(e);
                     core.metrics.add(Metric::HandlerError, 1);
@@ -590,7 +634,7 @@ impl TxLoop<'_> {
                             tokio::time::sleep(d).await;
                         }
                         _ => {
-                            if self.dead_letter(st, msg, &e, attempt).await? {
+                            if self.dead_letter(st, msg, &e, attempt, cx).await? {
                                 // Finished by the dead-letter record in this transaction; free
                                 // the key so a later replay of the message runs again.
                                 let _ = key;
@@ -621,11 +665,49 @@ impl TxLoop<'_> {
         let mut outputs = outputs;
         set_output_ids(core.config.key.key_of(msg), &mut outputs);
         let n = outputs.len() as u64;
-        // Sent with the rest of the batch (pipelined) by `flush`, before positions commit.
-        st.pending.extend(outputs);
+        // Sent with the rest of the batch (pipelined) by `flush`, before positions commit, each
+        // as a child of this input's process span.
+        st.pending
+            .extend(outputs.into_iter().map(|r| (r, parent.clone())));
         core.metrics.add(Metric::Produced, n);
         core.metrics.add(Metric::Processed, 1);
         Ok(true)
+    }
+
+    /// Runs the transform on `msg` inside a `process {topic}` span, child of the context `msg`
+    /// carries (a malformed `traceparent` counted in the engine's metrics), and ends the span.
+    /// Returns the result and the span's context (the outputs' parent), `None` when the
+    /// engine does not trace.
+    async fn traced_transform(
+        &self,
+        msg: &Message,
+    ) -> (
+        std::result::Result<TransformOutput, BoxError>,
+        Option<opentelemetry::Context>,
+    ) {
+        let core = self.core;
+        if !core.config.tracing {
+            return (self.transform.transform_traced(msg).await, None);
+        }
+        let cx = crate::trace::process_context_counted(
+            core.consumer.platform(),
+            core.consumer.group(),
+            msg,
+            Some(&core.metrics),
+        );
+        let result = self
+            .transform
+            .transform_traced(msg)
+            .with_context(cx.clone())
+            .await;
+        match &result {
+            Ok(_) => crate::trace::end(&cx, None),
+            Err(e) => {
+                let err = Error::new(ErrorKind::Handler, e.to_string());
+                crate::trace::end(&cx, Some(&err));
+            }
+        }
+        (result, Some(cx))
     }
 
     /// Enqueues the outputs gathered so far in the open transaction; their delivery reports
@@ -636,12 +718,13 @@ impl TxLoop<'_> {
         if st.pending.is_empty() {
             return Ok(true);
         }
-        let records = std::mem::take(&mut st.pending);
+        let (records, parents): (Vec<Record>, Vec<Option<opentelemetry::Context>>) =
+            std::mem::take(&mut st.pending).into_iter().unzip();
         let tx = st
             .tx
             .as_mut()
             .expect("pending outputs imply an open transaction");
-        let reports = tx.enqueue_batch(records).await;
+        let reports = tx.enqueue_batch_in(records, &parents).await;
         st.in_flight.push(reports);
         Ok(true)
     }
@@ -759,19 +842,21 @@ impl TxLoop<'_> {
         }
     }
 
-    /// Sends `msg` to the dead-letter topic inside the transaction if one is configured.
+    /// Sends `msg` to the dead-letter topic inside the transaction if one is configured, as a
+    /// child of `parent` (the failed attempt's process span) when given.
     async fn dead_letter(
         &self,
         st: &mut TxState,
         msg: &Message,
         err: &Error,
         attempts: u32,
+        parent: Option<opentelemetry::Context>,
     ) -> Result<bool> {
         let OnFailure::DeadLetter(topic) = &self.core.config.on_failure else {
             return Ok(false);
         };
         st.pending
-            .push(dead_letter_record(topic, msg, err, attempts));
+            .push((dead_letter_record(topic, msg, err, attempts), parent));
         self.core.metrics.add(Metric::DeadLettered, 1);
         Ok(true)
     }
