@@ -602,6 +602,11 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
     if !to_commit.is_empty() {
         consumer.commit(&to_commit).await?;
     }
+    if n.as_ref().is_ok_and(|(_, stopped)| stopped.is_none()) {
+        // Read to the end: also past transaction markers and aborted records after the last
+        // message (or instead of any message), or `onceflow lag` shows 1 or more for ever.
+        consumer.commit_skipped().await?;
+    }
     let (n, stopped) = n?;
     consumer.close().await?;
     warn_line!(

@@ -739,6 +739,87 @@ fn consume_commits_every_partition_it_read() {
     );
 }
 
+/// After transactional input (markers after each transaction, an aborted one at the end),
+/// `consume` commits past everything it skipped: `onceflow lag` shows 0, not 1 or more for ever
+/// (KAFKA-6607).
+#[test]
+fn consume_after_transactional_input_leaves_no_lag() {
+    let Some(url) = kafka_url() else {
+        return;
+    };
+    let topic = format!("cli-txn-{:08x}", rand::random::<u32>());
+    let group = format!("{topic}-g");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = onceflow::connect(&url).await.unwrap();
+        client
+            .admin()
+            .await
+            .unwrap()
+            .create_topic(&onceflow::TopicSpec::new(&topic, 1))
+            .await
+            .unwrap();
+        let producer = client
+            .producer(onceflow::ProducerConfig {
+                transactional_id: Some(format!("{topic}-tx")),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        for (t, commit) in [(0, true), (1, false), (2, true), (3, false)] {
+            let mut tx = producer.begin().await.unwrap();
+            for i in 0..3 {
+                tx.send(onceflow::Record::new(
+                    topic.clone(),
+                    format!("t{t}-{i}").into_bytes(),
+                ))
+                .await
+                .unwrap();
+            }
+            if commit {
+                tx.commit().await.unwrap();
+            } else {
+                tx.abort().await.unwrap();
+            }
+        }
+    });
+    let out = onceflow(&[
+        "consume",
+        "--url",
+        &url,
+        "-t",
+        &topic,
+        "-g",
+        &group,
+        "--idle-ms",
+        "3000",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        6,
+        "{}",
+        text(&out.stdout)
+    );
+    let shown = onceflow(&["lag", "--url", &url, "-t", &topic, "-g", &group]);
+    assert!(shown.status.success(), "{}", text(&shown.stderr));
+    assert!(
+        text(&shown.stdout).contains(": 0 message(s)"),
+        "onceflow lag: {}",
+        text(&shown.stdout)
+    );
+    let lag = rt.block_on(async {
+        let client = onceflow::connect(&url).await.unwrap();
+        let admin = client.admin().await.unwrap();
+        admin.group_lag(&group, &topic).await.unwrap()
+    });
+    assert!(
+        lag.iter()
+            .all(|l| l.messages == 0 && l.committed == l.high_watermark),
+        "committed past the markers and the aborted records: {lag:?}"
+    );
+}
+
 /// The library's warnings reach the command line's stderr: a memory dedup store too small for
 /// the demo's keys says that it evicted keys still inside their dedup window, which is why such
 /// a run can fail its exactly-once check.

@@ -51,6 +51,11 @@ pub struct Capabilities {
     pub compaction: bool,
     /// Lag can be reported in milliseconds as well as messages.
     pub lag_ms: bool,
+    /// Single messages of a platform batch are acknowledged on their own (Pulsar batch-index
+    /// acknowledgement, PIP-54, where the broker has `acknowledgmentAtBatchIndexLevelEnabled`
+    /// on). Without it an adapter holds the acknowledgements of a batch until all its messages
+    /// are settled, so a nacked or unfinished message is never acknowledged with its siblings.
+    pub batch_index_ack: bool,
 }
 
 /// The delivery guarantee a producer, consumer or pipeline actually runs with.
@@ -222,6 +227,17 @@ pub trait ProducerBackend: Send + Sync {
         ))
     }
 
+    /// Settles the outcome of a transaction whose commit ended with an unknown outcome
+    /// ([`crate::Error::outcome_unknown`]), so that the group's committed positions read
+    /// afterwards are final: Kafka re-initialises the transactional producer (InitProducerId
+    /// bumps the producer epoch, which fences the old producer and makes the transaction
+    /// coordinator finish the old transaction, committed or aborted; KIP-98). Call it before
+    /// reading committed positions to redo work; returns once settled, or the error that
+    /// prevented it (retry later). Default: nothing to settle.
+    async fn settle_transactions(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Waits until everything sent so far is acknowledged, at most `timeout`.
     async fn flush(&self, timeout: Duration) -> Result<()>;
 
@@ -289,6 +305,15 @@ pub trait ConsumerBackend: Send + Sync {
     /// Commits, for each partition, the position of the last finished message: the group resumes
     /// after it. Partitions no longer assigned are fenced ([`crate::ErrorKind::Fenced`]).
     async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()>;
+
+    /// Commits positions the platform moved past without delivering anything, where everything
+    /// delivered before is committed: on Kafka, transaction markers and aborted transactions'
+    /// records after the last delivered record, which would otherwise keep the committed offset
+    /// short of the end and lag above 0 for ever (KAFKA-6607). The engine calls it when it has
+    /// nothing else to commit, at most once per commit interval. Default: nothing to do.
+    async fn commit_skipped(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// The group's committed position (next to read) for each partition, `None` where nothing is
     /// committed.

@@ -228,6 +228,19 @@ impl Producer {
         })
     }
 
+    /// Settles a transaction whose commit ended with an unknown outcome
+    /// ([`Error::outcome_unknown`]): returns once it is committed or aborted for good, so that
+    /// committed positions read afterwards are final (Kafka: re-initialises the producer with a
+    /// new epoch, KIP-98). A no-op where nothing is unsettled or the platform has no
+    /// transactions.
+    ///
+    /// # Errors
+    /// The platform's error when it cannot be reached (retriable: call again), or
+    /// [`ErrorKind::Fenced`] when another producer took over the transactional id.
+    pub async fn settle_transactions(&self) -> Result<()> {
+        self.inner.settle_transactions().await
+    }
+
     /// Waits until everything sent is acknowledged, at most `timeout`.
     pub async fn flush(&self, timeout: Duration) -> Result<()> {
         self.inner.flush(timeout).await
@@ -476,6 +489,14 @@ impl Transaction {
     }
 
     /// Commits the transaction.
+    ///
+    /// # Errors
+    /// An error with [`Error::outcome_unknown`] (a commit that timed out) means the transaction
+    /// may have committed or may still commit. The producer settles it before this returns
+    /// where it can (Kafka: re-initialised with a new epoch, which fences the old producer and
+    /// makes the coordinator finish the transaction); where it could not, the message says so
+    /// and [`Producer::settle_transactions`] must succeed before the group's committed positions
+    /// are read to decide what to redo, or the redone work may be written twice.
     pub async fn commit(mut self) -> Result<()> {
         let inner = self
             .inner
@@ -542,6 +563,15 @@ impl Consumer {
     /// Commits, per partition, the last finished message's position (the group resumes after it).
     pub async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.inner.commit(positions).await
+    }
+
+    /// Commits, for partitions where everything delivered is committed, the position the
+    /// platform moved past without delivering anything (Kafka: transaction markers and aborted
+    /// records, KAFKA-6607), so that lag reaches 0 after transactional input. A no-op where
+    /// there is nothing such (and on platforms without offsets). Call it when idle; the engine
+    /// does so itself.
+    pub async fn commit_skipped(&self) -> Result<()> {
+        self.inner.commit_skipped().await
     }
 
     /// Commits everything up to and including `message` in its partition.

@@ -2,8 +2,8 @@
 //! `ConsumerContext` whose rebalance callback (served inside [`ConsumerBackend::poll`]) drives
 //! onceflow's [`RebalanceListener`] with KIP-429 incremental cooperative assignment.
 
-use std::collections::{BTreeSet, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +25,158 @@ use crate::config::KafkaConfig;
 use crate::errors;
 use crate::CAPABILITIES;
 
+/// What this member has seen of each assigned partition, so that a commit covers the offsets
+/// Kafka never delivers: transaction markers (one offset after every transaction's records)
+/// and records of aborted transactions. Committing "last finished + 1" alone leaves the
+/// committed offset short of the end for ever after transactional input, and lag at 1 or more
+/// (KAFKA-6607; librdkafka moves its application position past a control record when it serves
+/// one, since v1.4.0).
+///
+/// At the end of every poll the delivered offsets and librdkafka's application position
+/// (`rd_kafka_position`) are recorded together. Every offset between the highest delivered one
+/// and that position was served without being delivered, and every later delivery is at or
+/// past it, so where the finished position is the highest delivered one, committing the
+/// recorded position skips nothing. A seek resets the position (librdkafka does the same).
+#[derive(Default)]
+pub(crate) struct Progress {
+    parts: Mutex<HashMap<TopicPartition, Seen>>,
+    /// Bumped on every seek, assignment and revocation: a poll that started before one does not
+    /// record the positions it read.
+    epoch: AtomicU64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Seen {
+    /// Highest offset delivered since the partition was assigned.
+    delivered: Option<i64>,
+    /// librdkafka's application position right after the deliveries above (the offset after the
+    /// last record or control record it served), since the last seek.
+    position: Option<i64>,
+    /// The next offset this member last committed (plainly or in a transaction).
+    committed: Option<i64>,
+}
+
+impl Progress {
+    fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Records a poll's deliveries and the positions read after them, taken in a poll that
+    /// started at `epoch`.
+    fn observe(&self, epoch: u64, delivered: &[Message], positions: Option<&TopicPartitionList>) {
+        // The highest offset per partition first (a poll holds few partitions), then one map
+        // entry each.
+        let mut highest: Vec<(&str, i32, i64)> = Vec::new();
+        for m in delivered {
+            let Some(o) = m.position.as_offset() else {
+                continue;
+            };
+            match highest
+                .iter_mut()
+                .find(|(t, p, _)| *p == m.partition && *t == m.topic)
+            {
+                Some((_, _, h)) => *h = (*h).max(o),
+                None => highest.push((&m.topic, m.partition, o)),
+            }
+        }
+        let mut parts = self.parts.lock();
+        for (topic, partition, o) in highest {
+            let seen = parts
+                .entry(TopicPartition::new(topic, partition))
+                .or_default();
+            seen.delivered = Some(seen.delivered.map_or(o, |d| d.max(o)));
+        }
+        if self.epoch() != epoch {
+            return;
+        }
+        for e in positions.map(|p| p.elements()).unwrap_or_default() {
+            if let Offset::Offset(o) = e.offset() {
+                let tp = TopicPartition::new(e.topic(), e.partition());
+                parts.entry(tp).or_default().position = Some(o);
+            }
+        }
+    }
+
+    /// Forgets partitions assigned anew or revoked.
+    fn forget(&self, tps: &[TopicPartition]) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        let mut parts = self.parts.lock();
+        for tp in tps {
+            parts.remove(tp);
+        }
+    }
+
+    /// After a seek of `tp`: the position recorded before it no longer holds.
+    fn sought(&self, tp: &TopicPartition) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        if let Some(seen) = self.parts.lock().get_mut(tp) {
+            seen.position = None;
+        }
+    }
+
+    /// The offset to commit for `tp` when every message up to offset `last` is finished: the
+    /// recorded position where nothing delivered lies past `last`, else `last + 1`.
+    pub(crate) fn next_offset(&self, tp: &TopicPartition, last: i64) -> i64 {
+        match self.parts.lock().get(tp) {
+            Some(Seen {
+                delivered: Some(d),
+                position: Some(p),
+                ..
+            }) if *d == last && *p > last + 1 => *p,
+            _ => last + 1,
+        }
+    }
+
+    /// Partitions of `assigned` whose recorded position is past what this member committed
+    /// while nothing delivered is left uncommitted: only markers and aborted records lie
+    /// between (or nothing was delivered since the assignment). Their next offsets.
+    fn skipped(&self, assigned: &BTreeSet<TopicPartition>) -> Vec<(TopicPartition, i64)> {
+        let parts = self.parts.lock();
+        assigned
+            .iter()
+            .filter_map(|tp| {
+                let seen = parts.get(tp)?;
+                let p = seen.position?;
+                let settled = match seen.delivered {
+                    None => true,
+                    // Committed past the last delivered record (at its next offset, or
+                    // already past markers after it).
+                    Some(d) => seen.committed.is_some_and(|c| c > d),
+                };
+                (settled && seen.committed.is_none_or(|c| p > c)).then(|| (tp.clone(), p))
+            })
+            .collect()
+    }
+
+    /// Records offsets committed (next offsets).
+    pub(crate) fn committed(&self, offsets: impl IntoIterator<Item = (TopicPartition, i64)>) {
+        let mut parts = self.parts.lock();
+        for (tp, next) in offsets {
+            let seen = parts.entry(tp).or_default();
+            seen.committed = Some(seen.committed.map_or(next, |c| c.max(next)));
+        }
+    }
+
+    /// The offsets to commit for "last finished" positions.
+    fn commit_offsets(
+        &self,
+        positions: &[(TopicPartition, Position)],
+    ) -> Result<Vec<(TopicPartition, i64)>> {
+        positions
+            .iter()
+            .map(|(tp, p)| Ok((tp.clone(), self.next_offset(tp, offset_of(p)?))))
+            .collect()
+    }
+}
+
+/// The Kafka consumer's group metadata as carried in [`GroupMetadata::native`]: librdkafka's
+/// metadata for `send_offsets_to_transaction` and the consumer's [`Progress`], so that a
+/// transaction commits the same offsets a plain commit would.
+pub(crate) struct KafkaGroupMetadata {
+    pub(crate) native: rdkafka::consumer::ConsumerGroupMetadata,
+    pub(crate) progress: Arc<Progress>,
+}
+
 /// State shared between the consumer handle and librdkafka's callbacks.
 pub(crate) struct Ctx {
     listener: RwLock<Option<Arc<dyn RebalanceListener>>>,
@@ -37,6 +189,7 @@ pub(crate) struct Ctx {
     generation: AtomicI64,
     timeout: Duration,
     group: String,
+    progress: Arc<Progress>,
 }
 
 impl ClientContext for Ctx {}
@@ -152,6 +305,7 @@ impl Ctx {
             return;
         }
         self.seen.lock().extend(fresh);
+        self.progress.forget(&tps);
         self.assignment.lock().extend(tps.iter().cloned());
         self.generation.fetch_add(1, Ordering::AcqRel);
         if let Some(l) = self.listener() {
@@ -167,7 +321,11 @@ impl Ctx {
             } else {
                 let positions = l.on_revoked(&tps);
                 if !positions.is_empty() {
-                    match commit_tpl(&positions) {
+                    match self
+                        .progress
+                        .commit_offsets(&positions)
+                        .and_then(|o| commit_tpl(&o))
+                    {
                         Ok(ctpl) => {
                             if let Err(e) = c.commit(&ctpl, CommitMode::Sync) {
                                 tracing::warn!(group = %self.group, error = %e, "kafka: commit on revocation failed");
@@ -187,6 +345,7 @@ impl Ctx {
         if let Err(e) = res {
             tracing::error!(error = %e, "kafka: unassign failed");
         }
+        self.progress.forget(&tps);
         {
             let mut a = self.assignment.lock();
             if matches!(c.rebalance_protocol(), RebalanceProtocol::Cooperative) {
@@ -223,13 +382,12 @@ impl ConsumerContext for Ctx {
     }
 }
 
-/// Offsets to commit for "last finished" positions: the next offset to read (offset + 1).
-fn commit_tpl(positions: &[(TopicPartition, Position)]) -> Result<TopicPartitionList> {
-    let mut tpl = TopicPartitionList::with_capacity(positions.len());
-    for (tp, p) in positions {
-        let o = offset_of(p)?;
-        tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(o + 1))
-            .map_err(|e| errors::map(e, format_args!("offset {} of {tp}", o + 1)))?;
+/// The list to commit for next offsets (see [`Progress::commit_offsets`]).
+fn commit_tpl(offsets: &[(TopicPartition, i64)]) -> Result<TopicPartitionList> {
+    let mut tpl = TopicPartitionList::with_capacity(offsets.len());
+    for (tp, next) in offsets {
+        tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(*next))
+            .map_err(|e| errors::map(e, format_args!("offset {next} of {tp}")))?;
     }
     Ok(tpl)
 }
@@ -389,6 +547,7 @@ impl KafkaConsumer {
             generation: AtomicI64::new(0),
             timeout: kafka.timeout,
             group: config.group.clone(),
+            progress: Arc::new(Progress::default()),
         };
         let native: BaseConsumer<Ctx> = c.create_with_context(ctx).map_err(|e| {
             errors::map(
@@ -503,9 +662,41 @@ impl KafkaConsumer {
                     .map_err(|e| errors::map(e, format_args!("start of {tp}")))?
                     .unwrap_or(Offset::Stored),
             };
-            seek_retrying(c, &tp, offset, timeout)
+            let r = seek_retrying(c, &tp, offset, timeout);
+            c.context().progress.sought(&tp);
+            r
         })
         .await
+    }
+
+    fn progress(&self) -> &Arc<Progress> {
+        &self.ctx().progress
+    }
+
+    /// Commits next offsets, fenced unless every partition is assigned to this member.
+    async fn commit_next(&self, offsets: Vec<(TopicPartition, i64)>) -> Result<()> {
+        let tpl = commit_tpl(&offsets)?;
+        {
+            let a = self.ctx().assignment.lock();
+            if let Some((tp, _)) = offsets.iter().find(|(tp, _)| !a.contains(tp)) {
+                return Err(Error::new(
+                    ErrorKind::Fenced,
+                    format!(
+                        "commit of {tp} by '{}' of group '{}' is fenced: the partition is not \
+                         assigned to this member",
+                        self.client_id, self.group
+                    ),
+                ));
+            }
+        }
+        let group = self.group.clone();
+        self.blocking("commit", move |c| {
+            c.commit(&tpl, CommitMode::Sync)
+                .map_err(|e| errors::map(e, format_args!("commit of group '{group}'")))
+        })
+        .await?;
+        self.progress().committed(offsets);
+        Ok(())
     }
 }
 
@@ -549,6 +740,8 @@ impl ConsumerBackend for KafkaConsumer {
         let max = max.max(1);
         let group = self.group.clone();
         self.blocking("poll", move |c| {
+            let progress = c.context().progress.clone();
+            let epoch = progress.epoch();
             let deadline = Instant::now() + timeout;
             let mut out = Vec::with_capacity(max.min(1024));
             while out.len() < max {
@@ -573,6 +766,9 @@ impl ConsumerBackend for KafkaConsumer {
                     }
                 }
             }
+            // After the deliveries: where librdkafka stands past them (see [`Progress`]).
+            let positions = c.position().ok();
+            progress.observe(epoch, &out, positions.as_ref());
             Ok(out)
         })
         .await
@@ -582,26 +778,22 @@ impl ConsumerBackend for KafkaConsumer {
         if positions.is_empty() {
             return Ok(());
         }
-        let tpl = commit_tpl(positions)?;
-        {
+        let offsets = self.progress().commit_offsets(positions)?;
+        self.commit_next(offsets).await
+    }
+
+    /// Commits the position of partitions where librdkafka served only transaction markers or
+    /// aborted records since this member's last commit (see [`Progress`], KAFKA-6607).
+    async fn commit_skipped(&self) -> Result<()> {
+        let offsets = {
             let a = self.ctx().assignment.lock();
-            if let Some((tp, _)) = positions.iter().find(|(tp, _)| !a.contains(tp)) {
-                return Err(Error::new(
-                    ErrorKind::Fenced,
-                    format!(
-                        "commit of {tp} by '{}' of group '{}' is fenced: the partition is not \
-                         assigned to this member",
-                        self.client_id, self.group
-                    ),
-                ));
-            }
+            self.progress().skipped(&a)
+        };
+        if offsets.is_empty() {
+            return Ok(());
         }
-        let group = self.group.clone();
-        self.blocking("commit", move |c| {
-            c.commit(&tpl, CommitMode::Sync)
-                .map_err(|e| errors::map(e, format_args!("commit of group '{group}'")))
-        })
-        .await
+        tracing::debug!(group = %self.group, ?offsets, "kafka: committing past markers and aborted records");
+        self.commit_next(offsets).await
     }
 
     async fn committed(
@@ -699,7 +891,10 @@ impl ConsumerBackend for KafkaConsumer {
             group: self.group.clone(),
             generation: n.context().generation.load(Ordering::Acquire),
             member_id: self.client_id.clone(),
-            native: Some(Arc::new(md)),
+            native: Some(Arc::new(KafkaGroupMetadata {
+                native: md,
+                progress: n.context().progress.clone(),
+            })),
         })
     }
 

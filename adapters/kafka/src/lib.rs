@@ -43,8 +43,8 @@
 //! - **Transactions** (KIP-98, EOS v2 of KIP-447): a [`ProducerConfig::transactional_id`] turns
 //!   the producer transactional. `init_transactions` runs once per native producer (fencing
 //!   older producers with the same id); `begin` / `send` / `commit_offsets`
-//!   (`send_offsets_to_transaction` with the consumer's `ConsumerGroupMetadata`, carried in
-//!   [`GroupMetadata::native`]) / `commit` / `abort`. librdkafka's blocking transaction calls run
+//!   (`send_offsets_to_transaction` with the consumer's `ConsumerGroupMetadata` and its delivered
+//!   positions, carried in [`GroupMetadata::native`]) / `commit` / `abort`. librdkafka's blocking transaction calls run
 //!   on `tokio::task::spawn_blocking`, never on the async executor. `send_batch` enqueues every
 //!   record, in order, then has them sent at once rather than after `linger.ms` (the call
 //!   has handed over all it has), before awaiting the delivery reports. Errors map as
@@ -58,8 +58,10 @@
 //!   (a failed commit is aborted for you); retriable → retriable errors; fatal →
 //!   [`ErrorKind::Platform`] and a fresh native producer for the next transaction; a commit
 //!   that times out → [`ErrorKind::Timeout`] with [`onceflow_core::Error::outcome_unknown`],
-//!   and the native producer is re-created and re-initialised before the next transaction
-//!   (which completes or aborts the pending one on the broker).
+//!   after the native producer was re-created and re-initialised (InitProducerId bumps the
+//!   epoch, fencing the old producer, and the coordinator completes or aborts the pending
+//!   transaction), so the group's committed positions read after the error are final; if that
+//!   re-initialisation fails, `settle_transactions` retries it and the next `begin` does too.
 //! - **Consumer**: a consumer group with `partition.assignment.strategy=cooperative-sticky`
 //!   (KIP-429 incremental cooperative rebalancing) by default, `enable.auto.commit=false`,
 //!   `isolation.level=read_committed` unless [`Isolation::ReadUncommitted`], and
@@ -67,7 +69,13 @@
 //!   prefetched messages faster than that; any of these can be overridden). Rebalance callbacks
 //!   run inside [`ConsumerBackend::poll`]: on revocation the listener's positions are committed
 //!   synchronously before the partitions are given up; on a lost assignment `on_lost` is called.
-//!   Commits take the last finished position and commit the next offset to read (offset + 1).
+//!   Commits take the last finished position and commit the next offset to read: offset + 1,
+//!   or, where nothing delivered lies past it, the consumer's position
+//!   (`rd_kafka_position`), which librdkafka moves past transaction markers and aborted
+//!   records it never delivers (KAFKA-6607): the same in a plain commit, on revocation and in
+//!   `send_offsets_to_transaction`; `commit_skipped` commits such a position where nothing was
+//!   delivered at all (an aborted transaction after the last commit). Lag after
+//!   transactional input reaches 0.
 //!   Start positions: committed (else `auto.offset.reset` earliest/latest, or an explicit
 //!   offset or timestamp fallback), earliest, latest, an offset (past the high watermark: the
 //!   partition's end, not `auto.offset.reset`), or a timestamp (ListOffsets
@@ -131,6 +139,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     per_message_nack: false,
     compaction: true,
     lag_ms: false,
+    batch_index_ack: false,
 };
 
 /// Opens a Kafka cluster from a `kafka://` URL (see the crate docs). Nothing is contacted

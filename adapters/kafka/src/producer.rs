@@ -16,13 +16,13 @@ use onceflow_core::{
     ProducerBackend, ProducerConfig, Record, Result, TopicPartition, TransactionBackend,
 };
 use parking_lot::Mutex;
-use rdkafka::consumer::ConsumerGroupMetadata;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Message, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::config::{KafkaConfig, BROKER_DEFAULT_MESSAGE_MAX_BYTES, RECORD_FRAMING_MAX};
+use crate::consumer::KafkaGroupMetadata;
 use crate::errors;
 use crate::CAPABILITIES;
 
@@ -1144,49 +1144,54 @@ impl KafkaProducer {
         Ok(())
     }
 
-    /// Initialises transactions on the current native producer, re-creating it first when the
-    /// previous transaction left it in an unknown or fatal state.
+    /// See [`ensure_initialized`].
     async fn ensure_initialized(&self) -> Result<Native> {
-        let id = self.shared.transactional_id.clone().unwrap_or_default();
-        let _guard = self.shared.init_lock.lock().await;
-        let (initialized, reinit) = {
-            let st = self.shared.state.lock();
-            if let Some(why) = &st.fenced {
-                return Err(Error::new(ErrorKind::Fenced, why.clone()));
-            }
-            (st.initialized, st.needs_reinit)
-        };
-        if initialized && !reinit {
-            return Ok(self.native());
+        ensure_initialized(&self.shared).await
+    }
+}
+
+/// Initialises transactions on the current native producer, re-creating it first when the
+/// previous transaction left it in an unknown or fatal state.
+async fn ensure_initialized(shared: &Shared) -> Result<Native> {
+    let id = shared.transactional_id.clone().unwrap_or_default();
+    let _guard = shared.init_lock.lock().await;
+    let (initialized, reinit) = {
+        let st = shared.state.lock();
+        if let Some(why) = &st.fenced {
+            return Err(Error::new(ErrorKind::Fenced, why.clone()));
         }
-        if reinit {
-            let fresh = create_native(&self.shared.native_config)?;
-            let old = std::mem::replace(&mut *self.shared.native.lock(), fresh);
-            drop_native(old);
-            let mut st = self.shared.state.lock();
-            st.initialized = false;
-            st.needs_reinit = false;
+        (st.initialized, st.needs_reinit)
+    };
+    if initialized && !reinit {
+        return Ok(shared.native.lock().clone());
+    }
+    if reinit {
+        let fresh = create_native(&shared.native_config)?;
+        let old = std::mem::replace(&mut *shared.native.lock(), fresh);
+        drop_native(old);
+        let mut st = shared.state.lock();
+        st.initialized = false;
+        st.needs_reinit = false;
+    }
+    let native = shared.native.lock().clone();
+    let timeout = shared.kafka.timeout;
+    let n = native.clone();
+    let res = tokio::task::spawn_blocking(move || n.init_transactions(timeout))
+        .await
+        .map_err(|e| errors::join(e, "init_transactions"))?;
+    match res {
+        Ok(()) => {
+            shared.state.lock().initialized = true;
+            Ok(native)
         }
-        let native = self.native();
-        let timeout = self.shared.kafka.timeout;
-        let n = native.clone();
-        let res = tokio::task::spawn_blocking(move || n.init_transactions(timeout))
-            .await
-            .map_err(|e| errors::join(e, "init_transactions"))?;
-        match res {
-            Ok(()) => {
-                self.shared.state.lock().initialized = true;
-                Ok(native)
+        Err(e) => {
+            let what = format!("init_transactions for transactional id '{id}'");
+            if is_producer_fenced(&e) {
+                shared.state.lock().fenced = Some(format!("{what}: fenced: {e}"));
+            } else if is_fatal(&e) {
+                shared.state.lock().needs_reinit = true;
             }
-            Err(e) => {
-                let what = format!("init_transactions for transactional id '{id}'");
-                if is_producer_fenced(&e) {
-                    self.shared.state.lock().fenced = Some(format!("{what}: fenced: {e}"));
-                } else if is_fatal(&e) {
-                    self.shared.state.lock().needs_reinit = true;
-                }
-                Err(errors::map(e, what))
-            }
+            Err(errors::map(e, what))
         }
     }
 }
@@ -1255,6 +1260,13 @@ impl ProducerBackend for KafkaProducer {
         }))
     }
 
+    async fn settle_transactions(&self) -> Result<()> {
+        if self.shared.transactional_id.is_none() {
+            return Ok(());
+        }
+        ensure_initialized(&self.shared).await.map(|_| ())
+    }
+
     async fn flush(&self, timeout: Duration) -> Result<()> {
         let native = self.native();
         tokio::task::spawn_blocking(move || native.flush(timeout))
@@ -1283,7 +1295,7 @@ struct KafkaTransaction {
 
 struct PendingOffsets {
     group: String,
-    metadata: Arc<dyn std::any::Any + Send + Sync>,
+    metadata: Arc<KafkaGroupMetadata>,
     offsets: std::collections::BTreeMap<(String, i32), i64>,
 }
 
@@ -1300,10 +1312,7 @@ impl KafkaTransaction {
         let timeout = self.shared.kafka.timeout;
         let md = pending.metadata;
         let res = tokio::task::spawn_blocking(move || {
-            let md = md
-                .downcast_ref::<ConsumerGroupMetadata>()
-                .expect("checked in commit_offsets");
-            native.send_offsets_to_transaction(&tpl, md, timeout)
+            native.send_offsets_to_transaction(&tpl, &md.native, timeout)
         })
         .await
         .map_err(|e| errors::join(e, "send_offsets_to_transaction"))?;
@@ -1409,7 +1418,7 @@ impl TransactionBackend for KafkaTransaction {
         let native_md = group
             .native
             .clone()
-            .filter(|n| n.is::<ConsumerGroupMetadata>())
+            .and_then(|n| n.downcast::<KafkaGroupMetadata>().ok())
             .ok_or_else(|| {
                 Error::config(format!(
                     "group metadata of group '{}' is not from a Kafka consumer: expected \
@@ -1424,7 +1433,9 @@ impl TransactionBackend for KafkaTransaction {
                     "position '{p}' of {tp} is not a Kafka offset: expected offset:N"
                 ))
             })?;
-            parsed.push(((tp.topic.clone(), tp.partition), o + 1));
+            // Past markers and aborted records the consumer skipped (KAFKA-6607).
+            let next = native_md.progress.next_offset(tp, o);
+            parsed.push(((tp.topic.clone(), tp.partition), next));
         }
         let idx = match self.offsets.iter().position(|p| p.group == group.group) {
             Some(i) => {
@@ -1448,7 +1459,14 @@ impl TransactionBackend for KafkaTransaction {
     async fn commit(mut self: Box<Self>) -> Result<()> {
         let native = self.native.clone();
         let timeout = self.shared.kafka.timeout;
+        let mut sent = Vec::with_capacity(self.offsets.len());
         for pending in std::mem::take(&mut self.offsets) {
+            let committed: Vec<(TopicPartition, i64)> = pending
+                .offsets
+                .iter()
+                .map(|((t, p), next)| (TopicPartition::new(t.clone(), *p), *next))
+                .collect();
+            sent.push((pending.metadata.progress.clone(), committed));
             if let Err(e) = self.send_offsets(pending).await {
                 // Fenced (KIP-447) or otherwise failed: nothing of this transaction may show.
                 let producer_fenced = self.shared.state.lock().fenced.is_some();
@@ -1469,7 +1487,12 @@ impl TransactionBackend for KafkaTransaction {
             .map_err(|e| errors::join(e, "commit_transaction"));
         self.finish();
         let e = match res? {
-            Ok(()) => return Ok(()),
+            Ok(()) => {
+                for (progress, offsets) in sent {
+                    progress.committed(offsets);
+                }
+                return Ok(());
+            }
             Err(e) => e,
         };
         self.note(&e, "commit_transaction");
@@ -1490,16 +1513,28 @@ impl TransactionBackend for KafkaTransaction {
             }
             ErrorKind::Fenced => Err(mapped),
             _ => {
-                // Timed out or otherwise unknown: it may have committed. The next transaction
-                // starts on a fresh producer whose init_transactions settles this one.
+                // Timed out or otherwise unknown: it may have committed, or commit later (a
+                // delayed EndTxn). Settle it before returning: a fresh producer's
+                // init_transactions (InitProducerId, KIP-98) bumps the epoch, which fences
+                // this producer and makes the coordinator finish the transaction, committed or
+                // aborted. Only then are the group's committed positions final: a caller that
+                // read them earlier and redid the work after them wrote it twice once the
+                // delayed commit landed.
                 self.shared.state.lock().needs_reinit = true;
+                let settled = match ensure_initialized(&self.shared).await {
+                    Ok(_) => "the producer was re-initialised (a new epoch fenced the old one), \
+                              so the transaction is now committed or aborted: read the committed \
+                              positions to know which"
+                        .to_string(),
+                    Err(e) => format!(
+                        "re-initialising the producer to settle it failed ({}): call \
+                         settle_transactions() before reading committed positions",
+                        e.message()
+                    ),
+                };
                 Err(Error::new(
                     ErrorKind::Timeout,
-                    format!(
-                        "{}; the outcome is unknown and the producer is re-initialised before \
-                         the next transaction",
-                        mapped.message()
-                    ),
+                    format!("{}; the outcome is unknown; {settled}", mapped.message()),
                 )
                 .with_outcome_unknown()
                 .with_source(mapped))

@@ -887,11 +887,30 @@ impl Core {
         }
     }
 
+    /// With nothing finished to commit, once per commit interval: commits what the platform
+    /// skipped without delivering ([`ConsumerBackend::commit_skipped`]).
+    pub(crate) async fn maybe_commit_skipped(&self) -> Result<()> {
+        {
+            let mut last = self.last_commit.lock();
+            if last.elapsed() < self.config.commit_interval {
+                return Ok(());
+            }
+            *last = Instant::now();
+        }
+        match self.consumer.commit_skipped().await {
+            Err(e) if e.is_retriable() || e.kind() == ErrorKind::Fenced => {
+                tracing::debug!(error = %e, "commit past skipped records failed; retrying later");
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
     /// Commits finished positions if due (or always with `force`).
     pub(crate) async fn maybe_commit(&self, force: bool) -> Result<()> {
         let (positions, pending) = self.tracker.uncommitted();
         if positions.is_empty() {
-            return Ok(());
+            return self.maybe_commit_skipped().await;
         }
         let due = {
             let mut last = self.last_commit.lock();

@@ -602,6 +602,11 @@ impl TxLoop<'_> {
         if !self.flush(&mut st).await? {
             return Ok(());
         }
+        if st.tx.is_none() && msgs.is_empty() {
+            // Idle with every input committed: commit past what the platform skipped (Kafka:
+            // markers and aborted records after the last input), or lag never reaches 0.
+            core.maybe_commit_skipped().await?;
+        }
         let due = st.tx.is_some()
             && (st.inputs >= self.config.max_transaction_inputs
                 || st
@@ -932,6 +937,12 @@ impl TxLoop<'_> {
                 }
                 tracing::warn!(error = %e, "transaction commit failed; rewinding");
                 self.release(st).await;
+                if e.outcome_unknown() {
+                    // It may still commit: settle it (a new producer epoch) before the rewind
+                    // reads the committed positions, or the batch is redone after a commit that
+                    // lands late and is written twice.
+                    self.settle_unknown_outcome().await?;
+                }
                 self.rewind(st).await?;
                 // A retriable `Fenced` is group fencing (KIP-447: the group's generation moved
                 // on during the transaction): the transaction is lost, not the producer, so
@@ -944,6 +955,27 @@ impl TxLoop<'_> {
                 } else {
                     Err(e)
                 }
+            }
+        }
+    }
+
+    /// Settles an unknown commit outcome ([`Producer::settle_transactions`]), retrying with the
+    /// engine's backoff while the platform cannot be reached; then fails the pipeline (a restart
+    /// settles it on its first transaction) rather than redo work that may be committed.
+    async fn settle_unknown_outcome(&self) -> Result<()> {
+        let mut delays = self.core.config.backoff();
+        loop {
+            match self.producer.settle_transactions().await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_retriable() => match delays.next() {
+                    Some(wait) => {
+                        tracing::warn!(error = %e, ?wait, "settling a transaction of unknown outcome failed; retrying");
+                        tokio::time::sleep(wait).await;
+                    }
+                    // Stop rather than redo work whose earlier outcome is unknown.
+                    None => return Err(e.context("settling a transaction of unknown outcome")),
+                },
+                Err(e) => return Err(e),
             }
         }
     }

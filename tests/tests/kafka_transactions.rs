@@ -1,0 +1,507 @@
+//! Kafka transactions seen from both ends, on a real broker (`tests/brokers/up.sh kafka`):
+//!
+//! - **Transactional input**: every transaction leaves a marker one offset after its records,
+//!   and aborted transactions leave records a `read_committed` consumer never gets. Every
+//!   commit path (plain commit, the idempotent engine, the exactly-once pipeline, the CLI's
+//!   `consume`) must commit past them, or the committed offset stays short of the end and lag
+//!   shows 1 or more for ever (KAFKA-6607).
+//! - **A commit of unknown outcome**: an EndTxn held back by the fault proxy just past the
+//!   commit timeout lands after the client gave up. The pipeline must settle the transaction
+//!   (a new producer epoch) before it reads committed positions and redoes work, or the batch
+//!   is in the output twice.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use onceflow_conformance::fault_proxy::{kafka_api_key, Action, Direction, FaultProxy};
+use onceflow_conformance::harness::{broker_url, random_suffix};
+use onceflow_core::{
+    BoxError, Client, Consumer, ConsumerConfig, EngineConfig, Handler, IdempotentConsumer,
+    Isolation, Message, PartitionLag, Pipeline, PipelineConfig, Position, ProducerConfig, Record,
+    StartFrom, TopicSpec, Transform,
+};
+
+const HANG_GUARD: Duration = Duration::from_secs(300);
+
+fn url(test: &str) -> Option<String> {
+    match broker_url("ONCEFLOW_KAFKA_URL", "kafka") {
+        Ok(u) => Some(u),
+        Err(reason) => {
+            eprintln!("SKIPPED {test}: {reason}");
+            None
+        }
+    }
+}
+
+fn client(url: &str) -> Client {
+    Client::new(onceflow_kafka::connect(url).expect("Kafka URL"))
+}
+
+fn name(prefix: &str) -> String {
+    format!("{prefix}-{}", random_suffix())
+}
+
+async fn topic(c: &Client, partitions: u32) -> String {
+    let t = name("kafka-txn");
+    c.admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(t.clone(), partitions))
+        .await
+        .unwrap();
+    t
+}
+
+/// Writes transactions to partition 0 of `topic`: (records, commit?) each, payloads numbered
+/// from `first`. Returns the payloads of the committed ones.
+async fn write_transactions(
+    c: &Client,
+    topic: &str,
+    first: usize,
+    txns: &[(usize, bool)],
+) -> Vec<String> {
+    let p = c
+        .producer(ProducerConfig {
+            transactional_id: Some(name("kafka-txn-writer")),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut committed = Vec::new();
+    let mut n = first;
+    for &(records, commit) in txns {
+        let mut tx = p.begin().await.unwrap();
+        let mut these = Vec::new();
+        for _ in 0..records {
+            let payload = format!("in-{n}");
+            n += 1;
+            tx.send(
+                Record::new(topic.to_string(), payload.clone())
+                    .key(format!("k{n}"))
+                    .partition(0),
+            )
+            .await
+            .unwrap();
+            these.push(payload);
+        }
+        if commit {
+            tx.commit().await.unwrap();
+            committed.extend(these);
+        } else {
+            tx.abort().await.unwrap();
+        }
+    }
+    p.close().await.unwrap();
+    committed
+}
+
+/// One committed, one aborted, one committed, one aborted transaction: the partition ends with
+/// aborted records and a marker after the last record a reader gets.
+const MIXED: &[(usize, bool)] = &[(5, true), (3, false), (4, true), (2, false)];
+
+/// The group's lag on `topic`, each partition checked at 0 within `within` (commits are
+/// asynchronous to the caller in the engine and the pipeline).
+async fn assert_lag_zero(c: &Client, group: &str, topic: &str, within: Duration, what: &str) {
+    let admin = c.admin().await.unwrap();
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let lag: Vec<PartitionLag> = admin.group_lag(group, topic).await.unwrap();
+        if lag
+            .iter()
+            .all(|l| l.messages == 0 && l.committed == l.high_watermark)
+        {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("{what}: lag never reached 0: {lag:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn consumer(c: &Client, group: &str, topic: &str) -> Consumer {
+    c.consumer(ConsumerConfig {
+        group: group.to_string(),
+        topics: vec![topic.to_string()],
+        isolation: Isolation::ReadCommitted,
+        start: StartFrom::committed_or_earliest(),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// Polls until `n` messages are in and one more poll came back empty.
+async fn poll_all(c: &Consumer, n: usize) -> Vec<Message> {
+    let mut out = Vec::new();
+    loop {
+        let got = c.poll(1000, Duration::from_millis(500)).await.unwrap();
+        if got.is_empty() && out.len() >= n {
+            return out;
+        }
+        out.extend(got);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_commit_after_transactional_input_leaves_no_lag() {
+    let Some(url) = url("a_plain_commit_after_transactional_input_leaves_no_lag") else {
+        return;
+    };
+    tokio::time::timeout(HANG_GUARD, async {
+        let c = client(&url);
+        let t = topic(&c, 1).await;
+        let want = write_transactions(&c, &t, 0, MIXED).await;
+        let group = name("kafka-txn-plain");
+        let con = consumer(&c, &group, &t).await;
+        let got = poll_all(&con, want.len()).await;
+        let payloads: Vec<String> = got
+            .iter()
+            .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+            .collect();
+        assert_eq!(
+            payloads, want,
+            "read_committed delivers the committed records"
+        );
+        con.commit_message(got.last().unwrap()).await.unwrap();
+        assert_lag_zero(
+            &c,
+            &group,
+            &t,
+            Duration::ZERO,
+            "plain commit of the last record",
+        )
+        .await;
+
+        // More input that is only an aborted transaction: nothing is delivered, and the commit
+        // of what was skipped moves the group past it.
+        write_transactions(&c, &t, 100, &[(3, false)]).await;
+        let admin = c.admin().await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let got = con.poll(1000, Duration::from_millis(300)).await.unwrap();
+            assert!(got.is_empty(), "aborted records delivered: {got:?}");
+            con.commit_skipped().await.unwrap();
+            let lag = admin.group_lag(&group, &t).await.unwrap();
+            if lag[0].messages == 0 {
+                assert_eq!(lag[0].committed, lag[0].high_watermark, "{lag:?}");
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "commit past an aborted transaction: lag stays {lag:?}"
+            );
+        }
+
+        // A commit of a record before the last delivered one commits exactly after it.
+        write_transactions(&c, &t, 200, &[(3, true)]).await;
+        let got = poll_all(&con, 3).await;
+        con.commit_message(&got[0]).await.unwrap();
+        let lag = c
+            .admin()
+            .await
+            .unwrap()
+            .group_lag(&group, &t)
+            .await
+            .unwrap();
+        let next = got[0].position.as_offset().unwrap() + 1;
+        assert_eq!(lag[0].committed, Some(Position::Offset(next)), "{lag:?}");
+        con.close().await.unwrap();
+    })
+    .await
+    .expect("hung");
+}
+
+struct Count(Arc<AtomicU64>);
+
+#[async_trait]
+impl Handler for Count {
+    async fn handle(&self, _m: &Message) -> Result<Option<Bytes>, BoxError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(None)
+    }
+}
+
+fn fast_engine() -> EngineConfig {
+    EngineConfig {
+        commit_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+/// Runs `f` until `done` says so (checked every 100 ms), then 1 s more for a commit interval.
+async fn run_until_done<F: std::future::Future>(
+    f: impl FnOnce(tokio::sync::oneshot::Receiver<()>) -> F,
+    done: impl Fn() -> bool,
+) -> F::Output {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let fut = f(rx);
+    let watch = async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = tx.send(());
+    };
+    let (out, ()) = tokio::join!(fut, watch);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_idempotent_engine_commits_past_markers_and_aborted_records() {
+    let Some(url) = url("the_idempotent_engine_commits_past_markers_and_aborted_records") else {
+        return;
+    };
+    tokio::time::timeout(HANG_GUARD, async {
+        let c = client(&url);
+        let t = topic(&c, 1).await;
+        let want = write_transactions(&c, &t, 0, MIXED).await;
+        let group = name("kafka-txn-engine");
+        let handled = Arc::new(AtomicU64::new(0));
+        for (round, expect) in [(0, want.len() as u64), (1, want.len() as u64)] {
+            if round == 1 {
+                // Only an aborted transaction since the last commit: nothing is delivered.
+                write_transactions(&c, &t, 100, &[(3, false)]).await;
+            }
+            let con = consumer(&c, &group, &t).await;
+            let engine = IdempotentConsumer::with_config(
+                con,
+                None,
+                Arc::new(Count(handled.clone())),
+                fast_engine(),
+                None,
+            )
+            .unwrap();
+            let h = handled.clone();
+            let started = tokio::time::Instant::now();
+            run_until_done(
+                |stop| {
+                    engine.run_until(async move {
+                        let _ = stop.await;
+                    })
+                },
+                move || {
+                    h.load(Ordering::Relaxed) >= expect
+                        && started.elapsed() > Duration::from_secs(3)
+                },
+            )
+            .await
+            .unwrap();
+            assert_eq!(handled.load(Ordering::Relaxed), expect, "round {round}");
+            assert_lag_zero(
+                &c,
+                &group,
+                &t,
+                Duration::ZERO,
+                &format!("engine round {round}"),
+            )
+            .await;
+        }
+    })
+    .await
+    .expect("hung");
+}
+
+struct Upper(String);
+
+#[async_trait]
+impl Transform for Upper {
+    async fn transform(&self, m: &Message) -> Result<Vec<Record>, BoxError> {
+        Ok(vec![Record::new(
+            self.0.clone(),
+            m.payload.to_ascii_uppercase(),
+        )])
+    }
+}
+
+async fn pipeline(c: &Client, group: &str, input: &str, output: &str, tx_id: &str) -> Pipeline {
+    let con = consumer(c, group, input).await;
+    let producer = c
+        .producer(ProducerConfig {
+            transactional_id: Some(tx_id.to_string()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let config = PipelineConfig {
+        engine: fast_engine(),
+        max_transaction_inputs: 50,
+        transaction_interval: Duration::from_millis(200),
+        ..Default::default()
+    };
+    Pipeline::with_config(
+        con,
+        producer,
+        None,
+        Arc::new(Upper(output.to_string())),
+        config,
+    )
+    .unwrap()
+}
+
+/// Reads `topic` from the start (read_committed) until `n` payloads are in and 3 s pass with
+/// nothing new (a duplicate would show).
+async fn read_output(c: &Client, topic: &str, n: usize) -> BTreeMap<String, usize> {
+    let con = consumer(c, &name("kafka-txn-reader"), topic).await;
+    let mut counts = BTreeMap::new();
+    let mut total = 0;
+    let mut idle = tokio::time::Instant::now();
+    while (total < n && idle.elapsed() < Duration::from_secs(30))
+        || idle.elapsed() < Duration::from_secs(3)
+    {
+        let got = con.poll(1000, Duration::from_millis(250)).await.unwrap();
+        if !got.is_empty() {
+            idle = tokio::time::Instant::now();
+        }
+        for m in got {
+            total += 1;
+            *counts
+                .entry(String::from_utf8_lossy(&m.payload).into_owned())
+                .or_default() += 1;
+        }
+    }
+    con.close().await.unwrap();
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exactly_once_pipeline_commits_past_markers_and_aborted_records() {
+    let Some(url) = url("the_exactly_once_pipeline_commits_past_markers_and_aborted_records")
+    else {
+        return;
+    };
+    tokio::time::timeout(HANG_GUARD, async {
+        let c = client(&url);
+        let input = topic(&c, 1).await;
+        let output = topic(&c, 1).await;
+        let mut want = write_transactions(&c, &input, 0, MIXED).await;
+        let group = name("kafka-txn-pipeline");
+        let tx_id = name("kafka-txn-pipeline-tx");
+        for round in 0..2 {
+            if round == 1 {
+                write_transactions(&c, &input, 100, &[(3, false)]).await;
+            }
+            let p = pipeline(&c, &group, &input, &output, &tx_id).await;
+            let m = p.metrics();
+            // Round 0 consumes every committed input; round 1 has only aborted records.
+            let n = if round == 0 { want.len() as u64 } else { 0 };
+            let started = tokio::time::Instant::now();
+            run_until_done(
+                |stop| {
+                    p.run_until(async move {
+                        let _ = stop.await;
+                    })
+                },
+                move || m.snapshot().consumed >= n && started.elapsed() > Duration::from_secs(3),
+            )
+            .await
+            .unwrap();
+            assert_lag_zero(
+                &c,
+                &group,
+                &input,
+                Duration::ZERO,
+                &format!("pipeline round {round}"),
+            )
+            .await;
+        }
+        let got = read_output(&c, &output, want.len()).await;
+        want.sort();
+        let expected: BTreeMap<String, usize> =
+            want.iter().map(|w| (w.to_ascii_uppercase(), 1)).collect();
+        assert_eq!(got, expected, "every committed input once in the output");
+    })
+    .await
+    .expect("hung");
+}
+
+/// The first EndTxn of a pipeline, held by the fault proxy for the commit timeout plus 50 ms
+/// to 1.2 s, then delivered: whether the coordinator gets it before the producer's new epoch
+/// or after, every input is in the output once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
+    let Some(url) = url("an_unknown_commit_outcome_is_settled_before_work_is_redone") else {
+        return;
+    };
+    let fault_url = std::env::var("ONCEFLOW_KAFKA_FAULT_URL")
+        .expect("ONCEFLOW_KAFKA_FAULT_URL (tests/brokers/up.sh kafka prints it)");
+    let upstream = std::env::var("ONCEFLOW_KAFKA_FAULT_UPSTREAM")
+        .expect("ONCEFLOW_KAFKA_FAULT_UPSTREAM (tests/brokers/up.sh kafka prints it)");
+    let listen = fault_url.trim_start_matches("kafka://").to_string();
+    tokio::time::timeout(HANG_GUARD * 2, async {
+        let proxy = FaultProxy::start(&listen, &upstream).await.unwrap();
+        let timeout_ms = 2000u64;
+        let c = client(&url);
+        // The pipeline's producer (and consumer) behind the proxy, with a short bound on
+        // blocking calls: commit_transaction gives up after it.
+        let behind = client(&format!("{fault_url}?onceflow.timeout.ms={timeout_ms}"));
+        let inputs = 120usize;
+        for extra_ms in [50u64, 150, 300, 600, 1200] {
+            let input = topic(&c, 1).await;
+            let output = topic(&c, 1).await;
+            let plain = c.producer(ProducerConfig::default()).await.unwrap();
+            for i in 0..inputs {
+                plain
+                    .send(Record::new(input.clone(), format!("in-{i}")).key(format!("k{i}")))
+                    .await
+                    .unwrap();
+            }
+            plain.close().await.unwrap();
+            // The first EndTxn (a commit: the pipeline never aborts unprompted) is held just
+            // past the commit timeout, then delivered.
+            proxy.clear();
+            let fired = proxy.fired();
+            proxy.once(
+                Direction::ToBroker,
+                |f| kafka_api_key(f) == Some(26),
+                Action::Delay(Duration::from_millis(timeout_ms + extra_ms)),
+            );
+            let group = name("kafka-txn-unknown");
+            let p = pipeline(
+                &behind,
+                &group,
+                &input,
+                &output,
+                &name("kafka-txn-unknown-tx"),
+            )
+            .await;
+            let m = p.metrics();
+            let started = tokio::time::Instant::now();
+            run_until_done(
+                |stop| {
+                    p.run_until(async move {
+                        let _ = stop.await;
+                    })
+                },
+                || started.elapsed() > Duration::from_secs(12),
+            )
+            .await
+            .unwrap_or_else(|e| {
+                panic!("pipeline with EndTxn delayed {timeout_ms}+{extra_ms} ms: {e}")
+            });
+            assert_eq!(proxy.fired(), fired + 1, "the EndTxn was held back");
+            let snap = m.snapshot();
+            assert!(
+                snap.transactions_aborted >= 1,
+                "the delayed commit was reported as failed: {snap:?}"
+            );
+            let got = read_output(&c, &output, inputs).await;
+            let twice: Vec<_> = got.iter().filter(|(_, n)| **n > 1).collect();
+            assert!(
+                twice.is_empty(),
+                "EndTxn delayed {timeout_ms}+{extra_ms} ms: outputs written twice: {twice:?}"
+            );
+            assert_eq!(
+                got.len(),
+                inputs,
+                "EndTxn delayed {timeout_ms}+{extra_ms} ms: every input in the output"
+            );
+        }
+    })
+    .await
+    .expect("hung");
+}
