@@ -155,6 +155,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     per_message_nack: true,
     compaction: false,
     lag_ms: false,
+    batch_index_ack: false,
 };
 
 /// Connects to the server named in `url` (see the crate docs).

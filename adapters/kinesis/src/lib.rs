@@ -106,6 +106,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     per_message_nack: false,
     compaction: false,
     lag_ms: true,
+    batch_index_ack: false,
 };
 
 /// Connects to the endpoint named in `url` (see the crate docs).

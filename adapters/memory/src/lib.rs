@@ -95,6 +95,7 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     per_message_nack: false,
     compaction: false,
     lag_ms: false,
+    batch_index_ack: false,
 };
 
 /// Opens the `memory://` broker named in `url` (see the crate docs for the parameters).
