@@ -197,9 +197,9 @@ async fn relay(inner: Arc<Inner>, client: TcpStream, broker: TcpStream) {
 /// What the rules say about one frame.
 fn decide(inner: &Inner, direction: Direction, frame: &[u8]) -> Option<Action> {
     let mut rules = inner.rules.lock().unwrap();
-    let i = rules.iter().position(|r| {
-        r.direction == direction && r.remaining != Some(0) && (r.matcher)(frame)
-    })?;
+    let i = rules
+        .iter()
+        .position(|r| r.direction == direction && r.remaining != Some(0) && (r.matcher)(frame))?;
     let rule = &mut rules[i];
     if let Some(n) = &mut rule.remaining {
         *n -= 1;
@@ -270,7 +270,10 @@ mod tests {
         assert_eq!(kafka_api_key(&[0, 26, 0, 3, 0, 0, 0, 7]), Some(26));
         assert_eq!(kafka_api_key(&[0]), None);
         // Pulsar: command size 4, BaseCommand { type: SEND (6) }.
-        assert_eq!(pulsar_command_type(&[0, 0, 0, 4, 0x08, 6, 0x32, 0]), Some(6));
+        assert_eq!(
+            pulsar_command_type(&[0, 0, 0, 4, 0x08, 6, 0x32, 0]),
+            Some(6)
+        );
         // A two-byte varint (type 130).
         assert_eq!(
             pulsar_command_type(&[0, 0, 0, 4, 0x08, 0x82, 0x01]),

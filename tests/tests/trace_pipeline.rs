@@ -123,7 +123,7 @@ fn parse_tp(tp: &str) -> (TraceId, SpanId) {
 }
 
 /// Values of every header whose name is `name` in any casing.
-fn all_any_case<'a>(m: &'a Message, name: &str) -> Vec<String> {
+fn all_any_case(m: &Message, name: &str) -> Vec<String> {
     m.headers
         .iter()
         .filter(|h| h.name.eq_ignore_ascii_case(name))
@@ -233,7 +233,11 @@ async fn pipeline_outputs_are_children_of_the_process_span(
             .expect("an input per output");
         let (in_trace, in_send) = parse_tp(inp.headers.get_str("traceparent").unwrap());
         let tps = all_any_case(out, "traceparent");
-        assert_eq!(tps.len(), 1, "output {payload}: one traceparent, got {tps:?}");
+        assert_eq!(
+            tps.len(),
+            1,
+            "output {payload}: one traceparent, got {tps:?}"
+        );
         let (out_trace, out_span) = parse_tp(&tps[0]);
         assert_eq!(
             out_trace, in_trace,
@@ -321,10 +325,18 @@ async fn trace_headers_are_replaced_whatever_their_case(h: &PlatformHarness) {
             1,
             "m{i}: stored under the W3C name"
         );
-        assert_eq!(m.headers.get_str("x"), Some("y"), "m{i}: other headers kept");
+        assert_eq!(
+            m.headers.get_str("x"),
+            Some("y"),
+            "m{i}: other headers kept"
+        );
         let (trace, _) = parse_tp(&tps[0]);
         if i < 3 {
-            assert_eq!(trace, parse_tp(USER_TP).0, "m{i}: the record's trace continues");
+            assert_eq!(
+                trace,
+                parse_tp(USER_TP).0,
+                "m{i}: the record's trace continues"
+            );
             assert_eq!(tss, vec![USER_TS.to_string()], "m{i}: its tracestate kept");
         } else {
             assert_eq!(trace, caller_trace, "m{i}: the caller's trace wins");
