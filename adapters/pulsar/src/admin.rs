@@ -126,6 +126,30 @@ impl Rest {
         )
     }
 
+    /// Whether the broker acknowledges single messages of a batch (PIP-54): its runtime
+    /// configuration (`GET /admin/v2/brokers/configuration/runtime`, a JSON object of strings)
+    /// says `acknowledgmentAtBatchIndexLevelEnabled` is `true`. `Platform` error on another
+    /// answer (a role that may not read broker configuration gets HTTP 401/403).
+    pub(crate) async fn batch_index_ack(&self) -> Result<bool> {
+        let url = format!("{}/admin/v2/brokers/configuration/runtime", self.base);
+        let what = format!("GET {url}");
+        let resp = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| http_err(&what, e))?;
+        let status = resp.status().as_u16();
+        let text = resp.text().await.map_err(|e| http_err(&what, e))?;
+        if status != 200 {
+            return Err(Self::unexpected(&what, status, ""));
+        }
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Ok(v.get("acknowledgmentAtBatchIndexLevelEnabled")
+            .and_then(Value::as_str)
+            .is_some_and(|s| s.eq_ignore_ascii_case("true")))
+    }
+
     /// Whether `path` is a partitioned topic, a plain one or missing.
     pub(crate) async fn shape(&self, path: &str) -> Result<TopicShape> {
         let (status, v) = self.get(&format!("{path}/partitions")).await?;

@@ -49,6 +49,31 @@ impl SubscriptionType {
     }
 }
 
+/// How a consumer acknowledges the messages of a batch (`batch_index_ack=`).
+///
+/// A batch is one entry of the topic's ledger holding several messages. An acknowledgement
+/// without an ack set acknowledges the whole entry at the broker, every message of the batch;
+/// batch-index acknowledgement (PIP-54,
+/// <https://github.com/apache/pulsar/wiki/PIP-54:-Support-acknowledgment-at-batch-index-level>)
+/// sends an ack set (a bit set over the batch, 1 for each message still unacknowledged) and
+/// acknowledges single messages, where the broker has `acknowledgmentAtBatchIndexLevelEnabled`
+/// on (off by default in Pulsar). Either way onceflow never acknowledges a message of a batch
+/// in a way that also acknowledges a sibling the application has not settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BatchIndexAck {
+    /// `auto` (default): batch-index acknowledgement when the broker has it on (read from the
+    /// admin API at connect, `GET /admin/v2/brokers/configuration/runtime`, key
+    /// `acknowledgmentAtBatchIndexLevelEnabled`), else as `off`. A broker whose configuration
+    /// cannot be read counts as off.
+    #[default]
+    Auto,
+    /// `off`: the acknowledgements of a batch's messages are held until every message of the
+    /// batch is settled (committed, or skipped after a seek), then the whole entry is
+    /// acknowledged at once. A member that closes or loses the partition before that leaves the
+    /// entry to be redelivered whole (at-least-once: the dedup store skips the finished ones).
+    Off,
+}
+
 /// Producer compression (`compression=`), done by the pulsar crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CompressionKind {
@@ -113,6 +138,8 @@ pub struct PulsarOptions {
     pub dead_letter: Option<String>,
     /// `max_redeliver` (default 0 = off): redeliveries before a message is dead-lettered.
     pub max_redeliver: usize,
+    /// `batch_index_ack` (`auto` default, `off`): see [`BatchIndexAck`].
+    pub batch_index_ack: BatchIndexAck,
     /// `refresh_ms` (default 250): how often a failover member reads which partitions it is
     /// active for (admin REST topic stats). The broker's `activeConsumerFailoverDelayTimeMillis`
     /// (default 1000) must be longer, so a member commits before its partitions move.
@@ -141,6 +168,7 @@ impl Default for PulsarOptions {
             ack_timeout: None,
             dead_letter: None,
             max_redeliver: 0,
+            batch_index_ack: BatchIndexAck::Auto,
             refresh: Duration::from_millis(250),
             metadata: BTreeMap::new(),
         }
@@ -259,6 +287,17 @@ impl PulsarOptions {
                 self.dead_letter = Some(value.to_string());
             }
             "max_redeliver" => self.max_redeliver = parse_num(key, value, "a count")?,
+            "batch_index_ack" => {
+                self.batch_index_ack = match value {
+                    "auto" => BatchIndexAck::Auto,
+                    "off" => BatchIndexAck::Off,
+                    _ => {
+                        return Err(Error::config(format!(
+                            "'{key}={value}': expected auto or off"
+                        )))
+                    }
+                }
+            }
             "refresh_ms" => {
                 self.refresh = ms(key, value)?;
                 if self.refresh.is_zero() {
@@ -277,7 +316,7 @@ impl PulsarOptions {
                      operation_timeout_ms, batch_size, batch_bytes, batch_timeout_ms, \
                      compression, producer_name, max_message_bytes, subscription_type, \
                      receiver_queue_size, ack_timeout_ms, dead_letter, max_redeliver, \
-                     refresh_ms, metadata.KEY"
+                     batch_index_ack, refresh_ms, metadata.KEY"
                 )));
             }
         }

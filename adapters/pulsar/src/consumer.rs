@@ -28,11 +28,60 @@ use crate::Shared;
 
 type RawConsumer = pulsar::Consumer<Vec<u8>, TokioExecutor>;
 
-/// A message read by a partition task: its raw id and the converted message.
+/// A message read by a partition task: its raw id (with `batch_size` set for a message of a
+/// batch) and the converted message.
 struct Fetched {
     id: MessageIdData,
     key: PosKey,
     message: Message,
+}
+
+/// The settled messages (committed, or skipped after a seek) of one batch not yet acknowledged
+/// whole: a bit per message of the batch.
+struct BatchAcks {
+    size: u32,
+    settled: Vec<u64>,
+}
+
+impl BatchAcks {
+    fn new(size: u32) -> Self {
+        BatchAcks {
+            size,
+            settled: vec![0; size.div_ceil(64) as usize],
+        }
+    }
+
+    fn is_settled(&self, index: i32) -> bool {
+        let i = index as usize;
+        self.settled
+            .get(i / 64)
+            .is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    fn settle(&mut self, index: i32) {
+        let i = index as usize;
+        if let Some(w) = self.settled.get_mut(i / 64) {
+            *w |= 1 << (i % 64);
+        }
+    }
+
+    fn complete(&self) -> bool {
+        (0..self.size as i32).all(|i| self.is_settled(i))
+    }
+
+    /// PIP-54's ack set: the batch's bits as little-endian 64-bit words (Java's
+    /// `BitSet.toLongArray`), 1 for each message not yet acknowledged; the broker ANDs it into
+    /// what it keeps for the entry and deletes the entry once no bit is left.
+    fn ack_set(&self) -> Vec<i64> {
+        let mut words: Vec<i64> = self.settled.iter().map(|w| !w as i64).collect();
+        let tail = self.size % 64;
+        if tail != 0 {
+            if let Some(last) = words.last_mut() {
+                *last &= ((1u64 << tail) - 1) as i64;
+            }
+        }
+        words
+    }
 }
 
 /// First wait for the crate consumer's close in a partition task; doubled on each retry (see
@@ -60,17 +109,15 @@ struct PartState {
     paused: bool,
     /// Delivered by `poll`, neither committed nor nacked.
     pending: BTreeMap<PosKey, MessageIdData>,
-    /// Highest position `poll` returned since the partition was (re)started (failover /
-    /// exclusive only: their redeliveries come in order).
-    delivered: Option<PosKey>,
-    /// Nacked on a failover / exclusive subscription: every message until this one comes
-    /// again (the broker rewinds) is dropped.
+    /// Nacked on a failover / exclusive subscription: the messages after this one that were
+    /// fetched before the broker rewound are dropped until it comes again.
     rewind: Option<PosKey>,
     /// Nacked on a shared / key_shared subscription and expected back.
     nacked: BTreeSet<PosKey>,
-    /// Shared / key_shared: the last positions this member acknowledged (at most twice the
-    /// receiver queue, at least 1000), to drop a redelivery that raced the ack.
-    acked: BTreeSet<PosKey>,
+    /// Batches (by ledger and entry) some of whose messages are settled and which are not yet
+    /// acknowledged whole (see `settle`); at most twice the receiver queue, at least 1000: the
+    /// oldest is forgotten first, and its entry is redelivered.
+    batches: BTreeMap<(u64, u64), BatchAcks>,
     /// Deliveries to this member, for `Message::delivery_count`.
     deliveries: HashMap<PosKey, u32>,
     /// After a seek to a position: messages before it (the rest of its batch) are skipped.
@@ -87,10 +134,9 @@ struct PartState {
 impl PartState {
     fn reset(&mut self) {
         self.pending.clear();
-        self.delivered = None;
         self.rewind = None;
         self.nacked.clear();
-        self.acked.clear();
+        self.batches.clear();
         self.deliveries.clear();
         self.committed_next = None;
         self.committed = None;
@@ -116,6 +162,9 @@ pub struct PulsarConsumer {
     member: String,
     options: PulsarOptions,
     sub_type: SubscriptionType,
+    /// Acknowledge single messages of a batch with ack sets (PIP-54), else hold a batch's
+    /// acknowledgements until all its messages are settled.
+    batch_index_ack: bool,
     /// Topics with their shape and admin path.
     topics: Vec<(String, String, TopicShape)>,
     parts: Vec<Part>,
@@ -245,11 +294,13 @@ impl PulsarConsumer {
             }
             topics.push((topic.clone(), path, shape));
         }
+        let batch_index_ack = shared.capabilities(&options).batch_index_ack;
         let consumer = Arc::new(PulsarConsumer {
             shared,
             group: config.group,
             member,
             sub_type: options.subscription_type,
+            batch_index_ack,
             options,
             topics,
             parts: Vec::new(),
@@ -398,29 +449,97 @@ impl PulsarConsumer {
             }
             st.skip_before = None;
         }
+        // The application holds it: its commit acknowledges it (on whatever connection the
+        // consumer has then).
         if st.pending.contains_key(&f.key) {
             return Admit::Drop;
         }
+        // Settled, in a batch not yet acknowledged whole (the broker redelivered the entry for
+        // a sibling): held, its acknowledgement goes out with the batch's; with ack sets it
+        // was sent and is sent again (it may have been lost with a connection).
+        if st
+            .batches
+            .get(&(f.key.0, f.key.1))
+            .is_some_and(|b| b.is_settled(f.key.2))
+        {
+            return if self.batch_index_ack {
+                Admit::Skip
+            } else {
+                Admit::Drop
+            };
+        }
         if self.sub_type.single_active() {
             if let Some(r) = st.rewind {
-                if f.key != r {
+                if f.key > r {
+                    // Fetched before the broker rewound: it comes again after `r`.
                     return Admit::Drop;
                 }
-                st.rewind = None;
-            } else if st.delivered.is_some_and(|d| f.key <= d) {
-                return Admit::Drop;
+                if f.key == r {
+                    st.rewind = None;
+                }
             }
-            st.delivered = Some(f.key);
         } else {
             st.nacked.remove(&f.key);
-            if st.acked.contains(&f.key) && !st.deliveries.contains_key(&f.key) {
-                // Acked already by this member (an ack in flight raced a redelivery). Not
-                // "at or below the committed position": a shared / key_shared member also
-                // gets older messages another member had and left unacked.
-                return Admit::Drop;
+        }
+        // Anything else is a message the broker has no acknowledgement for: new, or
+        // redelivered after a reconnect although committed (the pulsar crate drops the acks it
+        // could not write to a broken connection). No high-water mark or set of acknowledged
+        // positions survives that here: the application gets it, and its dedup store skips
+        // what was finished.
+        Admit::Deliver
+    }
+
+    /// Settles messages (committed, or skipped after a seek) and returns the acknowledgements
+    /// to send. A message outside a batch is acknowledged as it is. A message of a batch
+    /// (`batch_size` > 1 in its id) is recorded in `batches`; once every message of the batch
+    /// is settled the whole entry is acknowledged (no batch index, no ack set). Before that,
+    /// with batch-index acknowledgement (PIP-54) the entry's ack set goes out (1 for each
+    /// message not settled), and without it nothing does: an acknowledgement without an ack
+    /// set would acknowledge the unsettled siblings too.
+    fn settle(
+        &self,
+        st: &mut PartState,
+        ids: impl IntoIterator<Item = MessageIdData>,
+    ) -> Vec<MessageIdData> {
+        let mut out = Vec::new();
+        let mut touched: BTreeMap<(u64, u64), MessageIdData> = BTreeMap::new();
+        for id in ids {
+            let size = id.batch_size.unwrap_or(0);
+            let Some(index) = id.batch_index.filter(|i| *i >= 0 && size > 1) else {
+                out.push(id);
+                continue;
+            };
+            let entry = (id.ledger_id, id.entry_id);
+            st.batches
+                .entry(entry)
+                .or_insert_with(|| BatchAcks::new(size as u32))
+                .settle(index);
+            touched.insert(entry, id);
+        }
+        for (entry, id) in touched {
+            let Some(batch) = st.batches.get(&entry) else {
+                continue;
+            };
+            if batch.complete() {
+                st.batches.remove(&entry);
+                out.push(MessageIdData {
+                    ledger_id: id.ledger_id,
+                    entry_id: id.entry_id,
+                    partition: id.partition,
+                    ..Default::default()
+                });
+            } else if self.batch_index_ack {
+                out.push(MessageIdData {
+                    ack_set: batch.ack_set(),
+                    ..id
+                });
             }
         }
-        Admit::Deliver
+        let keep = (self.options.receiver_queue_size as usize * 2).max(1000);
+        while st.batches.len() > keep {
+            st.batches.pop_first();
+        }
+        out
     }
 
     fn commit_inner(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
@@ -445,13 +564,7 @@ impl PulsarConsumer {
                 for k in taken.keys() {
                     st.deliveries.remove(k);
                 }
-                if !self.sub_type.single_active() {
-                    st.acked.extend(taken.keys().copied());
-                    let keep = (self.options.receiver_queue_size as usize * 2).max(1000);
-                    while st.acked.len() > keep {
-                        st.acked.pop_first();
-                    }
-                }
+                let acks = self.settle(&mut st, taken.into_values());
                 st.committed = Some(st.committed.map_or(key, |c| c.max(key)));
                 st.committed_next = st.pending.keys().next().map(|k| Position::MessageId {
                     ledger: k.0,
@@ -459,7 +572,7 @@ impl PulsarConsumer {
                     partition: part.index,
                     batch: k.2,
                 });
-                taken.into_values().collect()
+                acks
             };
             if ids.is_empty() {
                 continue;
@@ -622,10 +735,14 @@ fn convert_message(
     index: i32,
     m: &pulsar::consumer::Message<Vec<u8>>,
 ) -> Fetched {
-    let id = m.message_id().clone();
+    let mut id = m.message_id().clone();
+    let meta = m.metadata();
+    if id.batch_index.is_some_and(|i| i >= 0) {
+        // The size of its batch, for `settle` (the crate leaves it out).
+        id.batch_size = meta.num_messages_in_batch;
+    }
     let position = convert::position(&id, index);
     let key = pos_key(&position).unwrap_or_default();
-    let meta = m.metadata();
     let message = Message {
         topic: topic.to_string(),
         partition,
@@ -754,7 +871,7 @@ async fn run_partition(
 #[async_trait]
 impl ConsumerBackend for PulsarConsumer {
     fn capabilities(&self) -> Capabilities {
-        crate::capabilities(&self.options)
+        self.shared.capabilities(&self.options)
     }
 
     fn set_rebalance_listener(&self, listener: Arc<dyn RebalanceListener>) {
@@ -797,7 +914,10 @@ impl ConsumerBackend for PulsarConsumer {
                     }
                 }
                 if !skipped.is_empty() {
-                    let _ = part.cmd.send(Cmd::Ack(skipped));
+                    let acks = self.settle(&mut part.state.lock(), skipped);
+                    if !acks.is_empty() {
+                        let _ = part.cmd.send(Cmd::Ack(acks));
+                    }
                 }
                 if out.len() >= max {
                     break;
@@ -813,7 +933,10 @@ impl ConsumerBackend for PulsarConsumer {
     }
 
     /// Acknowledges, individually, every message of the partition delivered by `poll` up to the
-    /// position and not nacked.
+    /// position and not nacked. A message of a batch is acknowledged with an ack set
+    /// (batch-index acknowledgement, PIP-54, where
+    /// [`Capabilities::batch_index_ack`](onceflow_core::Capabilities::batch_index_ack) is on),
+    /// else only once every message of its batch is settled (see `settle`).
     ///
     /// Returns once the acknowledgements are queued, in order, to the partition's Pulsar
     /// consumer; it does not wait for the broker. Pulsar acknowledgements are one-way commands
@@ -956,7 +1079,6 @@ impl ConsumerBackend for PulsarConsumer {
                     Some(r) => r.min(key),
                     None => key,
                 });
-                st.delivered = st.pending.keys().next_back().copied();
             } else {
                 st.nacked.insert(key);
             }

@@ -50,7 +50,10 @@
 //!   a `Platform` error naming the producer instead of a delivery, never a silent success, and
 //!   does not rely on broker dedup: `Capabilities::idempotent_producer` is false. Within one
 //!   producer's life, the crate's resends after a reconnect keep their sequence ids, so a
-//!   broker with dedup on stores them once.
+//!   broker with dedup on stores them once, and its (-1,-1) answer to a resend of a message
+//!   it stored is a delivery with `Delivery::duplicate` set: certain for a broker-assigned
+//!   name (the default) and for a named producer once the broker stored a lower sequence id
+//!   of it (see `PulsarProducer::complete`).
 //! - `max_record_bytes` is `max_message_bytes` (the broker's `maxMessageSize`, 5 MiB) minus
 //!   16 KiB for the properties onceflow adds.
 //!
@@ -75,6 +78,21 @@
 //!   `receiver_queue_size`, which is also the crate's flow permits); `close` sends every
 //!   queued ack and then closes the consumer, in that order on the connection. See
 //!   `PulsarConsumer::commit` for the sources.
+//! - **Batches** (a producer's `batch_size`): one ledger entry holds several messages, and an
+//!   acknowledgement without an ack set acknowledges the whole entry. Where the broker has
+//!   batch-index acknowledgement on (`acknowledgmentAtBatchIndexLevelEnabled`, PIP-54; read at
+//!   connect, shown as [`onceflow_core::Capabilities::batch_index_ack`]) each message is
+//!   acknowledged with an ack set; otherwise (or with `batch_index_ack=off`) the
+//!   acknowledgements of a batch are held until every message of it is settled, then the entry
+//!   is acknowledged once. A message whose batch sibling is nacked or still in progress is
+//!   therefore never acknowledged with it; a batch left partly settled (member closed,
+//!   partition moved) is redelivered whole or, with ack sets, with its settled messages again
+//!   (the crate does not filter them): at-least-once, the dedup store skips them.
+//! - **Redeliveries** reach the application, except a message it holds (delivered, neither
+//!   committed nor nacked) and a settled message of a batch whose acknowledgement onceflow
+//!   still holds: after a connection reset the broker redelivers what it has no
+//!   acknowledgement for, which may include messages committed just before (the pulsar crate
+//!   drops acknowledgements it could not write), and those must be committed again.
 //! - **nack** is a negative ack sent after the delay. Shared / key_shared redeliver that
 //!   message ([`onceflow_core::Capabilities::per_message_nack`]); failover / exclusive
 //!   redeliver every unacked message of the partition in order, so onceflow rewinds: it drops
@@ -119,7 +137,7 @@ use parking_lot::Mutex;
 use pulsar::{Pulsar, TokioExecutor};
 
 pub use admin::PulsarAdmin;
-pub use config::{parse_url, CompressionKind, PulsarOptions, SubscriptionType};
+pub use config::{parse_url, BatchIndexAck, CompressionKind, PulsarOptions, SubscriptionType};
 pub use consumer::PulsarConsumer;
 pub use convert::HEADERS_PROPERTY;
 pub use producer::{producer_options, PulsarProducer};
@@ -142,13 +160,23 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     per_message_nack: false,
     compaction: false,
     lag_ms: false,
+    batch_index_ack: false,
 };
 
-/// Capabilities with these options: shared and key_shared subscriptions redeliver one nacked
-/// message.
+/// Capabilities with these options, not knowing the broker: shared and key_shared
+/// subscriptions redeliver one nacked message; `batch_index_ack` is false (see
+/// [`capabilities_on`]).
 pub fn capabilities(options: &PulsarOptions) -> Capabilities {
+    capabilities_on(options, false)
+}
+
+/// Capabilities with these options on a broker that has batch-index acknowledgement on
+/// (`broker_batch_index_ack`, PIP-54) or not: `batch_index_ack` is true when both the broker
+/// and [`PulsarOptions::batch_index_ack`] allow it.
+pub fn capabilities_on(options: &PulsarOptions, broker_batch_index_ack: bool) -> Capabilities {
     Capabilities {
         per_message_nack: !options.subscription_type.single_active(),
+        batch_index_ack: broker_batch_index_ack && options.batch_index_ack == BatchIndexAck::Auto,
         ..CAPABILITIES
     }
 }
@@ -163,10 +191,17 @@ pub(crate) struct Shared {
     pub(crate) client: Pulsar<TokioExecutor>,
     pub(crate) options: PulsarOptions,
     pub(crate) rest: Rest,
+    /// The broker has `acknowledgmentAtBatchIndexLevelEnabled` on (PIP-54), read at connect.
+    pub(crate) broker_batch_index_ack: bool,
     topics: Mutex<HashMap<String, TopicShape>>,
 }
 
 impl Shared {
+    /// Capabilities of a producer or consumer with `options` on this broker.
+    pub(crate) fn capabilities(&self, options: &PulsarOptions) -> Capabilities {
+        capabilities_on(options, self.broker_batch_index_ack)
+    }
+
     pub(crate) fn max_record_bytes(&self, options: &PulsarOptions) -> usize {
         options.max_message_bytes.saturating_sub(PROPERTY_ROOM)
     }
@@ -292,11 +327,24 @@ impl PulsarPlatform {
                 )
                 .with_source(e)
             })?;
+        let broker_batch_index_ack = match rest.batch_index_ack().await {
+            Ok(on) => on,
+            Err(e) => {
+                tracing::debug!(
+                    error = %e,
+                    "cannot read whether the broker acknowledges single messages of a batch \
+                     (PIP-54); the acknowledgements of a batch are held until all its messages \
+                     are settled"
+                );
+                false
+            }
+        };
         Ok(Arc::new(PulsarPlatform {
             shared: Arc::new(Shared {
                 client,
                 options,
                 rest,
+                broker_batch_index_ack,
                 topics: Mutex::new(HashMap::new()),
             }),
         }))
@@ -320,7 +368,7 @@ impl PlatformBackend for PulsarPlatform {
     }
 
     fn capabilities(&self) -> Capabilities {
-        capabilities(&self.shared.options)
+        self.shared.capabilities(&self.shared.options)
     }
 
     async fn producer(&self, config: ProducerConfig) -> Result<Arc<dyn ProducerBackend>> {

@@ -2,7 +2,7 @@
 //! first use.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +27,10 @@ type RawProducer = pulsar::Producer<TokioExecutor>;
 /// The producers of one topic, one per partition (index = partition).
 struct TopicProducers {
     parts: Vec<Arc<tokio::sync::Mutex<RawProducer>>>,
+    /// Per partition: the lowest sequence id the broker stored for that crate producer in its
+    /// life (`u64::MAX` before the first receipt with a message id), see
+    /// [`PulsarProducer::complete`].
+    stored_from: Vec<Arc<AtomicU64>>,
     partitioned: bool,
     round_robin: AtomicUsize,
 }
@@ -67,6 +71,8 @@ struct InFlight {
     partitioned: bool,
     future: SendFuture,
     timestamp: i64,
+    /// The partition producer's `TopicProducers::stored_from`.
+    stored_from: Arc<AtomicU64>,
 }
 
 impl PulsarProducer {
@@ -122,6 +128,9 @@ impl PulsarProducer {
             parts.push(Arc::new(tokio::sync::Mutex::new(p)));
         }
         let t = Arc::new(TopicProducers {
+            stored_from: (0..parts.len())
+                .map(|_| Arc::new(AtomicU64::new(u64::MAX)))
+                .collect(),
             parts,
             partitioned,
             round_robin: AtomicUsize::new(rand::random::<u32>() as usize),
@@ -219,6 +228,7 @@ impl PulsarProducer {
             partitioned: t.partitioned,
             future,
             timestamp,
+            stored_from: t.stored_from[partition].clone(),
         })
     }
 
@@ -231,6 +241,21 @@ impl PulsarProducer {
         self.hand_over(&mut p, &t, record, partition, msg).await
     }
 
+    /// Waits for the receipt of a send.
+    ///
+    /// Broker deduplication (PIP-6) answers a message whose (producer name, sequence id) it
+    /// has stored already with message id (-1,-1): not stored again. The pulsar crate resends
+    /// the messages waiting for a receipt, with their sequence ids, when it re-creates a
+    /// producer after a broken connection or a closed producer; a (-1,-1) answer to such a
+    /// resend means our own first send was stored, so the send succeeded:
+    /// [`Delivery::duplicate`] is set and the position is (-1,-1) (the broker does not say
+    /// where the first copy is). That is certain when the stored message can only be ours:
+    /// the producer's name was assigned by the broker (unique, the default), or the broker
+    /// stored a lower sequence id of this producer before (a producer of an earlier life of the
+    /// name stored nothing above what this one stores, as the crate restarts sequence ids at
+    /// 0). Otherwise the name was used before (a restarted process with `producer_name` or
+    /// `client_id`), the broker holds someone else's message under this sequence id, and the
+    /// record was not stored: a non-retriable `Platform` error naming the producer.
     async fn complete(&self, f: InFlight) -> Result<Delivery> {
         let topic = f.topic;
         let receipt = f.future.await.map_err(|e| {
@@ -243,10 +268,25 @@ impl PulsarProducer {
             )
         })?;
         let id = receipt.message_id.unwrap_or_default();
-        // A resend the broker deduplicated is acknowledged with message id (-1,-1): the
-        // message was not stored. For a record of this producer that only happens when the
-        // producer name was used before and the crate restarted its sequence ids at 0.
+        let partition_index = if f.partitioned { f.partition } else { -1 };
         if id.ledger_id == u64::MAX || id.entry_id == u64::MAX {
+            let ours =
+                self.name.is_none() || f.stored_from.load(Ordering::Acquire) < receipt.sequence_id;
+            if ours {
+                tracing::debug!(
+                    topic = %topic,
+                    partition = f.partition,
+                    sequence_id = receipt.sequence_id,
+                    "the broker had stored this record already (a resend after a reconnect)"
+                );
+                return Ok(Delivery {
+                    topic,
+                    partition: f.partition,
+                    position: convert::position(&id, partition_index),
+                    timestamp: Some(f.timestamp),
+                    duplicate: true,
+                });
+            }
             return Err(Error::new(
                 ErrorKind::Platform,
                 format!(
@@ -262,10 +302,12 @@ impl PulsarProducer {
             )
             .retriable(false));
         }
+        f.stored_from
+            .fetch_min(receipt.sequence_id, Ordering::AcqRel);
         Ok(Delivery {
             topic,
             partition: f.partition,
-            position: convert::position(&id, if f.partitioned { f.partition } else { -1 }),
+            position: convert::position(&id, partition_index),
             timestamp: Some(f.timestamp),
             duplicate: false,
         })
@@ -311,7 +353,7 @@ mod base64_key {
 #[async_trait]
 impl ProducerBackend for PulsarProducer {
     fn capabilities(&self) -> Capabilities {
-        crate::capabilities(&self.options)
+        self.shared.capabilities(&self.options)
     }
 
     async fn send(&self, record: Record) -> Result<Delivery> {
