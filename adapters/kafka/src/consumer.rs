@@ -783,7 +783,7 @@ impl ConsumerBackend for KafkaConsumer {
     }
 
     /// Commits the position of partitions where librdkafka served only transaction markers or
-    /// aborted records since this member's last commit (see [`Progress`], KAFKA-6607).
+    /// aborted records since this member's last commit (KAFKA-6607).
     async fn commit_skipped(&self) -> Result<()> {
         let offsets = {
             let a = self.ctx().assignment.lock();
