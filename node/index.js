@@ -151,7 +151,7 @@ function batchResults(rs) {
 }
 
 async function sendOne(target, system, record) {
-  const started = otel.startSend(record.topic, system, 1, record.headers)
+  const started = otel.startSend(record.topic, system, 1)
   if (started) record.headers = otel.merge(record.headers, started.headers)
   try {
     const d = await target._send(record)
@@ -166,7 +166,7 @@ async function sendOne(target, system, record) {
 async function sendMany(target, system, records) {
   if (!Array.isArray(records)) throw new TypeError('sendBatch: expected an array of records')
   const rs = records.map(toRecord)
-  const started = rs.length && otel.sameTraceHeaders(rs) ? otel.startSend(rs[0].topic, system, rs.length, rs[0].headers) : null
+  const started = rs.length ? otel.startSend(rs[0].topic, system, rs.length) : null
   if (started) for (const r of rs) r.headers = otel.merge(r.headers, started.headers)
   try {
     const out = batchResults(await target._sendBatch(rs))
@@ -370,13 +370,11 @@ function handlerResult(v) {
   return toBuffer(v, 'handler result')
 }
 
-// `convertResult(value, ctx)` gets the process span's context too (undefined without
-// OpenTelemetry): a pipeline hands it to the core as the parent of the outputs.
 function wrapUserFn(fn, system, convertResult) {
   if (typeof fn !== 'function') throw new TypeError('expected a function (message) => Promise')
   return async (message) => {
     try {
-      return await otel.runHandler(message, system, async (ctx) => convertResult(await fn(message), ctx))
+      return convertResult(await otel.runHandler(message, system, () => fn(message)))
     } catch (e) {
       const id = ++thrownSeq
       thrown.set(id, e)
@@ -473,12 +471,9 @@ class Pipeline extends Engine {
     super(options)
     this._consumer = consumer
     this._producer = producer
-    // The outputs go to the core with the W3C headers of the transform's process span: the
-    // core sends them as that span's children, whatever trace headers they carry.
-    this._transform = wrapUserFn(transform, consumer.platform, (v, ctx) => ({
-      records: v === undefined || v === null ? null : (Array.isArray(v) ? v : [v]).map(toRecord),
-      parent: otel.traceHeaders(ctx),
-    }))
+    this._transform = wrapUserFn(transform, consumer.platform, (v) =>
+      v === undefined || v === null ? null : (Array.isArray(v) ? v : [v]).map(toRecord)
+    )
   }
   _build(store) {
     const o = this._options

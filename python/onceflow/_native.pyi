@@ -283,18 +283,7 @@ class Pipeline:
         self,
         consumer: Consumer,
         producer: Producer,
-        # Resolves to the records (or None), or to ``(records or None, trace headers or None)``:
-        # the W3C headers of the span the transform ran in, which the outputs are sent as
-        # children of (``onceflow.Pipeline`` passes its ``process`` span's).
-        transform: Callable[
-            [Message],
-            Awaitable[
-                Union[
-                    Optional[List[_RecordTuple]],
-                    Tuple[Optional[List[_RecordTuple]], Optional[List[Tuple[str, bytes]]]],
-                ]
-            ],
-        ],
+        transform: Callable[[Message], Awaitable[Optional[List[_RecordTuple]]]],
         store: Optional[DedupStore] = None,
         *,
         mode: str = "auto",
