@@ -677,6 +677,26 @@ fn kafka_url() -> Option<String> {
     url
 }
 
+/// Creates `topic` with `partitions` partitions on the broker at `url`; the client it used.
+async fn new_topic(url: &str, topic: &str, partitions: u32) -> onceflow::Client {
+    let client = onceflow::connect(url).await.unwrap();
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&onceflow::TopicSpec::new(topic, partitions))
+        .await
+        .unwrap();
+    client
+}
+
+/// The lag of `group` on `topic`, read without joining the group.
+async fn group_lag(url: &str, group: &str, topic: &str) -> Vec<onceflow::PartitionLag> {
+    let client = onceflow::connect(url).await.unwrap();
+    let admin = client.admin().await.unwrap();
+    admin.group_lag(group, topic).await.unwrap()
+}
+
 /// `consume` commits every partition it printed from, not only those of its last batch.
 #[test]
 fn consume_commits_every_partition_it_read() {
@@ -687,14 +707,7 @@ fn consume_commits_every_partition_it_read() {
     let group = format!("{topic}-g");
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let client = onceflow::connect(&url).await.unwrap();
-        client
-            .admin()
-            .await
-            .unwrap()
-            .create_topic(&onceflow::TopicSpec::new(&topic, 3))
-            .await
-            .unwrap();
+        let client = new_topic(&url, &topic, 3).await;
         let producer = client
             .producer(onceflow::ProducerConfig::new())
             .await
@@ -727,11 +740,7 @@ fn consume_commits_every_partition_it_read() {
         "{}",
         text(&out.stdout)
     );
-    let lag = rt.block_on(async {
-        let client = onceflow::connect(&url).await.unwrap();
-        let admin = client.admin().await.unwrap();
-        admin.group_lag(&group, &topic).await.unwrap()
-    });
+    let lag = rt.block_on(group_lag(&url, &group, &topic));
     assert_eq!(lag.len(), 3, "{lag:?}");
     assert!(
         lag.iter().all(|l| l.messages == 0 && l.committed.is_some()),
@@ -751,14 +760,7 @@ fn consume_after_transactional_input_leaves_no_lag() {
     let group = format!("{topic}-g");
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let client = onceflow::connect(&url).await.unwrap();
-        client
-            .admin()
-            .await
-            .unwrap()
-            .create_topic(&onceflow::TopicSpec::new(&topic, 1))
-            .await
-            .unwrap();
+        let client = new_topic(&url, &topic, 1).await;
         let producer = client
             .producer(onceflow::ProducerConfig {
                 transactional_id: Some(format!("{topic}-tx")),
@@ -808,11 +810,7 @@ fn consume_after_transactional_input_leaves_no_lag() {
         "onceflow lag: {}",
         text(&shown.stdout)
     );
-    let lag = rt.block_on(async {
-        let client = onceflow::connect(&url).await.unwrap();
-        let admin = client.admin().await.unwrap();
-        admin.group_lag(&group, &topic).await.unwrap()
-    });
+    let lag = rt.block_on(group_lag(&url, &group, &topic));
     assert!(
         lag.iter()
             .all(|l| l.messages == 0 && l.committed == l.high_watermark),

@@ -1119,7 +1119,7 @@ impl KafkaProducer {
         if transactional {
             // KIP-98: once per producer, at creation, so a new producer fences an older one
             // with the same transactional id right away.
-            producer.ensure_initialized().await?;
+            ensure_initialized(&producer.shared).await?;
         }
         Ok(producer)
     }
@@ -1142,11 +1142,6 @@ impl KafkaProducer {
             }
         }
         Ok(())
-    }
-
-    /// See [`ensure_initialized`].
-    async fn ensure_initialized(&self) -> Result<Native> {
-        ensure_initialized(&self.shared).await
     }
 }
 
@@ -1238,7 +1233,7 @@ impl ProducerBackend for KafkaProducer {
                  expected commit() or abort() first"
             )));
         }
-        let native = self.ensure_initialized().await?;
+        let native = ensure_initialized(&self.shared).await?;
         if let Err(e) = native.begin_transaction() {
             if is_producer_fenced(&e) {
                 self.shared.state.lock().fenced = Some(format!("begin_transaction: {e}"));
@@ -1296,17 +1291,15 @@ struct KafkaTransaction {
 struct PendingOffsets {
     group: String,
     metadata: Arc<KafkaGroupMetadata>,
-    offsets: std::collections::BTreeMap<(String, i32), i64>,
+    offsets: std::collections::BTreeMap<TopicPartition, i64>,
 }
 
 impl KafkaTransaction {
     async fn send_offsets(&self, pending: PendingOffsets) -> Result<()> {
         let mut tpl = TopicPartitionList::with_capacity(pending.offsets.len());
-        for ((topic, partition), next) in &pending.offsets {
-            tpl.add_partition_offset(topic, *partition, Offset::Offset(*next))
-                .map_err(|e| {
-                    errors::map(e, format_args!("offset {next} of {topic}[{partition}]"))
-                })?;
+        for (tp, next) in &pending.offsets {
+            tpl.add_partition_offset(&tp.topic, tp.partition, Offset::Offset(*next))
+                .map_err(|e| errors::map(e, format_args!("offset {next} of {tp}")))?;
         }
         let native = self.native.clone();
         let timeout = self.shared.kafka.timeout;
@@ -1435,7 +1428,7 @@ impl TransactionBackend for KafkaTransaction {
             })?;
             // Past markers and aborted records the consumer skipped (KAFKA-6607).
             let next = native_md.progress.next_offset(tp, o);
-            parsed.push(((tp.topic.clone(), tp.partition), next));
+            parsed.push((tp.clone(), next));
         }
         let idx = match self.offsets.iter().position(|p| p.group == group.group) {
             Some(i) => {
@@ -1464,7 +1457,7 @@ impl TransactionBackend for KafkaTransaction {
             let committed: Vec<(TopicPartition, i64)> = pending
                 .offsets
                 .iter()
-                .map(|((t, p), next)| (TopicPartition::new(t.clone(), *p), *next))
+                .map(|(tp, next)| (tp.clone(), *next))
                 .collect();
             sent.push((pending.metadata.progress.clone(), committed));
             if let Err(e) = self.send_offsets(pending).await {

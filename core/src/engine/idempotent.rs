@@ -690,6 +690,30 @@ impl Core {
         }
     }
 
+    /// Runs `work` (a handler's or a transform's call for `msg`) inside a `process {topic}`
+    /// span, a child of the context `msg` carries (a malformed `traceparent` counted in the
+    /// engine's metrics), and ends the span with the outcome; without tracing, just runs it.
+    /// Returns the result (a failure as [`ErrorKind::Handler`]) and the span's context, `None`
+    /// without tracing.
+    pub(crate) async fn in_process_span<T>(
+        &self,
+        msg: &Message,
+        work: impl Future<Output = std::result::Result<T, crate::BoxError>>,
+    ) -> (Result<T>, Option<opentelemetry::Context>) {
+        if !self.config.tracing {
+            return (work.await.map_err(Error::handler), None);
+        }
+        let cx = trace::process_context_counted(
+            self.consumer.platform(),
+            self.consumer.group(),
+            msg,
+            Some(&self.metrics),
+        );
+        let r = work.with_context(cx.clone()).await.map_err(Error::handler);
+        trace::end(&cx, r.as_ref().err());
+        (r, Some(cx))
+    }
+
     /// Runs the handler with retries. Err carries the last error and the attempts made.
     async fn run_handler(
         &self,
@@ -700,24 +724,7 @@ impl Core {
         let mut delays = self.config.backoff();
         let mut attempt = 1u32;
         loop {
-            let result = if self.config.tracing {
-                let cx = trace::process_context_counted(
-                    self.consumer.platform(),
-                    self.consumer.group(),
-                    msg,
-                    Some(&self.metrics),
-                );
-                let r = self
-                    .handler
-                    .handle(msg)
-                    .with_context(cx.clone())
-                    .await
-                    .map_err(Error::handler);
-                trace::end(&cx, r.as_ref().err());
-                r
-            } else {
-                self.handler.handle(msg).await.map_err(Error::handler)
-            };
+            let (result, _) = self.in_process_span(msg, self.handler.handle(msg)).await;
             match result {
                 Ok(r) => return Ok(r),
                 Err(e) => {
@@ -759,28 +766,10 @@ impl Core {
         let mut delays = self.config.backoff();
         let mut attempt = 1u32;
         let err = loop {
-            let result = if self.config.tracing {
-                // One span for the call, in the context of its first message.
-                let cx = trace::process_context_counted(
-                    self.consumer.platform(),
-                    self.consumer.group(),
-                    &msgs[0],
-                    Some(&self.metrics),
-                );
-                let r = self
-                    .handler
-                    .handle_batch(msgs)
-                    .with_context(cx.clone())
-                    .await
-                    .map_err(Error::handler);
-                trace::end(&cx, r.as_ref().err());
-                r
-            } else {
-                self.handler
-                    .handle_batch(msgs)
-                    .await
-                    .map_err(Error::handler)
-            };
+            // One span for the call, in the context of its first message.
+            let (result, _) = self
+                .in_process_span(&msgs[0], self.handler.handle_batch(msgs))
+                .await;
             let e = match result {
                 Ok(rs) if rs.len() == msgs.len() => return rs.into_iter().map(Ok).collect(),
                 Ok(rs) => Error::new(

@@ -626,11 +626,12 @@ impl TxLoop<'_> {
         let mut attempt = 1u32;
         let (outputs, parent) = loop {
             // Each attempt in a process span of its own, as the idempotent mode's handler runs.
-            let (result, cx) = self.traced_transform(msg).await;
+            let (result, cx) = core
+                .in_process_span(msg, self.transform.transform_traced(msg))
+                .await;
             match result {
                 Ok(o) => break (o.records, o.parent.or(cx)),
                 Err(e) => {
-                    let e = Error::handler(e);
                     core.metrics.add(Metric::HandlerError, 1);
                     match delays.next() {
                         Some(d) if e.is_retriable() => {
@@ -677,42 +678,6 @@ impl TxLoop<'_> {
         core.metrics.add(Metric::Produced, n);
         core.metrics.add(Metric::Processed, 1);
         Ok(true)
-    }
-
-    /// Runs the transform on `msg` inside a `process {topic}` span, child of the context `msg`
-    /// carries (a malformed `traceparent` counted in the engine's metrics), and ends the span.
-    /// Returns the result and the span's context (the outputs' parent), `None` when the
-    /// engine does not trace.
-    async fn traced_transform(
-        &self,
-        msg: &Message,
-    ) -> (
-        std::result::Result<TransformOutput, BoxError>,
-        Option<opentelemetry::Context>,
-    ) {
-        let core = self.core;
-        if !core.config.tracing {
-            return (self.transform.transform_traced(msg).await, None);
-        }
-        let cx = crate::trace::process_context_counted(
-            core.consumer.platform(),
-            core.consumer.group(),
-            msg,
-            Some(&core.metrics),
-        );
-        let result = self
-            .transform
-            .transform_traced(msg)
-            .with_context(cx.clone())
-            .await;
-        match &result {
-            Ok(_) => crate::trace::end(&cx, None),
-            Err(e) => {
-                let err = Error::new(ErrorKind::Handler, e.to_string());
-                crate::trace::end(&cx, Some(&err));
-            }
-        }
-        (result, Some(cx))
     }
 
     /// Enqueues the outputs gathered so far in the open transaction; their delivery reports
