@@ -419,6 +419,101 @@ async fn the_exactly_once_pipeline_commits_past_markers_and_aborted_records() {
     .expect("hung");
 }
 
+struct FailOnce {
+    output: String,
+    failed: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+#[async_trait]
+impl Transform for FailOnce {
+    async fn transform(&self, m: &Message) -> Result<Vec<Record>, BoxError> {
+        let payload = String::from_utf8_lossy(&m.payload).into_owned();
+        if payload.ends_with('7') && self.failed.lock().unwrap().insert(payload.clone()) {
+            return Err(format!("{payload}: failing once").into());
+        }
+        Ok(vec![Record::new(
+            self.output.clone(),
+            m.payload.to_ascii_uppercase(),
+        )])
+    }
+}
+
+/// A transform that fails mid-batch aborts the transaction; every partition of the batch is
+/// read again from its committed position, also those whose inputs the batch had not reached
+/// (before, they were committed past with the next transaction: 67 of 109 inputs lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again() {
+    let Some(url) = url("a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again")
+    else {
+        return;
+    };
+    tokio::time::timeout(HANG_GUARD, async {
+        let c = client(&url);
+        let input = topic(&c, 3).await;
+        let output = topic(&c, 1).await;
+        let plain = c.producer(ProducerConfig::default()).await.unwrap();
+        let inputs = 100usize;
+        for i in 0..inputs {
+            plain
+                .send(Record::new(input.clone(), format!("in-{i}")).partition((i % 3) as i32))
+                .await
+                .unwrap();
+        }
+        plain.close().await.unwrap();
+        let group = name("kafka-txn-failing");
+        let con = consumer(&c, &group, &input).await;
+        let producer = c
+            .producer(ProducerConfig {
+                transactional_id: Some(name("kafka-txn-failing-tx")),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let config = PipelineConfig {
+            engine: EngineConfig {
+                max_attempts: 1,
+                redelivery_delay: Duration::from_millis(50),
+                ..fast_engine()
+            },
+            transaction_interval: Duration::from_millis(200),
+            ..Default::default()
+        };
+        let transform = FailOnce {
+            output: output.clone(),
+            failed: Default::default(),
+        };
+        let p = Pipeline::with_config(con, producer, None, Arc::new(transform), config).unwrap();
+        let started = tokio::time::Instant::now();
+        run_until_done(
+            |stop| {
+                p.run_until(async move {
+                    let _ = stop.await;
+                })
+            },
+            || started.elapsed() > Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+        let got = read_output(&c, &output, inputs).await;
+        let missing: Vec<String> = (0..inputs)
+            .map(|i| format!("IN-{i}"))
+            .filter(|w| !got.contains_key(w))
+            .collect();
+        assert!(missing.is_empty(), "inputs never transformed: {missing:?}");
+        assert!(got.values().all(|n| *n == 1), "an output twice: {got:?}");
+        assert_lag_zero(
+            &c,
+            &group,
+            &input,
+            Duration::from_secs(5),
+            "failing transform",
+        )
+        .await;
+    })
+    .await
+    .expect("hung");
+}
+
 /// The first EndTxn of a pipeline, held by the fault proxy for the commit timeout plus 50 ms
 /// to 1.2 s, then delivered: whether the coordinator gets it before the producer's new epoch
 /// or after, every input is in the output once.
@@ -471,18 +566,34 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
             .await;
             let m = p.metrics();
             let started = tokio::time::Instant::now();
-            run_until_done(
-                |stop| {
-                    p.run_until(async move {
-                        let _ = stop.await;
-                    })
-                },
-                || started.elapsed() > Duration::from_secs(12),
-            )
-            .await
-            .unwrap_or_else(|e| {
+            // Once the settled batch is behind it, an aborted transaction on the input: the
+            // idle pipeline must commit past it whether the delayed commit landed or not.
+            let late_abort = async {
+                tokio::time::sleep(Duration::from_secs(8)).await;
+                write_transactions(&c, &input, 1000, &[(3, false)]).await;
+            };
+            let (run, ()) = tokio::join!(
+                run_until_done(
+                    |stop| {
+                        p.run_until(async move {
+                            let _ = stop.await;
+                        })
+                    },
+                    || started.elapsed() > Duration::from_secs(14),
+                ),
+                late_abort
+            );
+            run.unwrap_or_else(|e| {
                 panic!("pipeline with EndTxn delayed {timeout_ms}+{extra_ms} ms: {e}")
             });
+            assert_lag_zero(
+                &c,
+                &group,
+                &input,
+                Duration::ZERO,
+                &format!("EndTxn delayed {timeout_ms}+{extra_ms} ms, then an aborted input"),
+            )
+            .await;
             assert_eq!(proxy.fired(), fired + 1, "the EndTxn was held back");
             let snap = m.snapshot();
             assert!(

@@ -804,25 +804,36 @@ impl ConsumerBackend for KafkaConsumer {
         let timeout = self.timeout;
         let group = self.group.clone();
         let oc = self.offsets.clone().expect("set until drop");
-        self.blocking("committed", move |_| {
-            let r = oc.committed_offsets(tpl_of(&tps), timeout).map_err(|e| {
-                errors::map(e, format_args!("committed offsets of group '{group}'"))
-            })?;
-            Ok(tps
-                .into_iter()
-                .map(|tp| {
-                    let p = match r
-                        .find_partition(&tp.topic, tp.partition)
-                        .map(|e| e.offset())
-                    {
-                        Some(Offset::Offset(o)) if o >= 0 => Some(Position::Offset(o)),
-                        _ => None,
-                    };
-                    (tp, p)
-                })
-                .collect())
-        })
-        .await
+        let committed: Vec<(TopicPartition, Option<Position>)> = self
+            .blocking("committed", move |_| {
+                let r = oc.committed_offsets(tpl_of(&tps), timeout).map_err(|e| {
+                    errors::map(e, format_args!("committed offsets of group '{group}'"))
+                })?;
+                Ok(tps
+                    .into_iter()
+                    .map(|tp| {
+                        let p = match r
+                            .find_partition(&tp.topic, tp.partition)
+                            .map(|e| e.offset())
+                        {
+                            Some(Offset::Offset(o)) if o >= 0 => Some(Position::Offset(o)),
+                            _ => None,
+                        };
+                        (tp, p)
+                    })
+                    .collect())
+            })
+            .await?;
+        // What the group has committed counts as committed by this member too: a transaction
+        // reported as failed may have committed after all (a delayed EndTxn), and only this
+        // read tells; without it `commit_skipped` would wait for a commit past the last
+        // delivered record that never comes.
+        self.progress()
+            .committed(committed.iter().filter_map(|(tp, p)| {
+                let o = p.as_ref()?.as_offset()?;
+                Some((tp.clone(), o))
+            }));
+        Ok(committed)
     }
 
     async fn seek(&self, partition: &TopicPartition, to: &StartFrom) -> Result<()> {

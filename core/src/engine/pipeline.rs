@@ -403,7 +403,8 @@ struct TxState {
     inputs: usize,
     /// Last input position per partition in the open transaction.
     positions: HashMap<TopicPartition, Position>,
-    /// First input position per partition in the open transaction (rewind target).
+    /// First position per partition polled in the open transaction, processed or not (rewind
+    /// target where nothing is committed).
     first: HashMap<TopicPartition, Position>,
     claims: Vec<Completion>,
     /// Outputs of the current batch not sent yet, each with the context its producer span is
@@ -481,6 +482,18 @@ impl TxLoop<'_> {
         let cfg = &core.config;
         let msgs = core.consumer.poll(cfg.batch_size, cfg.poll_timeout).await?;
         let mut st = self.state.lock().await;
+        // Every partition of the batch is rewound with the transaction, not only those whose
+        // inputs were processed: a batch abandoned part-way (a failed transform, a revocation)
+        // leaves the consumer past its unprocessed inputs, which a later commit would cover.
+        let mut last: Option<(&str, i32)> = None;
+        for m in &msgs {
+            if last != Some((m.topic.as_str(), m.partition)) {
+                last = Some((m.topic.as_str(), m.partition));
+                st.first
+                    .entry(m.topic_partition())
+                    .or_insert_with(|| m.position.clone());
+            }
+        }
         if core.tracker.take_revoked_flag() && st.tx.is_some() {
             // Partitions moved while a transaction was open: its positions may belong to
             // another member now. Abort and re-read what we still own.
@@ -591,11 +604,8 @@ impl TxLoop<'_> {
                         }
                     }
                 }
-                let tp = msg.topic_partition();
-                st.first
-                    .entry(tp.clone())
-                    .or_insert_with(|| msg.position.clone());
-                st.positions.insert(tp, msg.position.clone());
+                st.positions
+                    .insert(msg.topic_partition(), msg.position.clone());
                 st.inputs += 1;
             }
         }
