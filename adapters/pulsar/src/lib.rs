@@ -53,7 +53,9 @@
 //!   broker with dedup on stores them once, and its (-1,-1) answer to a resend of a message
 //!   it stored is a delivery with `Delivery::duplicate` set: certain for a broker-assigned
 //!   name (the default) and for a named producer once the broker stored a lower sequence id
-//!   of it (see `PulsarProducer::complete`).
+//!   of it (see `PulsarProducer::complete`). For a named producer with nothing stored yet the
+//!   two cases look alike (the crate does not pass on the broker's last sequence id of the
+//!   name), so that error has `Error::outcome_unknown` set: the record may be stored.
 //! - `max_record_bytes` is `max_message_bytes` (the broker's `maxMessageSize`, 5 MiB) minus
 //!   16 KiB for the properties onceflow adds.
 //!

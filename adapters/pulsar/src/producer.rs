@@ -253,9 +253,11 @@ impl PulsarProducer {
     /// the producer's name was assigned by the broker (unique, the default), or the broker
     /// stored a lower sequence id of this producer before (a producer of an earlier life of the
     /// name stored nothing above what this one stores, as the crate restarts sequence ids at
-    /// 0). Otherwise the name was used before (a restarted process with `producer_name` or
-    /// `client_id`), the broker holds someone else's message under this sequence id, and the
-    /// record was not stored: a non-retriable `Platform` error naming the producer.
+    /// 0). Otherwise (a named producer, nothing of it stored yet) the name may have been used
+    /// before (a restarted process with `producer_name` or `client_id`; the broker holds an
+    /// earlier life's message under this sequence id and dropped this record) or this record's
+    /// first receipt may have been lost: a non-retriable `Platform` error naming the producer,
+    /// with [`Error::outcome_unknown`] set.
     async fn complete(&self, f: InFlight) -> Result<Delivery> {
         let topic = f.topic;
         let receipt = f.future.await.map_err(|e| {
@@ -287,20 +289,28 @@ impl PulsarProducer {
                     duplicate: true,
                 });
             }
+            // Nothing of this producer is stored yet: either the name was used before (a
+            // restarted process) and the broker holds an earlier life's message under this
+            // sequence id, or this very record was stored and its receipt lost in a reconnect.
+            // The crate does not hand over the broker's last sequence id of the name
+            // (`CommandProducerSuccess.last_sequence_id`), which would tell the two apart, so
+            // the outcome is reported as unknown: a retry may write the record twice.
             return Err(Error::new(
                 ErrorKind::Platform,
                 format!(
-                    "broker deduplication dropped a record for '{topic}' partition {}: producer \
-                     '{}' reused a name whose sequence ids the broker already stored (sequence id \
-                     {}); the pulsar crate restarts sequence ids at 0, so a named producer must \
-                     not be reused across restarts — use a new name (the default) and a dedup \
-                     store",
+                    "broker deduplication answered a send to '{topic}' partition {} as already \
+                     stored (sequence id {}) before any record of producer '{}' was stored: \
+                     either the name was used before (the pulsar crate restarts sequence ids at \
+                     0, so this record was dropped) or its receipt was lost in a reconnect (it \
+                     is stored); whether it is stored is unknown. A named producer must not be \
+                     reused across restarts — use a new name (the default) and a dedup store",
                     f.partition,
+                    receipt.sequence_id,
                     self.name.as_deref().unwrap_or("(broker-assigned)"),
-                    receipt.sequence_id
                 ),
             )
-            .retriable(false));
+            .retriable(false)
+            .with_outcome_unknown());
         }
         f.stored_from
             .fetch_min(receipt.sequence_id, Ordering::AcqRel);

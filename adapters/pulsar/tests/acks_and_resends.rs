@@ -19,7 +19,9 @@
 use std::time::{Duration, Instant};
 
 use onceflow_conformance::fault_proxy::{pulsar_command_type, Action, Direction, FaultProxy};
-use onceflow_core::{Client, Consumer, ConsumerConfig, Message, ProducerConfig, Record, StartFrom};
+use onceflow_core::{
+    Client, Consumer, ConsumerConfig, ErrorKind, Message, ProducerConfig, Record, StartFrom,
+};
 
 /// Pulsar command types (PulsarApi.proto, `BaseCommand.Type`).
 const ACK: i32 = 10;
@@ -394,4 +396,59 @@ async fn a_resend_the_broker_stored_already_is_a_duplicate_delivery() {
             "named {named}: the topic holds each record once"
         );
     }
+}
+
+/// Point 5, the case the broker's answer cannot settle: a named producer whose very first
+/// record's receipt is lost. The broker stored it, and its (-1,-1) answer to the resend looks
+/// like the answer to a name reused from an earlier life (that record dropped). The error said
+/// the name was reused, certain that nothing was stored; it now says the outcome is unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_producers_first_resend_is_an_unknown_outcome() {
+    let Some(url) = url() else { return };
+    let _turn = PROXY_PORT.lock().await;
+    let Some((proxy, fault_url)) = proxy().await else {
+        return;
+    };
+    let direct = client(&url).await;
+    let behind = client(&fault_url).await;
+    let topic = name("resend-first");
+    let producer = behind
+        .producer(ProducerConfig::new().option("producer_name", name("resend-first-p")))
+        .await
+        .unwrap();
+    let cuts = proxy.fired();
+    proxy.once(
+        Direction::ToClient,
+        |f| pulsar_command_type(f) == Some(SEND_RECEIPT),
+        Action::Cut,
+    );
+    let first = producer.send(Record::new(topic.clone(), "first")).await;
+    assert_eq!(proxy.fired(), cuts + 1, "the cut happened");
+    let e = first.expect_err("a (-1,-1) answer before anything is stored is not a delivery");
+    assert_eq!(e.kind(), ErrorKind::Platform, "{e}");
+    assert!(e.outcome_unknown(), "the record may be stored: {e}");
+    assert!(e.message().contains("unknown"), "{e}");
+    let second = producer
+        .send(Record::new(topic.clone(), "second"))
+        .await
+        .unwrap();
+    assert!(!second.duplicate);
+    producer.close().await.unwrap();
+    let c = direct
+        .consumer(
+            ConsumerConfig::new(name("resend-first-g"), [topic.clone()]).start(StartFrom::Earliest),
+        )
+        .await
+        .unwrap();
+    let got: Vec<String> = drain(&c, 3, Duration::from_secs(5))
+        .await
+        .iter()
+        .map(text)
+        .collect();
+    c.close().await.unwrap();
+    assert_eq!(
+        got,
+        ["first", "second"],
+        "the first record was stored, once"
+    );
 }
