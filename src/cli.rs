@@ -608,6 +608,16 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
         consumer.commit_skipped().await?;
     }
     let (n, stopped) = n?;
+    if n == 0 && stopped.is_none() && consumer.assignment().is_empty() {
+        // Not "nothing to read": this member read nothing because it was given nothing.
+        warn_line!(
+            "onceflow: no partition of {} was assigned to this member of group '{}' within {} s: \
+             other members hold them all, or the group is still rebalancing",
+            a.topic.join(", "),
+            a.group,
+            ASSIGNMENT_GRACE.as_secs()
+        );
+    }
     consumer.close().await?;
     warn_line!(
         "onceflow: {n} message(s) read and committed for group '{}'{}",

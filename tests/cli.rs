@@ -955,3 +955,73 @@ fn a_replay_that_cannot_copy_everything_counts_what_it_copied() {
         "{stderr}"
     );
 }
+
+/// A `consume` member given no partition (another member of the group holds the only one) says
+/// so instead of reporting only "0 message(s)", which reads as an empty topic.
+#[test]
+fn consume_says_when_no_partition_was_assigned() {
+    let Some(url) = kafka_url() else {
+        return;
+    };
+    let topic = format!("cli-unassigned-{:08x}", rand::random::<u32>());
+    let group = format!("{topic}-g");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let holder = rt.block_on(async {
+        let client = new_topic(&url, &topic, 1).await;
+        client
+            .producer(onceflow::ProducerConfig::default())
+            .await
+            .unwrap()
+            .send(onceflow::Record::new(topic.clone(), "m"))
+            .await
+            .unwrap();
+        let consumer = client
+            .consumer(onceflow::ConsumerConfig::new(
+                group.clone(),
+                [topic.clone()],
+            ))
+            .await
+            .unwrap();
+        // Hold the partition: keep polling (a member that stops polling leaves the group).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while consumer.assignment().is_empty() && Instant::now() < deadline {
+            consumer.poll(10, Duration::from_millis(200)).await.unwrap();
+        }
+        assert!(
+            !consumer.assignment().is_empty(),
+            "the holder got the partition"
+        );
+        tokio::spawn(async move {
+            let mut stopped = stopped;
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    r = consumer.poll(10, Duration::from_millis(200)) => { r.unwrap(); }
+                }
+            }
+            consumer.close().await.unwrap();
+        })
+    });
+    let out = onceflow(&[
+        "consume",
+        "--url",
+        &url,
+        "-t",
+        &topic,
+        "-g",
+        &group,
+        "--idle-ms",
+        "1000",
+    ]);
+    let _ = stop.send(());
+    rt.block_on(holder).unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "no partition of {topic} was assigned to this member of group '{group}'"
+        )),
+        "{err}"
+    );
+}

@@ -29,6 +29,11 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize =
 /// Default bound of blocking calls (transaction commit, synchronous offset commit, metadata).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Largest `onceflow.timeout.ms`, in milliseconds: one hour. librdkafka takes its call
+/// timeouts as 32-bit milliseconds (a larger value would wrap, some into "wait forever"), and a
+/// blocking call bounded by more than an hour bounds nothing a caller can wait for.
+pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
+
 /// Configuration of a Kafka connection: typed fields plus raw librdkafka properties.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KafkaConfig {
@@ -158,12 +163,17 @@ pub fn parse_url(url: &str) -> Result<KafkaConfig> {
         match k.as_str() {
             "" => {}
             "onceflow.timeout.ms" => {
-                let ms: u64 = v.parse().ok().filter(|ms| *ms >= 1).ok_or_else(|| {
-                    Error::config(format!(
-                        "invalid onceflow.timeout.ms '{v}' in Kafka URL: expected milliseconds, \
-                         at least 1"
-                    ))
-                })?;
+                let ms: u64 = v
+                    .parse()
+                    .ok()
+                    .filter(|ms| (1..=MAX_TIMEOUT_MS).contains(ms))
+                    .ok_or_else(|| {
+                        Error::config(format!(
+                            "invalid onceflow.timeout.ms '{}' in Kafka URL: expected \
+                             milliseconds, 1 to {MAX_TIMEOUT_MS} (one hour)",
+                            onceflow_core::shown(&v)
+                        ))
+                    })?;
                 config.timeout = Duration::from_millis(ms);
             }
             _ => {
@@ -191,6 +201,17 @@ mod tests {
         assert_eq!(c.max_record_bytes, 2048);
         assert_eq!(c.timeout, Duration::from_millis(700));
         assert!(!c.properties.contains_key("onceflow.timeout.ms"));
+        for bad in ["0", "3600001", "4294967296", "-1", "soon"] {
+            let e = parse_url(&format!("kafka://a:1?onceflow.timeout.ms={bad}")).unwrap_err();
+            assert!(e.message().contains(&format!("'{bad}'")), "{e}");
+            assert!(e.message().contains("1 to 3600000"), "{e}");
+        }
+        assert_eq!(
+            parse_url("kafka://a:1?onceflow.timeout.ms=3600000")
+                .unwrap()
+                .timeout,
+            Duration::from_secs(3600)
+        );
         let d = parse_url("kafka://127.0.0.1:19092").unwrap();
         assert_eq!(d.max_record_bytes, DEFAULT_MAX_RECORD_BYTES);
     }

@@ -27,7 +27,8 @@
 //! librdkafka's range, 1000 to 1 000 000 000. A record the broker still refuses (over the
 //! topic's `max.message.bytes`) is a Config error naming that setting. The second key,
 //! `onceflow.timeout.ms` (not passed to librdkafka), bounds blocking calls such as transaction
-//! commits and synchronous offset commits (default 30 s). See [`KafkaConfig`].
+//! commits and synchronous offset commits (milliseconds, 1 to 3 600 000; default 30 s). See
+//! [`KafkaConfig`].
 //!
 //! ## Semantics
 //! - **Producer**: idempotent by default (`enable.idempotence=true`, KIP-98), so retries never

@@ -105,7 +105,7 @@ pub struct PulsarOptions {
     pub tenant: String,
     /// See `tenant`.
     pub namespace: String,
-    /// `operation_timeout_ms` (default 30000): how long a send, a lookup or a subscribe may
+    /// `operation_timeout_ms` (default 30000, 1 to 3 600 000): how long a send, a lookup or a subscribe may
     /// take (the crate's operation timeout, like Java's `sendTimeout`).
     pub operation_timeout: Duration,
     /// `batch_size` (default none = no batching): messages per batch.
@@ -181,6 +181,10 @@ fn parse_num<T: std::str::FromStr>(key: &str, value: &str, what: &str) -> Result
         .map_err(|_| Error::config(format!("'{key}={value}': expected {what}")))
 }
 
+/// Largest `operation_timeout_ms`: one hour (an operation bounded by more bounds nothing a
+/// caller waits for; a zero bound would fail every operation before it starts).
+const MAX_OPERATION_TIMEOUT: Duration = Duration::from_secs(3600);
+
 fn ms(key: &str, value: &str) -> Result<Duration> {
     parse_num::<u64>(key, value, "a duration in milliseconds").map(Duration::from_millis)
 }
@@ -237,7 +241,17 @@ impl PulsarOptions {
             }
             "tenant" => self.tenant = value.to_string(),
             "namespace" => self.namespace = value.to_string(),
-            "operation_timeout_ms" => self.operation_timeout = ms(key, value)?,
+            "operation_timeout_ms" => {
+                let d = ms(key, value)?;
+                if d.is_zero() || d > MAX_OPERATION_TIMEOUT {
+                    return Err(Error::config(format!(
+                        "'{key}={}': expected milliseconds, 1 to {}",
+                        onceflow_core::shown(value),
+                        MAX_OPERATION_TIMEOUT.as_millis()
+                    )));
+                }
+                self.operation_timeout = d;
+            }
             "batch_size" => {
                 let n: u32 = parse_num(key, value, "a message count")?;
                 self.batch_size = (n > 0).then_some(n);
@@ -435,6 +449,19 @@ mod tests {
         assert!(parse_url("pulsar://h:1?subscription_type=nope").is_err());
         assert!(parse_url("pulsar://h:1?dead_letter=dlq").is_err());
         assert!(parse_url("pulsar://h:1?dead_letter=dlq&max_redeliver=3").is_ok());
+        for bad in ["0", "3600001", "-5", "soon"] {
+            let e = parse_url(&format!("pulsar://h:1?operation_timeout_ms={bad}")).unwrap_err();
+            assert!(
+                e.message().contains(&format!("operation_timeout_ms={bad}")),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            parse_url("pulsar://h:1?operation_timeout_ms=3600000")
+                .unwrap()
+                .operation_timeout,
+            Duration::from_secs(3600)
+        );
     }
 
     #[test]
