@@ -213,8 +213,11 @@ export type IdempotentConsumer = NativeIdempotentConsumer
 
 /** Consume-transform-produce with the strongest mechanism the platform offers. */
 export declare class NativePipeline {
-  /** `transform(message)` returns a Promise of records to write (or null for none). */
-  constructor(consumer: Consumer, producer: Producer, transform: (message: Message) => Promise<RecordIn[] | null | undefined>, store?: DedupStore | undefined | null, options?: PipelineOptions | undefined | null, engine?: EngineOptions | undefined | null)
+  /**
+   * `transform(message)` returns a Promise of `{records, parent}`: the records to write (or
+   * null for none) and the trace headers of the span they are children of (or null).
+   */
+  constructor(consumer: Consumer, producer: Producer, transform: (message: Message) => Promise<TransformOut | null | undefined>, store?: DedupStore | undefined | null, options?: PipelineOptions | undefined | null, engine?: EngineOptions | undefined | null)
   /** The guarantee this pipeline runs with. */
   get guarantee(): string
   /** The mechanism, in words. */
@@ -486,6 +489,11 @@ export interface Metrics {
   commits: number
   /** Records produced by a pipeline. */
   produced: number
+  /**
+   * Messages whose `traceparent` header was malformed and ignored (W3C Trace Context §3.2);
+   * also exported as the OpenTelemetry counter `onceflow.malformed_traceparents`.
+   */
+  malformedTraceparents: number
 }
 
 /** The version of the native addon (the Cargo package version). */
@@ -585,4 +593,16 @@ export interface TopicPartitionIn {
   topic: string
   /** Partition. */
   partition: number
+}
+
+/** What a pipeline's transform resolves to, as `index.js` hands it over. */
+export interface TransformOut {
+  /** The output records (absent: none). */
+  records?: Array<RecordIn>
+  /**
+   * The W3C trace headers (`traceparent`, `tracestate`, `baggage`) of the span the
+   * transform ran in (the JavaScript `process` span): the outputs are sent as its children.
+   * Absent: they are children of the core's process span.
+   */
+  parent?: Array<Header>
 }

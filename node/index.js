@@ -151,7 +151,7 @@ function batchResults(rs) {
 }
 
 async function sendOne(target, system, record) {
-  const started = otel.startSend(record.topic, system, 1)
+  const started = otel.startSend(record.topic, system, 1, record.headers)
   if (started) record.headers = otel.merge(record.headers, started.headers)
   try {
     const d = await target._send(record)
@@ -166,7 +166,7 @@ async function sendOne(target, system, record) {
 async function sendMany(target, system, records) {
   if (!Array.isArray(records)) throw new TypeError('sendBatch: expected an array of records')
   const rs = records.map(toRecord)
-  const started = rs.length ? otel.startSend(rs[0].topic, system, rs.length) : null
+  const started = rs.length && otel.sameTraceHeaders(rs) ? otel.startSend(rs[0].topic, system, rs.length, rs[0].headers) : null
   if (started) for (const r of rs) r.headers = otel.merge(r.headers, started.headers)
   try {
     const out = batchResults(await target._sendBatch(rs))
@@ -370,11 +370,13 @@ function handlerResult(v) {
   return toBuffer(v, 'handler result')
 }
 
+// `convertResult(value, ctx)` gets the process span's context too (undefined without
+// OpenTelemetry): a pipeline hands it to the core as the parent of the outputs.
 function wrapUserFn(fn, system, convertResult) {
   if (typeof fn !== 'function') throw new TypeError('expected a function (message) => Promise')
   return async (message) => {
     try {
-      return convertResult(await otel.runHandler(message, system, () => fn(message)))
+      return await otel.runHandler(message, system, async (ctx) => convertResult(await fn(message), ctx))
     } catch (e) {
       const id = ++thrownSeq
       thrown.set(id, e)
@@ -471,9 +473,17 @@ class Pipeline extends Engine {
     super(options)
     this._consumer = consumer
     this._producer = producer
-    this._transform = wrapUserFn(transform, consumer.platform, (v) =>
-      v === undefined || v === null ? null : (Array.isArray(v) ? v : [v]).map(toRecord)
-    )
+    // The outputs go to the core with the W3C headers of the transform's process span: the
+    // core sends them as that span's children, whatever trace headers they carry.
+    // Absent fields are left undefined, not null: napi reads a null where it expects an
+    // array as a wrong type (the transform then failed on every input).
+    this._transform = wrapUserFn(transform, consumer.platform, (v, ctx) => {
+      const out = {}
+      if (v !== undefined && v !== null) out.records = (Array.isArray(v) ? v : [v]).map(toRecord)
+      const parent = otel.traceHeaders(ctx)
+      if (parent) out.parent = parent
+      return out
+    })
   }
   _build(store) {
     const o = this._options

@@ -12,7 +12,7 @@ use napi::Status;
 use napi_derive::napi;
 use onceflow::{
     BoxError, EngineConfig, Error, ErrorKind, Handler, KeyStrategy, OnFailure, PipelineConfig,
-    PipelineMode, Record, RunSummary as RsRunSummary, Transform,
+    PipelineMode, Record, RunSummary as RsRunSummary, Transform, TransformOutput,
 };
 
 use crate::client::{Consumer, DedupStore, Producer};
@@ -51,17 +51,43 @@ impl Handler for JsHandler {
     }
 }
 
-struct JsTransform(JsFn<Option<Vec<RecordIn>>>);
+/// What a pipeline's transform resolves to, as `index.js` hands it over.
+#[napi(object)]
+pub struct TransformOut {
+    /// The output records (absent: none).
+    pub records: Option<Vec<RecordIn>>,
+    /// The W3C trace headers (`traceparent`, `tracestate`, `baggage`) of the span the
+    /// transform ran in (the JavaScript `process` span): the outputs are sent as its children.
+    /// Absent: they are children of the core's process span.
+    pub parent: Option<Vec<convert::Header>>,
+}
+
+struct JsTransform(JsFn<Option<TransformOut>>);
 
 #[async_trait]
 impl Transform for JsTransform {
     async fn transform(&self, m: &onceflow::Message) -> std::result::Result<Vec<Record>, BoxError> {
-        let out = call(&self.0, m).await?;
-        Ok(out
-            .unwrap_or_default()
-            .into_iter()
-            .map(convert::record)
-            .collect())
+        Ok(self.transform_traced(m).await?.records)
+    }
+
+    async fn transform_traced(
+        &self,
+        m: &onceflow::Message,
+    ) -> std::result::Result<TransformOutput, BoxError> {
+        let Some(out) = call(&self.0, m).await? else {
+            return Ok(TransformOutput::default());
+        };
+        Ok(TransformOutput {
+            records: out
+                .records
+                .unwrap_or_default()
+                .into_iter()
+                .map(convert::record)
+                .collect(),
+            parent: out
+                .parent
+                .and_then(|h| onceflow::trace::extract_parent(&convert::headers(Some(h)))),
+        })
     }
 }
 
@@ -205,6 +231,9 @@ pub struct Metrics {
     pub commits: f64,
     /// Records produced by a pipeline.
     pub produced: f64,
+    /// Messages whose `traceparent` header was malformed and ignored (W3C Trace Context §3.2);
+    /// also exported as the OpenTelemetry counter `onceflow.malformed_traceparents`.
+    pub malformed_traceparents: f64,
 }
 
 impl From<onceflow::MetricsSnapshot> for Metrics {
@@ -223,6 +252,7 @@ impl From<onceflow::MetricsSnapshot> for Metrics {
             fenced: m.fenced as f64,
             commits: m.commits as f64,
             produced: m.produced as f64,
+            malformed_traceparents: m.malformed_traceparents as f64,
         }
     }
 }
@@ -370,13 +400,14 @@ pub struct Pipeline {
 
 #[napi]
 impl Pipeline {
-    /// `transform(message)` returns a Promise of records to write (or null for none).
+    /// `transform(message)` returns a Promise of `{records, parent}`: the records to write (or
+    /// null for none) and the trace headers of the span they are children of (or null).
     #[napi(constructor)]
     pub fn new(
         consumer: &Consumer,
         producer: &Producer,
-        #[napi(ts_arg_type = "(message: Message) => Promise<RecordIn[] | null | undefined>")]
-        transform: Function<Message, Promise<Option<Vec<RecordIn>>>>,
+        #[napi(ts_arg_type = "(message: Message) => Promise<TransformOut | null | undefined>")]
+        transform: Function<Message, Promise<Option<TransformOut>>>,
         store: Option<&DedupStore>,
         options: Option<PipelineOptions>,
         engine: Option<EngineOptions>,

@@ -57,3 +57,140 @@ for (const p of platforms()) {
     assert.equal(parentOf(proc), send.spanContext().spanId)
   })
 }
+
+const parentOf = (s) => (s.parentSpanContext || (s.parentSpanId && { spanId: s.parentSpanId }) || {}).spanId
+const anyCase = (m, name) => m.headers.filter((h) => h.name.toLowerCase() === name).map((h) => h.value && h.value.toString())
+const TP = '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'
+const TS = 'congo=t61rcWkgMzE'
+
+for (const p of platforms()) {
+  // Issue #30, point 7: in every mode (Kafka: transactions; JetStream, memory: message ids)
+  // each output is a child of the transform's `process` span, also when the transform copies
+  // the input's headers (its traceparent) onto the output.
+  test(`${p.name}: pipeline outputs are children of the JavaScript process span`, async () => {
+    exporter.reset()
+    const client = await onceflow.connect(p.url())
+    const input = await topic(client)
+    const output = await topic(client)
+    const producer = await client.producer()
+    for (let i = 0; i < 4; i++) {
+      await tracer.startActiveSpan(`upstream ${i}`, async (span) => {
+        await producer.send({ topic: input, payload: `in${i}`, idempotencyKey: unique('k') })
+        span.end()
+      })
+    }
+    const consumer = await client.consumer(unique('g'), [input], { start: 'earliest' })
+    const outProducer = await client.producer(
+      client.capabilities().transactions ? { transactionalId: unique('pipe') } : undefined
+    )
+    const pipe = new onceflow.Pipeline(
+      consumer,
+      outProducer,
+      async (m) => {
+        const copy = Number(m.payload.toString().slice(-1)) % 2 === 1
+        return {
+          topic: output,
+          payload: m.payload.toString().toUpperCase(),
+          headers: copy ? m.headers.filter((h) => h.name !== 'idempotency-key') : undefined,
+        }
+      },
+      { store: 'memory://', pollTimeoutMs: 50, transactionIntervalMs: 50 }
+    )
+    const run = pipe.run()
+    const reader = await client.consumer(unique('r'), [output], { start: 'earliest' })
+    const got = await collect(reader, 4).finally(() => pipe.stop())
+    await run
+    await reader.close()
+    assert.equal(got.length, 4)
+    const spans = exporter.getFinishedSpans()
+    const byId = new Map(spans.map((s) => [s.spanContext().spanId, s]))
+    const sends = new Set(spans.filter((s) => s.name === `send ${input}`).map((s) => s.spanContext().spanId))
+    assert.equal(sends.size, 4)
+    for (const m of got) {
+      const tps = anyCase(m, 'traceparent')
+      assert.equal(tps.length, 1, `${m.payload}: one traceparent`)
+      const [, traceId, spanId] = tps[0].split('-')
+      const proc = byId.get(spanId)
+      assert.ok(proc, `${m.payload}: its traceparent names no exported span (${tps[0]})`)
+      assert.equal(proc.name, `process ${input}`)
+      assert.equal(proc.spanContext().traceId, traceId)
+      assert.ok(sends.has(parentOf(proc)), `${m.payload}: the process span is a child of the input's send span`)
+    }
+  })
+
+  // Issue #30, point 8: `Traceparent` / `Tracestate` as older clients write them.
+  test(`${p.name}: trace headers are read and replaced whatever their case`, async () => {
+    const client = await onceflow.connect(p.url())
+    const t = await topic(client)
+    const producer = await client.producer()
+    const headers = [['Traceparent', TP], ['Tracestate', TS], ['x', 'y']]
+    await producer.send({ topic: t, payload: 'm0', headers })
+    await producer.sendBatch([{ topic: t, payload: 'm1', headers }, { topic: t, payload: 'm2', headers }])
+    let callerTrace
+    await tracer.startActiveSpan('caller', async (span) => {
+      callerTrace = span.spanContext().traceId
+      await producer.send({ topic: t, payload: 'm3', headers })
+      await producer.sendBatch([{ topic: t, payload: 'm4', headers }])
+      span.end()
+    })
+    const reader = await client.consumer(unique('r'), [t], { start: 'earliest' })
+    const got = (await collect(reader, 5)).sort((a, b) => a.payload.toString().localeCompare(b.payload.toString()))
+    assert.equal(got.length, 5)
+    got.forEach((m, i) => {
+      const tps = anyCase(m, 'traceparent')
+      const tss = anyCase(m, 'tracestate')
+      assert.deepEqual(m.headers.filter((h) => h.name.toLowerCase() === 'traceparent').map((h) => h.name), ['traceparent'], `m${i}`)
+      assert.ok(m.headers.some((h) => h.name === 'x' && h.value.toString() === 'y'))
+      const traceId = tps[0].split('-')[1]
+      if (i < 3) {
+        assert.equal(traceId, TP.split('-')[1], `m${i}: the record's trace continues`)
+        assert.deepEqual(tss, [TS], `m${i}: its tracestate kept`)
+      } else {
+        assert.equal(traceId, callerTrace, `m${i}: the caller's trace wins`)
+        assert.deepEqual(tss, [], `m${i}: the record's tracestate is dropped`)
+      }
+    })
+
+    await reader.close()
+  })
+}
+
+// Issue #30, points 9 and 8. Written by kafkajs: onceflow's own producers replace a malformed
+// traceparent, and write the lowercase name.
+test('kafka: malformed traceparents are counted in engine metrics; a capitalised one is read', { skip: process.env.ONCEFLOW_KAFKA_URL ? false : 'ONCEFLOW_KAFKA_URL not set' }, async () => {
+  const { Kafka, logLevel } = require('kafkajs')
+  const url = process.env.ONCEFLOW_KAFKA_URL
+  const client = await onceflow.connect(url)
+  const t = await topic(client)
+  const kafka = new Kafka({ clientId: unique('kjs'), brokers: [url.replace(/^kafka:\/\//, '').split('/')[0].split('?')[0]], logLevel: logLevel.NOTHING })
+  const kp = kafka.producer()
+  await kp.connect()
+  await kp.send({
+    topic: t,
+    messages: [
+      { value: 'bad', headers: { traceparent: '00-not-a-trace-01', 'idempotency-key': 'bad' } },
+      { value: 'good', headers: { Traceparent: TP, 'idempotency-key': 'good' } },
+    ],
+  })
+  await kp.disconnect()
+  let seen = 0
+  let goodTrace
+  const ic = new onceflow.IdempotentConsumer(
+    await client.consumer(unique('g'), [t], { start: 'earliest' }),
+    async (m) => {
+      if (m.payload.toString() === 'good') goodTrace = api.trace.getSpan(api.context.active()).spanContext().traceId
+      seen++
+    },
+    { store: 'memory://', pollTimeoutMs: 50 }
+  )
+  const run = ic.run()
+  try {
+    assert.ok(await until(() => seen === 2))
+  } finally {
+    ic.stop()
+  }
+  const summary = await run
+  assert.equal(summary.metrics.malformedTraceparents, 1)
+  assert.equal(ic.metrics().malformedTraceparents, 1)
+  assert.equal(goodTrace, TP.split('-')[1], 'the handler runs in the trace of the `Traceparent` header')
+})

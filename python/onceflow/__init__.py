@@ -376,7 +376,7 @@ class Producer:
         installed the current trace context is injected and the send span covers the
         hand-over only."""
         if _otel.ENABLED:
-            span, trace_headers = _otel.start_send(topic, self.platform)
+            span, trace_headers = _otel.start_send(topic, self.platform, headers=headers)
             if trace_headers is not None:
                 headers = _otel.merge(headers, trace_headers)
             try:
@@ -421,7 +421,7 @@ class Producer:
 
 def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key) -> "_native.SendFuture[Delivery]":
     if _otel.ENABLED:
-        span, trace_headers = _otel.start_send(topic, platform)
+        span, trace_headers = _otel.start_send(topic, platform, headers=headers)
         if trace_headers is not None:
             try:
                 fut = native.send(
@@ -467,9 +467,10 @@ async def _send_batch(native, platform, records):
     span, trace_headers = (None, None)
     if _otel.ENABLED:
         records = _as_records(records)
-        span, trace_headers = _otel.start_send(records[0].topic, platform, len(records))
-        if trace_headers is not None:
-            records = _with_trace(records, trace_headers)
+        if _otel.same_trace_headers(records):
+            span, trace_headers = _otel.start_send(records[0].topic, platform, len(records), records[0].headers)
+            if trace_headers is not None:
+                records = _with_trace(records, trace_headers)
     try:
         results = await native.send_batch(records)
     except BaseException as e:
@@ -763,6 +764,13 @@ class _Engine(abc.ABC):
             self._native.stop()
 
     def metrics(self) -> Dict[str, int]:
+        """Counters, live (empty before ``run()`` or ``step()`` built the engine): ``consumed``,
+        ``processed``, ``duplicates_skipped``, ``handler_errors``, ``retries``,
+        ``dead_lettered``, ``redelivery_requests``, ``transactions_committed``,
+        ``transactions_aborted``, ``rebalances``, ``fenced``, ``commits``, ``produced`` and
+        ``malformed_traceparents`` (messages whose W3C ``traceparent`` was malformed and
+        ignored; also the OpenTelemetry counter ``onceflow.malformed_traceparents`` when a
+        meter provider is installed in Rust)."""
         return self._native.metrics() if self._native is not None else {}
 
     @property
@@ -888,10 +896,12 @@ class Pipeline(_Engine):
         transform = self.transform
 
         def records(message: Message) -> Any:
+            # Runs inside the process span: its context goes to the core with the records,
+            # which sends them as its children (whatever trace headers they carry).
             out = transform(message)
             if inspect.isawaitable(out):
                 return _records_async(out)
-            return _as_records(out) if out is not None else None
+            return (_as_records(out) if out is not None else None), _otel.current_trace_headers()
 
         return _native.Pipeline(
             self.consumer._native,
@@ -908,6 +918,6 @@ class Pipeline(_Engine):
         return (await self._get()).mechanism
 
 
-async def _records_async(aw: Awaitable[Any]) -> Optional[List[Record]]:
+async def _records_async(aw: Awaitable[Any]) -> Tuple[Optional[List[Record]], Any]:
     out = await aw
-    return _as_records(out) if out is not None else None
+    return (_as_records(out) if out is not None else None), _otel.current_trace_headers()

@@ -283,7 +283,18 @@ class Pipeline:
         self,
         consumer: Consumer,
         producer: Producer,
-        transform: Callable[[Message], Awaitable[Optional[List[_RecordTuple]]]],
+        # Resolves to the records (or None), or to ``(records or None, trace headers or None)``:
+        # the W3C headers of the span the transform ran in, which the outputs are sent as
+        # children of (``onceflow.Pipeline`` passes its ``process`` span's).
+        transform: Callable[
+            [Message],
+            Awaitable[
+                Union[
+                    Optional[List[_RecordTuple]],
+                    Tuple[Optional[List[_RecordTuple]], Optional[List[Tuple[str, bytes]]]],
+                ]
+            ],
+        ],
         store: Optional[DedupStore] = None,
         *,
         mode: str = "auto",

@@ -9,11 +9,11 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use onceflow::{
     BoxError, EngineConfig, Error, ErrorKind, Handler, KeyStrategy, MetricsSnapshot, OnFailure,
-    PipelineConfig, PipelineMode, Record, RunSummary, Transform,
+    PipelineConfig, PipelineMode, Record, RunSummary, Transform, TransformOutput,
 };
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 use pyo3_async_runtimes::TaskLocals;
 
 use crate::client::{Consumer, DedupStore, Producer};
@@ -148,18 +148,46 @@ struct PyTransform {
     locals: Locals,
 }
 
+/// The parent context named by `(name, value)` trace headers (Python's process span), if valid.
+fn parent_of(trace: &Bound<'_, PyAny>) -> PyResult<Option<onceflow::trace::Context>> {
+    if trace.is_none() {
+        return Ok(None);
+    }
+    let mut headers = onceflow::Headers::new();
+    for (name, value) in trace.extract::<Vec<(String, Vec<u8>)>>()? {
+        headers.insert(name, value);
+    }
+    Ok(onceflow::trace::extract_parent(&headers))
+}
+
 #[async_trait]
 impl Transform for PyTransform {
     async fn transform(&self, message: &onceflow::Message) -> Result<Vec<Record>, BoxError> {
+        Ok(self.transform_traced(message).await?.records)
+    }
+
+    /// The callable returns `None` or records, or `(records or None, trace headers or None)`:
+    /// the second item, the W3C headers of the Python `process` span the transform ran in, is
+    /// the parent the outputs are sent as children of.
+    async fn transform_traced(
+        &self,
+        message: &onceflow::Message,
+    ) -> Result<TransformOutput, BoxError> {
         let out = call(&self.func, &self.locals, message).await?;
         Python::attach(|py| {
             let out = out.bind(py);
-            if out.is_none() {
-                Ok(Vec::new())
+            let (records, parent) = match out.cast::<PyTuple>() {
+                Ok(t) if t.len() == 2 => (t.get_item(0)?, parent_of(&t.get_item(1)?)?),
+                _ => (out.clone(), None),
+            };
+            let records = if records.is_none() {
+                Vec::new()
             } else {
-                convert::records(out).map_err(py_box)
-            }
+                convert::records(&records)?
+            };
+            Ok::<_, PyErr>(TransformOutput { records, parent })
         })
+        .map_err(py_box)
     }
 }
 
@@ -239,6 +267,7 @@ fn metrics_dict(py: Python<'_>, m: MetricsSnapshot) -> PyResult<Py<PyAny>> {
     d.set_item("fenced", m.fenced)?;
     d.set_item("commits", m.commits)?;
     d.set_item("produced", m.produced)?;
+    d.set_item("malformed_traceparents", m.malformed_traceparents)?;
     Ok(d.into_any().unbind())
 }
 

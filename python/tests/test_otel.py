@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import onceflow  # noqa: E402
 
-from conftest import drain, wait_for  # noqa: E402
+from conftest import drain, unique, wait_for  # noqa: E402
 
 _EXPORTER = InMemorySpanExporter()
 _PROVIDER = TracerProvider()
@@ -100,3 +100,107 @@ asyncio.run(main())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[[('h', b'v'), ('n', None)], [('h', b'w')]]"
+
+
+def _parse_tp(value: bytes):
+    version, trace_id, span_id, flags = value.decode().split("-")
+    return int(trace_id, 16), int(span_id, 16)
+
+
+def _any_case(message, name: str):
+    return [v for n, v in message.headers if n.lower() == name]
+
+
+async def test_pipeline_outputs_are_children_of_the_python_process_span(platform, spans):
+    # Issue #30, point 7: in every mode (Kafka: transactions; JetStream, memory: message ids)
+    # each output is sent as a child of the transform's `process` span, also when the
+    # transform copies the input's headers (its traceparent) onto the output.
+    source, sink = await platform.topic(), await platform.topic()
+    producer = await platform.client.producer()
+    tracer = trace.get_tracer("test")
+    for i in range(4):
+        with tracer.start_as_current_span(f"upstream {i}"):
+            await producer.send(source, f"in{i}".encode(), idempotency_key=f"in-{i}")
+
+    def transform(m):
+        copy = int(m.payload[-1:]) % 2 == 1
+        headers = [(n, v) for n, v in m.headers if n != "idempotency-key"] if copy else None
+        return [onceflow.Record(sink, m.payload.upper(), headers=headers)]
+
+    out_producer = await platform.client.producer(transactional_id=unique("py-tx"))
+    pipeline = onceflow.Pipeline(await platform.consumer(source), out_producer, transform, "memory://", poll_timeout=0.1)
+    task = asyncio.create_task(pipeline.run())
+    try:
+        got = await drain(await platform.consumer(sink), 4)
+    finally:
+        pipeline.stop()
+    await asyncio.wait_for(task, 30)
+
+    finished = spans.get_finished_spans()
+    by_id = {s.context.span_id: s for s in finished}
+    sends = {s.context.span_id: s for s in finished if s.name == f"send {source}"}
+    assert len(sends) == 4
+    for m in got:
+        tps = _any_case(m, "traceparent")
+        assert len(tps) == 1, (m.payload, m.headers)
+        trace_id, parent_id = _parse_tp(tps[0])
+        process = by_id.get(parent_id)
+        assert process is not None, f"{m.payload}: its traceparent names no exported span"
+        assert process.name == f"process {source}" and process.kind == trace.SpanKind.CONSUMER
+        assert process.context.trace_id == trace_id
+        assert process.parent.span_id in sends, f"{m.payload}: the process span is a child of the input's send span"
+
+
+TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+TS = "congo=t61rcWkgMzE"
+
+
+async def test_trace_headers_are_replaced_whatever_their_case(platform, spans):
+    # Issue #30, point 8: `Traceparent` / `Tracestate` as older clients write them. Without a
+    # current span the record's own trace is continued with its trace state; inside a span the
+    # span's trace wins and the record's trace state (another trace's) is dropped.
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    headers = [("Traceparent", TP.encode()), ("Tracestate", TS.encode()), ("x", b"y")]
+    await producer.send(topic, b"m0", headers=headers)
+    await producer.send_batch([onceflow.Record(topic, b"m1", headers=headers), onceflow.Record(topic, b"m2", headers=headers)])
+    with trace.get_tracer("test").start_as_current_span("caller") as caller:
+        await producer.send(topic, b"m3", headers=headers)
+        await producer.send_batch([onceflow.Record(topic, b"m4", headers=headers)])
+    got = sorted(await drain(await platform.consumer(topic), 5), key=lambda m: m.payload)
+    for i, m in enumerate(got):
+        tps, tss = _any_case(m, "traceparent"), _any_case(m, "tracestate")
+        assert len(tps) == 1 and [n for n, _ in m.headers if n.lower() == "traceparent"] == ["traceparent"], m.headers
+        assert ("x", b"y") in m.headers
+        trace_id, _ = _parse_tp(tps[0])
+        if i < 3:
+            assert trace_id == int(TP.split("-")[1], 16), f"m{i}: the record's trace continues"
+            assert tss == [TS.encode()], f"m{i}: its tracestate kept: {m.headers}"
+        else:
+            assert trace_id == caller.get_span_context().trace_id, f"m{i}: the caller's trace wins"
+            assert tss == [], f"m{i}: the record's tracestate is dropped: {m.headers}"
+
+
+async def test_malformed_traceparents_are_counted_in_engine_metrics(kafka):
+    # Issue #30, point 9. Written by confluent-kafka: onceflow's own producers never store a
+    # malformed traceparent (they replace it).
+    ck = pytest.importorskip("confluent_kafka")
+    topic = await kafka.topic()
+    p = ck.Producer({"bootstrap.servers": kafka.url.split("://", 1)[1].split("?", 1)[0]})
+    p.produce(topic, value=b"bad", headers=[("traceparent", b"00-not-a-trace-01"), ("idempotency-key", b"bad")])
+    p.produce(topic, value=b"good", headers=[("Traceparent", TP.encode()), ("idempotency-key", b"good")])
+    assert await asyncio.to_thread(p.flush, 30) == 0
+    seen = []
+
+    @onceflow.idempotent(await kafka.consumer(topic), store="memory://", poll_timeout=0.1)
+    async def handle(message):
+        seen.append(message.payload)
+
+    task = asyncio.create_task(handle.run())
+    try:
+        await wait_for(lambda: len(seen) == 2, 30, "both messages")
+    finally:
+        handle.stop()
+    summary = await asyncio.wait_for(task, 30)
+    assert summary["metrics"]["malformed_traceparents"] == 1
+    assert handle.metrics()["malformed_traceparents"] == 1
