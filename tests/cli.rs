@@ -967,7 +967,7 @@ fn consume_says_when_no_partition_was_assigned() {
     let group = format!("{topic}-g");
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let holder = rt.block_on(async {
+    let consumer = rt.block_on(async {
         let client = new_topic(&url, &topic, 1).await;
         client
             .producer(onceflow::ProducerConfig::default())
@@ -992,16 +992,18 @@ fn consume_says_when_no_partition_was_assigned() {
             !consumer.assignment().is_empty(),
             "the holder got the partition"
         );
-        tokio::spawn(async move {
-            let mut stopped = stopped;
-            loop {
-                tokio::select! {
-                    _ = &mut stopped => break,
-                    r = consumer.poll(10, Duration::from_millis(200)) => { r.unwrap(); }
-                }
+        consumer
+    });
+    // Hold the partition: keep polling (a member that stops polling leaves the group).
+    let holder = rt.spawn(async move {
+        let mut stopped = stopped;
+        loop {
+            tokio::select! {
+                _ = &mut stopped => break,
+                r = consumer.poll(10, Duration::from_millis(200)) => { r.unwrap(); }
             }
-            consumer.close().await.unwrap();
-        })
+        }
+        consumer.close().await.unwrap();
     });
     let out = onceflow(&[
         "consume",
