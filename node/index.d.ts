@@ -214,8 +214,10 @@ export type IdempotentConsumer = NativeIdempotentConsumer
 /** Consume-transform-produce with the strongest mechanism the platform offers. */
 export declare class NativePipeline {
   /**
-   * `transform(message)` returns a Promise of `{records, parent}`: the records to write (or
-   * null for none) and the trace headers of the span they are children of (or null).
+   * `transform(message)` returns a Promise of a `TransformOut` (null or undefined: no output):
+   * `records`, the records to write, and `parent`, the W3C trace headers of the span they
+   * are children of. A field with nothing in it is left out (undefined), never null: napi
+   * reads a null field as an array of the wrong type and the transform fails.
    */
   constructor(consumer: Consumer, producer: Producer, transform: (message: Message) => Promise<TransformOut | null | undefined>, store?: DedupStore | undefined | null, options?: PipelineOptions | undefined | null, engine?: EngineOptions | undefined | null)
   /** The guarantee this pipeline runs with. */

@@ -400,8 +400,10 @@ pub struct Pipeline {
 
 #[napi]
 impl Pipeline {
-    /// `transform(message)` returns a Promise of `{records, parent}`: the records to write (or
-    /// null for none) and the trace headers of the span they are children of (or null).
+    /// `transform(message)` returns a Promise of a `TransformOut` (null or undefined: no output):
+    /// `records`, the records to write, and `parent`, the W3C trace headers of the span they
+    /// are children of. A field with nothing in it is left out (undefined), never null: napi
+    /// reads a null field as an array of the wrong type and the transform fails.
     #[napi(constructor)]
     pub fn new(
         consumer: &Consumer,

@@ -159,4 +159,42 @@ for (const p of platforms()) {
     assert.equal(typeof pipe.mechanism, 'string')
     await reader.close()
   })
+
+  // No OpenTelemetry span here, and some inputs give no output: the transform's result reaches
+  // the core with its fields left out, never null (08d9c90 sent `records: null` / `parent:
+  // null`, which napi rejects as a wrong-typed array: every transform failed, no output).
+  test(`${p.name}: Pipeline transform resolving to nothing writes nothing for that input`, async () => {
+    const client = await onceflow.connect(p.url())
+    const input = await topic(client)
+    const output = await topic(client)
+    const producer = await client.producer()
+    for (let i = 0; i < 6; i++) await producer.send({ topic: input, payload: `${i}` })
+    const consumer = await client.consumer(unique('g'), [input], { start: 'earliest' })
+    const outProducer = await client.producer(
+      client.capabilities().transactions ? { transactionalId: unique('pipe') } : undefined
+    )
+    const nothing = [null, undefined, []]
+    const pipe = new onceflow.Pipeline(
+      consumer,
+      outProducer,
+      async (m) => {
+        const i = Number(m.payload.toString())
+        return i % 2 === 1 ? nothing[(i - 1) / 2] : { topic: output, payload: `out${i}` }
+      },
+      { store: 'memory://', pollTimeoutMs: 50, transactionIntervalMs: 50, maxAttempts: 1, onFailure: 'stop' }
+    )
+    const run = pipe.run()
+    try {
+      assert.ok(await until(() => pipe.metrics() && pipe.metrics().processed === 6), 'all 6 inputs processed')
+    } finally {
+      pipe.stop()
+    }
+    const summary = await run
+    assert.equal(summary.metrics.handlerErrors, 0)
+    assert.equal(summary.metrics.produced, 3)
+    const reader = await client.consumer(unique('r'), [output], { start: 'earliest' })
+    const got = await collect(reader, 3)
+    assert.deepEqual(got.map((m) => m.payload.toString()).sort(), ['out0', 'out2', 'out4'])
+    await reader.close()
+  })
 }
