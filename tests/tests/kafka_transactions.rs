@@ -27,6 +27,9 @@ use onceflow_core::{
 
 const HANG_GUARD: Duration = Duration::from_secs(300);
 
+/// One test at a time listens on the fault proxy's port (the broker advertises it).
+static FAULT_PORT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn url(test: &str) -> Option<String> {
     match broker_url("ONCEFLOW_KAFKA_URL", "kafka") {
         Ok(u) => Some(u),
@@ -440,7 +443,7 @@ impl Transform for FailOnce {
 
 /// A transform that fails mid-batch aborts the transaction; every partition of the batch is
 /// read again from its committed position, also those whose inputs the batch had not reached
-/// (before, they were committed past with the next transaction: 67 of 109 inputs lost).
+/// (before, they were committed past with the next transaction: 67 of 100 inputs lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again() {
     let Some(url) = url("a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again")
@@ -527,6 +530,7 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
     let upstream = std::env::var("ONCEFLOW_KAFKA_FAULT_UPSTREAM")
         .expect("ONCEFLOW_KAFKA_FAULT_UPSTREAM (tests/brokers/up.sh kafka prints it)");
     let listen = fault_url.trim_start_matches("kafka://").to_string();
+    let _turn = FAULT_PORT.lock().await;
     tokio::time::timeout(HANG_GUARD * 2, async {
         let proxy = FaultProxy::start(&listen, &upstream).await.unwrap();
         let timeout_ms = 2000u64;
@@ -610,6 +614,83 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
                 got.len(),
                 inputs,
                 "EndTxn delayed {timeout_ms}+{extra_ms} ms: every input in the output"
+            );
+        }
+    })
+    .await
+    .expect("hung");
+}
+
+/// A transaction used by hand whose EndTxn is held past the commit timeout: `commit` fails with
+/// an unknown outcome, and the producer has already taken a new epoch (KIP-98), so the late
+/// EndTxn of the old one cannot land after work redone under the new one. After
+/// `settle_transactions` the same producer runs the next transaction, and the output holds the
+/// first transaction's records all once or not at all, never twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_producer_goes_on() {
+    let Some(url) =
+        url("a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_producer_goes_on")
+    else {
+        return;
+    };
+    let fault_url = std::env::var("ONCEFLOW_KAFKA_FAULT_URL")
+        .expect("ONCEFLOW_KAFKA_FAULT_URL (tests/brokers/up.sh kafka prints it)");
+    let upstream = std::env::var("ONCEFLOW_KAFKA_FAULT_UPSTREAM")
+        .expect("ONCEFLOW_KAFKA_FAULT_UPSTREAM (tests/brokers/up.sh kafka prints it)");
+    let listen = fault_url.trim_start_matches("kafka://").to_string();
+    let _turn = FAULT_PORT.lock().await;
+    tokio::time::timeout(HANG_GUARD, async {
+        let proxy = FaultProxy::start(&listen, &upstream).await.unwrap();
+        let timeout_ms = 2000u64;
+        let c = client(&url);
+        let behind = client(&format!("{fault_url}?onceflow.timeout.ms={timeout_ms}"));
+        for extra_ms in [50u64, 1200] {
+            let output = topic(&c, 1).await;
+            let producer = behind
+                .producer(ProducerConfig {
+                    transactional_id: Some(name("kafka-txn-by-hand")),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            proxy.clear();
+            let fired = proxy.fired();
+            proxy.once(
+                Direction::ToBroker,
+                |f| kafka_api_key(f) == Some(26),
+                Action::Delay(Duration::from_millis(timeout_ms + extra_ms)),
+            );
+            let mut tx = producer.begin().await.unwrap();
+            for i in 0..3 {
+                tx.send(Record::new(output.clone(), format!("first-{i}")))
+                    .await
+                    .unwrap();
+            }
+            let e = tx
+                .commit()
+                .await
+                .expect_err("a commit whose EndTxn is held past the timeout");
+            assert!(
+                e.outcome_unknown(),
+                "EndTxn delayed {timeout_ms}+{extra_ms} ms: {e}"
+            );
+            assert_eq!(proxy.fired(), fired + 1, "the EndTxn was held back");
+            producer.settle_transactions().await.unwrap();
+            let mut tx = producer.begin().await.unwrap();
+            tx.send(Record::new(output.clone(), "after")).await.unwrap();
+            tx.commit().await.unwrap_or_else(|e| {
+                panic!("EndTxn delayed {timeout_ms}+{extra_ms} ms: the next transaction: {e}")
+            });
+            producer.close().await.unwrap();
+            let got = read_output(&c, &output, 1).await;
+            assert_eq!(got.get("after"), Some(&1), "{got:?}");
+            let first: Vec<usize> = (0..3)
+                .map(|i| got.get(&format!("first-{i}")).copied().unwrap_or(0))
+                .collect();
+            assert!(
+                first == [0, 0, 0] || first == [1, 1, 1],
+                "EndTxn delayed {timeout_ms}+{extra_ms} ms: the first transaction's records \
+                 all once or none: {got:?}"
             );
         }
     })
