@@ -30,6 +30,18 @@ const HANG_GUARD: Duration = Duration::from_secs(300);
 /// One test at a time listens on the fault proxy's port (the broker advertises it).
 static FAULT_PORT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The fault proxy on the broker's FAULT listener (hold [`FAULT_PORT`]), and the URL that
+/// reaches the broker through it.
+async fn fault_proxy() -> (FaultProxy, String) {
+    let fault_url = std::env::var("ONCEFLOW_KAFKA_FAULT_URL")
+        .expect("ONCEFLOW_KAFKA_FAULT_URL (tests/brokers/up.sh kafka prints it)");
+    let upstream = std::env::var("ONCEFLOW_KAFKA_FAULT_UPSTREAM")
+        .expect("ONCEFLOW_KAFKA_FAULT_UPSTREAM (tests/brokers/up.sh kafka prints it)");
+    let listen = fault_url.trim_start_matches("kafka://");
+    let proxy = FaultProxy::start(listen, &upstream).await.unwrap();
+    (proxy, fault_url)
+}
+
 fn url(test: &str) -> Option<String> {
     match broker_url("ONCEFLOW_KAFKA_URL", "kafka") {
         Ok(u) => Some(u),
@@ -525,14 +537,9 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
     let Some(url) = url("an_unknown_commit_outcome_is_settled_before_work_is_redone") else {
         return;
     };
-    let fault_url = std::env::var("ONCEFLOW_KAFKA_FAULT_URL")
-        .expect("ONCEFLOW_KAFKA_FAULT_URL (tests/brokers/up.sh kafka prints it)");
-    let upstream = std::env::var("ONCEFLOW_KAFKA_FAULT_UPSTREAM")
-        .expect("ONCEFLOW_KAFKA_FAULT_UPSTREAM (tests/brokers/up.sh kafka prints it)");
-    let listen = fault_url.trim_start_matches("kafka://").to_string();
     let _turn = FAULT_PORT.lock().await;
     tokio::time::timeout(HANG_GUARD * 2, async {
-        let proxy = FaultProxy::start(&listen, &upstream).await.unwrap();
+        let (proxy, fault_url) = fault_proxy().await;
         let timeout_ms = 2000u64;
         let c = client(&url);
         // The pipeline's producer (and consumer) behind the proxy, with a short bound on
@@ -633,14 +640,9 @@ async fn a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_produc
     else {
         return;
     };
-    let fault_url = std::env::var("ONCEFLOW_KAFKA_FAULT_URL")
-        .expect("ONCEFLOW_KAFKA_FAULT_URL (tests/brokers/up.sh kafka prints it)");
-    let upstream = std::env::var("ONCEFLOW_KAFKA_FAULT_UPSTREAM")
-        .expect("ONCEFLOW_KAFKA_FAULT_UPSTREAM (tests/brokers/up.sh kafka prints it)");
-    let listen = fault_url.trim_start_matches("kafka://").to_string();
     let _turn = FAULT_PORT.lock().await;
     tokio::time::timeout(HANG_GUARD, async {
-        let proxy = FaultProxy::start(&listen, &upstream).await.unwrap();
+        let (proxy, fault_url) = fault_proxy().await;
         let timeout_ms = 2000u64;
         let c = client(&url);
         let behind = client(&format!("{fault_url}?onceflow.timeout.ms={timeout_ms}"));

@@ -332,6 +332,22 @@ async fn redeliveries_after_a_reset_during_acks_reach_the_application() {
     }
 }
 
+/// The payloads of `topic` from the start (up to `max`, 5 s at most), read by a new group
+/// named after `group`.
+async fn read_all(client: &Client, group: &str, topic: &str, max: usize) -> Vec<String> {
+    let c = client
+        .consumer(ConsumerConfig::new(name(group), [topic.to_string()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let got = drain(&c, max, Duration::from_secs(5))
+        .await
+        .iter()
+        .map(text)
+        .collect();
+    c.close().await.unwrap();
+    got
+}
+
 /// Point 5: the connection is cut when the broker's receipt of a stored message passes to the
 /// client. The crate re-creates the producer and resends the message with its sequence id; the
 /// broker (dedup on) answers with message id (-1,-1). That is our own message, stored once:
@@ -378,18 +394,7 @@ async fn a_resend_the_broker_stored_already_is_a_duplicate_delivery() {
         assert!(!third.duplicate, "named {named}");
         producer.close().await.unwrap();
 
-        let c = direct
-            .consumer(
-                ConsumerConfig::new(name("resend-g"), [topic.clone()]).start(StartFrom::Earliest),
-            )
-            .await
-            .unwrap();
-        let got: Vec<String> = drain(&c, 4, Duration::from_secs(5))
-            .await
-            .iter()
-            .map(text)
-            .collect();
-        c.close().await.unwrap();
+        let got = read_all(&direct, "resend-g", &topic, 4).await;
         assert_eq!(
             got,
             ["first", "second", "third"],
@@ -434,18 +439,7 @@ async fn a_named_producers_first_resend_is_an_unknown_outcome() {
         .unwrap();
     assert!(!second.duplicate);
     producer.close().await.unwrap();
-    let c = direct
-        .consumer(
-            ConsumerConfig::new(name("resend-first-g"), [topic.clone()]).start(StartFrom::Earliest),
-        )
-        .await
-        .unwrap();
-    let got: Vec<String> = drain(&c, 3, Duration::from_secs(5))
-        .await
-        .iter()
-        .map(text)
-        .collect();
-    c.close().await.unwrap();
+    let got = read_all(&direct, "resend-first-g", &topic, 3).await;
     assert_eq!(
         got,
         ["first", "second"],
