@@ -417,16 +417,7 @@ struct TxState {
     inflight: HashMap<String, Option<u128>>,
     /// Sequence number of the open (or last) transaction of this run.
     tx_seq: u64,
-    /// The next batch, polled while this one is processed and committed.
-    prefetch: Option<Prefetch>,
-    /// Process spans of the batch being processed (the global tracer as the batch began).
-    spans: Option<crate::trace::ProcessSpans>,
 }
-
-/// A poll running on its own task while the loop processes and commits the batch before it
-/// (the loop's own share of the time is otherwise spent waiting for the consumer: 35 % of a
-/// K4 run). At most one batch ahead; a rewind waits for it and reads its inputs again.
-type Prefetch = tokio::task::JoinHandle<Result<Vec<Message>>>;
 
 struct TxLoop<'a> {
     core: &'a Arc<Core>,
@@ -470,11 +461,6 @@ impl TxLoop<'_> {
             let _ = tx.abort().await;
             self.release(&mut st).await;
         }
-        // Inputs polled ahead are not processed: nothing commits them, and the consumer closes
-        // after the poll ends.
-        if let Some(next) = st.prefetch.take() {
-            let _ = next.await;
-        }
         drop(st);
         if !matches!(&result, Err(e) if e.kind() == ErrorKind::Closed) {
             let close = self.core.consumer.close().await;
@@ -494,11 +480,7 @@ impl TxLoop<'_> {
     async fn step(&self) -> Result<()> {
         let core = self.core;
         let cfg = &core.config;
-        let ahead = self.state.lock().await.prefetch.take();
-        let msgs = match ahead {
-            Some(next) => joined(next.await)?,
-            None => core.consumer.poll(cfg.batch_size, cfg.poll_timeout).await?,
-        };
+        let msgs = core.consumer.poll(cfg.batch_size, cfg.poll_timeout).await?;
         let mut st = self.state.lock().await;
         // Every partition of the batch is rewound with the transaction, not only those whose
         // inputs were processed: a batch abandoned part-way (a failed transform, a revocation)
@@ -518,8 +500,6 @@ impl TxLoop<'_> {
             self.abort_and_rewind(&mut st, "partitions revoked").await?;
             return Ok(());
         }
-        st.prefetch = Some(self.poll_ahead());
-        st.spans = None;
         if !msgs.is_empty() {
             core.metrics.add(Metric::Consumed, msgs.len() as u64);
             if st.tx.is_none() {
@@ -648,29 +628,6 @@ impl TxLoop<'_> {
         Ok(())
     }
 
-    /// Starts polling the next batch on a task of its own.
-    fn poll_ahead(&self) -> Prefetch {
-        let consumer = self.core.consumer.clone();
-        let (max, timeout) = (self.core.config.batch_size, self.core.config.poll_timeout);
-        tokio::spawn(async move { consumer.poll(max, timeout).await })
-    }
-
-    /// Waits for the batch polled ahead, if any, and drops it unprocessed, adding its
-    /// partitions to those a rewind seeks back: the consumer is past its inputs, and no seek
-    /// may race a poll.
-    async fn drop_prefetch(&self, st: &mut TxState) {
-        let Some(next) = st.prefetch.take() else {
-            return;
-        };
-        if let Ok(msgs) = joined(next.await) {
-            for m in &msgs {
-                st.first
-                    .entry(m.topic_partition())
-                    .or_insert_with(|| m.position.clone());
-            }
-        }
-    }
-
     /// Transforms `msg` and sends its outputs in the open transaction. `Ok(false)` when the
     /// transaction was aborted (the batch is abandoned and re-read).
     async fn process(&self, st: &mut TxState, msg: &Message, key: Option<&str>) -> Result<bool> {
@@ -680,7 +637,7 @@ impl TxLoop<'_> {
         let (outputs, parent) = loop {
             // Each attempt in a process span of its own, as the idempotent mode's handler runs.
             let (result, cx) = core
-                .in_process_span_of(&mut st.spans, msg, self.transform.transform_traced(msg))
+                .in_process_span(msg, self.transform.transform_traced(msg))
                 .await;
             match result {
                 Ok(o) => break (o.records, o.parent.or(cx)),
@@ -1030,7 +987,6 @@ impl TxLoop<'_> {
     /// Seeks every partition of the aborted transaction back to the group's committed position
     /// (or, where none is committed, to the transaction's first input).
     async fn rewind(&self, st: &mut TxState) -> Result<()> {
-        self.drop_prefetch(st).await;
         let consumer = &self.core.consumer;
         let assigned = consumer.assignment();
         let tps: Vec<TopicPartition> = st
@@ -1059,18 +1015,6 @@ impl TxLoop<'_> {
         st.started = None;
         Ok(())
     }
-}
-
-/// The result of a task polling ahead; a panic in it is the engine's error.
-fn joined(
-    r: std::result::Result<Result<Vec<Message>>, tokio::task::JoinError>,
-) -> Result<Vec<Message>> {
-    r.unwrap_or_else(|e| {
-        Err(Error::new(
-            ErrorKind::Platform,
-            format!("poll task failed: {e}"),
-        ))
-    })
 }
 
 #[cfg(test)]
