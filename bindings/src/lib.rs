@@ -125,6 +125,7 @@ pub struct ErrorKindInfo {
 fn names(kind: ErrorKind) -> (&'static str, &'static str) {
     match kind {
         ErrorKind::Config => ("config", "ConfigError"),
+        ErrorKind::Auth => ("auth", "AuthError"),
         ErrorKind::Connect => ("connect", "ConnectError"),
         ErrorKind::Timeout => ("timeout", "TimeoutError"),
         ErrorKind::Fenced => ("fenced", "FencedError"),

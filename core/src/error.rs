@@ -20,6 +20,12 @@ pub enum ErrorKind {
     /// Bad configuration or input: an unknown URL scheme, an invalid option, a negative count,
     /// an oversized message, a malformed header. Never retriable.
     Config,
+    /// The platform or store was reached but refused who we are: a wrong password or token, an
+    /// expired credential, an untrusted or mismatched TLS certificate, a SASL mechanism the
+    /// server does not enable, or an ACL that denies the operation. Not retriable: the same
+    /// credentials fail again. The message names the server and what was refused, never the
+    /// secret itself.
+    Auth,
     /// The platform or store could not be reached. Usually retriable.
     Connect,
     /// An operation did not finish in time; its outcome may be unknown (see [`Error::outcome_unknown`]).
@@ -49,8 +55,9 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in declaration order (for bindings that generate one class per kind).
-    pub const ALL: [ErrorKind; 13] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::Config,
+        ErrorKind::Auth,
         ErrorKind::Connect,
         ErrorKind::Timeout,
         ErrorKind::Fenced,
@@ -70,6 +77,7 @@ impl ErrorKind {
     pub fn code(self) -> &'static str {
         match self {
             ErrorKind::Config => "ONCEFLOW_CONFIG",
+            ErrorKind::Auth => "ONCEFLOW_AUTH",
             ErrorKind::Connect => "ONCEFLOW_CONNECT",
             ErrorKind::Timeout => "ONCEFLOW_TIMEOUT",
             ErrorKind::Fenced => "ONCEFLOW_FENCED",
@@ -90,6 +98,7 @@ impl ErrorKind {
     pub fn describe(self) -> &'static str {
         match self {
             ErrorKind::Config => "bad input",
+            ErrorKind::Auth => "authentication failed",
             ErrorKind::Connect => "cannot connect",
             ErrorKind::Timeout => "timed out",
             ErrorKind::Fenced => "fenced",

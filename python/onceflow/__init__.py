@@ -56,6 +56,7 @@ from . import _native, _otel
 _OTEL = _otel.ENABLED
 from ._native import (
     AbortedError,
+    AuthError,
     ClosedError,
     ConfigError,
     ConflictError,
@@ -85,6 +86,7 @@ atexit.register(_native._shutdown)
 
 __all__ = [
     "AbortedError",
+    "AuthError",
     "Client",
     "ClosedError",
     "ConfigError",

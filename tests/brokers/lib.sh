@@ -241,3 +241,63 @@ apt_install() {
     fi
     [[ -z $added ]] || rm -f "$policy"
 }
+
+# test_certs: makes (once per $RUN_DIR) a throwaway CA and, signed by it, a server certificate
+# for 127.0.0.1 / localhost and a client certificate (CN=onceflow-client) for mTLS, plus a
+# second CA that signed nothing (the "untrusted CA" of the wrong-CA tests). Never committed:
+# generated at test time with openssl. Prints the directory, which holds
+#   ca.pem ca.key  server.pem server.key  server-chain.pem (server cert + CA)
+#   server.p12 (server key + chain, PKCS#12, password in keystore.pass: for Java brokers)
+#   truststore.p12 (the CA, same password)  client.pem client.key  client.p12
+#   other-ca.pem (a CA unrelated to the certificates above)
+test_certs() {
+    local dir="$RUN_DIR/certs" pass
+    mkdir -p "$dir"
+    if [[ -s $dir/.complete ]]; then
+        echo "$dir"
+        return 0
+    fi
+    command -v openssl >/dev/null || apt_install openssl
+    (
+        set -e
+        cd "$dir"
+        rm -f ./*.pem ./*.key ./*.p12 ./*.csr ./*.srl ./*.ext keystore.pass
+        exec 2>/dev/null >&2
+        pass=$(openssl rand -hex 12)
+        printf '%s' "$pass" >keystore.pass
+        openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=onceflow test CA" \
+            -keyout ca.key -out ca.pem \
+            -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
+        openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=onceflow untrusted CA" \
+            -keyout other-ca.key -out other-ca.pem \
+            -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign
+        printf '%s\n' "subjectAltName=IP:127.0.0.1,DNS:localhost" \
+            "extendedKeyUsage=serverAuth,clientAuth" "basicConstraints=CA:FALSE" >server.ext
+        openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr
+        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
+            -extfile server.ext -out server.pem
+        printf '%s\n' "extendedKeyUsage=clientAuth" "basicConstraints=CA:FALSE" >client.ext
+        openssl req -newkey rsa:2048 -nodes -subj "/CN=onceflow-client" -keyout client.key \
+            -out client.csr
+        openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
+            -extfile client.ext -out client.pem
+        cat server.pem ca.pem >server-chain.pem
+        openssl pkcs12 -export -in server.pem -inkey server.key -certfile ca.pem -name server \
+            -passout "pass:$pass" -out server.p12
+        openssl pkcs12 -export -in client.pem -inkey client.key -certfile ca.pem -name client \
+            -passout "pass:$pass" -out client.p12
+        # A truststore holding only the CA: keytool makes a PKCS#12 trust entry Java reads.
+        keytool -importcert -noprompt -alias ca -file ca.pem -storetype PKCS12 \
+            -keystore truststore.p12 -storepass "$pass"
+        chmod 600 ./*.key keystore.pass
+        rm -f ./*.csr ./*.srl ./*.ext
+    ) || true
+    # (set -e does not act inside a subshell on the left of ||: check what it made instead.)
+    local f
+    for f in ca.pem server.pem server.key server-chain.pem server.p12 truststore.p12 client.pem \
+        client.key client.p12 other-ca.pem keystore.pass; do
+        [[ -s $dir/$f ]] || { log "ERROR: making test certificates in $dir failed ($f)"; return 1; }
+    done
+    date +%s >"$dir/.complete"
+    echo "$dir"
+}
