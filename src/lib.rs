@@ -50,7 +50,17 @@ pub use onceflow_postgres as postgres;
 pub use onceflow_redis as redis;
 
 /// Every platform scheme onceflow knows, compiled in or not.
-const KNOWN_SCHEMES: [&str; 5] = ["memory", "kafka", "nats", "pulsar", "kinesis"];
+/// Every scheme onceflow knows, compiled in or not: `tls://` is NATS over TLS, `pulsar+ssl://`
+/// Pulsar over TLS.
+const KNOWN_SCHEMES: [&str; 7] = [
+    "memory",
+    "kafka",
+    "nats",
+    "tls",
+    "pulsar",
+    "pulsar+ssl",
+    "kinesis",
+];
 
 /// URL schemes this build can open, for error messages.
 pub fn supported_schemes() -> Vec<&'static str> {
@@ -124,9 +134,9 @@ pub async fn connect(url: &str) -> Result<Client> {
         #[cfg(feature = "kafka")]
         "kafka" => Ok(Client::new(onceflow_kafka::open(url).await?)),
         #[cfg(feature = "jetstream")]
-        "nats" => Ok(Client::new(onceflow_jetstream::connect(url).await?)),
+        "nats" | "tls" => Ok(Client::new(onceflow_jetstream::connect(url).await?)),
         #[cfg(feature = "pulsar")]
-        "pulsar" => Ok(Client::new(onceflow_pulsar::connect(url).await?)),
+        "pulsar" | "pulsar+ssl" => Ok(Client::new(onceflow_pulsar::connect(url).await?)),
         #[cfg(feature = "kinesis")]
         "kinesis" => Ok(Client::new(connect_kinesis(url).await?)),
         s if KNOWN_SCHEMES.contains(&s) => Err(Error::unsupported(format!(
