@@ -35,7 +35,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
 
 /// Configuration of a Kafka connection: typed fields plus raw librdkafka properties.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Its `Debug` output shows `***` for the value of every secret property (`sasl.password`,
+/// `ssl.key.password`, `ssl.key.pem`, `sasl.oauthbearer.client.secret`, ...: see
+/// [`onceflow_core::is_secret_key`]).
+#[derive(Clone, PartialEq, Eq)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`: comma-separated `host:port` list.
     pub bootstrap_servers: String,
@@ -48,6 +52,29 @@ pub struct KafkaConfig {
     pub max_record_bytes: usize,
     /// Bound of blocking calls; from `onceflow.timeout.ms`.
     pub timeout: Duration,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let properties: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(k, v)| {
+                let shown = if onceflow_core::is_secret_key(k) {
+                    "***"
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("properties", &properties)
+            .field("max_record_bytes", &self.max_record_bytes)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl KafkaConfig {
@@ -229,6 +256,21 @@ mod tests {
         }
         let e = parse_url("kafka://h:1?message.max.bytes=lots").unwrap_err();
         assert!(e.message().contains("lots"));
+    }
+
+    /// Secret properties never show in `Debug` (it reaches logs through `{:?}`).
+    #[test]
+    fn debug_hides_secret_properties() {
+        let c = parse_url(
+            "kafka://h:1?security.protocol=SASL_SSL&sasl.username=u&sasl.password=S3cr3t\
+             &ssl.key.pem=PEMKEY&sasl.oauthbearer.client.secret=CS1&ssl.key.password=KP1",
+        )
+        .unwrap();
+        let d = format!("{c:?}");
+        for secret in ["S3cr3t", "PEMKEY", "CS1", "KP1"] {
+            assert!(!d.contains(secret), "{d}");
+        }
+        assert!(d.contains("SASL_SSL") && d.contains("sasl.username"), "{d}");
     }
 
     /// A long bad URL is cut in the error (break test: a 100 000-character host was echoed in

@@ -43,6 +43,28 @@ fn is_connect(code: C) -> bool {
     )
 }
 
+/// Codes of a refusal of who we are or what we may do: SASL authentication failed (KIP-152's
+/// SaslAuthenticate error, librdkafka's local `_AUTHENTICATION`), the TLS handshake failed
+/// (untrusted or mismatched certificate: `_SSL`), a mechanism the listener does not enable, or
+/// an ACL denying the topic, group or cluster. The transactional id's refusal stays with
+/// [`is_fencing`] (it ends the producer the same way).
+pub(crate) fn is_auth(code: C) -> bool {
+    matches!(
+        code,
+        C::Authentication
+            | C::SSL
+            | C::SaslAuthenticationFailed
+            | C::UnsupportedSASLMechanism
+            | C::IllegalSASLState
+            | C::TopicAuthorizationFailed
+            | C::GroupAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::SecurityDisabled
+            | C::DelegationTokenExpired
+            | C::DelegationTokenAuthorizationFailed
+    )
+}
+
 fn is_not_found(code: C) -> bool {
     matches!(
         code,
@@ -117,6 +139,7 @@ pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
             ),
             Some(C::InvalidRecord) => Error::new(ErrorKind::Config, message),
             Some(code) if is_fencing(code) => Error::new(ErrorKind::Fenced, message),
+            Some(code) if is_auth(code) => Error::new(ErrorKind::Auth, message),
             Some(code) if is_timeout(code) => Error::new(ErrorKind::Timeout, message),
             Some(code) if is_connect(code) => Error::new(ErrorKind::Connect, message),
             Some(code) if is_not_found(code) => Error::new(ErrorKind::NotFound, message),

@@ -168,6 +168,97 @@ pub async fn open(url: &str) -> Result<Arc<KafkaPlatform>> {
     Ok(platform)
 }
 
+/// How long one metadata request of [`KafkaPlatform::check`] waits before the check looks at
+/// what the client's error callback reported.
+const CHECK_ROUND: Duration = Duration::from_millis(200);
+
+/// What [`CheckContext`] saw end a connection attempt: a refusal (`auth`) or a security
+/// protocol that does not match the listener, with librdkafka's reason.
+#[derive(Debug, Clone)]
+struct Refusal {
+    auth: bool,
+    reason: String,
+}
+
+impl Refusal {
+    fn error(&self, servers: &str) -> Error {
+        if self.auth {
+            Error::new(
+                ErrorKind::Auth,
+                format!(
+                    "Kafka at {servers} refused the connection: {} (check the SASL mechanism, \
+                     user name and password or token, and the CA that signed the broker's \
+                     certificate: ssl.ca.location / ssl.ca.pem)",
+                    self.reason
+                ),
+            )
+        } else {
+            Error::new(
+                ErrorKind::Connect,
+                format!(
+                    "Kafka at {servers} does not speak the security protocol the URL sets: {} \
+                     (security.protocol PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL must match \
+                     the listener's)",
+                    self.reason
+                ),
+            )
+            .retriable(false)
+        }
+    }
+}
+
+/// The client context of [`KafkaPlatform::check`]: keeps the first refusal librdkafka reports
+/// on its error callback (a global error, not tied to a request), and logs every error as
+/// rust-rdkafka's default context does.
+#[derive(Default)]
+struct CheckContext {
+    refusal: parking_lot::Mutex<Option<Refusal>>,
+}
+
+impl CheckContext {
+    fn refusal(&self) -> Option<Refusal> {
+        self.refusal.lock().clone()
+    }
+}
+
+impl rdkafka::client::ClientContext for CheckContext {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        tracing::debug!(target: "librdkafka", "connection check: {error}: {reason}");
+        let Some(code) = error.rdkafka_error_code() else {
+            return;
+        };
+        // A TLS client at a plaintext listener fails its handshake ("wrong version number",
+        // "packet length too long"); a plaintext client at a TLS or SASL listener is
+        // disconnected while it asks for ApiVersions, and librdkafka says so.
+        let tls_at_plaintext = code == RDKafkaErrorCode::SSL
+            && [
+                "wrong version number",
+                "packet length too long",
+                "record layer failure",
+            ]
+            .iter()
+            .any(|s| reason.contains(s));
+        let plaintext_at_tls = code == RDKafkaErrorCode::BrokerTransportFailure
+            && reason.contains("security.protocol");
+        let refusal = if tls_at_plaintext || plaintext_at_tls {
+            Refusal {
+                auth: false,
+                reason: reason.to_string(),
+            }
+        } else if errors::is_auth(code) {
+            Refusal {
+                auth: true,
+                reason: reason.to_string(),
+            }
+        } else {
+            return;
+        };
+        self.refusal.lock().get_or_insert(refusal);
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for CheckContext {}
+
 /// A Kafka cluster: the factory of producers, consumers and the admin handle.
 #[derive(Debug, Clone)]
 pub struct KafkaPlatform {
@@ -188,12 +279,20 @@ impl KafkaPlatform {
     /// Checks that the cluster answers: one of the bootstrap servers accepts a TCP connection
     /// (5 s each, [`onceflow_core::net::check_reachable`]), then a metadata request is answered
     /// within [`CHECK_TIMEOUT`] (or `onceflow.timeout.ms` if lower), with the connection's
-    /// security settings, so a wrong listener or protocol shows here too. The request asks for
-    /// `__consumer_offsets` only and never creates a topic.
+    /// security settings, so a wrong listener, protocol or credential shows here too. The
+    /// request asks for `__consumer_offsets` only and never creates a topic.
     ///
-    /// Errors: [`ErrorKind::Connect`] naming the servers when none accepts a connection or
-    /// none answers in time (for example a port that is not a Kafka listener); otherwise the
-    /// native error's kind (an authentication failure, for one).
+    /// librdkafka retries a refused connection until its timeouts; this check instead ends at
+    /// the first refusal the client reports: a SASL authentication failure (wrong password, a
+    /// mechanism the listener does not enable, an OAUTHBEARER token that could not be had or
+    /// was refused), a TLS handshake that failed (untrusted or mismatched certificate, a client
+    /// certificate the broker wants and did not get) or a plaintext client at a TLS listener.
+    ///
+    /// Errors: [`ErrorKind::Auth`] naming the servers and librdkafka's reason for a refused
+    /// credential or certificate; [`ErrorKind::Connect`] naming the servers when none accepts a
+    /// connection, none answers in time (for example a port that is not a Kafka listener) or
+    /// the security protocol does not match the listener's; otherwise the native error's kind.
+    /// No property value (a password, a key) is part of any of them.
     pub async fn check(&self) -> Result<()> {
         let servers: Vec<&str> = self
             .config
@@ -210,37 +309,56 @@ impl KafkaPlatform {
         let servers = onceflow_core::redact_credentials(&self.config.bootstrap_servers);
         tokio::task::spawn_blocking(move || {
             use rdkafka::consumer::{BaseConsumer, Consumer};
-            let c: BaseConsumer = native
-                .create()
+            let context = CheckContext::default();
+            let c: BaseConsumer<CheckContext> = native
+                .create_with_context(context)
                 .map_err(|e| errors::map(e, format_args!("Kafka client for {servers}")))?;
-            match c.fetch_metadata(Some("__consumer_offsets"), timeout) {
-                Ok(_) => Ok(()),
-                Err(e)
-                    if e.rdkafka_error_code().is_some_and(|c| {
-                        matches!(
-                            c,
-                            RDKafkaErrorCode::OperationTimedOut
-                                | RDKafkaErrorCode::RequestTimedOut
-                                | RDKafkaErrorCode::AllBrokersDown
-                                | RDKafkaErrorCode::BrokerTransportFailure
-                        )
-                    }) =>
-                {
-                    Err(Error::new(
-                        ErrorKind::Connect,
-                        format!(
-                            "no Kafka broker at {servers} answered a metadata request within \
-                             {} ms ({e}); a TCP connection was accepted: is it a Kafka listener, \
-                             with the security protocol the URL sets?",
-                            timeout.as_millis()
-                        ),
-                    )
-                    .with_source(e))
+            let deadline = std::time::Instant::now() + timeout;
+            loop {
+                // Short rounds, so a refusal reported by the error callback ends the wait.
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let round = left.min(CHECK_ROUND);
+                let asked = std::time::Instant::now();
+                let result = c.fetch_metadata(Some("__consumer_offsets"), round);
+                if let Some(refusal) = c.context().refusal() {
+                    return Err(refusal.error(&servers));
                 }
-                Err(e) => Err(errors::map(
-                    e,
-                    format_args!("metadata of Kafka at {servers}"),
-                )),
+                match result {
+                    Ok(_) => return Ok(()),
+                    Err(e)
+                        if e.rdkafka_error_code().is_some_and(|c| {
+                            matches!(
+                                c,
+                                RDKafkaErrorCode::OperationTimedOut
+                                    | RDKafkaErrorCode::RequestTimedOut
+                                    | RDKafkaErrorCode::AllBrokersDown
+                                    | RDKafkaErrorCode::BrokerTransportFailure
+                            )
+                        }) =>
+                    {
+                        if left > round {
+                            // "All brokers down" comes back at once: wait out the round.
+                            std::thread::sleep(round.saturating_sub(asked.elapsed()));
+                            continue;
+                        }
+                        return Err(Error::new(
+                            ErrorKind::Connect,
+                            format!(
+                                "no Kafka broker at {servers} answered a metadata request \
+                                 within {} ms ({e}); a TCP connection was accepted: is it a \
+                                 Kafka listener, with the security protocol the URL sets?",
+                                timeout.as_millis()
+                            ),
+                        )
+                        .with_source(e));
+                    }
+                    Err(e) => {
+                        return Err(errors::map(
+                            e,
+                            format_args!("metadata of Kafka at {servers}"),
+                        ))
+                    }
+                }
             }
         })
         .await
