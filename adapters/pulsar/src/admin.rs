@@ -11,6 +11,7 @@ use onceflow_core::{
 };
 use serde_json::Value;
 
+use crate::auth::Credentials;
 use crate::config::check_topic;
 use crate::Shared;
 
@@ -45,13 +46,33 @@ pub(crate) struct SubscriptionStats {
     pub(crate) active_consumer: Option<String>,
 }
 
-/// A small client of the admin REST API.
+/// A small client of the admin REST API. Each request carries the connection's credential
+/// as `Authorization: Bearer` (the token, the token file's current token, or the OAuth2
+/// access token) and, for an `https://` admin URL, trusts the CAs of `tls_trust_certs`.
 pub(crate) struct Rest {
     http: reqwest::Client,
     base: String,
+    credentials: Credentials,
 }
 
 fn http_err(what: &str, e: reqwest::Error) -> Error {
+    let what = onceflow_core::redact_credentials(what);
+    if let Some(r) = crate::auth::rustls_error(&e) {
+        let server = what
+            .split_whitespace()
+            .last()
+            .unwrap_or_default()
+            .to_string();
+        let server = url::Url::parse(&server)
+            .map(|u| u.origin().ascii_serialization())
+            .unwrap_or(server);
+        if matches!(
+            r,
+            rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented
+        ) {
+            return crate::auth::certificate_error("Pulsar admin API", &server, r);
+        }
+    }
     let kind = if e.is_timeout() {
         ErrorKind::Timeout
     } else {
@@ -59,19 +80,63 @@ fn http_err(what: &str, e: reqwest::Error) -> Error {
     };
     // The request's URL is in `what` (credentials removed); the native error's copy goes.
     let e = e.without_url();
-    let what = onceflow_core::redact_credentials(what);
     Error::new(kind, format!("Pulsar admin API, {what}: {e}")).with_source(e)
 }
 
+/// HTTP 401 / 403: the admin API refused the credential (or its absence).
+fn refused(what: &str, status: u16, body: &str) -> Error {
+    let why = if status == 401 {
+        "refused the credentials (HTTP 401 Unauthorized)"
+    } else {
+        "refused the request (HTTP 403 Forbidden: the role may not do this)"
+    };
+    let body = body.trim();
+    Error::new(
+        ErrorKind::Auth,
+        format!(
+            "Pulsar admin API, {}: {why}{}",
+            onceflow_core::redact_credentials(what),
+            if body.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", onceflow_core::shown(body))
+            }
+        ),
+    )
+}
+
 impl Rest {
-    pub(crate) fn new(base: &str, timeout: std::time::Duration) -> Result<Rest> {
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
+    /// A client of the admin API at `base`. `trusted`: PEM CA certificates to trust besides
+    /// the public web PKI.
+    pub(crate) fn new(
+        base: &str,
+        timeout: std::time::Duration,
+        trusted: Option<&[u8]>,
+        credentials: Credentials,
+    ) -> Result<Rest> {
+        let mut builder = reqwest::Client::builder().timeout(timeout);
+        if let Some(pem) = trusted {
+            for c in reqwest::Certificate::from_pem_bundle(pem)
+                .map_err(|e| Error::config(format!("tls_trust_certs: {e}")))?
+            {
+                builder = builder.add_root_certificate(c);
+            }
+        }
+        let http = builder
             .build()
             .map_err(|e| Error::config(format!("cannot build the admin HTTP client: {e}")))?;
         Ok(Rest {
             http,
             base: base.trim_end_matches('/').to_string(),
+            credentials,
+        })
+    }
+
+    /// `req` with the credential.
+    async fn authorized(&self, req: reqwest::RequestBuilder) -> Result<reqwest::RequestBuilder> {
+        Ok(match self.credentials.bearer().await? {
+            Some(t) => req.bearer_auth(t),
+            None => req,
         })
     }
 
@@ -83,8 +148,8 @@ impl Rest {
     async fn get(&self, path: &str) -> Result<(u16, Value)> {
         let url = self.url(path);
         let resp = self
-            .http
-            .get(&url)
+            .authorized(self.http.get(&url))
+            .await?
             .send()
             .await
             .map_err(|e| http_err(&format!("GET {url}"), e))?;
@@ -93,6 +158,9 @@ impl Rest {
             .text()
             .await
             .map_err(|e| http_err(&format!("GET {url}"), e))?;
+        if status == 401 || status == 403 {
+            return Err(refused(&format!("GET {url}"), status, &text));
+        }
         Ok((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
     }
 
@@ -103,7 +171,9 @@ impl Rest {
         body: Option<Value>,
     ) -> Result<(u16, String)> {
         let url = self.url(path);
-        let mut req = self.http.request(method.clone(), &url);
+        let mut req = self
+            .authorized(self.http.request(method.clone(), &url))
+            .await?;
         if let Some(b) = body {
             req = req.json(&b);
         }
@@ -113,6 +183,9 @@ impl Rest {
             .map_err(|e| http_err(&format!("{method} {url}"), e))?;
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap_or_default();
+        if status == 401 || status == 403 {
+            return Err(refused(&format!("{method} {url}"), status, &text));
+        }
         Ok((status, text))
     }
 
@@ -134,8 +207,8 @@ impl Rest {
         let url = format!("{}/admin/v2/brokers/configuration/runtime", self.base);
         let what = format!("GET {url}");
         let resp = self
-            .http
-            .get(&url)
+            .authorized(self.http.get(&url))
+            .await?
             .send()
             .await
             .map_err(|e| http_err(&what, e))?;

@@ -1,6 +1,7 @@
-//! `pulsar://` URL parsing and the typed options of the adapter.
+//! `pulsar://` and `pulsar+ssl://` URL parsing and the typed options of the adapter.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use onceflow_core::{Error, Result};
@@ -90,6 +91,60 @@ pub enum CompressionKind {
     Snappy,
 }
 
+/// How the client authenticates to the broker and the admin REST API (Pulsar's
+/// `authPlugin` / `authParams`, <https://pulsar.apache.org/docs/next/security-overview/>).
+///
+/// `Debug` never shows a token: `Token(***)`.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub enum PulsarAuth {
+    /// No credentials (the broker's `anonymousUserRole`, if it has one).
+    #[default]
+    None,
+    /// `token=JWT`: a token string (Java's `AuthenticationToken` with `token:…`), sent as the
+    /// `token` auth method and as `Authorization: Bearer` to the admin API.
+    Token(String),
+    /// `token_file=/path`: a file holding the token (Java's `AuthenticationToken` with
+    /// `file:///path`). Surrounding whitespace is ignored. The file is read again whenever its
+    /// modification time or length changed, at each (re)connection, each broker auth challenge
+    /// (token refresh, `authenticationRefreshCheckSeconds`) and each admin call, so a rotated
+    /// token is picked up without a restart.
+    TokenFile(PathBuf),
+    /// OAuth2 client credentials (Java's `AuthenticationOAuth2`, type `client_credentials`),
+    /// done by the pulsar crate's `OAuth2Authentication`: the token endpoint is discovered
+    /// from `{issuer_url}/.well-known/openid-configuration`, an access token fetched with the
+    /// client id and secret from the credentials file and renewed before it expires.
+    OAuth2(OAuth2Options),
+}
+
+impl std::fmt::Debug for PulsarAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PulsarAuth::None => f.write_str("None"),
+            PulsarAuth::Token(_) => f.write_str("Token(***)"),
+            PulsarAuth::TokenFile(p) => f.debug_tuple("TokenFile").field(p).finish(),
+            PulsarAuth::OAuth2(o) => f.debug_tuple("OAuth2").field(o).finish(),
+        }
+    }
+}
+
+/// OAuth2 client-credentials options (`oauth2_*` URL keys). Pulsar's Java names are in
+/// brackets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OAuth2Options {
+    /// `oauth2_issuer_url` (`issuerUrl`): the authorization server; its token endpoint is read
+    /// from `{issuer_url}/.well-known/openid-configuration`. The crate's HTTP client trusts the
+    /// public web PKI (webpki roots) only: an issuer behind a private CA is not reachable,
+    /// `tls_trust_certs` does not apply to it.
+    pub issuer_url: String,
+    /// `oauth2_credentials_file` (`privateKey`): path (or `file://` URL) of the JSON key file,
+    /// `{"client_id": "…", "client_secret": "…"}` (optionally `"issuer_url"`).
+    pub credentials_file: PathBuf,
+    /// `oauth2_audience` (`audience`): sent as the `audience` parameter when set.
+    pub audience: Option<String>,
+    /// `oauth2_scope` (`scope`): requested scope when set.
+    pub scope: Option<String>,
+}
+
 /// Options of a `pulsar://host:port?key=value&…` connection. Every key is listed here; an
 /// unknown key is a [`onceflow_core::ErrorKind::Config`] error naming it. The consumer keys may
 /// also be given per consumer in [`onceflow_core::ConsumerConfig::options`], the producer keys
@@ -147,6 +202,17 @@ pub struct PulsarOptions {
     /// `metadata.KEY=VALUE`: producer and consumer metadata passed verbatim to the broker
     /// (shown in topic stats).
     pub metadata: BTreeMap<String, String>,
+    /// `tls_trust_certs=/path/ca.pem` (Java `tlsTrustCertsFilePath`): PEM file of the CA
+    /// certificates that sign the broker's and the admin API's certificates, trusted for
+    /// `pulsar+ssl://` and an `https://` admin URL in addition to the public web PKI
+    /// (webpki roots). The server's name (the URL's host, a DNS name or an IP address) is
+    /// always verified against its certificate (`tls_hostname_verification`, Java
+    /// `tlsHostnameVerificationEnable`, is `true` and cannot be turned off with the crate's
+    /// rustls TLS).
+    pub tls_trust_certs: Option<PathBuf>,
+    /// How the client authenticates: `token`, `token_file` or the `oauth2_*` keys (at most
+    /// one). See [`PulsarAuth`].
+    pub auth: PulsarAuth,
 }
 
 impl Default for PulsarOptions {
@@ -171,6 +237,8 @@ impl Default for PulsarOptions {
             batch_index_ack: BatchIndexAck::Auto,
             refresh: Duration::from_millis(250),
             metadata: BTreeMap::new(),
+            tls_trust_certs: None,
+            auth: PulsarAuth::None,
         }
     }
 }
@@ -184,6 +252,26 @@ fn parse_num<T: std::str::FromStr>(key: &str, value: &str, what: &str) -> Result
 /// Largest `operation_timeout_ms`: one hour (an operation bounded by more bounds nothing a
 /// caller waits for; a zero bound would fail every operation before it starts).
 const MAX_OPERATION_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// The keys that configure the connection itself (TLS, credentials), refused per consumer or
+/// producer.
+const CONNECTION_KEYS: &[&str] = &[
+    "tls_trust_certs",
+    "tls_hostname_verification",
+    "tls_allow_insecure_connection",
+    "tls_cert_file",
+    "tls_key_file",
+    "token",
+    "token_file",
+];
+
+/// A path given as `/path` or `file:///path`.
+fn file_path(value: &str) -> PathBuf {
+    match value.strip_prefix("file://") {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(value),
+    }
+}
 
 fn ms(key: &str, value: &str) -> Result<Duration> {
     parse_num::<u64>(key, value, "a duration in milliseconds").map(Duration::from_millis)
@@ -238,6 +326,102 @@ impl PulsarOptions {
                     )));
                 }
                 self.admin_url = value.trim_end_matches('/').to_string();
+            }
+            "tls_trust_certs" => {
+                if value.is_empty() {
+                    return Err(Error::config(format!("'{key}=': expected a PEM file path")));
+                }
+                self.tls_trust_certs = Some(file_path(value));
+            }
+            "tls_hostname_verification" => {
+                match value {
+                    "true" => {}
+                    "false" => return Err(Error::unsupported(
+                        "'tls_hostname_verification=false': the pulsar crate's rustls TLS always \
+                         verifies that the broker's certificate names the host of the URL; \
+                         connect with a name the certificate has",
+                    )),
+                    _ => {
+                        return Err(Error::config(format!(
+                            "'{key}={}': expected true",
+                            onceflow_core::shown(value)
+                        )))
+                    }
+                }
+            }
+            "tls_allow_insecure_connection" => match value {
+                "false" => {}
+                "true" => {
+                    return Err(Error::unsupported(
+                        "'tls_allow_insecure_connection=true': the pulsar crate's rustls TLS \
+                         always verifies the broker's certificate; trust its CA with \
+                         tls_trust_certs=/path/ca.pem",
+                    ))
+                }
+                _ => {
+                    return Err(Error::config(format!(
+                        "'{key}={}': expected false",
+                        onceflow_core::shown(value)
+                    )))
+                }
+            },
+            "tls_cert_file" | "tls_key_file" => {
+                return Err(Error::unsupported(format!(
+                    "'{key}': TLS client certificates (mTLS, Pulsar's AuthenticationTls) are \
+                     not offered: the pulsar crate (6.9) builds its rustls connection with \
+                     no client certificate; use token= , token_file= or oauth2_* instead"
+                )))
+            }
+            "token" => {
+                if value.trim().is_empty() {
+                    return Err(Error::config("'token=': expected a token"));
+                }
+                self.set_auth(key, PulsarAuth::Token(value.trim().to_string()))?;
+            }
+            "token_file" => {
+                if value.is_empty() {
+                    return Err(Error::config("'token_file=': expected a file path"));
+                }
+                self.set_auth(key, PulsarAuth::TokenFile(file_path(value)))?;
+            }
+            "oauth2_issuer_url"
+            | "oauth2_credentials_file"
+            | "oauth2_audience"
+            | "oauth2_scope" => {
+                let mut o = match std::mem::take(&mut self.auth) {
+                    PulsarAuth::OAuth2(o) => o,
+                    PulsarAuth::None => OAuth2Options {
+                        issuer_url: String::new(),
+                        credentials_file: PathBuf::new(),
+                        audience: None,
+                        scope: None,
+                    },
+                    other => {
+                        self.auth = other;
+                        return self.set_auth(key, PulsarAuth::None);
+                    }
+                };
+                match key {
+                    "oauth2_issuer_url" => {
+                        let u = url::Url::parse(value).map_err(|e| {
+                            Error::config(format!(
+                                "'{key}={}': expected an http(s):// URL ({e})",
+                                onceflow_core::shown(value)
+                            ))
+                        })?;
+                        if u.scheme() != "http" && u.scheme() != "https" {
+                            return Err(Error::config(format!(
+                                "'{key}={}': expected an http(s):// URL",
+                                onceflow_core::shown(value)
+                            )));
+                        }
+                        o.issuer_url = value.to_string();
+                    }
+                    "oauth2_credentials_file" => o.credentials_file = file_path(value),
+                    "oauth2_audience" => o.audience = Some(value.to_string()),
+                    _ => o.scope = Some(value.to_string()),
+                }
+                self.auth = PulsarAuth::OAuth2(o);
             }
             "tenant" => self.tenant = value.to_string(),
             "namespace" => self.namespace = value.to_string(),
@@ -326,20 +510,42 @@ impl PulsarOptions {
                     }
                 }
                 return Err(Error::config(format!(
-                    "unknown pulsar option '{other}': expected one of admin, tenant, namespace, \
+                    "unknown pulsar option '{}': expected one of admin, tenant, namespace, \
                      operation_timeout_ms, batch_size, batch_bytes, batch_timeout_ms, \
                      compression, producer_name, max_message_bytes, subscription_type, \
                      receiver_queue_size, ack_timeout_ms, dead_letter, max_redeliver, \
-                     batch_index_ack, refresh_ms, metadata.KEY"
+                     batch_index_ack, refresh_ms, metadata.KEY, tls_trust_certs, token, \
+                     token_file, oauth2_issuer_url, oauth2_credentials_file, oauth2_audience, \
+                     oauth2_scope",
+                    onceflow_core::shown(other)
                 )));
             }
         }
         Ok(())
     }
 
-    /// Applies several options.
+    /// Sets the one way of authenticating; a second one is a `Config` error.
+    fn set_auth(&mut self, key: &str, auth: PulsarAuth) -> Result<()> {
+        if self.auth != PulsarAuth::None || auth == PulsarAuth::None {
+            return Err(Error::config(format!(
+                "'{key}' with another credential: give one of token, token_file or the \
+                 oauth2_* keys"
+            )));
+        }
+        self.auth = auth;
+        Ok(())
+    }
+
+    /// Applies several options (a consumer's or producer's `options`). The connection's own
+    /// keys (TLS and credentials) are a `Config` error here: they belong on the URL.
     pub fn apply(&mut self, options: &BTreeMap<String, String>) -> Result<()> {
         for (k, v) in options {
+            if CONNECTION_KEYS.contains(&k.as_str()) || k.starts_with("oauth2_") {
+                return Err(Error::config(format!(
+                    "'{k}' is an option of the connection: give it on the pulsar+ssl:// URL, \
+                     not per consumer or producer"
+                )));
+            }
             self.set(k, v)?;
         }
         Ok(())
@@ -347,6 +553,13 @@ impl PulsarOptions {
 
     /// Checks options that only make sense together.
     pub(crate) fn validate(&self) -> Result<()> {
+        if let PulsarAuth::OAuth2(o) = &self.auth {
+            if o.issuer_url.is_empty() || o.credentials_file.as_os_str().is_empty() {
+                return Err(Error::config(
+                    "OAuth2 needs both oauth2_issuer_url and oauth2_credentials_file",
+                ));
+            }
+        }
         if self.dead_letter.is_some() != (self.max_redeliver > 0) {
             return Err(Error::config(format!(
                 "dead_letter={} with max_redeliver={}: a dead-letter policy needs both a topic \
@@ -390,27 +603,40 @@ impl PulsarOptions {
     }
 }
 
-/// Parses `pulsar://host:port?key=value&…`.
+/// Parses `pulsar://host:port?key=value&…` or `pulsar+ssl://host:port?key=value&…` (TLS;
+/// the admin URL then defaults to `https://host:8443`, Pulsar's `webServicePortTls`). Errors
+/// quote the URL with its secrets (`token=`) replaced by `***`.
 pub fn parse_url(url: &str) -> Result<PulsarOptions> {
-    let rest = url.strip_prefix("pulsar://").ok_or_else(|| {
-        Error::config(format!(
-            "'{url}' is not a Pulsar URL: expected pulsar://host:port?admin=http://host:port"
-        ))
-    })?;
+    let shown_url = onceflow_core::redact_url(url);
+    let (scheme, rest) = if let Some(r) = url.strip_prefix("pulsar://") {
+        ("pulsar", r)
+    } else if let Some(r) = url.strip_prefix("pulsar+ssl://") {
+        ("pulsar+ssl", r)
+    } else {
+        return Err(Error::config(format!(
+            "'{shown_url}' is not a Pulsar URL: expected pulsar://host:port?admin=http://host:port \
+             or pulsar+ssl://host:port?admin=https://host:port"
+        )));
+    };
     let (host, query) = match rest.split_once('?') {
         Some((h, q)) => (h, Some(q)),
         None => (rest, None),
     };
     let host = host.trim_end_matches('/');
-    if host.is_empty() || host.contains(',') {
+    if host.is_empty() || host.contains(',') || host.contains('@') {
         return Err(Error::config(format!(
-            "'{url}' must name one broker: expected pulsar://host:port"
+            "'{shown_url}' must name one broker: expected {scheme}://host:port"
         )));
     }
     let hostname = host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host);
+    let admin_url = if scheme == "pulsar+ssl" {
+        format!("https://{hostname}:8443")
+    } else {
+        format!("http://{hostname}:8080")
+    };
     let mut opts = PulsarOptions {
-        service_url: format!("pulsar://{host}"),
-        admin_url: format!("http://{hostname}:8080"),
+        service_url: format!("{scheme}://{host}"),
+        admin_url,
         ..Default::default()
     };
     if let Some(q) = query {

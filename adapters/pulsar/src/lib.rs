@@ -122,6 +122,7 @@
 //! [pulsar]: https://docs.rs/pulsar
 
 mod admin;
+mod auth;
 mod config;
 mod consumer;
 mod convert;
@@ -139,12 +140,16 @@ use parking_lot::Mutex;
 use pulsar::{Pulsar, TokioExecutor};
 
 pub use admin::PulsarAdmin;
-pub use config::{parse_url, BatchIndexAck, CompressionKind, PulsarOptions, SubscriptionType};
+pub use config::{
+    parse_url, BatchIndexAck, CompressionKind, OAuth2Options, PulsarAuth, PulsarOptions,
+    SubscriptionType,
+};
 pub use consumer::PulsarConsumer;
 pub use convert::HEADERS_PROPERTY;
 pub use producer::{producer_options, PulsarProducer};
 
 use admin::{Rest, TopicShape};
+use auth::Credentials;
 
 /// Bytes of the broker's message size kept for the properties onceflow adds.
 pub(crate) const PROPERTY_ROOM: usize = 16 * 1024;
@@ -278,6 +283,12 @@ impl PulsarPlatform {
     pub async fn connect_with(options: PulsarOptions) -> Result<Arc<PulsarPlatform>> {
         options.validate()?;
         let service = onceflow_core::redact_credentials(&options.service_url);
+        let tls = options.service_url.starts_with("pulsar+ssl://");
+        let trusted = match &options.tls_trust_certs {
+            Some(path) => Some(auth::trusted_pem(path)?),
+            None => None,
+        };
+        let credentials = Credentials::of(&options)?;
         let servers = service_hosts(&options.service_url);
         if !servers.is_empty() {
             onceflow_core::net::check_reachable(
@@ -287,42 +298,81 @@ impl PulsarPlatform {
             )
             .await?;
         }
-        let build = Pulsar::builder(options.service_url.clone(), TokioExecutor)
+        auth::ensure_crypto_provider();
+        let mut builder = Pulsar::builder(options.service_url.clone(), TokioExecutor)
             .with_operation_retry_options(pulsar::OperationRetryOptions {
                 operation_timeout: options.operation_timeout,
                 ..Default::default()
-            })
-            .build();
+            });
+        if tls {
+            if let Some(pem) = &trusted {
+                builder = builder.with_certificate_chain(pem.clone());
+            }
+        }
+        builder = match &credentials {
+            Credentials::None => builder,
+            Credentials::Token(t) => builder.with_auth(pulsar::Authentication {
+                name: "token".to_string(),
+                data: t.clone().into_bytes(),
+            }),
+            Credentials::Provider(p) => builder.with_auth_provider(Box::new(p.clone())),
+        };
         let handshake = options.operation_timeout.min(HANDSHAKE_TIMEOUT);
-        let client = tokio::time::timeout(handshake, build)
-            .await
-            .map_err(|_| {
-                Error::new(
-                    ErrorKind::Connect,
-                    format!(
-                        "no Pulsar broker at {service} completed the connection handshake within \
-                         {} ms; the port accepts connections: is it the broker's binary \
-                         protocol port (6650, or 6651 for pulsar+ssl://), not the HTTP admin port?",
-                        handshake.as_millis()
+        let built = tokio::time::timeout(handshake, builder.build()).await;
+        let client = match built {
+            Ok(Ok(client)) => client,
+            failed => {
+                // The crate folds a refused TLS handshake or credential into one "fatal
+                // error": connect once more to tell which step the server refused.
+                if let Some(e) = auth::diagnose(&options, &credentials, trusted.as_deref()).await {
+                    return Err(e);
+                }
+                return Err(match failed {
+                    Err(_) => Error::new(
+                        ErrorKind::Connect,
+                        format!(
+                            "no Pulsar broker at {service} completed the connection handshake \
+                             within {} ms; the port accepts connections: is it the broker's \
+                             binary protocol port (6650, or 6651 for pulsar+ssl://), not the \
+                             HTTP admin port?",
+                            handshake.as_millis()
+                        ),
                     ),
-                )
-            })?
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Connect,
-                    format!("cannot connect to Pulsar at {service}: {e}"),
-                )
-                .with_source(e)
-            })?;
-        let rest = Rest::new(&options.admin_url, options.operation_timeout)?;
+                    Ok(Err(e)) => {
+                        let kind = match &e {
+                            pulsar::Error::Connection(
+                                pulsar::error::ConnectionError::Authentication(_),
+                            ) => ErrorKind::Auth,
+                            _ => ErrorKind::Connect,
+                        };
+                        let text = auth::scrub(&e.to_string(), &options);
+                        Error::new(
+                            kind,
+                            format!("cannot connect to Pulsar at {service}: {text}"),
+                        )
+                    }
+                    Ok(Ok(_)) => unreachable!("handled above"),
+                });
+            }
+        };
+        let rest = Rest::new(
+            &options.admin_url,
+            options.operation_timeout,
+            trusted.as_deref(),
+            credentials,
+        )?;
         // The admin API answers (lag, partitions and assignment need it).
         rest.shape("public/default/onceflow-connect-check")
             .await
             .map_err(|e| {
+                if e.kind() == ErrorKind::Auth {
+                    return e;
+                }
                 Error::new(
                     ErrorKind::Connect,
                     format!(
-                        "the Pulsar admin API at {} does not answer (set admin=http://host:port): {}",
+                        "the Pulsar admin API at {} does not answer (set admin=http://host:port \
+                         or admin=https://host:port): {}",
                         onceflow_core::redact_credentials(&options.admin_url),
                         e.message()
                     ),

@@ -5,6 +5,18 @@
 #   ONCEFLOW_PULSAR_ADMIN_URL=http://127.0.0.1:18080
 #   ONCEFLOW_PULSAR_FAULT_URL=pulsar://127.0.0.1:16653
 #   ONCEFLOW_PULSAR_FAULT_UPSTREAM=127.0.0.1:16652
+#   ONCEFLOW_PULSAR_TLS_URL=pulsar+ssl://127.0.0.1:16651
+#   ONCEFLOW_PULSAR_TLS_ADMIN_URL=https://127.0.0.1:18443
+#   ONCEFLOW_PULSAR_TLS_CA, ONCEFLOW_PULSAR_OTHER_CA (PEM files), ONCEFLOW_PULSAR_TOKEN_FILE,
+#   ONCEFLOW_PULSAR_TOKEN_FILE_B, ONCEFLOW_PULSAR_EXPIRED_TOKEN_FILE,
+#   ONCEFLOW_PULSAR_OTHER_KEY_TOKEN_FILE, ONCEFLOW_PULSAR_TOKEN_SECRET_KEY (files)
+# Security: TLS listeners (broker ONCEFLOW_PULSAR_TLS_PORT 16651, web ONCEFLOW_PULSAR_ADMIN_TLS_PORT
+# 18443) with the throwaway certificates of lib.sh's test_certs, and token authentication
+# (AuthenticationProviderToken, HS256 secret key and tokens made at start with Pulsar's own
+# token tool, TokensCliUtils) plus AuthenticationProviderTls, on every listener. A client that
+# presents no credential is the anonymous role (anonymousUserRole, authorization off), so the
+# plain listeners work without credentials as before; a client presenting a wrong, expired or
+# foreign-signed token is refused.
 # A second listener, `fault`, binds 127.0.0.1:${ONCEFLOW_PULSAR_FAULT_PORT:-16652} and
 # advertises 127.0.0.1:${ONCEFLOW_PULSAR_FAULT_PROXY_PORT:-16653}, where a test's fault proxy
 # (tests/src/fault_proxy.rs) listens and relays to it. The broker answers a lookup that names no
@@ -27,11 +39,15 @@ FAULT_PROXY_PORT=${ONCEFLOW_PULSAR_FAULT_PROXY_PORT:-16653}
 START_TIMEOUT_S=${ONCEFLOW_PULSAR_START_TIMEOUT_S:-180}
 ADMIN_URL=http://127.0.0.1:$ADMIN_PORT
 PROBE_TOPIC=$ADMIN_URL/admin/v2/persistent/public/default/onceflow-probe
+TLS_PORT=${ONCEFLOW_PULSAR_TLS_PORT:-16651}
+ADMIN_TLS_PORT=${ONCEFLOW_PULSAR_ADMIN_TLS_PORT:-18443}
 LIBS=$CACHE_DIR/pulsar/libs
 
 # The broker answers admin calls and owns public/default.
+# A broker started before the TLS listener and tokens existed is restarted (its env lacks them).
 answers() {
-    curl -sf -m 5 -o /dev/null "$ADMIN_URL/admin/v2/brokers/ready" &&
+    grep -q '^ONCEFLOW_PULSAR_TLS_URL=' "$RUN_DIR/pulsar.env" &&
+        curl -sf -m 5 -o /dev/null "$ADMIN_URL/admin/v2/brokers/ready" &&
         curl -sf -m 5 -o /dev/null "$ADMIN_URL/admin/v2/persistent/public/default"
 }
 
@@ -96,20 +112,41 @@ if [[ $(cat "$LIBS/.pom.sha256" 2>/dev/null) != "$POM_SUM" ]]; then
 fi
 
 # --- start ----------------------------------------------------------------------
-for p in "$PORT" "$ADMIN_PORT" "$BOOKIE_PORT" "$FAULT_PORT"; do
+for p in "$PORT" "$ADMIN_PORT" "$BOOKIE_PORT" "$FAULT_PORT" "$TLS_PORT" "$ADMIN_TLS_PORT"; do
     ! port_in_use "$p" || die "port $p on 127.0.0.1 is already in use (not by our pulsar)"
 done
 
 DATA=$(fresh_data_dir pulsar)
+CERTS=$(test_certs) || die "cannot make the test certificates"
+# The token tool (TokensCliUtils, `bin/pulsar tokens`), one JVM per call.
+tokens() {
+    "$JAVA" -Xshare:auto -XX:TieredStopAtLevel=1 -cp "$LIBS/*" \
+        org.apache.pulsar.utils.auth.tokens.TokensCliUtils "$@"
+}
+AUTH=$DATA/auth
+mkdir -p "$AUTH"
+chmod 700 "$AUTH"
+tokens create-secret-key --output "$AUTH/secret.key" >&2 ||
+    die "the Pulsar token tool could not make a secret key"
+# An unrelated HS256 key (32 random bytes, what create-secret-key makes), for a token the
+# broker must refuse.
+openssl rand -out "$AUTH/other.key" 32
 sed -e "s/^brokerServicePort=.*/brokerServicePort=$PORT/" \
     -e "s/^webServicePort=.*/webServicePort=$ADMIN_PORT/" \
     "$HERE/standalone.conf" >"$DATA/standalone.conf"
 # The fault listener (PIP-61 advertised listeners, PIP-95 bind addresses): `internal` is the
-# brokerServicePort above, `fault` binds FAULT_PORT and advertises the proxy's FAULT_PROXY_PORT.
+# brokerServicePort above (and brokerServicePortTls), `fault` binds FAULT_PORT and advertises
+# the proxy's FAULT_PROXY_PORT. TLS and token authentication: see standalone.conf.
 cat >>"$DATA/standalone.conf" <<CONF
-advertisedListeners=internal:pulsar://127.0.0.1:$PORT,fault:pulsar://127.0.0.1:$FAULT_PROXY_PORT
+advertisedListeners=internal:pulsar://127.0.0.1:$PORT,internal:pulsar+ssl://127.0.0.1:$TLS_PORT,fault:pulsar://127.0.0.1:$FAULT_PROXY_PORT
 internalListenerName=internal
 bindAddresses=fault:pulsar://127.0.0.1:$FAULT_PORT
+brokerServicePortTls=$TLS_PORT
+webServicePortTls=$ADMIN_TLS_PORT
+tlsCertificateFilePath=$CERTS/server.pem
+tlsKeyFilePath=$CERTS/server.key
+tlsTrustCertsFilePath=$CERTS/ca.pem
+tokenSecretKey=file://$AUTH/secret.key
 CONF
 
 java_opts=(
@@ -160,12 +197,42 @@ start_bg pulsar "$JAVA" "${java_opts[@]}" -cp "$LIBS/*" org.apache.pulsar.Pulsar
     --no-functions-worker \
     --no-stream-storage
 
+# The tokens, made while the broker starts: two roles, one expired (1 s), one signed with the
+# unrelated key.
+make_tokens() {
+    tokens create --secret-key "file://$AUTH/secret.key" --subject onceflow-a >"$AUTH/a.token" &&
+        tokens create --secret-key "file://$AUTH/secret.key" --subject onceflow-b >"$AUTH/b.token" &&
+        tokens create --secret-key "file://$AUTH/secret.key" --subject onceflow-a \
+            --expiry-time 1s >"$AUTH/expired.token" &&
+        tokens create --secret-key "file://$AUTH/other.key" --subject onceflow-a \
+            >"$AUTH/other-key.token"
+}
+make_tokens 2>&1 >&2 | tail -n 5 >&2 || true
+for f in a b expired other-key; do
+    grep -q '^ey' "$AUTH/$f.token" 2>/dev/null || die "the Pulsar token tool did not make $f.token"
+done
+chmod 600 "$AUTH"/*
+
 wait_until "$START_TIMEOUT_S" probe_topic ||
     die "pulsar exited, or did not accept a topic within ${START_TIMEOUT_S}s"
+# The TLS listeners answer with the test CA (and the web one accepts a token).
+curl -sf -m 10 -o /dev/null --cacert "$CERTS/ca.pem" -H "Authorization: Bearer $(<"$AUTH/a.token")" \
+    "https://127.0.0.1:$ADMIN_TLS_PORT/admin/v2/brokers/ready" ||
+    die "pulsar's TLS web service on $ADMIN_TLS_PORT does not answer"
+wait_for_port 127.0.0.1 "$TLS_PORT" 10 || die "pulsar's TLS broker port $TLS_PORT is not open"
 log "pulsar ready after ${SECONDS}s"
 
 emit_env pulsar \
     "ONCEFLOW_PULSAR_URL=pulsar://127.0.0.1:$PORT" \
     "ONCEFLOW_PULSAR_ADMIN_URL=$ADMIN_URL" \
     "ONCEFLOW_PULSAR_FAULT_URL=pulsar://127.0.0.1:$FAULT_PROXY_PORT" \
-    "ONCEFLOW_PULSAR_FAULT_UPSTREAM=127.0.0.1:$FAULT_PORT"
+    "ONCEFLOW_PULSAR_FAULT_UPSTREAM=127.0.0.1:$FAULT_PORT" \
+    "ONCEFLOW_PULSAR_TLS_URL=pulsar+ssl://127.0.0.1:$TLS_PORT" \
+    "ONCEFLOW_PULSAR_TLS_ADMIN_URL=https://127.0.0.1:$ADMIN_TLS_PORT" \
+    "ONCEFLOW_PULSAR_TLS_CA=$CERTS/ca.pem" \
+    "ONCEFLOW_PULSAR_OTHER_CA=$CERTS/other-ca.pem" \
+    "ONCEFLOW_PULSAR_TOKEN_FILE=$AUTH/a.token" \
+    "ONCEFLOW_PULSAR_TOKEN_FILE_B=$AUTH/b.token" \
+    "ONCEFLOW_PULSAR_EXPIRED_TOKEN_FILE=$AUTH/expired.token" \
+    "ONCEFLOW_PULSAR_OTHER_KEY_TOKEN_FILE=$AUTH/other-key.token" \
+    "ONCEFLOW_PULSAR_TOKEN_SECRET_KEY=$AUTH/secret.key"
