@@ -220,12 +220,15 @@ fn int(v: &Value) -> Option<i64> {
 }
 
 impl RedisCheckpointStore {
-    /// Connects to Redis at `url` (`redis://[user[:password]@]host[:port][/db]`, optional
+    /// Connects to Redis at `url` (`redis://[user[:password]@]host[:port][/db]`, or
+    /// `rediss://…` over TLS as in the [crate docs](crate#tls-and-credentials); optional
     /// `?prefix=P`, default [`DEFAULT_CHECKPOINT_PREFIX`]).
     ///
-    /// Errors: [`onceflow_core::ErrorKind::Config`] for a malformed URL or unknown option;
-    /// [`onceflow_core::ErrorKind::DedupStore`] when the server cannot be reached or refuses
-    /// the credentials, naming the URL without its password.
+    /// Errors: [`onceflow_core::ErrorKind::Config`] for a malformed URL, an unknown option or
+    /// a certificate file that cannot be read; [`onceflow_core::ErrorKind::Auth`] when the
+    /// server refuses the credentials or a TLS certificate; [`onceflow_core::ErrorKind::DedupStore`]
+    /// (retriable) when the server cannot be reached. Messages name the URL without its
+    /// password.
     pub async fn open(url: &str) -> Result<Self> {
         let (conn, query) = Conn::open(
             url,

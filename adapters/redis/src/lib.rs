@@ -46,8 +46,36 @@
 //!   ([`redis::aio::ConnectionManager`]) that reconnects by itself; calls
 //!   that fail while the server is away return a retriable [`ErrorKind::Connect`] error.
 //!
-//! URLs: `redis://[user[:password]@]host[:port][/db][?prefix=P]`. Errors name the URL with its
-//! password replaced by `***`.
+//! URLs: `redis://[user[:password]@]host[:port][/db][?prefix=P]`, or over TLS
+//! `rediss://[user[:password]@]host[:port][/db][?prefix=P&ca=PATH&cert=PATH&key=PATH][#insecure]`.
+//! Errors name the URL with its password replaced by `***`.
+//!
+//! ## TLS and credentials
+//! - **`rediss://`** connects over TLS ([rustls](https://docs.rs/rustls), no system OpenSSL)
+//!   and verifies the server's certificate chain and that it names the URL's host (a DNS name
+//!   or an IP address in its subjectAltName). Without `ca=` the trusted roots are the
+//!   system's (`rustls-native-certs`); `ca=PATH` trusts the CA certificates in that PEM file
+//!   instead (and only them). Redis's own TLS setup: <https://redis.io/docs/latest/operate/oss_and_stack/management/security/encryption/>.
+//! - **Client certificate** (mTLS, for a server with `tls-auth-clients yes` or `optional`):
+//!   `cert=PATH` (PEM certificate chain) and `key=PATH` (its PEM private key: PKCS#8, PKCS#1
+//!   or SEC1), both or neither.
+//! - **`#insecure`** (the redis crate's URL fragment) turns certificate and host name checks
+//!   off: for a throwaway test server only; the traffic is still encrypted but anyone in the
+//!   middle can read it.
+//! - **ACL user and password**: `rediss://user:password@host` sends `AUTH user password`
+//!   (Redis 6 ACLs, <https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>);
+//!   `rediss://:password@host` authenticates the `default` user (`requirepass`). Percent-encode
+//!   `@`, `:` and `/` in a password.
+//! - **Refusals** are [`ErrorKind::Auth`] errors, not retriable, within the connect timeout
+//!   (5 s by default): a wrong user or password (`WRONGPASS`), a server that needs
+//!   credentials the URL lacks (`NOAUTH`), an ACL that denies the store's commands or keys
+//!   (`NOPERM`), a server certificate that is not trusted or does not name the host, and a
+//!   client certificate the server does not accept. The message names the URL (password
+//!   `***`) and what was refused. A server that is not reachable stays a retriable
+//!   [`ErrorKind::DedupStore`] error.
+//! - The crypto provider: rustls needs a process-wide default when several are compiled in;
+//!   unless the application installed one first, opening a `rediss://` store installs
+//!   *ring*'s (`rustls::crypto::ring::default_provider().install_default()`).
 //!
 //! ```no_run
 //! # async fn demo() -> onceflow_core::Result<()> {
@@ -69,6 +97,7 @@ use redis::Value;
 
 mod checkpoint;
 mod scripts;
+mod tls;
 
 pub use checkpoint::{RedisCheckpointStore, DEFAULT_CHECKPOINT_PREFIX};
 
@@ -138,28 +167,38 @@ impl Conn {
                 parsed.scheme()
             )));
         }
-        if parsed.scheme() == "rediss" {
-            return Err(Error::unsupported(format!(
-                "Redis store URL '{shown}': TLS (rediss://) is not compiled into onceflow-redis; \
-                 use redis:// on a trusted network or a TLS tunnel"
-            )));
-        }
+        let tls = parsed.scheme() == "rediss";
         let mut options = Vec::new();
+        let mut files = tls::TlsFiles::default();
         for (k, v) in parsed.query_pairs() {
+            if tls::TLS_OPTIONS.contains(&&*k) {
+                files.set(&k, v.into_owned());
+                continue;
+            }
             if !allowed.contains(&&*k) {
+                let mut known: Vec<&str> = allowed.to_vec();
+                known.extend(tls::TLS_OPTIONS);
                 return Err(Error::config(format!(
                     "unknown option '{k}' in Redis store URL '{shown}': expected {}",
-                    if allowed.is_empty() {
-                        "no options".to_string()
-                    } else {
-                        allowed.join(", ")
-                    }
+                    known.join(", ")
                 )));
             }
             options.push((k.into_owned(), v.into_owned()));
         }
+        if files.any() && !tls {
+            return Err(Error::config(format!(
+                "Redis store URL '{shown}': ca=, cert= and key= are TLS options: use rediss://"
+            )));
+        }
         parsed.set_query(None);
-        let client = redis::Client::open(parsed.as_str()).map_err(|e| {
+        let client = if tls {
+            tls::ensure_crypto_provider();
+            let certificates = files.load(&shown)?;
+            redis::Client::build_with_tls(parsed.as_str(), certificates)
+        } else {
+            redis::Client::open(parsed.as_str())
+        }
+        .map_err(|e| {
             Error::config(format!(
                 "Redis store URL '{shown}' is not valid for the Redis client: {e}"
             ))
@@ -283,6 +322,9 @@ impl Conn {
 
 /// Maps a Redis client error to onceflow's kinds, naming the (redacted) URL.
 pub(crate) fn redis_error(shown: &str, what: &str, e: redis::RedisError) -> Error {
+    if let Some(auth) = tls::auth_error(shown, what, &e) {
+        return auth.with_source(e);
+    }
     let msg = format!("Redis store '{shown}': {what}: {e}");
     let err = if e.is_timeout() {
         Error::new(ErrorKind::Timeout, msg).with_outcome_unknown()
@@ -315,13 +357,16 @@ impl std::fmt::Debug for RedisStore {
 
 impl RedisStore {
     /// Connects to the Redis server at `url` (`redis://[user[:password]@]host[:port][/db]`,
-    /// optional `?prefix=P`), remembering completed keys for `window`.
+    /// or `rediss://…` over TLS with the `ca=`, `cert=`, `key=` options and `#insecure` of
+    /// the [crate docs](crate#tls-and-credentials); optional `?prefix=P`), remembering
+    /// completed keys for `window`.
     ///
-    /// Errors: [`ErrorKind::Config`] for a malformed URL, an unknown option or a zero window;
-    /// [`ErrorKind::Unsupported`] for `rediss://`, a server older than Redis 7.0 or one that
-    /// is not standalone (Redis Cluster, Sentinel);
-    /// [`ErrorKind::DedupStore`] when the server cannot be reached or refuses the credentials,
-    /// naming the URL without its password.
+    /// Errors: [`ErrorKind::Config`] for a malformed URL, an unknown option, a zero window or
+    /// a certificate file that cannot be read; [`ErrorKind::Unsupported`] for a server older
+    /// than Redis 7.0 or one that is not standalone (Redis Cluster, Sentinel);
+    /// [`ErrorKind::Auth`] when the server refuses the credentials or a TLS certificate (ours
+    /// or its own); [`ErrorKind::DedupStore`] (retriable) when the server cannot be reached.
+    /// Every message names the URL without its password.
     pub async fn open(url: &str, window: Duration) -> Result<Self> {
         Self::open_with(url, RedisOptions::new(window)).await
     }
@@ -856,7 +901,13 @@ mod tests {
         for (url, kind) in [
             ("redis://127.0.0.1:1?bogus=1", ErrorKind::Config),
             ("http://127.0.0.1:1", ErrorKind::Config),
-            ("rediss://127.0.0.1:1", ErrorKind::Unsupported),
+            // TLS options need rediss://.
+            ("redis://127.0.0.1:1?ca=/ca.pem", ErrorKind::Config),
+            (
+                "rediss://127.0.0.1:1?ca=/nonexistent/ca.pem",
+                ErrorKind::Config,
+            ),
+            ("rediss://127.0.0.1:1?cert=/c.pem", ErrorKind::Config),
         ] {
             let e = RedisStore::open(url, Duration::from_secs(1))
                 .await

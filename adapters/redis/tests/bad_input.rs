@@ -1,5 +1,6 @@
-//! Bad input (issue 7): an unreachable server, wrong credentials and malformed URLs give clear
-//! errors of a kind that name the store URL **without its password**, for the dedup store, the
+//! Bad input (issue 7): an unreachable server, wrong credentials (an `Auth` error, issue 23)
+//! and malformed URLs give clear errors of a kind that name the store URL **without its
+//! password**, for the dedup store, the
 //! checkpoint store and core's URL opener. The cases that need a server use
 //! `ONCEFLOW_REDIS_URL` (`tests/brokers/up.sh redis`, which also creates the ACL user
 //! `onceflow` with password `onceflow`) and skip without it.
@@ -56,7 +57,7 @@ async fn unreachable_server_is_a_dedup_store_error_without_the_password() {
 }
 
 #[tokio::test]
-async fn wrong_password_is_a_dedup_store_error_without_the_password() {
+async fn wrong_password_is_an_auth_error_without_the_password() {
     let Some(base) = common::base("bad_input") else {
         return;
     };
@@ -68,7 +69,8 @@ async fn wrong_password_is_a_dedup_store_error_without_the_password() {
     let shown = wrong.replace(SECRET, "***");
     let (d, c) = open_both(&wrong).await;
     for e in [&d, &c] {
-        check(e, ErrorKind::DedupStore, &shown);
+        check(e, ErrorKind::Auth, &shown);
+        assert!(!e.is_retriable(), "{e}");
         assert!(
             e.message().contains("WRONGPASS")
                 || e.message().to_lowercase().contains("authentication failed"),
@@ -100,10 +102,17 @@ async fn malformed_urls_are_config_errors_without_the_password() {
             ErrorKind::Config,
             "redis://***@[::1",
         ),
+        // A CA file that is not there.
         (
-            format!("rediss://u:{SECRET}@127.0.0.1:1"),
-            ErrorKind::Unsupported,
-            "rediss://u:***@127.0.0.1:1",
+            format!("rediss://u:{SECRET}@127.0.0.1:1?ca=/nonexistent/ca.pem"),
+            ErrorKind::Config,
+            "rediss://u:***@127.0.0.1:1?ca=/nonexistent/ca.pem",
+        ),
+        // TLS options without TLS.
+        (
+            format!("redis://u:{SECRET}@127.0.0.1:1?ca=/nonexistent/ca.pem"),
+            ErrorKind::Config,
+            "redis://u:***@127.0.0.1:1?ca=/nonexistent/ca.pem",
         ),
     ] {
         let (d, c) = open_both(&url).await;
