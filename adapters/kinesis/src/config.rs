@@ -5,19 +5,48 @@ use std::time::Duration;
 use onceflow_core::{Error, Result};
 
 /// Options of a Kinesis connection, from the URL
-/// `kinesis://[host:port][?key=value&…]`.
+/// `kinesis://[host:port][?key=value&…]` (see the crate docs for every key and the AWS
+/// documentation each follows).
 ///
 /// - `host:port`: endpoint override (a local Kinesis-compatible server such as kinesis-local);
-///   without it the SDK's regional AWS endpoint is used.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///   without it (and without `endpoint=`) the SDK's regional AWS endpoint is used.
+///
+/// `Debug` shows no secret: the `checkpoint_store` URL's password and the `external_id` are
+/// hidden. Credentials themselves are never options (they come from the AWS credential
+/// chain).
+#[derive(Clone, PartialEq, Eq)]
 pub struct KinesisOptions {
-    /// Endpoint override, e.g. `http://127.0.0.1:14567`; `None` = AWS's regional endpoint.
+    /// Endpoint override, e.g. `http://127.0.0.1:14567` (from `host:port` with `tls=`, or
+    /// `endpoint=`); `None` = AWS's regional endpoint (or the SDK's configured endpoint,
+    /// `AWS_ENDPOINT_URL_KINESIS` / `AWS_ENDPOINT_URL`).
     pub endpoint: Option<String>,
-    /// AWS region (`region=`); `None` = the SDK's default chain (`AWS_REGION`, profile).
+    /// AWS region (`region=`); `None` = the SDK's region chain (`AWS_REGION`, the profile's
+    /// `region`, and, for AWS's own endpoint only, instance metadata); with an endpoint
+    /// override and no region found, `us-east-1`.
     pub region: Option<String>,
-    /// Use fixed dummy credentials instead of the standard credential chain (`dummy_credentials=`;
-    /// default: on for a loopback endpoint when `AWS_ACCESS_KEY_ID` is unset, off otherwise).
-    pub dummy_credentials: bool,
+    /// Fixed local test keys instead of the credential chain (`dummy_credentials=`):
+    /// `Some(true)` = always those keys; `Some(false)` = the SDK's full default chain, never
+    /// the keys; `None` (default) = the chain, and only for a loopback endpoint, when the
+    /// chain finds no credentials at all (no environment keys, no profile, no web identity,
+    /// no container credentials; instance metadata is not asked), the fixed keys.
+    pub dummy_credentials: Option<bool>,
+    /// Named profile of the shared config and credentials files (`profile=`): credentials
+    /// come from that profile only (its static keys, `credential_process`, `role_arn` +
+    /// `source_profile`, `web_identity_token_file`, or SSO), not from environment keys, and
+    /// its `region` is used when `region=` is absent. `None` = the chain (`AWS_PROFILE` or
+    /// `default`).
+    pub profile: Option<String>,
+    /// Role to assume through STS AssumeRole (`role_arn=`), with the credentials found as
+    /// above as the caller's.
+    pub role_arn: Option<String>,
+    /// `RoleSessionName` of the assumed role (`role_session_name=`, 2-64 characters
+    /// `[\w+=,.@-]`); `None` = the SDK's (`assume-role-provider-<time>`).
+    pub role_session_name: Option<String>,
+    /// `ExternalId` of the assumed role (`external_id=`, 2-1224 characters `[\w+=,.@:/-]`).
+    pub external_id: Option<String>,
+    /// Lifetime of the assumed role's session (`role_duration_s=`, 900 to 43 200 s); `None` =
+    /// STS's default (one hour).
+    pub role_duration: Option<Duration>,
     /// Lease table store URL (`checkpoint_store=`): `memory://` (default: one table shared by
     /// the consumers of this connection), `embedded:///path.db` or a file path (shared by the
     /// processes of one machine), or a Redis / PostgreSQL URL where the facade opens them.
@@ -55,6 +84,51 @@ pub struct KinesisOptions {
     pub timeout: Duration,
 }
 
+impl std::fmt::Debug for KinesisOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KinesisOptions")
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("dummy_credentials", &self.dummy_credentials)
+            .field("profile", &self.profile)
+            .field("role_arn", &self.role_arn)
+            .field("role_session_name", &self.role_session_name)
+            .field("external_id", &self.external_id.as_ref().map(|_| "…"))
+            .field("role_duration", &self.role_duration)
+            .field(
+                "checkpoint_store",
+                &self
+                    .checkpoint_store
+                    .as_deref()
+                    .map(onceflow_core::redact_url),
+            )
+            .field("lease", &self.lease)
+            .field("shards", &self.shards)
+            .field("auto_create", &self.auto_create)
+            .field("fetch_limit", &self.fetch_limit)
+            .field("idle", &self.idle)
+            .field("put_attempts", &self.put_attempts)
+            .field("buffer", &self.buffer)
+            .field("fan_out", &self.fan_out)
+            .field("efo_consumer", &self.efo_consumer)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl KinesisOptions {
+    /// Whether the endpoint override names this machine (`localhost`, `127.0.0.0/8`, `::1`):
+    /// then instance metadata is not asked for credentials or region, and the fixed local test
+    /// keys are the last resort of the credential chain (see
+    /// [`dummy_credentials`](Self::dummy_credentials)).
+    pub fn endpoint_is_loopback(&self) -> bool {
+        self.endpoint
+            .as_deref()
+            .and_then(|e| url::Url::parse(e).ok())
+            .is_some_and(|u| u.host_str().is_some_and(is_loopback))
+    }
+}
+
 /// How a Kinesis consumer reads its shards.
 ///
 /// - [`FanOut::Poll`]: shared throughput, GetShardIterator + GetRecords (2 MiB/s per shard
@@ -85,7 +159,12 @@ impl Default for KinesisOptions {
         KinesisOptions {
             endpoint: None,
             region: None,
-            dummy_credentials: false,
+            dummy_credentials: None,
+            profile: None,
+            role_arn: None,
+            role_session_name: None,
+            external_id: None,
+            role_duration: None,
             checkpoint_store: None,
             lease: Duration::from_secs(10),
             shards: 1,
@@ -129,8 +208,8 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
         )));
     }
     let mut o = KinesisOptions::default();
-    let mut tls = false;
-    let mut dummy: Option<bool> = None;
+    let mut tls: Option<bool> = None;
+    let mut endpoint: Option<String> = None;
     let host = parsed
         .host_str()
         .filter(|h| !h.is_empty())
@@ -148,8 +227,57 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
         };
         match &*k {
             "region" => o.region = Some(v.to_string()).filter(|r| !r.is_empty()),
-            "tls" => tls = boolean(&v)?,
-            "dummy_credentials" => dummy = Some(boolean(&v)?),
+            "tls" => tls = Some(boolean(&v)?),
+            "endpoint" => endpoint = Some(parse_endpoint(&v, &shown)?),
+            "dummy_credentials" => o.dummy_credentials = Some(boolean(&v)?),
+            "profile" => {
+                if v.is_empty() || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                    return Err(bad("a profile name (no spaces)"));
+                }
+                o.profile = Some(v.to_string());
+            }
+            "role_arn" => {
+                // arn:partition:service:region:account:resource, e.g.
+                // arn:aws:iam::123456789012:role/name.
+                let parts: Vec<&str> = v.splitn(6, ':').collect();
+                if parts.len() != 6 || parts[0] != "arn" || parts[2] != "iam" || parts[5].is_empty()
+                {
+                    return Err(bad("an IAM role ARN, arn:aws:iam::<account>:role/<name>"));
+                }
+                o.role_arn = Some(v.to_string());
+            }
+            "role_session_name" => {
+                let valid = (2..=64).contains(&v.len())
+                    && v.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"_+=,.@-".contains(&b));
+                if !valid {
+                    return Err(bad(
+                        "a session name of 2 to 64 characters [A-Za-z0-9_+=,.@-]",
+                    ));
+                }
+                o.role_session_name = Some(v.to_string());
+            }
+            "external_id" => {
+                let valid = (2..=1224).contains(&v.len())
+                    && v.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"_+=,.@:/-".contains(&b));
+                if !valid {
+                    // The value is not repeated: an external id is best kept out of logs.
+                    return Err(Error::config(format!(
+                        "option external_id in Kinesis URL '{shown}': expected 2 to 1224 \
+                         characters [A-Za-z0-9_+=,.@:/-]"
+                    )));
+                }
+                o.external_id = Some(v.to_string());
+            }
+            "role_duration_s" => {
+                o.role_duration = Some(Duration::from_secs(
+                    v.parse()
+                        .ok()
+                        .filter(|n| (900..=43_200).contains(n))
+                        .ok_or_else(|| bad("a session duration in seconds from 900 to 43200"))?,
+                ))
+            }
             "checkpoint_store" => o.checkpoint_store = Some(v.to_string()),
             "lease_ms" => {
                 o.lease = Duration::from_millis(
@@ -219,22 +347,76 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
             other => {
                 return Err(Error::config(format!(
                     "unknown option '{other}' in Kinesis URL '{shown}': expected region, tls, \
-                     dummy_credentials, checkpoint_store, lease_ms, shards, auto_create, \
-                     fetch_limit, idle_ms, put_attempts, buffer, fan_out, efo_consumer or \
-                     timeout_ms"
+                     endpoint, dummy_credentials, profile, role_arn, role_session_name, \
+                     external_id, role_duration_s, checkpoint_store, lease_ms, shards, \
+                     auto_create, fetch_limit, idle_ms, put_attempts, buffer, fan_out, \
+                     efo_consumer or timeout_ms"
                 )))
             }
         }
     }
-    if let Some(h) = &host {
-        let port = parsed.port().unwrap_or(if tls { 443 } else { 80 });
-        let scheme = if tls { "https" } else { "http" };
-        o.endpoint = Some(format!("{scheme}://{h}:{port}"));
+    if (o.role_session_name.is_some() || o.external_id.is_some() || o.role_duration.is_some())
+        && o.role_arn.is_none()
+    {
+        return Err(Error::config(format!(
+            "Kinesis URL '{shown}': role_session_name, external_id and role_duration_s apply \
+             to an assumed role: add role_arn="
+        )));
     }
-    o.dummy_credentials = dummy.unwrap_or_else(|| {
-        host.as_deref().is_some_and(is_loopback) && std::env::var_os("AWS_ACCESS_KEY_ID").is_none()
-    });
+    match (&host, endpoint) {
+        (Some(_), Some(_)) => {
+            return Err(Error::config(format!(
+                "Kinesis URL '{shown}' names the endpoint twice (host:port and endpoint=): \
+                 give one"
+            )))
+        }
+        (None, Some(e)) => {
+            if tls.is_some() {
+                return Err(Error::config(format!(
+                    "Kinesis URL '{shown}': tls= applies to host:port; with endpoint= the \
+                     scheme (http:// or https://) says it"
+                )));
+            }
+            o.endpoint = Some(e);
+        }
+        (Some(h), None) => {
+            let tls = tls.unwrap_or(false);
+            let port = parsed.port().unwrap_or(if tls { 443 } else { 80 });
+            let scheme = if tls { "https" } else { "http" };
+            o.endpoint = Some(format!("{scheme}://{h}:{port}"));
+        }
+        (None, None) => {}
+    }
     Ok(o)
+}
+
+/// An `endpoint=` value: an `http://` or `https://` URL with a host and no user info (the
+/// endpoint URL of the [AWS SDKs' endpoint configuration]).
+///
+/// [AWS SDKs' endpoint configuration]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-ss-endpoints.html
+fn parse_endpoint(v: &str, shown: &str) -> Result<String> {
+    let bad = |why: &str| {
+        Error::config(format!(
+            "option endpoint='{}' in Kinesis URL '{shown}': {why}",
+            onceflow_core::shown(&onceflow_core::redact_url(v))
+        ))
+    };
+    let u = url::Url::parse(v).map_err(|e| bad(&format!("not a URL ({e})")))?;
+    if !matches!(u.scheme(), "http" | "https") {
+        return Err(bad("expected an http:// or https:// URL"));
+    }
+    if u.host_str().is_none_or(str::is_empty) {
+        return Err(bad("expected a host"));
+    }
+    if !u.username().is_empty() || u.password().is_some() {
+        return Err(bad(
+            "an endpoint carries no credentials (use the AWS credential chain)",
+        ));
+    }
+    if u.query().is_some() || u.fragment().is_some() {
+        return Err(bad("an endpoint URL has no query or fragment"));
+    }
+    Ok(v.trim_end_matches('/').to_string())
 }
 
 /// Query keys whose values [`redact`] shows: the options that never hold a secret.
@@ -242,6 +424,10 @@ const SHOWN_OPTIONS: &[&str] = &[
     "region",
     "tls",
     "dummy_credentials",
+    "profile",
+    "role_arn",
+    "role_session_name",
+    "role_duration_s",
     "lease_ms",
     "shards",
     "auto_create",
@@ -310,7 +496,20 @@ mod tests {
         );
         let aws = parse_url("kinesis://?region=eu-west-1").unwrap();
         assert_eq!(aws.endpoint, None);
-        assert!(!aws.dummy_credentials);
+        assert_eq!(aws.dummy_credentials, None);
+        assert!(!aws.endpoint_is_loopback());
+        assert!(parse_url("kinesis://127.0.0.1:1")
+            .unwrap()
+            .endpoint_is_loopback());
+        assert!(parse_url("kinesis://localhost:1")
+            .unwrap()
+            .endpoint_is_loopback());
+        assert!(parse_url("kinesis://[::1]:1")
+            .unwrap()
+            .endpoint_is_loopback());
+        assert!(!parse_url("kinesis://10.0.0.1:1")
+            .unwrap()
+            .endpoint_is_loopback());
         for bad in [
             "kinesis://h:1?nope=1",
             "kafka://h:1",
@@ -334,5 +533,60 @@ mod tests {
         let e = parse_url("kinesis://h:1?region=x&aws_secret_access_key=AKSECRET").unwrap_err();
         assert!(!e.message().contains("AKSECRET"), "secret shown: {e}");
         assert!(e.message().contains("'aws_secret_access_key'"), "{e}");
+    }
+
+    #[test]
+    fn parses_credential_and_endpoint_options() {
+        let o = parse_url(
+            "kinesis://?region=eu-west-1&profile=prod&role_arn=arn:aws:iam::123456789012:role/app\
+             &role_session_name=onceflow-1&external_id=ext-SECRET-42&role_duration_s=900\
+             &endpoint=https://vpce-1.kinesis.eu-west-1.vpce.amazonaws.com/",
+        )
+        .unwrap();
+        assert_eq!(o.profile.as_deref(), Some("prod"));
+        assert_eq!(
+            o.role_arn.as_deref(),
+            Some("arn:aws:iam::123456789012:role/app")
+        );
+        assert_eq!(o.role_session_name.as_deref(), Some("onceflow-1"));
+        assert_eq!(o.external_id.as_deref(), Some("ext-SECRET-42"));
+        assert_eq!(o.role_duration, Some(Duration::from_secs(900)));
+        assert_eq!(
+            o.endpoint.as_deref(),
+            Some("https://vpce-1.kinesis.eu-west-1.vpce.amazonaws.com")
+        );
+        assert!(!o.endpoint_is_loopback());
+        let debug = format!("{o:?}");
+        assert!(!debug.contains("ext-SECRET-42"), "{debug}");
+        assert!(debug.contains("prod"), "{debug}");
+        let local = parse_url("kinesis://?endpoint=http://127.0.0.1:4567").unwrap();
+        assert!(local.endpoint_is_loopback());
+        assert_eq!(
+            parse_url("kinesis://h:1?dummy_credentials=false")
+                .unwrap()
+                .dummy_credentials,
+            Some(false)
+        );
+        let store = parse_url("kinesis://h:1?checkpoint_store=redis://:pw-SECRET@h:6379").unwrap();
+        assert!(!format!("{store:?}").contains("pw-SECRET"), "{store:?}");
+        for bad in [
+            "kinesis://h:1?endpoint=http://h:2",
+            "kinesis://?endpoint=ftp://h",
+            "kinesis://?endpoint=http://u:pw-SECRET@h",
+            "kinesis://?endpoint=nope",
+            "kinesis://?endpoint=https://h&tls=true",
+            "kinesis://?profile=",
+            "kinesis://?role_arn=role/app",
+            "kinesis://?role_arn=arn:aws:s3:::bucket",
+            "kinesis://?role_session_name=x",
+            "kinesis://?role_arn=arn:aws:iam::1:role/a&role_session_name=a%20b",
+            "kinesis://?role_arn=arn:aws:iam::1:role/a&external_id=pw-SECRET%20x",
+            "kinesis://?role_arn=arn:aws:iam::1:role/a&role_duration_s=60",
+            "kinesis://?external_id=pw-SECRET",
+        ] {
+            let e = parse_url(bad).unwrap_err();
+            assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{bad}");
+            assert!(!e.message().contains("pw-SECRET"), "secret shown: {e}");
+        }
     }
 }

@@ -61,6 +61,7 @@
 mod admin;
 mod config;
 mod consumer;
+mod credentials;
 mod efo;
 pub mod envelope;
 mod producer;
@@ -284,15 +285,23 @@ async fn check_answers(client: &Client, endpoint: &str, timeout: Duration) -> Re
             format!("Kinesis endpoint {endpoint} did not answer within {timeout:?} (timeout_ms)"),
         )
         .with_source(e)),
-        Err(e) => Err(Error::new(
-            ErrorKind::Connect,
-            format!(
-                "Kinesis endpoint {endpoint}: {}",
-                shards::aws_err("ListStreams".to_string(), e)
-                    .message()
-                    .trim_start_matches("Kinesis ")
-            ),
-        )),
+        Err(e) => {
+            if let Some(ce) = credentials::find_credentials_error(&e) {
+                return Err(credentials::auth_error(
+                    &format!("endpoint {endpoint}: ListStreams"),
+                    ce,
+                ));
+            }
+            Err(Error::new(
+                ErrorKind::Connect,
+                format!(
+                    "Kinesis endpoint {endpoint}: {}",
+                    shards::aws_err("ListStreams".to_string(), e)
+                        .message()
+                        .trim_start_matches("Kinesis ")
+                ),
+            ))
+        }
     }
 }
 
@@ -311,35 +320,27 @@ impl KinesisPlatform {
         options: KinesisOptions,
         store: Option<SharedCheckpointStore>,
     ) -> Result<Arc<KinesisPlatform>> {
-        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
-        if let Some(r) = &options.region {
-            loader = loader.region(aws_config::Region::new(r.clone()));
-        } else if options.endpoint.is_some() {
-            loader = loader.region(aws_config::Region::new("us-east-1"));
-        }
-        if let Some(e) = &options.endpoint {
-            loader = loader.endpoint_url(e);
-        }
         // Without timeouts the SDK waits forever on an endpoint that accepts connections and
         // never answers. The operation timeout covers one call with its retries; the connect
         // timeout stays the SDK's (3.1 s) unless the operation's is shorter.
-        loader = loader.timeout_config(
-            aws_config::timeout::TimeoutConfig::builder()
-                .operation_timeout(options.timeout)
-                .connect_timeout(options.timeout.min(Duration::from_millis(3100)))
-                .build(),
+        let timeouts = aws_config::timeout::TimeoutConfig::builder()
+            .operation_timeout(options.timeout)
+            .connect_timeout(options.timeout.min(Duration::from_millis(3100)))
+            .build();
+        let resolved = credentials::resolve(&options, timeouts).await?;
+        tracing::debug!(
+            endpoint = options.endpoint.as_deref().unwrap_or("AWS regional endpoint"),
+            region = resolved.sdk.region().map(|r| r.as_ref()).unwrap_or(""),
+            credentials = %resolved.source,
+            "Kinesis connection"
         );
-        if options.dummy_credentials {
-            loader = loader.credentials_provider(aws_sdk_kinesis::config::Credentials::new(
-                "onceflow-local",
-                "onceflow-local",
-                None,
-                None,
-                "onceflow-dummy",
-            ));
+        // The endpoint override is the Kinesis client's only: STS (web identity, assumed
+        // roles) keeps its own endpoint (AWS's, or AWS_ENDPOINT_URL_STS).
+        let mut conf = aws_sdk_kinesis::config::Builder::from(&resolved.sdk);
+        if let Some(e) = &options.endpoint {
+            conf = conf.endpoint_url(e);
         }
-        let sdk = loader.load().await;
-        let client = Client::new(&sdk);
+        let client = Client::from_conf(conf.build());
         if let Some(endpoint) = &options.endpoint {
             check_answers(&client, endpoint, options.timeout).await?;
         }

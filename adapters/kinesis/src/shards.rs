@@ -94,6 +94,9 @@ where
     R: std::fmt::Debug + Send + Sync + 'static,
 {
     let what = what.into();
+    if let Some(ce) = crate::credentials::find_credentials_error(&e) {
+        return crate::credentials::auth_error(&what, ce);
+    }
     match e {
         SdkError::ServiceError(se) => {
             let err = se.into_err();
@@ -116,7 +119,10 @@ where
                 | "AccessDeniedException"
                 | "MissingAuthenticationToken"
                 | "IncompleteSignatureException"
-                | "InvalidSignatureException" => (ErrorKind::Connect, false),
+                | "InvalidSignatureException"
+                | "ExpiredTokenException"
+                | "InvalidClientTokenId"
+                | "SignatureDoesNotMatch" => (ErrorKind::Auth, false),
                 _ => (ErrorKind::Platform, false),
             };
             Error::new(kind, format!("Kinesis {what}: {code}: {msg}"))
