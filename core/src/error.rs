@@ -410,6 +410,8 @@ pub fn is_secret_key(key: &str) -> bool {
         || k.contains("secret")
         || k.ends_with("token")
         || k.ends_with("key.pem")
+        // NATS' `nkey_seed` (an NKey's private half).
+        || k.ends_with("seed")
         || k == "sasl.oauthbearer.config"
 }
 
@@ -455,6 +457,7 @@ mod tests {
             "postgres://u@h:1/db?sslpassword=s3cret&sslmode=require",
             "postgres://u@h:1/db?PassWord=s3cret",
             "redis://h:1/?token=s3cret",
+            "nats://h:1?nkey_seed=s3cret",
         ] {
             let r = redact_url(url);
             assert!(!r.contains("s3cret") && r.contains("***"), "{url} -> {r}");
