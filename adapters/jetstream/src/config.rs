@@ -5,11 +5,15 @@ use std::time::Duration;
 
 use onceflow_core::{Error, Result};
 
-/// Options of a `nats://host:port?key=value&…` connection. Every key is listed here; an unknown
-/// key is a [`onceflow_core::ErrorKind::Config`] error naming it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Options of a `nats://host:port?key=value&…` (or `tls://…`) connection. Every key is listed
+/// here; an unknown key is a [`onceflow_core::ErrorKind::Config`] error naming it.
+///
+/// `Debug` shows `***` for the password, token and NKey seed (the paths of files holding
+/// secrets are shown: they are not secret).
+#[derive(Clone, PartialEq, Eq)]
 pub struct JetStreamOptions {
-    /// Server address(es) handed to async-nats (`nats://host:port`, comma separated).
+    /// Server address(es) handed to async-nats (`nats://host:port` or `tls://host:port`, comma
+    /// separated), without user info: credentials from the URL are moved into the fields below.
     pub servers: String,
     /// `auto_create` (default `true`): producing to, or consuming from, a topic without a stream
     /// creates the stream (with `partitions` partitions). With `false` it is a `NotFound` error.
@@ -21,7 +25,9 @@ pub struct JetStreamOptions {
     pub publish_timeout: Duration,
     /// `publish_retries` (default 3): retries of a publish that timed out (same `Nats-Msg-Id`).
     pub publish_retries: u32,
-    /// `request_timeout_ms` (default 5000): JetStream API requests (stream/consumer info, …).
+    /// `request_timeout_ms` (default 5000): JetStream API requests (stream/consumer info, …),
+    /// and the time one connection attempt to one server may take (TCP, TLS handshake,
+    /// authentication).
     pub request_timeout: Duration,
     /// `ack_wait_ms` (default 30000): consumer `ack_wait`; a delivered message not acked (or
     /// marked in progress) for this long is redelivered.
@@ -46,14 +52,72 @@ pub struct JetStreamOptions {
     /// message the server gave up on (its `MAX_DELIVERIES` advisory) to it, with the reason in
     /// headers, and terminates it.
     pub dead_letter: Option<String>,
-    /// `user` / `password` / `token` / `creds`: authentication.
+    /// `tls` (default `false`; `true` for a `tls://` URL or when any other `tls_*` key is
+    /// given): TLS is required, whatever the server's `INFO` says (async-nats'
+    /// `require_tls`). With `false` the connection still upgrades to TLS when the server
+    /// requires it.
+    pub tls: bool,
+    /// `tls_ca`: path of a PEM file of the CA certificate(s) that sign the server's
+    /// certificate. When given, only these are trusted (not the system's roots).
+    pub tls_ca: Option<String>,
+    /// `tls_cert`: path of the PEM client certificate (chain) for mutual TLS; needs `tls_key`.
+    pub tls_cert: Option<String>,
+    /// `tls_key`: path of the PEM private key of `tls_cert`.
+    pub tls_key: Option<String>,
+    /// `tls_first` (default `false`): start TLS before the server's `INFO`, for servers
+    /// configured with `handshake_first` (nats-server ≥ 2.10.4).
+    pub tls_first: bool,
+    /// `user` (with `password`, or the URL's `nats://user:password@host`): user + password
+    /// authentication.
     pub user: Option<String>,
-    /// See `user`.
+    /// `password`: see `user`.
     pub password: Option<String>,
-    /// See `user`.
+    /// `token` (or the URL's `nats://TOKEN@host`): token authentication.
     pub token: Option<String>,
-    /// Path of a `.creds` file.
+    /// `nkey_seed`: an NKey user seed (`SU…`, 58 characters): NKey authentication (the server
+    /// knows the public key `U…`).
+    pub nkey_seed: Option<String>,
+    /// `nkey_seed_file`: path of a file holding an NKey user seed (read at connect time).
+    pub nkey_seed_file: Option<String>,
+    /// `creds`: path of a `.creds` file (user JWT + NKey seed, as `nsc generate creds` writes
+    /// it): decentralized JWT authentication.
     pub creds: Option<String>,
+}
+
+impl std::fmt::Debug for JetStreamOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        fn hidden(v: &Option<String>) -> Option<&'static str> {
+            v.as_ref().map(|_| "***")
+        }
+        f.debug_struct("JetStreamOptions")
+            .field("servers", &self.servers)
+            .field("auto_create", &self.auto_create)
+            .field("partitions", &self.partitions)
+            .field("publish_timeout", &self.publish_timeout)
+            .field("publish_retries", &self.publish_retries)
+            .field("request_timeout", &self.request_timeout)
+            .field("ack_wait", &self.ack_wait)
+            .field("max_deliver", &self.max_deliver)
+            .field("max_ack_pending", &self.max_ack_pending)
+            .field("backoff", &self.backoff)
+            .field("duplicate_window", &self.duplicate_window)
+            .field("allow_atomic", &self.allow_atomic)
+            .field("memory_storage", &self.memory_storage)
+            .field("fetch_batch", &self.fetch_batch)
+            .field("dead_letter", &self.dead_letter)
+            .field("tls", &self.tls)
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_cert", &self.tls_cert)
+            .field("tls_key", &self.tls_key)
+            .field("tls_first", &self.tls_first)
+            .field("user", &self.user)
+            .field("password", &hidden(&self.password))
+            .field("token", &hidden(&self.token))
+            .field("nkey_seed", &hidden(&self.nkey_seed))
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("creds", &self.creds)
+            .finish()
+    }
 }
 
 impl Default for JetStreamOptions {
@@ -74,9 +138,16 @@ impl Default for JetStreamOptions {
             memory_storage: false,
             fetch_batch: 256,
             dead_letter: None,
+            tls: false,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_first: false,
             user: None,
             password: None,
             token: None,
+            nkey_seed: None,
+            nkey_seed_file: None,
             creds: None,
         }
     }
@@ -102,8 +173,60 @@ fn ms(key: &str, value: &str) -> Result<Duration> {
     parse_num::<u64>(key, value, "a duration in milliseconds").map(Duration::from_millis)
 }
 
+/// The keys of the connection itself (TLS and credentials): valid in the URL (or the typed
+/// options), not among a consumer's options, which cannot change a connection made already.
+pub const CONNECTION_KEYS: [&str; 11] = [
+    "tls",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "tls_first",
+    "user",
+    "password",
+    "token",
+    "nkey_seed",
+    "nkey_seed_file",
+    "creds",
+];
+
+/// A non-empty value; a secret's is never shown.
+fn non_empty(key: &str, value: &str) -> Result<Option<String>> {
+    if value.is_empty() {
+        return Err(Error::config(format!("'{key}' is empty: expected a value")));
+    }
+    Ok(Some(value.to_string()))
+}
+
+/// Whether `seed` is an NKey *user* seed (`SU…`); the error never shows it.
+pub(crate) fn check_user_seed(seed: &str, from: &str) -> Result<nkeys::KeyPair> {
+    match nkeys::KeyPair::from_seed(seed.trim()) {
+        Ok(kp) if kp.public_key().starts_with('U') => Ok(kp),
+        Ok(_) => Err(Error::config(format!(
+            "{from} holds an NKey seed that is not a user's: expected a user seed (SU…)"
+        ))),
+        Err(_) => Err(Error::config(format!(
+            "{from} is not an NKey seed: expected a user seed (SU…, 58 characters, as `nsc` or \
+             `nk -gen user` writes it)"
+        ))),
+    }
+}
+
+/// Sets `field` from the URL's user info, refusing a different value given in the query too.
+fn merge(field: &mut Option<String>, value: String, key: &str) -> Result<()> {
+    match field {
+        Some(v) if *v != value => Err(Error::config(format!(
+            "'{key}' is given twice with different values: in the URL's user info and as \
+             ?{key}="
+        ))),
+        _ => {
+            *field = Some(value);
+            Ok(())
+        }
+    }
+}
+
 impl JetStreamOptions {
-    /// Applies one `key=value` option (URL query or [`onceflow_core::ConsumerConfig::options`]).
+    /// Applies one `key=value` option (a URL query parameter).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
         match key {
             "auto_create" => self.auto_create = parse_bool(key, value)?,
@@ -151,38 +274,147 @@ impl JetStreamOptions {
                 crate::naming::check_topic(value)?;
                 self.dead_letter = Some(value.to_string())
             }
-            "user" => self.user = Some(value.to_string()),
-            "password" => self.password = Some(value.to_string()),
-            "token" => self.token = Some(value.to_string()),
-            "creds" => self.creds = Some(value.to_string()),
+            "tls" => self.tls = parse_bool(key, value)?,
+            "tls_ca" => self.tls_ca = non_empty(key, value)?,
+            "tls_cert" => self.tls_cert = non_empty(key, value)?,
+            "tls_key" => self.tls_key = non_empty(key, value)?,
+            "tls_first" => self.tls_first = parse_bool(key, value)?,
+            "user" => self.user = non_empty(key, value)?,
+            "password" => self.password = non_empty(key, value)?,
+            "token" => self.token = non_empty(key, value)?,
+            "nkey_seed" => self.nkey_seed = non_empty(key, value)?,
+            "nkey_seed_file" => self.nkey_seed_file = non_empty(key, value)?,
+            "creds" => self.creds = non_empty(key, value)?,
             other => {
                 return Err(Error::config(format!(
-                    "unknown nats option '{other}': expected one of auto_create, partitions, \
+                    "unknown nats option '{}': expected one of auto_create, partitions, \
                      publish_timeout_ms, publish_retries, request_timeout_ms, ack_wait_ms, \
                      max_deliver, max_ack_pending, backoff_ms, duplicate_window_ms, allow_atomic, \
-                     storage, fetch_batch, dead_letter, user, password, token, creds"
+                     storage, fetch_batch, dead_letter, {}",
+                    onceflow_core::shown(other),
+                    CONNECTION_KEYS.join(", ")
                 )))
             }
         }
         Ok(())
     }
 
-    /// Applies several options.
+    /// Applies a consumer's options ([`onceflow_core::ConsumerConfig::options`]): any key of
+    /// [`JetStreamOptions::set`] but the [`CONNECTION_KEYS`], which are a `Config` error there
+    /// (the connection is made already).
     pub fn apply(&mut self, options: &BTreeMap<String, String>) -> Result<()> {
         for (k, v) in options {
+            if CONNECTION_KEYS.contains(&k.as_str()) {
+                return Err(Error::config(format!(
+                    "'{k}' is an option of the connection, not of a consumer: give it in the \
+                     nats:// URL"
+                )));
+            }
             self.set(k, v)?;
+        }
+        Ok(())
+    }
+
+    /// Whether TLS is required: `tls`, a `tls://` server, or any `tls_*` option.
+    pub fn tls_required(&self) -> bool {
+        self.tls
+            || self.tls_first
+            || self.tls_ca.is_some()
+            || self.tls_cert.is_some()
+            || self.tls_key.is_some()
+            || self.servers.split(',').any(|s| s.starts_with("tls://"))
+    }
+
+    /// The authentication methods given, by option name.
+    fn auth_methods(&self) -> Vec<&'static str> {
+        let mut m = Vec::new();
+        if self.user.is_some() || self.password.is_some() {
+            m.push("user/password");
+        }
+        if self.token.is_some() {
+            m.push("token");
+        }
+        if self.nkey_seed.is_some() {
+            m.push("nkey_seed");
+        }
+        if self.nkey_seed_file.is_some() {
+            m.push("nkey_seed_file");
+        }
+        if self.creds.is_some() {
+            m.push("creds");
+        }
+        m
+    }
+
+    /// Checks the servers and the combination of TLS and credential options (files are read
+    /// at connect time). `Config` naming what is wrong; never a secret's value.
+    pub fn validate(&self) -> Result<()> {
+        for s in self.servers.split(',') {
+            let addr: async_nats::ServerAddr = s.parse().map_err(|e| {
+                Error::config(format!(
+                    "NATS server '{}' is not valid: {e}",
+                    onceflow_core::shown(&onceflow_core::redact_credentials(s))
+                ))
+            })?;
+            if addr.has_user_pass() {
+                return Err(Error::config(format!(
+                    "NATS server '{}' carries credentials in JetStreamOptions::servers: give them \
+                     as user/password or token",
+                    onceflow_core::shown(&onceflow_core::redact_credentials(s))
+                )));
+            }
+            if addr.is_websocket() {
+                return Err(Error::config(format!(
+                    "NATS server '{}': websocket servers are not supported by onceflow, expected \
+                     nats:// or tls://",
+                    onceflow_core::shown(s)
+                )));
+            }
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(Error::config(
+                "mutual TLS needs both tls_cert (the client certificate) and tls_key (its \
+                 private key)",
+            ));
+        }
+        if self.user.is_some() != self.password.is_some() {
+            return Err(Error::config(
+                "user/password authentication needs both a user and a password \
+                 (nats://user:password@host, or ?user=…&password=…)",
+            ));
+        }
+        let methods = self.auth_methods();
+        if methods.len() > 1 {
+            return Err(Error::config(format!(
+                "NATS credentials given more than once ({}): use one of user/password, token, \
+                 nkey_seed, nkey_seed_file or creds",
+                methods.join(", ")
+            )));
+        }
+        if let Some(seed) = &self.nkey_seed {
+            check_user_seed(seed, "nkey_seed")?;
         }
         Ok(())
     }
 }
 
-/// Parses `nats://host:port[,host:port]?key=value&…`.
+/// Parses `nats://host:port[,host:port]?key=value&…` or `tls://…`, credentials in the user
+/// info (`nats://user:password@host`, `nats://TOKEN@host`) or the query. `Config` errors
+/// name the offending part, never a secret.
 pub fn parse_url(url: &str) -> Result<JetStreamOptions> {
-    let rest = url.strip_prefix("nats://").ok_or_else(|| {
-        Error::config(format!(
-            "'{url}' is not a NATS URL: expected nats://host:port?key=value"
-        ))
-    })?;
+    let (scheme, rest) = if let Some(r) = url.strip_prefix("nats://") {
+        ("nats", r)
+    } else if let Some(r) = url.strip_prefix("tls://") {
+        ("tls", r)
+    } else {
+        let shown = match url.split_once("://") {
+            Some((s, _)) => format!("a {}:// URL", onceflow_core::shown(s)),
+            None => "not a URL".to_string(),
+        };
+        return Err(Error::config(format!(
+            "{shown} is not a NATS URL: expected nats://host:port?key=value or tls://host:port"
+        )));
+    };
     let (hosts, query) = match rest.split_once('?') {
         Some((h, q)) => (h, Some(q)),
         None => (rest, None),
@@ -190,28 +422,127 @@ pub fn parse_url(url: &str) -> Result<JetStreamOptions> {
     let hosts = hosts.trim_end_matches('/');
     if hosts.is_empty() {
         return Err(Error::config(format!(
-            "'{url}' names no server: expected nats://host:port"
+            "the {scheme}:// URL names no server: expected {scheme}://host:port"
         )));
     }
+    let mut userinfo: Option<&str> = None;
+    let mut servers = Vec::new();
+    for (i, entry) in hosts.split(',').enumerate() {
+        // A server may repeat the scheme (`nats://a:4222,nats://b:4222`), but not change it.
+        let entry = match entry.split_once("://") {
+            Some((s, e)) if s == scheme => e,
+            Some((s, _)) => {
+                return Err(Error::config(format!(
+                    "server {} of the URL is {}:// while the URL is {scheme}://: give every \
+                     server the same scheme (tls://, or nats://…?tls=true for TLS)",
+                    i + 1,
+                    onceflow_core::shown(s)
+                )))
+            }
+            None => entry,
+        };
+        let (info, hostport) = match entry.rfind('@') {
+            Some(at) => (Some(&entry[..at]), &entry[at + 1..]),
+            None => (None, entry),
+        };
+        let hostport = hostport.trim_end_matches('/');
+        if hostport.is_empty() {
+            return Err(Error::config(format!(
+                "server {} of the URL names no host: expected {scheme}://host:port",
+                i + 1
+            )));
+        }
+        if let Some(info) = info {
+            match userinfo {
+                Some(prev) if prev != info => {
+                    return Err(Error::config(
+                        "the servers of the URL carry different credentials: give them once \
+                         (one connection authenticates the same way to every server)",
+                    ))
+                }
+                _ => userinfo = Some(info),
+            }
+        }
+        servers.push(format!("{scheme}://{hostport}"));
+    }
     let mut opts = JetStreamOptions {
-        servers: hosts
-            .split(',')
-            .map(|h| format!("nats://{h}"))
-            .collect::<Vec<_>>()
-            .join(","),
+        servers: servers.join(","),
+        tls: scheme == "tls",
         ..Default::default()
     };
+    let mut tls_off = false;
     if let Some(q) = query {
         for (k, v) in url::form_urlencoded::parse(q.as_bytes()) {
             opts.set(&k, &v)?;
+            if k == "tls" {
+                tls_off = !opts.tls;
+            }
         }
     }
+    if tls_off {
+        if scheme == "tls" {
+            return Err(Error::config(
+                "tls=false contradicts the tls:// scheme: use nats:// for plain connections",
+            ));
+        }
+        let with: Vec<&str> = [
+            ("tls_ca", opts.tls_ca.is_some()),
+            ("tls_cert", opts.tls_cert.is_some()),
+            ("tls_key", opts.tls_key.is_some()),
+            ("tls_first", opts.tls_first),
+        ]
+        .iter()
+        .filter(|(_, on)| *on)
+        .map(|(k, _)| *k)
+        .collect();
+        if !with.is_empty() {
+            return Err(Error::config(format!(
+                "tls=false contradicts {}: drop tls=false, or the TLS options",
+                with.join(", ")
+            )));
+        }
+    }
+    opts.tls = opts.tls_required();
+    if let Some(info) = userinfo {
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|c| c.into_owned())
+                .map_err(|_| Error::config("the URL's user info is not UTF-8 once decoded"))
+        };
+        match info.split_once(':') {
+            Some((u, p)) => {
+                merge(&mut opts.user, decode(u)?, "user")?;
+                merge(&mut opts.password, decode(p)?, "password")?;
+            }
+            // `nats://alice@host?password=…`: the user; `nats://TOKEN@host`: a token (as
+            // nats.go and the nats CLI read it).
+            None if opts.password.is_some() && opts.token.is_none() => {
+                merge(&mut opts.user, decode(info)?, "user")?
+            }
+            None => merge(&mut opts.token, decode(info)?, "token")?,
+        }
+        if [&opts.user, &opts.password, &opts.token]
+            .iter()
+            .any(|v| v.as_deref() == Some(""))
+        {
+            return Err(Error::config(
+                "the URL's user info has an empty part: expected user:password@ or TOKEN@",
+            ));
+        }
+    }
+    opts.validate()?;
     Ok(opts)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A user seed made for these tests (`nkeys::KeyPair::new_user()`), and an account seed.
+    fn user_seed() -> String {
+        nkeys::KeyPair::new_user().seed().unwrap()
+    }
 
     #[test]
     fn parses_hosts_and_options() {
@@ -221,9 +552,171 @@ mod tests {
         assert_eq!(o.partitions, 3);
         assert_eq!(o.ack_wait, Duration::from_millis(500));
         assert_eq!(o.backoff.len(), 2);
+        assert!(!o.tls);
         let e = parse_url("nats://h:1?bogus=1").unwrap_err();
         assert!(e.message().contains("bogus"));
         assert!(parse_url("kafka://h:1").is_err());
         assert!(parse_url("nats://h:1?partitions=0").is_err());
+    }
+
+    #[test]
+    fn several_servers_keep_working() {
+        let o = parse_url("nats://a:4222,b:4223/").unwrap();
+        assert_eq!(o.servers, "nats://a:4222,nats://b:4223");
+        let o = parse_url("nats://a:4222,nats://b:4223").unwrap();
+        assert_eq!(o.servers, "nats://a:4222,nats://b:4223");
+        let o = parse_url("tls://a:4222,b:4223?tls_ca=/ca.pem").unwrap();
+        assert_eq!(o.servers, "tls://a:4222,tls://b:4223");
+        let e = parse_url("nats://a:4222,tls://b:4223").unwrap_err();
+        assert!(e.message().contains("same scheme"), "{e}");
+        let e = parse_url("nats://a:4222,").unwrap_err();
+        assert!(e.message().contains("server 2"), "{e}");
+    }
+
+    #[test]
+    fn tls_from_the_scheme_the_flag_or_any_tls_key() {
+        let o = parse_url("tls://127.0.0.1:14223").unwrap();
+        assert!(o.tls && o.tls_required());
+        assert_eq!(o.servers, "tls://127.0.0.1:14223");
+        assert!(parse_url("nats://h:1?tls=true").unwrap().tls);
+        let o = parse_url("nats://h:1?tls_ca=/etc/ca.pem").unwrap();
+        assert!(o.tls);
+        assert_eq!(o.tls_ca.as_deref(), Some("/etc/ca.pem"));
+        let o = parse_url("nats://h:1?tls_first=true").unwrap();
+        assert!(o.tls && o.tls_first);
+        let o = parse_url("tls://h:1?tls_cert=/c.pem&tls_key=/c.key").unwrap();
+        assert_eq!(o.tls_cert.as_deref(), Some("/c.pem"));
+        assert_eq!(o.tls_key.as_deref(), Some("/c.key"));
+        for (url, says) in [
+            ("tls://h:1?tls=false", "tls://"),
+            ("nats://h:1?tls=false&tls_ca=/ca.pem", "tls_ca"),
+            ("nats://h:1?tls_cert=/c.pem", "tls_key"),
+            ("nats://h:1?tls_key=/c.key", "tls_cert"),
+            ("nats://h:1?tls=maybe", "tls=maybe"),
+            ("nats://h:1?tls_ca=", "tls_ca"),
+        ] {
+            let e = parse_url(url).unwrap_err();
+            assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{url}");
+            assert!(e.message().contains(says), "{url}: {e}");
+        }
+    }
+
+    #[test]
+    fn credentials_from_user_info_or_query_never_in_errors_or_debug() {
+        let o = parse_url("nats://app:S3cr%40t@127.0.0.1:4222").unwrap();
+        assert_eq!(o.user.as_deref(), Some("app"));
+        assert_eq!(o.password.as_deref(), Some("S3cr@t"));
+        assert_eq!(o.servers, "nats://127.0.0.1:4222", "no user info left");
+        let o = parse_url("tls://app@h:1?password=S3cret").unwrap();
+        assert_eq!(o.user.as_deref(), Some("app"));
+        assert_eq!(o.password.as_deref(), Some("S3cret"));
+        let o = parse_url("nats://?user=app&password=S3cret").unwrap_err();
+        assert!(o.message().contains("names no server"), "{o}");
+        let o = parse_url("nats://h:1?user=app&password=S3cret").unwrap();
+        assert_eq!(o.user.as_deref(), Some("app"));
+        let o = parse_url("nats://T0ken@a:1,T0ken@b:2").unwrap();
+        assert_eq!(o.token.as_deref(), Some("T0ken"));
+        assert_eq!(o.servers, "nats://a:1,nats://b:2");
+        let o = parse_url("nats://h:1?token=T0ken").unwrap();
+        assert_eq!(o.token.as_deref(), Some("T0ken"));
+        let debug = format!("{o:?}");
+        assert!(!debug.contains("T0ken") && debug.contains("***"), "{debug}");
+        let o = parse_url("nats://app:S3cret@h:1").unwrap();
+        assert!(!format!("{o:?}").contains("S3cret"));
+        let seed = user_seed();
+        let o = parse_url(&format!("nats://h:1?nkey_seed={seed}")).unwrap();
+        assert_eq!(o.nkey_seed.as_deref(), Some(seed.as_str()));
+        assert!(!format!("{o:?}").contains(&seed));
+        let o = parse_url("nats://h:1?nkey_seed_file=/k/user.nk").unwrap();
+        assert_eq!(o.nkey_seed_file.as_deref(), Some("/k/user.nk"));
+        let o = parse_url("nats://h:1?creds=/k/user.creds").unwrap();
+        assert_eq!(o.creds.as_deref(), Some("/k/user.creds"));
+
+        let account_seed = nkeys::KeyPair::new_account().seed().unwrap();
+        for (url, says) in [
+            (
+                "nats://app:S3cret@h:1?token=T0ken".to_string(),
+                "more than once",
+            ),
+            (
+                "nats://T0ken@h:1?creds=/u.creds".to_string(),
+                "more than once",
+            ),
+            (
+                format!("nats://h:1?nkey_seed={seed}&nkey_seed_file=/k"),
+                "more than once",
+            ),
+            ("nats://h:1?user=app".to_string(), "password"),
+            (
+                "nats://h:1?password=S3cret&token=T0ken".to_string(),
+                "password",
+            ),
+            ("nats://app:S3cret@h:1?user=bob".to_string(), "twice"),
+            ("nats://app:S3cret@h:1?password=other".to_string(), "twice"),
+            (
+                "nats://T0ken@a:1,Other@b:2".to_string(),
+                "different credentials",
+            ),
+            ("nats://app:@h:1".to_string(), "empty"),
+            (
+                "nats://h:1?nkey_seed=SUNOTASEED".to_string(),
+                "not an NKey seed",
+            ),
+            (
+                format!("nats://h:1?nkey_seed={account_seed}"),
+                "not a user's",
+            ),
+            ("nats://h:1?password=".to_string(), "empty"),
+            ("nats://h:1?passwd=S3cret".to_string(), "passwd"),
+        ] {
+            let e = parse_url(&url).unwrap_err();
+            assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{url}");
+            assert!(e.message().contains(says), "{url}: {e}");
+            let all = format!("{e} {e:?}");
+            for secret in [
+                "S3cret",
+                "T0ken",
+                "Other",
+                seed.as_str(),
+                account_seed.as_str(),
+            ] {
+                assert!(!all.contains(secret), "{url}: {all}");
+            }
+        }
+        let e = parse_url("kafka://app:S3cret@h:1").unwrap_err();
+        assert!(!e.message().contains("S3cret"), "{e}");
+    }
+
+    #[test]
+    fn connection_keys_are_refused_among_consumer_options() {
+        let mut o = JetStreamOptions::default();
+        let mut m = BTreeMap::new();
+        m.insert("ack_wait_ms".to_string(), "100".to_string());
+        o.apply(&m).unwrap();
+        m.insert("password".to_string(), "S3cret".to_string());
+        let e = o.apply(&m).unwrap_err();
+        assert!(e.message().contains("connection"), "{e}");
+        assert!(!e.message().contains("S3cret"), "{e}");
+    }
+
+    #[test]
+    fn typed_options_are_checked_too() {
+        let o = JetStreamOptions {
+            servers: "nats://u:S3cret@h:1".into(),
+            ..Default::default()
+        };
+        let e = o.validate().unwrap_err();
+        assert!(!e.message().contains("S3cret"), "{e}");
+        let o = JetStreamOptions {
+            servers: "ws://h:1".into(),
+            ..Default::default()
+        };
+        assert!(o.validate().is_err());
+        let o = JetStreamOptions {
+            tls_cert: Some("/c.pem".into()),
+            ..Default::default()
+        };
+        assert!(o.validate().is_err());
+        assert!(JetStreamOptions::default().validate().is_ok());
     }
 }

@@ -6,6 +6,47 @@
 //! ## URL
 //! `nats://host:port[,host:port]?key=value&…`, keys in [`JetStreamOptions`] (for example
 //! `nats://127.0.0.1:4222?partitions=4&ack_wait_ms=10000`). Unknown keys are a `Config` error.
+//! Several servers share one scheme and one set of credentials (`nats://a:4222,b:4222`, each
+//! may repeat the scheme: `nats://a:4222,nats://b:4222`).
+//!
+//! ## Secured connections (TLS, credentials)
+//! All through async-nats' own options ([`async_nats::ConnectOptions`]); the URL accepts:
+//!
+//! | URL | what it does | NATS docs |
+//! |---|---|---|
+//! | `tls://host:port`, or `nats://host:port?tls=true` | TLS required (async-nats `require_tls`); without it a `nats://` connection still upgrades when the server requires TLS | [TLS] |
+//! | `tls_ca=/path/ca.pem` | trust only the CA certificate(s) in this PEM file (default: the system's roots) | [TLS] |
+//! | `tls_cert=/path/client.pem&tls_key=/path/client.key` | client certificate and its key (PEM) for mutual TLS; both or neither | [TLS] |
+//! | `tls_first=true` | TLS handshake before the server's `INFO`, for servers with `handshake_first` (nats-server ≥ 2.10.4) | [TLS first] |
+//! | `nats://user:password@host`, or `?user=…&password=…` | user + password (user info percent-decoded) | [user/password] |
+//! | `nats://TOKEN@host`, or `?token=…` | token | [token] |
+//! | `nkey_seed_file=/path/user.nk`, or `nkey_seed=SU…` | NKey: the client signs the server's nonce with the user seed (the file's line starting with `S`, read at connect time) | [NKey] |
+//! | `creds=/path/user.creds` | decentralized JWT auth: user JWT + seed from a `.creds` file (`nsc generate creds`) | [creds] |
+//!
+//! Any `tls_*` key implies `tls=true`; `tls=false` with a `tls://` URL or a `tls_*` key is a
+//! `Config` error, and so is more than one kind of credentials (user/password, token,
+//! `nkey_seed`, `nkey_seed_file`, `creds`), a user without a password, `tls_cert` without
+//! `tls_key`, a seed that is not an NKey user seed (`SU…`), or an unreadable file (the error
+//! names the option and the path). These keys ([`CONNECTION_KEYS`]) belong to the URL, not to
+//! a consumer's options. Passwords, tokens and seeds never appear in errors, logs or
+//! `Debug` output (`***`); the URL's user info is moved out of [`JetStreamOptions::servers`]
+//! before async-nats sees it.
+//!
+//! **Errors.** A server refusing the credentials (authorization violation), a server
+//! certificate not signed by the trusted CA, or a client certificate missing or refused is
+//! [`ErrorKind::Auth`](onceflow_core::ErrorKind::Auth), naming the servers and the kind of
+//! credentials (`user 'app' with a password`, `NKey user U…`, the creds file's path): the
+//! first connect tries each server once (no `retry_on_initial_connect`), each attempt bounded
+//! by `request_timeout_ms`, so a wrong password fails in milliseconds. Only a connection made
+//! once reconnects without end (a restarting server). A server that cannot be reached is
+//! `Connect`.
+//!
+//! [TLS]: https://docs.nats.io/using-nats/developer/connecting/tls
+//! [TLS first]: https://docs.nats.io/running-a-nats-service/configuration/securing_nats/tls
+//! [user/password]: https://docs.nats.io/using-nats/developer/connecting/userpass
+//! [token]: https://docs.nats.io/using-nats/developer/connecting/token
+//! [NKey]: https://docs.nats.io/using-nats/developer/connecting/nkey
+//! [creds]: https://docs.nats.io/using-nats/developer/connecting/creds
 //!
 //! ## Topics, partitions, order
 //! - A **topic is a stream** of the same name (stream names cannot hold `.`, `*`, `>`,
@@ -111,6 +152,7 @@
 
 mod admin;
 mod config;
+mod connect;
 mod consumer;
 mod convert;
 mod group;
@@ -130,7 +172,7 @@ use onceflow_core::{
 use parking_lot::Mutex;
 
 pub use admin::JetStreamAdmin;
-pub use config::{parse_url, JetStreamOptions};
+pub use config::{parse_url, JetStreamOptions, CONNECTION_KEYS};
 pub use consumer::{JetStreamConsumer, DEFAULT_SESSION_TIMEOUT};
 pub use group::GROUPS_BUCKET;
 pub use naming::{
@@ -300,41 +342,28 @@ impl std::fmt::Debug for JetStreamPlatform {
 }
 
 impl JetStreamPlatform {
-    /// Connects to `url` (`nats://host:port?…`). `Config` for a bad URL, `Connect` when the
-    /// server cannot be reached or has no JetStream.
+    /// Connects to `url` (`nats://host:port?…` or `tls://host:port?…`, see the crate docs).
+    /// `Config` for a bad URL, `Auth` for refused credentials or certificates, `Connect` when
+    /// the server cannot be reached or has no JetStream (see [`JetStreamPlatform::connect_with`]).
     pub async fn connect(url: &str) -> Result<Arc<JetStreamPlatform>> {
         let options = parse_url(url)?;
         Self::connect_with(options).await
     }
 
-    /// Connects with typed options.
+    /// Connects with typed options (checked by [`JetStreamOptions::validate`] first).
+    ///
+    /// Errors: `Config` for invalid options or unreadable TLS / credential files; `Auth` when
+    /// the server refuses the credentials (authorization violation) or a certificate (ours or
+    /// its own); `Connect` when no server can be reached or none answers JetStream requests.
+    /// Each server is tried once (each attempt bounded by `request_timeout_ms`): a refused
+    /// credential fails at once, never after retries.
     pub async fn connect_with(options: JetStreamOptions) -> Result<Arc<JetStreamPlatform>> {
-        let mut co = async_nats::ConnectOptions::new()
-            .connection_timeout(options.request_timeout)
-            .request_timeout(Some(options.request_timeout))
-            .max_reconnects(None);
-        if let (Some(u), Some(p)) = (&options.user, &options.password) {
-            co = co.user_and_password(u.clone(), p.clone());
-        }
-        if let Some(t) = &options.token {
-            co = co.token(t.clone());
-        }
-        if let Some(c) = &options.creds {
-            co = co.credentials_file(c).await.map_err(|e| {
-                Error::config(format!("cannot read NATS credentials file '{c}': {e}"))
-            })?;
-        }
+        let (co, what) = connect::connect_options(&options).await?;
         let servers: Vec<String> = options.servers.split(',').map(String::from).collect();
-        let client = co.connect(servers.clone()).await.map_err(|e| {
-            Error::new(
-                ErrorKind::Connect,
-                format!(
-                    "cannot connect to NATS at {}: {e}",
-                    onceflow_core::redact_credentials(&options.servers)
-                ),
-            )
-            .with_source(e)
-        })?;
+        let client = co
+            .connect(servers)
+            .await
+            .map_err(|e| connect::connect_error(e, &options, &what))?;
         let mut js = jetstream::new(client.clone());
         js.set_timeout(options.request_timeout);
         js.query_account().await.map_err(|e| {
