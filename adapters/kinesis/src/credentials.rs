@@ -325,27 +325,24 @@ impl ProvideCredentials for Named {
     }
 }
 
-/// The error's message and those of its sources, joined by `: ` (consecutive repeats
-/// dropped).
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut parts: Vec<String> = vec![e.to_string()];
-    let mut src = e.source();
-    while let Some(c) = src {
+/// What a credentials error says beyond its variant's generic text ("the credential provider
+/// was not enabled", "an error occurred while loading credentials"): the texts of its
+/// sources, skipping those of nested credentials errors that have a source of their own.
+fn detail(e: &CredentialsError) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut cur = std::error::Error::source(e);
+    while let Some(c) = cur {
+        let generic = c.downcast_ref::<CredentialsError>().is_some() && c.source().is_some();
         let s = c.to_string();
-        if parts.last().is_none_or(|l| !l.contains(&s)) {
+        if !generic && parts.last().is_none_or(|l| !l.contains(&s)) {
             parts.push(s);
         }
-        src = c.source();
+        cur = c.source();
     }
-    parts.join(": ")
-}
-
-/// What a credentials error says beyond its variant's generic text ("the credential provider
-/// was not enabled", "an error occurred while loading credentials"): its sources.
-fn detail(e: &CredentialsError) -> String {
-    match std::error::Error::source(e) {
-        Some(s) => error_chain(s),
-        None => e.to_string(),
+    if parts.is_empty() {
+        e.to_string()
+    } else {
+        parts.join(": ")
     }
 }
 

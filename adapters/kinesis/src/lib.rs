@@ -6,13 +6,89 @@
 //! Java-only [KCL] does) and declares the rest missing in [`CAPABILITIES`].
 //!
 //! ## URL
-//! `kinesis://[host:port][?key=value&…]`, keys in [`KinesisOptions`]. `host:port` overrides
-//! the endpoint (`http://`, or `https://` with `tls=true`), for a local Kinesis-compatible
-//! server; without it the SDK's regional endpoint is used. Credentials come from the standard
-//! AWS chain (environment, profile, web identity, instance role) — never from the URL; for a
-//! loopback endpoint with no `AWS_ACCESS_KEY_ID` set, fixed dummy credentials are used (a local
-//! server needs a signed request but accepts any key). Errors and logs carry the service's
-//! error code and message, never a request or credential.
+//! `kinesis://[host:port][?key=value&…]`, keys in [`KinesisOptions`]. Unknown keys and bad
+//! values are `Config` errors naming the key (never the value of one that may be secret).
+//!
+//! | Key | Value | Follows |
+//! |---|---|---|
+//! | `host:port` | endpoint override, `http://host:port` (or `https://` with `tls=true`), for a local Kinesis-compatible server | [Endpoints] |
+//! | `endpoint=` | endpoint override as a full `http(s)://` URL (a VPC endpoint, a proxy, a local server); not with `host:port` | [Endpoints] (`endpoint_url`) |
+//! | `tls=` | `true`: `https://` for `host:port` | |
+//! | `region=` | AWS region the requests are sent to and signed for | [Region] |
+//! | `profile=` | named profile of the shared config and credentials files | [Shared files], [Profiles] |
+//! | `role_arn=` | IAM role to assume through STS [AssumeRole] | [Assume role] |
+//! | `role_session_name=` | its `RoleSessionName` (2-64 chars) | [AssumeRole] |
+//! | `external_id=` | its `ExternalId` (hidden in errors and `Debug`) | [AssumeRole], [External id] |
+//! | `role_duration_s=` | its `DurationSeconds` (900-43 200) | [AssumeRole] |
+//! | `dummy_credentials=` | `true`: fixed local test keys only; `false`: never them | |
+//! | `checkpoint_store=`, `lease_ms=`, `shards=`, `auto_create=`, `fetch_limit=`, `idle_ms=`, `put_attempts=`, `buffer=`, `fan_out=`, `efo_consumer=`, `timeout_ms=` | see [`KinesisOptions`] | |
+//!
+//! Without an endpoint override the SDK's endpoint is used: AWS's regional endpoint, or the
+//! one the SDK is configured with (`AWS_ENDPOINT_URL_KINESIS`, `AWS_ENDPOINT_URL`, a profile's
+//! `services` section; see [Endpoints]). The endpoint override applies to Kinesis only: STS
+//! (web identity, assumed roles) keeps its own endpoint (AWS's, or `AWS_ENDPOINT_URL_STS`).
+//!
+//! ## Credentials and region
+//! Credentials never come from the URL (a URL with `user:password@` is refused): they come
+//! from aws-config's own providers, in this order of precedence.
+//!
+//! 1. `dummy_credentials=true`: fixed local test keys (`onceflow-local`), nothing else. For a
+//!    local server, which needs a signed request but accepts any key.
+//! 2. `profile=NAME`: that profile only, as the AWS CLI's `--profile` (environment keys are
+//!    not used). The profile may hold static keys, `credential_process` ([Process
+//!    credentials]), `role_arn` with `source_profile` or `credential_source`,
+//!    `web_identity_token_file`, or SSO (`sso_session`; log in with `aws sso login`). A
+//!    profile that does not exist is an `Auth` error naming it.
+//! 3. Otherwise the SDK's default chain ([Credential chain]):
+//!    environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`; [Environment]),
+//!    the shared files' profile (`AWS_PROFILE`, else `default`; files at `AWS_CONFIG_FILE` /
+//!    `AWS_SHARED_CREDENTIALS_FILE`, else `~/.aws/config` and `~/.aws/credentials`),
+//!    web identity (`AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN` [+ `AWS_ROLE_SESSION_NAME`],
+//!    as EKS IRSA sets them; [Web identity]), container credentials (ECS/EKS Pod Identity:
+//!    `AWS_CONTAINER_CREDENTIALS_RELATIVE_URI` / `_FULL_URI`; [Container]) and instance
+//!    metadata (IMDSv2; [IMDS]). The first that has credentials is used; one that is
+//!    configured but fails (a `credential_process` exiting non-zero, an unreadable token file)
+//!    stops the chain with an `Auth` error.
+//! 4. For a **loopback endpoint** (`localhost`, `127.0.0.0/8`, `::1`) and no
+//!    `dummy_credentials=`, instance metadata is not asked, and when no other source has
+//!    credentials *and no credential variable is set* (`AWS_ACCESS_KEY_ID`,
+//!    `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_PROFILE`, `AWS_WEB_IDENTITY_TOKEN_FILE`,
+//!    `AWS_ROLE_ARN`, `AWS_CONTAINER_CREDENTIALS_*`) the fixed local test keys sign the
+//!    requests. A half-configured source (a key id without its secret, an `AWS_PROFILE` that
+//!    is missing) is an `Auth` error, never silently replaced by those keys.
+//!    `dummy_credentials=false` asks the full chain of 3 with no fallback.
+//! 5. `role_arn=`: the credentials found above call STS AssumeRole for that role
+//!    (aws-config's `AssumeRoleProvider`, refreshed before they expire), and the role's
+//!    credentials sign the Kinesis calls.
+//!
+//! **Region**: `region=`, else `AWS_REGION`, else the profile's `region` (`profile=`, else
+//! `AWS_PROFILE` or `default`), else (AWS's endpoint only) instance metadata; with an endpoint
+//! override and none of these, `us-east-1`. Without an endpoint override and no region
+//! anywhere, connecting is a `Config` error. Requests are signed (SigV4) for that region.
+//!
+//! **Errors**: credentials that cannot be loaded make the call an `Auth` error naming where
+//! they were looked for (the profile and files, or the chain, or the role) and what the
+//! provider said (a `credential_process`'s exit status and stderr, a missing profile, STS's
+//! refusal); AWS refusing them (`UnrecognizedClientException`, `InvalidSignatureException`,
+//! `ExpiredTokenException`, `AccessDeniedException`, …) is an `Auth` error with the
+//! service's code. With an endpoint override, connecting makes one `ListStreams` call, so
+//! such errors come at connect; against AWS's endpoint, at first use. No secret access key,
+//! session token or web identity token is in any error, `Debug` output or onceflow log line;
+//! the connection's credential source is logged at debug level.
+//!
+//! [Endpoints]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-ss-endpoints.html
+//! [Region]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-region.html
+//! [Shared files]: https://docs.aws.amazon.com/sdkref/latest/guide/file-format.html
+//! [Profiles]: https://docs.aws.amazon.com/cli/latest/userguide/cli-configure-files.html
+//! [Credential chain]: https://docs.aws.amazon.com/sdk-for-rust/latest/dg/credproviders.html
+//! [Environment]: https://docs.aws.amazon.com/sdkref/latest/guide/environment-variables.html
+//! [Process credentials]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-process-credentials.html
+//! [Web identity]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-assume-role-credentials.html
+//! [Assume role]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-assume-role-credentials.html
+//! [AssumeRole]: https://docs.aws.amazon.com/STS/latest/APIReference/API_AssumeRole.html
+//! [External id]: https://docs.aws.amazon.com/IAM/latest/UserGuide/id_roles_common-scenarios_third-party.html
+//! [Container]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-container-credentials.html
+//! [IMDS]: https://docs.aws.amazon.com/sdkref/latest/guide/feature-imds-credentials.html
 //!
 //! ## Streams, shards, partitions
 //! - A **topic is a stream**; missing streams are created on first use with `shards=` shards
@@ -306,10 +382,12 @@ async fn check_answers(client: &Client, endpoint: &str, timeout: Duration) -> Re
 }
 
 impl KinesisPlatform {
-    /// Connects to `url`. `Config` for a bad URL. With an endpoint in the URL (a local
-    /// Kinesis-compatible server), one `ListStreams` call checks that it answers within the
-    /// operation timeout (`timeout_ms`); if not, a `Connect` error names the endpoint. Against
-    /// AWS's regional endpoint nothing is sent until first use.
+    /// Connects to `url`. `Config` for a bad URL (or no region for AWS's endpoint). With an
+    /// endpoint in the URL (a local Kinesis-compatible server), one `ListStreams` call checks
+    /// that it answers within the operation timeout (`timeout_ms`); if not, a `Connect` error
+    /// names the endpoint, and credentials that cannot be loaded or are refused are an `Auth`
+    /// error naming where they were looked for (see the crate docs, "Credentials and region").
+    /// Against AWS's regional endpoint nothing is sent until first use.
     pub async fn connect(url: &str) -> Result<Arc<KinesisPlatform>> {
         Self::connect_with(parse_url(url)?, None).await
     }

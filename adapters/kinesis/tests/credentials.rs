@@ -45,6 +45,12 @@ const SECRETS: &[&str] = &[
     "sts-session-token-Qx7",
     "base-secret-Qx7",
     "ext-id-Qx7",
+    "container-auth-token-Qx7",
+    "container-secret-Qx7",
+    "container-session-token-Qx7",
+    "imds-secret-Qx7",
+    "imds-session-token-Qx7",
+    "imds-api-token-Qx7",
 ];
 
 /// Emulator address, or `None` (skipped) when `ONCEFLOW_KINESIS_URL` is unset.
@@ -103,6 +109,8 @@ const AWS_VARS: &[&str] = &[
     "AWS_CONTAINER_CREDENTIALS_FULL_URI",
     "AWS_CONTAINER_AUTHORIZATION_TOKEN",
     "AWS_EC2_METADATA_DISABLED",
+    "AWS_EC2_METADATA_SERVICE_ENDPOINT",
+    "AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE",
     "AWS_SDK_LOAD_CONFIG",
 ];
 
@@ -176,7 +184,7 @@ impl Drop for Env {
     }
 }
 
-// ---- logs: everything the SDK and onceflow log at debug, kept for the secret check ---------
+// ---- logs: everything the SDK and onceflow log at debug (ONCEFLOW_CREDENTIALS_TEST_LOG), kept for the secret check ---------
 
 static LOGS: Mutex<Vec<u8>> = Mutex::new(Vec::new());
 
@@ -196,7 +204,9 @@ fn capture_logs() {
     static INIT: OnceLock<()> = OnceLock::new();
     INIT.get_or_init(|| {
         let sub = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new("debug"))
+            .with_env_filter(tracing_subscriber::EnvFilter::new(
+                std::env::var("ONCEFLOW_CREDENTIALS_TEST_LOG").unwrap_or_else(|_| "debug".into()),
+            ))
             .with_writer(|| LogWriter)
             .with_ansi(false)
             .finish();
@@ -211,9 +221,24 @@ fn assert_no_secret(what: &str, text: &str) {
     }
 }
 
+/// No test secret in any log line; names every secret found and the target that logged it.
 fn assert_logs_clean() {
     let logs = String::from_utf8_lossy(&LOGS.lock().unwrap()).into_owned();
-    assert_no_secret("the logs", &logs);
+    let mut leaks = Vec::new();
+    for s in SECRETS {
+        if let Some(line) = logs.lines().find(|l| l.contains(s)) {
+            let target = line
+                .split(": ")
+                .find(|w| w.contains("::") && !w.contains(' '))
+                .unwrap_or("?");
+            leaks.push(format!("{s} (logged by {target})"));
+        }
+    }
+    assert!(
+        leaks.is_empty(),
+        "secrets in the logs: {}",
+        leaks.join(", ")
+    );
 }
 
 // ---- the recording reverse proxy ------------------------------------------------------------
@@ -457,6 +482,70 @@ fn sts_answer(action: &str) -> String {
          <ResponseMetadata><RequestId>r-1</RequestId></ResponseMetadata>\
          </{action}Response>"
     )
+}
+
+// ---- a loopback fake of the container and instance metadata credential endpoints -----------
+
+/// One request to a [`FakeHttp`]: method, path and headers (names in lower case).
+#[derive(Debug, Clone)]
+struct HttpCall {
+    method: String,
+    path: String,
+    headers: HashMap<String, String>,
+}
+
+type Handler =
+    dyn Fn(&HttpCall) -> (&'static str, String, Vec<(&'static str, String)>) + Send + Sync;
+
+/// A loopback HTTP server answering each request with `handler`'s (status, body, headers),
+/// recording the requests.
+struct FakeHttp {
+    addr: SocketAddr,
+    calls: Arc<Mutex<Vec<HttpCall>>>,
+}
+
+impl FakeHttp {
+    async fn start(handler: Arc<Handler>) -> FakeHttp {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let calls: Arc<Mutex<Vec<HttpCall>>> = Arc::default();
+        let record = calls.clone();
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                let (record, handler) = (record.clone(), handler.clone());
+                tokio::spawn(async move {
+                    let (r, mut w) = conn.into_split();
+                    let mut r = BufReader::new(r);
+                    while let Ok(Some((head, headers, _))) = read_request(&mut r).await {
+                        let line = String::from_utf8_lossy(&head);
+                        let mut words = line.split_whitespace();
+                        let call = HttpCall {
+                            method: words.next().unwrap_or_default().to_string(),
+                            path: words.next().unwrap_or_default().to_string(),
+                            headers,
+                        };
+                        let (status, body, extra) = handler(&call);
+                        record.lock().unwrap().push(call);
+                        let mut resp =
+                            format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n", body.len());
+                        for (k, v) in extra {
+                            resp.push_str(&format!("{k}: {v}\r\n"));
+                        }
+                        resp.push_str("\r\n");
+                        resp.push_str(&body);
+                        if w.write_all(resp.as_bytes()).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        FakeHttp { addr, calls }
+    }
+
+    fn calls(&self) -> Vec<HttpCall> {
+        self.calls.lock().unwrap().clone()
+    }
 }
 
 // ---- the round trip and the failure check -----------------------------------------------------
@@ -869,4 +958,129 @@ async fn credential_failures() {
     assert_logs_clean();
     let mut out = std::io::stderr();
     let _ = out.flush();
+}
+
+/// The container (ECS / EKS Pod Identity: `AWS_CONTAINER_CREDENTIALS_FULL_URI` +
+/// `AWS_CONTAINER_AUTHORIZATION_TOKEN`) and instance metadata (IMDSv2,
+/// `AWS_EC2_METADATA_SERVICE_ENDPOINT`) steps of the chain, each answered by a loopback fake
+/// of that endpoint (the shapes the AWS SDK reference gives): this checks that the chain asks
+/// them and signs with what they return, not the real ECS agent or IMDS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn container_and_instance_metadata() {
+    let Some(upstream) = emulator("container_and_instance_metadata") else {
+        return;
+    };
+    capture_logs();
+    let env = Env::clean().await;
+
+    // Container credentials.
+    let creds = |akid: &str, secret: &str, token: &str| {
+        format!(
+            r#"{{"Code": "Success", "Type": "AWS-HMAC", "LastUpdated": "2024-01-01T00:00:00Z", "AccessKeyId": "{akid}", "SecretAccessKey": "{secret}", "Token": "{token}", "Expiration": "2099-01-01T00:00:00Z"}}"#
+        )
+    };
+    let body = creds(
+        "ASIACONTAINER000001",
+        "container-secret-Qx7",
+        "container-session-token-Qx7",
+    );
+    let ecs = FakeHttp::start(Arc::new(move |_| ("200 OK", body.clone(), vec![]))).await;
+    env.set(
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        &format!("http://{}/v2/credentials/onceflow", ecs.addr),
+    );
+    env.set(
+        "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+        "container-auth-token-Qx7",
+    );
+    let proxy = Proxy::start(upstream).await;
+    round_trip(&proxy.url("region=sa-east-1"), "container").await;
+    proxy.assert_signed(
+        "ASIACONTAINER000001",
+        "sa-east-1",
+        Some("container-session-token-Qx7"),
+    );
+    let calls = ecs.calls();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(
+        (calls[0].method.as_str(), calls[0].path.as_str()),
+        ("GET", "/v2/credentials/onceflow")
+    );
+    assert_eq!(
+        calls[0].headers.get("authorization").map(String::as_str),
+        Some("container-auth-token-Qx7")
+    );
+    std::env::remove_var("AWS_CONTAINER_CREDENTIALS_FULL_URI");
+    std::env::remove_var("AWS_CONTAINER_AUTHORIZATION_TOKEN");
+
+    // Instance metadata (IMDSv2): a session token, the role's name, its credentials. Only
+    // with dummy_credentials=false for a loopback Kinesis endpoint (the full default chain).
+    let body = creds(
+        "ASIAINSTANCE0000001",
+        "imds-secret-Qx7",
+        "imds-session-token-Qx7",
+    );
+    let imds = FakeHttp::start(Arc::new(move |c: &HttpCall| {
+        let token_ok = c
+            .headers
+            .get("x-aws-ec2-metadata-token")
+            .map(String::as_str)
+            == Some("imds-api-token-Qx7");
+        match (c.method.as_str(), c.path.as_str()) {
+            ("PUT", "/latest/api/token") => (
+                "200 OK",
+                "imds-api-token-Qx7".to_string(),
+                vec![("x-aws-ec2-metadata-token-ttl-seconds", "21600".to_string())],
+            ),
+            ("GET", "/latest/meta-data/iam/security-credentials/") if token_ok => {
+                ("200 OK", "onceflow-role".to_string(), vec![])
+            }
+            ("GET", "/latest/meta-data/iam/security-credentials/onceflow-role") if token_ok => {
+                ("200 OK", body.clone(), vec![])
+            }
+            _ => ("404 Not Found", String::new(), vec![]),
+        }
+    }))
+    .await;
+    std::env::remove_var("AWS_EC2_METADATA_DISABLED");
+    env.set(
+        "AWS_EC2_METADATA_SERVICE_ENDPOINT",
+        &format!("http://{}/", imds.addr),
+    );
+    let proxy = Proxy::start(upstream).await;
+    round_trip(
+        &proxy.url("region=us-east-2&dummy_credentials=false"),
+        "imds",
+    )
+    .await;
+    proxy.assert_signed(
+        "ASIAINSTANCE0000001",
+        "us-east-2",
+        Some("imds-session-token-Qx7"),
+    );
+    let paths: Vec<String> = imds
+        .calls()
+        .iter()
+        .map(|c| format!("{} {}", c.method, c.path))
+        .collect();
+    eprintln!("IMDS requests: {paths:?}");
+    assert_eq!(paths[0], "PUT /latest/api/token", "{paths:?}");
+    assert!(
+        paths.contains(&"GET /latest/meta-data/iam/security-credentials/onceflow-role".to_string()),
+        "{paths:?}"
+    );
+
+    // Without dummy_credentials=false a loopback endpoint does not ask instance metadata:
+    // with nothing else configured, the fixed local keys sign.
+    let before = imds.calls().len();
+    let proxy = Proxy::start(upstream).await;
+    round_trip(&proxy.url("region=us-east-2"), "imds-not-asked").await;
+    proxy.assert_signed("onceflow-local", "us-east-2", None);
+    assert_eq!(
+        imds.calls().len(),
+        before,
+        "instance metadata asked for a loopback endpoint"
+    );
+    drop(env);
+    assert_logs_clean();
 }
