@@ -90,7 +90,9 @@ fn refused(what: &str, status: u16, body: &str) -> Error {
     } else {
         "refused the request (HTTP 403 Forbidden: the role may not do this)"
     };
+    // Jetty's 401 page is HTML: only a JSON (or plain) reason is worth quoting.
     let body = body.trim();
+    let body = if body.starts_with('<') { "" } else { body };
     Error::new(
         ErrorKind::Auth,
         format!(
@@ -134,8 +136,13 @@ impl Rest {
 
     /// `req` with the credential.
     async fn authorized(&self, req: reqwest::RequestBuilder) -> Result<reqwest::RequestBuilder> {
+        // The auth method header, as Pulsar's Java admin client sends it: without it the broker
+        // tries each provider and, when all refuse the token, serves the request as its
+        // `anonymousUserRole` (where one is set) instead of answering 401.
         Ok(match self.credentials.bearer().await? {
-            Some(t) => req.bearer_auth(t),
+            Some(t) => req
+                .bearer_auth(t)
+                .header("X-Pulsar-Auth-Method-Name", "token"),
             None => req,
         })
     }

@@ -303,7 +303,8 @@ fn tls_config(pem: Option<&[u8]>) -> Result<rustls::ClientConfig> {
     .with_no_client_auth())
 }
 
-/// The rustls error inside an error chain, if any.
+/// The rustls error inside an error chain, if any (also inside nested `io::Error`s, whose
+/// `source` skips the error they wrap).
 pub(crate) fn rustls_error<'a>(
     e: &'a (dyn std::error::Error + 'static),
 ) -> Option<&'a rustls::Error> {
@@ -312,14 +313,13 @@ pub(crate) fn rustls_error<'a>(
         if let Some(r) = x.downcast_ref::<rustls::Error>() {
             return Some(r);
         }
-        if let Some(io) = x.downcast_ref::<std::io::Error>() {
-            if let Some(inner) = io.get_ref() {
-                if let Some(r) = inner.downcast_ref::<rustls::Error>() {
-                    return Some(r);
-                }
-            }
-        }
-        cur = x.source();
+        cur = match x.downcast_ref::<std::io::Error>() {
+            Some(io) => match io.get_ref() {
+                Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+                None => x.source(),
+            },
+            None => x.source(),
+        };
     }
     None
 }

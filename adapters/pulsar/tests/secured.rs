@@ -1,0 +1,671 @@
+//! Secured Pulsar connections on a real Pulsar standalone with TLS listeners and token
+//! authentication (`tests/brokers/up.sh pulsar`, which prints `ONCEFLOW_PULSAR_TLS_URL`,
+//! `ONCEFLOW_PULSAR_TLS_ADMIN_URL`, `ONCEFLOW_PULSAR_TLS_CA`, `ONCEFLOW_PULSAR_OTHER_CA`,
+//! the token files `ONCEFLOW_PULSAR_TOKEN_FILE`, `_TOKEN_FILE_B`, `_EXPIRED_TOKEN_FILE`,
+//! `_OTHER_KEY_TOKEN_FILE` and the broker's HS256 key `ONCEFLOW_PULSAR_TOKEN_SECRET_KEY`).
+//! Without them every test is skipped with that reason; `ONCEFLOW_REQUIRE_BROKERS=1` makes a
+//! missing broker a failure.
+//!
+//! - `tls_token_file_round_trip_and_idempotent_consumer`: `pulsar+ssl://` with the test CA and
+//!   a token file, admin over `https://` with the same token; the backend suite's round trip
+//!   and the engine suite's idempotent consumer pass.
+//! - `tls_token_string_round_trip`: `token=` in the URL.
+//! - `token_file_is_read_again_after_rotation`: a token about to expire is replaced in its file
+//!   by another role's token; after the broker dropped the expired connection the client
+//!   reconnects with the new token and goes on; the admin API follows the file too.
+//! - `a_fixed_token_that_expired_is_refused_on_reconnect`: the control: with `token=` the
+//!   same expiry stops the client.
+//! - `wrong_credentials_and_certificates_fail_fast_with_auth`: a token signed with another
+//!   key, an expired token, garbage, a wrong CA, no CA, a host name the certificate lacks,
+//!   and a wrong token on the plain listener (refused, not taken as anonymous): each an
+//!   `Auth` error naming the server within seconds (printed in ms).
+//! - `admin_over_https_refuses_an_untrusted_certificate`.
+//! - `oauth2_client_credentials_from_a_loopback_token_endpoint`: an OAuth2 token endpoint in
+//!   this test (OpenID discovery + client credentials) hands out Pulsar JWTs signed with the
+//!   broker's secret key; the client connects with them, the admin API uses them, a wrong
+//!   client secret is `Auth`.
+//!
+//! Every error text, `Debug` output and the log lines captured at DEBUG are grepped for the
+//! test secrets.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+use hmac::{KeyInit, Mac};
+use onceflow_conformance::backend_suite::{round_trip, run_case};
+use onceflow_conformance::engine_suite::idempotent_consumer_skips_duplicates;
+use onceflow_conformance::harness::{PlatformHarness, Timings};
+use onceflow_core::{
+    Client, ConsumerConfig, ErrorKind, PlatformBackend, ProducerConfig, Record, StartFrom,
+    TopicSpec,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Upper bound on how long a refused connection may take.
+const FAIL_FAST: Duration = Duration::from_secs(15);
+
+struct Env {
+    tls_url: String,
+    tls_admin: String,
+    plain_url: String,
+    plain_admin: String,
+    ca: String,
+    other_ca: String,
+    token_file: String,
+    token_file_b: String,
+    expired_file: String,
+    other_key_file: String,
+    secret_key: String,
+}
+
+fn env() -> Option<Env> {
+    let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    match (get("ONCEFLOW_PULSAR_TLS_URL"), get("ONCEFLOW_PULSAR_TOKEN_FILE")) {
+        (Some(tls_url), Some(token_file)) => {
+            let must = |k: &str| get(k).unwrap_or_else(|| panic!("{k} is not set"));
+            Some(Env {
+                tls_url,
+                tls_admin: must("ONCEFLOW_PULSAR_TLS_ADMIN_URL"),
+                plain_url: must("ONCEFLOW_PULSAR_URL"),
+                plain_admin: must("ONCEFLOW_PULSAR_ADMIN_URL"),
+                ca: must("ONCEFLOW_PULSAR_TLS_CA"),
+                other_ca: must("ONCEFLOW_PULSAR_OTHER_CA"),
+                token_file,
+                token_file_b: must("ONCEFLOW_PULSAR_TOKEN_FILE_B"),
+                expired_file: must("ONCEFLOW_PULSAR_EXPIRED_TOKEN_FILE"),
+                other_key_file: must("ONCEFLOW_PULSAR_OTHER_KEY_TOKEN_FILE"),
+                secret_key: must("ONCEFLOW_PULSAR_TOKEN_SECRET_KEY"),
+            })
+        }
+        _ => {
+            assert!(
+                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+                "ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_PULSAR_TLS_URL is not set \
+                 (tests/brokers/up.sh pulsar)"
+            );
+            eprintln!(
+                "secured: SKIPPED: ONCEFLOW_PULSAR_TLS_URL is not set (start a broker with \
+                 tests/brokers/up.sh pulsar)"
+            );
+            None
+        }
+    }
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .trim()
+        .to_string()
+}
+
+fn name(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+fn enc(s: &str) -> String {
+    url::form_urlencoded::byte_serialize(s.as_bytes()).collect()
+}
+
+/// An HS256 JWT for `sub`, expiring `ttl` from now (none: no expiry), signed with the broker's
+/// secret key (the same token Pulsar's `tokens create` makes).
+fn jwt(secret_key: &str, sub: &str, ttl: Option<Duration>) -> String {
+    let key = std::fs::read(secret_key).unwrap();
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let header = b64.encode(br#"{"alg":"HS256"}"#);
+    let claims = match ttl {
+        Some(t) => {
+            let exp = (SystemTime::now() + t)
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            format!(r#"{{"sub":"{sub}","exp":{exp}}}"#)
+        }
+        None => format!(r#"{{"sub":"{sub}"}}"#),
+    };
+    let signing = format!("{header}.{}", b64.encode(claims));
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
+    mac.update(signing.as_bytes());
+    let sig = b64.encode(mac.finalize().into_bytes());
+    format!("{signing}.{sig}")
+}
+
+// --- what the tests saw, for the secrets grep ------------------------------------------------
+
+/// The log lines of this test binary (onceflow's tracing and the pulsar crate's `log`, DEBUG
+/// and above).
+fn logs() -> &'static Mutex<Vec<u8>> {
+    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
+    LOGS.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+struct LogWriter;
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        logs().lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn capture_logs() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(|| LogWriter)
+            .try_init();
+    });
+}
+
+/// Asserts none of `secrets` is in `seen` or in the captured logs.
+fn assert_no_secret(seen: &[String], secrets: &[String]) {
+    let logs = String::from_utf8_lossy(&logs().lock().unwrap()).to_string();
+    for s in secrets.iter().filter(|s| s.len() >= 8) {
+        for text in seen {
+            assert!(!text.contains(s.as_str()), "a secret is in: {text}");
+        }
+        assert!(!logs.contains(s.as_str()), "a secret is in the logs");
+        // The signature part alone (a JWT's secret half) must not be there either.
+        if let Some(sig) = s.rsplit('.').next().filter(|x| x.len() >= 16) {
+            assert!(!logs.contains(sig), "a token signature is in the logs");
+            for text in seen {
+                assert!(!text.contains(sig), "a token signature is in: {text}");
+            }
+        }
+    }
+}
+
+/// Connects expecting an `Auth` error naming `server`, within [`FAIL_FAST`]; returns the
+/// error's Display and Debug.
+async fn refused(what: &str, url: &str, server: &str) -> Vec<String> {
+    let t0 = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(60), onceflow_pulsar::connect(url))
+        .await
+        .unwrap_or_else(|_| panic!("{what}: connect hung for 60 s"));
+    let ms = t0.elapsed().as_millis();
+    let e = match r {
+        Ok(_) => panic!("{what}: connected, expected an Auth error"),
+        Err(e) => e,
+    };
+    eprintln!("AUTH {what} failed in {ms} ms: {e}");
+    assert_eq!(e.kind(), ErrorKind::Auth, "{what}: {e}");
+    assert!(
+        t0.elapsed() < FAIL_FAST,
+        "{what}: took {ms} ms (bound {FAIL_FAST:?})"
+    );
+    assert!(e.to_string().contains(server), "{what}: names no server: {e}");
+    vec![e.to_string(), format!("{e:?}")]
+}
+
+/// Produces `n` records to `topic` and reads them back with a new group; returns the values.
+async fn produce_consume(platform: Arc<dyn PlatformBackend>, topic: &str, n: usize) -> Vec<String> {
+    let client = Client::new(platform);
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    for i in 0..n {
+        producer
+            .send(Record::new(topic.to_string(), format!("v{i}")).key(format!("k{i}")))
+            .await
+            .unwrap();
+    }
+    read_all(&client, topic, n).await
+}
+
+async fn read_all(client: &Client, topic: &str, n: usize) -> Vec<String> {
+    let consumer = client
+        .consumer(ConsumerConfig::new(name("g"), [topic.to_string()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.len() < n && Instant::now() < deadline {
+        for m in consumer.poll(100, Duration::from_millis(300)).await.unwrap() {
+            got.push(String::from_utf8_lossy(&m.payload).to_string());
+        }
+    }
+    consumer.close().await.unwrap();
+    got
+}
+
+fn tls_url(env: &Env, creds: &str) -> String {
+    format!(
+        "{}?admin={}&tls_trust_certs={}&{creds}",
+        env.tls_url,
+        enc(&env.tls_admin),
+        enc(&env.ca)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_token_file_round_trip_and_idempotent_consumer() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    let url = tls_url(&env, &format!("token_file={}", enc(&env.token_file)));
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    assert!(platform.options().admin_url.starts_with("https://"));
+    let debug = format!("{platform:?} {:?}", platform.options());
+    let harness = PlatformHarness::new(platform, Timings::broker()).without_read_uncommitted();
+    // Topics are created and described through the admin API over https:// with the token.
+    run_case(&harness, "backend::round_trip (TLS + token)", round_trip(&harness)).await;
+    run_case(
+        &harness,
+        "engine::idempotent_consumer_skips_duplicates (TLS + token)",
+        idempotent_consumer_skips_duplicates(&harness),
+    )
+    .await;
+    assert_no_secret(&[debug], &[read(&env.token_file)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_token_string_round_trip() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    let token = read(&env.token_file_b);
+    let url = tls_url(&env, &format!("token={}", enc(&token)));
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let debug = format!("{platform:?} {:?}", platform.options());
+    let topic = name("tls-token");
+    let admin = platform.admin().await.unwrap();
+    admin
+        .create_topic(&TopicSpec::new(topic.clone(), 2))
+        .await
+        .unwrap();
+    let d = admin.describe_topic(&topic).await.unwrap();
+    assert_eq!(d.partitions, 2);
+    let mut got = produce_consume(platform, &topic, 10).await;
+    got.sort();
+    let mut want: Vec<String> = (0..10).map(|i| format!("v{i}")).collect();
+    want.sort();
+    assert_eq!(got, want);
+    // The URL itself, shown in an error, loses the token.
+    let bad = format!("{url}&bogus=1");
+    let e = onceflow_pulsar::connect(&bad).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    let e2 = onceflow_pulsar::parse_url("pulsar+ssl://,?token=abcdefgh12345678").unwrap_err();
+    assert_no_secret(
+        &[debug, e.to_string(), format!("{e:?}"), e2.to_string()],
+        &[token, "abcdefgh12345678".to_string()],
+    );
+}
+
+/// How long after a token's expiry the client certainly reconnected: the broker looks for
+/// expired credentials every second (authenticationRefreshCheckSeconds=1) and closes the
+/// connection of a client that cannot refresh (the crate announces no auth refresh).
+const AFTER_EXPIRY: Duration = Duration::from_secs(4);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_file_is_read_again_after_rotation() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    let dir = std::env::temp_dir().join(name("onceflow-pulsar-token"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    let short = jwt(&env.secret_key, "onceflow-rotated-a", Some(Duration::from_secs(3)));
+    std::fs::write(&file, &short).unwrap();
+    let url = tls_url(
+        &env,
+        &format!(
+            "token_file={}&operation_timeout_ms=10000",
+            enc(file.to_str().unwrap())
+        ),
+    );
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let topic = name("rotate");
+    let client = Client::new(platform.clone());
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    producer.send(Record::new(topic.clone(), "before")).await.unwrap();
+
+    // Rotate: another role's token (no expiry) replaces the one about to expire.
+    let next = read(&env.token_file_b);
+    let tmp = dir.join("token.new");
+    std::fs::write(&tmp, &next).unwrap();
+    std::fs::rename(&tmp, &file).unwrap();
+    tokio::time::sleep(Duration::from_secs(3) + AFTER_EXPIRY).await;
+
+    // The first token has expired and the broker dropped its connection; the client
+    // reconnected with the file's new token.
+    let t0 = Instant::now();
+    producer.send(Record::new(topic.clone(), "after")).await.unwrap();
+    eprintln!(
+        "token_file rotation: send after expiry took {} ms",
+        t0.elapsed().as_millis()
+    );
+    let got = read_all(&client, &topic, 2).await;
+    assert_eq!(got, vec!["before".to_string(), "after".to_string()]);
+
+    // The admin API reads the file per call: a token the broker refuses is refused there too.
+    std::fs::write(&file, read(&env.other_key_file)).unwrap();
+    let admin = platform.admin().await.unwrap();
+    let e = admin.describe_topic(&topic).await.unwrap_err();
+    eprintln!("AUTH admin after rotation to a foreign token: {e}");
+    assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
+    assert!(e.to_string().contains("401"), "{e}");
+    assert_no_secret(
+        &[e.to_string(), format!("{e:?}")],
+        &[short, next, read(&env.other_key_file)],
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_token_that_expired_is_refused_on_reconnect() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    let short = jwt(&env.secret_key, "onceflow-fixed", Some(Duration::from_secs(3)));
+    let url = tls_url(
+        &env,
+        &format!("token={}&operation_timeout_ms=5000", enc(&short)),
+    );
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let topic = name("fixed");
+    let client = Client::new(platform.clone());
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    producer.send(Record::new(topic.clone(), "before")).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3) + AFTER_EXPIRY).await;
+    let t0 = Instant::now();
+    let e = producer
+        .send(Record::new(topic.clone(), "after"))
+        .await
+        .unwrap_err();
+    eprintln!(
+        "expired fixed token: send failed in {} ms: {e}",
+        t0.elapsed().as_millis()
+    );
+    // A new connection with it is refused as Auth.
+    let seen = refused("expired fixed token, reconnect", &url, "127.0.0.1").await;
+    let mut all = seen;
+    all.push(e.to_string());
+    all.push(format!("{e:?}"));
+    assert_no_secret(&all, &[short]);
+}
+
+/// A TCP relay on 127.0.0.2 (loopback, a name the server certificate lacks) to `upstream`.
+async fn relay(upstream: String) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                if let Ok(mut out) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_credentials_and_certificates_fail_fast_with_auth() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    let server = env.tls_url.trim_start_matches("pulsar+ssl://").to_string();
+    let foreign = read(&env.other_key_file);
+    let expired = read(&env.expired_file);
+    let good = read(&env.token_file);
+    let mut seen = Vec::new();
+
+    let foreign_url = tls_url(&env, &format!("token={}", enc(&foreign)));
+    seen.extend(refused("token signed with another key", &foreign_url, &server).await);
+    seen.extend(
+        refused(
+            "expired token (file)",
+            &tls_url(&env, &format!("token_file={}", enc(&env.expired_file))),
+            &server,
+        )
+        .await,
+    );
+    seen.extend(
+        refused(
+            "garbage token",
+            &tls_url(&env, "token=not-a-jwt-at-all-0123456789"),
+            &server,
+        )
+        .await,
+    );
+    let token = format!("token_file={}", enc(&env.token_file));
+    seen.extend(
+        refused(
+            "untrusted server certificate (other CA)",
+            &format!(
+                "{}?admin={}&tls_trust_certs={}&{token}",
+                env.tls_url,
+                enc(&env.tls_admin),
+                enc(&env.other_ca)
+            ),
+            &server,
+        )
+        .await,
+    );
+    seen.extend(
+        refused(
+            "untrusted server certificate (no CA given)",
+            &format!("{}?admin={}&{token}", env.tls_url, enc(&env.tls_admin)),
+            &server,
+        )
+        .await,
+    );
+    let port = relay(server.clone()).await;
+    let mismatch = format!(
+        "pulsar+ssl://127.0.0.2:{port}?admin={}&tls_trust_certs={}&{token}",
+        enc(&env.tls_admin),
+        enc(&env.ca)
+    );
+    let e = refused("host name mismatch", &mismatch, &format!("127.0.0.2:{port}")).await;
+    assert!(e[0].contains("does not name this host"), "{}", e[0]);
+    seen.extend(e);
+
+    // The plain listener lets a client without credentials in as the anonymous role, but a
+    // wrong token there is refused, not taken as anonymous.
+    let plain_server = env.plain_url.trim_start_matches("pulsar://").to_string();
+    let anonymous = format!("{}?admin={}", env.plain_url, enc(&env.plain_admin));
+    onceflow_pulsar::connect(&anonymous).await.unwrap();
+    seen.extend(
+        refused(
+            "foreign token on the plain listener",
+            &format!("{anonymous}&token={}", enc(&foreign)),
+            &plain_server,
+        )
+        .await,
+    );
+    seen.extend(
+        refused(
+            "expired token on the plain listener",
+            &format!("{anonymous}&token={}", enc(&expired)),
+            &plain_server,
+        )
+        .await,
+    );
+    // A valid token on the plain listener works.
+    onceflow_pulsar::connect(&format!("{anonymous}&token={}", enc(&good)))
+        .await
+        .unwrap();
+    assert_no_secret(&seen, &[foreign, expired, good]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_over_https_refuses_an_untrusted_certificate() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    // The broker over plain TCP with a valid token, the admin API over https:// with a CA
+    // that did not sign its certificate.
+    let url = format!(
+        "{}?admin={}&tls_trust_certs={}&token_file={}",
+        env.plain_url,
+        enc(&env.tls_admin),
+        enc(&env.other_ca),
+        enc(&env.token_file)
+    );
+    let t0 = Instant::now();
+    let e = onceflow_pulsar::connect(&url).await.unwrap_err();
+    let ms = t0.elapsed().as_millis();
+    eprintln!("AUTH admin https with the other CA failed in {ms} ms: {e}");
+    assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
+    assert!(t0.elapsed() < FAIL_FAST);
+    assert!(e.to_string().contains("127.0.0.1:18443") || e.to_string().contains(&env.tls_admin));
+    // With the right CA the same connection works.
+    let ok = url.replace(&enc(&env.other_ca), &enc(&env.ca));
+    onceflow_pulsar::connect(&ok).await.unwrap();
+    assert_no_secret(&[e.to_string(), format!("{e:?}")], &[read(&env.token_file)]);
+}
+
+// --- OAuth2 ----------------------------------------------------------------------------------
+
+/// A loopback OAuth2 authorization server: OpenID discovery, an empty JWKS and a
+/// client-credentials token endpoint handing out Pulsar JWTs signed with the broker's key.
+/// Returns its issuer URL and the count of tokens it issued.
+async fn oauth2_server(
+    secret_key: String,
+    client_id: &'static str,
+    client_secret: &'static str,
+) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let issuer = format!("http://{}/", listener.local_addr().unwrap());
+    let issued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (iss, count) = (issuer.clone(), issued.clone());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (iss, count, key) = (iss.clone(), count.clone(), secret_key.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                // Read the head, then the body by Content-Length.
+                let (head, body) = loop {
+                    let n = match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..i]).to_string();
+                        let len = head
+                            .lines()
+                            .find_map(|l| {
+                                let (k, v) = l.split_once(':')?;
+                                k.eq_ignore_ascii_case("content-length")
+                                    .then(|| v.trim().parse::<usize>().ok())?
+                            })
+                            .unwrap_or(0);
+                        while buf.len() < i + 4 + len {
+                            match s.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        break (head, String::from_utf8_lossy(&buf[i + 4..]).to_string());
+                    }
+                };
+                let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+                let (status, json) = if path.ends_with("/.well-known/openid-configuration") {
+                    (
+                        "200 OK",
+                        serde_json::json!({
+                            "issuer": iss,
+                            "authorization_endpoint": format!("{iss}authorize"),
+                            "token_endpoint": format!("{iss}token"),
+                            "jwks_uri": format!("{iss}jwks"),
+                            "response_types_supported": ["code"],
+                            "subject_types_supported": ["public"],
+                            "id_token_signing_alg_values_supported": ["RS256"],
+                        }),
+                    )
+                } else if path.ends_with("/jwks") {
+                    ("200 OK", serde_json::json!({"keys": []}))
+                } else if path.ends_with("/token") {
+                    let form: std::collections::HashMap<String, String> =
+                        url::form_urlencoded::parse(body.as_bytes())
+                            .into_owned()
+                            .collect();
+                    let ok = form.get("grant_type").map(String::as_str)
+                        == Some("client_credentials")
+                        && form.get("client_id").map(String::as_str) == Some(client_id)
+                        && form.get("client_secret").map(String::as_str) == Some(client_secret);
+                    if ok {
+                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        (
+                            "200 OK",
+                            serde_json::json!({
+                                "access_token": jwt(&key, "onceflow-oauth2", Some(Duration::from_secs(600))),
+                                "token_type": "Bearer",
+                                "expires_in": 600,
+                            }),
+                        )
+                    } else {
+                        (
+                            "401 Unauthorized",
+                            serde_json::json!({"error": "invalid_client"}),
+                        )
+                    }
+                } else {
+                    ("404 Not Found", serde_json::json!({"error": "not_found"}))
+                };
+                let body = json.to_string();
+                let resp = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    (issuer, issued)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oauth2_client_credentials_from_a_loopback_token_endpoint() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    const SECRET: &str = "oauth2-client-secret-7f3a9c";
+    let (issuer, issued) = oauth2_server(env.secret_key.clone(), "onceflow-client", SECRET).await;
+    let dir = std::env::temp_dir().join(name("onceflow-pulsar-oauth2"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let creds = dir.join("key.json");
+    std::fs::write(
+        &creds,
+        format!(r#"{{"client_id":"onceflow-client","client_secret":"{SECRET}"}}"#),
+    )
+    .unwrap();
+    let url = tls_url(
+        &env,
+        &format!(
+            "oauth2_issuer_url={}&oauth2_credentials_file={}&oauth2_audience=urn:pulsar:test",
+            enc(&issuer),
+            enc(creds.to_str().unwrap())
+        ),
+    );
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    assert!(issued.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    let debug = format!("{platform:?} {:?}", platform.options());
+    let topic = name("oauth2");
+    // Admin over https:// with the OAuth2 access token (the broker refuses a bad one: see the
+    // wrong-token cases), then a round trip.
+    let admin = platform.admin().await.unwrap();
+    admin
+        .create_topic(&TopicSpec::new(topic.clone(), 1))
+        .await
+        .unwrap();
+    let got = produce_consume(platform, &topic, 5).await;
+    assert_eq!(got.len(), 5);
+
+    // A wrong client secret: the token endpoint refuses it.
+    let bad = dir.join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"client_id":"onceflow-client","client_secret":"wrong-secret-123456"}"#,
+    )
+    .unwrap();
+    let bad_url = url.replace(&enc(creds.to_str().unwrap()), &enc(bad.to_str().unwrap()));
+    let seen = refused("OAuth2 wrong client secret", &bad_url, "127.0.0.1:16651").await;
+    let mut all = seen;
+    all.push(debug);
+    assert_no_secret(&all, &[SECRET.to_string(), "wrong-secret-123456".to_string()]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
