@@ -208,52 +208,98 @@ impl Refusal {
 }
 
 /// The client context of [`KafkaPlatform::check`]: keeps the first refusal librdkafka reports
-/// on its error callback (a global error, not tied to a request), and logs every error as
-/// rust-rdkafka's default context does.
+/// (an error event, read by polling the consumer, with the reason of librdkafka's last `FAIL`
+/// log line, or an error callback), and forwards librdkafka's log lines to `tracing`.
 #[derive(Default)]
 struct CheckContext {
     refusal: parking_lot::Mutex<Option<Refusal>>,
+    last_failure: parking_lot::Mutex<Option<String>>,
 }
 
 impl CheckContext {
     fn refusal(&self) -> Option<Refusal> {
         self.refusal.lock().clone()
     }
-}
 
-impl rdkafka::client::ClientContext for CheckContext {
-    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
-        tracing::debug!(target: "librdkafka", "connection check: {error}: {reason}");
-        let Some(code) = error.rdkafka_error_code() else {
-            return;
-        };
+    /// Keeps a refusal of `code` for `reason`, if it is one (see [`Refusal`]).
+    fn note(&self, code: RDKafkaErrorCode, reason: &str) {
         // A TLS client at a plaintext listener fails its handshake ("wrong version number",
         // "packet length too long"); a plaintext client at a TLS or SASL listener is
         // disconnected while it asks for ApiVersions, and librdkafka says so.
-        let tls_at_plaintext = code == RDKafkaErrorCode::SSL
-            && [
-                "wrong version number",
-                "packet length too long",
-                "record layer failure",
-            ]
-            .iter()
-            .any(|s| reason.contains(s));
-        let plaintext_at_tls = code == RDKafkaErrorCode::BrokerTransportFailure
-            && reason.contains("security.protocol");
-        let refusal = if tls_at_plaintext || plaintext_at_tls {
-            Refusal {
-                auth: false,
-                reason: reason.to_string(),
-            }
-        } else if errors::is_auth(code) {
-            Refusal {
-                auth: true,
-                reason: reason.to_string(),
-            }
+        let tls_at_plaintext = reason.contains("PLAINTEXT broker listener")
+            || code == RDKafkaErrorCode::SSL
+                && [
+                    "wrong version number",
+                    "packet length too long",
+                    "record layer failure",
+                ]
+                .iter()
+                .any(|s| reason.contains(s));
+        let plaintext_at_tls = reason.contains("incorrect security.protocol");
+        // The broker refused our certificate with a TLS alert (bad_certificate 42,
+        // certificate_expired 45, unknown_ca 48, certificate_required 116, RFC 8446 §6.2),
+        // seen by the read after the handshake as a transport failure.
+        let certificate_refused = matches!(
+            code,
+            RDKafkaErrorCode::BrokerTransportFailure | RDKafkaErrorCode::SSL
+        ) && reason.contains("alert")
+            && (reason.contains("certificate") || reason.contains("unknown ca"));
+        let auth = if tls_at_plaintext || plaintext_at_tls {
+            false
+        } else if certificate_refused || errors::is_auth(code) {
+            true
         } else {
             return;
         };
-        self.refusal.lock().get_or_insert(refusal);
+        self.refusal.lock().get_or_insert(Refusal {
+            auth,
+            reason: reason.to_string(),
+        });
+    }
+
+    /// Notes the error events queued on `consumer` since the last call.
+    fn drain(consumer: &rdkafka::consumer::BaseConsumer<CheckContext>) {
+        while let Some(Err(e)) = consumer.poll(Duration::ZERO) {
+            let Some(code) = e.rdkafka_error_code() else {
+                continue;
+            };
+            let context = rdkafka::consumer::Consumer::context(consumer);
+            let reason = context
+                .last_failure
+                .lock()
+                .clone()
+                .unwrap_or_else(|| e.to_string());
+            context.note(code, &reason);
+        }
+    }
+}
+
+impl rdkafka::client::ClientContext for CheckContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        use rdkafka::config::RDKafkaLogLevel as L;
+        match level {
+            L::Emerg | L::Alert | L::Critical | L::Error => {
+                tracing::error!(target: "librdkafka", "librdkafka: {fac} {message}")
+            }
+            L::Warning => tracing::warn!(target: "librdkafka", "librdkafka: {fac} {message}"),
+            L::Notice => tracing::info!(target: "librdkafka", "librdkafka: {fac} {message}"),
+            L::Info => tracing::info!(target: "librdkafka", "librdkafka: {fac} {message}"),
+            L::Debug => tracing::debug!(target: "librdkafka", "librdkafka: {fac} {message}"),
+        }
+        if matches!(
+            level,
+            L::Emerg | L::Alert | L::Critical | L::Error | L::Warning
+        ) && matches!(fac, "FAIL" | "ERROR")
+        {
+            *self.last_failure.lock() = Some(message.to_string());
+        }
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        tracing::debug!(target: "librdkafka", "connection check: {error}: {reason}");
+        if let Some(code) = error.rdkafka_error_code() {
+            self.note(code, reason);
+        }
     }
 }
 
@@ -286,7 +332,9 @@ impl KafkaPlatform {
     /// the first refusal the client reports: a SASL authentication failure (wrong password, a
     /// mechanism the listener does not enable, an OAUTHBEARER token that could not be had or
     /// was refused), a TLS handshake that failed (untrusted or mismatched certificate, a client
-    /// certificate the broker wants and did not get) or a plaintext client at a TLS listener.
+    /// certificate the broker wants and did not get) or a TLS client at a plaintext listener.
+    /// (A plaintext client at a TLS listener gets no answer at all: that one waits for the
+    /// check's timeout and is a Connect error asking about the security protocol.)
     ///
     /// Errors: [`ErrorKind::Auth`] naming the servers and librdkafka's reason for a refused
     /// credential or certificate; [`ErrorKind::Connect`] naming the servers when none accepts a
@@ -320,6 +368,7 @@ impl KafkaPlatform {
                 let round = left.min(CHECK_ROUND);
                 let asked = std::time::Instant::now();
                 let result = c.fetch_metadata(Some("__consumer_offsets"), round);
+                CheckContext::drain(&c);
                 if let Some(refusal) = c.context().refusal() {
                     return Err(refusal.error(&servers));
                 }
@@ -341,12 +390,18 @@ impl KafkaPlatform {
                             std::thread::sleep(round.saturating_sub(asked.elapsed()));
                             continue;
                         }
+                        let last = rdkafka::consumer::Consumer::context(&c)
+                            .last_failure
+                            .lock()
+                            .as_ref()
+                            .map(|f| format!(", last failure: {f}"))
+                            .unwrap_or_default();
                         return Err(Error::new(
                             ErrorKind::Connect,
                             format!(
                                 "no Kafka broker at {servers} answered a metadata request \
-                                 within {} ms ({e}); a TCP connection was accepted: is it a \
-                                 Kafka listener, with the security protocol the URL sets?",
+                                 within {} ms ({e}{last}); a TCP connection was accepted: is \
+                                 it a Kafka listener, with the security protocol the URL sets?",
                                 timeout.as_millis()
                             ),
                         )
