@@ -34,7 +34,7 @@
 //!
 //! **Errors.** A server refusing the credentials (authorization violation), a server
 //! certificate not signed by the trusted CA, or a client certificate missing or refused is
-//! [`ErrorKind::Auth`](onceflow_core::ErrorKind::Auth), naming the servers and the kind of
+//! [`ErrorKind::Auth`], naming the servers and the kind of
 //! credentials (`user 'app' with a password`, `NKey user U…`, the creds file's path): the
 //! first connect tries each server once (no `retry_on_initial_connect`), each attempt bounded
 //! by `request_timeout_ms`, so a wrong password fails in milliseconds. Only a connection made
