@@ -357,15 +357,12 @@ pub(crate) async fn diagnose(
     credentials: &Credentials,
     trusted: Option<&[u8]>,
 ) -> Option<Error> {
-    match tokio::time::timeout(
+    tokio::time::timeout(
         DIAGNOSIS_TIMEOUT,
         diagnose_inner(options, credentials, trusted),
     )
     .await
-    {
-        Ok(r) => r,
-        Err(_) => None,
-    }
+    .unwrap_or_default()
 }
 
 async fn diagnose_inner(

@@ -651,6 +651,7 @@ pub fn parse_url(url: &str) -> Result<PulsarOptions> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use onceflow_core::ErrorKind;
 
     #[test]
     fn parses_host_admin_and_options() {
@@ -688,6 +689,68 @@ mod tests {
                 .operation_timeout,
             Duration::from_secs(3600)
         );
+    }
+
+    #[test]
+    fn tls_and_credentials() {
+        let o = parse_url(
+            "pulsar+ssl://broker.example:6651?tls_trust_certs=/etc/ca.pem&token=eyJ.secret.sig",
+        )
+        .unwrap();
+        assert_eq!(o.service_url, "pulsar+ssl://broker.example:6651");
+        assert_eq!(o.admin_url, "https://broker.example:8443");
+        assert_eq!(o.tls_trust_certs, Some(PathBuf::from("/etc/ca.pem")));
+        assert_eq!(o.auth, PulsarAuth::Token("eyJ.secret.sig".to_string()));
+        let debug = format!("{o:?}");
+        assert!(!debug.contains("secret"), "{debug}");
+        assert!(debug.contains("Token(***)"), "{debug}");
+        assert_eq!(
+            parse_url("pulsar://h:1?token_file=file:///run/token")
+                .unwrap()
+                .auth,
+            PulsarAuth::TokenFile(PathBuf::from("/run/token"))
+        );
+        let o = parse_url(
+            "pulsar+ssl://h:1?oauth2_issuer_url=https://auth.example/&oauth2_credentials_file=/k.json&oauth2_audience=urn:a",
+        )
+        .unwrap();
+        match o.auth {
+            PulsarAuth::OAuth2(o) => {
+                assert_eq!(o.issuer_url, "https://auth.example/");
+                assert_eq!(o.credentials_file, PathBuf::from("/k.json"));
+                assert_eq!(o.audience.as_deref(), Some("urn:a"));
+            }
+            other => panic!("{other:?}"),
+        }
+        // One credential at most; OAuth2 needs both keys.
+        let e = parse_url("pulsar://h:1?token=abcdefgh&token_file=/t").unwrap_err();
+        assert!(!e.to_string().contains("abcdefgh"), "{e}");
+        assert!(parse_url("pulsar://h:1?oauth2_issuer_url=https://a/&token=x").is_err());
+        assert!(parse_url("pulsar://h:1?oauth2_issuer_url=https://a/").is_err());
+        // What the crate's rustls TLS cannot do is said, not ignored.
+        for (q, kind) in [
+            ("tls_hostname_verification=false", ErrorKind::Unsupported),
+            ("tls_allow_insecure_connection=true", ErrorKind::Unsupported),
+            ("tls_cert_file=/c.pem", ErrorKind::Unsupported),
+            ("tls_key_file=/c.key", ErrorKind::Unsupported),
+            ("tls_hostname_verification=maybe", ErrorKind::Config),
+        ] {
+            let e = parse_url(&format!("pulsar+ssl://h:1?{q}")).unwrap_err();
+            assert_eq!(e.kind(), kind, "{q}: {e}");
+        }
+        assert!(parse_url("pulsar+ssl://h:1?tls_hostname_verification=true").is_ok());
+        // Errors quote the URL without the token.
+        let e = parse_url("pulsar+ssl://a,b:1?token=abcdefgh12345").unwrap_err();
+        assert!(!e.to_string().contains("abcdefgh12345"), "{e}");
+        let e = parse_url("pulsar+ssl://h:1?token=abcdefgh12345&nope=1").unwrap_err();
+        assert!(!e.to_string().contains("abcdefgh12345"), "{e}");
+        // Connection keys are not per consumer / producer options.
+        let mut o = PulsarOptions::default();
+        let mut m = BTreeMap::new();
+        m.insert("token".to_string(), "abcdefgh".to_string());
+        let e = o.apply(&m).unwrap_err();
+        assert!(e.message().contains("option of the connection"), "{e}");
+        assert!(!e.to_string().contains("abcdefgh"), "{e}");
     }
 
     #[test]

@@ -11,6 +11,37 @@
 //! `dead_letter`, …) may also be set per consumer in `ConsumerConfig::options`, producer keys
 //! per producer in `ProducerConfig::options`.
 //!
+//! ## Secured clusters (TLS, tokens, OAuth2)
+//! `pulsar+ssl://host:6651?admin=https://host:8443&tls_trust_certs=/etc/pulsar/ca.pem&token_file=/run/secrets/pulsar-token`
+//! connects over TLS (the admin URL defaults to `https://host:8443` there), trusting the CAs
+//! of the PEM file besides the public web PKI; the broker's certificate must name the URL's
+//! host (always verified). Credentials, one of (Pulsar's Java names in brackets):
+//! - `token=JWT` (`AuthenticationToken`, `token:…`);
+//! - `token_file=/path` (`AuthenticationToken`, `file:///path`), read again whenever the file
+//!   changes (modification time or length): a rotated token is used from the next connection,
+//!   auth challenge or admin call on, without a restart;
+//! - `oauth2_issuer_url=https://issuer/&oauth2_credentials_file=/path/key.json`
+//!   [`&oauth2_audience=…&oauth2_scope=…`] (`AuthenticationOAuth2`, client credentials; the
+//!   key file is `{"client_id": …, "client_secret": …}`), done by the pulsar crate's OAuth2
+//!   provider, whose HTTP client trusts only the public web PKI.
+//!
+//! The admin REST calls send the same credential (`Authorization: Bearer`, with
+//! `X-Pulsar-Auth-Method-Name: token` as Pulsar's Java admin client does, so a broker with an
+//! `anonymousUserRole` refuses a bad token instead of serving it as anonymous) and trust the
+//! same CAs. A refused certificate (untrusted issuer, a host name it does not have), a refused
+//! credential (wrong, expired or foreign-signed token: the broker's `AuthenticationError`) or a
+//! token endpoint that refuses the client is an [`ErrorKind::Auth`] error naming the server,
+//! within a second or so: the pulsar crate folds such refusals into one "fatal error", so
+//! onceflow connects once more on its own (same CAs, host name and credential, the crate's
+//! frame codec) to say which step was refused. Tokens never appear in errors or `Debug`.
+//!
+//! Not offered, because the pulsar crate (6.9) cannot: TLS client certificates
+//! (`tls_cert_file` / `tls_key_file`, Java's `AuthenticationTls`: its rustls connector is
+//! built `with_no_client_auth()`), turning hostname verification off
+//! (`tls_hostname_verification=false`) or trusting any certificate
+//! (`tls_allow_insecure_connection=true`): its rustls path ignores both flags. Each is an
+//! `Unsupported` error rather than being ignored.
+//!
 //! ## Topics, partitions, order
 //! - A topic `NAME` is `persistent://TENANT/NAMESPACE/NAME` (`tenant`/`namespace` options,
 //!   `public/default` by default); `TENANT/NAMESPACE/NAME` is taken as given.
@@ -267,8 +298,9 @@ impl std::fmt::Debug for PulsarPlatform {
 }
 
 impl PulsarPlatform {
-    /// Connects to `url` (`pulsar://host:port?…`). `Config` for a bad URL, `Connect` when the
-    /// broker or its admin API cannot be reached.
+    /// Connects to `url` (`pulsar://host:port?…` or `pulsar+ssl://host:port?…`). `Config` for
+    /// a bad URL or an unreadable CA / token / OAuth2 key file, `Connect` when the broker or
+    /// its admin API cannot be reached, `Auth` when a certificate or credential is refused.
     pub async fn connect(url: &str) -> Result<Arc<PulsarPlatform>> {
         Self::connect_with(parse_url(url)?).await
     }

@@ -62,7 +62,10 @@ struct Env {
 
 fn env() -> Option<Env> {
     let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    match (get("ONCEFLOW_PULSAR_TLS_URL"), get("ONCEFLOW_PULSAR_TOKEN_FILE")) {
+    match (
+        get("ONCEFLOW_PULSAR_TLS_URL"),
+        get("ONCEFLOW_PULSAR_TOKEN_FILE"),
+    ) {
         (Some(tls_url), Some(token_file)) => {
             let must = |k: &str| get(k).unwrap_or_else(|| panic!("{k} is not set"));
             Some(Env {
@@ -200,7 +203,10 @@ async fn refused(what: &str, url: &str, server: &str) -> Vec<String> {
         t0.elapsed() < FAIL_FAST,
         "{what}: took {ms} ms (bound {FAIL_FAST:?})"
     );
-    assert!(e.to_string().contains(server), "{what}: names no server: {e}");
+    assert!(
+        e.to_string().contains(server),
+        "{what}: names no server: {e}"
+    );
     vec![e.to_string(), format!("{e:?}")]
 }
 
@@ -225,7 +231,11 @@ async fn read_all(client: &Client, topic: &str, n: usize) -> Vec<String> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut got = Vec::new();
     while got.len() < n && Instant::now() < deadline {
-        for m in consumer.poll(100, Duration::from_millis(300)).await.unwrap() {
+        for m in consumer
+            .poll(100, Duration::from_millis(300))
+            .await
+            .unwrap()
+        {
             got.push(String::from_utf8_lossy(&m.payload).to_string());
         }
     }
@@ -252,7 +262,12 @@ async fn tls_token_file_round_trip_and_idempotent_consumer() {
     let debug = format!("{platform:?} {:?}", platform.options());
     let harness = PlatformHarness::new(platform, Timings::broker()).without_read_uncommitted();
     // Topics are created and described through the admin API over https:// with the token.
-    run_case(&harness, "backend::round_trip (TLS + token)", round_trip(&harness)).await;
+    run_case(
+        &harness,
+        "backend::round_trip (TLS + token)",
+        round_trip(&harness),
+    )
+    .await;
     run_case(
         &harness,
         "engine::idempotent_consumer_skips_duplicates (TLS + token)",
@@ -306,7 +321,11 @@ async fn token_file_is_read_again_after_rotation() {
     let dir = std::env::temp_dir().join(name("onceflow-pulsar-token"));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("token");
-    let short = jwt(&env.secret_key, "onceflow-rotated-a", Some(Duration::from_secs(3)));
+    let short = jwt(
+        &env.secret_key,
+        "onceflow-rotated-a",
+        Some(Duration::from_secs(3)),
+    );
     std::fs::write(&file, &short).unwrap();
     let url = tls_url(
         &env,
@@ -319,7 +338,10 @@ async fn token_file_is_read_again_after_rotation() {
     let topic = name("rotate");
     let client = Client::new(platform.clone());
     let producer = client.producer(ProducerConfig::new()).await.unwrap();
-    producer.send(Record::new(topic.clone(), "before")).await.unwrap();
+    producer
+        .send(Record::new(topic.clone(), "before"))
+        .await
+        .unwrap();
 
     // Rotate: another role's token (no expiry) replaces the one about to expire.
     let next = read(&env.token_file_b);
@@ -331,7 +353,10 @@ async fn token_file_is_read_again_after_rotation() {
     // The first token has expired and the broker dropped its connection; the client
     // reconnected with the file's new token.
     let t0 = Instant::now();
-    producer.send(Record::new(topic.clone(), "after")).await.unwrap();
+    producer
+        .send(Record::new(topic.clone(), "after"))
+        .await
+        .unwrap();
     eprintln!(
         "token_file rotation: send after expiry took {} ms",
         t0.elapsed().as_millis()
@@ -357,7 +382,11 @@ async fn token_file_is_read_again_after_rotation() {
 async fn a_fixed_token_that_expired_is_refused_on_reconnect() {
     let Some(env) = env() else { return };
     capture_logs();
-    let short = jwt(&env.secret_key, "onceflow-fixed", Some(Duration::from_secs(3)));
+    let short = jwt(
+        &env.secret_key,
+        "onceflow-fixed",
+        Some(Duration::from_secs(3)),
+    );
     let url = tls_url(
         &env,
         &format!("token={}&operation_timeout_ms=5000", enc(&short)),
@@ -366,7 +395,10 @@ async fn a_fixed_token_that_expired_is_refused_on_reconnect() {
     let topic = name("fixed");
     let client = Client::new(platform.clone());
     let producer = client.producer(ProducerConfig::new()).await.unwrap();
-    producer.send(Record::new(topic.clone(), "before")).await.unwrap();
+    producer
+        .send(Record::new(topic.clone(), "before"))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_secs(3) + AFTER_EXPIRY).await;
     let t0 = Instant::now();
     let e = producer
@@ -458,7 +490,12 @@ async fn wrong_credentials_and_certificates_fail_fast_with_auth() {
         enc(&env.tls_admin),
         enc(&env.ca)
     );
-    let e = refused("host name mismatch", &mismatch, &format!("127.0.0.2:{port}")).await;
+    let e = refused(
+        "host name mismatch",
+        &mismatch,
+        &format!("127.0.0.2:{port}"),
+    )
+    .await;
     assert!(e[0].contains("does not name this host"), "{}", e[0]);
     seen.extend(e);
 
@@ -666,6 +703,9 @@ async fn oauth2_client_credentials_from_a_loopback_token_endpoint() {
     let seen = refused("OAuth2 wrong client secret", &bad_url, "127.0.0.1:16651").await;
     let mut all = seen;
     all.push(debug);
-    assert_no_secret(&all, &[SECRET.to_string(), "wrong-secret-123456".to_string()]);
+    assert_no_secret(
+        &all,
+        &[SECRET.to_string(), "wrong-secret-123456".to_string()],
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
