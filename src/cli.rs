@@ -63,6 +63,43 @@ pub struct Target {
         default_value = "memory://"
     )]
     pub url: String,
+    /// A setting added to the URL's query, KEY=VALUE (repeatable), e.g.
+    /// `-o security.protocol=SASL_SSL -o ssl.ca.location=/etc/ssl/ca.pem`. Prefer ONCEFLOW_URL
+    /// for secrets: a command line is visible to other users of the machine.
+    #[arg(long = "option", short = 'o', value_name = "KEY=VALUE")]
+    pub options: Vec<String>,
+}
+
+impl Target {
+    /// The URL with the `--option`s added to its query ([`onceflow::url_with_options`]).
+    ///
+    /// Errors: [`ErrorKind::Config`] for an option without `=` or with an empty key, naming
+    /// the key only (its value may be a secret).
+    pub fn full_url(&self) -> Result<String> {
+        with_options(&self.url, &self.options)
+    }
+}
+
+/// `url` with `KEY=VALUE` options added to its query; see [`Target::full_url`].
+pub fn with_options(url: &str, options: &[String]) -> Result<String> {
+    let mut pairs = Vec::with_capacity(options.len());
+    for o in options {
+        match o.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => pairs.push((k.trim(), v)),
+            _ => {
+                let key = o.split_once('=').map_or(o.as_str(), |(k, _)| k);
+                return Err(Error::config(format!(
+                    "invalid --option '{}': expected KEY=VALUE, e.g. -o security.protocol=SASL_SSL",
+                    onceflow::shown(if onceflow::is_secret_key(key) {
+                        "***"
+                    } else {
+                        key
+                    })
+                )));
+            }
+        }
+    }
+    onceflow::url_with_options(url, pairs)
 }
 
 /// `onceflow produce`
@@ -235,7 +272,7 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         .iter()
         .map(|h| parse_header(h))
         .collect::<Result<Vec<_>>>()?;
-    let client = connect(&a.target.url).await?;
+    let client = connect(&a.target.full_url()?).await?;
     client.validate_topic(&a.topic)?;
     if client.platform() == "memory" {
         warn_line!(
@@ -567,7 +604,7 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
         },
     };
     require_name("--group", &a.group, "a consumer group name")?;
-    let client = connect(&a.target.url).await?;
+    let client = connect(&a.target.full_url()?).await?;
     require_topics(&client, &a.target.url, &a.topic).await?;
     if client.platform() == "kinesis" && !a.target.url.contains("checkpoint_store=") {
         warn_line!(
@@ -637,7 +674,7 @@ fn scratch_group(what: &str) -> String {
 
 /// `onceflow tail`
 pub async fn tail(a: TailArgs) -> Result<ExitCode> {
-    let client = connect(&a.target.url).await?;
+    let client = connect(&a.target.full_url()?).await?;
     require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let consumer = client
         .consumer(
@@ -660,7 +697,7 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
 /// `onceflow lag`
 pub async fn lag(a: LagArgs) -> Result<ExitCode> {
     require_name("--group", &a.group, "a consumer group name")?;
-    let client = connect(&a.target.url).await?;
+    let client = connect(&a.target.full_url()?).await?;
     require_topics(&client, &a.target.url, std::slice::from_ref(&a.topic)).await?;
     let admin = client.admin().await?;
     let lag = admin.group_lag(&a.group, &a.topic).await?;
@@ -722,7 +759,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
             )));
         }
     }
-    let client = connect(&a.target.url).await?;
+    let client = connect(&a.target.full_url()?).await?;
     if let Some(t) = &a.to_topic {
         client.validate_topic(t)?;
     }

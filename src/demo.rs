@@ -37,6 +37,10 @@ pub struct DemoArgs {
         default_value = "memory://demo"
     )]
     url: String,
+    /// A setting added to the URL's query, KEY=VALUE (repeatable), e.g.
+    /// `-o security.protocol=SASL_SSL`; prefer ONCEFLOW_URL for secrets.
+    #[arg(long = "option", short = 'o', value_name = "KEY=VALUE")]
+    options: Vec<String>,
     /// Number of distinct order events to produce: 1 to 100 000 000, and at most 1 000 000 on
     /// memory://, which keeps every record in this process (about 1.5 KB per order).
     #[arg(
@@ -128,8 +132,9 @@ fn add(a: &mut MetricsSnapshot, b: MetricsSnapshot) {
 }
 
 /// Runs the demo; exit 0 when every order reached the output exactly once.
-pub async fn run(a: DemoArgs) -> Result<ExitCode> {
+pub async fn run(mut a: DemoArgs) -> Result<ExitCode> {
     let started = Instant::now();
+    a.url = crate::cli::with_options(&a.url, &a.options)?;
     let n = a.messages;
     if n > MAX_MEMORY_MESSAGES
         && a.url

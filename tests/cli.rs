@@ -1027,3 +1027,67 @@ fn consume_says_when_no_partition_was_assigned() {
         "{err}"
     );
 }
+
+/// `onceflow demo` on the SASL_SSL listener of the test broker (#23): the URL carries no
+/// setting, `-o` options give the protocol, SCRAM mechanism, user, password and CA (users would
+/// rather put a secret in ONCEFLOW_URL, which no process listing shows). The run ends
+/// `exactly-once: OK`; the same with a wrong password exits 1 within seconds, naming the
+/// refusal and not the password.
+#[test]
+fn demo_runs_on_secured_kafka_and_a_wrong_password_exits_1() {
+    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_SASL_SSL_URL") else {
+        assert!(
+            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+            "ONCEFLOW_KAFKA_SASL_SSL_URL is not set"
+        );
+        eprintln!("skipped: ONCEFLOW_KAFKA_SASL_SSL_URL is not set (tests/brokers/up.sh kafka)");
+        return;
+    };
+    let var = |n: &str| std::env::var(n).unwrap();
+    let (user, password, ca) = (
+        var("ONCEFLOW_KAFKA_SASL_USERNAME"),
+        var("ONCEFLOW_KAFKA_SASL_PASSWORD"),
+        var("ONCEFLOW_KAFKA_CA"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let dedup = dir.path().join("dedup.db");
+    let run = |password: &str| {
+        let options = [
+            "security.protocol=SASL_SSL".to_string(),
+            "sasl.mechanism=SCRAM-SHA-512".to_string(),
+            format!("sasl.username={user}"),
+            format!("sasl.password={password}"),
+            format!("ssl.ca.location={ca}"),
+        ];
+        let mut args = vec!["demo", "--url", &url, "--messages", "2000"];
+        args.extend(["--dedup", dedup.to_str().unwrap()]);
+        for o in &options {
+            args.extend(["-o", o.as_str()]);
+        }
+        let started = std::time::Instant::now();
+        let out = onceflow(&args);
+        (out, started.elapsed())
+    };
+    let (out, took) = run(&password);
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("exactly-once: OK"), "{stdout}");
+    assert_eq!(field(&stdout, "input"), 2000);
+    eprintln!("demo on SASL_SSL SCRAM-SHA-512: {} ms", took.as_millis());
+    assert!(!stdout.contains(&password) && !stderr.contains(&password));
+
+    let wrong = "cli-wrong-password-44d0";
+    let (out, took) = run(wrong);
+    let stderr = text(&out.stderr);
+    eprintln!("AUTH cli wrong password {} ms: {stderr}", took.as_millis());
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("ONCEFLOW_AUTH"), "{stderr}");
+    assert!(took < std::time::Duration::from_secs(20), "{took:?}");
+    for s in [wrong, password.as_str()] {
+        assert!(
+            !stderr.contains(s) && !text(&out.stdout).contains(s),
+            "{stderr}"
+        );
+    }
+}

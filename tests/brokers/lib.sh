@@ -251,9 +251,13 @@ apt_install() {
 #   truststore.p12 (the CA, same password)  client.pem client.key  client.p12
 #   other-ca.pem (a CA unrelated to the certificates above)
 test_certs() {
-    local dir="$RUN_DIR/certs" pass
+    local dir="$RUN_DIR/certs" pass lock
     mkdir -p "$dir"
+    # One maker at a time: services started in parallel share these files.
+    exec {lock}>"$RUN_DIR/certs.lock"
+    flock "$lock"
     if [[ -s $dir/.complete ]]; then
+        exec {lock}>&-
         echo "$dir"
         return 0
     fi
@@ -296,8 +300,13 @@ test_certs() {
     local f
     for f in ca.pem server.pem server.key server-chain.pem server.p12 truststore.p12 client.pem \
         client.key client.p12 other-ca.pem keystore.pass; do
-        [[ -s $dir/$f ]] || { log "ERROR: making test certificates in $dir failed ($f)"; return 1; }
+        [[ -s $dir/$f ]] || {
+            exec {lock}>&-
+            log "ERROR: making test certificates in $dir failed ($f)"
+            return 1
+        }
     done
     date +%s >"$dir/.complete"
+    exec {lock}>&-
     echo "$dir"
 }

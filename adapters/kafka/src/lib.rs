@@ -209,7 +209,8 @@ impl Refusal {
 
 /// The client context of [`KafkaPlatform::check`]: keeps the first refusal librdkafka reports
 /// (an error event, read by polling the consumer, with the reason of librdkafka's last `FAIL`
-/// log line, or an error callback), and forwards librdkafka's log lines to `tracing`.
+/// log line, or an error callback), and forwards librdkafka's log lines to `tracing` at debug
+/// level.
 #[derive(Default)]
 struct CheckContext {
     refusal: parking_lot::Mutex<Option<Refusal>>,
@@ -277,15 +278,8 @@ impl CheckContext {
 impl rdkafka::client::ClientContext for CheckContext {
     fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
         use rdkafka::config::RDKafkaLogLevel as L;
-        match level {
-            L::Emerg | L::Alert | L::Critical | L::Error => {
-                tracing::error!(target: "librdkafka", "librdkafka: {fac} {message}")
-            }
-            L::Warning => tracing::warn!(target: "librdkafka", "librdkafka: {fac} {message}"),
-            L::Notice => tracing::info!(target: "librdkafka", "librdkafka: {fac} {message}"),
-            L::Info => tracing::info!(target: "librdkafka", "librdkafka: {fac} {message}"),
-            L::Debug => tracing::debug!(target: "librdkafka", "librdkafka: {fac} {message}"),
-        }
+        // Debug only: a failure the check ends on is its error, told once, by the caller.
+        tracing::debug!(target: "librdkafka", "connection check: {fac} {message}");
         if matches!(
             level,
             L::Emerg | L::Alert | L::Critical | L::Error | L::Warning
