@@ -85,7 +85,7 @@ async fn wrong_password_and_unreachable_name_the_url_without_password() {
     let e = onceflow_postgres::PostgresStore::open(&wrong, Duration::from_secs(60))
         .await
         .unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::DedupStore, "{e}");
+    assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
     assert!(e.message().contains(&shown), "{e}");
     assert!(
         e.message().contains("password authentication failed"),

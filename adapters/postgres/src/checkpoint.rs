@@ -99,9 +99,13 @@ impl PostgresCheckpointStore {
     /// Connects to the database at `url` (`postgres://user:password@host:port/database`,
     /// optional `?schema=S&pool_size=N`), creating or checking the schema.
     ///
+    /// TLS and the password as for [`PostgresStore::open`](crate::PostgresStore::open)
+    /// (libpq's `sslmode`, `sslrootcert`, `PGPASSWORD`, `~/.pgpass`).
+    ///
     /// Errors: [`onceflow_core::ErrorKind::Config`] for a malformed URL or bad option;
-    /// [`onceflow_core::ErrorKind::DedupStore`] when the database cannot be reached, refuses
-    /// the credentials or holds a schema from a newer onceflow, naming the URL without its
+    /// [`onceflow_core::ErrorKind::Auth`] when the server refuses the password or a TLS
+    /// certificate; [`onceflow_core::ErrorKind::DedupStore`] when the database cannot be
+    /// reached or holds a schema from a newer onceflow. Messages name the URL without its
     /// password.
     pub async fn open(url: &str) -> Result<Self> {
         let db = connect(url, &PostgresOptions::new(Duration::from_secs(1))).await?;

@@ -66,12 +66,47 @@
 //! indexes.) An older onceflow refuses a version-3 schema as written by a newer one.
 //!
 //! ## URLs
-//! `postgres://user:password@host:port/database[?schema=S&pool_size=N]` (also `postgresql://`);
-//! other query options are passed to the PostgreSQL client (`connect_timeout`,
-//! `application_name`, `options`, …). No TLS: use it on a trusted network. Errors name the URL
-//! with its password replaced by `***`. PostgreSQL 12 or later: the store's sessions plan every
-//! execution for its own arrays (`plan_cache_mode=force_custom_plan`, sent at connection start;
-//! PostgreSQL's cached generic plans for these statements scan the whole table).
+//! `postgres://user:password@host:port/database[?schema=S&pool_size=N&sslmode=M&sslrootcert=PATH]`
+//! (also `postgresql://`); other query options are passed to the PostgreSQL client
+//! (`connect_timeout`, `application_name`, `options`, `hostaddr`, `channel_binding`, …).
+//! Errors name the URL with its password replaced by `***`. PostgreSQL 12 or later: the store's
+//! sessions plan every execution for its own arrays (`plan_cache_mode=force_custom_plan`, sent
+//! at connection start; PostgreSQL's cached generic plans for these statements scan the whole
+//! table).
+//!
+//! ## TLS and passwords (libpq's names and rules)
+//! - **`sslmode`** ([libpq, table 34.1](https://www.postgresql.org/docs/current/libpq-ssl.html#LIBPQ-SSL-SSLMODE-STATEMENTS)),
+//!   TLS by rustls (no system OpenSSL):
+//!   `disable` (no TLS); `allow` and `prefer` (the default: TLS if the server offers it);
+//!   `require` (TLS or fail); `verify-ca` (TLS, the server's certificate chain must lead to a
+//!   trusted root); `verify-full` (that, and the certificate must name the URL's host: a DNS
+//!   name or IP address in its subjectAltName). As in libpq, `prefer` and `require` check no
+//!   certificate unless `sslrootcert` is given, and then check the chain as `verify-ca` does.
+//!   With `hostaddr=IP` the connection goes to IP and the certificate is checked against the
+//!   URL's host name.
+//! - **`sslrootcert`**: a PEM file of trusted CA certificates, or `system` for the system's
+//!   trusted roots; without it `~/.postgresql/root.crt` if that file exists. `verify-ca` and
+//!   `verify-full` without any root are a [`ErrorKind::Config`] error.
+//! - **`sslcert`** and **`sslkey`**: a client certificate (PEM chain) and its private key
+//!   (PEM: PKCS#8, PKCS#1 or SEC1), both or neither, for servers that want one (`cert`
+//!   authentication or `clientcert=verify-ca` in `pg_hba.conf`).
+//! - **The password**: the URL's (`postgres://user:password@…` or `?password=`), else the
+//!   `PGPASSWORD` environment variable, else the password file: `passfile=PATH`, else
+//!   `PGPASSFILE`, else `~/.pgpass` ([libpq 34.16](https://www.postgresql.org/docs/current/libpq-pgpass.html)):
+//!   lines `hostname:port:database:username:password`, the first whose four fields match the
+//!   URL's host (a Unix socket counts as `localhost`), port (default 5432), database (default:
+//!   the user) and user wins; a field of just `*` matches anything; `\` escapes `:` and `\`;
+//!   `#` starts a comment line. A file that its group or others may read is ignored (with a
+//!   warning), as libpq does. No other `PG*` variable is read.
+//! - **Refusals** are [`ErrorKind::Auth`] errors, not retriable, within the connect timeout
+//!   (5 s by default): a wrong password (SQLSTATE `28P01`), no `pg_hba.conf` line that lets
+//!   the connection in (`28000`, e.g. a `hostssl`-only server and `sslmode=disable`), no
+//!   password where the server asks for one, a server that does not accept TLS when the
+//!   sslmode requires it, a server certificate that is not trusted or does not name the host,
+//!   and a client certificate the server refuses. The message names the URL (password `***`),
+//!   what was refused, where the password came from (the URL, `PGPASSWORD`, which password
+//!   file and line: never the password) and the sslmode. A server that cannot be reached is a
+//!   retriable [`ErrorKind::DedupStore`] error.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -82,14 +117,12 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use onceflow_core::dedup::{
     ClaimOutcome, ClaimRequest, Completion, DedupStore, FencingToken, Fingerprint, KeyState,
 };
-#[cfg(any(doc, test))]
-use onceflow_core::ErrorKind;
-use onceflow_core::{Error, Result};
+use onceflow_core::{Error, ErrorKind, Result};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::NoTls;
 
 mod checkpoint;
 mod inbox;
+mod tls;
 
 pub use checkpoint::PostgresCheckpointStore;
 
@@ -148,6 +181,9 @@ pub(crate) struct Db {
     pub(crate) shown: Arc<str>,
     /// Quoted schema name, for SQL.
     pub(crate) schema: Arc<str>,
+    /// Where the password came from and the sslmode, for the errors of a refused connection
+    /// (never the password).
+    pub(crate) login: Arc<str>,
 }
 
 impl Db {
@@ -159,7 +195,7 @@ impl Db {
         self.pool
             .get()
             .await
-            .map_err(|e| pool_error(&self.shown, e))
+            .map_err(|e| pool_error(&self.shown, &self.login, e))
     }
 
     /// `schema.table`.
@@ -170,9 +206,47 @@ impl Db {
 
 /// Maps a PostgreSQL error, naming the (redacted) URL.
 pub(crate) fn pg_error(shown: &str, what: &str, e: tokio_postgres::Error) -> Error {
+    login_error(shown, "", what, e)
+}
+
+/// [`pg_error`], adding `login` (where the password came from, the sslmode) to an
+/// [`ErrorKind::Auth`] error.
+fn login_error(shown: &str, login: &str, what: &str, e: tokio_postgres::Error) -> Error {
+    let login = if login.is_empty() {
+        String::new()
+    } else {
+        format!(" ({login})")
+    };
+    if let Some(tls) = tls::tls_failure(&e) {
+        return Error::new(
+            ErrorKind::Auth,
+            format!("PostgreSQL store '{shown}': {what}: {tls}{login}"),
+        )
+        .with_source(e);
+    }
+    // tokio-postgres's own words for these two refusals (no error code to match), in the
+    // error's causes (its Display is only "invalid configuration", "error performing TLS
+    // handshake").
+    let text = with_causes(&e);
+    if e.as_db_error().is_none() {
+        let refused = if text.contains("server does not support TLS") {
+            Some("the server does not accept TLS connections (sslmode requires TLS)")
+        } else if text.contains("password missing") {
+            Some("the server asks for a password and none was given")
+        } else {
+            None
+        };
+        if let Some(r) = refused {
+            return Error::new(
+                ErrorKind::Auth,
+                format!("PostgreSQL store '{shown}': {what}: {r}: {text}{login}"),
+            )
+            .with_source(e);
+        }
+    }
     let detail = match e.as_db_error() {
         Some(db) => format!("{} ({})", db.message(), db.code().code()),
-        None => e.to_string(),
+        None => text,
     };
     let msg = format!("PostgreSQL store '{shown}': {what}: {detail}");
     let code = e.code().cloned();
@@ -188,18 +262,36 @@ pub(crate) fn pg_error(shown: &str, what: &str, e: tokio_postgres::Error) -> Err
                     | SqlState::CANNOT_CONNECT_NOW
             )
         );
+    // 28P01 a wrong password, 28000 no pg_hba.conf line lets us in (e.g. hostssl only and
+    // no TLS, or a role that may not log in).
     let auth = matches!(
         code,
         Some(SqlState::INVALID_PASSWORD | SqlState::INVALID_AUTHORIZATION_SPECIFICATION)
     );
-    Error::dedup_store(msg)
-        .retriable(retriable && !auth)
-        .with_source(e)
+    if auth {
+        return Error::new(ErrorKind::Auth, format!("{msg}{login}")).with_source(e);
+    }
+    Error::dedup_store(msg).retriable(retriable).with_source(e)
 }
 
-fn pool_error(shown: &str, e: deadpool_postgres::PoolError) -> Error {
+/// `e` and its causes, `: `-separated.
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let s = c.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        cur = c.source();
+    }
+    text
+}
+
+fn pool_error(shown: &str, login: &str, e: deadpool_postgres::PoolError) -> Error {
     match e {
-        deadpool_postgres::PoolError::Backend(e) => pg_error(shown, "cannot connect", e),
+        deadpool_postgres::PoolError::Backend(e) => login_error(shown, login, "cannot connect", e),
         other => Error::dedup_store(format!(
             "PostgreSQL store '{shown}': cannot get a connection: {other}"
         ))
@@ -252,9 +344,11 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
     let mut schema = options.schema.clone();
     let mut pool_size = options.pool_size;
     let mut rest = Vec::new();
-    for (k, v) in parsed.query_pairs() {
+    let mut pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
+    let tls_options = tls::Options::take(&mut pairs);
+    for (k, v) in pairs {
         match &*k {
-            "schema" => schema = v.into_owned(),
+            "schema" => schema = v,
             "pool_size" => {
                 pool_size = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
                     Error::config(format!(
@@ -262,7 +356,7 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
                     ))
                 })?
             }
-            _ => rest.push((k.into_owned(), v.into_owned())),
+            _ => rest.push((k, v)),
         }
     }
     let valid = !schema.is_empty()
@@ -294,9 +388,13 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
         config.application_name("onceflow");
     }
     config.options(session_options(config.get_options()));
+    let security = tls::security(&tls_options, &shown)?;
+    config.ssl_mode(tls::ssl_mode(security.mode));
+    let password_from = tls::resolve_password(&mut config, tls_options.passfile.as_deref());
+    let login = format!("{password_from}; sslmode={}", security.mode.name());
     let manager = Manager::from_config(
         config,
-        NoTls,
+        security.connector,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -316,6 +414,7 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
         pool,
         shown: shown.into(),
         schema: format!("\"{schema}\"").into(),
+        login: login.into(),
     };
     migrate(&db).await?;
     Ok(db)
@@ -604,9 +703,14 @@ impl PostgresStore {
     /// optional `?schema=S&pool_size=N`), creating or checking the schema, remembering
     /// completed keys for `window`.
     ///
-    /// Errors: [`ErrorKind::Config`] for a malformed URL, a bad option or a zero window;
-    /// [`ErrorKind::DedupStore`] when the database cannot be reached, refuses the credentials
-    /// or holds a schema from a newer onceflow, naming the URL without its password.
+    /// TLS and the password follow libpq (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`,
+    /// `PGPASSWORD`, `~/.pgpass`): see the [crate docs](crate#tls-and-passwords-libpqs-names-and-rules).
+    ///
+    /// Errors: [`ErrorKind::Config`] for a malformed URL, a bad option, a certificate file that
+    /// cannot be read or a zero window; [`ErrorKind::Auth`] when the server refuses the
+    /// password or a TLS certificate (its own or ours), or lets no such connection in;
+    /// [`ErrorKind::DedupStore`] when the database cannot be reached or holds a schema from a
+    /// newer onceflow. Every message names the URL without its password.
     pub async fn open(url: &str, window: Duration) -> Result<Self> {
         Self::open_with(url, PostgresOptions::new(window)).await
     }

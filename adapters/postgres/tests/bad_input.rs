@@ -1,5 +1,5 @@
-//! Bad input (issue 7): an unreachable server, wrong credentials, a schema from a newer
-//! onceflow and malformed URLs give clear errors of a kind that name the store URL **without
+//! Bad input (issue 7): an unreachable server, wrong credentials (an `Auth` error, issue 23), a
+//! schema from a newer onceflow and malformed URLs give clear errors of a kind that name the store URL **without
 //! its password** (in the user info or in a secret query key such as `sslpassword`), for the
 //! dedup store and the checkpoint store. The cases that need a server use
 //! `ONCEFLOW_POSTGRES_URL` (`tests/brokers/up.sh postgres`) and skip without it.
@@ -61,7 +61,7 @@ async fn unreachable_server_is_a_dedup_store_error_without_the_password() {
 }
 
 #[tokio::test]
-async fn wrong_password_is_a_dedup_store_error_without_the_password() {
+async fn wrong_password_is_an_auth_error_without_the_password() {
     let Some(base) = base("bad_input") else {
         return;
     };
@@ -71,7 +71,7 @@ async fn wrong_password_is_a_dedup_store_error_without_the_password() {
     let shown = wrong.replace(SECRET, "***");
     let (d, c) = open_both(&wrong).await;
     for e in [&d, &c] {
-        check(e, ErrorKind::DedupStore, &shown, SECRET);
+        check(e, ErrorKind::Auth, &shown, SECRET);
         assert!(
             e.message().contains("password authentication failed"),
             "not an authentication error: {e}"
@@ -146,6 +146,18 @@ async fn malformed_urls_are_config_errors_without_the_password() {
         (
             format!("postgres://u:{SECRET}@[::1/db"),
             "postgres://***@[::1/db".to_string(),
+        ),
+        (
+            format!("postgres://u:{SECRET}@127.0.0.1:1/db?sslmode=verify_full"),
+            "postgres://u:***@127.0.0.1:1/db?sslmode=verify_full".to_string(),
+        ),
+        (
+            format!("postgres://u:{SECRET}@127.0.0.1:1/db?sslmode=verify-ca&sslrootcert=/nonexistent.pem"),
+            "postgres://u:***@127.0.0.1:1/db?sslmode=verify-ca&sslrootcert=/nonexistent.pem".to_string(),
+        ),
+        (
+            format!("postgres://u:{SECRET}@127.0.0.1:1/db?sslkey=/k.pem"),
+            "postgres://u:***@127.0.0.1:1/db?sslkey=/k.pem".to_string(),
         ),
         // libpq's key=value form is not a URL; its password is hidden all the same.
         (

@@ -9,7 +9,7 @@
 # made afresh at each start (a new cluster each time). Runs as the postgres system user when we
 # are root, like the plain script. No data kept between starts.
 #
-# Prints:
+# Prints (the URL in single quotes: its `&` must survive `eval`):
 #   ONCEFLOW_POSTGRES_SECURE_URL  postgres://onceflow:PASS@127.0.0.1:PORT/onceflow?sslmode=verify-full&sslrootcert=CA
 #   ONCEFLOW_POSTGRES_SECURE_HOST, _PORT, _DB, _USER, _PASSWORD, _CA (ca.pem), _OTHER_CA (a CA
 #   that signed nothing here), _CLIENT_USER (onceflow-client), _CLIENT_CERT, _CLIENT_KEY (the
@@ -118,7 +118,7 @@ wait_until 60 "$BIN/pg_isready" -q -t 3 -h "$SOCK_DIR" -p "$PORT" ||
 probe || die "cannot connect with TLS (verify-full) and the password to 127.0.0.1:$PORT"
 pass=$(<"$PASSFILE")
 emit_env postgres-secure \
-    "ONCEFLOW_POSTGRES_SECURE_URL=$(url "$pass")" \
+    "ONCEFLOW_POSTGRES_SECURE_URL='$(url "$pass")'" \
     "ONCEFLOW_POSTGRES_SECURE_HOST=127.0.0.1" \
     "ONCEFLOW_POSTGRES_SECURE_PORT=$PORT" \
     "ONCEFLOW_POSTGRES_SECURE_DB=$DB" \

@@ -6,7 +6,8 @@
 # clients may present a certificate (tls-auth-clients optional), which must then be signed by
 # ca.pem. The ACL user `onceflow` gets a password made afresh at each start.
 #
-# Prints (rediss:// URLs, see adapters/redis for the `ca`, `cert`, `key` options):
+# Prints (rediss:// URLs, see adapters/redis for the `ca`, `cert`, `key` options; the URL in
+# single quotes, for `eval`):
 #   ONCEFLOW_REDIS_SECURE_URL     rediss://onceflow:PASS@127.0.0.1:PORT/?ca=CA (works as is)
 #   ONCEFLOW_REDIS_SECURE_HOST, _PORT, _USER, _PASSWORD, _CA (ca.pem), _OTHER_CA (a CA that
 #   signed nothing here), _CLIENT_CERT, _CLIENT_KEY (signed by the CA), _ROGUE_CERT,
@@ -32,7 +33,7 @@ print_env() {
     local pass
     pass=$(<"$PASSFILE")
     emit_env redis-secure \
-        "ONCEFLOW_REDIS_SECURE_URL=rediss://$USER_NAME:$pass@127.0.0.1:$PORT/?ca=$CERTS/ca.pem" \
+        "ONCEFLOW_REDIS_SECURE_URL='rediss://$USER_NAME:$pass@127.0.0.1:$PORT/?ca=$CERTS/ca.pem'" \
         "ONCEFLOW_REDIS_SECURE_HOST=127.0.0.1" \
         "ONCEFLOW_REDIS_SECURE_PORT=$PORT" \
         "ONCEFLOW_REDIS_SECURE_USER=$USER_NAME" \
