@@ -170,6 +170,12 @@ fn capture_logs() {
 /// Asserts none of `secrets` is in `seen` or in the captured logs.
 fn assert_no_secret(seen: &[String], secrets: &[String]) {
     let logs = String::from_utf8_lossy(&logs().lock().unwrap()).to_string();
+    // The capture works: the pulsar crate's `log` lines arrive (it logs every connection).
+    assert!(
+        logs.contains("pulsar"),
+        "no log line captured: {} bytes",
+        logs.len()
+    );
     for s in secrets.iter().filter(|s| s.len() >= 8) {
         for text in seen {
             assert!(!text.contains(s.as_str()), "a secret is in: {text}");
