@@ -12,7 +12,9 @@
 //! password file others may read. Every error's text and `Debug`, and the stores' `Debug`,
 //! are searched for the password.
 
+use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -30,6 +32,41 @@ use onceflow_postgres::{InboxConfig, InboxHandler, PostgresCheckpointStore, Post
 
 /// Upper bound for a refusal (the connect timeout is 5 s).
 const FAST: Duration = Duration::from_secs(15);
+
+static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Every log line of this test binary (onceflow's tracing events and the clients' `log`
+/// records, TRACE and up) into [`LOGS`].
+fn capture_logs() {
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
+            .with_ansi(false)
+            .with_writer(move || Capture(sink.clone()))
+            .try_init()
+            .expect("the only subscriber of this test binary");
+        buf
+    });
+}
+
+/// The captured log lines so far.
+fn logs() -> String {
+    String::from_utf8_lossy(&LOGS.get().unwrap().lock().unwrap()).into_owned()
+}
 
 /// What `tests/brokers/postgres-secure/up.sh` printed.
 struct Secure {
@@ -53,6 +90,7 @@ fn var(name: &str) -> String {
 
 /// The secured server, or `None` (the test skips) without one.
 fn secure(what: &str) -> Option<Secure> {
+    capture_logs();
     let url = std::env::var("ONCEFLOW_POSTGRES_SECURE_URL")
         .ok()
         .filter(|u| !u.is_empty());
@@ -111,6 +149,15 @@ impl Secure {
         assert!(
             !text.contains(&self.password),
             "the password is shown: {text}"
+        );
+    }
+
+    /// No secret in the log lines captured so far.
+    fn assert_no_secret_logged(&self) {
+        let logs = logs();
+        assert!(
+            !logs.contains(&self.password) && !logs.contains("not-the-password"),
+            "a password is in the logs"
         );
     }
 }
@@ -290,6 +337,7 @@ async fn dedup_and_checkpoint_stores_over_verify_full() {
         .unwrap();
     assert_tls(&st).await;
     drop_schema(&store).await;
+    s.assert_no_secret_logged();
 }
 
 struct Rows {
@@ -381,6 +429,7 @@ async fn inbox_over_verify_full() {
     assert_eq!(n, 5);
     assert_eq!(inbox.stored_positions().await.unwrap().len(), 1);
     drop_schema(&store).await;
+    s.assert_no_secret_logged();
 }
 
 /// Opens both stores at `url`, expecting [`ErrorKind::Auth`] errors within [`FAST`] that name
@@ -459,6 +508,7 @@ async fn wrong_password_untrusted_ca_and_host_mismatch_are_auth_errors() {
     .unwrap();
     assert_tls(&st).await;
     drop_schema(&st).await;
+    s.assert_no_secret_logged();
 }
 
 #[tokio::test]
@@ -489,6 +539,7 @@ async fn plain_connections_are_refused_by_a_hostssl_only_server() {
         assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
         assert!(e.message().contains("does not accept TLS"), "{e}");
     }
+    s.assert_no_secret_logged();
 }
 
 #[tokio::test]
@@ -547,6 +598,7 @@ async fn client_certificate_instead_of_a_password() {
         assert!(e.message().contains("sslrootcert"), "{e}");
         s.assert_no_secret(&format!("{e} {e:?}"));
     }
+    s.assert_no_secret_logged();
 }
 
 /// Sets or removes environment variables for the rest of the test (one test changes them).
@@ -629,6 +681,11 @@ async fn password_from_pgpassword_and_password_files() {
         let e = refused(&s, "password file readable by others", &via_option).await;
         assert!(e.message().contains("group or world access"), "{e}");
         texts.push(format!("{e} {e:?}"));
+        // The warning libpq would print is logged (and the logs are captured).
+        assert!(
+            logs().contains("group or world access"),
+            "no warning logged"
+        );
     }
     // A file without a matching line.
     std::fs::write(&file, "otherhost:1:db:u:pw\n").unwrap();
@@ -647,4 +704,5 @@ async fn password_from_pgpassword_and_password_files() {
     }
     drop_schema(&store).await;
     std::fs::remove_dir_all(&dir).unwrap();
+    s.assert_no_secret_logged();
 }

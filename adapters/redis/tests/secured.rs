@@ -9,6 +9,8 @@
 //! the certificate does not name, a client certificate from another CA. Every error's text
 //! and `Debug`, and the stores' `Debug`, are searched for the password.
 
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -20,6 +22,41 @@ use onceflow_redis::{RedisCheckpointStore, RedisStore};
 
 /// Upper bound for a refusal (the connect timeout is 5 s).
 const FAST: Duration = Duration::from_secs(15);
+
+static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Every log line of this test binary (onceflow's tracing events and the clients' `log`
+/// records, TRACE and up) into [`LOGS`].
+fn capture_logs() {
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
+            .with_ansi(false)
+            .with_writer(move || Capture(sink.clone()))
+            .try_init()
+            .expect("the only subscriber of this test binary");
+        buf
+    });
+}
+
+/// The captured log lines so far.
+fn logs() -> String {
+    String::from_utf8_lossy(&LOGS.get().unwrap().lock().unwrap()).into_owned()
+}
 
 /// What `tests/brokers/redis-secure/up.sh` printed.
 struct Secure {
@@ -43,6 +80,7 @@ fn var(name: &str) -> String {
 
 /// The secured server, or `None` (the test skips) without one.
 fn secure(what: &str) -> Option<Secure> {
+    capture_logs();
     let set = std::env::var("ONCEFLOW_REDIS_SECURE_URL")
         .ok()
         .filter(|u| !u.is_empty());
@@ -102,6 +140,15 @@ impl Secure {
         assert!(
             !text.contains(&self.password),
             "the password is shown: {text}"
+        );
+    }
+
+    /// No secret in the log lines captured so far.
+    fn assert_no_secret_logged(&self) {
+        let logs = logs();
+        assert!(
+            !logs.contains(&self.password) && !logs.contains("not-the-password"),
+            "a password is in the logs"
         );
     }
 }
@@ -240,6 +287,7 @@ async fn dedup_and_checkpoint_stores_over_tls_with_an_acl_user() {
             .unwrap(),
     )
     .await;
+    s.assert_no_secret_logged();
 }
 
 #[tokio::test]
@@ -270,6 +318,7 @@ async fn client_certificate_is_presented_and_checked() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config, "{e}");
     s.assert_no_secret(&format!("{e} {e:?}"));
+    s.assert_no_secret_logged();
 }
 
 /// Opens both stores at `url`, expecting [`ErrorKind::Auth`] errors within [`FAST`] that name
@@ -332,6 +381,7 @@ async fn wrong_password_and_missing_credentials_are_auth_errors() {
     )
     .await;
     assert!(e.message().contains("nobody"), "{e}");
+    s.assert_no_secret_logged();
 }
 
 #[tokio::test]
@@ -367,6 +417,7 @@ async fn untrusted_ca_and_wrong_host_name_are_auth_errors() {
             .unwrap(),
     )
     .await;
+    s.assert_no_secret_logged();
 }
 
 #[tokio::test]
@@ -382,4 +433,5 @@ async fn plain_connection_to_the_tls_port_fails_fast() {
     assert!(ms < FAST.as_millis(), "{ms} ms");
     assert!(e.message().contains(&format!(":{}", s.port)), "{e}");
     s.assert_no_secret(&format!("{e} {e:?}"));
+    s.assert_no_secret_logged();
 }
