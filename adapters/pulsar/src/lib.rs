@@ -21,7 +21,7 @@
 //!   changes (modification time or length): a rotated token is used from the next connection,
 //!   auth challenge or admin call on, without a restart;
 //! - `oauth2_issuer_url=https://issuer/&oauth2_credentials_file=/path/key.json`
-//!   [`&oauth2_audience=…&oauth2_scope=…`] (`AuthenticationOAuth2`, client credentials; the
+//!   (optionally `&oauth2_audience=…&oauth2_scope=…`; `AuthenticationOAuth2`, client credentials; the
 //!   key file is `{"client_id": …, "client_secret": …}`), done by the pulsar crate's OAuth2
 //!   provider, whose HTTP client trusts only the public web PKI.
 //!
