@@ -43,6 +43,7 @@ from typing import (
     Dict,
     Iterable,
     List,
+    Mapping,
     NamedTuple,
     Optional,
     Sequence,
@@ -181,11 +182,21 @@ def _as_records(records: Iterable[Union[Record, tuple]]) -> List[Record]:
     return [r if isinstance(r, Record) else Record(*r) for r in records]
 
 
-async def connect(url: str) -> "Client":
+async def connect(url: str, options: Optional[Mapping[str, str]] = None) -> "Client":
     """Connects to the platform named by the URL: ``memory://NAME``, ``kafka://HOST:PORT``,
-    ``nats://HOST:PORT``. Raises ``ConfigError`` for an unknown scheme, ``UnsupportedError``
-    for a platform not compiled in, ``ConnectError`` when it cannot be reached."""
-    return Client(await _native.connect(url))
+    ``nats://HOST:PORT`` (``tls://`` for NATS over TLS), ``pulsar://`` / ``pulsar+ssl://``,
+    ``kinesis://``.
+
+    ``options`` (``str`` → ``str``) are added to the URL's query parameters, so credentials
+    can stay out of the URL string: for Kafka they are librdkafka properties, e.g.
+    ``{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
+    "sasl.username": user, "sasl.password": password}``.
+
+    Raises ``ConfigError`` for an unknown scheme or a malformed option, ``UnsupportedError``
+    for a platform not compiled in, ``ConnectError`` when it cannot be reached, ``AuthError``
+    when the server refuses the credentials or the TLS certificate (never showing the
+    secret)."""
+    return Client(await _native.connect(url, dict(options) if options is not None else None))
 
 
 async def dedup_store(url: str, window: float = 86400.0) -> DedupStore:

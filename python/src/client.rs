@@ -38,13 +38,26 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
-/// `pulsar://`, `kinesis://`); awaitable, resolves to a `Client`. Raises `ConnectError`
-/// (code `ONCEFLOW_CONNECT`) within seconds when no Kafka or Pulsar broker of the URL answers,
-/// and `ConfigError` (`ONCEFLOW_CONFIG`) for a malformed URL.
+/// `tls://`, `pulsar://`, `pulsar+ssl://`, `kinesis://`); awaitable, resolves to a `Client`.
+/// `options` (str → str) are added to the URL's query, so secrets need not be in the URL.
+/// Raises `ConnectError` (code `ONCEFLOW_CONNECT`) within seconds when no Kafka or Pulsar
+/// broker of the URL answers, `AuthError` (`ONCEFLOW_AUTH`) when the server refuses the
+/// credentials or certificate, and `ConfigError` (`ONCEFLOW_CONFIG`) for a malformed URL.
 #[pyfunction]
-fn connect(py: Python<'_>, url: String) -> PyResult<Bound<'_, PyAny>> {
+#[pyo3(signature = (url, options=None))]
+fn connect(
+    py: Python<'_>,
+    url: String,
+    options: Option<HashMap<String, String>>,
+) -> PyResult<Bound<'_, PyAny>> {
+    let options = self::options(options);
     awaitable(py, async move {
-        onceflow::connect(&url).await.map(|inner| Client { inner })
+        onceflow::connect_with(
+            &url,
+            options.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        )
+        .await
+        .map(|inner| Client { inner })
     })
 }
 
@@ -70,7 +83,8 @@ pub struct DedupStore {
 #[pymethods]
 impl DedupStore {
     fn __repr__(&self) -> String {
-        format!("DedupStore({:?})", self.url)
+        // Never the password of a redis:// or postgres:// URL.
+        format!("DedupStore({:?})", onceflow::redact_credentials(&self.url))
     }
 }
 

@@ -15,7 +15,7 @@ from onceflow import _native
 
 def test_one_class_per_kind():
     kinds = _native.error_kinds()
-    assert len(kinds) == 13
+    assert len(kinds) == 14
     classes = set()
     for kind, code, cls_name in kinds:
         cls = getattr(onceflow, cls_name)
@@ -26,7 +26,9 @@ def test_one_class_per_kind():
         assert onceflow.error_class(code) is cls
         classes.add(cls)
     assert len(classes) == len(kinds)
-    assert {"ConfigError", "FencedError", "TimeoutError", "DedupStoreError"} <= {c for _, _, c in kinds}
+    assert {"ConfigError", "AuthError", "FencedError", "TimeoutError", "DedupStoreError"} <= {
+        c for _, _, c in kinds
+    }
 
 
 async def test_unknown_scheme_is_a_config_error():
