@@ -187,7 +187,10 @@ export declare class Consumer {
 
 /** A dedup (idempotency) store. */
 export declare class DedupStore {
-  /** The URL it was opened with. */
+  /**
+   * The URL it was opened with, its password or token shown as `***` (so logging the
+   * store never logs a secret).
+   */
   get url(): string
 }
 
@@ -296,10 +299,17 @@ export interface Capabilities {
 
 /**
  * Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
- * `pulsar://`, `kinesis://`). Rejects with an `ONCEFLOW_CONNECT` error within seconds when no
- * Kafka or Pulsar broker of the URL answers, and `ONCEFLOW_CONFIG` for a malformed URL.
+ * `tls://`, `pulsar://`, `pulsar+ssl://`, `kinesis://`).
+ *
+ * `options` are added to the URL's query parameters, so credentials can stay out of the URL
+ * string: for Kafka they are librdkafka properties, e.g. `{ 'security.protocol': 'SASL_SSL',
+ * 'sasl.mechanism': 'SCRAM-SHA-512', 'sasl.username': user, 'sasl.password': password }`.
+ *
+ * Rejects with an `ONCEFLOW_CONNECT` error within seconds when no Kafka or Pulsar broker of the
+ * URL answers, `ONCEFLOW_AUTH` when the server refuses the credentials or the TLS certificate
+ * (the secret is never in the message), and `ONCEFLOW_CONFIG` for a malformed URL or option.
  */
-export declare function connect(url: string): Promise<Client>
+export declare function connect(url: string, options?: Record<string, string> | undefined | null): Promise<Client>
 
 /** Consumer settings. */
 export interface ConsumerOptions {

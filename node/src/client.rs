@@ -14,15 +14,29 @@ use crate::convert::{self, Delivery, Lag, MessageColumns, PositionIn, RecordIn, 
 use crate::{config_err, js_err, on_rt};
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
-/// `pulsar://`, `kinesis://`). Rejects with an `ONCEFLOW_CONNECT` error within seconds when no
-/// Kafka or Pulsar broker of the URL answers, and `ONCEFLOW_CONFIG` for a malformed URL.
+/// `tls://`, `pulsar://`, `pulsar+ssl://`, `kinesis://`).
+///
+/// `options` are added to the URL's query parameters, so credentials can stay out of the URL
+/// string: for Kafka they are librdkafka properties, e.g. `{ 'security.protocol': 'SASL_SSL',
+/// 'sasl.mechanism': 'SCRAM-SHA-512', 'sasl.username': user, 'sasl.password': password }`.
+///
+/// Rejects with an `ONCEFLOW_CONNECT` error within seconds when no Kafka or Pulsar broker of the
+/// URL answers, `ONCEFLOW_AUTH` when the server refuses the credentials or the TLS certificate
+/// (the secret is never in the message), and `ONCEFLOW_CONFIG` for a malformed URL or option.
 #[napi]
 // Only called from JavaScript: the unit-test build of the addon has no caller.
 #[cfg_attr(test, allow(dead_code))]
-pub async fn connect(url: String) -> Result<Client> {
-    on_rt(async move { onceflow::connect(&url).await })
+pub async fn connect(url: String, options: Option<HashMap<String, String>>) -> Result<Client> {
+    let options = convert::options(options);
+    on_rt(async move {
+        onceflow::connect_with(
+            &url,
+            options.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        )
         .await
-        .map(|inner| Client { inner })
+    })
+    .await
+    .map(|inner| Client { inner })
 }
 
 /// Opens a dedup store by URL: `memory://`, or `embedded:///path/file.db` / a file path;
@@ -47,10 +61,11 @@ pub struct DedupStore {
 
 #[napi]
 impl DedupStore {
-    /// The URL it was opened with.
+    /// The URL it was opened with, its password or token shown as `***` (so logging the
+    /// store never logs a secret).
     #[napi(getter)]
     pub fn url(&self) -> String {
-        self.url.clone()
+        onceflow::redact_credentials(&self.url)
     }
 }
 

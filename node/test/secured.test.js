@@ -1,0 +1,63 @@
+'use strict'
+// Secured Kafka from Node (#23): SASL_SSL with SCRAM given as the `options` object of
+// connect() (nothing secret in the URL), a transaction over it, and refusals that reject with
+// ONCEFLOW_AUTH quickly without showing the password. Runs on the secured listeners
+// `tests/brokers/up.sh kafka` starts (ONCEFLOW_KAFKA_SASL_SSL_URL and the CA / user / password
+// it prints).
+const test = require('node:test')
+const assert = require('node:assert/strict')
+const onceflow = require('..')
+const { topic, collect, unique } = require('./helpers')
+
+const url = process.env.ONCEFLOW_KAFKA_SASL_SSL_URL
+if (!url && process.env.ONCEFLOW_REQUIRE_BROKERS === '1') {
+  throw new Error('ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_KAFKA_SASL_SSL_URL is not set')
+}
+const skip = url ? false : 'ONCEFLOW_KAFKA_SASL_SSL_URL is not set: start tests/brokers/up.sh kafka'
+
+function scram(password, ca = process.env.ONCEFLOW_KAFKA_CA) {
+  return {
+    'security.protocol': 'SASL_SSL',
+    'sasl.mechanism': 'SCRAM-SHA-256',
+    'sasl.username': process.env.ONCEFLOW_KAFKA_SASL_USERNAME,
+    'sasl.password': password,
+    'ssl.ca.location': ca,
+  }
+}
+
+test('SASL_SSL SCRAM with an options object: a transaction round trip', { skip }, async () => {
+  const client = await onceflow.connect(url, scram(process.env.ONCEFLOW_KAFKA_SASL_PASSWORD))
+  const t = await topic(client)
+  const producer = await client.producer({ transactionalId: unique('node-secured-tx') })
+  const tx = await producer.begin()
+  await tx.send({ topic: t, payload: 'over-sasl-ssl-1' })
+  await tx.send({ topic: t, payload: 'over-sasl-ssl-2' })
+  await tx.commit()
+  const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+  const got = await collect(consumer, 2)
+  assert.deepEqual(got.map((m) => m.payload.toString()), ['over-sasl-ssl-1', 'over-sasl-ssl-2'])
+  await consumer.close()
+  await producer.close()
+})
+
+for (const kase of ['wrong password', 'untrusted CA']) {
+  test(`${kase}: ONCEFLOW_AUTH within seconds, no secret shown`, { skip }, async () => {
+    const wrong = 'node-wrong-password-8b1d'
+    const real = process.env.ONCEFLOW_KAFKA_SASL_PASSWORD
+    const options = kase === 'wrong password' ? scram(wrong) : scram(real, process.env.ONCEFLOW_KAFKA_OTHER_CA)
+    const started = Date.now()
+    const err = await onceflow.connect(url, options).then(
+      () => assert.fail('connect succeeded'),
+      (e) => e,
+    )
+    const ms = Date.now() - started
+    console.log(`AUTH node ${kase} ${ms} ms: ${err.message}`)
+    assert.equal(err.code, 'ONCEFLOW_AUTH', err.message)
+    assert.equal(err.kind, 'auth')
+    assert.equal(err.retriable, false)
+    assert.ok(err instanceof onceflow.OnceflowError)
+    assert.ok(ms < 15000, `${kase} took ${ms} ms`)
+    const shown = `${err.message} ${err.stack} ${JSON.stringify(err)}`
+    assert.ok(!shown.includes(wrong) && !shown.includes(real), shown)
+  })
+}
