@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source tests/brokers/lib.sh
 
 # Services the landed adapters and stores are tested against.
-services=(kafka nats nats-secure pulsar redis postgres kinesis)
+services=(kafka nats nats-secure pulsar redis redis-secure postgres postgres-secure kinesis)
 
 started=()
 cleanup() {
