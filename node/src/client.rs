@@ -29,11 +29,7 @@ use crate::{config_err, js_err, on_rt};
 pub async fn connect(url: String, options: Option<HashMap<String, String>>) -> Result<Client> {
     let options = convert::options(options);
     on_rt(async move {
-        onceflow::connect_with(
-            &url,
-            options.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        )
-        .await
+        onceflow::connect_with(&url, options.iter().map(|(k, v)| (k.as_str(), v.as_str()))).await
     })
     .await
     .map(|inner| Client { inner })

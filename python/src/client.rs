@@ -52,12 +52,9 @@ fn connect(
 ) -> PyResult<Bound<'_, PyAny>> {
     let options = self::options(options);
     awaitable(py, async move {
-        onceflow::connect_with(
-            &url,
-            options.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        )
-        .await
-        .map(|inner| Client { inner })
+        onceflow::connect_with(&url, options.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .await
+            .map(|inner| Client { inner })
     })
 }
 
