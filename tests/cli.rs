@@ -1028,6 +1028,63 @@ fn consume_says_when_no_partition_was_assigned() {
     );
 }
 
+/// The value of `var`, or `None` (said on stderr) when the secured service that prints it is
+/// not running; with `ONCEFLOW_REQUIRE_BROKERS=1` its absence fails the test.
+fn secured_env(var: &str, service: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            assert!(
+                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+                "{var} is not set"
+            );
+            eprintln!("skipped: {var} is not set (tests/brokers/up.sh {service})");
+            None
+        }
+    }
+}
+
+/// Runs `onceflow demo` on `url` with `options` (`-o KEY=VALUE`) and expects
+/// `exactly-once: OK` over 2 000 orders; then with `wrong` options, expects exit code 1 within
+/// 20 s, an `ONCEFLOW_AUTH` error, and none of `secrets` in either run's output.
+fn secured_demo(label: &str, url: &str, options: &[String], wrong: &[String], secrets: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let dedup = dir.path().join("dedup.db");
+    let run = |options: &[String]| {
+        let mut args = vec!["demo", "--url", url, "--messages", "2000"];
+        args.extend(["--dedup", dedup.to_str().unwrap()]);
+        for o in options {
+            args.extend(["-o", o.as_str()]);
+        }
+        let started = std::time::Instant::now();
+        let out = onceflow(&args);
+        (out, started.elapsed())
+    };
+    let (out, took) = run(options);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{label}: {stdout}\n{stderr}");
+    assert!(stdout.contains("exactly-once: OK"), "{label}: {stdout}");
+    assert_eq!(field(&stdout, "input"), 2000);
+    eprintln!("demo on {label}: {} ms", took.as_millis());
+    let (bad, took) = run(wrong);
+    let (bad_stdout, bad_stderr) = (text(&bad.stdout), text(&bad.stderr));
+    eprintln!("AUTH cli {label} {} ms: {bad_stderr}", took.as_millis());
+    assert_eq!(bad.status.code(), Some(1), "{label}: {bad_stderr}");
+    assert!(
+        bad_stderr.contains("ONCEFLOW_AUTH"),
+        "{label}: {bad_stderr}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(20),
+        "{label}: {took:?}"
+    );
+    for s in secrets {
+        for shown in [&stdout, &stderr, &bad_stdout, &bad_stderr] {
+            assert!(!shown.contains(s), "{label}: a secret is shown: {shown}");
+        }
+    }
+}
+
 /// `onceflow demo` on the SASL_SSL listener of the test broker (#23): the URL carries no
 /// setting, `-o` options give the protocol, SCRAM mechanism, user, password and CA (users would
 /// rather put a secret in ONCEFLOW_URL, which no process listing shows). The run ends
@@ -1035,12 +1092,7 @@ fn consume_says_when_no_partition_was_assigned() {
 /// refusal and not the password.
 #[test]
 fn demo_runs_on_secured_kafka_and_a_wrong_password_exits_1() {
-    let Ok(url) = std::env::var("ONCEFLOW_KAFKA_SASL_SSL_URL") else {
-        assert!(
-            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-            "ONCEFLOW_KAFKA_SASL_SSL_URL is not set"
-        );
-        eprintln!("skipped: ONCEFLOW_KAFKA_SASL_SSL_URL is not set (tests/brokers/up.sh kafka)");
+    let Some(url) = secured_env("ONCEFLOW_KAFKA_SASL_SSL_URL", "kafka") else {
         return;
     };
     let var = |n: &str| std::env::var(n).unwrap();
@@ -1049,45 +1101,53 @@ fn demo_runs_on_secured_kafka_and_a_wrong_password_exits_1() {
         var("ONCEFLOW_KAFKA_SASL_PASSWORD"),
         var("ONCEFLOW_KAFKA_CA"),
     );
-    let dir = tempfile::tempdir().unwrap();
-    let dedup = dir.path().join("dedup.db");
-    let run = |password: &str| {
-        let options = [
+    let wrong = "cli-wrong-password-44d0";
+    let options = |password: &str| {
+        vec![
             "security.protocol=SASL_SSL".to_string(),
             "sasl.mechanism=SCRAM-SHA-512".to_string(),
             format!("sasl.username={user}"),
             format!("sasl.password={password}"),
             format!("ssl.ca.location={ca}"),
-        ];
-        let mut args = vec!["demo", "--url", &url, "--messages", "2000"];
-        args.extend(["--dedup", dedup.to_str().unwrap()]);
-        for o in &options {
-            args.extend(["-o", o.as_str()]);
-        }
-        let started = std::time::Instant::now();
-        let out = onceflow(&args);
-        (out, started.elapsed())
+        ]
     };
-    let (out, took) = run(&password);
-    let stdout = text(&out.stdout);
-    let stderr = text(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("exactly-once: OK"), "{stdout}");
-    assert_eq!(field(&stdout, "input"), 2000);
-    eprintln!("demo on SASL_SSL SCRAM-SHA-512: {} ms", took.as_millis());
-    assert!(!stdout.contains(&password) && !stderr.contains(&password));
+    secured_demo(
+        "Kafka SASL_SSL SCRAM-SHA-512",
+        &url,
+        &options(&password),
+        &options(wrong),
+        &[&password, wrong],
+    );
+}
 
-    let wrong = "cli-wrong-password-44d0";
-    let (out, took) = run(wrong);
-    let stderr = text(&out.stderr);
-    eprintln!("AUTH cli wrong password {} ms: {stderr}", took.as_millis());
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("ONCEFLOW_AUTH"), "{stderr}");
-    assert!(took < std::time::Duration::from_secs(20), "{took:?}");
-    for s in [wrong, password.as_str()] {
-        assert!(
-            !stderr.contains(s) && !text(&out.stdout).contains(s),
-            "{stderr}"
-        );
-    }
+/// `onceflow demo` on the TLS-required, operator-mode nats-server of `up.sh nats-secure` with a
+/// `.creds` file (JWT + NKey seed) and the test CA (#23); creds of an account the operator did
+/// not sign exit 1 with an `ONCEFLOW_AUTH` error; neither run shows the seed or the JWT.
+#[test]
+fn demo_runs_on_secured_nats_with_creds_and_foreign_creds_exit_1() {
+    let Some(url) = secured_env("ONCEFLOW_NATS_SECURE_CREDS_URL", "nats-secure") else {
+        return;
+    };
+    let var = |n: &str| std::env::var(n).unwrap();
+    let (creds, bad_creds, ca) = (
+        var("ONCEFLOW_NATS_SECURE_CREDS"),
+        var("ONCEFLOW_NATS_SECURE_BAD_CREDS"),
+        var("ONCEFLOW_NATS_SECURE_CA"),
+    );
+    // The secret lines of a creds file: the JWT and the seed between its BEGIN/END markers.
+    let contents = std::fs::read_to_string(&creds).unwrap();
+    let secrets: Vec<&str> = contents
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.len() > 20 && !l.contains("---") && !l.starts_with('*'))
+        .collect();
+    assert!(secrets.len() >= 2, "no JWT and seed in {creds}");
+    let options = |creds: &str| vec![format!("creds={creds}"), format!("tls_ca={ca}")];
+    secured_demo(
+        "NATS tls:// with .creds",
+        &url,
+        &options(&creds),
+        &options(&bad_creds),
+        &secrets,
+    );
 }

@@ -14,6 +14,13 @@ pub(crate) async fn connect_options(
     options: &JetStreamOptions,
 ) -> Result<(ConnectOptions, String)> {
     options.validate()?;
+    // async-nats builds its TLS configuration on rustls's process-wide crypto provider, which
+    // rustls cannot pick by itself when a build links both ring and aws-lc-rs (the AWS SDK
+    // brings the latter: the facade with every platform, the Python and Node packages), and
+    // panics. Install ring, what async-nats is built with, unless the application chose one.
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
     let mut co = ConnectOptions::new()
         .connection_timeout(options.request_timeout)
         .request_timeout(Some(options.request_timeout))
