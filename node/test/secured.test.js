@@ -1,5 +1,5 @@
 'use strict'
-// Secured Kafka from Node (#23): SASL_SSL with SCRAM given as the `options` object of
+// Secured connections from Node (#23): Kafka SASL_SSL with SCRAM given as the `options` object of
 // connect() (nothing secret in the URL), a transaction over it, and refusals that reject with
 // ONCEFLOW_AUTH quickly without showing the password. Runs on the secured listeners
 // `tests/brokers/up.sh kafka` starts (ONCEFLOW_KAFKA_SASL_SSL_URL and the CA / user / password
@@ -61,3 +61,37 @@ for (const kase of ['wrong password', 'untrusted CA']) {
     assert.ok(!shown.includes(wrong) && !shown.includes(real), shown)
   })
 }
+
+const natsUrl = process.env.ONCEFLOW_NATS_SECURE_URL
+if (!natsUrl && process.env.ONCEFLOW_REQUIRE_BROKERS === '1') {
+  throw new Error('ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_NATS_SECURE_URL is not set')
+}
+const skipNats = natsUrl ? false : 'ONCEFLOW_NATS_SECURE_URL is not set: start tests/brokers/up.sh nats-secure'
+
+test('NATS over TLS with user and password options: round trip; a wrong password is ONCEFLOW_AUTH', { skip: skipNats }, async () => {
+  const options = {
+    user: process.env.ONCEFLOW_NATS_SECURE_USER,
+    password: process.env.ONCEFLOW_NATS_SECURE_PASSWORD,
+    tls_ca: process.env.ONCEFLOW_NATS_SECURE_CA,
+  }
+  const client = await onceflow.connect(natsUrl, options)
+  const t = await topic(client)
+  const producer = await client.producer()
+  await producer.send({ topic: t, payload: 'over-tls' })
+  const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+  const got = await collect(consumer, 1)
+  assert.deepEqual(got.map((m) => m.payload.toString()), ['over-tls'])
+  await consumer.close()
+  await producer.close()
+
+  const wrong = 'node-wrong-nats-password-5e7a'
+  const started = Date.now()
+  const err = await onceflow.connect(natsUrl, { ...options, password: wrong }).then(
+    () => assert.fail('connect succeeded'),
+    (e) => e,
+  )
+  console.log(`AUTH node nats wrong password ${Date.now() - started} ms: ${err.message}`)
+  assert.equal(err.code, 'ONCEFLOW_AUTH', err.message)
+  const shown = `${err.message} ${err.stack}`
+  assert.ok(!shown.includes(wrong) && !shown.includes(options.password), shown)
+})
