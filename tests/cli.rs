@@ -279,7 +279,13 @@ fn credentials_in_a_url_never_reach_the_terminal() {
             !stderr.contains("s3cret") && !stderr.contains("tok3n"),
             "{url}: {stderr}"
         );
-        assert!(stderr.contains("***"), "{url}: {stderr}");
+        if code == 2 {
+            // Bad input echoes the URL: with its credentials masked.
+            assert!(stderr.contains("***"), "{url}: {stderr}");
+        } else {
+            // A NATS connect error names the server, whose user info it leaves out.
+            assert!(stderr.contains("127.0.0.1:1"), "{url}: {stderr}");
+        }
     }
     let dir = tempfile::tempdir().unwrap();
     for dedup in ["mysql://u:s3cret@x/db", "password=s3cret"] {
