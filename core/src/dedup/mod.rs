@@ -251,7 +251,7 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
     let shown = crate::error::shown(&crate::error::redact_credentials(url));
     use crate::error::Error;
     const SUPPORTED: &str = "memory://[?capacity=N], embedded:///absolute/path.db, a plain file \
-         path, redis://… or postgres://… (the last two through the onceflow facade)";
+         path, redis://… or postgres://… (where this build includes them)";
     if window.is_zero() {
         return Err(Error::config(format!(
             "dedup window for '{shown}' is 0: expected a positive duration (how long completed \
