@@ -9,4 +9,5 @@ pub mod dedup_suite;
 pub mod engine_suite;
 pub mod fault_proxy;
 pub mod harness;
+pub mod http;
 pub mod interop;

@@ -29,7 +29,6 @@ use onceflow_conformance::backend_suite::{self, run_case};
 use onceflow_conformance::engine_suite;
 use onceflow_conformance::harness::{broker_url, PlatformHarness, Timings};
 use onceflow_core::ErrorKind;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The secured listeners and credentials `up.sh kafka` printed, or `None` (skip) without them.
 struct Env {
@@ -181,76 +180,33 @@ async fn token_endpoint(
     client_id: &'static str,
     client_secret: &'static str,
 ) -> (String, Arc<Mutex<Vec<String>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                return;
-            };
-            let log = log.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                // Headers, then the form body of Content-Length bytes.
-                loop {
-                    let n = match sock.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    buf.extend_from_slice(&chunk[..n]);
-                    let text = String::from_utf8_lossy(&buf).to_string();
-                    if let Some(end) = text.find("\r\n\r\n") {
-                        let length = text[..end]
-                            .lines()
-                            .find_map(|l| {
-                                let (k, v) = l.split_once(':')?;
-                                k.eq_ignore_ascii_case("content-length")
-                                    .then(|| v.trim().parse::<usize>().ok())?
-                            })
-                            .unwrap_or(0);
-                        if buf.len() >= end + 4 + length {
-                            break;
-                        }
-                    }
-                }
-                let request = String::from_utf8_lossy(&buf).to_string();
-                log.lock().unwrap().push(request.clone());
-                let expected = format!(
-                    "Basic {}",
-                    base64::Engine::encode(
-                        &base64::engine::general_purpose::STANDARD,
-                        format!("{client_id}:{client_secret}")
-                    )
-                );
-                let authorized = request
-                    .lines()
-                    .any(|l| l.trim_end() == format!("Authorization: {expected}"));
-                let (status, body) = if authorized {
-                    (
-                        "200 OK",
-                        format!(
-                            r#"{{"access_token":"{}","token_type":"bearer","expires_in":3600}}"#,
-                            unsecured_jwt("onceflow-oidc")
-                        ),
-                    )
-                } else {
-                    (
-                        "401 Unauthorized",
-                        r#"{"error":"invalid_client"}"#.to_string(),
-                    )
-                };
-                let reply = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = sock.write_all(reply.as_bytes()).await;
-                let _ = sock.shutdown().await;
-            });
+    let expected = format!(
+        "Basic {}",
+        base64::Engine::encode(
+            &base64::engine::general_purpose::STANDARD,
+            format!("{client_id}:{client_secret}")
+        )
+    );
+    let addr = onceflow_conformance::http::serve("127.0.0.1:0", move |r| {
+        log.lock()
+            .unwrap()
+            .push(format!("{}\r\n\r\n{}", r.head, r.body));
+        if r.header("authorization") == Some(expected.as_str()) {
+            let body = format!(
+                r#"{{"access_token":"{}","token_type":"bearer","expires_in":3600}}"#,
+                unsecured_jwt("onceflow-oidc")
+            );
+            ("200 OK", body)
+        } else {
+            (
+                "401 Unauthorized",
+                r#"{"error":"invalid_client"}"#.to_string(),
+            )
         }
-    });
+    })
+    .await;
     (format!("http://{addr}/oauth2/token"), seen)
 }
 

@@ -209,8 +209,8 @@ impl Refusal {
 
 /// The client context of [`KafkaPlatform::check`]: keeps the first refusal librdkafka reports
 /// (an error event, read by polling the consumer, with the reason of librdkafka's last `FAIL`
-/// log line, or an error callback), and forwards librdkafka's log lines to `tracing` at debug
-/// level.
+/// log line; a consumer's error events come through its poll, never the error callback), and
+/// forwards librdkafka's log lines to `tracing` at debug level.
 #[derive(Default)]
 struct CheckContext {
     refusal: parking_lot::Mutex<Option<Refusal>>,
@@ -286,13 +286,6 @@ impl rdkafka::client::ClientContext for CheckContext {
         ) && matches!(fac, "FAIL" | "ERROR")
         {
             *self.last_failure.lock() = Some(message.to_string());
-        }
-    }
-
-    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
-        tracing::debug!(target: "librdkafka", "connection check: {error}: {reason}");
-        if let Some(code) = error.rdkafka_error_code() {
-            self.note(code, reason);
         }
     }
 }

@@ -41,7 +41,6 @@ use onceflow_core::{
     Client, ConsumerConfig, ErrorKind, PlatformBackend, ProducerConfig, Record, StartFrom,
     TopicSpec,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Upper bound on how long a refused connection may take.
 const FAIL_FAST: Duration = Duration::from_secs(15);
@@ -569,96 +568,61 @@ async fn oauth2_server(
     client_id: &'static str,
     client_secret: &'static str,
 ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let issuer = format!("http://{}/", listener.local_addr().unwrap());
     let issued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (iss, count) = (issuer.clone(), issued.clone());
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let (iss, count, key) = (iss.clone(), count.clone(), secret_key.clone());
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                // Read the head, then the body by Content-Length.
-                let (head, body) = loop {
-                    let n = match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    buf.extend_from_slice(&chunk[..n]);
-                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..i]).to_string();
-                        let len = head
-                            .lines()
-                            .find_map(|l| {
-                                let (k, v) = l.split_once(':')?;
-                                k.eq_ignore_ascii_case("content-length")
-                                    .then(|| v.trim().parse::<usize>().ok())?
-                            })
-                            .unwrap_or(0);
-                        while buf.len() < i + 4 + len {
-                            match s.read(&mut chunk).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                            }
-                        }
-                        break (head, String::from_utf8_lossy(&buf[i + 4..]).to_string());
-                    }
-                };
-                let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
-                let (status, json) = if path.ends_with("/.well-known/openid-configuration") {
-                    (
-                        "200 OK",
-                        serde_json::json!({
-                            "issuer": iss,
-                            "authorization_endpoint": format!("{iss}authorize"),
-                            "token_endpoint": format!("{iss}token"),
-                            "jwks_uri": format!("{iss}jwks"),
-                            "response_types_supported": ["code"],
-                            "subject_types_supported": ["public"],
-                            "id_token_signing_alg_values_supported": ["RS256"],
-                        }),
-                    )
-                } else if path.ends_with("/jwks") {
-                    ("200 OK", serde_json::json!({"keys": []}))
-                } else if path.ends_with("/token") {
-                    let form: std::collections::HashMap<String, String> =
-                        url::form_urlencoded::parse(body.as_bytes())
-                            .into_owned()
-                            .collect();
-                    let ok = form.get("grant_type").map(String::as_str)
-                        == Some("client_credentials")
-                        && form.get("client_id").map(String::as_str) == Some(client_id)
-                        && form.get("client_secret").map(String::as_str) == Some(client_secret);
-                    if ok {
-                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        (
-                            "200 OK",
-                            serde_json::json!({
-                                "access_token": jwt(&key, "onceflow-oauth2", Some(Duration::from_secs(600))),
-                                "token_type": "Bearer",
-                                "expires_in": 600,
-                            }),
-                        )
-                    } else {
-                        (
-                            "401 Unauthorized",
-                            serde_json::json!({"error": "invalid_client"}),
-                        )
-                    }
-                } else {
-                    ("404 Not Found", serde_json::json!({"error": "not_found"}))
-                };
-                let body = json.to_string();
-                let resp = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(resp.as_bytes()).await;
-                let _ = s.shutdown().await;
-            });
-        }
-    });
+    let count = issued.clone();
+    // The issuer names its own address, known only once bound.
+    let issuer_of = Arc::new(std::sync::OnceLock::<String>::new());
+    let iss_cell = issuer_of.clone();
+    let addr = onceflow_conformance::http::serve("127.0.0.1:0", move |r| {
+        let iss = iss_cell.get().cloned().unwrap_or_default();
+        let path = r.path();
+        let (status, json) = if path.ends_with("/.well-known/openid-configuration") {
+            (
+                "200 OK",
+                serde_json::json!({
+                    "issuer": iss,
+                    "authorization_endpoint": format!("{iss}authorize"),
+                    "token_endpoint": format!("{iss}token"),
+                    "jwks_uri": format!("{iss}jwks"),
+                    "response_types_supported": ["code"],
+                    "subject_types_supported": ["public"],
+                    "id_token_signing_alg_values_supported": ["RS256"],
+                }),
+            )
+        } else if path.ends_with("/jwks") {
+            ("200 OK", serde_json::json!({"keys": []}))
+        } else if path.ends_with("/token") {
+            let form: std::collections::HashMap<String, String> =
+                url::form_urlencoded::parse(r.body.as_bytes())
+                    .into_owned()
+                    .collect();
+            let ok = form.get("grant_type").map(String::as_str) == Some("client_credentials")
+                && form.get("client_id").map(String::as_str) == Some(client_id)
+                && form.get("client_secret").map(String::as_str) == Some(client_secret);
+            if ok {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                (
+                    "200 OK",
+                    serde_json::json!({
+                        "access_token": jwt(&secret_key, "onceflow-oauth2", Some(Duration::from_secs(600))),
+                        "token_type": "Bearer",
+                        "expires_in": 600,
+                    }),
+                )
+            } else {
+                (
+                    "401 Unauthorized",
+                    serde_json::json!({"error": "invalid_client"}),
+                )
+            }
+        } else {
+            ("404 Not Found", serde_json::json!({"error": "not_found"}))
+        };
+        (status, json.to_string())
+    })
+    .await;
+    let issuer = format!("http://{addr}/");
+    issuer_of.set(issuer.clone()).unwrap();
     (issuer, issued)
 }
 
