@@ -11,3 +11,4 @@ pub mod fault_proxy;
 pub mod harness;
 pub mod http;
 pub mod interop;
+pub mod logs;

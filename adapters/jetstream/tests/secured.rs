@@ -10,7 +10,7 @@
 //! `ONCEFLOW_REQUIRE_BROKERS=1` that is a failure.
 
 use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -66,7 +66,7 @@ fn env(test: &str) -> Option<Env> {
             return None;
         }
     }
-    capture_logs();
+    onceflow_conformance::logs::capture();
     Some(Env {
         url: var(URL_VAR),
         ca: var("ONCEFLOW_NATS_SECURE_CA"),
@@ -137,7 +137,7 @@ impl Env {
 
     /// Fails when any secret appears in `texts` or in the log lines captured so far.
     fn assert_no_secrets(&self, test: &str, texts: &[String]) {
-        let logs = String::from_utf8_lossy(&LOGS.get().unwrap().lock().unwrap()).into_owned();
+        let logs = onceflow_conformance::logs::captured();
         assert!(!logs.is_empty(), "no log line was captured");
         for (what, secret) in self.secrets() {
             for t in texts {
@@ -169,36 +169,6 @@ impl Env {
     }
 }
 
-static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Every log line of this test binary (onceflow's and async-nats', TRACE and up) into
-/// [`LOGS`].
-fn capture_logs() {
-    LOGS.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || Capture(sink.clone()))
-            .try_init()
-            .expect("the only subscriber of this test binary");
-        buf
-    });
-}
-
 /// Connects to `url`, printing how long it took.
 async fn connect(test: &str, url: &str) -> Arc<JetStreamPlatform> {
     let t0 = Instant::now();
@@ -208,12 +178,10 @@ async fn connect(test: &str, url: &str) -> Arc<JetStreamPlatform> {
     eprintln!("CONNECT {test} in {} ms", t0.elapsed().as_millis());
     // async-nats' CONNECT line (credentials redacted by it) reached the captured logs: the
     // secret check below reads what async-nats logs at TRACE.
-    let logs = LOGS.get().unwrap().lock().unwrap();
     assert!(
-        String::from_utf8_lossy(&logs).contains("write operation: CONNECT"),
+        onceflow_conformance::logs::captured().contains("write operation: CONNECT"),
         "async-nats' TRACE lines are not captured"
     );
-    drop(logs);
     p
 }
 

@@ -9,9 +9,9 @@
 //! the certificate does not name, a client certificate from another CA. Every error's text
 //! and `Debug`, and the stores' `Debug`, are searched for the password.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+use onceflow_conformance::logs::{capture as capture_logs, captured as logs};
 
 use bytes::Bytes;
 use onceflow_core::checkpoint::{CheckpointRequest, CheckpointStoreExt, NewLease, TakeRequest};
@@ -22,41 +22,6 @@ use onceflow_redis::{RedisCheckpointStore, RedisStore};
 
 /// Upper bound for a refusal (the connect timeout is 5 s).
 const FAST: Duration = Duration::from_secs(15);
-
-static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Every log line of this test binary (onceflow's tracing events and the clients' `log`
-/// records, TRACE and up) into [`LOGS`].
-fn capture_logs() {
-    LOGS.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        tracing_subscriber::fmt()
-            .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
-            .with_ansi(false)
-            .with_writer(move || Capture(sink.clone()))
-            .try_init()
-            .expect("the only subscriber of this test binary");
-        buf
-    });
-}
-
-/// The captured log lines so far.
-fn logs() -> String {
-    String::from_utf8_lossy(&LOGS.get().unwrap().lock().unwrap()).into_owned()
-}
 
 /// What `tests/brokers/redis-secure/up.sh` printed.
 struct Secure {
