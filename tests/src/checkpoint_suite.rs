@@ -801,3 +801,68 @@ pub async fn two_handles_race_on_one_store(h: &dyn CheckpointHarness) {
         assert_eq!(l.owner.as_deref(), Some(expected), "{}", l.key);
     }
 }
+
+/// One store's lease cycle, for a store opened some other way than a suite's harness (over
+/// TLS, say): create, take, checkpoint, renew, release.
+pub async fn lease_round_trip(store: &dyn onceflow_core::checkpoint::CheckpointStore) {
+    let group = format!("g-{}", crate::harness::random_suffix());
+    assert!(store
+        .create_one(
+            &group,
+            NewLease {
+                key: "shard-1".into(),
+                checkpoint: None,
+                parents: vec![],
+            },
+        )
+        .await
+        .unwrap());
+    let lease = store.get_one(&group, "shard-1").await.unwrap().unwrap();
+    let counter = match store
+        .take_one(
+            &group,
+            TakeRequest {
+                key: "shard-1".into(),
+                owner: "w1".into(),
+                expected_counter: lease.counter,
+                lease: Duration::from_secs(30),
+            },
+        )
+        .await
+        .unwrap()
+    {
+        TakeOutcome::Taken { counter } => counter,
+        other => panic!("{other:?}"),
+    };
+    assert!(store
+        .checkpoint_one(
+            &group,
+            CheckpointRequest {
+                key: "shard-1".into(),
+                owner: "w1".into(),
+                counter,
+                checkpoint: "seq-42".into(),
+            },
+        )
+        .await
+        .unwrap());
+    let held = HeldLease {
+        key: "shard-1".into(),
+        owner: "w1".into(),
+        counter,
+    };
+    let renewed = store
+        .renew_one(&group, &held, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("renewed");
+    let held = HeldLease {
+        counter: renewed,
+        ..held
+    };
+    assert!(store.release_one(&group, &held).await.unwrap());
+    let lease = store.get_one(&group, "shard-1").await.unwrap().unwrap();
+    assert_eq!(lease.checkpoint.as_deref(), Some("seq-42"));
+    assert!(lease.owner.is_none(), "{lease:?}");
+    assert!(store.delete_one(&group, "shard-1").await.unwrap());
+}

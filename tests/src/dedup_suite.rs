@@ -921,3 +921,42 @@ pub async fn unusable_location_is_a_clear_error(h: &dyn StoreHarness, _: &Case) 
         }
     }
 }
+
+/// One store's round trip, for a store opened some other way than a suite's harness (over
+/// TLS, say): claim, complete with a result, the duplicate, get.
+pub async fn round_trip(store: &dyn DedupStore) {
+    let key = format!("k-{}", crate::harness::random_suffix());
+    let claim = |owner: &str| ClaimRequest {
+        key: key.clone(),
+        owner: owner.into(),
+        lease: Duration::from_secs(30),
+        fingerprint: Some(7),
+    };
+    let token = match store.claim_one(claim("w1")).await.unwrap() {
+        ClaimOutcome::Claimed { token } => token,
+        other => panic!("{other:?}"),
+    };
+    match store.claim_one(claim("w2")).await.unwrap() {
+        ClaimOutcome::InProgress { owner, .. } => assert_eq!(owner, "w1"),
+        other => panic!("{other:?}"),
+    }
+    assert!(store
+        .complete_one(&key, token, Some(Bytes::from_static(b"done")))
+        .await
+        .unwrap());
+    assert_eq!(
+        store.claim_one(claim("w2")).await.unwrap(),
+        ClaimOutcome::Duplicate {
+            result: Some(Bytes::from_static(b"done"))
+        }
+    );
+    match store.get_one(&key).await.unwrap() {
+        Some(KeyState::Completed {
+            token: t, result, ..
+        }) => {
+            assert_eq!(t, token);
+            assert_eq!(result.as_deref(), Some(&b"done"[..]));
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -15,14 +15,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use onceflow_conformance::logs::{capture as capture_logs, captured as logs};
-
 use async_trait::async_trait;
-use bytes::Bytes;
-use onceflow_core::checkpoint::{
-    CheckpointRequest, CheckpointStoreExt, HeldLease, NewLease, TakeOutcome, TakeRequest,
-};
-use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, DedupStoreExt, KeyState};
+use onceflow_conformance::logs::{capture as capture_logs, captured as logs};
 use onceflow_core::{
     BoxError, Client, ConsumerConfig, Error, ErrorKind, Message, ProducerConfig, Record, StartFrom,
     TopicSpec,
@@ -127,106 +121,6 @@ impl Secure {
     }
 }
 
-async fn dedup_round_trip(store: &PostgresStore) {
-    let key = unique("k");
-    let claim = |owner: &str| ClaimRequest {
-        key: key.clone(),
-        owner: owner.into(),
-        lease: Duration::from_secs(30),
-        fingerprint: Some(7),
-    };
-    let token = match store.claim_one(claim("w1")).await.unwrap() {
-        ClaimOutcome::Claimed { token } => token,
-        other => panic!("{other:?}"),
-    };
-    match store.claim_one(claim("w2")).await.unwrap() {
-        ClaimOutcome::InProgress { owner, .. } => assert_eq!(owner, "w1"),
-        other => panic!("{other:?}"),
-    }
-    assert!(store
-        .complete_one(&key, token, Some(Bytes::from_static(b"done")))
-        .await
-        .unwrap());
-    assert_eq!(
-        store.claim_one(claim("w2")).await.unwrap(),
-        ClaimOutcome::Duplicate {
-            result: Some(Bytes::from_static(b"done"))
-        }
-    );
-    match store.get_one(&key).await.unwrap() {
-        Some(KeyState::Completed {
-            token: t, result, ..
-        }) => {
-            assert_eq!(t, token);
-            assert_eq!(result.as_deref(), Some(&b"done"[..]));
-        }
-        other => panic!("{other:?}"),
-    }
-}
-
-async fn checkpoint_round_trip(store: &PostgresCheckpointStore) {
-    let group = unique("g");
-    assert!(store
-        .create_one(
-            &group,
-            NewLease {
-                key: "shard-1".into(),
-                checkpoint: None,
-                parents: vec![],
-            },
-        )
-        .await
-        .unwrap());
-    let lease = store.get_one(&group, "shard-1").await.unwrap().unwrap();
-    let counter = match store
-        .take_one(
-            &group,
-            TakeRequest {
-                key: "shard-1".into(),
-                owner: "w1".into(),
-                expected_counter: lease.counter,
-                lease: Duration::from_secs(30),
-            },
-        )
-        .await
-        .unwrap()
-    {
-        TakeOutcome::Taken { counter } => counter,
-        other => panic!("{other:?}"),
-    };
-    assert!(store
-        .checkpoint_one(
-            &group,
-            CheckpointRequest {
-                key: "shard-1".into(),
-                owner: "w1".into(),
-                counter,
-                checkpoint: "seq-42".into(),
-            },
-        )
-        .await
-        .unwrap());
-    let held = HeldLease {
-        key: "shard-1".into(),
-        owner: "w1".into(),
-        counter,
-    };
-    let renewed = store
-        .renew_one(&group, &held, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .expect("renewed");
-    let held = HeldLease {
-        counter: renewed,
-        ..held
-    };
-    assert!(store.release_one(&group, &held).await.unwrap());
-    let lease = store.get_one(&group, "shard-1").await.unwrap().unwrap();
-    assert_eq!(lease.checkpoint.as_deref(), Some("seq-42"));
-    assert!(lease.owner.is_none(), "{lease:?}");
-    assert!(store.delete_one(&group, "shard-1").await.unwrap());
-}
-
 async fn drop_schema(store: &PostgresStore) {
     store
         .pool()
@@ -271,16 +165,16 @@ async fn dedup_and_checkpoint_stores_over_verify_full() {
     );
     s.assert_no_secret(&format!("{store:?}"));
     assert_tls(&store).await;
-    dedup_round_trip(&store).await;
+    onceflow_conformance::dedup_suite::round_trip(&store).await;
     let cp = PostgresCheckpointStore::open(&url).await.unwrap();
     s.assert_no_secret(&format!("{cp:?}"));
-    checkpoint_round_trip(&cp).await;
+    onceflow_conformance::checkpoint_suite::lease_round_trip(&cp).await;
     // `localhost` is in the certificate too.
     let local = format!(
         "{}&schema={schema}",
         s.url_for("localhost", &s.user, &s.password, &s.verify_full())
     );
-    dedup_round_trip(
+    onceflow_conformance::dedup_suite::round_trip(
         &PostgresStore::open(&local, Duration::from_secs(600))
             .await
             .unwrap(),
@@ -521,8 +415,11 @@ async fn client_certificate_instead_of_a_password() {
     let store = PostgresStore::open(&url, Duration::from_secs(600))
         .await
         .unwrap();
-    dedup_round_trip(&store).await;
-    checkpoint_round_trip(&PostgresCheckpointStore::open(&url).await.unwrap()).await;
+    onceflow_conformance::dedup_suite::round_trip(&store).await;
+    onceflow_conformance::checkpoint_suite::lease_round_trip(
+        &PostgresCheckpointStore::open(&url).await.unwrap(),
+    )
+    .await;
     drop_schema(&store).await;
     // The same user without the certificate: `cert` authentication refuses it.
     let e = refused(
@@ -593,7 +490,7 @@ async fn password_from_pgpassword_and_password_files() {
     let store = PostgresStore::open(&no_pw, Duration::from_secs(600))
         .await
         .unwrap();
-    dedup_round_trip(&store).await;
+    onceflow_conformance::dedup_suite::round_trip(&store).await;
     texts.push(format!("{store:?}"));
     set_env("PGPASSWORD", Some("not-the-password"));
     let e = refused(&s, "wrong PGPASSWORD", &no_pw).await;
@@ -628,9 +525,9 @@ async fn password_from_pgpassword_and_password_files() {
     let store = PostgresStore::open(&no_pw, Duration::from_secs(600))
         .await
         .unwrap();
-    dedup_round_trip(&store).await;
+    onceflow_conformance::dedup_suite::round_trip(&store).await;
     let cp = PostgresCheckpointStore::open(&no_pw).await.unwrap();
-    checkpoint_round_trip(&cp).await;
+    onceflow_conformance::checkpoint_suite::lease_round_trip(&cp).await;
     texts.push(format!("{store:?} {cp:?}"));
     // The URL's passfile= wins over PGPASSFILE.
     set_env("PGPASSFILE", Some(missing.to_str().unwrap()));

@@ -12,11 +12,6 @@
 use std::time::{Duration, Instant};
 
 use onceflow_conformance::logs::{capture as capture_logs, captured as logs};
-
-use bytes::Bytes;
-use onceflow_core::checkpoint::{CheckpointRequest, CheckpointStoreExt, NewLease, TakeRequest};
-use onceflow_core::checkpoint::{HeldLease, TakeOutcome};
-use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, DedupStoreExt, KeyState};
 use onceflow_core::{Error, ErrorKind};
 use onceflow_redis::{RedisCheckpointStore, RedisStore};
 
@@ -118,108 +113,6 @@ impl Secure {
     }
 }
 
-/// The dedup store's round trip: claim, complete with a result, the duplicate, get.
-async fn dedup_round_trip(store: &RedisStore) {
-    let key = unique("k");
-    let claim = |owner: &str| ClaimRequest {
-        key: key.clone(),
-        owner: owner.into(),
-        lease: Duration::from_secs(30),
-        fingerprint: Some(7),
-    };
-    let token = match store.claim_one(claim("w1")).await.unwrap() {
-        ClaimOutcome::Claimed { token } => token,
-        other => panic!("{other:?}"),
-    };
-    match store.claim_one(claim("w2")).await.unwrap() {
-        ClaimOutcome::InProgress { owner, .. } => assert_eq!(owner, "w1"),
-        other => panic!("{other:?}"),
-    }
-    assert!(store
-        .complete_one(&key, token, Some(Bytes::from_static(b"done")))
-        .await
-        .unwrap());
-    assert_eq!(
-        store.claim_one(claim("w2")).await.unwrap(),
-        ClaimOutcome::Duplicate {
-            result: Some(Bytes::from_static(b"done"))
-        }
-    );
-    match store.get_one(&key).await.unwrap() {
-        Some(KeyState::Completed {
-            token: t, result, ..
-        }) => {
-            assert_eq!(t, token);
-            assert_eq!(result.as_deref(), Some(&b"done"[..]));
-        }
-        other => panic!("{other:?}"),
-    }
-}
-
-/// The checkpoint store's lease cycle: create, take, checkpoint, renew, release.
-async fn checkpoint_round_trip(store: &RedisCheckpointStore) {
-    let group = unique("g");
-    assert!(store
-        .create_one(
-            &group,
-            NewLease {
-                key: "shard-1".into(),
-                checkpoint: None,
-                parents: vec![],
-            },
-        )
-        .await
-        .unwrap());
-    let lease = store.get_one(&group, "shard-1").await.unwrap().unwrap();
-    let counter = match store
-        .take_one(
-            &group,
-            TakeRequest {
-                key: "shard-1".into(),
-                owner: "w1".into(),
-                expected_counter: lease.counter,
-                lease: Duration::from_secs(30),
-            },
-        )
-        .await
-        .unwrap()
-    {
-        TakeOutcome::Taken { counter } => counter,
-        other => panic!("{other:?}"),
-    };
-    assert!(store
-        .checkpoint_one(
-            &group,
-            CheckpointRequest {
-                key: "shard-1".into(),
-                owner: "w1".into(),
-                counter,
-                checkpoint: "seq-42".into(),
-            },
-        )
-        .await
-        .unwrap());
-    let held = HeldLease {
-        key: "shard-1".into(),
-        owner: "w1".into(),
-        counter,
-    };
-    let renewed = store
-        .renew_one(&group, &held, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .expect("renewed");
-    let held = HeldLease {
-        counter: renewed,
-        ..held
-    };
-    assert!(store.release_one(&group, &held).await.unwrap());
-    let lease = store.get_one(&group, "shard-1").await.unwrap().unwrap();
-    assert_eq!(lease.checkpoint.as_deref(), Some("seq-42"));
-    assert!(lease.owner.is_none(), "{lease:?}");
-    assert!(store.delete_one(&group, "shard-1").await.unwrap());
-}
-
 #[tokio::test]
 async fn dedup_and_checkpoint_stores_over_tls_with_an_acl_user() {
     let Some(s) = secure("secured") else { return };
@@ -238,15 +131,15 @@ async fn dedup_and_checkpoint_stores_over_tls_with_an_acl_user() {
     s.assert_no_secret(&format!("{store:?}"));
     s.assert_no_secret(store.url());
     assert!(store.url().contains("***"), "{}", store.url());
-    dedup_round_trip(&store).await;
+    onceflow_conformance::dedup_suite::round_trip(&store).await;
     let cp = RedisCheckpointStore::open(&s.url(&s.password, &s.ca_query()))
         .await
         .unwrap();
     s.assert_no_secret(&format!("{cp:?}"));
-    checkpoint_round_trip(&cp).await;
+    onceflow_conformance::checkpoint_suite::lease_round_trip(&cp).await;
     // `localhost` is in the certificate too.
     let local = s.url_at("localhost", &s.user, &s.password, &s.ca_query());
-    dedup_round_trip(
+    onceflow_conformance::dedup_suite::round_trip(
         &RedisStore::open(&local, Duration::from_secs(600))
             .await
             .unwrap(),
@@ -267,11 +160,11 @@ async fn client_certificate_is_presented_and_checked() {
     let store = RedisStore::open(&s.url(&s.password, &mtls), Duration::from_secs(600))
         .await
         .unwrap();
-    dedup_round_trip(&store).await;
+    onceflow_conformance::dedup_suite::round_trip(&store).await;
     let cp = RedisCheckpointStore::open(&s.url(&s.password, &mtls))
         .await
         .unwrap();
-    checkpoint_round_trip(&cp).await;
+    onceflow_conformance::checkpoint_suite::lease_round_trip(&cp).await;
     // A certificate from a CA the server does not trust is refused by the server.
     let rogue = format!("{}&cert={}&key={}", s.ca_query(), s.rogue_cert, s.rogue_key);
     let e = refused(&s, "rogue client certificate", &s.url(&s.password, &rogue)).await;
@@ -376,7 +269,7 @@ async fn untrusted_ca_and_wrong_host_name_are_auth_errors() {
             &format!("ca={}", s.other_ca)
         )
     );
-    dedup_round_trip(
+    onceflow_conformance::dedup_suite::round_trip(
         &RedisStore::open(&insecure, Duration::from_secs(600))
             .await
             .unwrap(),
