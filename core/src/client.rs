@@ -284,11 +284,15 @@ fn prepare_batch_in(
     let mut send_spans = trace::SendSpans::new(platform.name());
     let limit = platform.max_record_bytes();
     let mut index = 0;
+    // The last topic found valid: a batch's records mostly share one.
+    let mut valid_topic = String::new();
     records.retain_mut(|r| {
         let i = index;
         index += 1;
         let parent = parents.get(i).and_then(Option::as_ref);
-        match prepare_with(platform, limit, r, |r| send_spans.on_send_in(r, parent)) {
+        match prepare_with(platform, limit, &mut valid_topic, r, |r| {
+            send_spans.on_send_in(r, parent)
+        }) {
             Ok(cx) => {
                 if let Some(cx) = cx {
                     spans.push((i, cx));
@@ -342,14 +346,18 @@ pub(crate) fn prepare_record(
 ) -> Result<Option<opentelemetry::Context>> {
     let limit = platform.max_record_bytes();
     let system = platform.name();
-    prepare_with(platform, limit, record, |r| trace::on_send(system, r))
+    prepare_with(platform, limit, &mut String::new(), record, |r| {
+        trace::on_send(system, r)
+    })
 }
 
 /// Validates `record` (limit: the platform's `max_record_bytes`), writes the `idempotency-key`
-/// header and, through `on_send`, the trace context.
+/// header and, through `on_send`, the trace context. `valid_topic` is a topic already found
+/// valid: the topic is checked again only when `record`'s differs, and kept once it passes.
 fn prepare_with(
     platform: &dyn PlatformBackend,
     limit: usize,
+    valid_topic: &mut String,
     record: &mut Record,
     on_send: impl FnOnce(&mut Record) -> Option<opentelemetry::Context>,
 ) -> Result<Option<opentelemetry::Context>> {
@@ -358,7 +366,10 @@ fn prepare_with(
             "record topic is empty: expected a topic name",
         ));
     }
-    platform.validate_topic(&record.topic)?;
+    if *valid_topic != record.topic {
+        platform.validate_topic(&record.topic)?;
+        valid_topic.clone_from(&record.topic);
+    }
     if let Some(k) = &record.idempotency_key {
         if k.is_empty() {
             return Err(Error::config(

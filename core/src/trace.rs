@@ -205,30 +205,33 @@ fn on_send_with(
     record: &mut Record,
 ) -> Option<Context> {
     let parent = parent_for_send(record);
-    send_in(tracer, system, &parent, record)
+    send_in(tracer, system, &parent, record).0
 }
 
 /// Starts the producer span for `record` as a child of `parent` and injects its context (or,
 /// for a span that records nothing, what propagates through it); returns the span context to
 /// end, `None` when there is nothing to end.
+/// Also returns whether the tracer handed `parent` through (a span that records nothing with
+/// exactly the parent's span context: the no-op tracer).
 fn send_in(
     tracer: &global::BoxedTracer,
     system: &'static str,
     parent: &Context,
     record: &mut Record,
-) -> Option<Context> {
+) -> (Option<Context>, bool) {
     let span = start_span(tracer, system, parent, record);
     if span.is_recording() {
         let cx = parent.with_span(span);
         inject(&cx, &mut record.headers);
-        return Some(cx);
+        return (Some(cx), false);
     }
     if span.span_context() == parent.span().span_context() {
         inject(parent, &mut record.headers);
+        (None, true)
     } else {
         inject(&parent.with_span(span), &mut record.headers);
+        (None, false)
     }
-    None
 }
 
 /// Producer spans for records sent together ([`crate::Producer::send_batch`], a transaction's
@@ -248,6 +251,10 @@ pub struct SendSpans {
     current: Context,
     current_valid: bool,
     mode: PassThrough,
+    /// Whether the tracer hands a given parent through (learnt from the first record sent
+    /// with a parent of its own, [`SendSpans::on_send_in`]): then the later ones only inject
+    /// their parent, and no span is started for them.
+    parent_passes: Option<bool>,
 }
 
 enum PassThrough {
@@ -276,6 +283,7 @@ impl SendSpans {
             current,
             current_valid,
             mode: PassThrough::Unknown,
+            parent_passes: None,
         }
     }
 
@@ -325,7 +333,16 @@ impl SendSpans {
     /// own trace headers say; those are replaced. `None` as `parent` is [`SendSpans::on_send`].
     pub fn on_send_in(&mut self, record: &mut Record, parent: Option<&Context>) -> Option<Context> {
         match parent {
-            Some(parent) => send_in(&self.tracer, self.system, parent, record),
+            Some(parent) if self.parent_passes == Some(true) => {
+                // What `send_in` does with a span that has the parent's context.
+                inject(parent, &mut record.headers);
+                None
+            }
+            Some(parent) => {
+                let (cx, passes) = send_in(&self.tracer, self.system, parent, record);
+                self.parent_passes.get_or_insert(passes);
+                cx
+            }
             None => self.on_send(record),
         }
     }
@@ -416,26 +433,64 @@ pub fn process_context(system: &'static str, group: &str, message: &Message) -> 
 }
 
 /// [`process_context`] for an engine: a malformed `traceparent` is counted in its `metrics`.
+/// `process {topic}` spans for the messages of one batch through one tracer
+/// ([`process_context_counted`] per message). The first span also tells whether the tracer
+/// hands its parent through (the no-op tracer of an application without a tracer provider:
+/// a span that records nothing, with exactly the parent's span context); then the later
+/// messages' contexts are their extracted parents, and no span is started for them (a fifth
+/// of an exactly-once pipeline's own CPU time went to spans nothing recorded).
+pub(crate) struct ProcessSpans {
+    tracer: global::BoxedTracer,
+    parent_passes: Option<bool>,
+}
+
+impl ProcessSpans {
+    /// Spans through the global tracer as it is now.
+    pub(crate) fn new() -> Self {
+        ProcessSpans {
+            tracer: global::tracer(SCOPE),
+            parent_passes: None,
+        }
+    }
+
+    /// The context `message` is processed in (see [`process_context_counted`]).
+    pub(crate) fn start(
+        &mut self,
+        system: &'static str,
+        group: &str,
+        message: &Message,
+        metrics: Option<&Metrics>,
+    ) -> Context {
+        let parent = extract_counted(&message.headers, metrics);
+        if self.parent_passes == Some(true) {
+            return parent;
+        }
+        let span = self
+            .tracer
+            .span_builder(format!("process {}", message.topic))
+            .with_kind(SpanKind::Consumer)
+            .start_with_context(&self.tracer, &parent);
+        if span.is_recording() {
+            self.parent_passes = Some(false);
+            let mut span = span;
+            span.set_attributes(process_attributes(system, message, group));
+            return parent.with_span(span);
+        }
+        self.parent_passes
+            .get_or_insert(span.span_context() == parent.span().span_context());
+        parent.with_span(span)
+    }
+}
+
 pub(crate) fn process_context_counted(
     system: &'static str,
     group: &str,
     message: &Message,
     metrics: Option<&Metrics>,
 ) -> Context {
-    let parent = extract_counted(&message.headers, metrics);
-    let tracer = global::tracer(SCOPE);
-    let span = tracer
-        .span_builder(format!("process {}", message.topic))
-        .with_kind(SpanKind::Consumer)
-        .start_with_context(&tracer, &parent);
     // Attributes only for spans that are recorded (no cost without a tracer provider or when
     // the sampler drops the span).
-    if span.is_recording() {
-        let mut span = span;
-        span.set_attributes(process_attributes(system, message, group));
-        return parent.with_span(span);
-    }
-    parent.with_span(span)
+    ProcessSpans::new().start(system, group, message, metrics)
 }
 
 /// Starts one `process {topic}` span for a batch, with a link to every message's context (the
@@ -478,6 +533,7 @@ pub fn end(cx: &Context, error: Option<&crate::Error>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use opentelemetry::trace::TraceId;
 
     const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -583,6 +639,99 @@ mod tests {
         assert!(records.iter().all(|r| r.headers.is_empty()));
         // The first record tells the no-op tracer apart; the others start no span.
         assert!(cxs[0].is_some() && cxs[1].is_none() && cxs[2].is_none());
+    }
+
+    fn message(headers: Headers) -> Message {
+        Message {
+            topic: "t".into(),
+            partition: 0,
+            position: crate::Position::Offset(1),
+            key: None,
+            payload: Bytes::from_static(b"x"),
+            headers,
+            timestamp: None,
+            delivery_count: 1,
+        }
+    }
+
+    const TP2: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+    #[test]
+    fn process_spans_hand_each_messages_parent_through_the_no_op_tracer() {
+        let msgs = [
+            message(Headers::new().with(TRACEPARENT, TP)),
+            message(Headers::new()),
+            message(Headers::new().with(TRACEPARENT, TP2)),
+        ];
+        let mut spans = ProcessSpans::new();
+        let cxs: Vec<Context> = msgs
+            .iter()
+            .map(|m| spans.start("memory", "g", m, None))
+            .collect();
+        // The first span teaches it; the others start none. Each context is its message's.
+        assert_eq!(spans.parent_passes, Some(true));
+        for (m, cx) in msgs.iter().zip(&cxs) {
+            assert_eq!(
+                cx.span().span_context(),
+                extract(&m.headers).span().span_context()
+            );
+        }
+        let mut out = Record::new("o", "x");
+        inject(&cxs[2], &mut out.headers);
+        assert_eq!(out.headers.get_str(TRACEPARENT), Some(TP2));
+    }
+
+    #[test]
+    fn process_spans_start_a_span_per_message_with_a_tracer_provider() {
+        let (tracer, exporter) = sdk_tracer(opentelemetry_sdk::trace::Sampler::AlwaysOn);
+        let mut spans = ProcessSpans {
+            tracer,
+            parent_passes: None,
+        };
+        let m = message(Headers::new().with(TRACEPARENT, TP));
+        for _ in 0..3 {
+            let cx = spans.start("memory", "g", &m, None);
+            let sc = cx.span().span_context().clone();
+            // A child of the message's traceparent.
+            assert_eq!(sc.trace_id().to_string(), &TP[3..35]);
+            assert_ne!(sc.span_id().to_string(), &TP[36..52]);
+            end(&cx, None);
+        }
+        assert_eq!(spans.parent_passes, Some(false));
+        let finished = exporter.get_finished_spans().unwrap();
+        assert_eq!(finished.len(), 3);
+        assert!(finished.iter().all(|s| s.name == "process t"));
+    }
+
+    #[test]
+    fn send_spans_hand_a_records_parent_through_the_no_op_tracer() {
+        let parents = [
+            extract(&Headers::new().with(TRACEPARENT, TP)),
+            Context::new(),
+            extract(&Headers::new().with(TRACEPARENT, TP2)),
+        ];
+        let mut spans = SendSpans::new("memory");
+        let mut records: Vec<Record> = (0..3)
+            .map(|_| Record::new("t", "x").header(TRACEPARENT, TP))
+            .collect();
+        for (r, p) in records.iter_mut().zip(&parents) {
+            assert!(spans.on_send_in(r, Some(p)).is_none());
+        }
+        assert_eq!(spans.parent_passes, Some(true));
+        assert_eq!(records[0].headers.get_str(TRACEPARENT), Some(TP));
+        // A parent without a span context writes none: the record's own is removed.
+        assert_eq!(records[1].headers.get_str(TRACEPARENT), None);
+        assert_eq!(records[2].headers.get_str(TRACEPARENT), Some(TP2));
+        let (tracer, exporter) = sdk_tracer(opentelemetry_sdk::trace::Sampler::AlwaysOn);
+        let mut spans = SendSpans::with_tracer("memory", tracer);
+        for r in records.iter_mut() {
+            let cx = spans
+                .on_send_in(r, Some(&parents[0]))
+                .expect("a span per record");
+            end(&cx, None);
+        }
+        assert_eq!(spans.parent_passes, Some(false));
+        assert_eq!(exporter.get_finished_spans().unwrap().len(), 3);
     }
 
     #[test]

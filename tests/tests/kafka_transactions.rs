@@ -458,8 +458,38 @@ impl Transform for FailOnce {
 /// (before, they were committed past with the next transaction: 67 of 100 inputs lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again() {
-    let Some(url) = url("a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again")
-    else {
+    failing_transforms_lose_nothing(
+        "a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again",
+        100,
+        EngineConfig::default().batch_size,
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
+/// The same with batches of 5 inputs, so that the batch polled ahead while one is processed
+/// holds other partitions' inputs when a transform fails: the rewind reads those again too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transform_failure_reads_the_batch_polled_ahead_again() {
+    failing_transforms_lose_nothing(
+        "a_transform_failure_reads_the_batch_polled_ahead_again",
+        300,
+        5,
+        Duration::from_secs(20),
+    )
+    .await;
+}
+
+/// `inputs` on 3 partitions through a pipeline whose transform fails once on every input
+/// ending in 7 (no retry), run for `run_for`: each is in the output once, and the group's lag
+/// ends at 0.
+async fn failing_transforms_lose_nothing(
+    test: &str,
+    inputs: usize,
+    batch_size: usize,
+    run_for: Duration,
+) {
+    let Some(url) = url(test) else {
         return;
     };
     tokio::time::timeout(HANG_GUARD, async {
@@ -467,12 +497,11 @@ async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again(
         let input = topic(&c, 3).await;
         let output = topic(&c, 1).await;
         let plain = c.producer(ProducerConfig::default()).await.unwrap();
-        let inputs = 100usize;
-        for i in 0..inputs {
-            plain
-                .send(Record::new(input.clone(), format!("in-{i}")).partition((i % 3) as i32))
-                .await
-                .unwrap();
+        let records = (0..inputs)
+            .map(|i| Record::new(input.clone(), format!("in-{i}")).partition((i % 3) as i32))
+            .collect();
+        for r in plain.send_batch(records).await {
+            r.unwrap();
         }
         plain.close().await.unwrap();
         let group = name("kafka-txn-failing");
@@ -487,6 +516,7 @@ async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again(
         let config = PipelineConfig {
             engine: EngineConfig {
                 max_attempts: 1,
+                batch_size,
                 redelivery_delay: Duration::from_millis(50),
                 ..fast_engine()
             },
@@ -505,7 +535,7 @@ async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again(
                     let _ = stop.await;
                 })
             },
-            || started.elapsed() > Duration::from_secs(10),
+            || started.elapsed() > run_for,
         )
         .await
         .unwrap();
@@ -524,6 +554,179 @@ async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again(
             "failing transform",
         )
         .await;
+    })
+    .await
+    .expect("hung");
+}
+
+/// [`Upper`] taking `delay` per input, and stalling once for `stall` on the first input after
+/// `stall_next` is set, so that a transaction stays open across a rebalance.
+struct StallingUpper {
+    output: String,
+    delay: Duration,
+    stall_next: Arc<std::sync::atomic::AtomicBool>,
+    stall: Duration,
+}
+
+#[async_trait]
+impl Transform for StallingUpper {
+    async fn transform(&self, m: &Message) -> Result<Vec<Record>, BoxError> {
+        if self.stall_next.swap(false, Ordering::SeqCst) {
+            tokio::time::sleep(self.stall).await;
+        }
+        tokio::time::sleep(self.delay).await;
+        Ok(vec![Record::new(
+            self.output.clone(),
+            m.payload.to_ascii_uppercase(),
+        )])
+    }
+}
+
+/// A second pipeline joins the group while the first holds an open transaction with inputs
+/// of every partition (no dedup store: only the transaction keeps outputs once). The first
+/// member's poll running ahead serves the revocation (KIP-429: two of its four partitions);
+/// the test then stalls its transform for 6 s, so that the new owner reads the moved
+/// partitions from the group's committed offsets before the transaction commits. The commit
+/// must abort instead of sending the moved partitions' offsets with the group's new
+/// generation, which the broker accepts (KIP-447 fences only an old generation). Every input
+/// is in the output once, and the lag ends at 0. (Before the commit waited for the poll
+/// running ahead and checked revocations: the moved partitions' open inputs twice.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_joining_while_a_transaction_is_open_writes_no_output_twice() {
+    let Some(url) = url("a_member_joining_while_a_transaction_is_open_writes_no_output_twice")
+    else {
+        return;
+    };
+    tokio::time::timeout(HANG_GUARD, async {
+        let c = client(&url);
+        let input = topic(&c, 4).await;
+        let output = topic(&c, 1).await;
+        let inputs = 4000usize;
+        // Small record batches and fetches of one batch per partition: every poll holds
+        // inputs of all four partitions.
+        let plain = c
+            .producer(ProducerConfig {
+                options: [("batch.size".to_string(), "2048".to_string())].into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let records = (0..inputs)
+            .map(|i| Record::new(input.clone(), format!("in-{i}")).partition((i % 4) as i32))
+            .collect();
+        for r in plain.send_batch(records).await {
+            r.unwrap();
+        }
+        plain.close().await.unwrap();
+        let group = name("kafka-txn-joining");
+        let member = |tx_id: String, stall_next: Arc<std::sync::atomic::AtomicBool>| {
+            let (c, group, input, output) =
+                (c.clone(), group.clone(), input.clone(), output.clone());
+            async move {
+                let con = c
+                    .consumer(ConsumerConfig {
+                        group,
+                        topics: vec![input],
+                        isolation: Isolation::ReadCommitted,
+                        start: StartFrom::committed_or_earliest(),
+                        options: [("max.partition.fetch.bytes".to_string(), "1".to_string())]
+                            .into(),
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                let producer = c
+                    .producer(ProducerConfig {
+                        transactional_id: Some(tx_id),
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                let config = PipelineConfig {
+                    engine: EngineConfig {
+                        batch_size: 100,
+                        ..fast_engine()
+                    },
+                    max_transaction_inputs: 1_000_000,
+                    transaction_interval: Duration::from_millis(500),
+                    ..Default::default()
+                };
+                let transform = StallingUpper {
+                    output,
+                    delay: Duration::from_millis(1),
+                    stall_next,
+                    stall: Duration::from_secs(6),
+                };
+                let p =
+                    Pipeline::with_config(con.clone(), producer, None, Arc::new(transform), config)
+                        .unwrap();
+                (p, con)
+            }
+        };
+        let stall_a = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (a, a_consumer) = member(name("kafka-txn-joining-a"), stall_a.clone()).await;
+        let a_metrics = a.metrics();
+        let (stop_a, stopped_a) = tokio::sync::oneshot::channel::<()>();
+        let (stop_b, stopped_b) = tokio::sync::oneshot::channel::<()>();
+        let a_run = tokio::spawn(a.run_until(async move {
+            let _ = stopped_a.await;
+        }));
+        while a_metrics.snapshot().processed < 200 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let (b, _) = member(name("kafka-txn-joining-b"), Default::default()).await;
+        let b_metrics = b.metrics();
+        let b_run = tokio::spawn(b.run_until(async move {
+            let _ = stopped_b.await;
+        }));
+        // The moment the first member's poll gives up partitions, its next input stalls.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while a_consumer.assignment().len() == 4 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no partition ever moved"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stall_a.store(true, Ordering::SeqCst);
+        // Until both members made progress after the rebalance and the group's lag is 0.
+        let admin = c.admin().await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let lag = admin.group_lag(&group, &input).await.unwrap();
+            if b_metrics.snapshot().processed > 0
+                && lag.len() == 4
+                && lag
+                    .iter()
+                    .all(|l| l.messages == 0 && l.committed == l.high_watermark)
+            {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "lag never reached 0: {lag:?}"
+            );
+        }
+        let _ = stop_a.send(());
+        let _ = stop_b.send(());
+        a_run.await.unwrap().unwrap();
+        b_run.await.unwrap().unwrap();
+        let got = read_output(&c, &output, inputs).await;
+        let missing: Vec<String> = (0..inputs)
+            .map(|i| format!("IN-{i}"))
+            .filter(|w| !got.contains_key(w))
+            .collect();
+        assert!(missing.is_empty(), "inputs never transformed: {missing:?}");
+        let twice: Vec<(&String, &usize)> = got.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(
+            twice.is_empty(),
+            "{} outputs more than once (of {inputs}; first member {:?}, second {:?}): {:?}",
+            twice.len(),
+            a_metrics.snapshot(),
+            b_metrics.snapshot(),
+            &twice[..twice.len().min(20)]
+        );
     })
     .await
     .expect("hung");

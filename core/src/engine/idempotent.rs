@@ -700,10 +700,21 @@ impl Core {
         msg: &Message,
         work: impl Future<Output = std::result::Result<T, crate::BoxError>>,
     ) -> (Result<T>, Option<opentelemetry::Context>) {
+        self.in_process_span_of(&mut None, msg, work).await
+    }
+
+    /// [`Core::in_process_span`] through the spans of a batch (`spans`, set on first use), so
+    /// that the tracer is looked up once and a tracer that records nothing costs nothing.
+    pub(crate) async fn in_process_span_of<T>(
+        &self,
+        spans: &mut Option<trace::ProcessSpans>,
+        msg: &Message,
+        work: impl Future<Output = std::result::Result<T, crate::BoxError>>,
+    ) -> (Result<T>, Option<opentelemetry::Context>) {
         if !self.config.tracing {
             return (work.await.map_err(Error::handler), None);
         }
-        let cx = trace::process_context_counted(
+        let cx = spans.get_or_insert_with(trace::ProcessSpans::new).start(
             self.consumer.platform(),
             self.consumer.group(),
             msg,
