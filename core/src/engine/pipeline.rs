@@ -581,7 +581,8 @@ impl TxLoop<'_> {
                 }
             }
             let redo = self.redo(&msgs, &outcomes).await?;
-            for (((msg, key), mut outcome), redo) in msgs.iter().zip(&keys).zip(outcomes).zip(redo)
+            for (i, (((msg, key), mut outcome), redo)) in
+                msgs.iter().zip(&keys).zip(outcomes).zip(redo).enumerate()
             {
                 if redo {
                     // This very input was completed by a transaction that did not commit (a
@@ -640,8 +641,15 @@ impl TxLoop<'_> {
                         }
                     }
                 }
-                st.positions
-                    .insert(msg.topic_partition(), msg.position.clone());
+                // A batch holds runs of one partition's inputs: the position to commit is the
+                // run's last (one map entry per run, not per input).
+                let run_ends = msgs
+                    .get(i + 1)
+                    .is_none_or(|next| next.partition != msg.partition || next.topic != msg.topic);
+                if run_ends {
+                    st.positions
+                        .insert(msg.topic_partition(), msg.position.clone());
+                }
                 st.inputs += 1;
             }
         }
