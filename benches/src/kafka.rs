@@ -743,9 +743,31 @@ async fn k4_onceflow(c: &Client, input: &str, n: u64) -> f64 {
     let done_at = done.clone();
     let summary = pipeline
         .run_until(async move {
-            while metrics.snapshot().processed < n {
+            // Besides the rate: when the first input was processed (group join, first fetch)
+            // and the rate from the tenth input in ten to the last (the steady state).
+            let (mut first, mut tenth) = (None, None);
+            loop {
+                let processed = metrics.snapshot().processed;
+                if first.is_none() && processed > 0 {
+                    first = Some(start.elapsed());
+                }
+                if tenth.is_none() && processed >= n / 10 {
+                    tenth = Some((start.elapsed(), processed));
+                }
+                if processed >= n {
+                    break;
+                }
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
+            let (at, from) = tenth.expect("the tenth input was seen");
+            println!(
+                "INFO K4 pipeline-first-input-ms {:.0}",
+                first.expect("an input was seen").as_secs_f64() * 1e3
+            );
+            println!(
+                "INFO K4 pipeline-steady-msg-per-s {:.0}",
+                (n - from) as f64 / (start.elapsed() - at).as_secs_f64()
+            );
             let _ = done_at.set(start.elapsed());
         })
         .await
