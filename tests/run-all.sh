@@ -10,9 +10,20 @@ source tests/brokers/lib.sh
 # Services the landed adapters and stores are tested against.
 services=(kafka nats nats-secure pulsar redis redis-secure postgres postgres-secure kinesis)
 
+# How long each phase took, printed at the end (also on failure): where a run's time goes.
+phases=()
+phase() {
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    "$@" || rc=$?
+    phases+=("$name $((SECONDS - t0))s")
+    return "$rc"
+}
+
 started=()
 cleanup() {
     local rc=$?
+    ((${#phases[@]})) && log "phase times: ${phases[*]}"
     if ((${#started[@]})); then
         log "stopping what this run started: ${started[*]}"
         tests/brokers/down.sh "${started[@]}" || true
@@ -36,9 +47,11 @@ printf '%s\n' "$env_lines" >&2
 # a missing broker a failure here instead of a skipped test.
 export ONCEFLOW_REQUIRE_BROKERS=1
 
-cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log
-bash python/run-tests.sh 2>&1 | tee target/python-test-output.log
-bash node/run-tests.sh
+phases+=("brokers ${SECONDS}s")
+
+phase rust bash -c 'set -o pipefail; cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log'
+phase python bash -c 'set -o pipefail; bash python/run-tests.sh 2>&1 | tee target/python-test-output.log'
+phase node bash node/run-tests.sh
 
 # Installs as users get them (tests/packaging/): the crates as published, a Rust user's crate
 # outside the workspace with one platform feature, the wheel and the npm tarball installed
@@ -53,7 +66,7 @@ packaging=(
 passed=0 failed=()
 for t in "${packaging[@]}"; do
     # shellcheck disable=SC2086  # each entry is a script and its arguments
-    if bash $t; then
+    if phase "$(basename "${t%% *}" .sh)" bash $t; then
         passed=$((passed + 1))
     else
         failed+=("$t")
