@@ -139,15 +139,61 @@ async fn assert_lag_zero(c: &Client, group: &str, topic: &str, within: Duration,
 }
 
 async fn consumer(c: &Client, group: &str, topic: &str) -> Consumer {
+    consumer_with(c, group, topic, BTreeMap::new()).await
+}
+
+/// [`consumer`] with client `options` (librdkafka properties).
+async fn consumer_with(
+    c: &Client,
+    group: &str,
+    topic: &str,
+    options: BTreeMap<String, String>,
+) -> Consumer {
     c.consumer(ConsumerConfig {
         group: group.to_string(),
         topics: vec![topic.to_string()],
         isolation: Isolation::ReadCommitted,
         start: StartFrom::committed_or_earliest(),
+        options,
         ..Default::default()
     })
     .await
     .unwrap()
+}
+
+/// Writes `in-0` .. `in-{inputs - 1}` to `topic`, input `i` to partition `i % partitions`,
+/// through a plain producer with client `options`.
+async fn write_inputs(
+    c: &Client,
+    topic: &str,
+    inputs: usize,
+    partitions: usize,
+    options: BTreeMap<String, String>,
+) {
+    let plain = c
+        .producer(ProducerConfig {
+            options,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let records = (0..inputs)
+        .map(|i| {
+            Record::new(topic.to_string(), format!("in-{i}")).partition((i % partitions) as i32)
+        })
+        .collect();
+    for r in plain.send_batch(records).await {
+        r.unwrap();
+    }
+    plain.close().await.unwrap();
+}
+
+/// The outputs `IN-0` .. `IN-{inputs - 1}` missing from `got`.
+fn missing_outputs(got: &BTreeMap<String, usize>, inputs: usize) -> Vec<String> {
+    (0..inputs)
+        .map(|i| format!("IN-{i}"))
+        .filter(|w| !got.contains_key(w))
+        .collect()
 }
 
 /// Polls until `n` messages are in and one more poll came back empty.
@@ -496,14 +542,7 @@ async fn failing_transforms_lose_nothing(
         let c = client(&url);
         let input = topic(&c, 3).await;
         let output = topic(&c, 1).await;
-        let plain = c.producer(ProducerConfig::default()).await.unwrap();
-        let records = (0..inputs)
-            .map(|i| Record::new(input.clone(), format!("in-{i}")).partition((i % 3) as i32))
-            .collect();
-        for r in plain.send_batch(records).await {
-            r.unwrap();
-        }
-        plain.close().await.unwrap();
+        write_inputs(&c, &input, inputs, 3, BTreeMap::new()).await;
         let group = name("kafka-txn-failing");
         let con = consumer(&c, &group, &input).await;
         let producer = c
@@ -540,10 +579,7 @@ async fn failing_transforms_lose_nothing(
         .await
         .unwrap();
         let got = read_output(&c, &output, inputs).await;
-        let missing: Vec<String> = (0..inputs)
-            .map(|i| format!("IN-{i}"))
-            .filter(|w| !got.contains_key(w))
-            .collect();
+        let missing = missing_outputs(&got, inputs);
         assert!(missing.is_empty(), "inputs never transformed: {missing:?}");
         assert!(got.values().all(|n| *n == 1), "an output twice: {got:?}");
         assert_lag_zero(
@@ -604,37 +640,15 @@ async fn a_member_joining_while_a_transaction_is_open_writes_no_output_twice() {
         let inputs = 4000usize;
         // Small record batches and fetches of one batch per partition: every poll holds
         // inputs of all four partitions.
-        let plain = c
-            .producer(ProducerConfig {
-                options: [("batch.size".to_string(), "2048".to_string())].into(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let records = (0..inputs)
-            .map(|i| Record::new(input.clone(), format!("in-{i}")).partition((i % 4) as i32))
-            .collect();
-        for r in plain.send_batch(records).await {
-            r.unwrap();
-        }
-        plain.close().await.unwrap();
+        let batch_size = [("batch.size".to_string(), "2048".to_string())].into();
+        write_inputs(&c, &input, inputs, 4, batch_size).await;
         let group = name("kafka-txn-joining");
         let member = |tx_id: String, stall_next: Arc<std::sync::atomic::AtomicBool>| {
             let (c, group, input, output) =
                 (c.clone(), group.clone(), input.clone(), output.clone());
             async move {
-                let con = c
-                    .consumer(ConsumerConfig {
-                        group,
-                        topics: vec![input],
-                        isolation: Isolation::ReadCommitted,
-                        start: StartFrom::committed_or_earliest(),
-                        options: [("max.partition.fetch.bytes".to_string(), "1".to_string())]
-                            .into(),
-                        ..Default::default()
-                    })
-                    .await
-                    .unwrap();
+                let fetch = [("max.partition.fetch.bytes".to_string(), "1".to_string())].into();
+                let con = consumer_with(&c, &group, &input, fetch).await;
                 let producer = c
                     .producer(ProducerConfig {
                         transactional_id: Some(tx_id),
@@ -713,10 +727,7 @@ async fn a_member_joining_while_a_transaction_is_open_writes_no_output_twice() {
         a_run.await.unwrap().unwrap();
         b_run.await.unwrap().unwrap();
         let got = read_output(&c, &output, inputs).await;
-        let missing: Vec<String> = (0..inputs)
-            .map(|i| format!("IN-{i}"))
-            .filter(|w| !got.contains_key(w))
-            .collect();
+        let missing = missing_outputs(&got, inputs);
         assert!(missing.is_empty(), "inputs never transformed: {missing:?}");
         let twice: Vec<(&String, &usize)> = got.iter().filter(|(_, n)| **n > 1).collect();
         assert!(
