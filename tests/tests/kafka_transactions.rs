@@ -619,14 +619,14 @@ impl Transform for StallingUpper {
 }
 
 /// A second pipeline joins the group while the first holds an open transaction with inputs
-/// of every partition (no dedup store: only the transaction keeps outputs once). The first
-/// member's poll running ahead serves the revocation (KIP-429: two of its four partitions);
-/// the test then stalls its transform for 6 s, so that the new owner reads the moved
-/// partitions from the group's committed offsets before the transaction commits. The commit
-/// must abort instead of sending the moved partitions' offsets with the group's new
-/// generation, which the broker accepts (KIP-447 fences only an old generation). Every input
-/// is in the output once, and the lag ends at 0. (Before the commit waited for the poll
-/// running ahead and checked revocations: the moved partitions' open inputs twice.)
+/// of every partition (no dedup store: only the transaction keeps outputs once). Once the
+/// first member's poll gives up partitions (KIP-429: two of its four), the test stalls its
+/// transform for 6 s, so that the new owner reads the moved partitions from the group's
+/// committed offsets before the transaction commits. The first member must abort instead of
+/// sending the moved partitions' offsets with the group's new generation, which the broker
+/// accepts (KIP-447 fences only an old generation). Every input is in the output once, and
+/// the lag ends at 0. (With a poll running ahead of the loop, 20ca525 / f0a63e6, and no
+/// revocation check at the commit: the moved partitions' open inputs twice, 232 of 4000.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_joining_while_a_transaction_is_open_writes_no_output_twice() {
     let Some(url) = url("a_member_joining_while_a_transaction_is_open_writes_no_output_twice")

@@ -417,31 +417,6 @@ struct TxState {
     inflight: HashMap<String, Option<u128>>,
     /// Sequence number of the open (or last) transaction of this run.
     tx_seq: u64,
-    /// The next batch, polled while this one is processed and committed.
-    prefetch: Option<Prefetch>,
-    /// Process spans of the batch being processed (the global tracer as the batch began).
-    spans: Option<crate::trace::ProcessSpans>,
-}
-
-/// The next batch, polled on a task of its own while the loop processes the batch before it
-/// (the loop's own share of the time is otherwise spent waiting for the consumer: 35 % of a
-/// K4 run). At most one batch ahead; a rewind waits for it and reads its inputs again, and a
-/// commit waits for it (see [`TxLoop::settle_prefetch`]).
-enum Prefetch {
-    /// The poll is running.
-    Running(tokio::task::JoinHandle<Result<Vec<Message>>>),
-    /// The poll has ended; its batch waits for the next step.
-    Ready(Result<Vec<Message>>),
-}
-
-impl Prefetch {
-    /// The polled batch, once the poll has ended.
-    async fn batch(self) -> Result<Vec<Message>> {
-        match self {
-            Prefetch::Running(task) => joined(task.await),
-            Prefetch::Ready(batch) => batch,
-        }
-    }
 }
 
 struct TxLoop<'a> {
@@ -486,11 +461,6 @@ impl TxLoop<'_> {
             let _ = tx.abort().await;
             self.release(&mut st).await;
         }
-        // Inputs polled ahead are not processed: nothing commits them, and the consumer closes
-        // after the poll ends.
-        if let Some(next) = st.prefetch.take() {
-            let _ = next.batch().await;
-        }
         drop(st);
         if !matches!(&result, Err(e) if e.kind() == ErrorKind::Closed) {
             let close = self.core.consumer.close().await;
@@ -510,11 +480,7 @@ impl TxLoop<'_> {
     async fn step(&self) -> Result<()> {
         let core = self.core;
         let cfg = &core.config;
-        let ahead = self.state.lock().await.prefetch.take();
-        let msgs = match ahead {
-            Some(next) => next.batch().await?,
-            None => core.consumer.poll(cfg.batch_size, cfg.poll_timeout).await?,
-        };
+        let msgs = core.consumer.poll(cfg.batch_size, cfg.poll_timeout).await?;
         let mut st = self.state.lock().await;
         // Every partition of the batch is rewound with the transaction, not only those whose
         // inputs were processed: a batch abandoned part-way (a failed transform, a revocation)
@@ -534,8 +500,6 @@ impl TxLoop<'_> {
             self.abort_and_rewind(&mut st, "partitions revoked").await?;
             return Ok(());
         }
-        st.prefetch = Some(self.poll_ahead());
-        st.spans = None;
         if !msgs.is_empty() {
             core.metrics.add(Metric::Consumed, msgs.len() as u64);
             if st.tx.is_none() {
@@ -658,9 +622,7 @@ impl TxLoop<'_> {
         }
         if st.tx.is_none() && msgs.is_empty() {
             // Idle with every input committed: commit past what the platform skipped (Kafka:
-            // markers and aborted records after the last input), or lag never reaches 0. Not
-            // while a poll runs ahead: it may be delivering records past those positions.
-            self.settle_prefetch(&mut st).await;
+            // markers and aborted records after the last input), or lag never reaches 0.
             core.maybe_commit_skipped().await?;
         }
         let due = st.tx.is_some()
@@ -674,45 +636,6 @@ impl TxLoop<'_> {
         Ok(())
     }
 
-    /// Starts polling the next batch on a task of its own.
-    fn poll_ahead(&self) -> Prefetch {
-        let consumer = self.core.consumer.clone();
-        let (max, timeout) = (self.core.config.batch_size, self.core.config.poll_timeout);
-        Prefetch::Running(tokio::spawn(
-            async move { consumer.poll(max, timeout).await },
-        ))
-    }
-
-    /// Waits for the poll running ahead, if any, and keeps its batch for the next step: after
-    /// this no poll runs until the next step starts one, so the consumer's group generation
-    /// and assignment stay as they are. A poll serves rebalances (librdkafka runs the
-    /// rebalance callback in it), so a poll running while the commit reads the group metadata
-    /// could hand it the new generation's: the broker would then accept offsets of a partition
-    /// revoked while the transaction was open (KIP-447 fences only an old generation), and
-    /// the partition's new owner, already reading from the group's older offset, would write
-    /// those outputs a second time.
-    async fn settle_prefetch(&self, st: &mut TxState) {
-        if let Some(Prefetch::Running(task)) = st.prefetch.take() {
-            st.prefetch = Some(Prefetch::Ready(joined(task.await)));
-        }
-    }
-
-    /// Waits for the batch polled ahead, if any, and drops it unprocessed, adding its
-    /// partitions to those a rewind seeks back: the consumer is past its inputs, and no seek
-    /// may race a poll.
-    async fn drop_prefetch(&self, st: &mut TxState) {
-        let Some(next) = st.prefetch.take() else {
-            return;
-        };
-        if let Ok(msgs) = next.batch().await {
-            for m in &msgs {
-                st.first
-                    .entry(m.topic_partition())
-                    .or_insert_with(|| m.position.clone());
-            }
-        }
-    }
-
     /// Transforms `msg` and sends its outputs in the open transaction. `Ok(false)` when the
     /// transaction was aborted (the batch is abandoned and re-read).
     async fn process(&self, st: &mut TxState, msg: &Message, key: Option<&str>) -> Result<bool> {
@@ -722,7 +645,7 @@ impl TxLoop<'_> {
         let (outputs, parent) = loop {
             // Each attempt in a process span of its own, as the idempotent mode's handler runs.
             let (result, cx) = core
-                .in_process_span_of(&mut st.spans, msg, self.transform.transform_traced(msg))
+                .in_process_span(msg, self.transform.transform_traced(msg))
                 .await;
             match result {
                 Ok(o) => break (o.records, o.parent.or(cx)),
@@ -931,14 +854,6 @@ impl TxLoop<'_> {
         if !self.flush(st).await? || !self.settle(st).await? {
             return Ok(());
         }
-        // No poll may run from here to the end of the commit, and any revocation a poll
-        // served while the transaction was open aborts it: its inputs may be another
-        // member's now (see `settle_prefetch`).
-        self.settle_prefetch(st).await;
-        if st.tx.is_some() && core.tracker.take_revoked_flag() {
-            self.abort_and_rewind(st, "partitions revoked").await?;
-            return Ok(());
-        }
         // The keys are completed before the transaction commits, each with the position of
         // the input that claimed it: a crash between the two leaves keys completed by a
         // transaction that did not commit, which `origin_committed` tells from real
@@ -1080,7 +995,6 @@ impl TxLoop<'_> {
     /// Seeks every partition of the aborted transaction back to the group's committed position
     /// (or, where none is committed, to the transaction's first input).
     async fn rewind(&self, st: &mut TxState) -> Result<()> {
-        self.drop_prefetch(st).await;
         let consumer = &self.core.consumer;
         let assigned = consumer.assignment();
         let tps: Vec<TopicPartition> = st
@@ -1109,18 +1023,6 @@ impl TxLoop<'_> {
         st.started = None;
         Ok(())
     }
-}
-
-/// The result of a task polling ahead; a panic in it is the engine's error.
-fn joined(
-    r: std::result::Result<Result<Vec<Message>>, tokio::task::JoinError>,
-) -> Result<Vec<Message>> {
-    r.unwrap_or_else(|e| {
-        Err(Error::new(
-            ErrorKind::Platform,
-            format!("poll task failed: {e}"),
-        ))
-    })
 }
 
 #[cfg(test)]
