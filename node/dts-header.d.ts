@@ -68,7 +68,9 @@ export interface Consumer extends AsyncIterable<Message> {
    * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000) for
    * the first; resolves to an array, empty on timeout. One native crossing per batch. The
    * payloads, keys and header values of one batch are views of one Buffer: copy one
-   * (`Buffer.from(m.payload)`) to keep it long after the rest of its batch.
+   * (`Buffer.from(m.payload)`) to keep it long after the rest of its batch. `commit()` without
+   * arguments then commits the batch. `max` is a whole number from 1; another value throws an
+   * `OnceflowError` of kind `config`.
    */
   poll(max?: number, timeoutMs?: number): Promise<Message[]>
   /** Messages one by one, fetched in batches until `close()` or `break`. */
@@ -80,6 +82,56 @@ export interface Consumer extends AsyncIterable<Message> {
   batches(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message[]>
   /** Commits the given messages/positions, or the last message yielded of each partition. */
   commit(positions?: PositionLike | PositionLike[]): Promise<void>
+}
+
+/**
+ * Engine settings; durations in milliseconds. A misspelled name, a value of the wrong type, a
+ * count that is not a whole number or a duration out of range (0 to 100 years) throws an
+ * `OnceflowError` of kind `config` naming the option; `undefined` and `null` keep the default.
+ */
+export interface EngineOptions {
+  /** `header:NAME` (default `header:idempotency-key`) or `coordinates` (`topic/partition/position`). */
+  key?: string
+  /** Prefix of keys in the dedup store (default: the consumer group). */
+  namespace?: string
+  /** This worker's identity for claims, non-empty (default: random per process). */
+  workerId?: string
+  /** Lease of a claim, ms, at least 100 (default 30000); renewed every third of it. */
+  leaseMs?: number
+  /** Same key with a different payload is a conflict (default true). */
+  fingerprint?: boolean
+  /** Handler attempts per delivery, at least 1 (default 5). */
+  maxAttempts?: number
+  /** First retry delay, ms (default 100); doubles up to `maxBackoffMs`, with jitter. */
+  minBackoffMs?: number
+  /** Longest retry delay, ms (default 5000). */
+  maxBackoffMs?: number
+  /** After the last attempt: `redeliver` (default), `stop` or `dead-letter:TOPIC`. */
+  onFailure?: string
+  /** Redelivery delay asked of the platform, ms (default 1000). */
+  redeliveryDelayMs?: number
+  /** Messages per poll, at least 1 (default 500). */
+  batchSize?: number
+  /** Longest wait for a poll, ms (default 100). */
+  pollTimeoutMs?: number
+  /** Commit finished positions at least this often, ms (default 1000). */
+  commitIntervalMs?: number
+  /** ... or after this many finished messages, at least 1 (default 10000). */
+  commitEvery?: number
+  /** On shutdown, time allowed to finish work in flight, ms (default 30000). */
+  shutdownDeadlineMs?: number
+  /** Trace every message: extract the `traceparent`, one `process` span each (default true). */
+  tracing?: boolean
+}
+
+/** Engine settings plus the pipeline's own; the same rules for bad values. */
+export interface PipelineOptions extends EngineOptions {
+  /** `auto` (default: transactions where the platform has them), `transactional` or `idempotent`. */
+  mode?: string
+  /** Transactional mode: commit a transaction at least this often, ms (default 100). */
+  transactionIntervalMs?: number
+  /** Transactional mode: ... or after this many inputs, at least 1 (default 10000). */
+  maxTransactionInputs?: number
 }
 
 /** Engine settings plus the dedup store. */
@@ -113,7 +165,7 @@ export declare class Pipeline {
     consumer: Consumer,
     producer: Producer,
     transform: (message: Message) => Promise<RecordInit | RecordInit[] | null | undefined | void>,
-    options?: IdempotentOptions & PipelineOptions
+    options?: Omit<IdempotentOptions, 'deadLetterProducer'> & PipelineOptions
   )
   run(): Promise<RunSummary>
   stop(): void

@@ -217,7 +217,7 @@ Transaction.prototype.sendBatch = function (records) {
 }
 /** Commits `consumer`'s positions with the transaction: the given messages/positions, or what it yielded last. */
 Transaction.prototype.commitOffsets = function (consumer, positions) {
-  return this._commitOffsets(consumer, toPositions(consumer, positions))
+  return this._commitOffsets(consumer, explicitPositions(positions), consumer._handedOut ?? null)
 }
 
 // ---- Consumer -----------------------------------------------------------------------------
@@ -273,44 +273,26 @@ function messagesOf(c) {
 /**
  * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000) for
  * the first; resolves to an array (empty on timeout). One native crossing per batch.
+ * `commit()` without arguments then commits the batch (the last message of each partition).
  */
 Consumer.prototype.poll = async function (max, timeoutMs) {
-  return messagesOf(await this._poll(max, timeoutMs))
+  const batch = await fetchBatch(this, max, timeoutMs)
+  if (batch.length) this._handedOut = null
+  return batch
 }
 
-function toPositions(consumer, arg) {
-  if (arg === undefined || arg === null) {
-    settle(consumer)
-    return [...(consumer._last ? consumer._last.values() : [])]
-  }
+// What `commit()` without arguments commits is worked out natively (onceflow-bindings'
+// `yielded`): per partition, the last message handed to the user. This side keeps only how
+// far into the latest non-empty batch it has handed messages out: null for all of it
+// (`poll()`, `batches()`), a count for the message iterator.
+function fetchBatch(consumer, max, timeoutMs) {
+  return consumer._poll(max, timeoutMs, consumer._handedOut ?? null).then(messagesOf)
+}
+
+function explicitPositions(arg) {
+  if (arg === undefined || arg === null) return null
   const list = Array.isArray(arg) ? arg : [arg]
   return list.map((p) => ({ topic: p.topic, partition: p.partition, position: p.position }))
-}
-
-function remember(consumer, m) {
-  if (!consumer._last) consumer._last = new Map()
-  consumer._last.set(`${m.topic}\u0000${m.partition}`, { topic: m.topic, partition: m.partition, position: m.position })
-}
-
-// What `commit()` without arguments commits: the last message yielded of each partition. The
-// iterators note the current batch and how far into it they have yielded (no work per
-// message); the positions are taken from it when asked for, or when the next batch arrives.
-function yielded(consumer, batch, end) {
-  consumer._yielded = batch
-  consumer._yieldedEnd = end
-}
-
-function settle(consumer) {
-  const b = consumer._yielded
-  if (!b) return
-  const end = consumer._yieldedEnd
-  consumer._yielded = null
-  for (let i = 0; i < end; i++) {
-    const m = b[i]
-    const next = i + 1 < end ? b[i + 1] : undefined
-    // The last of each run of one partition; a later run of the same partition overwrites it.
-    if (next === undefined || next.partition !== m.partition || next.topic !== m.topic) remember(consumer, m)
-  }
 }
 
 /**
@@ -318,14 +300,14 @@ function settle(consumer) {
  * or `break`. Options: `batchSize` (default 500), `timeoutMs` per poll (default 1000).
  */
 Consumer.prototype.messages = async function* (options = {}) {
-  const max = options.batchSize || 500
-  const timeoutMs = options.timeoutMs === undefined ? 1000 : options.timeoutMs
+  const max = options.batchSize ?? 500
+  const timeoutMs = options.timeoutMs ?? 1000
   this._closed = false
   while (!this._closed) {
-    const batch = await this.poll(max, timeoutMs)
-    settle(this)
+    const batch = await fetchBatch(this, max, timeoutMs)
+    if (batch.length) this._handedOut = 0
     for (let i = 0; i < batch.length; i++) {
-      yielded(this, batch, i + 1)
+      this._handedOut = i + 1
       yield batch[i]
       if (this._closed) return
     }
@@ -339,14 +321,13 @@ Consumer.prototype.messages = async function* (options = {}) {
  * partition of the batches yielded so far.
  */
 Consumer.prototype.batches = async function* (options = {}) {
-  const max = options.batchSize || 500
-  const timeoutMs = options.timeoutMs === undefined ? 1000 : options.timeoutMs
+  const max = options.batchSize ?? 500
+  const timeoutMs = options.timeoutMs ?? 1000
   this._closed = false
   while (!this._closed) {
-    const batch = await this.poll(max, timeoutMs)
+    const batch = await fetchBatch(this, max, timeoutMs)
     if (batch.length === 0) continue
-    settle(this)
-    yielded(this, batch, batch.length)
+    this._handedOut = null
     yield batch
   }
 }
@@ -355,7 +336,7 @@ Consumer.prototype[Symbol.asyncIterator] = function () {
 }
 /** Commits the given messages/positions, or the last message yielded of each partition. */
 Consumer.prototype.commit = function (positions) {
-  return this._commit(toPositions(this, positions))
+  return this._commit(explicitPositions(positions), this._handedOut ?? null)
 }
 const nativeClose = Consumer.prototype.close
 Consumer.prototype.close = function () {
@@ -386,18 +367,6 @@ function wrapUserFn(fn, system, convertResult) {
   }
 }
 
-const ENGINE_KEYS = [
-  'key', 'namespace', 'workerId', 'leaseMs', 'fingerprint', 'maxAttempts', 'minBackoffMs',
-  'maxBackoffMs', 'onFailure', 'redeliveryDelayMs', 'batchSize', 'pollTimeoutMs',
-  'commitIntervalMs', 'commitEvery', 'shutdownDeadlineMs', 'tracing',
-]
-
-function engineOptions(o) {
-  const out = {}
-  for (const k of ENGINE_KEYS) if (o[k] !== undefined) out[k] = o[k]
-  return out
-}
-
 async function openStore(o) {
   if (o.store === undefined || o.store === null) return null
   if (typeof o.store === 'string') return nativeDedupStore(o.store, o.windowMs)
@@ -418,7 +387,11 @@ class Engine {
   async _ready() {
     if (!this._native) {
       const store = await openStore(this._options)
-      this._native = this._build(store)
+      try {
+        this._native = this._build(store)
+      } catch (e) {
+        throw convert(e)
+      }
       if (this._stopped) this._native.stop()
     }
     return this._native
@@ -452,9 +425,11 @@ class IdempotentConsumer extends Engine {
     this._handler = wrapUserFn(handler, consumer.platform, handlerResult)
   }
   _build(store) {
-    const o = this._options
+    // The rest of the options are engine settings: the native side checks every name, type
+    // and range, so a misspelled option throws instead of being dropped.
+    const { store: _store, windowMs: _windowMs, deadLetterProducer, ...settings } = this._options
     return new native.NativeIdempotentConsumer(
-      this._consumer, this._handler, store, engineOptions(o), o.deadLetterProducer || null
+      this._consumer, this._handler, store, settings, deadLetterProducer || null
     )
   }
   /** Polls once and handles what arrived; resolves to the number of messages polled. */
@@ -486,11 +461,9 @@ class Pipeline extends Engine {
     })
   }
   _build(store) {
-    const o = this._options
+    const { store: _store, windowMs: _windowMs, ...settings } = this._options
     return new native.NativePipeline(
-      this._consumer, this._producer, this._transform, store,
-      { mode: o.mode, transactionIntervalMs: o.transactionIntervalMs, maxTransactionInputs: o.maxTransactionInputs },
-      engineOptions(o)
+      this._consumer, this._producer, this._transform, store, settings
     )
   }
   get mechanism() {

@@ -224,34 +224,10 @@ pub struct ReplayArgs {
     json: bool,
 }
 
-/// Parses `--from`.
+/// Parses `--from`: every text form of [`StartFrom`] (its `FromStr`), errors naming the flag.
 pub fn parse_start(s: &str) -> Result<StartFrom> {
-    match s {
-        "earliest" => Ok(StartFrom::Earliest),
-        "latest" => Ok(StartFrom::Latest),
-        "committed" => Ok(StartFrom::committed_or_earliest()),
-        _ => {
-            if let Some(ms) = s.strip_prefix("ts:") {
-                let start = ms.parse::<i64>().map(StartFrom::Timestamp).map_err(|_| {
-                    Error::config(format!(
-                        "--from '{}': expected ts:MILLISECONDS_SINCE_EPOCH",
-                        onceflow::shown(s)
-                    ))
-                })?;
-                start
-                    .validate()
-                    .map_err(|e| Error::config(format!("--from '{s}': {}", e.message())))?;
-                return Ok(start);
-            }
-            s.parse().map(StartFrom::Position).map_err(|_| {
-                Error::config(format!(
-                    "--from '{}': expected earliest, latest, committed, ts:MS or a position \
-                     (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B)",
-                    onceflow::shown(s)
-                ))
-            })
-        }
-    }
+    s.parse()
+        .map_err(|e: Error| Error::config(format!("--from: {}", e.message())))
 }
 
 fn parse_header(h: &str) -> Result<(String, String)> {
@@ -738,14 +714,14 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
     let start = match parse_start(&a.from) {
         Ok(StartFrom::Earliest) => StartFrom::Earliest,
         Ok(s @ (StartFrom::Timestamp(_) | StartFrom::Position(_))) => s,
-        // A timestamp before the epoch: its own error says so.
-        Err(e) if a.from.starts_with("ts:") => return Err(e),
+        // A bad timestamp: its own error says so.
+        Err(e) if a.from.starts_with("ts:") || a.from.starts_with("timestamp:") => return Err(e),
         // `committed` and `latest` name no past to replay.
         _ => {
             return Err(Error::config(format!(
                 "--from '{}': replay expects earliest, ts:MILLISECONDS_SINCE_EPOCH or a position \
                  (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B)",
-                a.from
+                onceflow::shown(&a.from)
             )))
         }
     };

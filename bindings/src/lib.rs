@@ -6,14 +6,19 @@
 //! - [`runtime`]: the one tokio runtime a binding runs onceflow on. It is built on first use
 //!   and built again in a child process after `fork()` (the parent's worker threads do not
 //!   exist in the child, so its runtime would hang).
-//! - [`parse_start_from`]: where a consumer starts or seeks to, from a short string
-//!   (`earliest`, `latest`, `committed`, `timestamp:MS`, a position such as `offset:42`).
+//! - [`settings`]: engine and pipeline settings from a binding's options, one table of names,
+//!   kinds and limits spelled per [`settings::Language`].
+//! - [`yielded`]: what `commit()` without arguments commits, the last message handed out of
+//!   each partition.
 //! - [`error_kinds`]: every [`ErrorKind`] with its stable code and the exception/class name a
 //!   binding gives it.
 
+pub mod settings;
+pub mod yielded;
+
 use std::sync::Arc;
 
-use onceflow::{Error, ErrorKind, Position, Result, StartFrom};
+use onceflow::ErrorKind;
 use parking_lot::Mutex;
 
 /// The process that built the current runtime, and the runtime.
@@ -66,43 +71,6 @@ pub fn shutdown(timeout: std::time::Duration) {
             Ok(rt) => rt.shutdown_timeout(timeout),
             // Still borrowed by a running call: let it be, the process is ending.
             Err(rt) => std::mem::forget(rt),
-        }
-    }
-}
-
-/// Parses where a consumer starts or seeks to:
-///
-/// | text | meaning |
-/// |---|---|
-/// | `committed` | the group's committed position, else the earliest |
-/// | `committed-or-latest` | the group's committed position, else the latest |
-/// | `earliest` / `latest` | the oldest retained message / only new messages |
-/// | `timestamp:MS` | the first message at or after MS milliseconds since the epoch |
-/// | a position (`offset:42`, `seq:7`, ...) | that message, inclusive |
-///
-/// Errors: [`ErrorKind::Config`] naming the text and the accepted forms.
-pub fn parse_start_from(text: &str) -> Result<StartFrom> {
-    match text {
-        "committed" | "committed-or-earliest" => Ok(StartFrom::committed_or_earliest()),
-        "committed-or-latest" => Ok(StartFrom::committed_or_latest()),
-        "earliest" => Ok(StartFrom::Earliest),
-        "latest" => Ok(StartFrom::Latest),
-        _ => {
-            if let Some(ms) = text.strip_prefix("timestamp:") {
-                return ms.parse::<i64>().map(StartFrom::Timestamp).map_err(|_| {
-                    Error::config(format!(
-                        "start '{text}': expected timestamp:MILLISECONDS_SINCE_EPOCH"
-                    ))
-                });
-            }
-            text.parse::<Position>()
-                .map(StartFrom::Position)
-                .map_err(|e| {
-                    Error::config(format!(
-                        "start '{text}': expected committed, committed-or-latest, earliest, latest, timestamp:MS or a position such as offset:42 ({})",
-                        e.message()
-                    ))
-                })
         }
     }
 }
@@ -172,27 +140,6 @@ mod tests {
         let fenced = error_kind(ErrorKind::Fenced);
         assert_eq!(fenced.code, "ONCEFLOW_FENCED");
         assert_eq!(fenced.name, "fenced");
-    }
-
-    #[test]
-    fn start_from_forms() {
-        assert_eq!(parse_start_from("earliest").unwrap(), StartFrom::Earliest);
-        assert_eq!(parse_start_from("latest").unwrap(), StartFrom::Latest);
-        assert_eq!(
-            parse_start_from("committed").unwrap(),
-            StartFrom::committed_or_earliest()
-        );
-        assert_eq!(
-            parse_start_from("timestamp:1700000000000").unwrap(),
-            StartFrom::Timestamp(1_700_000_000_000)
-        );
-        assert_eq!(
-            parse_start_from("offset:42").unwrap(),
-            StartFrom::Position(Position::Offset(42))
-        );
-        let e = parse_start_from("yesterday").unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Config);
-        assert!(e.message().contains("yesterday"));
     }
 
     #[test]

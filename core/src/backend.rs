@@ -108,6 +108,33 @@ pub enum Isolation {
     ReadUncommitted,
 }
 
+/// The text forms, Kafka's `isolation.level` values (KIP-98): `read_committed` or
+/// `read_uncommitted`; [`fmt::Display`] writes the same. Errors:
+/// [`crate::ErrorKind::Config`] naming the text.
+impl std::str::FromStr for Isolation {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "read_committed" => Ok(Isolation::ReadCommitted),
+            "read_uncommitted" => Ok(Isolation::ReadUncommitted),
+            _ => Err(Error::config(format!(
+                "isolation '{}': expected read_committed or read_uncommitted",
+                crate::shown(s)
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Isolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Isolation::ReadCommitted => "read_committed",
+            Isolation::ReadUncommitted => "read_uncommitted",
+        })
+    }
+}
+
 /// Configuration of a consumer.
 #[derive(Debug, Clone, Default)]
 pub struct ConsumerConfig {

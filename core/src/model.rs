@@ -519,6 +519,59 @@ impl StartFrom {
     }
 }
 
+/// The text forms of [`StartFrom`], as the CLI and the bindings accept them:
+///
+/// | text | meaning |
+/// |---|---|
+/// | `committed` (or `committed-or-earliest`) | the group's committed position, else the earliest |
+/// | `committed-or-latest` | the group's committed position, else the latest |
+/// | `earliest` / `latest` | the oldest retained message / only new messages |
+/// | `timestamp:MS` (or `ts:MS`) | the first message at or after MS milliseconds since the epoch |
+/// | a position (`offset:42`, `seq:7`, `kinesis:DIGITS`, `pulsar:L:E:P:B`) | that message, inclusive |
+///
+/// Errors: [`ErrorKind::Config`] naming the text and the accepted forms (a timestamp before
+/// the epoch too, as [`StartFrom::validate`] refuses it).
+impl FromStr for StartFrom {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let start = match text {
+            "committed" | "committed-or-earliest" => StartFrom::committed_or_earliest(),
+            "committed-or-latest" => StartFrom::committed_or_latest(),
+            "earliest" => StartFrom::Earliest,
+            "latest" => StartFrom::Latest,
+            _ => {
+                if let Some(ms) = text
+                    .strip_prefix("timestamp:")
+                    .or_else(|| text.strip_prefix("ts:"))
+                {
+                    match ms.parse::<i64>() {
+                        Ok(ms) if ms >= 0 => StartFrom::Timestamp(ms),
+                        _ => {
+                            return Err(Error::config(format!(
+                                "start '{}': expected timestamp:MILLISECONDS_SINCE_EPOCH (>= 0)",
+                                crate::shown(text)
+                            )))
+                        }
+                    }
+                } else {
+                    text.parse::<Position>()
+                        .map(StartFrom::Position)
+                        .map_err(|_| {
+                            Error::config(format!(
+                                "start '{}': expected committed, committed-or-latest, earliest, \
+                                 latest, timestamp:MS or a position (offset:N, seq:N, \
+                                 kinesis:DIGITS, pulsar:LEDGER:ENTRY:PARTITION:BATCH)",
+                                crate::shown(text)
+                            ))
+                        })?
+                }
+            }
+        };
+        Ok(start)
+    }
+}
+
 impl Default for StartFrom {
     fn default() -> Self {
         StartFrom::committed_or_earliest()
@@ -528,6 +581,30 @@ impl Default for StartFrom {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn starts_parse_from_every_text_form_and_refuse_others_by_name() {
+        for (text, want) in [
+            ("committed", StartFrom::committed_or_earliest()),
+            ("committed-or-earliest", StartFrom::committed_or_earliest()),
+            ("committed-or-latest", StartFrom::committed_or_latest()),
+            ("earliest", StartFrom::Earliest),
+            ("latest", StartFrom::Latest),
+            (
+                "timestamp:1700000000000",
+                StartFrom::Timestamp(1_700_000_000_000),
+            ),
+            ("ts:5", StartFrom::Timestamp(5)),
+            ("offset:42", StartFrom::Position(Position::Offset(42))),
+        ] {
+            assert_eq!(text.parse::<StartFrom>().unwrap(), want, "{text}");
+        }
+        for bad in ["timestamp:-1", "timestamp:soon", "oldest", ""] {
+            let e = bad.parse::<StartFrom>().unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::Config);
+            assert!(e.message().contains(bad), "{bad}: {}", e.message());
+        }
+    }
 
     #[test]
     fn starts_before_the_epoch_or_nested_committed_are_config_errors() {

@@ -7,11 +7,14 @@ use std::sync::Arc;
 use napi::bindgen_prelude::Result;
 use napi_derive::napi;
 use onceflow::{
-    ConsumerConfig, Error, ErrorKind, Isolation, ProducerConfig, TopicPartition, TopicSpec,
+    ConsumerConfig, Error, ErrorKind, Isolation, ProducerConfig, StartFrom, TopicPartition,
+    TopicSpec,
 };
+use onceflow_bindings::settings::Language;
+use onceflow_bindings::yielded::{HandedOut, Yielded};
 
 use crate::convert::{self, Delivery, Lag, MessageColumns, PositionIn, RecordIn, SendResult};
-use crate::{config_err, js_err, on_rt};
+use crate::{js_err, on_rt};
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
 /// `tls://`, `pulsar://`, `pulsar+ssl://`, `kinesis://`).
@@ -190,16 +193,16 @@ impl Client {
             session_timeout_ms: None,
             options: None,
         });
-        let isolation = match o.isolation.as_deref().unwrap_or("read_committed") {
-            "read_committed" => Isolation::ReadCommitted,
-            "read_uncommitted" => Isolation::ReadUncommitted,
-            other => {
-                return Err(config_err(format!(
-                    "isolation '{other}': expected read_committed or read_uncommitted"
-                )))
-            }
-        };
-        let start = onceflow_bindings::parse_start_from(o.start.as_deref().unwrap_or("committed"))
+        let isolation = o
+            .isolation
+            .as_deref()
+            .map_or(Ok(Isolation::default()), str::parse::<Isolation>)
+            .map_err(|e| js_err(&e))?;
+        let start = o
+            .start
+            .as_deref()
+            .unwrap_or("committed")
+            .parse::<StartFrom>()
             .map_err(|e| js_err(&e))?;
         let config = ConsumerConfig {
             group,
@@ -216,7 +219,10 @@ impl Client {
         let client = self.inner.clone();
         on_rt(async move { client.consumer(config).await })
             .await
-            .map(|inner| Consumer { inner })
+            .map(|inner| Consumer {
+                inner,
+                yielded: Arc::default(),
+            })
     }
 
     /// The admin handle.
@@ -340,14 +346,15 @@ impl Transaction {
     }
 
     /// Commits `positions` (last processed message per partition) of `consumer`'s group with
-    /// the transaction.
+    /// the transaction; null: what `consumer` handed out (`handedOut` as for its `_poll`).
     #[napi(js_name = "_commitOffsets")]
     pub async fn commit_offsets(
         &self,
         consumer: &Consumer,
-        positions: Vec<PositionIn>,
+        positions: Option<Vec<PositionIn>>,
+        handed_out: Option<u32>,
     ) -> Result<()> {
-        let positions = convert::positions(positions)?;
+        let positions = consumer.positions_or_yielded(positions, handed_out)?;
         let group = consumer.inner.group_metadata();
         let tx = self.inner.clone();
         on_rt(async move {
@@ -388,6 +395,27 @@ impl Transaction {
 #[napi]
 pub struct Consumer {
     pub(crate) inner: onceflow::Consumer,
+    /// What `commit()` without positions commits.
+    yielded: Arc<Yielded>,
+}
+
+/// `handedOut` from `index.js`: null is the whole batch.
+fn handed(count: Option<u32>) -> HandedOut {
+    HandedOut::from_count(count.map(|n| n as usize))
+}
+
+impl Consumer {
+    /// The given positions, or those of the messages handed out.
+    fn positions_or_yielded(
+        &self,
+        positions: Option<Vec<PositionIn>>,
+        handed_out: Option<u32>,
+    ) -> Result<Vec<(TopicPartition, onceflow::Position)>> {
+        match positions {
+            Some(p) => convert::positions(p),
+            None => Ok(self.yielded.positions(handed(handed_out))),
+        }
+    }
 }
 
 fn tps(v: Vec<TopicPartitionIn>) -> Vec<TopicPartition> {
@@ -422,18 +450,40 @@ impl Consumer {
     /// Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000)
     /// for the first; resolves to the batch in columns (no message on timeout), which
     /// `index.js`'s `poll` turns into message objects. One crossing per batch.
+    ///
+    /// `handedOut`: how many messages of the previous non-empty batch `index.js` handed to the
+    /// user (null: all of it), for what `commit()` without positions commits.
     #[napi(js_name = "_poll")]
-    pub async fn poll(&self, max: Option<u32>, timeout_ms: Option<f64>) -> Result<MessageColumns> {
+    pub async fn poll(
+        &self,
+        max: Option<f64>,
+        timeout_ms: Option<f64>,
+        handed_out: Option<u32>,
+    ) -> Result<MessageColumns> {
         let t = convert::millis("timeoutMs", timeout_ms.unwrap_or(1000.0))?;
-        let max = max.unwrap_or(500).max(1) as usize;
+        let max = Language::Node
+            .count("max", max.unwrap_or(500.0), 1)
+            .map_err(|e| js_err(&e))? as usize;
         let c = self.inner.clone();
-        on_rt(async move { Ok(MessageColumns::from(&c.poll(max, t).await?[..])) }).await
+        let yielded = self.yielded.clone();
+        on_rt(async move {
+            let batch = c.poll(max, t).await?;
+            yielded.polled(&batch, handed(handed_out));
+            Ok(MessageColumns::from(&batch[..]))
+        })
+        .await
     }
 
-    /// Commits the last processed message's position of each partition.
+    /// Commits `positions` (the last processed message of each partition), or, when null,
+    /// the last message handed to the user of each partition (`handedOut` as for `_poll`,
+    /// of the latest batch).
     #[napi(js_name = "_commit")]
-    pub async fn commit(&self, positions: Vec<PositionIn>) -> Result<()> {
-        let positions = convert::positions(positions)?;
+    pub async fn commit(
+        &self,
+        positions: Option<Vec<PositionIn>>,
+        handed_out: Option<u32>,
+    ) -> Result<()> {
+        let positions = self.positions_or_yielded(positions, handed_out)?;
         let c = self.inner.clone();
         on_rt(async move { c.commit(&positions).await }).await
     }
@@ -459,9 +509,11 @@ impl Consumer {
     /// `timestamp:MS` or a position such as `offset:42` (inclusive).
     #[napi]
     pub async fn seek(&self, topic: String, partition: i32, to: String) -> Result<()> {
-        let to = onceflow_bindings::parse_start_from(&to).map_err(|e| js_err(&e))?;
+        let to = to.parse::<StartFrom>().map_err(|e| js_err(&e))?;
+        let tp = TopicPartition::new(topic, partition);
+        self.yielded.forget(&tp);
         let c = self.inner.clone();
-        on_rt(async move { c.seek(&TopicPartition::new(topic, partition), &to).await }).await
+        on_rt(async move { c.seek(&tp, &to).await }).await
     }
 
     /// Stops fetching from partitions.

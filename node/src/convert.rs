@@ -4,9 +4,13 @@
 use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
-use napi::bindgen_prelude::{Buffer, Either, Float64Array, Int32Array, Null, Uint32Array};
+use napi::bindgen_prelude::{
+    Buffer, Either, Float64Array, Int32Array, Null, Object, Uint32Array, Unknown,
+};
+use napi::ValueType;
 use napi_derive::napi;
 use onceflow::{Headers, Position, Record, TopicPartition};
+use onceflow_bindings::settings::{Language, Value};
 
 use crate::js_err;
 
@@ -342,11 +346,35 @@ pub fn options(o: Option<HashMap<String, String>>) -> BTreeMap<String, String> {
     o.unwrap_or_default().into_iter().collect()
 }
 
-/// Milliseconds → Duration, refusing negatives and NaN.
+/// Milliseconds → Duration: 0 to 100 years; refuses negatives, NaN and larger values with a
+/// config error naming `what` and the value (the bindings' one rule).
 pub fn millis(what: &str, ms: f64) -> napi::Result<std::time::Duration> {
-    std::time::Duration::try_from_secs_f64(ms / 1000.0).map_err(|_| {
-        crate::config_err(format!(
-            "{what} {ms}: expected a number of milliseconds >= 0"
-        ))
-    })
+    Language::Node.duration(what, ms).map_err(|e| js_err(&e))
+}
+
+/// The `(name, value)` pairs of an options object for the bindings' settings table:
+/// `undefined` and `null` keep a setting's default; a value of another JavaScript type is
+/// named by its `typeof` in the table's error.
+pub fn settings(options: Option<&Object>) -> napi::Result<Vec<(String, Value)>> {
+    let Some(o) = options else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for name in Object::keys(o)? {
+        let value = match o.get::<Unknown>(&name)? {
+            None => Value::Absent,
+            Some(v) => match v.get_type()? {
+                ValueType::Undefined | ValueType::Null => Value::Absent,
+                ValueType::Boolean => Value::Bool(o.get::<bool>(&name)?.unwrap_or_default()),
+                ValueType::Number => Value::Number(o.get::<f64>(&name)?.unwrap_or_default()),
+                ValueType::String => Value::Text(o.get::<String>(&name)?.unwrap_or_default()),
+                ValueType::BigInt => Value::Other("bigint".into()),
+                ValueType::Symbol => Value::Other("symbol".into()),
+                ValueType::Function => Value::Other("function".into()),
+                _ => Value::Other("object".into()),
+            },
+        };
+        out.push((name, value));
+    }
+    Ok(out)
 }

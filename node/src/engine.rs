@@ -6,18 +6,19 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use napi::bindgen_prelude::{Buffer, Function, Promise, Result};
+use napi::bindgen_prelude::{Buffer, Function, Object, Promise, Result};
 use napi::threadsafe_function::ThreadsafeFunction;
 use napi::Status;
 use napi_derive::napi;
 use onceflow::{
-    BoxError, EngineConfig, Error, ErrorKind, Handler, KeyStrategy, OnFailure, PipelineConfig,
-    PipelineMode, Record, RunSummary as RsRunSummary, Transform, TransformOutput,
+    BoxError, Error, ErrorKind, Handler, Record, RunSummary as RsRunSummary, Transform,
+    TransformOutput,
 };
+use onceflow_bindings::settings::{self, Language, OwnNames};
 
 use crate::client::{Consumer, DedupStore, Producer};
 use crate::convert::{self, Message, RecordIn};
-use crate::{config_err, js_err, on_rt};
+use crate::{js_err, on_rt};
 
 /// A weak ThreadsafeFunction (it does not keep the process alive) taking a message and
 /// returning a Promise.
@@ -89,117 +90,6 @@ impl Transform for JsTransform {
                 .and_then(|h| onceflow::trace::extract_parent(&convert::headers(Some(h)))),
         })
     }
-}
-
-/// Engine settings; durations in milliseconds.
-#[napi(object)]
-pub struct EngineOptions {
-    /// `header:NAME` (default `header:idempotency-key`) or `coordinates`.
-    pub key: Option<String>,
-    /// Prefix of keys in the dedup store (default: the consumer group).
-    pub namespace: Option<String>,
-    /// This worker's identity for claims (default: random).
-    pub worker_id: Option<String>,
-    /// Lease of a claim (default 30000).
-    pub lease_ms: Option<f64>,
-    /// Same key with a different payload is a conflict (default true).
-    pub fingerprint: Option<bool>,
-    /// Handler attempts per delivery (default 5).
-    pub max_attempts: Option<u32>,
-    /// First retry delay (default 100).
-    pub min_backoff_ms: Option<f64>,
-    /// Longest retry delay (default 5000).
-    pub max_backoff_ms: Option<f64>,
-    /// `redeliver` (default), `stop` or `dead-letter:TOPIC`.
-    pub on_failure: Option<String>,
-    /// Redelivery delay asked of the platform (default 1000).
-    pub redelivery_delay_ms: Option<f64>,
-    /// Messages per poll (default 500).
-    pub batch_size: Option<u32>,
-    /// Longest wait for a poll (default 100).
-    pub poll_timeout_ms: Option<f64>,
-    /// Commit at least this often (default 1000).
-    pub commit_interval_ms: Option<f64>,
-    /// ... or after this many finished messages (default 10000).
-    pub commit_every: Option<f64>,
-    /// On shutdown, time allowed to finish work in flight (default 30000).
-    pub shutdown_deadline_ms: Option<f64>,
-    /// Trace every message (default true).
-    pub tracing: Option<bool>,
-}
-
-fn engine_config(o: Option<EngineOptions>) -> Result<EngineConfig> {
-    let mut c = EngineConfig::default();
-    let Some(o) = o else { return Ok(c) };
-    if let Some(s) = o.key {
-        c.key = if s == "coordinates" {
-            KeyStrategy::Coordinates
-        } else if let Some(h) = s.strip_prefix("header:") {
-            KeyStrategy::Header(h.to_string())
-        } else {
-            return Err(config_err(format!(
-                "key '{s}': expected 'header:NAME' or 'coordinates'"
-            )));
-        };
-    }
-    let ms = convert::millis;
-    if o.namespace.is_some() {
-        c.namespace = o.namespace;
-    }
-    if let Some(v) = o.worker_id {
-        c.worker_id = v;
-    }
-    if let Some(v) = o.lease_ms {
-        c.lease = ms("leaseMs", v)?;
-    }
-    if let Some(v) = o.fingerprint {
-        c.fingerprint = v;
-    }
-    if let Some(v) = o.max_attempts {
-        c.max_attempts = v;
-    }
-    if let Some(v) = o.min_backoff_ms {
-        c.min_backoff = ms("minBackoffMs", v)?;
-    }
-    if let Some(v) = o.max_backoff_ms {
-        c.max_backoff = ms("maxBackoffMs", v)?;
-    }
-    if let Some(s) = o.on_failure {
-        c.on_failure = match s.as_str() {
-            "redeliver" => OnFailure::Redeliver,
-            "stop" => OnFailure::Stop,
-            _ => match s.strip_prefix("dead-letter:") {
-                Some(t) => OnFailure::DeadLetter(t.to_string()),
-                None => {
-                    return Err(config_err(format!(
-                        "onFailure '{s}': expected 'redeliver', 'stop' or 'dead-letter:TOPIC'"
-                    )))
-                }
-            },
-        };
-    }
-    if let Some(v) = o.redelivery_delay_ms {
-        c.redelivery_delay = ms("redeliveryDelayMs", v)?;
-    }
-    if let Some(v) = o.batch_size {
-        c.batch_size = v as usize;
-    }
-    if let Some(v) = o.poll_timeout_ms {
-        c.poll_timeout = ms("pollTimeoutMs", v)?;
-    }
-    if let Some(v) = o.commit_interval_ms {
-        c.commit_interval = ms("commitIntervalMs", v)?;
-    }
-    if let Some(v) = o.commit_every {
-        c.commit_every = v as u64;
-    }
-    if let Some(v) = o.shutdown_deadline_ms {
-        c.shutdown_deadline = ms("shutdownDeadlineMs", v)?;
-    }
-    if let Some(v) = o.tracing {
-        c.tracing = v;
-    }
-    Ok(c)
 }
 
 /// Engine counters.
@@ -291,6 +181,13 @@ async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
 }
 
+/// The options `index.js` takes out of an `IdempotentConsumer`'s options object before the
+/// rest reach the settings table: named in its error about an unknown option.
+const IDEMPOTENT_OWN: OwnNames<'static> = &["store", "windowMs", "deadLetterProducer"];
+
+/// The same for a `Pipeline`.
+const PIPELINE_OWN: OwnNames<'static> = &["store", "windowMs"];
+
 /// At-least-once consumption plus a dedup store: the handler runs once per idempotency key.
 #[napi(js_name = "NativeIdempotentConsumer")]
 pub struct IdempotentConsumer {
@@ -310,9 +207,15 @@ impl IdempotentConsumer {
         #[napi(ts_arg_type = "(message: Message) => Promise<Buffer | null | undefined>")]
         handler: Function<Message, Promise<Option<Buffer>>>,
         store: Option<&DedupStore>,
-        options: Option<EngineOptions>,
+        #[napi(ts_arg_type = "EngineOptions")] options: Option<Object>,
         dead_letter_producer: Option<&Producer>,
     ) -> Result<Self> {
+        let config = settings::engine_config(
+            Language::Node,
+            convert::settings(options.as_ref())?,
+            IDEMPOTENT_OWN,
+        )
+        .map_err(|e| js_err(&e))?;
         let f = handler
             .build_threadsafe_function::<Message>()
             .weak::<true>()
@@ -321,7 +224,7 @@ impl IdempotentConsumer {
             consumer.inner.clone(),
             store.map(|s| s.inner.clone()),
             Arc::new(JsHandler(f)),
-            engine_config(options)?,
+            config,
             dead_letter_producer.map(|p| p.inner.clone()),
         )
         .map_err(|e| js_err(&e))?;
@@ -377,17 +280,6 @@ impl IdempotentConsumer {
     }
 }
 
-/// Pipeline settings.
-#[napi(object)]
-pub struct PipelineOptions {
-    /// `auto` (default), `transactional` or `idempotent`.
-    pub mode: Option<String>,
-    /// Transactional mode: commit at least this often, ms (default 100).
-    pub transaction_interval_ms: Option<f64>,
-    /// Transactional mode: ... or after this many inputs (default 10000).
-    pub max_transaction_inputs: Option<u32>,
-}
-
 /// Consume-transform-produce with the strongest mechanism the platform offers.
 #[napi(js_name = "NativePipeline")]
 pub struct Pipeline {
@@ -411,31 +303,14 @@ impl Pipeline {
         #[napi(ts_arg_type = "(message: Message) => Promise<TransformOut | null | undefined>")]
         transform: Function<Message, Promise<Option<TransformOut>>>,
         store: Option<&DedupStore>,
-        options: Option<PipelineOptions>,
-        engine: Option<EngineOptions>,
+        #[napi(ts_arg_type = "PipelineOptions")] options: Option<Object>,
     ) -> Result<Self> {
-        let mut pc = PipelineConfig {
-            engine: engine_config(engine)?,
-            ..PipelineConfig::default()
-        };
-        if let Some(o) = options {
-            pc.mode = match o.mode.as_deref().unwrap_or("auto") {
-                "auto" => PipelineMode::Auto,
-                "transactional" => PipelineMode::Transactional,
-                "idempotent" => PipelineMode::Idempotent,
-                other => {
-                    return Err(config_err(format!(
-                        "mode '{other}': expected auto, transactional or idempotent"
-                    )))
-                }
-            };
-            if let Some(v) = o.transaction_interval_ms {
-                pc.transaction_interval = convert::millis("transactionIntervalMs", v)?;
-            }
-            if let Some(v) = o.max_transaction_inputs {
-                pc.max_transaction_inputs = v as usize;
-            }
-        }
+        let pc = settings::pipeline_config(
+            Language::Node,
+            convert::settings(options.as_ref())?,
+            PIPELINE_OWN,
+        )
+        .map_err(|e| js_err(&e))?;
         let f = transform
             .build_threadsafe_function::<Message>()
             .weak::<true>()

@@ -51,11 +51,6 @@ pub(crate) fn js_err(e: &Error) -> napi::Error {
     )
 }
 
-/// A config error raised by the binding itself.
-pub(crate) fn config_err(message: impl Into<String>) -> napi::Error {
-    js_err(&Error::config(message))
-}
-
 /// Runs `fut` on the bindings' runtime and converts its error.
 pub(crate) async fn on_rt<T, F>(fut: F) -> napi::Result<T>
 where

@@ -198,3 +198,45 @@ for (const p of platforms()) {
     await reader.close()
   })
 }
+
+test('engine options: a misspelled name, a wrong type or a bad value throws a config error naming it', async () => {
+  const client = await onceflow.connect(`memory://${unique('opts')}`)
+  const consumer = await client.consumer(unique('g'), [unique('t')])
+  const producer = await client.producer()
+  const refused = async (make, text) => {
+    const err = await make().run().then(() => null, (e) => e)
+    assert.ok(err instanceof onceflow.OnceflowError, `${text}: ${err}`)
+    assert.equal(err.kind, 'config')
+    assert.ok(err.message.includes(text), `expected '${text}' in: ${err.message}`)
+    return err
+  }
+  const handler = async () => null
+  const idem = (o) => () => new onceflow.IdempotentConsumer(consumer, handler, o)
+  const err = await refused(idem({ leseMs: 100 }), "unknown setting 'leseMs'")
+  assert.ok(err.message.includes('leaseMs') && err.message.endsWith('store, windowMs, deadLetterProducer'), err.message)
+  await refused(idem({ maxAttempts: 0 }), 'maxAttempts 0: expected a whole number from 1')
+  await refused(idem({ batchSize: -1 }), 'batchSize -1: expected a whole number from 1')
+  await refused(idem({ commitEvery: 2.5 }), 'commitEvery 2.5: expected a whole number')
+  await refused(idem({ leaseMs: '30000' }), 'leaseMs: expected a number of milliseconds, got string')
+  await refused(idem({ tracing: 'yes' }), 'tracing: expected a boolean, got string')
+  await refused(idem({ onFailure: 'retry' }), "onFailure: failure policy 'retry'")
+  await refused(idem({ mode: 'idempotent' }), "unknown setting 'mode'")
+  const pipe = (o) => () => new onceflow.Pipeline(consumer, producer, async () => null, o)
+  await refused(pipe({ maxTransactionInputs: 0 }), 'maxTransactionInputs 0: expected a whole number from 1')
+  await refused(pipe({ mode: 'exactly' }), "mode: pipeline mode 'exactly'")
+  await refused(pipe({ deadLetterProducer: producer }), "unknown setting 'deadLetterProducer'")
+  // undefined and null keep the default.
+  const ok = new onceflow.IdempotentConsumer(consumer, handler, { leaseMs: undefined, namespace: null })
+  assert.equal(await ok.step(), 0)
+  await consumer.close()
+})
+
+test('poll sizes: 0, negative and fractional counts are refused, not rounded', async () => {
+  const client = await onceflow.connect(`memory://${unique('poll')}`)
+  const consumer = await client.consumer(unique('g'), [unique('t')])
+  for (const max of [0, -1, 2.5]) {
+    await assert.rejects(consumer.poll(max, 10), (e) => e.kind === 'config' && e.message.includes(`max ${max}`))
+  }
+  await assert.rejects(consumer.batches({ batchSize: 0, timeoutMs: 10 }).next(), (e) => e.kind === 'config')
+  await consumer.close()
+})

@@ -84,6 +84,19 @@ for (const p of platforms()) {
     const rest = await collect(c, 7)
     assert.deepEqual(rest.map((m) => m.payload.toString()), ['m3', 'm4', 'm5', 'm6', 'm7', 'm8', 'm9'])
     await c.close()
+    // poll() hands its whole batch out: commit() without arguments commits all of it, as
+    // Python's does (it used to commit nothing after a poll()).
+    const polledGroup = unique('g')
+    const d = await client.consumer(polledGroup, [t], { start: 'earliest' })
+    const polled = []
+    while (polled.length < 4) polled.push(...(await d.poll(4 - polled.length, 200)))
+    assert.deepEqual(polled.map((m) => m.payload.toString()), ['m0', 'm1', 'm2', 'm3'])
+    await d.commit()
+    await d.close()
+    const e = await client.consumer(polledGroup, [t])
+    const after = await collect(e, 6)
+    assert.deepEqual(after.map((m) => m.payload.toString()), ['m4', 'm5', 'm6', 'm7', 'm8', 'm9'])
+    await e.close()
     await producer.close()
   })
 

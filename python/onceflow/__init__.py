@@ -553,8 +553,10 @@ class Transaction:
     async def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:
         """Commits ``consumer``'s positions with the transaction: of ``messages`` (the last
         per partition), or of every message the consumer has yielded so far."""
-        positions = _positions(messages) if messages is not None else consumer._yielded_positions()
-        await self._native.commit_offsets(consumer._native, positions)
+        if messages is None:
+            await self._native.commit_offsets(consumer._native, None, consumer._handed_out)
+        else:
+            await self._native.commit_offsets(consumer._native, _positions(messages))
 
     async def commit(self) -> None:
         self.finished = True
@@ -574,9 +576,9 @@ class Consumer:
         self._native = native
         self.batch_size = batch_size
         self.poll_timeout = poll_timeout
-        self._batch: Optional[MessageBatch] = None
-        self._index = 0
-        self._last: Dict[Tuple[str, int], str] = {}
+        # How far into the latest non-empty batch messages were handed out (None: all of it);
+        # the native side works out from it what ``commit()`` without arguments commits.
+        self._handed_out: Optional[int] = None
 
     @property
     def native(self) -> _native.Consumer:
@@ -599,11 +601,17 @@ class Consumer:
         (``payloads()``, ``keys()``, ``positions()``, ``partitions()``, ``topics()``,
         ``timestamps()``, ``last_positions()``) return one list for the whole batch without
         a ``Message`` per message."""
-        batch = await self._native.poll(self.batch_size if max is None else max, self.poll_timeout if timeout is None else timeout)
+        batch = await self._fetch(max, timeout)
         if batch:
-            self._settle()
-            self._batch, self._index = batch, len(batch)
+            self._handed_out = None
         return batch
+
+    async def _fetch(self, max: Optional[int] = None, timeout: Optional[float] = None) -> MessageBatch:
+        return await self._native.poll(
+            self.batch_size if max is None else max,
+            self.poll_timeout if timeout is None else timeout,
+            self._handed_out,
+        )
 
     async def batches(self) -> AsyncIterator[MessageBatch]:
         """Yields non-empty batches forever (``commit()`` commits the batches yielded)."""
@@ -617,33 +625,21 @@ class Consumer:
 
     async def _messages(self) -> AsyncIterator[Message]:
         while True:
-            batch = await self.poll()
+            batch = await self._fetch()
             if not batch:
                 continue
-            self._index = 0
+            self._handed_out = 0
             for i, m in enumerate(batch):
-                self._index = i + 1
+                self._handed_out = i + 1
                 yield m
-
-    def _settle(self) -> None:
-        if self._index and self._batch is not None:
-            for t, p, pos in self._batch.last_positions(self._index):
-                self._last[(t, p)] = pos
-        self._batch, self._index = None, 0
-
-    def _yielded_positions(self) -> List[Tuple[str, int, str]]:
-        self._settle()
-        return [(t, p, pos) for (t, p), pos in self._last.items()]
 
     async def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:
         """Commits, per partition, the last of ``messages`` (``Message``s or
         ``(topic, partition, position)``), or the last message yielded so far."""
         if messages is None:
-            positions = self._yielded_positions()
-        elif isinstance(messages, Message):
-            positions = _positions([messages])
-        else:
-            positions = _positions(messages)
+            await self._native.commit(None, self._handed_out)
+            return
+        positions = _positions([messages] if isinstance(messages, Message) else messages)
         if positions:
             await self._native.commit(positions)
 
@@ -653,7 +649,6 @@ class Consumer:
     async def seek(self, topic: str, partition: int, to: str) -> None:
         """Replays from ``to``: ``earliest``, ``latest``, ``timestamp:MS`` or a position such
         as ``offset:42`` (inclusive)."""
-        self._batch, self._index = None, 0
         await self._native.seek(topic, partition, to)
 
     async def pause(self, partitions: Sequence[Tuple[str, int]]) -> None:

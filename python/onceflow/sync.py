@@ -194,12 +194,12 @@ class Consumer:
     def __iter__(self) -> Iterator[Message]:
         inner = self._inner
         while True:
-            batch = _run(inner.poll())
+            batch = _run(inner._fetch())
             if not batch:
                 continue
-            inner._index = 0
+            inner._handed_out = 0
             for i, m in enumerate(batch):
-                inner._index = i + 1
+                inner._handed_out = i + 1
                 yield m
 
     def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:

@@ -11,8 +11,9 @@ use onceflow::{
 use pyo3::prelude::*;
 
 use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter};
-use crate::errors::{config_err, to_pyerr};
+use crate::errors::to_pyerr;
 use crate::{awaitable, awaitable_py, wake};
+use onceflow_bindings::yielded::{HandedOut, Yielded};
 
 /// The most messages one `poll` may ask for (a bound for bad input, far above any batch).
 const MAX_POLL: i64 = 1_000_000_000;
@@ -150,19 +151,11 @@ impl Client {
         options: Option<HashMap<String, String>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let client = self.inner.clone();
-        let isolation = match isolation {
-            "read_committed" => Isolation::ReadCommitted,
-            "read_uncommitted" => Isolation::ReadUncommitted,
-            other => {
-                return Err(config_err(format!(
-                    "isolation '{other}': expected read_committed or read_uncommitted"
-                )))
-            }
-        };
+        let isolation = crate::errors::py_result(isolation.parse::<Isolation>())?;
         let config = ConsumerConfig {
             group,
             topics,
-            start: crate::errors::py_result(onceflow_bindings::parse_start_from(start))?,
+            start: crate::errors::py_result(start.parse::<onceflow::StartFrom>())?,
             isolation,
             client_id,
             session_timeout: session_timeout
@@ -171,10 +164,10 @@ impl Client {
             options: self::options(options),
         };
         awaitable(py, async move {
-            client
-                .consumer(config)
-                .await
-                .map(|inner| Consumer { inner })
+            client.consumer(config).await.map(|inner| Consumer {
+                inner,
+                yielded: Arc::default(),
+            })
         })
     }
 
@@ -791,14 +784,17 @@ impl Transaction {
     }
 
     /// Commits `positions` (`(topic, partition, position)` of the last processed message per
-    /// partition) of `consumer`'s group with the transaction.
+    /// partition) of `consumer`'s group with the transaction; None: what `consumer` handed
+    /// out (`handed_out` as for its `commit`).
+    #[pyo3(signature = (consumer, positions=None, handed_out=None))]
     fn commit_offsets<'py>(
         &self,
         py: Python<'py>,
         consumer: &Consumer,
-        positions: Vec<(String, i32, String)>,
+        positions: Option<Vec<(String, i32, String)>>,
+        handed_out: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let positions = convert::positions(positions)?;
+        let positions = consumer.positions_or_yielded(positions, handed_out)?;
         let group = consumer.inner.group_metadata();
         let tx = self.inner.clone();
         awaitable(py, async move {
@@ -836,6 +832,23 @@ impl Transaction {
 #[pyclass(frozen, module = "onceflow._native")]
 pub struct Consumer {
     pub inner: onceflow::Consumer,
+    /// What `commit()` without positions commits.
+    yielded: Arc<Yielded>,
+}
+
+impl Consumer {
+    /// The given positions, or those of the messages handed out (`handed_out` of the latest
+    /// batch; None: all of it).
+    fn positions_or_yielded(
+        &self,
+        positions: Option<Vec<(String, i32, String)>>,
+        handed_out: Option<usize>,
+    ) -> PyResult<Vec<(TopicPartition, onceflow::Position)>> {
+        match positions {
+            Some(p) => convert::positions(p),
+            None => Ok(self.yielded.positions(HandedOut::from_count(handed_out))),
+        }
+    }
 }
 
 #[pymethods]
@@ -858,30 +871,43 @@ impl Consumer {
     ///
     /// Errors: `ConfigError` naming `max` when it is not from 1 to 1 000 000 000 (Python's own
     /// `OverflowError` for -1 named nothing), `TypeError` when it is not an int.
-    #[pyo3(signature = (max=None, timeout=1.0))]
+    #[pyo3(signature = (max=None, timeout=1.0, handed_out=None))]
     fn poll<'py>(
         &self,
         py: Python<'py>,
         max: Option<&Bound<'py, PyAny>>,
         timeout: f64,
+        handed_out: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let max = convert::opt_int("max", max, 1, MAX_POLL)?.unwrap_or(500) as usize;
         let timeout = convert::seconds("timeout", timeout)?;
         let c = self.inner.clone();
+        let yielded = self.yielded.clone();
         awaitable(py, async move {
-            c.poll(max, timeout).await.map(MessageBatch::new)
+            let batch = c.poll(max, timeout).await?;
+            yielded.polled(&batch, HandedOut::from_count(handed_out));
+            Ok(MessageBatch::new(batch))
         })
     }
 
-    /// Commits `(topic, partition, position)` of the last processed message per partition.
+    /// Commits `(topic, partition, position)` of the last processed message per partition;
+    /// None: the last message handed out of each partition (`handed_out` of the latest batch,
+    /// None: all of it).
+    #[pyo3(signature = (positions=None, handed_out=None))]
     fn commit<'py>(
         &self,
         py: Python<'py>,
-        positions: Vec<(String, i32, String)>,
+        positions: Option<Vec<(String, i32, String)>>,
+        handed_out: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let positions = convert::positions(positions)?;
+        let positions = self.positions_or_yielded(positions, handed_out)?;
         let c = self.inner.clone();
-        awaitable(py, async move { c.commit(&positions).await })
+        awaitable(py, async move {
+            if positions.is_empty() {
+                return Ok(());
+            }
+            c.commit(&positions).await
+        })
     }
 
     /// The group's committed position (next to read) of each `(topic, partition)`.
@@ -913,11 +939,11 @@ impl Consumer {
         partition: i32,
         to: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let to = crate::errors::py_result(onceflow_bindings::parse_start_from(to))?;
+        let to = crate::errors::py_result(to.parse::<onceflow::StartFrom>())?;
+        let tp = TopicPartition::new(topic, partition);
+        self.yielded.forget(&tp);
         let c = self.inner.clone();
-        awaitable(py, async move {
-            c.seek(&TopicPartition::new(topic, partition), &to).await
-        })
+        awaitable(py, async move { c.seek(&tp, &to).await })
     }
 
     /// Stops fetching from `(topic, partition)`s.

@@ -571,23 +571,10 @@ impl From<PartitionLag> for Lag {
     }
 }
 
-/// The longest duration a seconds argument takes: 100 years (no deadline arithmetic overflows).
-const MAX_SECONDS: f64 = 100.0 * 365.25 * 24.0 * 3600.0;
-
 /// Seconds (float) → Duration: 0 to 100 years (3 155 760 000 s); refuses negatives, NaN and
-/// larger values with a `ConfigError` naming `what` and the value.
+/// larger values with a `ConfigError` naming `what` and the value (the bindings' one rule).
 pub fn seconds(what: &str, s: f64) -> PyResult<std::time::Duration> {
-    if !(0.0..=MAX_SECONDS).contains(&s) {
-        let text = if s.is_finite() && s.abs() < 1e15 {
-            s.to_string()
-        } else {
-            format!("{s:e}")
-        };
-        return Err(config_err(format!(
-            "{what} {text}: expected a number of seconds from 0 to {MAX_SECONDS} (100 years)"
-        )));
-    }
-    Ok(std::time::Duration::from_secs_f64(s))
+    crate::errors::py_result(onceflow_bindings::settings::Language::Python.duration(what, s))
 }
 
 /// `seq[index]` of a sequence of `n` items made on access by `item`: an int (a negative one

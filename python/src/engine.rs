@@ -8,17 +8,18 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 use onceflow::{
-    BoxError, EngineConfig, Error, ErrorKind, Handler, KeyStrategy, MetricsSnapshot, OnFailure,
-    PipelineConfig, PipelineMode, Record, RunSummary, Transform, TransformOutput,
+    BoxError, EngineConfig, Error, ErrorKind, Handler, MetricsSnapshot, Record, RunSummary,
+    Transform, TransformOutput,
 };
+use onceflow_bindings::settings::{self, Language, Value};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple};
 use pyo3_async_runtimes::TaskLocals;
 
 use crate::client::{Consumer, DedupStore, Producer};
 use crate::convert::{self, Lag, Message, MessageBatch};
-use crate::errors::{config_err, py_box};
+use crate::errors::py_box;
 use crate::{awaitable, current_locals};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -191,65 +192,51 @@ impl Transform for PyTransform {
     }
 }
 
-/// Engine settings from a dict; unknown keys are ConfigErrors naming them.
-fn engine_config(config: Option<&Bound<'_, PyDict>>) -> PyResult<EngineConfig> {
-    let mut c = EngineConfig::default();
-    let Some(d) = config else { return Ok(c) };
-    for (k, v) in d.iter() {
-        let key: String = k.extract()?;
-        let secs = |v: &Bound<'_, PyAny>| -> PyResult<std::time::Duration> {
-            convert::seconds(&key, v.extract::<f64>()?)
-        };
-        match key.as_str() {
-            "key" => {
-                let s: String = v.extract()?;
-                c.key = if s == "coordinates" {
-                    KeyStrategy::Coordinates
-                } else if let Some(h) = s.strip_prefix("header:") {
-                    KeyStrategy::Header(h.to_string())
-                } else {
-                    return Err(config_err(format!(
-                        "key '{s}': expected 'header:NAME' or 'coordinates'"
-                    )));
-                }
-            }
-            "namespace" => c.namespace = v.extract()?,
-            "worker_id" => c.worker_id = v.extract()?,
-            "lease" => c.lease = secs(&v)?,
-            "fingerprint" => c.fingerprint = v.extract()?,
-            "max_attempts" => c.max_attempts = v.extract()?,
-            "min_backoff" => c.min_backoff = secs(&v)?,
-            "max_backoff" => c.max_backoff = secs(&v)?,
-            "on_failure" => {
-                let s: String = v.extract()?;
-                c.on_failure = match s.as_str() {
-                    "redeliver" => OnFailure::Redeliver,
-                    "stop" => OnFailure::Stop,
-                    _ => match s.strip_prefix("dead-letter:") {
-                        Some(t) => OnFailure::DeadLetter(t.to_string()),
-                        None => {
-                            return Err(config_err(format!(
-                                "on_failure '{s}': expected 'redeliver', 'stop' or 'dead-letter:TOPIC'"
-                            )))
-                        }
-                    },
-                }
-            }
-            "redelivery_delay" => c.redelivery_delay = secs(&v)?,
-            "batch_size" => c.batch_size = v.extract()?,
-            "poll_timeout" => c.poll_timeout = secs(&v)?,
-            "commit_interval" => c.commit_interval = secs(&v)?,
-            "commit_every" => c.commit_every = v.extract()?,
-            "shutdown_deadline" => c.shutdown_deadline = secs(&v)?,
-            "tracing" => c.tracing = v.extract()?,
-            other => {
-                return Err(config_err(format!(
-                    "unknown engine setting '{other}': expected one of key, namespace, worker_id, lease, fingerprint, max_attempts, min_backoff, max_backoff, on_failure, redelivery_delay, batch_size, poll_timeout, commit_interval, commit_every, shutdown_deadline, tracing"
-                )))
-            }
+/// A Python value as a setting's value: `None` keeps the default.
+fn setting_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
+    Ok(if v.is_none() {
+        Value::Absent
+    } else if let Ok(b) = v.cast::<PyBool>() {
+        Value::Bool(b.is_true())
+    } else if v.is_instance_of::<PyInt>() || v.is_instance_of::<PyFloat>() {
+        Value::Number(v.extract::<f64>()?)
+    } else if let Ok(t) = v.cast::<PyString>() {
+        Value::Text(t.to_str()?.to_string())
+    } else {
+        Value::Other(v.get_type().name()?.to_string())
+    })
+}
+
+/// The `(name, value)` pairs of a settings dict (its keys must be strings).
+fn setting_entries(config: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, Value)>> {
+    let Some(d) = config else {
+        return Ok(Vec::new());
+    };
+    d.iter()
+        .map(|(k, v)| Ok((k.extract::<String>()?, setting_value(&v)?)))
+        .collect()
+}
+
+/// A settings table result as Python raises it: a value of the wrong type is a `TypeError`
+/// (as for any argument), a bad value a `ConfigError`.
+fn settings_result<T>(r: onceflow::Result<T>) -> PyResult<T> {
+    r.map_err(|e| {
+        if settings::is_wrong_type(&e) {
+            pyo3::exceptions::PyTypeError::new_err(e.message().to_string())
+        } else {
+            Python::attach(|py| crate::errors::to_pyerr(py, &e))
         }
-    }
-    Ok(c)
+    })
+}
+
+/// Engine settings from a dict, by the bindings' one settings table; unknown names, wrong
+/// types TypeErrors, out-of-range values ConfigErrors, each naming the setting.
+fn engine_config(config: Option<&Bound<'_, PyDict>>) -> PyResult<EngineConfig> {
+    settings_result(settings::engine_config(
+        Language::Python,
+        setting_entries(config)?,
+        &[],
+    ))
 }
 
 fn metrics_dict(py: Python<'_>, m: MetricsSnapshot) -> PyResult<Py<PyAny>> {
@@ -436,29 +423,22 @@ impl Pipeline {
         store: Option<&DedupStore>,
         mode: &str,
         config: Option<&Bound<'_, PyDict>>,
-        transaction_interval: Option<f64>,
-        max_transaction_inputs: Option<usize>,
+        transaction_interval: Option<&Bound<'_, PyAny>>,
+        max_transaction_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let mut pc = PipelineConfig {
-            engine: engine_config(config)?,
-            mode: match mode {
-                "auto" => PipelineMode::Auto,
-                "transactional" => PipelineMode::Transactional,
-                "idempotent" => PipelineMode::Idempotent,
-                other => {
-                    return Err(config_err(format!(
-                        "mode '{other}': expected auto, transactional or idempotent"
-                    )))
-                }
-            },
-            ..PipelineConfig::default()
-        };
-        if let Some(s) = transaction_interval {
-            pc.transaction_interval = convert::seconds("transaction_interval", s)?;
-        }
-        if let Some(n) = max_transaction_inputs {
-            pc.max_transaction_inputs = n;
-        }
+        let mut entries = setting_entries(config)?;
+        entries.extend([
+            ("mode".to_string(), Value::Text(mode.to_string())),
+            (
+                "transaction_interval".to_string(),
+                transaction_interval.map_or(Ok(Value::Absent), setting_value)?,
+            ),
+            (
+                "max_transaction_inputs".to_string(),
+                max_transaction_inputs.map_or(Ok(Value::Absent), setting_value)?,
+            ),
+        ]);
+        let pc = settings_result(settings::pipeline_config(Language::Python, entries, &[]))?;
         let locals: Locals = Arc::default();
         let t = PyTransform {
             func: transform,

@@ -80,6 +80,34 @@ async def test_bad_start_and_engine_settings_are_config_errors(memory):
         await engine.run()
 
 
+async def test_engine_settings_follow_one_table_of_names_types_and_ranges(memory):
+    """The settings table the Node binding uses too: wrong types are TypeErrors, bad values
+    ConfigErrors naming the setting, None keeps the default."""
+    topic = await memory.topic()
+    consumer = await memory.consumer(topic)
+    producer = await memory.client.producer()
+    for config, error, text in [
+        ({"tracing": 1}, TypeError, "tracing: expected bool, got int"),
+        ({"lease": "30"}, TypeError, r"lease: expected int or float \(seconds\), got str"),
+        ({"batch_size": 2.5}, onceflow.ConfigError, "batch_size 2.5: expected a whole number from 1"),
+        ({"commit_every": -1}, onceflow.ConfigError, "commit_every -1: expected a whole number"),
+        ({"lease": 0.05}, onceflow.ConfigError, "lease 0.05: too short, expected at least 0.1 seconds"),
+        ({"on_failure": "retry"}, onceflow.ConfigError, "on_failure: failure policy 'retry'"),
+        ({"leaseMs": 100}, onceflow.ConfigError, "unknown setting 'leaseMs': expected one of key, namespace"),
+    ]:
+        engine = onceflow.IdempotentConsumer(consumer, lambda m: None, None, **config)
+        with pytest.raises(error, match=text):
+            await engine.run()
+    pipeline = onceflow.Pipeline(consumer, producer, lambda m: [], max_transaction_inputs=0)
+    with pytest.raises(onceflow.ConfigError, match="max_transaction_inputs 0: expected a whole number from 1"):
+        await pipeline.run()
+    pipeline = onceflow.Pipeline(consumer, producer, lambda m: [], mode="exactly")
+    with pytest.raises(onceflow.ConfigError, match="mode: pipeline mode 'exactly'"):
+        await pipeline.run()
+    engine = onceflow.IdempotentConsumer(consumer, lambda m: None, None, lease=None, namespace=None)
+    assert await engine.step() == 0
+
+
 async def test_empty_topic_is_refused_before_sending(memory):
     producer = await memory.client.producer()
     with pytest.raises(onceflow.ConfigError, match="topic"):

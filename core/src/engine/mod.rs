@@ -70,6 +70,25 @@ impl KeyStrategy {
     }
 }
 
+/// The text forms a setting takes in the CLI and the bindings: `header:NAME` or
+/// `coordinates` (a [`KeyStrategy::Custom`] function has no text form).
+/// Errors: [`crate::ErrorKind::Config`] naming the text.
+impl std::str::FromStr for KeyStrategy {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.strip_prefix("header:") {
+            Some(name) if !name.is_empty() => Ok(KeyStrategy::Header(name.to_string())),
+            _ if s == "coordinates" => Ok(KeyStrategy::Coordinates),
+            _ => Err(Error::config(format!(
+                "key strategy '{}': expected header:NAME (such as header:idempotency-key) or \
+                 coordinates",
+                crate::shown(s)
+            ))),
+        }
+    }
+}
+
 fn coordinates(m: &Message) -> String {
     use std::fmt::Write as _;
     // Room for the position and a `:N` output suffix, so neither reallocates.
@@ -90,6 +109,36 @@ pub enum OnFailure {
     Redeliver,
     /// Release its claim and stop the consumer with the error (finished work is committed).
     Stop,
+}
+
+/// The text forms: `redeliver`, `stop` or `dead-letter:TOPIC`; [`std::fmt::Display`] writes
+/// the same. Errors: [`crate::ErrorKind::Config`] naming the text.
+impl std::str::FromStr for OnFailure {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "redeliver" => Ok(OnFailure::Redeliver),
+            "stop" => Ok(OnFailure::Stop),
+            _ => match s.strip_prefix("dead-letter:") {
+                Some(topic) if !topic.is_empty() => Ok(OnFailure::DeadLetter(topic.to_string())),
+                _ => Err(Error::config(format!(
+                    "failure policy '{}': expected redeliver, stop or dead-letter:TOPIC",
+                    crate::shown(s)
+                ))),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for OnFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OnFailure::DeadLetter(t) => write!(f, "dead-letter:{t}"),
+            OnFailure::Redeliver => f.write_str("redeliver"),
+            OnFailure::Stop => f.write_str("stop"),
+        }
+    }
 }
 
 /// Engine settings shared by [`IdempotentConsumer`] and [`Pipeline`].
@@ -291,4 +340,63 @@ pub(crate) fn dead_letter_record(
         )
         .set("onceflow-attempts", attempts.to_string().into_bytes());
     r
+}
+
+#[cfg(test)]
+mod text_form_tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    #[test]
+    fn settings_parse_from_their_text_forms_and_display_back() {
+        assert!(matches!(
+            "header:idem".parse::<KeyStrategy>(),
+            Ok(KeyStrategy::Header(h)) if h == "idem"
+        ));
+        assert!(matches!(
+            "coordinates".parse::<KeyStrategy>(),
+            Ok(KeyStrategy::Coordinates)
+        ));
+        for text in ["redeliver", "stop", "dead-letter:orders.dlq"] {
+            assert_eq!(text.parse::<OnFailure>().unwrap().to_string(), text);
+        }
+        for text in ["auto", "transactional", "idempotent"] {
+            assert_eq!(text.parse::<PipelineMode>().unwrap().to_string(), text);
+        }
+    }
+
+    #[test]
+    fn a_bad_text_form_is_a_config_error_naming_it_and_the_accepted_ones() {
+        for (err, named, accepted) in [
+            (
+                "header:".parse::<KeyStrategy>().unwrap_err(),
+                "'header:'",
+                "coordinates",
+            ),
+            (
+                "coords".parse::<KeyStrategy>().unwrap_err(),
+                "'coords'",
+                "header:NAME",
+            ),
+            (
+                "dead-letter:".parse::<OnFailure>().unwrap_err(),
+                "'dead-letter:'",
+                "redeliver",
+            ),
+            (
+                "retry".parse::<OnFailure>().unwrap_err(),
+                "'retry'",
+                "dead-letter:TOPIC",
+            ),
+            (
+                "exactly".parse::<PipelineMode>().unwrap_err(),
+                "'exactly'",
+                "transactional",
+            ),
+        ] {
+            assert_eq!(err.kind(), ErrorKind::Config);
+            assert!(err.message().contains(named), "{}", err.message());
+            assert!(err.message().contains(accepted), "{}", err.message());
+        }
+    }
 }

@@ -82,6 +82,34 @@ pub enum PipelineMode {
     Idempotent,
 }
 
+/// The text forms: `auto`, `transactional` or `idempotent`; [`std::fmt::Display`] writes the
+/// same. Errors: [`crate::ErrorKind::Config`] naming the text.
+impl std::str::FromStr for PipelineMode {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(PipelineMode::Auto),
+            "transactional" => Ok(PipelineMode::Transactional),
+            "idempotent" => Ok(PipelineMode::Idempotent),
+            _ => Err(Error::config(format!(
+                "pipeline mode '{}': expected auto, transactional or idempotent",
+                crate::shown(s)
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for PipelineMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PipelineMode::Auto => "auto",
+            PipelineMode::Transactional => "transactional",
+            PipelineMode::Idempotent => "idempotent",
+        })
+    }
+}
+
 /// Pipeline settings.
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
