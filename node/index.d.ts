@@ -68,7 +68,9 @@ export interface Consumer extends AsyncIterable<Message> {
    * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000) for
    * the first; resolves to an array, empty on timeout. One native crossing per batch. The
    * payloads, keys and header values of one batch are views of one Buffer: copy one
-   * (`Buffer.from(m.payload)`) to keep it long after the rest of its batch.
+   * (`Buffer.from(m.payload)`) to keep it long after the rest of its batch. `commit()` without
+   * arguments then commits the batch. `max` is a whole number from 1; another value throws an
+   * `OnceflowError` of kind `config`.
    */
   poll(max?: number, timeoutMs?: number): Promise<Message[]>
   /** Messages one by one, fetched in batches until `close()` or `break`. */
@@ -80,6 +82,56 @@ export interface Consumer extends AsyncIterable<Message> {
   batches(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message[]>
   /** Commits the given messages/positions, or the last message yielded of each partition. */
   commit(positions?: PositionLike | PositionLike[]): Promise<void>
+}
+
+/**
+ * Engine settings; durations in milliseconds. A misspelled name, a value of the wrong type, a
+ * count that is not a whole number or a duration out of range (0 to 100 years) throws an
+ * `OnceflowError` of kind `config` naming the option; `undefined` and `null` keep the default.
+ */
+export interface EngineOptions {
+  /** `header:NAME` (default `header:idempotency-key`) or `coordinates` (`topic/partition/position`). */
+  key?: string
+  /** Prefix of keys in the dedup store (default: the consumer group). */
+  namespace?: string
+  /** This worker's identity for claims, non-empty (default: random per process). */
+  workerId?: string
+  /** Lease of a claim, ms, at least 100 (default 30000); renewed every third of it. */
+  leaseMs?: number
+  /** Same key with a different payload is a conflict (default true). */
+  fingerprint?: boolean
+  /** Handler attempts per delivery, at least 1 (default 5). */
+  maxAttempts?: number
+  /** First retry delay, ms (default 100); doubles up to `maxBackoffMs`, with jitter. */
+  minBackoffMs?: number
+  /** Longest retry delay, ms (default 5000). */
+  maxBackoffMs?: number
+  /** After the last attempt: `redeliver` (default), `stop` or `dead-letter:TOPIC`. */
+  onFailure?: string
+  /** Redelivery delay asked of the platform, ms (default 1000). */
+  redeliveryDelayMs?: number
+  /** Messages per poll, at least 1 (default 500). */
+  batchSize?: number
+  /** Longest wait for a poll, ms (default 100). */
+  pollTimeoutMs?: number
+  /** Commit finished positions at least this often, ms (default 1000). */
+  commitIntervalMs?: number
+  /** ... or after this many finished messages, at least 1 (default 10000). */
+  commitEvery?: number
+  /** On shutdown, time allowed to finish work in flight, ms (default 30000). */
+  shutdownDeadlineMs?: number
+  /** Trace every message: extract the `traceparent`, one `process` span each (default true). */
+  tracing?: boolean
+}
+
+/** Engine settings plus the pipeline's own; the same rules for bad values. */
+export interface PipelineOptions extends EngineOptions {
+  /** `auto` (default: transactions where the platform has them), `transactional` or `idempotent`. */
+  mode?: string
+  /** Transactional mode: commit a transaction at least this often, ms (default 100). */
+  transactionIntervalMs?: number
+  /** Transactional mode: ... or after this many inputs, at least 1 (default 10000). */
+  maxTransactionInputs?: number
 }
 
 /** Engine settings plus the dedup store. */
@@ -113,7 +165,7 @@ export declare class Pipeline {
     consumer: Consumer,
     producer: Producer,
     transform: (message: Message) => Promise<RecordInit | RecordInit[] | null | undefined | void>,
-    options?: IdempotentOptions & PipelineOptions
+    options?: Omit<IdempotentOptions, 'deadLetterProducer'> & PipelineOptions
   )
   run(): Promise<RunSummary>
   stop(): void
@@ -162,10 +214,17 @@ export declare class Consumer {
    * Fetches up to `max` messages (default 500), waiting at most `timeoutMs` (default 1000)
    * for the first; resolves to the batch in columns (no message on timeout), which
    * `index.js`'s `poll` turns into message objects. One crossing per batch.
+   *
+   * `handedOut`: how many messages of the previous non-empty batch `index.js` handed to the
+   * user (null: all of it), for what `commit()` without positions commits.
    */
-  _poll(max?: number | undefined | null, timeoutMs?: number | undefined | null): Promise<MessageColumns>
-  /** Commits the last processed message's position of each partition. */
-  _commit(positions: Array<PositionIn>): Promise<void>
+  _poll(max?: number | undefined | null, timeoutMs?: number | undefined | null, handedOut?: number | undefined | null): Promise<MessageColumns>
+  /**
+   * Commits `positions` (the last processed message of each partition), or, when null,
+   * the last message handed to the user of each partition (`handedOut` as for `_poll`,
+   * of the latest batch).
+   */
+  _commit(positions?: Array<PositionIn> | undefined | null, handedOut?: number | undefined | null): Promise<void>
   /** The group's committed position (next to read) of each partition, or null. */
   committed(partitions: Array<TopicPartitionIn>): Promise<Array<string | undefined | null>>
   /**
@@ -200,7 +259,7 @@ export declare class NativeIdempotentConsumer {
    * `handler(message)` returns a Promise of a Buffer (kept as the result of the key) or
    * null. Without a store, delivery is at-least-once.
    */
-  constructor(consumer: Consumer, handler: (message: Message) => Promise<Buffer | null | undefined>, store?: DedupStore | undefined | null, options?: EngineOptions | undefined | null, deadLetterProducer?: Producer | undefined | null)
+  constructor(consumer: Consumer, handler: (message: Message) => Promise<Buffer | null | undefined>, store?: DedupStore | undefined | null, options?: EngineOptions, deadLetterProducer?: Producer | undefined | null)
   /** `effectively-once` with a store, `at-least-once` without. */
   get guarantee(): string
   /** Counters, live. */
@@ -222,7 +281,7 @@ export declare class NativePipeline {
    * are children of. A field with nothing in it is left out (undefined), never null: napi
    * reads a null field as an array of the wrong type and the transform fails.
    */
-  constructor(consumer: Consumer, producer: Producer, transform: (message: Message) => Promise<TransformOut | null | undefined>, store?: DedupStore | undefined | null, options?: PipelineOptions | undefined | null, engine?: EngineOptions | undefined | null)
+  constructor(consumer: Consumer, producer: Producer, transform: (message: Message) => Promise<TransformOut | null | undefined>, store?: DedupStore | undefined | null, options?: PipelineOptions)
   /** The guarantee this pipeline runs with. */
   get guarantee(): string
   /** The mechanism, in words. */
@@ -262,9 +321,9 @@ export declare class Transaction {
   _sendBatch(records: Array<RecordIn>): Promise<Array<SendResult>>
   /**
    * Commits `positions` (last processed message per partition) of `consumer`'s group with
-   * the transaction.
+   * the transaction; null: what `consumer` handed out (`handedOut` as for its `_poll`).
    */
-  _commitOffsets(consumer: Consumer, positions: Array<PositionIn>): Promise<void>
+  _commitOffsets(consumer: Consumer, positions?: Array<PositionIn> | undefined | null, handedOut?: number | undefined | null): Promise<void>
   /** Commits the transaction. */
   commit(): Promise<void>
   /** Aborts the transaction; a no-op once finished. */
@@ -346,42 +405,6 @@ export interface Delivery {
   timestamp?: number
   /** The platform recognised the record as a duplicate of one already written. */
   duplicate: boolean
-}
-
-/** Engine settings; durations in milliseconds. */
-export interface EngineOptions {
-  /** `header:NAME` (default `header:idempotency-key`) or `coordinates`. */
-  key?: string
-  /** Prefix of keys in the dedup store (default: the consumer group). */
-  namespace?: string
-  /** This worker's identity for claims (default: random). */
-  workerId?: string
-  /** Lease of a claim (default 30000). */
-  leaseMs?: number
-  /** Same key with a different payload is a conflict (default true). */
-  fingerprint?: boolean
-  /** Handler attempts per delivery (default 5). */
-  maxAttempts?: number
-  /** First retry delay (default 100). */
-  minBackoffMs?: number
-  /** Longest retry delay (default 5000). */
-  maxBackoffMs?: number
-  /** `redeliver` (default), `stop` or `dead-letter:TOPIC`. */
-  onFailure?: string
-  /** Redelivery delay asked of the platform (default 1000). */
-  redeliveryDelayMs?: number
-  /** Messages per poll (default 500). */
-  batchSize?: number
-  /** Longest wait for a poll (default 100). */
-  pollTimeoutMs?: number
-  /** Commit at least this often (default 1000). */
-  commitIntervalMs?: number
-  /** ... or after this many finished messages (default 10000). */
-  commitEvery?: number
-  /** On shutdown, time allowed to finish work in flight (default 30000). */
-  shutdownDeadlineMs?: number
-  /** Trace every message (default true). */
-  tracing?: boolean
 }
 
 /** One error kind as the binding names it. */
@@ -510,16 +533,6 @@ export interface Metrics {
 
 /** The version of the native addon (the Cargo package version). */
 export declare function nativeVersion(): string
-
-/** Pipeline settings. */
-export interface PipelineOptions {
-  /** `auto` (default), `transactional` or `idempotent`. */
-  mode?: string
-  /** Transactional mode: commit at least this often, ms (default 100). */
-  transactionIntervalMs?: number
-  /** Transactional mode: ... or after this many inputs (default 10000). */
-  maxTransactionInputs?: number
-}
 
 /** A position to commit: the last processed message of a partition. */
 export interface PositionIn {
