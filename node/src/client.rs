@@ -14,6 +14,7 @@ use onceflow_bindings::settings::Language;
 use onceflow_bindings::yielded::{HandedOut, Yielded};
 
 use crate::convert::{self, Delivery, Lag, MessageColumns, PositionIn, RecordIn, SendResult};
+use crate::options::{Checked, Expect, Known};
 use crate::{js_err, on_rt};
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
@@ -81,6 +82,16 @@ pub struct ProducerOptions {
     pub options: Option<HashMap<String, String>>,
 }
 
+impl Known for ProducerOptions {
+    const WHAT: &'static str = "producer option";
+    const KEYS: &'static [(&'static str, Expect)] = &[
+        ("transactionalId", Expect::String),
+        ("clientId", Expect::String),
+        ("idempotent", Expect::Boolean),
+        ("options", Expect::StringMap),
+    ];
+}
+
 /// Consumer settings.
 #[napi(object)]
 pub struct ConsumerOptions {
@@ -95,6 +106,17 @@ pub struct ConsumerOptions {
     pub session_timeout_ms: Option<f64>,
     /// Raw `key=value` options for the native client.
     pub options: Option<HashMap<String, String>>,
+}
+
+impl Known for ConsumerOptions {
+    const WHAT: &'static str = "consumer option";
+    const KEYS: &'static [(&'static str, Expect)] = &[
+        ("start", Expect::String),
+        ("isolation", Expect::String),
+        ("clientId", Expect::String),
+        ("sessionTimeoutMs", Expect::Number),
+        ("options", Expect::StringMap),
+    ];
 }
 
 /// What the platform can do.
@@ -159,7 +181,13 @@ impl Client {
 
     /// Creates a producer; a `transactionalId` enables transactions.
     #[napi]
-    pub async fn producer(&self, options: Option<ProducerOptions>) -> Result<Producer> {
+    pub async fn producer(
+        &self,
+        #[napi(ts_arg_type = "ProducerOptions | undefined | null")] options: Option<
+            Checked<ProducerOptions>,
+        >,
+    ) -> Result<Producer> {
+        let options = options.map(|c| c.0);
         let o = options.unwrap_or(ProducerOptions {
             transactional_id: None,
             client_id: None,
@@ -184,9 +212,11 @@ impl Client {
         &self,
         group: String,
         topics: Vec<String>,
-        options: Option<ConsumerOptions>,
+        #[napi(ts_arg_type = "ConsumerOptions | undefined | null")] options: Option<
+            Checked<ConsumerOptions>,
+        >,
     ) -> Result<Consumer> {
-        let o = options.unwrap_or(ConsumerOptions {
+        let o = options.map(|c| c.0).unwrap_or(ConsumerOptions {
             start: None,
             isolation: None,
             client_id: None,
@@ -577,6 +607,17 @@ pub struct TopicOptions {
     pub options: Option<HashMap<String, String>>,
 }
 
+impl Known for TopicOptions {
+    const WHAT: &'static str = "topic option";
+    const KEYS: &'static [(&'static str, Expect)] = &[
+        ("partitions", Expect::Count),
+        ("retentionMs", Expect::Number),
+        ("retentionBytes", Expect::Number),
+        ("compacted", Expect::Boolean),
+        ("options", Expect::StringMap),
+    ];
+}
+
 /// Topic administration.
 #[napi]
 pub struct Admin {
@@ -587,8 +628,14 @@ pub struct Admin {
 impl Admin {
     /// Creates a topic.
     #[napi]
-    pub async fn create_topic(&self, name: String, options: Option<TopicOptions>) -> Result<()> {
-        let o = options.unwrap_or(TopicOptions {
+    pub async fn create_topic(
+        &self,
+        name: String,
+        #[napi(ts_arg_type = "TopicOptions | undefined | null")] options: Option<
+            Checked<TopicOptions>,
+        >,
+    ) -> Result<()> {
+        let o = options.map(|c| c.0).unwrap_or(TopicOptions {
             partitions: None,
             retention_ms: None,
             retention_bytes: None,

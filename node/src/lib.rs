@@ -17,6 +17,7 @@ use onceflow::{Error, ErrorKind};
 mod client;
 mod convert;
 mod engine;
+mod options;
 
 /// A native error as JavaScript sees it: `index.js` turns a message starting with this
 /// marker into an `OnceflowError` from the JSON that follows.

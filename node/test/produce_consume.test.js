@@ -150,3 +150,27 @@ test('the event loop keeps running while a poll waits', async () => {
   clearInterval(timer)
   assert.ok(ticks >= 20, `only ${ticks} timer ticks during a 500 ms poll`)
 })
+
+test('client options: a misspelled key or a wrong type throws a config error naming it', async () => {
+  const client = await onceflow.connect(`memory://${unique('opts')}`)
+  const refused = async (call, text) => {
+    const e = await (async () => call())().then(() => null, (err) => err)
+    assert.ok(e instanceof onceflow.OnceflowError, `${text}: ${e}`)
+    assert.equal(e.kind, 'config')
+    assert.ok(e.message.includes(text), `expected '${text}' in: ${e.message}`)
+  }
+  const t = unique('t')
+  await refused(() => client.consumer(unique('g'), [t], { ackWaitMs: 5000 }), "unknown consumer option 'ackWaitMs': expected one of start, isolation")
+  await refused(() => client.consumer(unique('g'), [t], { start: 5 }), 'consumer option start: expected a string, got number')
+  await refused(() => client.consumer(unique('g'), [t], { sessionTimeoutMs: -1 }), 'consumer option sessionTimeoutMs -1')
+  await refused(() => client.consumer(unique('g'), [t], { options: { 'fetch.min.bytes': 1 } }), "consumer option options['fetch.min.bytes']: expected a string, got number")
+  await refused(() => client.consumer(unique('g'), [t], 'earliest'), 'consumer options: expected an object, got string')
+  await refused(() => client.producer({ transactionalID: 'x' }), "unknown producer option 'transactionalID'")
+  await refused(() => client.producer({ idempotent: 'yes' }), 'producer option idempotent: expected a boolean, got string')
+  const admin = await client.admin()
+  await refused(() => admin.createTopic(unique('t'), { partitions: -1 }), 'topic option partitions -1: expected a whole number')
+  await refused(() => admin.createTopic(unique('t'), { partition: 3 }), "unknown topic option 'partition'")
+  // The right keys still work, undefined ones included.
+  const c = await client.consumer(unique('g'), [t], { start: 'earliest', clientId: undefined })
+  await c.close()
+})
