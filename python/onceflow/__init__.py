@@ -78,6 +78,7 @@ from ._native import (
     SerializationError,
     TimeoutError,
     UnsupportedError,
+    supported_schemes,
 )
 
 __version__: str = _native.__version__
@@ -121,6 +122,7 @@ __all__ = [
     "dedup_store",
     "error_class",
     "idempotent",
+    "supported_schemes",
 ]
 
 HeaderValue = Union[bytes, str, None]
@@ -791,11 +793,15 @@ class IdempotentConsumer(_Engine):
     at-least-once delivery plus a dedup ``store`` (``memory://``, a file path, or an opened
     ``DedupStore``). A handler that raises is retried with backoff, then redelivered.
 
-    Engine settings are keyword arguments: ``max_attempts``, ``min_backoff``, ``max_backoff``
-    (seconds), ``on_failure`` (``redeliver``, ``stop``, ``dead-letter:TOPIC``), ``key``
+    Engine settings are keyword arguments: ``max_attempts``, ``min_backoff``, ``max_backoff``,
+    ``on_failure`` (``redeliver``, ``stop``, ``dead-letter:TOPIC``), ``key``
     (``header:NAME`` or ``coordinates``), ``lease``, ``batch_size``, ``poll_timeout``,
     ``commit_interval``, ``commit_every``, ``shutdown_deadline``, ``namespace``, ``worker_id``,
-    ``fingerprint``, ``redelivery_delay``.
+    ``fingerprint``, ``redelivery_delay``, ``tracing``. Durations are seconds (``int`` or
+    ``float``) or a ``datetime.timedelta``; ``None`` keeps a default. Raised by ``run()`` /
+    ``step()``: ``TypeError`` for a value of the wrong type, ``ConfigError`` naming the setting
+    for an unknown name, a count that is not a whole number from 1, or a duration out of range
+    (the same table the Node package uses).
 
     With ``batch=True`` the handler takes a ``MessageBatch`` (a sequence of ``Message`` with
     column methods such as ``payloads()``; see ``Consumer.poll``): consecutive messages of one

@@ -10,7 +10,7 @@ use onceflow::{
 };
 use pyo3::prelude::*;
 
-use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter};
+use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter, Seconds};
 use crate::errors::to_pyerr;
 use crate::{awaitable, awaitable_py, wake};
 use onceflow_bindings::yielded::{HandedOut, Yielded};
@@ -61,9 +61,9 @@ fn connect(
 
 /// Opens a dedup store by URL: `memory://`, or a file path (embedded SQLite).
 #[pyfunction]
-#[pyo3(signature = (url, window=86400.0))]
-fn dedup_store(py: Python<'_>, url: String, window: f64) -> PyResult<Bound<'_, PyAny>> {
-    let window = convert::seconds("window", window)?;
+#[pyo3(signature = (url, window=Seconds(86400.0)))]
+fn dedup_store(py: Python<'_>, url: String, window: Seconds) -> PyResult<Bound<'_, PyAny>> {
+    let window = convert::seconds("window", window.0)?;
     awaitable(py, async move {
         onceflow::dedup_store(&url, window)
             .await
@@ -147,7 +147,7 @@ impl Client {
         start: &str,
         isolation: &str,
         client_id: Option<String>,
-        session_timeout: Option<f64>,
+        session_timeout: Option<Seconds>,
         options: Option<HashMap<String, String>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let client = self.inner.clone();
@@ -159,7 +159,7 @@ impl Client {
             isolation,
             client_id,
             session_timeout: session_timeout
-                .map(|s| convert::seconds("session_timeout", s))
+                .map(|s| convert::seconds("session_timeout", s.0))
                 .transpose()?,
             options: self::options(options),
         };
@@ -640,10 +640,10 @@ impl Producer {
     /// acknowledged or failed; resolves to the exceptions of the records that failed since the
     /// last `drain` (an empty list when none did). Raises `TimeoutError` when records are
     /// still in flight at the timeout.
-    #[pyo3(signature = (timeout=30.0))]
-    fn drain<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (timeout=Seconds(30.0)))]
+    fn drain<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyAny>> {
         self.check_fork(py)?;
-        let timeout = convert::seconds("timeout", timeout)?;
+        let timeout = convert::seconds("timeout", timeout.0)?;
         let bg = self.background.clone();
         wake::deliver(
             py,
@@ -703,10 +703,10 @@ impl Producer {
     }
 
     /// Waits until everything sent is acknowledged, at most `timeout` seconds.
-    #[pyo3(signature = (timeout=30.0))]
-    fn flush<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (timeout=Seconds(30.0)))]
+    fn flush<'py>(&self, py: Python<'py>, timeout: Seconds) -> PyResult<Bound<'py, PyAny>> {
         self.check_fork(py)?;
-        let timeout = convert::seconds("timeout", timeout)?;
+        let timeout = convert::seconds("timeout", timeout.0)?;
         let p = self.inner.clone();
         awaitable(py, async move { p.flush(timeout).await })
     }
@@ -871,16 +871,16 @@ impl Consumer {
     ///
     /// Errors: `ConfigError` naming `max` when it is not from 1 to 1 000 000 000 (Python's own
     /// `OverflowError` for -1 named nothing), `TypeError` when it is not an int.
-    #[pyo3(signature = (max=None, timeout=1.0, handed_out=None))]
+    #[pyo3(signature = (max=None, timeout=Seconds(1.0), handed_out=None))]
     fn poll<'py>(
         &self,
         py: Python<'py>,
         max: Option<&Bound<'py, PyAny>>,
-        timeout: f64,
+        timeout: Seconds,
         handed_out: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let max = convert::opt_int("max", max, 1, MAX_POLL)?.unwrap_or(500) as usize;
-        let timeout = convert::seconds("timeout", timeout)?;
+        let timeout = convert::seconds("timeout", timeout.0)?;
         let c = self.inner.clone();
         let yielded = self.yielded.clone();
         awaitable(py, async move {

@@ -571,6 +571,45 @@ impl From<PartitionLag> for Lag {
     }
 }
 
+/// A duration argument in seconds: an `int`, a `float` or a `datetime.timedelta` (its
+/// `total_seconds()`); anything else is a `TypeError` saying so. The range is checked by
+/// [`seconds`].
+#[derive(Debug, Clone, Copy)]
+pub struct Seconds(pub f64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Seconds {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match timedelta_seconds(&obj)? {
+            Some(s) => Ok(Seconds(s)),
+            None => obj.extract::<f64>().map(Seconds).map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "expected int, float or datetime.timedelta (seconds), got {}",
+                    obj.get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_else(|_| "?".into())
+                ))
+            }),
+        }
+    }
+}
+
+/// `value.total_seconds()` when `value` is a `datetime.timedelta`.
+pub fn timedelta_seconds(value: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+    if value.is_instance_of::<pyo3::types::PyFloat>()
+        || value.is_instance_of::<pyo3::types::PyInt>()
+    {
+        return Ok(None);
+    }
+    let timedelta = value.py().import("datetime")?.getattr("timedelta")?;
+    if value.is_instance(&timedelta)? {
+        return Ok(Some(value.call_method0("total_seconds")?.extract()?));
+    }
+    Ok(None)
+}
+
 /// Seconds (float) → Duration: 0 to 100 years (3 155 760 000 s); refuses negatives, NaN and
 /// larger values with a `ConfigError` naming `what` and the value (the bindings' one rule).
 pub fn seconds(what: &str, s: f64) -> PyResult<std::time::Duration> {

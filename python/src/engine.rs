@@ -192,7 +192,8 @@ impl Transform for PyTransform {
     }
 }
 
-/// A Python value as a setting's value: `None` keeps the default.
+/// A Python value as a setting's value: `None` keeps the default; a `datetime.timedelta` is
+/// its seconds.
 fn setting_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
     Ok(if v.is_none() {
         Value::Absent
@@ -200,6 +201,8 @@ fn setting_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
         Value::Bool(b.is_true())
     } else if v.is_instance_of::<PyInt>() || v.is_instance_of::<PyFloat>() {
         Value::Number(v.extract::<f64>()?)
+    } else if let Some(s) = convert::timedelta_seconds(v)? {
+        Value::Number(s)
     } else if let Ok(t) = v.cast::<PyString>() {
         Value::Text(t.to_str()?.to_string())
     } else {

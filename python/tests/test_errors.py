@@ -108,6 +108,24 @@ async def test_engine_settings_follow_one_table_of_names_types_and_ranges(memory
     assert await engine.step() == 0
 
 
+async def test_durations_take_seconds_or_a_timedelta_and_schemes_are_top_level(memory):
+    import datetime
+
+    assert "memory://" in onceflow.supported_schemes()
+    topic = await memory.topic()
+    consumer = await memory.consumer(topic)
+    assert len(await consumer.poll(timeout=datetime.timedelta(milliseconds=20))) == 0
+    with pytest.raises(TypeError, match=r"expected int, float or datetime.timedelta \(seconds\), got str"):
+        await consumer.poll(timeout="1")
+    with pytest.raises(onceflow.ConfigError, match="timeout -1: expected a number of seconds"):
+        await consumer.poll(timeout=datetime.timedelta(seconds=-1))
+    engine = onceflow.IdempotentConsumer(consumer, lambda m: None, None, lease=datetime.timedelta(milliseconds=50))
+    with pytest.raises(onceflow.ConfigError, match="lease 0.05: too short"):
+        await engine.run()
+    engine = onceflow.IdempotentConsumer(consumer, lambda m: None, None, poll_timeout=datetime.timedelta(milliseconds=10))
+    assert await engine.step() == 0
+
+
 async def test_empty_topic_is_refused_before_sending(memory):
     producer = await memory.client.producer()
     with pytest.raises(onceflow.ConfigError, match="topic"):
