@@ -215,16 +215,17 @@ export declare class Consumer {
    * for the first; resolves to the batch in columns (no message on timeout), which
    * `index.js`'s `poll` turns into message objects. One crossing per batch.
    *
-   * `handedOut`: how many messages of the previous non-empty batch `index.js` handed to the
-   * user (null: all of it), for what `commit()` without positions commits.
+   * `batch` and `handedOut`: `index.js`'s progress through the latest batch it received
+   * (its `batch` number and how many of its messages it handed to the user, null: all),
+   * for what `commit()` without positions commits.
    */
-  _poll(max?: number | undefined | null, timeoutMs?: number | undefined | null, handedOut?: number | undefined | null): Promise<MessageColumns>
+  _poll(max?: number | undefined | null, timeoutMs?: number | undefined | null, batch?: number | undefined | null, handedOut?: number | undefined | null): Promise<MessageColumns>
   /**
    * Commits `positions` (the last processed message of each partition), or, when null,
-   * the last message handed to the user of each partition (`handedOut` as for `_poll`,
-   * of the latest batch).
+   * the last message handed to the user of each partition (`batch` and `handedOut` as for
+   * `_poll`).
    */
-  _commit(positions?: Array<PositionIn> | undefined | null, handedOut?: number | undefined | null): Promise<void>
+  _commit(positions?: Array<PositionIn> | undefined | null, batch?: number | undefined | null, handedOut?: number | undefined | null): Promise<void>
   /** The group's committed position (next to read) of each partition, or null. */
   committed(partitions: Array<TopicPartitionIn>): Promise<Array<string | undefined | null>>
   /**
@@ -321,9 +322,10 @@ export declare class Transaction {
   _sendBatch(records: Array<RecordIn>): Promise<Array<SendResult>>
   /**
    * Commits `positions` (last processed message per partition) of `consumer`'s group with
-   * the transaction; null: what `consumer` handed out (`handedOut` as for its `_poll`).
+   * the transaction; null: what `consumer` handed out (`batch` and `handedOut` as for its
+   * `_poll`).
    */
-  _commitOffsets(consumer: Consumer, positions?: Array<PositionIn> | undefined | null, handedOut?: number | undefined | null): Promise<void>
+  _commitOffsets(consumer: Consumer, positions?: Array<PositionIn> | undefined | null, batch?: number | undefined | null, handedOut?: number | undefined | null): Promise<void>
   /** Commits the transaction. */
   commit(): Promise<void>
   /** Aborts the transaction; a no-op once finished. */
@@ -494,6 +496,11 @@ export interface MessageColumns {
   lengths: Int32Array
   /** The bytes `lengths` describes, back to back, in the same order. */
   data: Buffer
+  /**
+   * The batch's number for what `commit()` commits (onceflow-bindings' `yielded`): the
+   * latest batch's again when this one is empty.
+   */
+  batch: number
 }
 
 /** Engine counters. */

@@ -60,6 +60,21 @@ function convert(e) {
   return e
 }
 
+/** A config error raised by this file for an argument of the wrong type. */
+function configError(message) {
+  const info = native.errorKinds().find((k) => k.kind === 'config')
+  return new OnceflowError({ message, kind: info.kind, code: info.code, name: info.name, retriable: false })
+}
+
+/** `v` when it is a number, undefined or null (the default); a config error naming `name` otherwise. */
+function numberArg(name, v) {
+  if (v === undefined || v === null) return undefined
+  if (typeof v !== 'number') throw configError(`${name}: expected a number, got ${typeof v}`)
+  return v
+}
+// The range and wholeness of a count are checked natively (onceflow-bindings' one rule).
+const countArg = numberArg
+
 function guard(fn) {
   return function (...args) {
     let r
@@ -217,7 +232,7 @@ Transaction.prototype.sendBatch = function (records) {
 }
 /** Commits `consumer`'s positions with the transaction: the given messages/positions, or what it yielded last. */
 Transaction.prototype.commitOffsets = function (consumer, positions) {
-  return this._commitOffsets(consumer, explicitPositions(positions), consumer._handedOut ?? null)
+  return this._commitOffsets(consumer, explicitPositions(positions), consumer._batch ?? 0, consumer._handedOut ?? null)
 }
 
 // ---- Consumer -----------------------------------------------------------------------------
@@ -282,11 +297,29 @@ Consumer.prototype.poll = async function (max, timeoutMs) {
 }
 
 // What `commit()` without arguments commits is worked out natively (onceflow-bindings'
-// `yielded`): per partition, the last message handed to the user. This side keeps only how
-// far into the latest non-empty batch it has handed messages out: null for all of it
-// (`poll()`, `batches()`), a count for the message iterator.
+// `yielded`): per partition, the last message handed to the user. This side keeps its
+// progress: the latest non-empty batch (`_latest`, its number `_batch`) and how far into it
+// it has handed messages out (`_handedOut`: null for all of it, after `poll()` or
+// `batches()`; a count for the message iterator). The number keeps a commit made while a poll
+// completes from applying this side's count to a batch it has not received.
 function fetchBatch(consumer, max, timeoutMs) {
-  return consumer._poll(max, timeoutMs, consumer._handedOut ?? null).then(messagesOf)
+  const args = [countArg('max', max), numberArg('timeoutMs', timeoutMs), consumer._batch ?? 0, consumer._handedOut ?? null]
+  return consumer._poll(...args).then((c) => {
+    const batch = messagesOf(c)
+    if (c.batch !== (consumer._batch ?? 0)) {
+      consumer._batch = c.batch
+      consumer._latest = batch
+      consumer._handedOut = 0
+    }
+    return batch
+  })
+}
+
+/** The messages of the latest batch not handed out yet (an iterator left mid-batch), or null. */
+function rest(consumer) {
+  const batch = consumer._latest
+  const handed = consumer._handedOut
+  return batch && handed !== null && handed !== undefined && handed < batch.length ? batch : null
 }
 
 function explicitPositions(arg) {
@@ -297,16 +330,21 @@ function explicitPositions(arg) {
 
 /**
  * Messages one by one, fetched in batches (one native crossing per batch) until `close()`
- * or `break`. Options: `batchSize` (default 500), `timeoutMs` per poll (default 1000).
+ * or `break`. Options: `batchSize` (default 500), `timeoutMs` per poll (default 1000). An
+ * iterator started after another was left mid-batch hands out the rest of that batch first,
+ * so no message fetched is skipped.
  */
 Consumer.prototype.messages = async function* (options = {}) {
   const max = options.batchSize ?? 500
   const timeoutMs = options.timeoutMs ?? 1000
   this._closed = false
   while (!this._closed) {
-    const batch = await fetchBatch(this, max, timeoutMs)
-    if (batch.length) this._handedOut = 0
-    for (let i = 0; i < batch.length; i++) {
+    let batch = rest(this)
+    if (!batch) {
+      batch = await fetchBatch(this, max, timeoutMs)
+      if (batch.length === 0) continue
+    }
+    for (let i = this._handedOut; i < batch.length; i++) {
       this._handedOut = i + 1
       yield batch[i]
       if (this._closed) return
@@ -318,12 +356,19 @@ Consumer.prototype.messages = async function* (options = {}) {
  * value is a non-empty array of up to `batchSize` messages (default 500), in the order the
  * platform delivered them. `timeoutMs` bounds each poll (default 1000); an empty poll yields
  * nothing and polls again. `commit()` without arguments commits the last message of each
- * partition of the batches yielded so far.
+ * partition of the batches yielded so far. The rest of a batch a message iterator was left in
+ * comes first.
  */
 Consumer.prototype.batches = async function* (options = {}) {
   const max = options.batchSize ?? 500
   const timeoutMs = options.timeoutMs ?? 1000
   this._closed = false
+  const left = rest(this)
+  if (left) {
+    const from = this._handedOut
+    this._handedOut = null
+    yield left.slice(from)
+  }
   while (!this._closed) {
     const batch = await fetchBatch(this, max, timeoutMs)
     if (batch.length === 0) continue
@@ -336,7 +381,7 @@ Consumer.prototype[Symbol.asyncIterator] = function () {
 }
 /** Commits the given messages/positions, or the last message yielded of each partition. */
 Consumer.prototype.commit = function (positions) {
-  return this._commit(explicitPositions(positions), this._handedOut ?? null)
+  return this._commit(explicitPositions(positions), this._batch ?? 0, this._handedOut ?? null)
 }
 const nativeClose = Consumer.prototype.close
 Consumer.prototype.close = function () {

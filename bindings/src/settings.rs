@@ -186,7 +186,9 @@ impl Language {
             (Language::Node, Kind::Bool) => "a boolean",
             (Language::Python, Kind::Count { .. }) => "int",
             (Language::Node, Kind::Count { .. }) => "a whole number",
-            (Language::Python, Kind::Duration { .. }) => "int or float (seconds)",
+            (Language::Python, Kind::Duration { .. }) => {
+                "int, float or datetime.timedelta (seconds)"
+            }
             (Language::Node, Kind::Duration { .. }) => "a number of milliseconds",
         }
     }
@@ -554,7 +556,10 @@ mod tests {
         let m = err(Language::Python, &[("tracing", n(1.0))]);
         assert_eq!(m, "tracing: expected bool, got int");
         let m = err(Language::Python, &[("lease", t("5"))]);
-        assert_eq!(m, "lease: expected int or float (seconds), got str");
+        assert_eq!(
+            m,
+            "lease: expected int, float or datetime.timedelta (seconds), got str"
+        );
         let m = err(
             Language::Python,
             &[("namespace", Value::Other("list".into()))],

@@ -2,10 +2,13 @@
 //! last message the binding handed to its user.
 //!
 //! A binding polls batches and hands their messages out one by one (an iterator) or whole
-//! (`poll()`, a batch iterator). It keeps only a count, how far into the latest batch it has
-//! handed messages out, and gives that count to [`Yielded::polled`] with the next batch and to
+//! (`poll()`, a batch iterator). It keeps only its [`Progress`]: the number of the latest batch
+//! it received ([`Yielded::polled`] returns it) and how far into that batch it has handed
+//! messages out. It gives that to [`Yielded::polled`] with the next poll and to
 //! [`Yielded::positions`] when the user commits; the tracker works out the positions, once per
-//! batch rather than once per message.
+//! batch rather than once per message. The batch number keeps a commit made while a poll is
+//! completing (another task's periodic commit) from applying the host's count to a batch the
+//! host has not received yet.
 
 use std::collections::HashMap;
 
@@ -29,6 +32,26 @@ impl HandedOut {
     }
 }
 
+/// What the host knows: the number of the latest batch it received (0 before the first) and
+/// how far into it it has handed messages out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// The batch's number, as [`Yielded::polled`] returned it.
+    pub batch: u64,
+    /// How much of it was handed out.
+    pub handed: HandedOut,
+}
+
+impl Progress {
+    /// From a host's batch number and optional count (none: the whole batch).
+    pub fn new(batch: u64, count: Option<usize>) -> Self {
+        Progress {
+            batch,
+            handed: HandedOut::from_count(count),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     /// The latest batch's runs of one partition: the index of the run's first message, the
@@ -36,6 +59,8 @@ struct State {
     runs: Vec<(usize, usize, TopicPartition)>,
     /// The position of each message of the latest batch.
     positions: Vec<Position>,
+    /// The latest batch's number (0: none yet).
+    batch: u64,
     /// Per partition, the last message handed out before the part of the latest batch
     /// that `runs` still holds.
     settled: HashMap<TopicPartition, Position>,
@@ -44,7 +69,14 @@ struct State {
 impl State {
     /// The last message handed out of each run of the latest batch, `handed` saying how far
     /// the user got: a run cut short counts up to its last message handed out.
-    fn handed_out(&self, handed: HandedOut) -> impl Iterator<Item = (&TopicPartition, &Position)> {
+    fn handed_out(&self, progress: Progress) -> impl Iterator<Item = (&TopicPartition, &Position)> {
+        // A count about another batch says nothing was handed out of this one: the host has
+        // not received it yet.
+        let handed = if progress.batch == self.batch {
+            progress.handed
+        } else {
+            HandedOut::First(0)
+        };
         let end = match handed {
             HandedOut::All => self.positions.len(),
             HandedOut::First(n) => n.min(self.positions.len()),
@@ -56,9 +88,9 @@ impl State {
     }
 
     /// Moves what was handed out of the latest batch into `settled`.
-    fn settle(&mut self, handed: HandedOut) {
+    fn settle(&mut self, progress: Progress) {
         let done: Vec<_> = self
-            .handed_out(handed)
+            .handed_out(progress)
             .map(|(tp, p)| (tp.clone(), p.clone()))
             .collect();
         self.settled.extend(done);
@@ -72,14 +104,16 @@ pub struct Yielded {
 }
 
 impl Yielded {
-    /// A new batch arrived; `previous` is how much of the batch before it was handed out.
-    /// An empty batch changes nothing (the previous batch stays the latest).
-    pub fn polled(&self, batch: &[Message], previous: HandedOut) {
-        if batch.is_empty() {
-            return;
-        }
+    /// A new batch arrived; `previous` is the host's progress through the batch before it.
+    /// Returns the batch's number, for the host's [`Progress`]. An empty batch changes nothing
+    /// (the previous batch stays the latest, and its number is returned).
+    pub fn polled(&self, batch: &[Message], previous: Progress) -> u64 {
         let mut s = self.state.lock();
+        if batch.is_empty() {
+            return s.batch;
+        }
         s.settle(previous);
+        s.batch += 1;
         s.runs.clear();
         s.positions.clear();
         let mut start = 0;
@@ -91,11 +125,12 @@ impl Yielded {
             }
             s.positions.push(m.position.clone());
         }
+        s.batch
     }
 
     /// The positions `commit()` commits: per partition, the last message handed out, `latest`
-    /// saying how much of the latest batch was. Sorted by topic and partition.
-    pub fn positions(&self, latest: HandedOut) -> Vec<(TopicPartition, Position)> {
+    /// saying how far the host got. Sorted by topic and partition.
+    pub fn positions(&self, latest: Progress) -> Vec<(TopicPartition, Position)> {
         let s = self.state.lock();
         let mut out = s.settled.clone();
         out.extend(s.handed_out(latest).map(|(tp, p)| (tp.clone(), p.clone())));
@@ -105,7 +140,8 @@ impl Yielded {
     }
 
     /// Forgets `partition`: after a seek, what was handed out before it is not what the
-    /// user processes next; after a revocation, the partition is another member's.
+    /// user processes next. (Partitions revoked in a rebalance are not forgotten: a commit
+    /// of one this member no longer owns is the platform's to refuse or to take.)
     pub fn forget(&self, partition: &TopicPartition) {
         let mut s = self.state.lock();
         s.settled.remove(partition);
@@ -139,10 +175,14 @@ mod tests {
             .collect()
     }
 
+    fn first(batch: u64, n: usize) -> Progress {
+        Progress::new(batch, Some(n))
+    }
+
     #[test]
     fn commit_takes_the_last_message_handed_out_of_each_partition() {
         let y = Yielded::default();
-        assert!(y.positions(HandedOut::All).is_empty());
+        assert!(y.positions(Progress::new(0, None)).is_empty());
         // p0 0..3, p1 0..2, p0 3..5: an iterator stopped after 4 messages handed out p0's
         // first run and half of p1's.
         let batch = [
@@ -154,32 +194,51 @@ mod tests {
             m(0, 3),
             m(0, 4),
         ];
-        y.polled(&batch, HandedOut::All);
-        assert_eq!(at(&y.positions(HandedOut::First(0))), vec![]);
-        assert_eq!(at(&y.positions(HandedOut::First(4))), vec![(0, 2), (1, 0)]);
-        assert_eq!(at(&y.positions(HandedOut::First(6))), vec![(0, 3), (1, 1)]);
-        assert_eq!(at(&y.positions(HandedOut::All)), vec![(0, 4), (1, 1)]);
+        let b1 = y.polled(&batch, Progress::new(0, None));
+        assert_eq!(at(&y.positions(first(b1, 0))), vec![]);
+        assert_eq!(at(&y.positions(first(b1, 4))), vec![(0, 2), (1, 0)]);
+        assert_eq!(at(&y.positions(first(b1, 6))), vec![(0, 3), (1, 1)]);
+        assert_eq!(
+            at(&y.positions(Progress::new(b1, None))),
+            vec![(0, 4), (1, 1)]
+        );
         // The next batch settles what was handed out of this one; an empty poll changes
         // nothing.
-        y.polled(&[], HandedOut::First(1));
-        y.polled(&[m(1, 2), m(2, 0)], HandedOut::First(4));
-        assert_eq!(at(&y.positions(HandedOut::First(0))), vec![(0, 2), (1, 0)]);
-        assert_eq!(at(&y.positions(HandedOut::First(1))), vec![(0, 2), (1, 2)]);
+        assert_eq!(y.polled(&[], first(b1, 1)), b1);
+        let b2 = y.polled(&[m(1, 2), m(2, 0)], first(b1, 4));
+        assert_ne!(b1, b2);
+        assert_eq!(at(&y.positions(first(b2, 0))), vec![(0, 2), (1, 0)]);
+        assert_eq!(at(&y.positions(first(b2, 1))), vec![(0, 2), (1, 2)]);
         assert_eq!(
-            at(&y.positions(HandedOut::All)),
+            at(&y.positions(Progress::new(b2, None))),
             vec![(0, 2), (1, 2), (2, 0)]
         );
         // More than the batch holds is the whole batch.
-        assert_eq!(at(&y.positions(HandedOut::First(99))).len(), 3);
+        assert_eq!(at(&y.positions(first(b2, 99))).len(), 3);
+    }
+
+    #[test]
+    fn a_count_about_an_earlier_batch_hands_out_nothing_of_a_batch_the_host_has_not_seen() {
+        let y = Yielded::default();
+        let b1 = y.polled(&[m(0, 0), m(0, 1)], Progress::new(0, None));
+        // The host handed all of batch 1 out, then polled again; batch 2 arrived natively
+        // while another task committed with the host's progress, still about batch 1.
+        let _b2 = y.polled(&[m(0, 2), m(0, 3)], Progress::new(b1, None));
+        assert_eq!(at(&y.positions(Progress::new(b1, None))), vec![(0, 1)]);
+        // A batch whose poll the host never received (a cancelled await) is not committed
+        // either when the host polls again.
+        let b3 = y.polled(&[m(0, 4)], Progress::new(b1, None));
+        assert_eq!(at(&y.positions(Progress::new(b3, None))), vec![(0, 4)]);
+        assert_eq!(at(&y.positions(first(b3, 0))), vec![(0, 1)]);
     }
 
     #[test]
     fn a_forgotten_partition_is_not_committed_from_earlier_batches_or_the_latest() {
         let y = Yielded::default();
-        y.polled(&[m(0, 0), m(1, 0)], HandedOut::All);
-        y.polled(&[m(0, 1), m(1, 1), m(0, 2)], HandedOut::All);
+        let b1 = y.polled(&[m(0, 0), m(1, 0)], Progress::new(0, None));
+        let b2 = y.polled(&[m(0, 1), m(1, 1), m(0, 2)], Progress::new(b1, None));
         y.forget(&TopicPartition::new("t", 0));
-        assert_eq!(at(&y.positions(HandedOut::All)), vec![(1, 1)]);
-        assert_eq!(at(&y.positions(HandedOut::First(1))), vec![(1, 0)]);
+        assert_eq!(at(&y.positions(Progress::new(b2, None))), vec![(1, 1)]);
+        assert_eq!(at(&y.positions(first(b2, 1))), vec![(1, 0)]);
     }
 }

@@ -11,7 +11,7 @@ use onceflow::{
     TopicSpec,
 };
 use onceflow_bindings::settings::Language;
-use onceflow_bindings::yielded::{HandedOut, Yielded};
+use onceflow_bindings::yielded::{Progress, Yielded};
 
 use crate::convert::{self, Delivery, Lag, MessageColumns, PositionIn, RecordIn, SendResult};
 use crate::options::{Checked, Expect, Known};
@@ -376,15 +376,17 @@ impl Transaction {
     }
 
     /// Commits `positions` (last processed message per partition) of `consumer`'s group with
-    /// the transaction; null: what `consumer` handed out (`handedOut` as for its `_poll`).
+    /// the transaction; null: what `consumer` handed out (`batch` and `handedOut` as for its
+    /// `_poll`).
     #[napi(js_name = "_commitOffsets")]
     pub async fn commit_offsets(
         &self,
         consumer: &Consumer,
         positions: Option<Vec<PositionIn>>,
+        batch: Option<f64>,
         handed_out: Option<u32>,
     ) -> Result<()> {
-        let positions = consumer.positions_or_yielded(positions, handed_out)?;
+        let positions = consumer.positions_or_yielded(positions, batch, handed_out)?;
         let group = consumer.inner.group_metadata();
         let tx = self.inner.clone();
         on_rt(async move {
@@ -429,9 +431,10 @@ pub struct Consumer {
     yielded: Arc<Yielded>,
 }
 
-/// `handedOut` from `index.js`: null is the whole batch.
-fn handed(count: Option<u32>) -> HandedOut {
-    HandedOut::from_count(count.map(|n| n as usize))
+/// The progress `index.js` keeps: the latest batch's number and how many of its messages it
+/// handed out (null: all of them).
+fn progress(batch: Option<f64>, handed_out: Option<u32>) -> Progress {
+    Progress::new(batch.unwrap_or(0.0) as u64, handed_out.map(|n| n as usize))
 }
 
 impl Consumer {
@@ -439,11 +442,12 @@ impl Consumer {
     fn positions_or_yielded(
         &self,
         positions: Option<Vec<PositionIn>>,
+        batch: Option<f64>,
         handed_out: Option<u32>,
     ) -> Result<Vec<(TopicPartition, onceflow::Position)>> {
         match positions {
             Some(p) => convert::positions(p),
-            None => Ok(self.yielded.positions(handed(handed_out))),
+            None => Ok(self.yielded.positions(progress(batch, handed_out))),
         }
     }
 }
@@ -481,13 +485,15 @@ impl Consumer {
     /// for the first; resolves to the batch in columns (no message on timeout), which
     /// `index.js`'s `poll` turns into message objects. One crossing per batch.
     ///
-    /// `handedOut`: how many messages of the previous non-empty batch `index.js` handed to the
-    /// user (null: all of it), for what `commit()` without positions commits.
+    /// `batch` and `handedOut`: `index.js`'s progress through the latest batch it received
+    /// (its `batch` number and how many of its messages it handed to the user, null: all),
+    /// for what `commit()` without positions commits.
     #[napi(js_name = "_poll")]
     pub async fn poll(
         &self,
         max: Option<f64>,
         timeout_ms: Option<f64>,
+        batch: Option<f64>,
         handed_out: Option<u32>,
     ) -> Result<MessageColumns> {
         let t = convert::millis("timeoutMs", timeout_ms.unwrap_or(1000.0))?;
@@ -497,23 +503,26 @@ impl Consumer {
         let c = self.inner.clone();
         let yielded = self.yielded.clone();
         on_rt(async move {
-            let batch = c.poll(max, t).await?;
-            yielded.polled(&batch, handed(handed_out));
-            Ok(MessageColumns::from(&batch[..]))
+            let messages = c.poll(max, t).await?;
+            let number = yielded.polled(&messages, progress(batch, handed_out));
+            let mut columns = MessageColumns::from(&messages[..]);
+            columns.batch = number as f64;
+            Ok(columns)
         })
         .await
     }
 
     /// Commits `positions` (the last processed message of each partition), or, when null,
-    /// the last message handed to the user of each partition (`handedOut` as for `_poll`,
-    /// of the latest batch).
+    /// the last message handed to the user of each partition (`batch` and `handedOut` as for
+    /// `_poll`).
     #[napi(js_name = "_commit")]
     pub async fn commit(
         &self,
         positions: Option<Vec<PositionIn>>,
+        batch: Option<f64>,
         handed_out: Option<u32>,
     ) -> Result<()> {
-        let positions = self.positions_or_yielded(positions, handed_out)?;
+        let positions = self.positions_or_yielded(positions, batch, handed_out)?;
         let c = self.inner.clone();
         on_rt(async move { c.commit(&positions).await }).await
     }
@@ -541,9 +550,14 @@ impl Consumer {
     pub async fn seek(&self, topic: String, partition: i32, to: String) -> Result<()> {
         let to = to.parse::<StartFrom>().map_err(|e| js_err(&e))?;
         let tp = TopicPartition::new(topic, partition);
-        self.yielded.forget(&tp);
         let c = self.inner.clone();
-        on_rt(async move { c.seek(&tp, &to).await }).await
+        let yielded = self.yielded.clone();
+        on_rt(async move {
+            c.seek(&tp, &to).await?;
+            yielded.forget(&tp);
+            Ok(())
+        })
+        .await
     }
 
     /// Stops fetching from partitions.

@@ -157,6 +157,9 @@ pub struct MessageColumns {
     pub lengths: Int32Array,
     /// The bytes `lengths` describes, back to back, in the same order.
     pub data: Buffer,
+    /// The batch's number for what `commit()` commits (onceflow-bindings' `yielded`): the
+    /// latest batch's again when this one is empty.
+    pub batch: f64,
 }
 
 fn len_i32(n: usize) -> i32 {
@@ -233,6 +236,7 @@ impl From<&[onceflow::Message]> for MessageColumns {
             header_names,
             lengths: Int32Array::new(lengths),
             data: Buffer::from(data),
+            batch: 0.0,
         }
     }
 }

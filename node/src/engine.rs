@@ -188,6 +188,12 @@ const IDEMPOTENT_OWN: OwnNames<'static> = &["store", "windowMs", "deadLetterProd
 /// The same for a `Pipeline`.
 const PIPELINE_OWN: OwnNames<'static> = &["store", "windowMs"];
 
+/// A settings-table error as JavaScript sees it: a config error, without the marker source
+/// that tells Python to raise a `TypeError` (it would show as a `cause`).
+fn settings_err(e: Error) -> napi::Error {
+    js_err(&Error::config(e.message()))
+}
+
 /// At-least-once consumption plus a dedup store: the handler runs once per idempotency key.
 #[napi(js_name = "NativeIdempotentConsumer")]
 pub struct IdempotentConsumer {
@@ -215,7 +221,7 @@ impl IdempotentConsumer {
             convert::settings(options.as_ref())?,
             IDEMPOTENT_OWN,
         )
-        .map_err(|e| js_err(&e))?;
+        .map_err(settings_err)?;
         let f = handler
             .build_threadsafe_function::<Message>()
             .weak::<true>()
@@ -310,7 +316,7 @@ impl Pipeline {
             convert::settings(options.as_ref())?,
             PIPELINE_OWN,
         )
-        .map_err(|e| js_err(&e))?;
+        .map_err(settings_err)?;
         let f = transform
             .build_threadsafe_function::<Message>()
             .weak::<true>()

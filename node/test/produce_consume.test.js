@@ -174,3 +174,34 @@ test('client options: a misspelled key or a wrong type throws a config error nam
   const c = await client.consumer(unique('g'), [t], { start: 'earliest', clientId: undefined })
   await c.close()
 })
+
+test('an iterator left mid-batch is continued, not skipped', async () => {
+  const client = await onceflow.connect(`memory://${unique('rest')}`)
+  const t = unique('t')
+  const producer = await client.producer()
+  await producer.sendBatch(Array.from({ length: 6 }, (_, i) => ({ topic: t, payload: `m${i}` })))
+  const group = unique('g')
+  const consumer = await client.consumer(group, [t], { start: 'earliest' })
+  const seen = []
+  for await (const m of consumer.messages({ batchSize: 6, timeoutMs: 200 })) {
+    seen.push(m.payload.toString())
+    if (seen.length === 2) break
+  }
+  await consumer.commit()
+  for await (const m of consumer.messages({ batchSize: 6, timeoutMs: 200 })) {
+    seen.push(m.payload.toString())
+    if (seen.length === 3) break
+  }
+  for await (const batch of consumer.batches({ batchSize: 6, timeoutMs: 200 })) {
+    seen.push(...batch.map((m) => m.payload.toString()))
+    break
+  }
+  assert.deepEqual(seen, ['m0', 'm1', 'm2', 'm3', 'm4', 'm5'])
+  await consumer.close()
+  // The commit after the first loop took m1 only: a new member of the group starts at m2.
+  const again = await client.consumer(group, [t])
+  const rest = await collect(again, 4)
+  assert.deepEqual(rest.map((m) => m.payload.toString()), ['m2', 'm3', 'm4', 'm5'])
+  await again.close()
+  await assert.rejects(async () => consumer.poll('10'), (e) => e instanceof onceflow.OnceflowError && e.kind === 'config' && e.message === 'max: expected a number, got string')
+})

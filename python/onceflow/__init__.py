@@ -556,7 +556,7 @@ class Transaction:
         """Commits ``consumer``'s positions with the transaction: of ``messages`` (the last
         per partition), or of every message the consumer has yielded so far."""
         if messages is None:
-            await self._native.commit_offsets(consumer._native, None, consumer._handed_out)
+            await self._native.commit_offsets(consumer._native, None, consumer._batch, consumer._handed_out)
         else:
             await self._native.commit_offsets(consumer._native, _positions(messages))
 
@@ -578,8 +578,13 @@ class Consumer:
         self._native = native
         self.batch_size = batch_size
         self.poll_timeout = poll_timeout
-        # How far into the latest non-empty batch messages were handed out (None: all of it);
-        # the native side works out from it what ``commit()`` without arguments commits.
+        # The progress from which the native side works out what ``commit()`` without
+        # arguments commits: the latest non-empty batch (its number ``_batch``) and how far
+        # into it messages were handed out (None: all of it, after ``poll()``). The number
+        # keeps a commit made while a poll completes (another task's) from applying this count
+        # to a batch not received yet.
+        self._latest: Optional[MessageBatch] = None
+        self._batch = 0
         self._handed_out: Optional[int] = None
 
     @property
@@ -609,14 +614,29 @@ class Consumer:
         return batch
 
     async def _fetch(self, max: Optional[int] = None, timeout: Optional[float] = None) -> MessageBatch:
-        return await self._native.poll(
+        batch = await self._native.poll(
             self.batch_size if max is None else max,
             self.poll_timeout if timeout is None else timeout,
+            self._batch,
             self._handed_out,
         )
+        if batch._batch != self._batch:
+            self._latest, self._batch, self._handed_out = batch, batch._batch, 0
+        return batch
+
+    def _rest(self) -> Optional[MessageBatch]:
+        """The latest batch when an iterator left it before its end (its messages from
+        ``_handed_out`` on are still to hand out), else None."""
+        latest, handed = self._latest, self._handed_out
+        return latest if latest is not None and handed is not None and handed < len(latest) else None
 
     async def batches(self) -> AsyncIterator[MessageBatch]:
-        """Yields non-empty batches forever (``commit()`` commits the batches yielded)."""
+        """Yields non-empty batches forever (``commit()`` commits the batches yielded). The
+        rest of a batch a message iterator was left in comes first."""
+        rest = self._rest()
+        if rest is not None:
+            start, self._handed_out = self._handed_out, None
+            yield rest._tail(start)
         while True:
             batch = await self.poll()
             if batch:
@@ -626,20 +646,23 @@ class Consumer:
         return self._messages()
 
     async def _messages(self) -> AsyncIterator[Message]:
+        # An iterator started after another was left mid-batch hands out the rest of that
+        # batch first: no message fetched is skipped.
         while True:
-            batch = await self._fetch()
-            if not batch:
-                continue
-            self._handed_out = 0
-            for i, m in enumerate(batch):
+            batch = self._rest()
+            if batch is None:
+                batch = await self._fetch()
+                if not batch:
+                    continue
+            for i in range(self._handed_out or 0, len(batch)):
                 self._handed_out = i + 1
-                yield m
+                yield batch[i]
 
     async def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:
         """Commits, per partition, the last of ``messages`` (``Message``s or
         ``(topic, partition, position)``), or the last message yielded so far."""
         if messages is None:
-            await self._native.commit(None, self._handed_out)
+            await self._native.commit(None, self._batch, self._handed_out)
             return
         positions = _positions([messages] if isinstance(messages, Message) else messages)
         if positions:

@@ -194,13 +194,14 @@ class Consumer:
     def __iter__(self) -> Iterator[Message]:
         inner = self._inner
         while True:
-            batch = _run(inner._fetch())
-            if not batch:
-                continue
-            inner._handed_out = 0
-            for i, m in enumerate(batch):
+            batch = inner._rest()
+            if batch is None:
+                batch = _run(inner._fetch())
+                if not batch:
+                    continue
+            for i in range(inner._handed_out or 0, len(batch)):
                 inner._handed_out = i + 1
-                yield m
+                yield batch[i]
 
     def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:
         _run(self._inner.commit(messages))

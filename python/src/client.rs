@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter, Seconds};
 use crate::errors::to_pyerr;
 use crate::{awaitable, awaitable_py, wake};
-use onceflow_bindings::yielded::{HandedOut, Yielded};
+use onceflow_bindings::yielded::{Progress, Yielded};
 
 /// The most messages one `poll` may ask for (a bound for bad input, far above any batch).
 const MAX_POLL: i64 = 1_000_000_000;
@@ -785,16 +785,17 @@ impl Transaction {
 
     /// Commits `positions` (`(topic, partition, position)` of the last processed message per
     /// partition) of `consumer`'s group with the transaction; None: what `consumer` handed
-    /// out (`handed_out` as for its `commit`).
-    #[pyo3(signature = (consumer, positions=None, handed_out=None))]
+    /// out (`batch` and `handed_out` as for its `commit`).
+    #[pyo3(signature = (consumer, positions=None, batch=0, handed_out=None))]
     fn commit_offsets<'py>(
         &self,
         py: Python<'py>,
         consumer: &Consumer,
         positions: Option<Vec<(String, i32, String)>>,
+        batch: u64,
         handed_out: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let positions = consumer.positions_or_yielded(positions, handed_out)?;
+        let positions = consumer.positions_or_yielded(positions, batch, handed_out)?;
         let group = consumer.inner.group_metadata();
         let tx = self.inner.clone();
         awaitable(py, async move {
@@ -837,16 +838,18 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    /// The given positions, or those of the messages handed out (`handed_out` of the latest
-    /// batch; None: all of it).
+    /// The given positions, or those of the messages handed out: the host's progress is the
+    /// number of the latest batch it received and how many of its messages it handed out
+    /// (None: all of them).
     fn positions_or_yielded(
         &self,
         positions: Option<Vec<(String, i32, String)>>,
+        batch: u64,
         handed_out: Option<usize>,
     ) -> PyResult<Vec<(TopicPartition, onceflow::Position)>> {
         match positions {
             Some(p) => convert::positions(p),
-            None => Ok(self.yielded.positions(HandedOut::from_count(handed_out))),
+            None => Ok(self.yielded.positions(Progress::new(batch, handed_out))),
         }
     }
 }
@@ -871,12 +874,17 @@ impl Consumer {
     ///
     /// Errors: `ConfigError` naming `max` when it is not from 1 to 1 000 000 000 (Python's own
     /// `OverflowError` for -1 named nothing), `TypeError` when it is not an int.
-    #[pyo3(signature = (max=None, timeout=Seconds(1.0), handed_out=None))]
+    ///
+    /// `batch` and `handed_out`: the wrapper's progress through the latest batch it received
+    /// (its `_batch` number and how many of its messages it handed out, None: all), for what
+    /// `commit()` without positions commits.
+    #[pyo3(signature = (max=None, timeout=Seconds(1.0), batch=0, handed_out=None))]
     fn poll<'py>(
         &self,
         py: Python<'py>,
         max: Option<&Bound<'py, PyAny>>,
         timeout: Seconds,
+        batch: u64,
         handed_out: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let max = convert::opt_int("max", max, 1, MAX_POLL)?.unwrap_or(500) as usize;
@@ -884,23 +892,24 @@ impl Consumer {
         let c = self.inner.clone();
         let yielded = self.yielded.clone();
         awaitable(py, async move {
-            let batch = c.poll(max, timeout).await?;
-            yielded.polled(&batch, HandedOut::from_count(handed_out));
-            Ok(MessageBatch::new(batch))
+            let messages = c.poll(max, timeout).await?;
+            let number = yielded.polled(&messages, Progress::new(batch, handed_out));
+            Ok(MessageBatch::numbered(messages, number))
         })
     }
 
     /// Commits `(topic, partition, position)` of the last processed message per partition;
-    /// None: the last message handed out of each partition (`handed_out` of the latest batch,
-    /// None: all of it).
-    #[pyo3(signature = (positions=None, handed_out=None))]
+    /// None: the last message handed out of each partition (`batch` and `handed_out` as for
+    /// `poll`).
+    #[pyo3(signature = (positions=None, batch=0, handed_out=None))]
     fn commit<'py>(
         &self,
         py: Python<'py>,
         positions: Option<Vec<(String, i32, String)>>,
+        batch: u64,
         handed_out: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let positions = self.positions_or_yielded(positions, handed_out)?;
+        let positions = self.positions_or_yielded(positions, batch, handed_out)?;
         let c = self.inner.clone();
         awaitable(py, async move {
             if positions.is_empty() {
@@ -941,9 +950,13 @@ impl Consumer {
     ) -> PyResult<Bound<'py, PyAny>> {
         let to = crate::errors::py_result(to.parse::<onceflow::StartFrom>())?;
         let tp = TopicPartition::new(topic, partition);
-        self.yielded.forget(&tp);
         let c = self.inner.clone();
-        awaitable(py, async move { c.seek(&tp, &to).await })
+        let yielded = self.yielded.clone();
+        awaitable(py, async move {
+            c.seek(&tp, &to).await?;
+            yielded.forget(&tp);
+            Ok(())
+        })
     }
 
     /// Stops fetching from `(topic, partition)`s.

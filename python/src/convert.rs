@@ -342,13 +342,23 @@ impl Message {
 #[pyclass(frozen, sequence, module = "onceflow._native")]
 pub struct MessageBatch {
     messages: Arc<Vec<RsMessage>>,
+    /// The batch's number for what `commit()` commits (onceflow-bindings' `yielded`; 0 when
+    /// it was not polled by a consumer): the latest batch's again when this one is empty.
+    #[pyo3(get, name = "_batch")]
+    number: u64,
 }
 
 impl MessageBatch {
     /// A batch of `messages`, in order.
     pub fn new(messages: Vec<RsMessage>) -> Self {
+        Self::numbered(messages, 0)
+    }
+
+    /// A polled batch with its number.
+    pub fn numbered(messages: Vec<RsMessage>, number: u64) -> Self {
         MessageBatch {
             messages: Arc::new(messages),
+            number,
         }
     }
 
@@ -364,6 +374,13 @@ impl MessageBatch {
 impl MessageBatch {
     fn __len__(&self) -> usize {
         self.messages.len()
+    }
+
+    /// The messages from `start` on, as a batch of their own (no batch number): the rest of a
+    /// batch an iterator was left in.
+    fn _tail(&self, start: usize) -> MessageBatch {
+        let start = start.min(self.messages.len());
+        MessageBatch::new(self.messages[start..].to_vec())
     }
 
     /// `batch[i]` is a `Message` (negative `i` counts from the end); `batch[a:b:c]` a list of

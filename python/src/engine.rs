@@ -11,10 +11,10 @@ use onceflow::{
     BoxError, EngineConfig, Error, ErrorKind, Handler, MetricsSnapshot, Record, RunSummary,
     Transform, TransformOutput,
 };
-use onceflow_bindings::settings::{self, Language, Value};
+use onceflow_bindings::settings::{self, Language, OwnNames, Value};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyString, PyTuple};
 use pyo3_async_runtimes::TaskLocals;
 
 use crate::client::{Consumer, DedupStore, Producer};
@@ -192,6 +192,13 @@ impl Transform for PyTransform {
     }
 }
 
+/// The keyword arguments `onceflow.IdempotentConsumer` takes besides the settings: named in
+/// the error about an unknown one.
+const IDEMPOTENT_OWN: OwnNames<'static> = &["store", "window", "dead_letter_producer", "batch"];
+
+/// The same for `onceflow.Pipeline`.
+const PIPELINE_OWN: OwnNames<'static> = &["store", "window"];
+
 /// A Python value as a setting's value: `None` keeps the default; a `datetime.timedelta` is
 /// its seconds.
 fn setting_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
@@ -199,12 +206,13 @@ fn setting_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
         Value::Absent
     } else if let Ok(b) = v.cast::<PyBool>() {
         Value::Bool(b.is_true())
-    } else if v.is_instance_of::<PyInt>() || v.is_instance_of::<PyFloat>() {
-        Value::Number(v.extract::<f64>()?)
-    } else if let Some(s) = convert::timedelta_seconds(v)? {
-        Value::Number(s)
     } else if let Ok(t) = v.cast::<PyString>() {
         Value::Text(t.to_str()?.to_string())
+    } else if let Some(s) = convert::timedelta_seconds(v)? {
+        Value::Number(s)
+    } else if let Ok(n) = v.extract::<f64>() {
+        // int, float and what converts to one (numpy scalars, Decimal).
+        Value::Number(n)
     } else {
         Value::Other(v.get_type().name()?.to_string())
     })
@@ -238,7 +246,7 @@ fn engine_config(config: Option<&Bound<'_, PyDict>>) -> PyResult<EngineConfig> {
     settings_result(settings::engine_config(
         Language::Python,
         setting_entries(config)?,
-        &[],
+        IDEMPOTENT_OWN,
     ))
 }
 
@@ -441,7 +449,11 @@ impl Pipeline {
                 max_transaction_inputs.map_or(Ok(Value::Absent), setting_value)?,
             ),
         ]);
-        let pc = settings_result(settings::pipeline_config(Language::Python, entries, &[]))?;
+        let pc = settings_result(settings::pipeline_config(
+            Language::Python,
+            entries,
+            PIPELINE_OWN,
+        ))?;
         let locals: Locals = Arc::default();
         let t = PyTransform {
             func: transform,

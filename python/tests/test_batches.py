@@ -88,6 +88,38 @@ async def test_commit_of_a_batch_commits_its_last_positions(platform):
     await second.close()
 
 
+async def test_an_iterator_left_mid_batch_is_continued_not_skipped(memory):
+    """A second ``async for`` (or ``batches()``) after a ``break`` mid-batch hands out the rest
+    of that batch first: the messages already fetched are neither skipped nor committed
+    unseen."""
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send_batch([onceflow.Record(topic, f"m{i}".encode()) for i in range(6)])
+    group = unique("py-group")
+    consumer = await memory.consumer(topic, group, start="earliest")
+    consumer.batch_size = 6
+    seen = []
+    async for m in consumer:
+        seen.append(m.payload)
+        if len(seen) == 2:
+            break
+    await consumer.commit()
+    async for m in consumer:
+        seen.append(m.payload)
+        if len(seen) == 3:
+            break
+    async for batch in consumer.batches():
+        assert isinstance(batch, onceflow.MessageBatch)
+        seen.extend(batch.payloads())
+        break
+    assert seen == [f"m{i}".encode() for i in range(6)]
+    # The commit after the first loop took m1 only; a new member of the group starts at m2.
+    await consumer.close()
+    again = await memory.consumer(topic, group)
+    assert [m.payload for m in await drain(again, 4)] == [f"m{i}".encode() for i in range(2, 6)]
+    await again.close()
+
+
 async def test_send_nowait_delivers_in_order_and_flush_waits(platform):
     topic = await platform.topic()
     producer = await platform.client.producer()

@@ -88,7 +88,7 @@ async def test_engine_settings_follow_one_table_of_names_types_and_ranges(memory
     producer = await memory.client.producer()
     for config, error, text in [
         ({"tracing": 1}, TypeError, "tracing: expected bool, got int"),
-        ({"lease": "30"}, TypeError, r"lease: expected int or float \(seconds\), got str"),
+        ({"lease": "30"}, TypeError, r"lease: expected int, float or datetime.timedelta \(seconds\), got str"),
         ({"batch_size": 2.5}, onceflow.ConfigError, "batch_size 2.5: expected a whole number from 1"),
         ({"commit_every": -1}, onceflow.ConfigError, "commit_every -1: expected a whole number"),
         ({"lease": 0.05}, onceflow.ConfigError, "lease 0.05: too short, expected at least 0.1 seconds"),
