@@ -113,10 +113,14 @@ impl Headers {
             .map(|h| h.value.as_ref())
     }
 
-    /// The first non-null value of `name` as UTF-8 text, if it is valid UTF-8.
+    /// The first non-null value of `name` as UTF-8 text, if it is valid UTF-8 (a null value
+    /// before it is passed over, as the words say; [`Headers::get`] gives the first value
+    /// itself).
     pub fn get_str(&self, name: &str) -> Option<&str> {
-        self.get(name)
-            .flatten()
+        self.0
+            .iter()
+            .filter(|h| h.name == name)
+            .find_map(|h| h.value.as_ref())
             .and_then(|v| std::str::from_utf8(v).ok())
     }
 
@@ -581,6 +585,16 @@ impl Default for StartFrom {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn get_str_takes_the_first_non_null_value() {
+        let mut h = Headers::new();
+        h.insert_null("k").insert("k", "v1").insert("k", "v2");
+        assert_eq!(h.get("k"), Some(None));
+        assert_eq!(h.get_str("k"), Some("v1"));
+        assert_eq!(h.get_all("k").count(), 3);
+        assert_eq!(h.get_str("missing"), None);
+    }
 
     #[test]
     fn starts_parse_from_every_text_form_and_refuse_others_by_name() {

@@ -314,6 +314,15 @@ impl Message {
             .flatten()
             .map(|v| PyBytes::new(py, v))
     }
+    /// Every value of header `name`, in order (`None` for a null one; an empty list when
+    /// absent). Names match exactly, as `header` does.
+    fn header_all<'py>(&self, py: Python<'py>, name: &str) -> Vec<Option<Bound<'py, PyBytes>>> {
+        self.inner()
+            .headers
+            .get_all(name)
+            .map(|v| v.map(|v| PyBytes::new(py, v)))
+            .collect()
+    }
     /// Milliseconds since the epoch, if the platform has a timestamp.
     #[getter]
     fn timestamp(&self) -> Option<i64> {

@@ -112,6 +112,18 @@ async def test_str_payloads_and_dict_headers_are_accepted(memory):
     assert m.payload == "héllo".encode() and m.key == b"k" and user_headers(m) == [("x", b"y")]
 
 
+async def test_header_gives_the_first_value_and_header_all_every_one(memory):
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send(topic, b"x", headers=[("h", None), ("h", b"1"), ("other", b"o"), ("h", b"2")])
+    consumer = await memory.consumer(topic)
+    [m] = await drain(consumer, 1)
+    assert m.header("h") is None  # the first value is null
+    assert m.header_all("h") == [None, b"1", b"2"]
+    assert m.header_all("missing") == [] and m.header("missing") is None
+    assert m.header("other") == b"o"
+
+
 async def test_bad_arguments_are_type_errors(memory):
     producer = await memory.client.producer()
     with pytest.raises(TypeError):
