@@ -825,3 +825,77 @@ async fn poll_waits_for_data_without_spinning() {
     assert_eq!(n, 1);
     assert!(waited < Duration::from_secs(1), "woken by the append");
 }
+
+/// A worker whose message's key another worker holds (a 30 s lease) notices the holder's
+/// completion within half a second, not after a third of the lease (#31). Virtual time: the
+/// clock is paused and jumps to each timer, so the bound is exact and the test takes no time.
+#[tokio::test(start_paused = true)]
+async fn a_key_held_by_another_worker_is_seen_completed_within_half_a_second() {
+    use onceflow_core::dedup::{fingerprint, ClaimOutcome, ClaimRequest, DedupStore, MemoryStore};
+    use onceflow_core::{handler_fn, Client, DedupStoreExt, EngineConfig, IdempotentConsumer};
+
+    let p = platform();
+    topic(&p, "held", 1).await;
+    let client = Client::new(p.clone());
+    let producer = client.producer(ProducerConfig::default()).await.unwrap();
+    producer
+        .send(Record::new("held", "v").idempotency_key("k"))
+        .await
+        .unwrap();
+    let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new(Duration::from_secs(3600), 1000));
+    let lease = Duration::from_secs(30);
+    let request = ClaimRequest {
+        key: "g/k".into(),
+        owner: "the-other-worker".into(),
+        lease,
+        fingerprint: Some(fingerprint(b"v")),
+    };
+    let ClaimOutcome::Claimed { token } = store.claim_one(request).await.unwrap() else {
+        panic!("the other worker's claim");
+    };
+    let ran = Arc::new(Mutex::new(0));
+    let handler = {
+        let ran = ran.clone();
+        handler_fn(move |_m| {
+            let ran = ran.clone();
+            async move {
+                *ran.lock() += 1;
+                Ok(None)
+            }
+        })
+    };
+    let engine = IdempotentConsumer::with_config(
+        client.consumer(cfg("g", "held")).await.unwrap(),
+        Some(store.clone()),
+        Arc::new(handler),
+        EngineConfig {
+            lease,
+            ..EngineConfig::default()
+        },
+        None,
+    )
+    .unwrap();
+    let completed = tokio::spawn({
+        let store = store.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            assert!(store.complete_one("g/k", token, None).await.unwrap());
+            tokio::time::Instant::now()
+        }
+    });
+    while engine.metrics().snapshot().duplicates_skipped == 0 {
+        engine.step().await.unwrap();
+    }
+    let noticed = tokio::time::Instant::now();
+    let completed = completed.await.unwrap();
+    assert_eq!(
+        *ran.lock(),
+        0,
+        "the holder's completion is a duplicate here"
+    );
+    assert!(
+        noticed.duration_since(completed) <= Duration::from_millis(500),
+        "noticed {:?} after the completion",
+        noticed.duration_since(completed)
+    );
+}

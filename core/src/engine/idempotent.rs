@@ -525,12 +525,12 @@ impl Core {
             }
             // Rare paths read a copy of the key; a completion takes it.
             let key_copy = || keys.lock().keys[i].clone();
-            // Wait out another worker's lease on this key.
+            // Wait out another worker's claim on this key: its completion, release or the end
+            // of its lease.
+            let mut asked = 0;
             while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
-                let wait = (*expires_in)
-                    .min(self.config.lease / 3)
-                    .max(Duration::from_millis(10));
-                tokio::time::sleep(wait).await;
+                tokio::time::sleep(self.config.claim_wait(*expires_in, asked)).await;
+                asked += 1;
                 if self.tracker.generation(tp) != generation {
                     break;
                 }

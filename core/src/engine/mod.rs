@@ -232,6 +232,21 @@ impl EngineConfig {
         Ok(())
     }
 
+    /// How long to wait before asking the store again for a key another worker holds, after
+    /// `asked` earlier asks: 20 ms doubling to at most 500 ms, never past the holder's lease
+    /// (`expires_in`) nor a third of ours. So a completion or release by the holder is noticed
+    /// within half a second (it used to take up to a third of the lease, 10 s by default),
+    /// and a long-held key costs two store reads a second.
+    pub(crate) fn claim_wait(&self, expires_in: Duration, asked: u32) -> Duration {
+        const FIRST: Duration = Duration::from_millis(20);
+        const LONGEST: Duration = Duration::from_millis(500);
+        let step = FIRST.saturating_mul(1 << asked.min(5)).min(LONGEST);
+        expires_in
+            .min(self.lease / 3)
+            .min(step)
+            .max(Duration::from_millis(10))
+    }
+
     pub(crate) fn backoff(&self) -> impl Iterator<Item = Duration> {
         use backon::BackoffBuilder;
         backon::ExponentialBuilder::default()
@@ -340,6 +355,30 @@ pub(crate) fn dead_letter_record(
         )
         .set("onceflow-attempts", attempts.to_string().into_bytes());
     r
+}
+
+#[cfg(test)]
+mod claim_wait_tests {
+    use super::*;
+
+    #[test]
+    fn a_held_key_is_asked_for_again_within_half_a_second_and_never_past_its_lease() {
+        let c = EngineConfig::default();
+        let long = Duration::from_secs(30);
+        let waits: Vec<_> = (0..8).map(|n| c.claim_wait(long, n)).collect();
+        assert_eq!(waits[0], Duration::from_millis(20));
+        assert_eq!(waits[3], Duration::from_millis(160));
+        assert!(
+            waits.iter().all(|w| *w <= Duration::from_millis(500)),
+            "{waits:?}"
+        );
+        assert_eq!(waits[7], Duration::from_millis(500));
+        assert_eq!(
+            c.claim_wait(Duration::from_millis(50), 9),
+            Duration::from_millis(50)
+        );
+        assert_eq!(c.claim_wait(Duration::ZERO, 0), Duration::from_millis(10));
+    }
 }
 
 #[cfg(test)]

@@ -586,11 +586,10 @@ impl TxLoop<'_> {
                     );
                     outcome = None;
                 }
+                let mut asked = 0;
                 while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
-                    let wait = (*expires_in)
-                        .min(cfg.lease / 3)
-                        .max(Duration::from_millis(10));
-                    tokio::time::sleep(wait).await;
+                    tokio::time::sleep(cfg.claim_wait(*expires_in, asked)).await;
+                    asked += 1;
                     let store = core.store.as_ref().expect("in-progress implies a store");
                     let req = core.claim_request(key.clone().expect("key"), msg);
                     outcome = Some(store.claim_one(req).await?);
