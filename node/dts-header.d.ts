@@ -176,6 +176,13 @@ export declare class Pipeline {
 
 /** Opens a dedup store by URL. */
 export declare function dedupStore(url: string, options?: { windowMs?: number }): Promise<DedupStore>
+/**
+ * The first value of header `name` of `message` (exact name, as Rust's `Headers::get`): a
+ * Buffer, `null` for a null header, `undefined` when absent.
+ */
+export declare function header(message: Message, name: string): Buffer | null | undefined
+/** Every value of header `name` of `message`, in order (`null` for a null one; `[]` when absent). */
+export declare function headerAll(message: Message, name: string): Array<Buffer | null>
 
 /** The native addon's version. */
 export declare const version: string

@@ -516,9 +516,25 @@ class Pipeline extends Engine {
   }
 }
 
+/**
+ * The first value of header `name` of `message` (exact name, as Rust's `Headers::get`): a
+ * Buffer, `null` for a null header, `undefined` when absent.
+ */
+function header(message, name) {
+  for (const h of message.headers) if (h.name === name) return h.value
+  return undefined
+}
+
+/** Every value of header `name` of `message`, in order (`null` for a null one; `[]` when absent). */
+function headerAll(message, name) {
+  return message.headers.filter((h) => h.name === name).map((h) => h.value)
+}
+
 module.exports = {
   connect,
   dedupStore,
+  header,
+  headerAll,
   OnceflowError,
   IdempotentConsumer,
   Pipeline,

@@ -205,3 +205,18 @@ test('an iterator left mid-batch is continued, not skipped', async () => {
   await again.close()
   await assert.rejects(async () => consumer.poll('10'), (e) => e instanceof onceflow.OnceflowError && e.kind === 'config' && e.message === 'max: expected a number, got string')
 })
+
+test('header() gives the first value of a name and headerAll() every one', async () => {
+  const client = await onceflow.connect(`memory://${unique('hdr')}`)
+  const t = unique('t')
+  const producer = await client.producer()
+  await producer.send({ topic: t, payload: 'x', headers: [['h', null], ['h', '1'], ['other', 'o'], ['h', '2']] })
+  const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+  const [m] = await collect(consumer, 1)
+  assert.equal(onceflow.header(m, 'h'), null)
+  assert.deepEqual(onceflow.headerAll(m, 'h').map((v) => v && v.toString()), [null, '1', '2'])
+  assert.equal(onceflow.header(m, 'other').toString(), 'o')
+  assert.equal(onceflow.header(m, 'missing'), undefined)
+  assert.deepEqual(onceflow.headerAll(m, 'missing'), [])
+  await consumer.close()
+})
