@@ -372,10 +372,7 @@ pub fn settings(options: Option<&Object>) -> napi::Result<Vec<(String, Value)>> 
                 ValueType::Boolean => Value::Bool(o.get::<bool>(&name)?.unwrap_or_default()),
                 ValueType::Number => Value::Number(o.get::<f64>(&name)?.unwrap_or_default()),
                 ValueType::String => Value::Text(o.get::<String>(&name)?.unwrap_or_default()),
-                ValueType::BigInt => Value::Other("bigint".into()),
-                ValueType::Symbol => Value::Other("symbol".into()),
-                ValueType::Function => Value::Other("function".into()),
-                _ => Value::Other("object".into()),
+                other => Value::Other(crate::options::type_name(other).into()),
             },
         };
         out.push((name, value));

@@ -39,7 +39,8 @@ fn config(message: String) -> napi::Error {
     js_err(&Error::config(message))
 }
 
-fn type_name(t: ValueType) -> &'static str {
+/// JavaScript's `typeof` name of a value of type `t` (`null` for null).
+pub(crate) fn type_name(t: ValueType) -> &'static str {
     match t {
         ValueType::Undefined => "undefined",
         ValueType::Null => "null",
