@@ -55,7 +55,7 @@ pub(crate) struct Rest {
     credentials: Credentials,
 }
 
-fn http_err(what: &str, e: reqwest::Error) -> Error {
+fn http_err(what: &str, e: reqwest::Error, client_cert: bool) -> Error {
     let what = onceflow_core::redact_credentials(what);
     if let Some(r) = crate::auth::rustls_error(&e) {
         let server = what
@@ -71,6 +71,15 @@ fn http_err(what: &str, e: reqwest::Error) -> Error {
             rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented
         ) {
             return crate::auth::certificate_error("Pulsar admin API", &server, r);
+        }
+        if let (rustls::Error::AlertReceived(alert), true) = (r, client_cert) {
+            return Error::new(
+                ErrorKind::Auth,
+                format!(
+                    "Pulsar admin API at {server} refused the TLS connection with our client \
+                     certificate (TLS alert {alert:?}): is it signed by a CA the server trusts?"
+                ),
+            );
         }
     }
     let kind = if e.is_timeout() {
@@ -109,15 +118,20 @@ fn refused(what: &str, status: u16, body: &str) -> Error {
 
 impl Rest {
     /// A client of the admin API at `base`. `trusted`: PEM CA certificates to trust besides
-    /// the public web PKI.
+    /// the public web PKI. `mtls`: with a client certificate, the TLS configuration of the
+    /// mTLS bridge (the same trusted CAs, client certificate and broker certificate check),
+    /// used as it is for `https://`.
     pub(crate) fn new(
         base: &str,
         timeout: std::time::Duration,
         trusted: Option<&[u8]>,
+        mtls: Option<rustls::ClientConfig>,
         credentials: Credentials,
     ) -> Result<Rest> {
         let mut builder = reqwest::Client::builder().timeout(timeout);
-        if let Some(pem) = trusted {
+        if let Some(config) = mtls {
+            builder = builder.use_preconfigured_tls(config);
+        } else if let Some(pem) = trusted {
             for c in reqwest::Certificate::from_pem_bundle(pem)
                 .map_err(|e| Error::config(format!("tls_trust_certs: {e}")))?
             {
@@ -139,12 +153,19 @@ impl Rest {
         // The auth method header, as Pulsar's Java admin client sends it: without it the broker
         // tries each provider and, when all refuse the token, serves the request as its
         // `anonymousUserRole` (where one is set) instead of answering 401.
+        // With a client certificate the TLS layer presents it: only the method is named.
+        let req = match self.credentials.http_method() {
+            Some(m) => req.header("X-Pulsar-Auth-Method-Name", m),
+            None => req,
+        };
         Ok(match self.credentials.bearer().await? {
-            Some(t) => req
-                .bearer_auth(t)
-                .header("X-Pulsar-Auth-Method-Name", "token"),
+            Some(t) => req.bearer_auth(t),
             None => req,
         })
+    }
+
+    fn client_cert(&self) -> bool {
+        matches!(self.credentials, Credentials::ClientCert)
     }
 
     fn url(&self, path: &str) -> String {
@@ -159,12 +180,12 @@ impl Rest {
             .await?
             .send()
             .await
-            .map_err(|e| http_err(&format!("GET {url}"), e))?;
+            .map_err(|e| http_err(&format!("GET {url}"), e, self.client_cert()))?;
         let status = resp.status().as_u16();
         let text = resp
             .text()
             .await
-            .map_err(|e| http_err(&format!("GET {url}"), e))?;
+            .map_err(|e| http_err(&format!("GET {url}"), e, self.client_cert()))?;
         if status == 401 || status == 403 {
             return Err(refused(&format!("GET {url}"), status, &text));
         }
@@ -187,7 +208,7 @@ impl Rest {
         let resp = req
             .send()
             .await
-            .map_err(|e| http_err(&format!("{method} {url}"), e))?;
+            .map_err(|e| http_err(&format!("{method} {url}"), e, self.client_cert()))?;
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap_or_default();
         if status == 401 || status == 403 {
@@ -218,9 +239,12 @@ impl Rest {
             .await?
             .send()
             .await
-            .map_err(|e| http_err(&what, e))?;
+            .map_err(|e| http_err(&what, e, self.client_cert()))?;
         let status = resp.status().as_u16();
-        let text = resp.text().await.map_err(|e| http_err(&what, e))?;
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| http_err(&what, e, self.client_cert()))?;
         if status != 200 {
             return Err(Self::unexpected(&what, status, ""));
         }

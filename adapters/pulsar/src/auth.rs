@@ -127,12 +127,14 @@ impl Authentication for SharedAuth {
     }
 }
 
-/// What a connection presents: nothing, a fixed token, or a provider.
+/// What a connection presents: nothing, a fixed token, a provider, or a TLS client
+/// certificate (presented by the TLS layer: the mTLS bridge and the admin client's TLS).
 #[derive(Clone)]
 pub(crate) enum Credentials {
     None,
     Token(String),
     Provider(SharedAuth),
+    ClientCert,
 }
 
 impl Credentials {
@@ -148,7 +150,17 @@ impl Credentials {
                 Credentials::Provider(SharedAuth::new(Box::new(f)))
             }
             PulsarAuth::OAuth2(o) => oauth2(o)?,
+            PulsarAuth::Tls(_) => Credentials::ClientCert,
         })
+    }
+
+    /// The auth method the admin REST calls name (`X-Pulsar-Auth-Method-Name`), if any.
+    pub(crate) fn http_method(&self) -> Option<&'static str> {
+        match self {
+            Credentials::None => None,
+            Credentials::Token(_) | Credentials::Provider(_) => Some("token"),
+            Credentials::ClientCert => Some("tls"),
+        }
     }
 
     /// What the credential is, for messages: `token`, `token file PATH`, `OAuth2 token`.
@@ -158,6 +170,7 @@ impl Credentials {
             PulsarAuth::Token(_) => "the token".to_string(),
             PulsarAuth::TokenFile(p) => format!("the token of {}", p.display()),
             PulsarAuth::OAuth2(o) => format!("the OAuth2 access token from {}", o.issuer_url),
+            PulsarAuth::Tls(c) => format!("the client certificate {}", c.cert_file.display()),
         }
     }
 
@@ -165,7 +178,7 @@ impl Credentials {
     /// one (the OAuth2 token endpoint refused the client, the token file went away).
     pub(crate) async fn bearer(&self) -> Result<Option<String>> {
         match self {
-            Credentials::None => Ok(None),
+            Credentials::None | Credentials::ClientCert => Ok(None),
             Credentials::Token(t) => Ok(Some(t.clone())),
             Credentials::Provider(p) => {
                 let data = p.data().await.map_err(|e| {
@@ -184,7 +197,7 @@ impl Credentials {
     /// The credential as the crate's CONNECT carries it, for the diagnosis.
     async fn connect_data(&self) -> std::result::Result<Option<(String, Vec<u8>)>, String> {
         match self {
-            Credentials::None => Ok(None),
+            Credentials::None | Credentials::ClientCert => Ok(None),
             Credentials::Token(t) => Ok(Some(("token".to_string(), t.clone().into_bytes()))),
             Credentials::Provider(p) => p
                 .data()

@@ -114,6 +114,28 @@ pub enum PulsarAuth {
     /// from `{issuer_url}/.well-known/openid-configuration`, an access token fetched with the
     /// client id and secret from the credentials file and renewed before it expires.
     OAuth2(OAuth2Options),
+    /// `tls_cert_file=/path/client.pem&tls_key_file=/path/client.key`: a TLS client
+    /// certificate (mTLS; Java's `AuthenticationTls` with `tlsCertFile` / `tlsKeyFile`, the
+    /// broker's `AuthenticationProviderTls` takes the role from the certificate's common
+    /// name). Needs `pulsar+ssl://`. The pulsar crate cannot present a client certificate, so
+    /// the connection goes through onceflow's in-process loopback bridge (see the crate docs,
+    /// "TLS client certificates"). Both files are read once, at connect.
+    Tls(TlsClientCert),
+}
+
+/// The client certificate of [`PulsarAuth::Tls`]: PEM files (paths, or `file://` URLs).
+/// Pulsar docs: "Authentication using TLS"
+/// (<https://pulsar.apache.org/docs/next/security-tls-authentication/>).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TlsClientCert {
+    /// `tls_cert_file` (Java `tlsCertFile`): the client certificate, then any intermediate
+    /// CA certificates, PEM (`-----BEGIN CERTIFICATE-----`).
+    pub cert_file: PathBuf,
+    /// `tls_key_file` (Java `tlsKeyFile`): its private key, PEM: PKCS#8
+    /// (`BEGIN PRIVATE KEY`), PKCS#1 (`BEGIN RSA PRIVATE KEY`) or SEC1
+    /// (`BEGIN EC PRIVATE KEY`), unencrypted. Its content never appears in an error, a log
+    /// line or `Debug` output.
+    pub key_file: PathBuf,
 }
 
 impl std::fmt::Debug for PulsarAuth {
@@ -123,6 +145,7 @@ impl std::fmt::Debug for PulsarAuth {
             PulsarAuth::Token(_) => f.write_str("Token(***)"),
             PulsarAuth::TokenFile(p) => f.debug_tuple("TokenFile").field(p).finish(),
             PulsarAuth::OAuth2(o) => f.debug_tuple("OAuth2").field(o).finish(),
+            PulsarAuth::Tls(c) => f.debug_tuple("Tls").field(c).finish(),
         }
     }
 }
@@ -208,10 +231,21 @@ pub struct PulsarOptions {
     /// (webpki roots). The server's name (the URL's host, a DNS name or an IP address) is
     /// always verified against its certificate (`tls_hostname_verification`, Java
     /// `tlsHostnameVerificationEnable`, is `true` and cannot be turned off with the crate's
-    /// rustls TLS).
+    /// rustls TLS; with a client certificate, where onceflow makes the TLS connection, see
+    /// [`PulsarOptions::tls_hostname_verification`]).
     pub tls_trust_certs: Option<PathBuf>,
-    /// How the client authenticates: `token`, `token_file` or the `oauth2_*` keys (at most
-    /// one). See [`PulsarAuth`].
+    /// `tls_hostname_verification` (default `true`; Java `tlsHostnameVerificationEnable`):
+    /// whether the broker's certificate must name the host connected to. `false` is only
+    /// taken with a client certificate ([`PulsarAuth::Tls`]), whose TLS connection onceflow
+    /// makes itself; the pulsar crate's own TLS ignores the flag, so elsewhere `false` is an
+    /// `Unsupported` error. The chain is still verified against the trusted CAs.
+    pub tls_hostname_verification: bool,
+    /// `tls_allow_insecure_connection` (default `false`; Java `tlsAllowInsecureConnection`):
+    /// trust any broker certificate (no chain or name check: anyone on the path can pose as
+    /// the broker). As `tls_hostname_verification`, only with a client certificate.
+    pub tls_allow_insecure_connection: bool,
+    /// How the client authenticates: `token`, `token_file`, the `oauth2_*` keys or a client
+    /// certificate (`tls_cert_file` + `tls_key_file`), at most one. See [`PulsarAuth`].
     pub auth: PulsarAuth,
 }
 
@@ -238,6 +272,8 @@ impl Default for PulsarOptions {
             refresh: Duration::from_millis(250),
             metadata: BTreeMap::new(),
             tls_trust_certs: None,
+            tls_hostname_verification: true,
+            tls_allow_insecure_connection: false,
             auth: PulsarAuth::None,
         }
     }
@@ -270,6 +306,17 @@ fn file_path(value: &str) -> PathBuf {
     match value.strip_prefix("file://") {
         Some(p) => PathBuf::from(p),
         None => PathBuf::from(value),
+    }
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool> {
+    match value.to_ascii_lowercase().as_str() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(Error::config(format!(
+            "'{key}={}': expected true or false",
+            onceflow_core::shown(value)
+        ))),
     }
 }
 
@@ -334,43 +381,29 @@ impl PulsarOptions {
                 self.tls_trust_certs = Some(file_path(value));
             }
             "tls_hostname_verification" => {
-                match value {
-                    "true" => {}
-                    "false" => return Err(Error::unsupported(
-                        "'tls_hostname_verification=false': the pulsar crate's rustls TLS always \
-                         verifies that the broker's certificate names the host of the URL; \
-                         connect with a name the certificate has",
-                    )),
-                    _ => {
-                        return Err(Error::config(format!(
-                            "'{key}={}': expected true",
-                            onceflow_core::shown(value)
-                        )))
-                    }
-                }
+                self.tls_hostname_verification = parse_bool(key, value)?;
             }
-            "tls_allow_insecure_connection" => match value {
-                "false" => {}
-                "true" => {
-                    return Err(Error::unsupported(
-                        "'tls_allow_insecure_connection=true': the pulsar crate's rustls TLS \
-                         always verifies the broker's certificate; trust its CA with \
-                         tls_trust_certs=/path/ca.pem",
-                    ))
-                }
-                _ => {
-                    return Err(Error::config(format!(
-                        "'{key}={}': expected false",
-                        onceflow_core::shown(value)
-                    )))
-                }
-            },
+            "tls_allow_insecure_connection" => {
+                self.tls_allow_insecure_connection = parse_bool(key, value)?;
+            }
             "tls_cert_file" | "tls_key_file" => {
-                return Err(Error::unsupported(format!(
-                    "'{key}': TLS client certificates (mTLS, Pulsar's AuthenticationTls) are \
-                     not offered: the pulsar crate (6.9) builds its rustls connection with \
-                     no client certificate; use token= , token_file= or oauth2_* instead"
-                )))
+                if value.is_empty() {
+                    return Err(Error::config(format!("'{key}=': expected a PEM file path")));
+                }
+                let mut c = match std::mem::take(&mut self.auth) {
+                    PulsarAuth::Tls(c) => c,
+                    PulsarAuth::None => TlsClientCert::default(),
+                    other => {
+                        self.auth = other;
+                        return self.set_auth(key, PulsarAuth::None);
+                    }
+                };
+                if key == "tls_cert_file" {
+                    c.cert_file = file_path(value);
+                } else {
+                    c.key_file = file_path(value);
+                }
+                self.auth = PulsarAuth::Tls(c);
             }
             "token" => {
                 if value.trim().is_empty() {
@@ -514,9 +547,10 @@ impl PulsarOptions {
                      operation_timeout_ms, batch_size, batch_bytes, batch_timeout_ms, \
                      compression, producer_name, max_message_bytes, subscription_type, \
                      receiver_queue_size, ack_timeout_ms, dead_letter, max_redeliver, \
-                     batch_index_ack, refresh_ms, metadata.KEY, tls_trust_certs, token, \
-                     token_file, oauth2_issuer_url, oauth2_credentials_file, oauth2_audience, \
-                     oauth2_scope",
+                     batch_index_ack, refresh_ms, metadata.KEY, tls_trust_certs, \
+                     tls_cert_file, tls_key_file, tls_hostname_verification, \
+                     tls_allow_insecure_connection, token, token_file, oauth2_issuer_url, \
+                     oauth2_credentials_file, oauth2_audience, oauth2_scope",
                     onceflow_core::shown(other)
                 )));
             }
@@ -528,8 +562,8 @@ impl PulsarOptions {
     fn set_auth(&mut self, key: &str, auth: PulsarAuth) -> Result<()> {
         if self.auth != PulsarAuth::None || auth == PulsarAuth::None {
             return Err(Error::config(format!(
-                "'{key}' with another credential: give one of token, token_file or the \
-                 oauth2_* keys"
+                "'{key}' with another credential: give one of token, token_file, the \
+                 oauth2_* keys or tls_cert_file + tls_key_file"
             )));
         }
         self.auth = auth;
@@ -553,6 +587,39 @@ impl PulsarOptions {
 
     /// Checks options that only make sense together.
     pub(crate) fn validate(&self) -> Result<()> {
+        let tls = self.service_url.starts_with("pulsar+ssl://");
+        if let PulsarAuth::Tls(c) = &self.auth {
+            if c.cert_file.as_os_str().is_empty() || c.key_file.as_os_str().is_empty() {
+                return Err(Error::config(
+                    "a TLS client certificate needs both tls_cert_file and tls_key_file",
+                ));
+            }
+            if !tls {
+                return Err(Error::config(format!(
+                    "tls_cert_file on {}: a client certificate needs a TLS connection, \
+                     pulsar+ssl://host:6651",
+                    onceflow_core::redact_credentials(&self.service_url)
+                )));
+            }
+        } else {
+            if !self.tls_hostname_verification {
+                return Err(Error::unsupported(
+                    "'tls_hostname_verification=false' without a client certificate: the \
+                     pulsar crate's rustls TLS always verifies that the broker's certificate \
+                     names the host of the URL (only the mTLS bridge, tls_cert_file + \
+                     tls_key_file, makes its own TLS connection); connect with a name the \
+                     certificate has",
+                ));
+            }
+            if self.tls_allow_insecure_connection {
+                return Err(Error::unsupported(
+                    "'tls_allow_insecure_connection=true' without a client certificate: the \
+                     pulsar crate's rustls TLS always verifies the broker's certificate (only \
+                     the mTLS bridge, tls_cert_file + tls_key_file, makes its own TLS \
+                     connection); trust its CA with tls_trust_certs=/path/ca.pem",
+                ));
+            }
+        }
         if let PulsarAuth::OAuth2(o) = &self.auth {
             if o.issuer_url.is_empty() || o.credentials_file.as_os_str().is_empty() {
                 return Err(Error::config(
@@ -727,17 +794,41 @@ mod tests {
         assert!(!e.to_string().contains("abcdefgh"), "{e}");
         assert!(parse_url("pulsar://h:1?oauth2_issuer_url=https://a/&token=x").is_err());
         assert!(parse_url("pulsar://h:1?oauth2_issuer_url=https://a/").is_err());
-        // What the crate's rustls TLS cannot do is said, not ignored.
+        // What the crate's rustls TLS cannot do is said, not ignored; a half-given client
+        // certificate or one on a plaintext URL is a Config error.
         for (q, kind) in [
             ("tls_hostname_verification=false", ErrorKind::Unsupported),
             ("tls_allow_insecure_connection=true", ErrorKind::Unsupported),
-            ("tls_cert_file=/c.pem", ErrorKind::Unsupported),
-            ("tls_key_file=/c.key", ErrorKind::Unsupported),
+            ("tls_cert_file=/c.pem", ErrorKind::Config),
+            ("tls_key_file=/c.key", ErrorKind::Config),
+            (
+                "tls_cert_file=/c.pem&tls_key_file=/c.key&token=abcdefgh",
+                ErrorKind::Config,
+            ),
+            ("token=abcdefgh&tls_cert_file=/c.pem", ErrorKind::Config),
             ("tls_hostname_verification=maybe", ErrorKind::Config),
         ] {
             let e = parse_url(&format!("pulsar+ssl://h:1?{q}")).unwrap_err();
             assert_eq!(e.kind(), kind, "{q}: {e}");
+            assert!(!e.to_string().contains("abcdefgh"), "{e}");
         }
+        let e = parse_url("pulsar://h:1?tls_cert_file=/c.pem&tls_key_file=/c.key").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(e.message().contains("pulsar+ssl://"), "{e}");
+        // A client certificate: the TLS is onceflow's, so both flags are taken.
+        let o = parse_url(
+            "pulsar+ssl://h:1?tls_cert_file=file:///c.pem&tls_key_file=/c.key&tls_hostname_verification=false&tls_allow_insecure_connection=true",
+        )
+        .unwrap();
+        assert_eq!(
+            o.auth,
+            PulsarAuth::Tls(TlsClientCert {
+                cert_file: PathBuf::from("/c.pem"),
+                key_file: PathBuf::from("/c.key"),
+            })
+        );
+        assert!(!o.tls_hostname_verification);
+        assert!(o.tls_allow_insecure_connection);
         assert!(parse_url("pulsar+ssl://h:1?tls_hostname_verification=true").is_ok());
         // Errors quote the URL without the token.
         let e = parse_url("pulsar+ssl://a,b:1?token=abcdefgh12345").unwrap_err();

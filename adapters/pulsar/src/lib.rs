@@ -154,6 +154,7 @@
 
 mod admin;
 mod auth;
+mod bridge;
 mod config;
 mod consumer;
 mod convert;
@@ -171,9 +172,10 @@ use parking_lot::Mutex;
 use pulsar::{Pulsar, TokioExecutor};
 
 pub use admin::PulsarAdmin;
+pub use bridge::BridgeStats;
 pub use config::{
     parse_url, BatchIndexAck, CompressionKind, OAuth2Options, PulsarAuth, PulsarOptions,
-    SubscriptionType,
+    SubscriptionType, TlsClientCert,
 };
 pub use consumer::PulsarConsumer;
 pub use convert::HEADERS_PROPERTY;
@@ -232,6 +234,9 @@ pub(crate) struct Shared {
     /// The broker has `acknowledgmentAtBatchIndexLevelEnabled` on (PIP-54), read at connect.
     pub(crate) broker_batch_index_ack: bool,
     topics: Mutex<HashMap<String, TopicShape>>,
+    /// The mTLS loopback bridge, with a client certificate (stops when dropped, after the
+    /// client above).
+    bridge: Option<bridge::Bridge>,
 }
 
 impl Shared {
@@ -331,33 +336,72 @@ impl PulsarPlatform {
             .await?;
         }
         auth::ensure_crypto_provider();
-        let mut builder = Pulsar::builder(options.service_url.clone(), TokioExecutor)
-            .with_operation_retry_options(pulsar::OperationRetryOptions {
+        // A client certificate: the crate talks to the loopback bridge, which makes the TLS
+        // connections (see bridge.rs).
+        let (bridge, mtls) = match &options.auth {
+            config::PulsarAuth::Tls(cert) => {
+                let config = bridge::client_config(
+                    cert,
+                    trusted.as_deref(),
+                    options.tls_hostname_verification,
+                    options.tls_allow_insecure_connection,
+                )?;
+                let upstream = bridge::Upstream::of_url(&options.service_url).ok_or_else(|| {
+                    Error::config(format!(
+                        "{service}: a client certificate needs pulsar+ssl://host:port"
+                    ))
+                })?;
+                let b = bridge::Bridge::start(
+                    upstream,
+                    Arc::new(config.clone()),
+                    cert,
+                    options.operation_timeout.min(HANDSHAKE_TIMEOUT),
+                )?;
+                (Some(b), Some(config))
+            }
+            _ => (None, None),
+        };
+        let service_url = match &bridge {
+            Some(b) => b.local_url(),
+            None => options.service_url.clone(),
+        };
+        let mut builder = Pulsar::builder(service_url, TokioExecutor).with_operation_retry_options(
+            pulsar::OperationRetryOptions {
                 operation_timeout: options.operation_timeout,
                 ..Default::default()
-            });
-        if tls {
+            },
+        );
+        if tls && bridge.is_none() {
             if let Some(pem) = &trusted {
                 builder = builder.with_certificate_chain(pem.clone());
             }
         }
-        builder = match &credentials {
-            Credentials::None => builder,
-            Credentials::Token(t) => builder.with_auth(pulsar::Authentication {
+        builder = match (&bridge, &credentials) {
+            (Some(b), _) => builder.with_auth(b.authentication()),
+            (None, Credentials::None | Credentials::ClientCert) => builder,
+            (None, Credentials::Token(t)) => builder.with_auth(pulsar::Authentication {
                 name: "token".to_string(),
                 data: t.clone().into_bytes(),
             }),
-            Credentials::Provider(p) => builder.with_auth_provider(Box::new(p.clone())),
+            (None, Credentials::Provider(p)) => builder.with_auth_provider(Box::new(p.clone())),
         };
         let handshake = options.operation_timeout.min(HANDSHAKE_TIMEOUT);
         let built = tokio::time::timeout(handshake, builder.build()).await;
         let client = match built {
             Ok(Ok(client)) => client,
             failed => {
+                // Through the bridge, it saw what the broker refused.
+                if let Some(e) = bridge.as_ref().and_then(bridge::Bridge::take_refusal) {
+                    return Err(e);
+                }
                 // The crate folds a refused TLS handshake or credential into one "fatal
                 // error": connect once more to tell which step the server refused.
-                if let Some(e) = auth::diagnose(&options, &credentials, trusted.as_deref()).await {
-                    return Err(e);
+                if bridge.is_none() {
+                    if let Some(e) =
+                        auth::diagnose(&options, &credentials, trusted.as_deref()).await
+                    {
+                        return Err(e);
+                    }
                 }
                 return Err(match failed {
                     Err(_) => Error::new(
@@ -391,6 +435,7 @@ impl PulsarPlatform {
             &options.admin_url,
             options.operation_timeout,
             trusted.as_deref(),
+            mtls,
             credentials,
         )?;
         // The admin API answers (lag, partitions and assignment need it).
@@ -430,6 +475,7 @@ impl PulsarPlatform {
                 rest,
                 broker_batch_index_ack,
                 topics: Mutex::new(HashMap::new()),
+                bridge,
             }),
         }))
     }
@@ -437,6 +483,13 @@ impl PulsarPlatform {
     /// The connection's options.
     pub fn options(&self) -> &PulsarOptions {
         &self.shared.options
+    }
+
+    /// What the mTLS loopback bridge did (its listeners, the local connections it relayed and
+    /// those it closed without contacting a broker); `None` without a client certificate.
+    /// For diagnostics: see the crate docs, "TLS client certificates".
+    pub fn mtls_bridge(&self) -> Option<BridgeStats> {
+        self.shared.bridge.as_ref().map(bridge::Bridge::stats)
     }
 
     /// The pulsar crate client, for anything onceflow does not cover.

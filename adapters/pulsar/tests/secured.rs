@@ -25,8 +25,21 @@
 //!   broker's secret key; the client connects with them, the admin API uses them, a wrong
 //!   client secret is `Auth`.
 //!
+//! - `mtls_round_trip_partitioned_topic_and_idempotent_consumer`: a TLS client certificate
+//!   (`tls_cert_file` / `tls_key_file`, `ONCEFLOW_PULSAR_CLIENT_CERT` / `_CLIENT_KEY`, role =
+//!   its CN) through the loopback bridge: the backend round trip, a partitioned topic (its
+//!   lookups are rewritten to bridge listeners) and the idempotent consumer; the admin API over
+//!   https with the same certificate.
+//! - `mtls_refusals_fail_fast_with_auth`: a client certificate from another CA
+//!   (`ONCEFLOW_PULSAR_ROGUE_CLIENT_CERT`), an untrusted broker CA and a host name the broker's
+//!   certificate lacks: `Auth` naming the server (printed in ms); the last one connects with
+//!   `tls_hostname_verification=false`. A key of another certificate is a `Config` error.
+//! - `mtls_bridge_closes_local_connections_without_its_secret`: another local process that
+//!   connects to the bridge's loopback port (a CONNECT with a wrong secret, with the `tls`
+//!   method, garbage) is closed without an answer and never reaches the broker.
+//!
 //! Every error text, `Debug` output and the log lines captured at DEBUG are grepped for the
-//! test secrets.
+//! test secrets (tokens, and the base64 lines of the client key).
 
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -57,6 +70,10 @@ struct Env {
     expired_file: String,
     other_key_file: String,
     secret_key: String,
+    client_cert: String,
+    client_key: String,
+    rogue_cert: String,
+    rogue_key: String,
 }
 
 fn env() -> Option<Env> {
@@ -79,6 +96,10 @@ fn env() -> Option<Env> {
                 expired_file: must("ONCEFLOW_PULSAR_EXPIRED_TOKEN_FILE"),
                 other_key_file: must("ONCEFLOW_PULSAR_OTHER_KEY_TOKEN_FILE"),
                 secret_key: must("ONCEFLOW_PULSAR_TOKEN_SECRET_KEY"),
+                client_cert: must("ONCEFLOW_PULSAR_CLIENT_CERT"),
+                client_key: must("ONCEFLOW_PULSAR_CLIENT_KEY"),
+                rogue_cert: must("ONCEFLOW_PULSAR_ROGUE_CLIENT_CERT"),
+                rogue_key: must("ONCEFLOW_PULSAR_ROGUE_CLIENT_KEY"),
             })
         }
         _ => {
@@ -678,4 +699,231 @@ async fn oauth2_client_credentials_from_a_loopback_token_endpoint() {
         &[SECRET.to_string(), "wrong-secret-123456".to_string()],
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// --- mTLS (TLS client certificates through the loopback bridge) ------------------------------
+
+fn mtls_url(env: &Env, cert: &str, key: &str) -> String {
+    tls_url(
+        env,
+        &format!("tls_cert_file={}&tls_key_file={}", enc(cert), enc(key)),
+    )
+}
+
+/// The base64 lines of a PEM private key (what must never be shown).
+fn key_lines(path: &str) -> Vec<String> {
+    read(path)
+        .lines()
+        .filter(|l| !l.starts_with("-----") && l.len() >= 16)
+        .map(String::from)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_round_trip_partitioned_topic_and_idempotent_consumer() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    let url = mtls_url(&env, &env.client_cert, &env.client_key);
+    let t0 = Instant::now();
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    eprintln!("mTLS connect took {} ms", t0.elapsed().as_millis());
+    let debug = format!("{platform:?} {:?}", platform.options());
+    let service = env.tls_url.trim_start_matches("pulsar+ssl://").to_string();
+    let stats = platform
+        .mtls_bridge()
+        .expect("a bridge with a client certificate");
+    assert!(
+        stats.listeners.iter().any(|(up, _)| *up == service),
+        "{stats:?}"
+    );
+
+    // A partitioned topic: each partition is looked up, and each lookup answer is pointed at a
+    // bridge listener; produce and consume across all three.
+    let topic = name("mtls-part");
+    let admin = platform.admin().await.unwrap();
+    admin
+        .create_topic(&TopicSpec::new(topic.clone(), 3))
+        .await
+        .unwrap();
+    assert_eq!(admin.describe_topic(&topic).await.unwrap().partitions, 3);
+    let mut got = produce_consume(platform.clone(), &topic, 30).await;
+    got.sort();
+    let mut want: Vec<String> = (0..30).map(|i| format!("v{i}")).collect();
+    want.sort();
+    assert_eq!(got, want);
+
+    let harness =
+        PlatformHarness::new(platform.clone(), Timings::broker()).without_read_uncommitted();
+    run_case(&harness, "backend::round_trip (mTLS)", round_trip(&harness)).await;
+    run_case(
+        &harness,
+        "engine::idempotent_consumer_skips_duplicates (mTLS)",
+        idempotent_consumer_skips_duplicates(&harness),
+    )
+    .await;
+    let stats = platform.mtls_bridge().unwrap();
+    eprintln!("mTLS bridge: {stats:?}");
+    assert!(stats.relayed >= 1, "{stats:?}");
+    // At least one lookup per partition went through the rewrite.
+    assert!(stats.lookups >= 3, "{stats:?}");
+    assert_eq!(stats.refused_local, 0, "{stats:?}");
+    assert_no_secret(&[debug], &key_lines(&env.client_key));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_refusals_fail_fast_with_auth() {
+    let Some(env) = env() else { return };
+    capture_logs();
+    let server = env.tls_url.trim_start_matches("pulsar+ssl://").to_string();
+    let mut seen = Vec::new();
+
+    // The broker does not trust our client certificate.
+    let e = refused(
+        "mTLS: client certificate from another CA",
+        &mtls_url(&env, &env.rogue_cert, &env.rogue_key),
+        &server,
+    )
+    .await;
+    assert!(e[0].contains("client certificate"), "{}", e[0]);
+    seen.extend(e);
+
+    // We do not trust the broker's certificate.
+    let cert = format!(
+        "tls_cert_file={}&tls_key_file={}",
+        enc(&env.client_cert),
+        enc(&env.client_key)
+    );
+    let e = refused(
+        "mTLS: untrusted broker certificate (other CA)",
+        &format!(
+            "{}?admin={}&tls_trust_certs={}&{cert}",
+            env.tls_url,
+            enc(&env.tls_admin),
+            enc(&env.other_ca)
+        ),
+        &server,
+    )
+    .await;
+    assert!(e[0].contains("issuer is not trusted"), "{}", e[0]);
+    seen.extend(e);
+
+    // A host name the broker's certificate lacks (127.0.0.2, relayed to the broker)...
+    let port = relay(server.clone()).await;
+    let mismatch = format!(
+        "pulsar+ssl://127.0.0.2:{port}?admin={}&tls_trust_certs={}&{cert}",
+        enc(&env.tls_admin),
+        enc(&env.ca)
+    );
+    let e = refused(
+        "mTLS: host name mismatch",
+        &mismatch,
+        &format!("127.0.0.2:{port}"),
+    )
+    .await;
+    assert!(e[0].contains("does not name this host"), "{}", e[0]);
+    seen.extend(e);
+    // ... is taken with tls_hostname_verification=false (the chain is still verified).
+    let lenient = onceflow_pulsar::connect(&format!("{mismatch}&tls_hostname_verification=false"))
+        .await
+        .unwrap();
+    let topic = name("mtls-lenient");
+    assert_eq!(produce_consume(lenient, &topic, 3).await.len(), 3);
+
+    // A key that is not the certificate's: a Config error naming both files, at once.
+    let e = onceflow_pulsar::connect(&mtls_url(&env, &env.client_cert, &env.rogue_key))
+        .await
+        .unwrap_err();
+    eprintln!("mTLS: mismatched key: {e}");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.to_string().contains("does not belong"), "{e}");
+    seen.push(e.to_string());
+    seen.push(format!("{e:?}"));
+
+    let mut secrets = key_lines(&env.client_key);
+    secrets.extend(key_lines(&env.rogue_key));
+    assert_no_secret(&seen, &secrets);
+}
+
+/// A frame of `cmd` (Pulsar's binary protocol: `[u32 total][u32 command size][command]`).
+fn frame(cmd: &pulsar::proto::BaseCommand) -> Vec<u8> {
+    use prost::Message;
+    let body = cmd.encode_to_vec();
+    let mut out = ((4 + body.len()) as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+fn connect_command(method: Option<&str>, data: Option<Vec<u8>>) -> Vec<u8> {
+    frame(&pulsar::proto::BaseCommand {
+        r#type: pulsar::proto::base_command::Type::Connect as i32,
+        connect: Some(pulsar::proto::CommandConnect {
+            client_version: "intruder".to_string(),
+            auth_method_name: method.map(String::from),
+            auth_data: data,
+            protocol_version: Some(12),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_bridge_closes_local_connections_without_its_secret() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(env) = env() else { return };
+    capture_logs();
+    let platform = onceflow_pulsar::connect(&mtls_url(&env, &env.client_cert, &env.client_key))
+        .await
+        .unwrap();
+    let before = platform.mtls_bridge().unwrap();
+    let (_, local) = before.listeners[0].clone();
+    // The way another local process would try: the bridge's private method with a guessed
+    // secret, the `tls` method a real client certificate would use, and no Pulsar at all.
+    let attempts: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "private method, wrong secret",
+            connect_command(Some("onceflow-loopback-mtls-bridge"), Some(vec![0u8; 32])),
+        ),
+        ("tls method", connect_command(Some("tls"), None)),
+        ("no credential", connect_command(None, None)),
+        ("not Pulsar", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
+    ];
+    for (what, bytes) in &attempts {
+        let mut s = tokio::net::TcpStream::connect(local).await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        let mut answer = Vec::new();
+        let t0 = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the bridge kept the connection open"));
+        eprintln!(
+            "mTLS bridge, {what}: closed after {} ms, {} bytes answered",
+            t0.elapsed().as_millis(),
+            answer.len()
+        );
+        // Closed without a word (a reset counts as closed): no CONNECTED, no error from a
+        // broker.
+        assert!(
+            r.is_err() || answer.is_empty(),
+            "{what}: answered {answer:?}"
+        );
+    }
+    let after = platform.mtls_bridge().unwrap();
+    assert_eq!(
+        after.refused_local,
+        before.refused_local + attempts.len() as u64,
+        "{after:?}"
+    );
+    // None of them reached a broker: no connection was relayed meanwhile.
+    assert_eq!(after.relayed, before.relayed, "{after:?}");
+    // The platform itself still works through the same bridge.
+    let topic = name("mtls-after-intruders");
+    assert_eq!(produce_consume(platform.clone(), &topic, 2).await.len(), 2);
+    assert!(platform.mtls_bridge().unwrap().relayed >= after.relayed);
+    let logs = String::from_utf8_lossy(&logs().lock().unwrap()).to_string();
+    assert!(
+        logs.contains("closed a local connection without contacting the broker"),
+        "the refusals are logged at debug"
+    );
 }

@@ -10,10 +10,16 @@
 #   ONCEFLOW_PULSAR_TLS_CA, ONCEFLOW_PULSAR_OTHER_CA (PEM files), ONCEFLOW_PULSAR_TOKEN_FILE,
 #   ONCEFLOW_PULSAR_TOKEN_FILE_B, ONCEFLOW_PULSAR_EXPIRED_TOKEN_FILE,
 #   ONCEFLOW_PULSAR_OTHER_KEY_TOKEN_FILE, ONCEFLOW_PULSAR_TOKEN_SECRET_KEY (files)
+#   ONCEFLOW_PULSAR_CLIENT_CERT, ONCEFLOW_PULSAR_CLIENT_KEY (PEM: lib.sh's client certificate,
+#   CN=onceflow-client, signed by the test CA), ONCEFLOW_PULSAR_ROGUE_CLIENT_CERT,
+#   ONCEFLOW_PULSAR_ROGUE_CLIENT_KEY (PEM: a client certificate signed by the other CA, which
+#   the broker must refuse)
 # Security: TLS listeners (broker ONCEFLOW_PULSAR_TLS_PORT 16651, web ONCEFLOW_PULSAR_ADMIN_TLS_PORT
 # 18443) with the throwaway certificates of lib.sh's test_certs, and token authentication
 # (AuthenticationProviderToken, HS256 secret key and tokens made at start with Pulsar's own
-# token tool, TokensCliUtils) plus AuthenticationProviderTls, on every listener. A client that
+# token tool, TokensCliUtils) plus AuthenticationProviderTls (mTLS: the TLS listeners ask for a
+# client certificate, verify one against the test CA and refuse one it did not sign; the role is
+# the certificate's CN), on every listener. A client that
 # presents no credential is the anonymous role (anonymousUserRole, authorization off), so the
 # plain listeners work without credentials as before; a client presenting a wrong, expired or
 # foreign-signed token is refused.
@@ -44,9 +50,10 @@ ADMIN_TLS_PORT=${ONCEFLOW_PULSAR_ADMIN_TLS_PORT:-18443}
 LIBS=$CACHE_DIR/pulsar/libs
 
 # The broker answers admin calls and owns public/default.
-# A broker started before the TLS listener and tokens existed is restarted (its env lacks them).
+# A broker started before the TLS listener, tokens and client certificates existed is restarted
+# (its env lacks them).
 answers() {
-    grep -q '^ONCEFLOW_PULSAR_TLS_URL=' "$RUN_DIR/pulsar.env" &&
+    grep -q '^ONCEFLOW_PULSAR_ROGUE_CLIENT_KEY=' "$RUN_DIR/pulsar.env" &&
         curl -sf -m 5 -o /dev/null "$ADMIN_URL/admin/v2/brokers/ready" &&
         curl -sf -m 5 -o /dev/null "$ADMIN_URL/admin/v2/persistent/public/default"
 }
@@ -131,6 +138,19 @@ tokens create-secret-key --output "$AUTH/secret.key" >&2 ||
 # An unrelated HS256 key (32 random bytes, what create-secret-key makes), for a token the
 # broker must refuse.
 openssl rand -out "$AUTH/other.key" 32
+# A client certificate from the CA that signed nothing else (its key next to it): presented on
+# the TLS listener, the broker must refuse it.
+(
+    cd "$AUTH"
+    exec >/dev/null 2>&1
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=onceflow-rogue-client" \
+        -keyout rogue-client.key -out rogue-client.csr
+    printf '%s\n' "extendedKeyUsage=clientAuth" "basicConstraints=CA:FALSE" >rogue.ext
+    openssl x509 -req -in rogue-client.csr -CA "$CERTS/other-ca.pem" \
+        -CAkey "$CERTS/other-ca.key" -CAserial "$AUTH/rogue.srl" -CAcreateserial -days 30 \
+        -extfile rogue.ext -out rogue-client.pem
+    rm -f rogue-client.csr rogue.ext rogue.srl
+) || die "cannot make the rogue client certificate"
 sed -e "s/^brokerServicePort=.*/brokerServicePort=$PORT/" \
     -e "s/^webServicePort=.*/webServicePort=$ADMIN_PORT/" \
     "$HERE/standalone.conf" >"$DATA/standalone.conf"
@@ -235,4 +255,8 @@ emit_env pulsar \
     "ONCEFLOW_PULSAR_TOKEN_FILE_B=$AUTH/b.token" \
     "ONCEFLOW_PULSAR_EXPIRED_TOKEN_FILE=$AUTH/expired.token" \
     "ONCEFLOW_PULSAR_OTHER_KEY_TOKEN_FILE=$AUTH/other-key.token" \
-    "ONCEFLOW_PULSAR_TOKEN_SECRET_KEY=$AUTH/secret.key"
+    "ONCEFLOW_PULSAR_TOKEN_SECRET_KEY=$AUTH/secret.key" \
+    "ONCEFLOW_PULSAR_CLIENT_CERT=$CERTS/client.pem" \
+    "ONCEFLOW_PULSAR_CLIENT_KEY=$CERTS/client.key" \
+    "ONCEFLOW_PULSAR_ROGUE_CLIENT_CERT=$AUTH/rogue-client.pem" \
+    "ONCEFLOW_PULSAR_ROGUE_CLIENT_KEY=$AUTH/rogue-client.key"

@@ -1,0 +1,1051 @@
+//! TLS client-certificate authentication (mTLS, Java's `AuthenticationTls`) through an
+//! in-process loopback bridge.
+//!
+//! The pulsar crate (6.9) builds its rustls connection `with_no_client_auth()`: it cannot
+//! present a client certificate. So with `tls_cert_file` / `tls_key_file` the crate is given
+//! `pulsar://127.0.0.1:PORT`, a listener of this bridge, and the bridge makes the TLS
+//! connection to the real broker itself (client certificate, trusted CAs, host name check),
+//! relaying frames both ways:
+//!
+//! - **Who may use the bridge.** A plaintext loopback port must not lend our client identity
+//!   to another local process. The crate authenticates to the bridge with a private auth
+//!   method ([`MARKER`]) whose data is a random 32-byte secret of this bridge; the bridge
+//!   reads the first frame of every local connection, which must be that `CONNECT`, compares
+//!   the secret in constant time, and only then connects to the broker, with the `CONNECT`
+//!   rewritten to `auth_method_name = "tls"` (the broker's `AuthenticationProviderTls` takes
+//!   the role from the certificate). Anything else is closed before the broker is contacted.
+//!   A broker `AUTH_CHALLENGE` answered by the crate (`AUTH_RESPONSE`) is rewritten the same
+//!   way, so the secret never leaves the process.
+//! - **Lookups.** A `LOOKUP_RESPONSE` names the owning broker (`brokerServiceUrlTls`); it is
+//!   rewritten to a bridge listener for that broker (one per distinct address, made on first
+//!   use), so the crate reaches every broker through the bridge. An answer with
+//!   `proxy_through_service_url` (a Pulsar proxy) keeps the crate on the service URL (already
+//!   the bridge) and names the broker's TLS address as `proxy_to_broker_url`, as Java's
+//!   client does. An answer without a TLS address fails the lookup (the crate would otherwise
+//!   connect in plaintext).
+//! - **Frames** (`[u32 totalSize][u32 commandSize][BaseCommand][payload…]`, Pulsar's binary
+//!   protocol, <https://pulsar.apache.org/docs/next/developing-binary-protocol/>): only the
+//!   command's type is read; the command is decoded and encoded again only for the three
+//!   commands above, every other frame (payloads included) passes byte for byte.
+//!
+//! The cost: every frame crosses the loopback once more and is copied through this process
+//! (one extra copy per frame and direction), plus one loopback connection per broker
+//! connection.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use futures::future::BoxFuture;
+use onceflow_core::{Error, ErrorKind, Result};
+use parking_lot::Mutex;
+use prost::Message as _;
+use pulsar::proto;
+use subtle::ConstantTimeEq;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::TlsClientCert;
+
+/// The auth method name the crate presents to the bridge (never sent to a broker).
+pub(crate) const MARKER: &str = "onceflow-loopback-mtls-bridge";
+
+/// How long a local connection may take to send its `CONNECT`.
+const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest first frame (a `CONNECT`) a local connection may send.
+const MAX_FIRST_FRAME: usize = 64 * 1024;
+/// Largest frame relayed (Pulsar's own limit is the broker's `maxMessageSize` plus headers).
+const MAX_FRAME: usize = 256 * 1024 * 1024;
+/// Bytes read at once.
+const READ_CHUNK: usize = 64 * 1024;
+
+type Type = proto::base_command::Type;
+
+/// A broker address the bridge connects to over TLS.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Upstream {
+    /// Host name or IP address (no brackets), checked against the broker's certificate.
+    pub(crate) host: String,
+    pub(crate) port: u16,
+}
+
+impl std::fmt::Display for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl Upstream {
+    /// The broker of a `pulsar+ssl://host[:port]` URL (port 6651 by default).
+    pub(crate) fn of_url(url: &str) -> Option<Upstream> {
+        let u = url::Url::parse(url).ok()?;
+        if u.scheme() != "pulsar+ssl" {
+            return None;
+        }
+        let host = u
+            .host_str()?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        Some(Upstream {
+            host,
+            port: u.port().unwrap_or(6651),
+        })
+    }
+}
+
+/// What the bridge did, for diagnostics and tests ([`crate::PulsarPlatform::mtls_bridge`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BridgeStats {
+    /// Each broker reached through the bridge (`host:port` of its TLS address) and the
+    /// loopback address the pulsar crate connects to for it.
+    pub listeners: Vec<(String, SocketAddr)>,
+    /// Local connections that presented the bridge's secret and were relayed to a broker.
+    pub relayed: u64,
+    /// Local connections closed without contacting a broker: no `CONNECT` first, another
+    /// auth method, or a wrong secret.
+    pub refused_local: u64,
+    /// Lookup answers (`LOOKUP_RESPONSE`) rewritten to point at a bridge listener.
+    pub lookups: u64,
+}
+
+struct Inner {
+    tls: tokio_rustls::TlsConnector,
+    secret: [u8; 32],
+    cert_file: String,
+    connect_timeout: Duration,
+    listeners: Mutex<HashMap<Upstream, SocketAddr>>,
+    /// The last refusal of a broker connection (certificate, TLS alert, broker's
+    /// AuthenticationError), for [`Bridge::take_refusal`].
+    refusal: Mutex<Option<Error>>,
+    stop: CancellationToken,
+    relayed: AtomicU64,
+    refused_local: AtomicU64,
+    lookups: AtomicU64,
+}
+
+/// The loopback bridge of one connection ([`crate::PulsarPlatform`]); its listeners and
+/// relays stop when it is dropped.
+pub(crate) struct Bridge {
+    inner: Arc<Inner>,
+    service: SocketAddr,
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        self.inner.stop.cancel();
+    }
+}
+
+impl std::fmt::Debug for Bridge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bridge")
+            .field("service", &self.service)
+            .field("secret", &"***")
+            .finish()
+    }
+}
+
+impl Bridge {
+    /// Starts the bridge with a listener for `service` (the URL's broker). Must run inside a
+    /// tokio runtime.
+    pub(crate) fn start(
+        service: Upstream,
+        tls: Arc<rustls::ClientConfig>,
+        cert: &TlsClientCert,
+        connect_timeout: Duration,
+    ) -> Result<Bridge> {
+        let inner = Arc::new(Inner {
+            tls: tokio_rustls::TlsConnector::from(tls),
+            secret: rand::random(),
+            cert_file: cert.cert_file.display().to_string(),
+            connect_timeout,
+            listeners: Mutex::new(HashMap::new()),
+            refusal: Mutex::new(None),
+            stop: CancellationToken::new(),
+            relayed: AtomicU64::new(0),
+            refused_local: AtomicU64::new(0),
+            lookups: AtomicU64::new(0),
+        });
+        let service = listen(&inner, service).map_err(|e| {
+            Error::new(
+                ErrorKind::Connect,
+                format!("cannot open the loopback listener of the Pulsar mTLS bridge: {e}"),
+            )
+        })?;
+        Ok(Bridge { inner, service })
+    }
+
+    /// The service URL given to the pulsar crate: `pulsar://127.0.0.1:PORT`.
+    pub(crate) fn local_url(&self) -> String {
+        format!("pulsar://{}", self.service)
+    }
+
+    /// The crate's credential towards the bridge.
+    pub(crate) fn authentication(&self) -> pulsar::Authentication {
+        pulsar::Authentication {
+            name: MARKER.to_string(),
+            data: self.inner.secret.to_vec(),
+        }
+    }
+
+    /// The last refusal of a broker connection, if any (taken).
+    pub(crate) fn take_refusal(&self) -> Option<Error> {
+        self.inner.refusal.lock().take()
+    }
+
+    pub(crate) fn stats(&self) -> BridgeStats {
+        let mut listeners: Vec<(String, SocketAddr)> = self
+            .inner
+            .listeners
+            .lock()
+            .iter()
+            .map(|(u, a)| (u.to_string(), *a))
+            .collect();
+        listeners.sort();
+        BridgeStats {
+            listeners,
+            relayed: self.inner.relayed.load(Ordering::Relaxed),
+            refused_local: self.inner.refused_local.load(Ordering::Relaxed),
+            lookups: self.inner.lookups.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The loopback address relaying to `upstream`, its listener started on first use.
+fn listen(inner: &Arc<Inner>, upstream: Upstream) -> std::io::Result<SocketAddr> {
+    let mut listeners = inner.listeners.lock();
+    if let Some(a) = listeners.get(&upstream) {
+        return Ok(*a);
+    }
+    let std_listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    std_listener.set_nonblocking(true)?;
+    let listener = tokio::net::TcpListener::from_std(std_listener)?;
+    let addr = listener.local_addr()?;
+    listeners.insert(upstream.clone(), addr);
+    drop(listeners);
+    tracing::debug!(broker = %upstream, local = %addr, "Pulsar mTLS bridge: listening");
+    let inner = inner.clone();
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                _ = inner.stop.cancelled() => break,
+                a = listener.accept() => a,
+            };
+            match accepted {
+                Ok((client, peer)) => {
+                    let i = inner.clone();
+                    let up = upstream.clone();
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            _ = i.stop.cancelled() => {}
+                            _ = serve(i.clone(), client, peer, up) => {}
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "Pulsar mTLS bridge: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    });
+    Ok(addr)
+}
+
+/// One local connection: check its `CONNECT`, connect to the broker, relay.
+fn serve(
+    inner: Arc<Inner>,
+    mut client: TcpStream,
+    peer: SocketAddr,
+    upstream: Upstream,
+) -> BoxFuture<'static, ()> {
+    Box::pin(async move {
+        let _ = client.set_nodelay(true);
+        let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
+        let first = tokio::time::timeout(
+            FIRST_FRAME_TIMEOUT,
+            read_frame(&mut client, &mut cbuf, MAX_FIRST_FRAME),
+        )
+        .await;
+        let frame = match first {
+            Ok(Ok(Some(f))) => f,
+            Ok(Ok(None)) => return refuse_local(&inner, peer, "closed before CONNECT"),
+            Ok(Err(_)) => return refuse_local(&inner, peer, "no valid Pulsar frame"),
+            Err(_) => return refuse_local(&inner, peer, "no CONNECT within 5 s"),
+        };
+        let connect = match check_connect(&frame, &inner.secret) {
+            Ok(c) => c,
+            Err(why) => return refuse_local(&inner, peer, why),
+        };
+        inner.relayed.fetch_add(1, Ordering::Relaxed);
+        let server = upstream.to_string();
+        let tls = match connect_upstream(&inner, &upstream).await {
+            Ok(s) => s,
+            Err(e) => return fail(&inner, &mut client, e).await,
+        };
+        let (mut ur, mut uw) = tokio::io::split(tls);
+        if let Err(e) = async {
+            uw.write_all(&connect).await?;
+            uw.flush().await
+        }
+        .await
+        {
+            let e = refused_after_handshake(&inner, &server, &e);
+            return fail(&inner, &mut client, e).await;
+        }
+        // The broker's answer to CONNECT: CONNECTED, or an ERROR (a refused certificate is an
+        // AuthenticationError); with TLS 1.3 a refused client certificate shows here, as an
+        // alert, since the client's side of the handshake ends before the server checks it.
+        let mut ubuf = BytesMut::with_capacity(READ_CHUNK);
+        let answer = tokio::time::timeout(
+            inner.connect_timeout,
+            read_frame(&mut ur, &mut ubuf, MAX_FRAME),
+        )
+        .await;
+        let answer = match answer {
+            Ok(Ok(Some(a))) => a,
+            Ok(Ok(None)) => {
+                let e = Error::new(
+                    ErrorKind::Connect,
+                    format!(
+                        "the Pulsar broker at {server} closed the TLS connection before \
+                         answering CONNECT (does it accept the client certificate {}?)",
+                        inner.cert_file
+                    ),
+                );
+                return fail(&inner, &mut client, e).await;
+            }
+            Ok(Err(e)) => {
+                let e = refused_after_handshake(&inner, &server, &e);
+                return fail(&inner, &mut client, e).await;
+            }
+            Err(_) => {
+                let e = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the Pulsar broker at {server} did not answer CONNECT within {} ms",
+                        inner.connect_timeout.as_millis()
+                    ),
+                );
+                return fail(&inner, &mut client, e).await;
+            }
+        };
+        if let Some(err) = error_of(&answer) {
+            let refused = err.error == proto::ServerError::AuthenticationError as i32
+                || err.error == proto::ServerError::AuthorizationError as i32;
+            let e = Error::new(
+                if refused {
+                    ErrorKind::Auth
+                } else {
+                    ErrorKind::Connect
+                },
+                format!(
+                    "Pulsar at {server} refused the client certificate {}: {}",
+                    inner.cert_file,
+                    onceflow_core::shown(&err.message)
+                ),
+            );
+            tracing::debug!(broker = %server, error = %e, "Pulsar mTLS bridge: CONNECT refused");
+            *inner.refusal.lock() = Some(e);
+        }
+        if client.write_all(&answer).await.is_err() {
+            return;
+        }
+        let (cr, cw) = client.into_split();
+        let up = pump(cr, uw, cbuf, &inner, Direction::ToBroker);
+        let down = pump(ur, cw, ubuf, &inner, Direction::ToClient);
+        let result = tokio::select! {
+            r = up => r,
+            r = down => r,
+        };
+        if let Err(e) = result {
+            tracing::debug!(broker = %server, error = %e, "Pulsar mTLS bridge: connection ended");
+        }
+    })
+}
+
+fn refuse_local(inner: &Inner, peer: SocketAddr, why: &str) {
+    inner.refused_local.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(
+        %peer,
+        reason = why,
+        "Pulsar mTLS bridge: closed a local connection without contacting the broker"
+    );
+}
+
+/// Records `e` as the refusal (when it is one), tells the crate with an ERROR frame and
+/// closes its connection.
+async fn fail(inner: &Inner, client: &mut TcpStream, e: Error) {
+    tracing::debug!(error = %e, "Pulsar mTLS bridge: no connection to the broker");
+    let server_error = if e.kind() == ErrorKind::Auth {
+        proto::ServerError::AuthenticationError
+    } else {
+        proto::ServerError::ServiceNotReady
+    };
+    let frame = encode_frame(
+        &proto::BaseCommand {
+            r#type: Type::Error as i32,
+            error: Some(proto::CommandError {
+                request_id: 0,
+                error: server_error as i32,
+                message: e.message().to_string(),
+            }),
+            ..Default::default()
+        },
+        &[],
+    );
+    if e.kind() == ErrorKind::Auth || inner.refusal.lock().is_none() {
+        *inner.refusal.lock() = Some(e);
+    }
+    let _ = client.write_all(&frame).await;
+    let _ = client.shutdown().await;
+}
+
+/// TCP and TLS to the broker.
+async fn connect_upstream(
+    inner: &Inner,
+    up: &Upstream,
+) -> std::result::Result<tokio_rustls::client::TlsStream<TcpStream>, Error> {
+    let server = up.to_string();
+    let tcp = match tokio::time::timeout(
+        inner.connect_timeout,
+        TcpStream::connect((up.host.as_str(), up.port)),
+    )
+    .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(Error::new(
+                ErrorKind::Connect,
+                format!("cannot reach the Pulsar broker at {server}: {e}"),
+            ))
+        }
+        Err(_) => {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no TCP connection to the Pulsar broker at {server} within {} ms",
+                    inner.connect_timeout.as_millis()
+                ),
+            ))
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let name = rustls::pki_types::ServerName::try_from(up.host.clone()).map_err(|e| {
+        Error::config(format!(
+            "Pulsar at {server}: '{}' is not a host name for TLS: {e}",
+            up.host
+        ))
+    })?;
+    match tokio::time::timeout(inner.connect_timeout, inner.tls.connect(name, tcp)).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(refused_after_handshake(inner, &server, &e)),
+        Err(_) => Err(Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "no TLS handshake with the Pulsar broker at {server} within {} ms",
+                inner.connect_timeout.as_millis()
+            ),
+        )),
+    }
+}
+
+/// The error of a failed TLS handshake, or of the first read or write after it: a refused
+/// server certificate or an alert from the server (it refused our client certificate) is
+/// `Auth`, the rest `Connect`.
+fn refused_after_handshake(inner: &Inner, server: &str, e: &std::io::Error) -> Error {
+    match crate::auth::rustls_error(e) {
+        Some(
+            r @ (rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented),
+        ) => crate::auth::certificate_error("Pulsar", server, r),
+        Some(rustls::Error::AlertReceived(alert)) => Error::new(
+            ErrorKind::Auth,
+            format!(
+                "Pulsar at {server} refused the TLS connection with the client certificate \
+                 {} (TLS alert {alert:?}): is it signed by a CA the broker trusts (its \
+                 tlsTrustCertsFilePath), still valid, and made for client authentication?",
+                inner.cert_file
+            ),
+        ),
+        _ => Error::new(
+            ErrorKind::Connect,
+            format!(
+                "Pulsar at {server}: the TLS connection failed: {e} (is it the broker's TLS \
+                 port, brokerServicePortTls, 6651 by default?)"
+            ),
+        ),
+    }
+}
+
+/// Reads one whole frame (`[u32 totalSize]` and what follows) from `r`, keeping what follows
+/// it in `buf`. `None` at end of stream before a frame started.
+async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut BytesMut,
+    max: usize,
+) -> std::io::Result<Option<BytesMut>> {
+    loop {
+        if buf.len() >= 4 {
+            let total = frame_size(buf, max)?;
+            if buf.len() >= 4 + total {
+                return Ok(Some(buf.split_to(4 + total)));
+            }
+            buf.reserve(4 + total - buf.len());
+        } else {
+            buf.reserve(READ_CHUNK);
+        }
+        if r.read_buf(buf).await? == 0 {
+            return if buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(std::io::ErrorKind::UnexpectedEof.into())
+            };
+        }
+    }
+}
+
+/// The `totalSize` of the frame at the start of `buf` (at least 4 bytes).
+fn frame_size(buf: &[u8], max: usize) -> std::io::Result<usize> {
+    let total = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    if !(4..=max).contains(&total) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a Pulsar frame of {total} bytes (expected 4 to {max})"),
+        ));
+    }
+    Ok(total)
+}
+
+/// The command bytes and the rest (payload) of a whole frame.
+fn split_frame(frame: &[u8]) -> std::io::Result<(&[u8], &[u8])> {
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed Pulsar frame");
+    let body = frame.get(4..).ok_or_else(bad)?;
+    let size = body.get(..4).ok_or_else(bad)?;
+    let size = u32::from_be_bytes([size[0], size[1], size[2], size[3]]) as usize;
+    let cmd = body.get(4..4 + size).ok_or_else(bad)?;
+    Ok((cmd, &body[4 + size..]))
+}
+
+/// A frame of `cmd` followed by `rest` (a payload part, as read).
+fn encode_frame(cmd: &proto::BaseCommand, rest: &[u8]) -> Vec<u8> {
+    let len = cmd.encoded_len();
+    let mut out = Vec::with_capacity(8 + len + rest.len());
+    out.extend_from_slice(&((4 + len + rest.len()) as u32).to_be_bytes());
+    out.extend_from_slice(&(len as u32).to_be_bytes());
+    cmd.encode(&mut out).expect("a Vec grows");
+    out.extend_from_slice(rest);
+    out
+}
+
+/// The command's type, read from its first field when it comes first (as every Pulsar
+/// client and broker writes it), else by decoding the command. `None` if undecodable.
+fn command_type(cmd: &[u8]) -> Option<i32> {
+    if let Some((&0x08, mut rest)) = cmd.split_first() {
+        if let Ok(t) = prost::encoding::decode_varint(&mut rest) {
+            return i32::try_from(t).ok();
+        }
+    }
+    proto::BaseCommand::decode(cmd).ok().map(|c| c.r#type)
+}
+
+/// The ERROR command of a frame, if it is one.
+fn error_of(frame: &[u8]) -> Option<proto::CommandError> {
+    let (cmd, _) = split_frame(frame).ok()?;
+    if command_type(cmd)? != Type::Error as i32 {
+        return None;
+    }
+    proto::BaseCommand::decode(cmd).ok()?.error
+}
+
+/// Checks a local connection's first frame: a `CONNECT` with [`MARKER`] and `secret` (compared
+/// in constant time). Returns it rewritten for the broker (`auth_method_name = "tls"`, no auth
+/// data), or why it is refused (never quoting what was sent).
+fn check_connect(frame: &[u8], secret: &[u8; 32]) -> std::result::Result<Vec<u8>, &'static str> {
+    let (cmd, rest) = split_frame(frame).map_err(|_| "malformed frame")?;
+    let mut command = proto::BaseCommand::decode(cmd).map_err(|_| "undecodable command")?;
+    if command.r#type != Type::Connect as i32 {
+        return Err("first command is not CONNECT");
+    }
+    let connect = command.connect.as_mut().ok_or("CONNECT without its body")?;
+    if connect.auth_method_name.as_deref() != Some(MARKER) {
+        return Err("CONNECT with another auth method");
+    }
+    let data = connect.auth_data.as_deref().unwrap_or_default();
+    if data.len() != secret.len() || !bool::from(data.ct_eq(secret)) {
+        return Err("CONNECT with a wrong secret");
+    }
+    if !rest.is_empty() {
+        return Err("CONNECT with a payload");
+    }
+    connect.auth_method_name = Some("tls".to_string());
+    connect.auth_data = None;
+    connect.auth_method = None;
+    Ok(encode_frame(&command, &[]))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// From the crate to the broker: `AUTH_RESPONSE` is rewritten.
+    ToBroker,
+    /// From the broker to the crate: `LOOKUP_RESPONSE` is rewritten.
+    ToClient,
+}
+
+/// The frame rewritten for the other side, or `None` to pass it as it is.
+fn rewrite(inner: &Arc<Inner>, dir: Direction, frame: &[u8]) -> std::io::Result<Option<Vec<u8>>> {
+    let (cmd, rest) = split_frame(frame)?;
+    let Some(t) = command_type(cmd) else {
+        return Ok(None);
+    };
+    let invalid =
+        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    match dir {
+        Direction::ToBroker if t == Type::AuthResponse as i32 => {
+            let mut c = proto::BaseCommand::decode(cmd)
+                .map_err(|_| invalid("undecodable AUTH_RESPONSE"))?;
+            if let Some(r) = c.auth_response.as_mut() {
+                r.response = Some(proto::AuthData {
+                    auth_method_name: Some("tls".to_string()),
+                    auth_data: Some(Vec::new()),
+                });
+            }
+            Ok(Some(encode_frame(&c, rest)))
+        }
+        Direction::ToBroker if t == Type::Connect as i32 => {
+            Err(invalid("a second CONNECT on an established connection"))
+        }
+        Direction::ToClient if t == Type::LookupResponse as i32 => {
+            let mut c = proto::BaseCommand::decode(cmd)
+                .map_err(|_| invalid("undecodable LOOKUP_RESPONSE"))?;
+            if let Some(r) = c.lookup_topic_response.as_mut() {
+                rewrite_lookup(r, |up| listen(inner, up))?;
+                inner.lookups.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(Some(encode_frame(&c, rest)))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Points a lookup answer at the bridge: `brokerServiceUrl` becomes the bridge listener of
+/// the broker's TLS address (made by `listen`), or, through a Pulsar proxy
+/// (`proxy_through_service_url`), the broker's TLS `host:port` that the crate sends as
+/// `proxy_to_broker_url` on the service URL. An answer without a TLS address fails.
+fn rewrite_lookup(
+    r: &mut proto::CommandLookupTopicResponse,
+    listen: impl FnOnce(Upstream) -> std::io::Result<SocketAddr>,
+) -> std::io::Result<()> {
+    use proto::command_lookup_topic_response::LookupType;
+    let answered = r.response == Some(LookupType::Connect as i32)
+        || r.response == Some(LookupType::Redirect as i32);
+    if !answered {
+        return Ok(());
+    }
+    let Some(up) = r
+        .broker_service_url_tls
+        .as_deref()
+        .and_then(Upstream::of_url)
+    else {
+        r.response = Some(LookupType::Failed as i32);
+        r.error = Some(proto::ServerError::UnknownError as i32);
+        r.message = Some(format!(
+            "the broker answered the lookup without a TLS address (brokerServiceUrlTls; \
+             brokerServiceUrl is {}): a client certificate needs the broker's TLS listener \
+             (brokerServicePortTls)",
+            r.broker_service_url
+                .as_deref()
+                .unwrap_or("not given either")
+        ));
+        r.broker_service_url = None;
+        r.broker_service_url_tls = None;
+        return Ok(());
+    };
+    if r.proxy_through_service_url == Some(true) {
+        r.broker_service_url = Some(format!("pulsar://{up}"));
+    } else {
+        let local = listen(up)?;
+        r.broker_service_url = Some(format!("pulsar://{local}"));
+    }
+    r.broker_service_url_tls = None;
+    Ok(())
+}
+
+/// Relays frames from `r` to `w` (starting with what `buf` holds), rewriting those
+/// [`rewrite`] rewrites; the rest is written as read, several frames per write.
+async fn pump<R, W>(
+    mut r: R,
+    mut w: W,
+    mut buf: BytesMut,
+    inner: &Arc<Inner>,
+    dir: Direction,
+) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    loop {
+        // Whole frames at the front of `buf` up to `end` pass as they are.
+        let mut end = 0;
+        while buf.len() - end >= 4 {
+            let total = frame_size(&buf[end..], MAX_FRAME)?;
+            if buf.len() - end < 4 + total {
+                break;
+            }
+            let frame = &buf[end..end + 4 + total];
+            match rewrite(inner, dir, frame)? {
+                None => end += 4 + total,
+                Some(new) => {
+                    w.write_all(&buf[..end]).await?;
+                    w.write_all(&new).await?;
+                    let _ = buf.split_to(end + 4 + total);
+                    end = 0;
+                }
+            }
+        }
+        if end > 0 {
+            w.write_all(&buf[..end]).await?;
+            let _ = buf.split_to(end);
+        }
+        w.flush().await?;
+        if buf.len() >= 4 {
+            let total = frame_size(&buf, MAX_FRAME)?;
+            buf.reserve((4 + total).saturating_sub(buf.len()).max(READ_CHUNK / 4));
+        }
+        if buf.capacity() - buf.len() < READ_CHUNK / 4 {
+            buf.reserve(READ_CHUNK);
+        }
+        if r.read_buf(&mut buf).await? == 0 {
+            let _ = w.shutdown().await;
+            return Ok(());
+        }
+    }
+}
+
+/// The rustls configuration of the bridge (and of the admin REST client) with a client
+/// certificate: the public web PKI plus `trusted` (PEM) as roots, the certificate chain and
+/// key of `cert`, and the broker certificate check `tls_hostname_verification` /
+/// `tls_allow_insecure_connection` ask for. `Config` errors name the file and what was
+/// expected, never a key's content.
+pub(crate) fn client_config(
+    cert: &TlsClientCert,
+    trusted: Option<&[u8]>,
+    hostname_verification: bool,
+    allow_insecure: bool,
+) -> Result<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(pem) = trusted {
+        for c in CertificateDer::pem_slice_iter(pem) {
+            let c = c.map_err(|e| Error::config(format!("tls_trust_certs: {e}")))?;
+            roots
+                .add(c)
+                .map_err(|e| Error::config(format!("tls_trust_certs: {e}")))?;
+        }
+    }
+    let chain = read_file("tls_cert_file", &cert.cert_file)?;
+    let chain = CertificateDer::pem_slice_iter(&chain)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| {
+            Error::config(format!(
+                "tls_cert_file={}: not PEM certificates (expected -----BEGIN CERTIFICATE-----)",
+                cert.cert_file.display()
+            ))
+        })?;
+    if chain.is_empty() {
+        return Err(Error::config(format!(
+            "tls_cert_file={}: no certificate in it (expected PEM, -----BEGIN CERTIFICATE-----)",
+            cert.cert_file.display()
+        )));
+    }
+    let key_pem = zeroize::Zeroizing::new(read_file("tls_key_file", &cert.key_file)?);
+    // The PEM error could quote a line of the file: not shown.
+    let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| {
+        Error::config(format!(
+            "tls_key_file={}: no private key in it (expected an unencrypted PEM key: BEGIN \
+             PRIVATE KEY, BEGIN RSA PRIVATE KEY or BEGIN EC PRIVATE KEY)",
+            cert.key_file.display()
+        ))
+    })?;
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::config(format!("TLS: {e}")))?;
+    let builder = if hostname_verification && !allow_insecure {
+        builder.with_root_certificates(roots)
+    } else {
+        let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| Error::config(format!("TLS: {e}")))?;
+        builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Lenient {
+                inner,
+                any_name: !hostname_verification,
+                any_certificate: allow_insecure,
+            }))
+    };
+    builder.with_client_auth_cert(chain, key).map_err(|e| {
+        let why = match e {
+            rustls::Error::InconsistentKeys(_) => {
+                "the key does not belong to the certificate".to_string()
+            }
+            other => other.to_string(),
+        };
+        Error::config(format!(
+            "tls_cert_file={} with tls_key_file={}: {why}",
+            cert.cert_file.display(),
+            cert.key_file.display()
+        ))
+    })
+}
+
+fn read_file(key: &str, path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path)
+        .map_err(|e| Error::config(format!("cannot read {key}={}: {e}", path.display())))
+}
+
+/// The broker certificate check with `tls_hostname_verification=false` (any name, the chain
+/// still verified) or `tls_allow_insecure_connection=true` (any certificate). Handshake
+/// signatures are always checked.
+#[derive(Debug)]
+struct Lenient {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    any_name: bool,
+    any_certificate: bool,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Lenient {
+    fn verify_server_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> std::result::Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        if self.any_certificate {
+            return Ok(rustls::client::danger::ServerCertVerified::assertion());
+        }
+        match self.inner.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        ) {
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) if self.any_name => Ok(rustls::client::danger::ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connect_frame(method: Option<&str>, data: Option<Vec<u8>>) -> Vec<u8> {
+        encode_frame(
+            &proto::BaseCommand {
+                r#type: Type::Connect as i32,
+                connect: Some(proto::CommandConnect {
+                    client_version: "test".to_string(),
+                    auth_method_name: method.map(String::from),
+                    auth_data: data,
+                    protocol_version: Some(12),
+                    proxy_to_broker_url: Some("10.0.0.1:6651".to_string()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &[],
+        )
+    }
+
+    #[test]
+    fn connect_needs_the_marker_and_the_secret_and_is_rewritten_to_tls() {
+        let secret = [7u8; 32];
+        let ok =
+            check_connect(&connect_frame(Some(MARKER), Some(secret.to_vec())), &secret).unwrap();
+        let (cmd, rest) = split_frame(&ok).unwrap();
+        assert!(rest.is_empty());
+        let c = proto::BaseCommand::decode(cmd).unwrap().connect.unwrap();
+        assert_eq!(c.auth_method_name.as_deref(), Some("tls"));
+        assert_eq!(c.auth_data, None);
+        // What the crate asked for otherwise is kept (a proxy's broker).
+        assert_eq!(c.proxy_to_broker_url.as_deref(), Some("10.0.0.1:6651"));
+        assert_eq!(c.client_version, "test");
+
+        let mut wrong = secret;
+        wrong[31] ^= 1;
+        for (frame, why) in [
+            (
+                connect_frame(Some(MARKER), Some(wrong.to_vec())),
+                "CONNECT with a wrong secret",
+            ),
+            (
+                connect_frame(Some(MARKER), Some(secret[..31].to_vec())),
+                "CONNECT with a wrong secret",
+            ),
+            (
+                connect_frame(Some(MARKER), None),
+                "CONNECT with a wrong secret",
+            ),
+            (
+                connect_frame(Some("tls"), Some(secret.to_vec())),
+                "CONNECT with another auth method",
+            ),
+            (
+                connect_frame(None, None),
+                "CONNECT with another auth method",
+            ),
+            (
+                encode_frame(
+                    &proto::BaseCommand {
+                        r#type: Type::Ping as i32,
+                        ping: Some(proto::CommandPing {}),
+                        ..Default::default()
+                    },
+                    &[],
+                ),
+                "first command is not CONNECT",
+            ),
+            (b"\0\0\0\x02ab".to_vec(), "malformed frame"),
+        ] {
+            assert_eq!(check_connect(&frame, &secret).unwrap_err(), why);
+        }
+    }
+
+    fn lookup(tls: Option<&str>, proxy: bool) -> proto::CommandLookupTopicResponse {
+        proto::CommandLookupTopicResponse {
+            broker_service_url: Some("pulsar://broker-2.example:6650".to_string()),
+            broker_service_url_tls: tls.map(String::from),
+            response: Some(proto::command_lookup_topic_response::LookupType::Connect as i32),
+            request_id: 9,
+            authoritative: Some(true),
+            proxy_through_service_url: Some(proxy),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn lookups_point_at_a_bridge_listener_of_the_tls_address() {
+        let local: SocketAddr = "127.0.0.1:40001".parse().unwrap();
+        let mut asked = None;
+        let mut r = lookup(Some("pulsar+ssl://broker-2.example:6651"), false);
+        rewrite_lookup(&mut r, |up| {
+            asked = Some(up);
+            Ok(local)
+        })
+        .unwrap();
+        assert_eq!(
+            asked,
+            Some(Upstream {
+                host: "broker-2.example".to_string(),
+                port: 6651
+            })
+        );
+        assert_eq!(
+            r.broker_service_url.as_deref(),
+            Some("pulsar://127.0.0.1:40001")
+        );
+        assert_eq!(r.broker_service_url_tls, None);
+        assert_eq!(r.request_id, 9);
+
+        // Through a Pulsar proxy: no listener; the crate stays on the service URL (the bridge)
+        // and names the broker's TLS address as proxy_to_broker_url.
+        let mut r = lookup(Some("pulsar+ssl://[::1]:7651"), true);
+        rewrite_lookup(&mut r, |_| panic!("no listener for a proxied lookup")).unwrap();
+        assert_eq!(r.broker_service_url.as_deref(), Some("pulsar://[::1]:7651"));
+        assert_eq!(r.proxy_through_service_url, Some(true));
+
+        // No TLS address: the lookup fails instead of sending the crate to plaintext.
+        let mut r = lookup(None, false);
+        rewrite_lookup(&mut r, |_| panic!("no listener")).unwrap();
+        assert_eq!(
+            r.response,
+            Some(proto::command_lookup_topic_response::LookupType::Failed as i32)
+        );
+        assert_eq!(r.broker_service_url, None);
+        assert!(r.message.unwrap().contains("brokerServiceUrlTls"));
+
+        // A failed lookup passes as it is.
+        let mut r = lookup(None, false);
+        r.response = Some(proto::command_lookup_topic_response::LookupType::Failed as i32);
+        let before = r.clone();
+        rewrite_lookup(&mut r, |_| panic!("no listener")).unwrap();
+        assert_eq!(r, before);
+    }
+
+    #[test]
+    fn command_types_are_read_from_the_first_field() {
+        let f = connect_frame(Some(MARKER), None);
+        let (cmd, _) = split_frame(&f).unwrap();
+        assert_eq!(command_type(cmd), Some(Type::Connect as i32));
+        // A command whose type is not the first field is decoded.
+        let c = proto::BaseCommand {
+            r#type: Type::LookupResponse as i32,
+            lookup_topic_response: Some(lookup(None, false)),
+            ..Default::default()
+        };
+        let mut bytes = Vec::new();
+        // field 4 (lookupTopicResponse) first, then field 1.
+        prost::encoding::message::encode(4, c.lookup_topic_response.as_ref().unwrap(), &mut bytes);
+        prost::encoding::int32::encode(1, &c.r#type, &mut bytes);
+        assert_eq!(command_type(&bytes), Some(Type::LookupResponse as i32));
+        assert_eq!(command_type(b"\xff\xff"), None);
+    }
+
+    #[test]
+    fn frames_keep_their_payload_part() {
+        let cmd = proto::BaseCommand {
+            r#type: Type::Send as i32,
+            ..Default::default()
+        };
+        let f = encode_frame(&cmd, b"\x0e\x01payload");
+        let (c, rest) = split_frame(&f).unwrap();
+        assert_eq!(rest, b"\x0e\x01payload");
+        assert_eq!(command_type(c), Some(Type::Send as i32));
+        assert_eq!(frame_size(&f, MAX_FRAME).unwrap(), f.len() - 4);
+        assert!(frame_size(b"\xff\xff\xff\xff", MAX_FRAME).is_err());
+    }
+}
