@@ -1,5 +1,5 @@
-//! What a binding's `commit()` without arguments commits: per partition, the position of the
-//! last message the binding handed to its user.
+//! What a binding's `commit()` without arguments commits: per partition, the highest position
+//! of the messages the binding handed to its user (redeliveries can come behind newer messages).
 //!
 //! A binding polls batches and hands their messages out one by one (an iterator) or whole
 //! (`poll()`, a batch iterator). It keeps only its [`Progress`]: the number of the latest batch
@@ -81,10 +81,18 @@ impl State {
             HandedOut::All => self.positions.len(),
             HandedOut::First(n) => n.min(self.positions.len()),
         };
+        // The highest position handed out of each run, not its last: a redelivery can come
+        // behind newer messages (see `Position::highest`).
         self.runs
             .iter()
             .filter(move |(start, _, _)| *start < end)
-            .map(move |(_, run_end, tp)| (tp, &self.positions[(*run_end).min(end) - 1]))
+            .map(move |(start, run_end, tp)| {
+                let handed = &self.positions[*start..(*run_end).min(end)];
+                (
+                    tp,
+                    Position::highest(handed).expect("a run cut short keeps one message"),
+                )
+            })
     }
 
     /// Moves what was handed out of the latest batch into `settled`.
@@ -93,7 +101,22 @@ impl State {
             .handed_out(progress)
             .map(|(tp, p)| (tp.clone(), p.clone()))
             .collect();
-        self.settled.extend(done);
+        raise(&mut self.settled, done);
+    }
+}
+
+/// Raises each partition's position in `to` to the one in `from` where that is higher.
+fn raise(
+    to: &mut HashMap<TopicPartition, Position>,
+    from: impl IntoIterator<Item = (TopicPartition, Position)>,
+) {
+    for (tp, p) in from {
+        match to.get_mut(&tp) {
+            Some(at) => at.raise_to(&p),
+            None => {
+                to.insert(tp, p);
+            }
+        }
     }
 }
 
@@ -128,12 +151,15 @@ impl Yielded {
         s.batch
     }
 
-    /// The positions `commit()` commits: per partition, the last message handed out, `latest`
+    /// The positions `commit()` commits: per partition, the highest message handed out, `latest`
     /// saying how far the host got. Sorted by topic and partition.
     pub fn positions(&self, latest: Progress) -> Vec<(TopicPartition, Position)> {
         let s = self.state.lock();
         let mut out = s.settled.clone();
-        out.extend(s.handed_out(latest).map(|(tp, p)| (tp.clone(), p.clone())));
+        raise(
+            &mut out,
+            s.handed_out(latest).map(|(tp, p)| (tp.clone(), p.clone())),
+        );
         let mut out: Vec<_> = out.into_iter().collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
@@ -215,6 +241,24 @@ mod tests {
         );
         // More than the batch holds is the whole batch.
         assert_eq!(at(&y.positions(first(b2, 99))).len(), 3);
+    }
+
+    /// A redelivery behind newer messages (JetStream after `ack_wait`, a Pulsar nack) does not
+    /// lower what commit() commits: committing the last message handed out would leave the
+    /// newer ones unacknowledged for ever.
+    #[test]
+    fn commit_takes_the_highest_position_handed_out_when_a_batch_is_out_of_order() {
+        let y = Yielded::default();
+        let b1 = y.polled(&[m(0, 6)], Progress::new(0, None));
+        let b2 = y.polled(
+            &[m(0, 7), m(0, 8), m(0, 1), m(0, 2)],
+            Progress::new(b1, None),
+        );
+        assert_eq!(at(&y.positions(first(b2, 0))), vec![(0, 6)]);
+        assert_eq!(at(&y.positions(first(b2, 3))), vec![(0, 8)]);
+        assert_eq!(at(&y.positions(Progress::new(b2, None))), vec![(0, 8)]);
+        let b3 = y.polled(&[m(0, 3)], Progress::new(b2, None));
+        assert_eq!(at(&y.positions(Progress::new(b3, None))), vec![(0, 8)]);
     }
 
     #[test]

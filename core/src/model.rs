@@ -234,6 +234,28 @@ impl Position {
             _ => None,
         }
     }
+
+    /// The highest of `positions` (of one partition), `None` if there are none.
+    ///
+    /// A batch is not always in position order: JetStream redelivers a message whose `ack_wait`
+    /// expired (for example one an earlier owner of the partition held unacked) behind newer
+    /// ones, and Pulsar redelivers a negatively acknowledged message after later ones. A commit
+    /// of such a batch must name its highest position, not its last, or the newer messages
+    /// stay unacknowledged and the partition's lag never reaches 0. Of two positions that do
+    /// not compare (different platforms or Pulsar partitions), the later one is kept.
+    pub fn highest<'a>(positions: impl IntoIterator<Item = &'a Position>) -> Option<&'a Position> {
+        positions
+            .into_iter()
+            .reduce(|a, b| if a > b { a } else { b })
+    }
+
+    /// Replaces `self` with `other` if `other` is higher (or the two do not compare): what a
+    /// per-partition "position to commit" does as finished messages arrive, in any order.
+    pub fn raise_to(&mut self, other: &Position) {
+        if !(*self > *other) {
+            other.clone_into(self);
+        }
+    }
 }
 
 fn cmp_decimal(a: &str, b: &str) -> Ordering {

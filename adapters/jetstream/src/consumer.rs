@@ -813,6 +813,7 @@ impl ConsumerBackend for JetStreamConsumer {
                     if inner.paused {
                         continue;
                     }
+                    let run_start = out.len();
                     while out.len() < max {
                         let Some(fetch) = inner.fetch.as_mut() else {
                             break;
@@ -836,6 +837,9 @@ impl ConsumerBackend for JetStreamConsumer {
                             Err(_) => break,
                         }
                     }
+                    // In stream order: the server redelivers a message whose `ack_wait` expired
+                    // (one an earlier owner held unacked) behind newer ones already fetched.
+                    out[run_start..].sort_by_key(|m| m.position.as_sequence());
                     if out.len() >= max {
                         break;
                     }

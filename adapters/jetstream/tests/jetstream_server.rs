@@ -7,9 +7,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use std::sync::{Arc, Mutex};
+
+use onceflow_core::dedup::MemoryStore;
 use onceflow_core::{
-    ConsumerConfig, ErrorKind, PlatformBackend, ProducerConfig, Record, StartFrom, TopicSpec,
+    handler_fn, Client, ConsumerConfig, EngineConfig, ErrorKind, IdempotentConsumer,
+    PlatformBackend, ProducerConfig, Record, StartFrom, TopicSpec,
 };
+use onceflow_jetstream::JetStreamPlatform;
 
 mod common;
 use common::{name, platform, take, topic, URL_VAR};
@@ -221,32 +226,7 @@ async fn a_dead_owners_unacked_messages_reach_the_next_owner() {
     let t = topic(&p, "js-topic", 1).await;
     let group = name("g");
     let prod = p.producer(ProducerConfig::default()).await.unwrap();
-    for i in 0..5 {
-        prod.send(Record::new(t.clone(), format!("m{i}")))
-            .await
-            .unwrap();
-    }
-    // The dead owner: pulls m0..m4 from the group's durable and never acks them.
-    let js = async_nats::jetstream::new(p.nats_client());
-    let stream = js.get_stream(&t).await.unwrap();
-    let durable = onceflow_jetstream::durable(&group, 0);
-    let dead = stream
-        .create_consumer(async_nats::jetstream::consumer::pull::Config {
-            durable_name: Some(durable.clone()),
-            filter_subject: onceflow_jetstream::subject(&t, 1, 0),
-            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: Duration::from_millis(1500),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let mut batch = dead.fetch().max_messages(5).messages().await.unwrap();
-    let mut held = 0;
-    while let Some(m) = batch.next().await {
-        m.unwrap();
-        held += 1;
-    }
-    assert_eq!(held, 5, "the dead owner holds m0..m4");
+    dead_owner_holds(&p, &t, &group, 5).await;
     for i in 5..8 {
         prod.send(Record::new(t.clone(), format!("m{i}")))
             .await
@@ -281,6 +261,128 @@ async fn a_dead_owners_unacked_messages_reach_the_next_owner() {
     let lag = c.lag().await.unwrap();
     assert_eq!(lag[0].messages, 0, "{lag:?}");
     c.close().await.unwrap();
+}
+
+/// Publishes `m0`..`m{n-1}` (each with its payload as idempotency key) to the one-partition
+/// topic `t`, and makes a dead owner of `group`'s durable: a raw consumer that pulls them with
+/// a 1.5 s `ack_wait` and never acks, so the server redelivers them to the next owner after
+/// that, behind newer messages.
+async fn dead_owner_holds(p: &JetStreamPlatform, t: &str, group: &str, n: usize) {
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..n {
+        let m = format!("m{i}");
+        prod.send(Record::new(t, m.clone()).idempotency_key(m))
+            .await
+            .unwrap();
+    }
+    let js = async_nats::jetstream::new(p.nats_client());
+    let stream = js.get_stream(t).await.unwrap();
+    let dead = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some(onceflow_jetstream::durable(group, 0)),
+            filter_subject: onceflow_jetstream::subject(t, 1, 0),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_millis(1500),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut batch = dead.fetch().max_messages(n).messages().await.unwrap();
+    let mut held = 0;
+    while let Some(m) = batch.next().await {
+        m.unwrap();
+        held += 1;
+    }
+    assert_eq!(held, n, "the dead owner holds m0..m{}", n - 1);
+}
+
+/// The idempotent consumer taking over from a dead owner: the dead owner's unacked messages
+/// come back after `ack_wait`, behind newer messages fetched while the handler ran. Every
+/// message is handled once and the partition's lag reaches 0: the commit names the highest
+/// position handled, not the batch's last (before, the commit of such a batch acked only the
+/// redeliveries, the newer messages stayed unacked and were redelivered every `ack_wait`
+/// without end; the crash test hung on it once).
+#[tokio::test]
+async fn redeliveries_behind_newer_messages_leave_no_lag() {
+    let Some(p) = platform("redeliveries_behind_newer_messages_leave_no_lag").await else {
+        return;
+    };
+    let t = topic(&p, "js-topic", 1).await;
+    let group = name("g");
+    dead_owner_holds(&p, &t, &group, 5).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    prod.send(Record::new(t.clone(), "m5").idempotency_key("m5"))
+        .await
+        .unwrap();
+    let client = Client::new(p.clone());
+    let consumer = client
+        .consumer(
+            ConsumerConfig::new(group.clone(), [t.clone()])
+                .start(StartFrom::committed_or_earliest())
+                .option("ack_wait_ms", "1500"),
+        )
+        .await
+        .unwrap();
+    let handled = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = handled.clone();
+    let (topic_out, prod_in) = (t.clone(), prod.clone());
+    // While m5 runs, m6 and m7 arrive and the dead owner's m0..m4 time out: the next fetch
+    // holds m6, m7, then m0..m4.
+    let handler = handler_fn(move |m: onceflow_core::Message| {
+        let (seen, t, prod) = (seen.clone(), topic_out.clone(), prod_in.clone());
+        async move {
+            let text = String::from_utf8_lossy(&m.payload).into_owned();
+            seen.lock().unwrap().push(text.clone());
+            if text == "m5" {
+                for i in 6..8 {
+                    let k = format!("m{i}");
+                    prod.send(Record::new(t.clone(), k.clone()).idempotency_key(k))
+                        .await
+                        .unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(2500)).await;
+            }
+            Ok(None)
+        }
+    });
+    let engine = IdempotentConsumer::with_config(
+        consumer,
+        Some(Arc::new(MemoryStore::new(Duration::from_secs(600), 1000))),
+        Arc::new(handler),
+        EngineConfig::default(),
+        None,
+    )
+    .unwrap();
+    let watched = handled.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    engine
+        .run_until(async move {
+            while watched.lock().unwrap().len() < 8 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // Long enough for every commit and for redeliveries of anything left unacked.
+            tokio::time::sleep(Duration::from_secs(4)).await;
+        })
+        .await
+        .unwrap();
+    let mut got = handled.lock().unwrap().clone();
+    got.sort();
+    let want: Vec<String> = (0..8).map(|i| format!("m{i}")).collect();
+    assert_eq!(got, want, "every message handled once");
+    // Nothing left for the group: the durable's ack floor is the stream's last message.
+    let js = async_nats::jetstream::new(p.nats_client());
+    let mut stream = js.get_stream(&t).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut durable: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&onceflow_jetstream::durable(&group, 0))
+        .await
+        .unwrap();
+    let info = durable.info().await.unwrap();
+    assert_eq!(
+        (info.ack_floor.stream_sequence, info.num_ack_pending),
+        (last, 0),
+        "every message acked: {info:?}"
+    );
 }
 
 /// JetStream redelivers a message whose `ack_wait` expired even to the member holding it;

@@ -19,7 +19,7 @@ use crate::dedup::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{Metric, Metrics, MetricsSnapshot};
-use crate::model::{Message, TopicPartition};
+use crate::model::{Message, Position, TopicPartition};
 use crate::trace;
 
 /// Claims a chunk holds: the message's index in the chunk (its key is the chunk's `keys[i]`)
@@ -680,9 +680,11 @@ impl Core {
             self.metrics
                 .add(Metric::Processed, ok.iter().filter(|b| **b).count() as u64);
         }
-        if finished_upto > 0 {
-            self.tracker
-                .finish(tp, generation, msgs[finished_upto - 1].position.clone());
+        // The highest position finished, not the last: redeliveries can come behind newer
+        // messages in one batch, and committing the last would leave the newer ones unacked.
+        if let Some(highest) = Position::highest(msgs[..finished_upto].iter().map(|m| &m.position))
+        {
+            self.tracker.finish(tp, generation, highest.clone());
         }
         match stop {
             Some(e) => Err(e),

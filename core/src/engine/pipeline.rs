@@ -1,5 +1,6 @@
 //! Consume-transform-produce with the strongest mechanism the platform offers.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -633,13 +634,25 @@ impl TxLoop<'_> {
                     }
                 }
                 // A batch holds runs of one partition's inputs: the position to commit is the
-                // run's last (one map entry per run, not per input).
+                // highest of the run (one map entry per run, not per input; a redelivery can
+                // come behind newer inputs, see `Position::highest`).
                 let run_ends = msgs
                     .get(i + 1)
                     .is_none_or(|next| next.partition != msg.partition || next.topic != msg.topic);
                 if run_ends {
-                    st.positions
-                        .insert(msg.topic_partition(), msg.position.clone());
+                    let run_start = msgs[..i]
+                        .iter()
+                        .rposition(|m| m.partition != msg.partition || m.topic != msg.topic)
+                        .map_or(0, |j| j + 1);
+                    let highest =
+                        Position::highest(msgs[run_start..=i].iter().map(|m| &m.position))
+                            .expect("a run has its last input");
+                    match st.positions.entry(msg.topic_partition()) {
+                        Entry::Occupied(mut e) => e.get_mut().raise_to(highest),
+                        Entry::Vacant(e) => {
+                            e.insert(highest.clone());
+                        }
+                    }
                 }
                 st.inputs += 1;
             }
