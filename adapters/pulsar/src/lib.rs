@@ -11,11 +11,11 @@
 //! `dead_letter`, …) may also be set per consumer in `ConsumerConfig::options`, producer keys
 //! per producer in `ProducerConfig::options`.
 //!
-//! ## Secured clusters (TLS, tokens, OAuth2)
+//! ## Secured clusters (TLS, tokens, OAuth2, client certificates)
 //! `pulsar+ssl://host:6651?admin=https://host:8443&tls_trust_certs=/etc/pulsar/ca.pem&token_file=/run/secrets/pulsar-token`
 //! connects over TLS (the admin URL defaults to `https://host:8443` there), trusting the CAs
 //! of the PEM file besides the public web PKI; the broker's certificate must name the URL's
-//! host (always verified). Credentials, one of (Pulsar's Java names in brackets):
+//! host (verified; only with a client certificate can that be turned off, see below). Credentials, one of (Pulsar's Java names in brackets):
 //! - `token=JWT` (`AuthenticationToken`, `token:…`);
 //! - `token_file=/path` (`AuthenticationToken`, `file:///path`), read again whenever the file
 //!   changes (modification time or length): a rotated token is used from the next connection,
@@ -35,12 +35,46 @@
 //! onceflow connects once more on its own (same CAs, host name and credential, the crate's
 //! frame codec) to say which step was refused. Tokens never appear in errors or `Debug`.
 //!
-//! Not offered, because the pulsar crate (6.9) cannot: TLS client certificates
-//! (`tls_cert_file` / `tls_key_file`, Java's `AuthenticationTls`: its rustls connector is
-//! built `with_no_client_auth()`), turning hostname verification off
-//! (`tls_hostname_verification=false`) or trusting any certificate
-//! (`tls_allow_insecure_connection=true`): its rustls path ignores both flags. Each is an
-//! `Unsupported` error rather than being ignored.
+//! ## TLS client certificates (mTLS)
+//! `pulsar+ssl://host:6651?tls_trust_certs=/etc/pulsar/ca.pem&tls_cert_file=/etc/pulsar/client.pem&tls_key_file=/etc/pulsar/client.key`
+//! authenticates with a TLS client certificate ([`PulsarAuth::Tls`], Java's
+//! `AuthenticationTls`; the broker's `AuthenticationProviderTls` takes the role from the
+//! certificate's common name; Pulsar docs, "Authentication using TLS",
+//! <https://pulsar.apache.org/docs/next/security-tls-authentication/>). It is one credential:
+//! not together with `token`, `token_file` or `oauth2_*`. The admin REST calls present the same
+//! certificate and send `X-Pulsar-Auth-Method-Name: tls`.
+//!
+//! The pulsar crate (6.9) cannot present a client certificate (its rustls connection is built
+//! `with_no_client_auth()`), so **mTLS goes through an in-process loopback bridge**: the crate
+//! is given `pulsar://127.0.0.1:PORT`, a listener of onceflow, and each connection it opens
+//! there is relayed over a TLS connection that onceflow makes to the broker (client
+//! certificate, the CAs of `tls_trust_certs` plus the public web PKI, the broker's host name
+//! checked).
+//! - Another local process cannot borrow the client identity through that plaintext port: the
+//!   crate authenticates to the bridge with a private auth method and a random 32-byte secret
+//!   of the connection, which the bridge checks in constant time on the first frame (it must
+//!   be `CONNECT`) before it contacts the broker, and replaces with `auth_method_name = "tls"`.
+//!   Anything else is closed and logged at debug (without the secret); the broker never sees
+//!   it. The secret is shown only by the pulsar crate's own TRACE log of its `CONNECT`.
+//! - Lookup answers (`LOOKUP_RESPONSE`) are rewritten to a bridge listener per broker (its
+//!   `brokerServiceUrlTls`), so every broker connection goes through the bridge. Behind a
+//!   Pulsar proxy (`proxy_through_service_url`) the crate stays on the service URL and names
+//!   the broker's TLS address as `proxy_to_broker_url`, as Java's client does. A lookup answer
+//!   without a TLS address fails rather than connect in plaintext.
+//! - The cost: every frame crosses the loopback once more and is copied once more through
+//!   the process (one extra copy per frame and direction; only lookup, auth-response and
+//!   connect commands are decoded, payloads pass byte for byte), and each broker connection
+//!   is two sockets. [`PulsarPlatform::mtls_bridge`] shows what the bridge did.
+//! - A refused certificate (the broker does not trust ours: its TLS alert or
+//!   `AuthenticationError`; we do not trust the broker's; it does not name the host) is an
+//!   [`ErrorKind::Auth`] error naming the server, within milliseconds. An unreadable file, a
+//!   file without a certificate or key, or a key that is not the certificate's is a `Config`
+//!   error naming the files. Key contents never appear in errors, logs or `Debug`.
+//! - `tls_hostname_verification=false` (Java `tlsHostnameVerificationEnable`: the chain is
+//!   still verified, not the name) and `tls_allow_insecure_connection=true` (any
+//!   certificate) are taken on this path only, where the TLS is onceflow's. Without a client
+//!   certificate the crate's rustls TLS ignores both, so each is an `Unsupported` error rather
+//!   than being ignored.
 //!
 //! ## Topics, partitions, order
 //! - A topic `NAME` is `persistent://TENANT/NAMESPACE/NAME` (`tenant`/`namespace` options,
