@@ -252,7 +252,7 @@ impl Position {
     /// Replaces `self` with `other` if `other` is higher (or the two do not compare): what a
     /// per-partition "position to commit" does as finished messages arrive, in any order.
     pub fn raise_to(&mut self, other: &Position) {
-        if !(*self > *other) {
+        if (*self).partial_cmp(other) != Some(Ordering::Greater) {
             other.clone_into(self);
         }
     }
