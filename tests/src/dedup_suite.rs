@@ -194,6 +194,7 @@ macro_rules! dedup_suite {
         $crate::dedup_suite!(@case ($harness) concurrent_workers_handle_each_key_exactly_once run);
         $crate::dedup_suite!(@case ($harness) expired_lease_is_taken_over_and_old_token_fenced run);
         $crate::dedup_suite!(@case ($harness) renew_extends_the_lease run);
+        $crate::dedup_suite!(@case ($harness) a_zero_lease_is_refused_and_the_longest_holds run);
         $crate::dedup_suite!(@case ($harness) same_owner_reclaim_gets_new_token run);
         $crate::dedup_suite!(@case ($harness) completed_keys_expire_after_window run);
         $crate::dedup_suite!(@case ($harness) fingerprint_mismatch_and_match run);
@@ -478,6 +479,47 @@ pub async fn renew_extends_the_lease(h: &dyn StoreHarness, _: &Case) {
         other => panic!("renewed lease taken over: {other:?}"),
     }
     assert!(store.complete_one(&key, t, None).await.unwrap());
+}
+
+/// A zero lease, in a claim or a renewal, is a config error naming it, and nothing is claimed;
+/// `Duration::MAX` is a lease like any other (the store saturates it): the key is held, renewed
+/// and completed.
+pub async fn a_zero_lease_is_refused_and_the_longest_holds(h: &dyn StoreHarness, _: &Case) {
+    let store = h.open(HOUR).await;
+    let key = format!("{}-k", prefix());
+    let e = store
+        .claim(&[
+            req(&key, "a", LONG_LEASE),
+            req(&format!("{key}-2"), "a", Duration::ZERO),
+        ])
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.message().contains("lease is 0"), "{e}");
+    assert_eq!(
+        store.get(std::slice::from_ref(&key)).await.unwrap(),
+        vec![None],
+        "a refused batch claims nothing"
+    );
+    let t = claimed(&*store, req(&key, "a", Duration::MAX)).await;
+    let e = store.renew_one(&key, t, Duration::ZERO).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    match store.claim_one(req(&key, "b", LONG_LEASE)).await.unwrap() {
+        ClaimOutcome::InProgress { owner, expires_in } => {
+            assert_eq!(owner, "a");
+            assert!(
+                expires_in > Duration::from_secs(3600 * 24 * 365),
+                "{expires_in:?}"
+            );
+        }
+        other => panic!("a key held for Duration::MAX: {other:?}"),
+    }
+    assert!(store.renew_one(&key, t, Duration::MAX).await.unwrap());
+    assert!(store.complete_one(&key, t, None).await.unwrap());
+    assert!(matches!(
+        store.claim_one(req(&key, "b", LONG_LEASE)).await.unwrap(),
+        ClaimOutcome::Duplicate { .. }
+    ));
 }
 
 /// The holder claiming its key again gets a new, higher token; the previous one is stale.

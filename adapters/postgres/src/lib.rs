@@ -930,6 +930,7 @@ impl DedupStore for PostgresStore {
     }
 
     async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
+        onceflow_core::dedup::check_claims(requests)?;
         let mut out: Vec<Option<ClaimOutcome>> = vec![None; requests.len()];
         // Requests still to decide, in batch order. Each statement takes the first request of
         // each key among them, so a key asked for twice in one batch is decided in order (the
@@ -965,6 +966,7 @@ impl DedupStore for PostgresStore {
     }
 
     async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>> {
+        onceflow_core::dedup::check_lease(lease)?;
         if claims.is_empty() {
             return Ok(Vec::new());
         }

@@ -558,8 +558,17 @@ impl RedisStore {
     }
 }
 
+/// The longest lease or window the store writes: about 1,000 years in milliseconds. Longer
+/// durations (up to [`Duration::MAX`]) are clamped to it. The store's Lua scripts add leases and
+/// windows as Lua numbers (doubles, exact up to 2^53) and hand the sums to `PEXPIRE`, which
+/// takes a 64-bit integer of milliseconds from now; a sum of two clamped values stays an exact
+/// integer far inside both limits, so a key claimed "for ever" is held until completed or
+/// released.
+pub(crate) const MAX_MS: u64 = 1_000 * 365 * 24 * 3600 * 1000;
+
+/// `d` in whole milliseconds, clamped to [`MAX_MS`].
 pub(crate) fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 4)
+    u64::try_from(d.as_millis()).map_or(MAX_MS, |m| m.min(MAX_MS))
 }
 
 fn int(v: &Value) -> Option<i64> {
@@ -656,6 +665,7 @@ impl DedupStore for RedisStore {
     }
 
     async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
+        onceflow_core::dedup::check_claims(requests)?;
         if requests.is_empty() {
             return Ok(Vec::new());
         }
@@ -764,6 +774,7 @@ impl DedupStore for RedisStore {
     }
 
     async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>> {
+        onceflow_core::dedup::check_lease(lease)?;
         let chunks = self.chunks(
             claims,
             || vec![ms(lease).to_string().into_bytes()],

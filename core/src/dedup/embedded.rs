@@ -275,6 +275,7 @@ impl DedupStore for EmbeddedStore {
     }
 
     async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
+        super::check_claims(requests)?;
         if requests.is_empty() {
             return Ok(Vec::new());
         }
@@ -285,6 +286,7 @@ impl DedupStore for EmbeddedStore {
     }
 
     async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>> {
+        super::check_lease(lease)?;
         if claims.is_empty() {
             return Ok(Vec::new());
         }

@@ -445,6 +445,7 @@ impl DedupStore for MemoryStore {
     }
 
     async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>> {
+        super::check_claims(requests)?;
         let inner = &self.inner;
         let now = inner.now_ms();
         inner.maybe_sweep(now);
@@ -462,6 +463,7 @@ impl DedupStore for MemoryStore {
     }
 
     async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>> {
+        super::check_lease(lease)?;
         let inner = &self.inner;
         let now = inner.now_ms();
         let lease_until = now.saturating_add(millis(lease));
