@@ -1,9 +1,10 @@
 'use strict'
 // Secured connections from Node (#23): Kafka SASL_SSL with SCRAM given as the `options` object of
-// connect() (nothing secret in the URL), a transaction over it, and refusals that reject with
-// ONCEFLOW_AUTH quickly without showing the password. Runs on the secured listeners
-// `tests/brokers/up.sh kafka` starts (ONCEFLOW_KAFKA_SASL_SSL_URL and the CA / user / password
-// it prints).
+// connect() (nothing secret in the URL), a transaction over it, Pulsar mTLS (a client
+// certificate as options), and refusals that reject with ONCEFLOW_AUTH quickly without showing
+// the password. Runs on the secured listeners `tests/brokers/up.sh kafka nats-secure pulsar`
+// start (ONCEFLOW_KAFKA_SASL_SSL_URL, ONCEFLOW_PULSAR_TLS_URL and the CAs, users, passwords and
+// certificates they print).
 const test = require('node:test')
 const assert = require('node:assert/strict')
 const onceflow = require('..')
@@ -94,4 +95,50 @@ test('NATS over TLS with user and password options: round trip; a wrong password
   assert.equal(err.code, 'ONCEFLOW_AUTH', err.message)
   const shown = `${err.message} ${err.stack}`
   assert.ok(!shown.includes(wrong) && !shown.includes(options.password), shown)
+})
+
+const pulsarUrl = process.env.ONCEFLOW_PULSAR_TLS_URL
+if (!pulsarUrl && process.env.ONCEFLOW_REQUIRE_BROKERS === '1') {
+  throw new Error('ONCEFLOW_REQUIRE_BROKERS=1 but ONCEFLOW_PULSAR_TLS_URL is not set')
+}
+const skipPulsar = pulsarUrl ? false : 'ONCEFLOW_PULSAR_TLS_URL is not set: start tests/brokers/up.sh pulsar'
+
+function pulsarMtls(cert, key) {
+  return {
+    admin: process.env.ONCEFLOW_PULSAR_TLS_ADMIN_URL,
+    tls_trust_certs: process.env.ONCEFLOW_PULSAR_TLS_CA,
+    tls_cert_file: cert,
+    tls_key_file: key,
+  }
+}
+
+test('Pulsar mTLS with a client certificate as options: round trip; a rogue certificate is ONCEFLOW_AUTH', { skip: skipPulsar }, async () => {
+  const client = await onceflow.connect(
+    pulsarUrl,
+    pulsarMtls(process.env.ONCEFLOW_PULSAR_CLIENT_CERT, process.env.ONCEFLOW_PULSAR_CLIENT_KEY),
+  )
+  const t = await topic(client, 2)
+  const producer = await client.producer()
+  await producer.send({ topic: t, payload: 'over-mtls-1', key: 'a' })
+  await producer.send({ topic: t, payload: 'over-mtls-2', key: 'b' })
+  const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+  const got = await collect(consumer, 2)
+  assert.deepEqual(got.map((m) => m.payload.toString()).sort(), ['over-mtls-1', 'over-mtls-2'])
+  await consumer.close()
+  await producer.close()
+
+  const keyFile = process.env.ONCEFLOW_PULSAR_ROGUE_CLIENT_KEY
+  const started = Date.now()
+  const err = await onceflow.connect(pulsarUrl, pulsarMtls(process.env.ONCEFLOW_PULSAR_ROGUE_CLIENT_CERT, keyFile)).then(
+    () => assert.fail('connect succeeded'),
+    (e) => e,
+  )
+  const ms = Date.now() - started
+  console.log(`AUTH node pulsar mTLS rogue certificate ${ms} ms: ${err.message}`)
+  assert.equal(err.code, 'ONCEFLOW_AUTH', err.message)
+  assert.ok(ms < 15000, `took ${ms} ms`)
+  assert.ok(err.message.includes('client certificate'), err.message)
+  const shown = `${err.message} ${err.stack}`
+  const keyLines = require('node:fs').readFileSync(keyFile, 'utf8').split('\n').filter((l) => l && !l.startsWith('-----'))
+  assert.ok(!keyLines.some((l) => shown.includes(l)), shown)
 })

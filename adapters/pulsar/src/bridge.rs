@@ -417,28 +417,40 @@ async fn connect_upstream(
     up: &Upstream,
 ) -> std::result::Result<tokio_rustls::client::TlsStream<TcpStream>, Error> {
     let server = up.to_string();
-    let tcp = match tokio::time::timeout(
-        inner.connect_timeout,
-        TcpStream::connect((up.host.as_str(), up.port)),
-    )
-    .await
-    {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
+    // A refused or timed-out TCP connection is tried again, with a growing pause, until
+    // `connect_timeout`, as the pulsar crate does on its own connections: failing the local
+    // connection at once would have the crate's reconnect loops spin while a broker restarts.
+    let deadline = tokio::time::Instant::now() + inner.connect_timeout;
+    let mut pause = Duration::from_millis(100);
+    let tcp = loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let e = match tokio::time::timeout(left, TcpStream::connect((up.host.as_str(), up.port)))
+            .await
+        {
+            Ok(Ok(s)) => break s,
+            Ok(Err(e)) => e,
+            Err(_) => std::io::ErrorKind::TimedOut.into(),
+        };
+        let retriable = matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut
+        );
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if !retriable || left < pause {
             return Err(Error::new(
-                ErrorKind::Connect,
-                format!("cannot reach the Pulsar broker at {server}: {e}"),
-            ))
-        }
-        Err(_) => {
-            return Err(Error::new(
-                ErrorKind::Timeout,
+                if e.kind() == std::io::ErrorKind::TimedOut {
+                    ErrorKind::Timeout
+                } else {
+                    ErrorKind::Connect
+                },
                 format!(
-                    "no TCP connection to the Pulsar broker at {server} within {} ms",
+                    "cannot reach the Pulsar broker at {server} (tried for up to {} ms): {e}",
                     inner.connect_timeout.as_millis()
                 ),
-            ))
+            ));
         }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
     };
     let _ = tcp.set_nodelay(true);
     let name = rustls::pki_types::ServerName::try_from(up.host.clone()).map_err(|e| {
@@ -1014,6 +1026,161 @@ mod tests {
         let before = r.clone();
         rewrite_lookup(&mut r, |_| panic!("no listener")).unwrap();
         assert_eq!(r, before);
+    }
+
+    fn inner() -> Arc<Inner> {
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+        Arc::new(Inner {
+            tls: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            secret: [1; 32],
+            cert_file: "/c.pem".to_string(),
+            connect_timeout: Duration::from_secs(1),
+            listeners: Mutex::new(HashMap::new()),
+            refusal: Mutex::new(None),
+            stop: CancellationToken::new(),
+            relayed: AtomicU64::new(0),
+            refused_local: AtomicU64::new(0),
+            lookups: AtomicU64::new(0),
+        })
+    }
+
+    #[test]
+    fn auth_responses_lose_the_secret_and_other_frames_pass() {
+        let inner = inner();
+        let response = encode_frame(
+            &proto::BaseCommand {
+                r#type: Type::AuthResponse as i32,
+                auth_response: Some(proto::CommandAuthResponse {
+                    client_version: Some("c".to_string()),
+                    response: Some(proto::AuthData {
+                        auth_method_name: Some(MARKER.to_string()),
+                        auth_data: Some(vec![1; 32]),
+                    }),
+                    protocol_version: Some(12),
+                }),
+                ..Default::default()
+            },
+            &[],
+        );
+        let out = rewrite(&inner, Direction::ToBroker, &response)
+            .unwrap()
+            .unwrap();
+        let (cmd, _) = split_frame(&out).unwrap();
+        let r = proto::BaseCommand::decode(cmd)
+            .unwrap()
+            .auth_response
+            .unwrap()
+            .response
+            .unwrap();
+        assert_eq!(r.auth_method_name.as_deref(), Some("tls"));
+        assert_eq!(r.auth_data, Some(Vec::new()));
+        // A second CONNECT ends the connection; a payload frame passes as it is.
+        let connect = connect_frame(Some(MARKER), Some(vec![1; 32]));
+        assert!(rewrite(&inner, Direction::ToBroker, &connect).is_err());
+        let send = encode_frame(
+            &proto::BaseCommand {
+                r#type: Type::Send as i32,
+                ..Default::default()
+            },
+            b"payload",
+        );
+        assert!(rewrite(&inner, Direction::ToBroker, &send)
+            .unwrap()
+            .is_none());
+        assert!(rewrite(&inner, Direction::ToClient, &send)
+            .unwrap()
+            .is_none());
+    }
+
+    #[tokio::test]
+    async fn lookup_answers_get_one_listener_per_broker() {
+        let inner = inner();
+        let answer = |tls: &str| {
+            encode_frame(
+                &proto::BaseCommand {
+                    r#type: Type::LookupResponse as i32,
+                    lookup_topic_response: Some(lookup(Some(tls), false)),
+                    ..Default::default()
+                },
+                &[],
+            )
+        };
+        let url_of = |frame: Vec<u8>| {
+            let (cmd, _) = split_frame(&frame).unwrap();
+            proto::BaseCommand::decode(cmd)
+                .unwrap()
+                .lookup_topic_response
+                .unwrap()
+                .broker_service_url
+                .unwrap()
+        };
+        let a1 = url_of(
+            rewrite(
+                &inner,
+                Direction::ToClient,
+                &answer("pulsar+ssl://a.example:6651"),
+            )
+            .unwrap()
+            .unwrap(),
+        );
+        let a2 = url_of(
+            rewrite(
+                &inner,
+                Direction::ToClient,
+                &answer("pulsar+ssl://a.example:6651"),
+            )
+            .unwrap()
+            .unwrap(),
+        );
+        let b = url_of(
+            rewrite(
+                &inner,
+                Direction::ToClient,
+                &answer("pulsar+ssl://b.example:6651"),
+            )
+            .unwrap()
+            .unwrap(),
+        );
+        assert!(a1.starts_with("pulsar://127.0.0.1:"), "{a1}");
+        assert_eq!(a1, a2);
+        assert_ne!(a1, b);
+        assert_eq!(inner.listeners.lock().len(), 2);
+        assert_eq!(inner.lookups.load(Ordering::Relaxed), 3);
+        inner.stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_refused_broker_port_is_tried_again_until_the_timeout() {
+        let inner = inner();
+        // A port nothing listens on (bound, then closed).
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let t0 = std::time::Instant::now();
+        let e = connect_upstream(
+            &inner,
+            &Upstream {
+                host: "127.0.0.1".to_string(),
+                port,
+            },
+        )
+        .await
+        .err()
+        .expect("nothing listens there");
+        let took = t0.elapsed();
+        assert_eq!(e.kind(), ErrorKind::Connect, "{e}");
+        assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
+        // Tried with pauses of 100, 200, 400 ms within the 1 s timeout, not failed at once.
+        assert!(took >= Duration::from_millis(600), "{took:?}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
     }
 
     #[test]

@@ -761,7 +761,38 @@ async fn mtls_round_trip_partitioned_topic_and_idempotent_consumer() {
         idempotent_consumer_skips_duplicates(&harness),
     )
     .await;
+    // The broker unloads a topic (closes its producer, CLOSE_PRODUCER): the crate looks it
+    // up again and reconnects, through the bridge; the producer goes on.
+    let topic = name("mtls-unload");
+    let client = Client::new(platform.clone());
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    producer
+        .send(Record::new(topic.clone(), "before"))
+        .await
+        .unwrap();
+    let lookups = platform.mtls_bridge().unwrap().lookups;
+    let unload = tokio::process::Command::new("curl")
+        .args(["-sf", "-m", "10", "-X", "PUT", "--cacert", &env.ca])
+        .args(["--cert", &env.client_cert, "--key", &env.client_key])
+        .args(["-H", "X-Pulsar-Auth-Method-Name: tls"])
+        .arg(format!(
+            "{}/admin/v2/persistent/public/default/{topic}/unload",
+            env.tls_admin
+        ))
+        .status()
+        .await
+        .unwrap();
+    assert!(unload.success(), "unload: {unload}");
+    producer
+        .send(Record::new(topic.clone(), "after"))
+        .await
+        .unwrap();
+    assert_eq!(read_all(&client, &topic, 2).await, vec!["before", "after"]);
     let stats = platform.mtls_bridge().unwrap();
+    assert!(
+        stats.lookups > lookups,
+        "no lookup after the unload: {stats:?}"
+    );
     eprintln!("mTLS bridge: {stats:?}");
     assert!(stats.relayed >= 1, "{stats:?}");
     // At least one lookup per partition went through the rewrite.
