@@ -1165,7 +1165,7 @@ mod tests {
             .unwrap()
             .port();
         let t0 = std::time::Instant::now();
-        let e = connect_upstream(
+        let Err(e) = connect_upstream(
             &inner,
             &Upstream {
                 host: "127.0.0.1".to_string(),
@@ -1173,8 +1173,9 @@ mod tests {
             },
         )
         .await
-        .err()
-        .expect("nothing listens there");
+        else {
+            panic!("nothing listens there");
+        };
         let took = t0.elapsed();
         assert_eq!(e.kind(), ErrorKind::Connect, "{e}");
         assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
