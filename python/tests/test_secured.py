@@ -1,8 +1,9 @@
 """Secured connections from Python (#23): Kafka SASL_SSL with SCRAM given as an ``options``
 dict (nothing secret in the URL) and a transaction over it, NATS over TLS with a user and
-password, and refusals that raise ``AuthError`` quickly without showing the password. Runs on
-the secured listeners ``tests/brokers/up.sh kafka nats-secure`` start (the URLs, CA, users and
-passwords they print).
+password, Pulsar mTLS (a client certificate as options), and refusals that raise ``AuthError``
+quickly without showing the password. Runs on the secured listeners
+``tests/brokers/up.sh kafka nats-secure pulsar`` start (the URLs, CA, users, passwords and
+certificates they print).
 """
 
 from __future__ import annotations
@@ -109,3 +110,51 @@ async def test_nats_over_tls_with_user_and_password_options():
     print(f"AUTH python nats wrong password {(time.monotonic() - started) * 1000:.0f} ms")
     shown = f"{raised.value} {raised.value!r}"
     assert wrong not in shown and options["password"] not in shown, shown
+
+
+PULSAR_TLS_URL = os.environ.get("ONCEFLOW_PULSAR_TLS_URL")
+
+
+def pulsar_mtls_options(cert: str, key: str) -> dict:
+    return {
+        "admin": os.environ["ONCEFLOW_PULSAR_TLS_ADMIN_URL"],
+        "tls_trust_certs": os.environ["ONCEFLOW_PULSAR_TLS_CA"],
+        "tls_cert_file": cert,
+        "tls_key_file": key,
+    }
+
+
+@pytest.mark.skipif(not PULSAR_TLS_URL, reason="ONCEFLOW_PULSAR_TLS_URL is not set: start tests/brokers/up.sh pulsar")
+async def test_pulsar_mtls_with_a_client_certificate():
+    """pulsar+ssl:// with a client certificate given as options (through the adapter's loopback
+    bridge): a round trip; a certificate from another CA is an AuthError within seconds."""
+    options = pulsar_mtls_options(
+        os.environ["ONCEFLOW_PULSAR_CLIENT_CERT"], os.environ["ONCEFLOW_PULSAR_CLIENT_KEY"]
+    )
+    client = await onceflow.connect(PULSAR_TLS_URL, options=options)
+    admin = await client.admin()
+    topic = unique("py-mtls")
+    await admin.create_topic(topic, 2)
+    producer = await client.producer()
+    await producer.send(topic, b"over-mtls-1", key=b"a")
+    await producer.send(topic, b"over-mtls-2", key=b"b")
+    consumer = await client.consumer(unique("py-group"), [topic], start="earliest", poll_timeout=0.5)
+    got = await drain(consumer, 2)
+    assert sorted(m.payload for m in got) == [b"over-mtls-1", b"over-mtls-2"]
+    await consumer.close()
+    await producer.close()
+
+    rogue = pulsar_mtls_options(
+        os.environ["ONCEFLOW_PULSAR_ROGUE_CLIENT_CERT"], os.environ["ONCEFLOW_PULSAR_ROGUE_CLIENT_KEY"]
+    )
+    started = time.monotonic()
+    with pytest.raises(onceflow.AuthError) as raised:
+        await onceflow.connect(PULSAR_TLS_URL, options=rogue)
+    took = time.monotonic() - started
+    print(f"AUTH python pulsar mTLS rogue certificate {took * 1000:.0f} ms: {raised.value}")
+    assert took < 15, f"took {took:.1f} s"
+    shown = f"{raised.value} {raised.value!r}"
+    assert "client certificate" in shown, shown
+    with open(os.environ["ONCEFLOW_PULSAR_ROGUE_CLIENT_KEY"]) as f:
+        key_lines = [line for line in f.read().splitlines() if not line.startswith("-----")]
+    assert not any(line in shown for line in key_lines), shown
