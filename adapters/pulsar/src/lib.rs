@@ -526,7 +526,9 @@ impl PulsarPlatform {
         self.shared.bridge.as_ref().map(bridge::Bridge::stats)
     }
 
-    /// The pulsar crate client, for anything onceflow does not cover.
+    /// The pulsar crate client, for anything onceflow does not cover. With a client
+    /// certificate its connections go through this platform's mTLS bridge, which stops when
+    /// the platform (and every producer, consumer and admin handle of it) is dropped.
     pub fn pulsar_client(&self) -> Pulsar<TokioExecutor> {
         self.shared.client.clone()
     }
