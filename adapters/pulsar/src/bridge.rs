@@ -602,6 +602,10 @@ fn check_connect(frame: &[u8], secret: &[u8; 32]) -> std::result::Result<Vec<u8>
     connect.auth_method_name = Some("tls".to_string());
     connect.auth_data = None;
     connect.auth_method = None;
+    // What only a Pulsar proxy sends on behalf of its client: never ours to claim.
+    connect.original_principal = None;
+    connect.original_auth_data = None;
+    connect.original_auth_method = None;
     Ok(encode_frame(&command, &[]))
 }
 
@@ -905,6 +909,7 @@ mod tests {
                     auth_data: data,
                     protocol_version: Some(12),
                     proxy_to_broker_url: Some("10.0.0.1:6651".to_string()),
+                    original_principal: Some("admin".to_string()),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -923,6 +928,7 @@ mod tests {
         let c = proto::BaseCommand::decode(cmd).unwrap().connect.unwrap();
         assert_eq!(c.auth_method_name.as_deref(), Some("tls"));
         assert_eq!(c.auth_data, None);
+        assert_eq!(c.original_principal, None);
         // What the crate asked for otherwise is kept (a proxy's broker).
         assert_eq!(c.proxy_to_broker_url.as_deref(), Some("10.0.0.1:6651"));
         assert_eq!(c.client_version, "test");
