@@ -1,9 +1,9 @@
 //! Durable pull consumers, one per group and partition.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
@@ -53,6 +53,9 @@ struct PartitionInner {
     paused: bool,
     /// Delivered by `poll`, not yet acked or nacked, by stream sequence.
     pending: BTreeMap<u64, jetstream::Message>,
+    /// The sequences `pending` held at the last keepalive tick, sorted: those still pending at
+    /// the next tick get `+WPI` ([`JetStreamConsumer::keep_alive`]).
+    pending_at_tick: Vec<u64>,
     /// Highest stream sequence `poll` returned since this member took the partition (or
     /// sought): a message at or below it that is neither pending nor nacked was committed.
     delivered: u64,
@@ -74,6 +77,7 @@ impl PartitionInner {
     /// Forgets what was delivered (a new owner, a seek): the next fetch starts afresh.
     fn reset(&mut self) {
         self.pending.clear();
+        self.pending_at_tick.clear();
         self.delivered = 0;
         self.nacked.clear();
         self.inherited_upto = 0;
@@ -164,7 +168,8 @@ pub struct JetStreamConsumer {
     closed: AtomicBool,
     notify: Arc<Notify>,
     rotate: AtomicUsize,
-    /// Tasks listening for `MAX_DELIVERIES` advisories (with a `dead_letter` topic).
+    /// Background tasks, ended on close: the ack-deadline keepalive and, with a `dead_letter`
+    /// topic, the listeners for `MAX_DELIVERIES` advisories.
     advisories: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -260,7 +265,55 @@ impl JetStreamConsumer {
         if consumer.options.dead_letter.is_some() {
             consumer.listen_for_max_deliveries().await?;
         }
+        let keepalive = tokio::spawn(Self::keep_alive(
+            Arc::downgrade(&consumer),
+            keepalive_period(&consumer.options),
+        ));
+        consumer.advisories.lock().push(keepalive);
         Ok(consumer)
+    }
+
+    /// Keeps the ack deadline of every message `poll` delivered and nobody acked or nacked yet
+    /// from expiring: every `period` it sends `+WPI` (in progress,
+    /// <https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#delivery-reliability>)
+    /// for each message that was pending at the previous tick too, so a message waits at most
+    /// two periods for its signal. The server would otherwise redeliver a message whose handler
+    /// (or whose batch's commit) takes longer than `ack_wait`, and every such redelivery counts
+    /// toward `max_deliver`, after which the server gives the message up (or dead-letters it).
+    /// Messages fetched but not polled yet are kept alive by their fetch task. Ends with the
+    /// consumer.
+    async fn keep_alive(consumer: std::sync::Weak<Self>, period: Duration) {
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let due: Vec<jetstream::Message> = {
+                let Some(c) = consumer.upgrade() else { return };
+                if c.closed.load(Ordering::Acquire) {
+                    return;
+                }
+                let mut due = Vec::new();
+                for part in &c.partitions {
+                    let mut guard = part.inner.lock();
+                    let inner = &mut *guard;
+                    for (seq, m) in &inner.pending {
+                        if inner.pending_at_tick.binary_search(seq).is_ok() {
+                            due.push(m.clone());
+                        }
+                    }
+                    inner.pending_at_tick.clear();
+                    inner.pending_at_tick.extend(inner.pending.keys());
+                }
+                due
+            };
+            for r in
+                futures::future::join_all(due.iter().map(|m| m.ack_with(AckKind::Progress))).await
+            {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "in-progress signal failed; the server may redeliver after ack_wait");
+                }
+            }
+        }
     }
 
     /// Subscribes to the `MAX_DELIVERIES` advisories of the streams this member reads
@@ -403,7 +456,12 @@ impl JetStreamConsumer {
         .await?;
         // Read before the first pull: what an earlier owner was given and may not have acked.
         let inherited_upto = consumer.cached_info().delivered.stream_sequence;
-        let fetch = spawn_fetch(consumer, &self.options, self.notify.clone());
+        let fetch = spawn_fetch(
+            consumer,
+            &self.options,
+            self.shared.client.clone(),
+            self.notify.clone(),
+        );
         let old = {
             let mut inner = part.inner.lock();
             inner.owner_revision = Some(revision);
@@ -700,19 +758,51 @@ async fn ensure_durable(
 /// request in flight to end.
 const PULL_EXPIRES: Duration = Duration::from_millis(500);
 
+/// How often delivered messages not yet acknowledged get `+WPI`: a fifth of the shortest
+/// ack deadline (the consumer's `ack_wait`, or its shortest `backoff` step, which the server
+/// uses instead: <https://docs.nats.io/nats-concepts/jetstream/consumers#backoff>). A message is
+/// signalled at most two periods after it was fetched or last signalled while it waits to be
+/// polled, and two periods after it was polled while it is pending, so within four fifths of
+/// the deadline.
+fn keepalive_period(options: &JetStreamOptions) -> Duration {
+    let shortest = options
+        .backoff
+        .iter()
+        .copied()
+        .fold(options.ack_wait, Duration::min);
+    (shortest / 5).max(Duration::from_millis(10))
+}
+
 /// Starts the task that pulls from `consumer` into a bounded channel: one pull request at a
 /// time ([pull consumers](https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#pull-consumers)),
-/// up to `fetch_batch` messages, expiring after [`PULL_EXPIRES`]. On stop the task lets the
-/// request in flight end before it returns, so the server has no request of ours left when
-/// the caller naks what was fetched (a nak'd message sent to a request nobody listens to would
-/// come back out of order, or only after `ack_wait`).
-fn spawn_fetch(consumer: PullConsumer, options: &JetStreamOptions, notify: Arc<Notify>) -> Fetch {
+/// up to `fetch_batch` messages, expiring after [`PULL_EXPIRES`]. A request's messages are read
+/// as they arrive (into `waiting` while the channel is full), so that every message the server
+/// delivered and `poll` has not taken yet is known to the task, which sends `+WPI` for those
+/// waiting a [`keepalive_period`] or longer: a slow handler does not make the prefetched
+/// messages expire and come back (each redelivery counts toward `max_deliver`). On stop the
+/// task lets the request in flight end before it returns, so the server has no request of ours
+/// left when the caller naks what was fetched (a nak'd message sent to a request nobody listens
+/// to would come back out of order, or only after `ack_wait`).
+fn spawn_fetch(
+    consumer: PullConsumer,
+    options: &JetStreamOptions,
+    client: async_nats::Client,
+    notify: Arc<Notify>,
+) -> Fetch {
     let batch = options.fetch_batch;
+    let period = keepalive_period(options);
     let (tx, rx) = mpsc::channel(batch);
     let (stop, mut stop_rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let mut stopping = false;
-        let mut left = Vec::new();
+        // Read from the request, not in the channel yet (the channel was full), with when each
+        // was fetched or last signalled.
+        let mut waiting: VecDeque<(jetstream::Message, Instant)> = VecDeque::new();
+        // Ack subjects of what went into the channel, newest last, with when each went in or was
+        // last signalled; the last `batch - tx.capacity()` of them are still in the channel.
+        let mut sent: VecDeque<(async_nats::Subject, Instant)> = VecDeque::new();
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !stopping {
             let request = consumer
                 .batch()
@@ -725,47 +815,62 @@ fn spawn_fetch(consumer: PullConsumer, options: &JetStreamOptions, notify: Arc<N
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot pull; retrying");
                     tokio::select! {
-                        _ = &mut stop_rx => return left,
+                        _ = &mut stop_rx => return waiting.into_iter().map(|(m, _)| m).collect(),
                         _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
                     }
                 }
             };
-            loop {
-                let next = tokio::select! {
+            let mut ended = false;
+            while !ended || (!waiting.is_empty() && !stopping) {
+                tokio::select! {
                     biased;
-                    _ = &mut stop_rx, if !stopping => {
-                        stopping = true;
-                        continue;
-                    }
-                    m = messages.next() => m,
-                };
-                match next {
-                    None => break,
-                    Some(Ok(m)) if stopping => left.push(m),
-                    Some(Ok(m)) => {
-                        tokio::select! {
-                            biased;
-                            permit = tx.reserve() => match permit {
-                                Ok(p) => {
-                                    p.send(m);
-                                    notify.notify_one();
+                    _ = &mut stop_rx, if !stopping => stopping = true,
+                    permit = tx.reserve(), if !waiting.is_empty() && !stopping => match permit {
+                        Ok(p) => {
+                            let (m, at) = waiting.pop_front().expect("waiting is not empty");
+                            if let Some(reply) = m.reply.clone() {
+                                sent.push_back((reply, at));
+                            }
+                            p.send(m);
+                            notify.notify_one();
+                        }
+                        Err(_) => stopping = true,
+                    },
+                    m = messages.next(), if !ended => match m {
+                        None => ended = true,
+                        Some(Ok(m)) => waiting.push_back((m, Instant::now())),
+                        Some(Err(e)) => tracing::debug!(error = %e, "JetStream pull error"),
+                    },
+                    _ = ticker.tick() => {
+                        let in_channel = batch.saturating_sub(tx.capacity());
+                        let polled = sent.len().saturating_sub(in_channel);
+                        sent.drain(..polled);
+                        let now = Instant::now();
+                        let mut due = Vec::new();
+                        for (reply, at) in sent.iter_mut() {
+                            if now.duration_since(*at) >= period {
+                                *at = now;
+                                due.push(reply.clone());
+                            }
+                        }
+                        for (m, at) in waiting.iter_mut() {
+                            if now.duration_since(*at) >= period {
+                                *at = now;
+                                if let Some(reply) = &m.reply {
+                                    due.push(reply.clone());
                                 }
-                                Err(_) => {
-                                    left.push(m);
-                                    stopping = true;
-                                }
-                            },
-                            _ = &mut stop_rx, if !stopping => {
-                                left.push(m);
-                                stopping = true;
+                            }
+                        }
+                        for reply in due {
+                            if let Err(e) = client.publish(reply, AckKind::Progress.into()).await {
+                                tracing::debug!(error = %e, "in-progress signal failed; the server may redeliver after ack_wait");
                             }
                         }
                     }
-                    Some(Err(e)) => tracing::debug!(error = %e, "JetStream pull error"),
                 }
             }
         }
-        left
+        waiting.into_iter().map(|(m, _)| m).collect()
     });
     Fetch { rx, task, stop }
 }
@@ -960,7 +1065,12 @@ impl ConsumerBackend for JetStreamConsumer {
             &target,
         )
         .await?;
-        let fetch = spawn_fetch(consumer, &self.options, self.notify.clone());
+        let fetch = spawn_fetch(
+            consumer,
+            &self.options,
+            self.shared.client.clone(),
+            self.notify.clone(),
+        );
         let old = {
             let mut inner = part.inner.lock();
             inner.reset();

@@ -103,6 +103,14 @@
 //!   only after it nacked it, sought, or the partition moved (a redelivery of a held message
 //!   only refreshes its ack handle, one of a committed message is dropped). Other members get
 //!   it after `ack_wait` when the owner dies, as JetStream intends. **in_progress** is `+WPI`, which restarts the message's `ack_wait`.
+//! - **Held messages do not expire while their owner lives**: every message the server
+//!   delivered to this member and nobody acked or nacked yet (prefetched and waiting to be
+//!   polled, or polled and waiting for its commit) gets `+WPI` within four fifths of the
+//!   shortest ack deadline (`ack_wait`, or the shortest `backoff` step, which the server uses
+//!   instead), so a handler or a batch longer than `ack_wait` burns no deliveries: each
+//!   counts toward `max_deliver`, after which the server gives the message up or, with
+//!   `dead_letter`, onceflow dead-letters it. A member that dies stops signalling, and its
+//!   messages reach the next owner after `ack_wait` as before.
 //! - **seek / explicit start** (`Earliest`, `Latest`, `Position`, `Timestamp`): JetStream cannot
 //!   change a durable's deliver policy, so the durable is deleted and created again with
 //!   `DeliverPolicy::All` / `New` / `ByStartSequence`. A timestamp is resolved to a stream

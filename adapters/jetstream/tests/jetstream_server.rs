@@ -296,6 +296,79 @@ async fn dead_owner_holds(p: &JetStreamPlatform, t: &str, group: &str, n: usize)
     assert_eq!(held, n, "the dead owner holds m0..m{}", n - 1);
 }
 
+/// Runs an idempotent consumer of `group` on the one-partition topic `t` (consumer options
+/// `options`, a memory dedup store when `store`) until it has handled `n` messages, then
+/// 4 s longer (every commit, and redeliveries of anything left unacked, happen in that time);
+/// `slow(payload)` runs inside the handler. Returns the payloads handled, sorted.
+async fn handle_all(
+    p: &Arc<JetStreamPlatform>,
+    group: &str,
+    t: &str,
+    options: &[(&str, &str)],
+    store: bool,
+    n: usize,
+    slow: impl Fn(String) -> futures::future::BoxFuture<'static, ()> + Send + Sync + 'static,
+) -> Vec<String> {
+    let mut config = ConsumerConfig::new(group, [t]).start(StartFrom::committed_or_earliest());
+    for (k, v) in options {
+        config = config.option(*k, *v);
+    }
+    let consumer = Client::new(p.clone()).consumer(config).await.unwrap();
+    let handled = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = handled.clone();
+    let slow = Arc::new(slow);
+    let handler = handler_fn(move |m: onceflow_core::Message| {
+        let (seen, slow) = (seen.clone(), slow.clone());
+        async move {
+            let text = String::from_utf8_lossy(&m.payload).into_owned();
+            seen.lock().unwrap().push(text.clone());
+            slow(text).await;
+            Ok(None)
+        }
+    });
+    let store: Option<Arc<dyn onceflow_core::DedupStore>> =
+        store.then(|| Arc::new(MemoryStore::new(Duration::from_secs(600), 1000)) as _);
+    let engine = IdempotentConsumer::with_config(
+        consumer,
+        store,
+        Arc::new(handler),
+        EngineConfig::default(),
+        None,
+    )
+    .unwrap();
+    let watched = handled.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    engine
+        .run_until(async move {
+            while watched.lock().unwrap().len() < n && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(Duration::from_secs(4)).await;
+        })
+        .await
+        .unwrap();
+    let mut got = handled.lock().unwrap().clone();
+    got.sort();
+    got
+}
+
+/// The server's view of `group`'s durable on the one-partition topic `t`, and the stream's
+/// last sequence.
+async fn durable_info(
+    p: &JetStreamPlatform,
+    t: &str,
+    group: &str,
+) -> (async_nats::jetstream::consumer::Info, u64) {
+    let js = async_nats::jetstream::new(p.nats_client());
+    let mut stream = js.get_stream(t).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut durable: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&onceflow_jetstream::durable(group, 0))
+        .await
+        .unwrap();
+    (durable.info().await.unwrap().clone(), last)
+}
+
 /// The idempotent consumer taking over from a dead owner: the dead owner's unacked messages
 /// come back after `ack_wait`, behind newer messages fetched while the handler ran. Every
 /// message is handled once and the partition's lag reaches 0: the commit names the highest
@@ -314,75 +387,99 @@ async fn redeliveries_behind_newer_messages_leave_no_lag() {
     prod.send(Record::new(t.clone(), "m5").idempotency_key("m5"))
         .await
         .unwrap();
-    let client = Client::new(p.clone());
-    let consumer = client
-        .consumer(
-            ConsumerConfig::new(group.clone(), [t.clone()])
-                .start(StartFrom::committed_or_earliest())
-                .option("ack_wait_ms", "1500"),
-        )
-        .await
-        .unwrap();
-    let handled = Arc::new(Mutex::new(Vec::<String>::new()));
-    let seen = handled.clone();
-    let (topic_out, prod_in) = (t.clone(), prod.clone());
     // While m5 runs, m6 and m7 arrive and the dead owner's m0..m4 time out: the next fetch
     // holds m6, m7, then m0..m4.
-    let handler = handler_fn(move |m: onceflow_core::Message| {
-        let (seen, t, prod) = (seen.clone(), topic_out.clone(), prod_in.clone());
-        async move {
-            let text = String::from_utf8_lossy(&m.payload).into_owned();
-            seen.lock().unwrap().push(text.clone());
-            if text == "m5" {
-                for i in 6..8 {
-                    let k = format!("m{i}");
-                    prod.send(Record::new(t.clone(), k.clone()).idempotency_key(k))
-                        .await
-                        .unwrap();
+    let topic_out = t.clone();
+    let got = handle_all(
+        &p,
+        &group,
+        &t,
+        &[("ack_wait_ms", "1500")],
+        true,
+        8,
+        move |m| {
+            let (t, prod) = (topic_out.clone(), prod.clone());
+            Box::pin(async move {
+                if m == "m5" {
+                    for i in 6..8 {
+                        let k = format!("m{i}");
+                        prod.send(Record::new(t.clone(), k.clone()).idempotency_key(k))
+                            .await
+                            .unwrap();
+                    }
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
                 }
-                tokio::time::sleep(Duration::from_millis(2500)).await;
-            }
-            Ok(None)
-        }
-    });
-    let engine = IdempotentConsumer::with_config(
-        consumer,
-        Some(Arc::new(MemoryStore::new(Duration::from_secs(600), 1000))),
-        Arc::new(handler),
-        EngineConfig::default(),
-        None,
+            })
+        },
     )
-    .unwrap();
-    let watched = handled.clone();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    engine
-        .run_until(async move {
-            while watched.lock().unwrap().len() < 8 && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            // Long enough for every commit and for redeliveries of anything left unacked.
-            tokio::time::sleep(Duration::from_secs(4)).await;
-        })
-        .await
-        .unwrap();
-    let mut got = handled.lock().unwrap().clone();
-    got.sort();
+    .await;
     let want: Vec<String> = (0..8).map(|i| format!("m{i}")).collect();
     assert_eq!(got, want, "every message handled once");
     // Nothing left for the group: the durable's ack floor is the stream's last message.
-    let js = async_nats::jetstream::new(p.nats_client());
-    let mut stream = js.get_stream(&t).await.unwrap();
-    let last = stream.info().await.unwrap().state.last_sequence;
-    let mut durable: async_nats::jetstream::consumer::PullConsumer = stream
-        .get_consumer(&onceflow_jetstream::durable(&group, 0))
-        .await
-        .unwrap();
-    let info = durable.info().await.unwrap();
+    let (info, last) = durable_info(&p, &t, &group).await;
     assert_eq!(
         (info.ack_floor.stream_sequence, info.num_ack_pending),
         (last, 0),
         "every message acked: {info:?}"
     );
+}
+
+/// A handler that runs longer than `ack_wait` burns no deliveries (each counts toward
+/// `max_deliver`, after which the server gives the message up or dead-letters it): the adapter
+/// sends `+WPI` for every message delivered and not acknowledged, whether polled (the slow
+/// one, those behind it in its batch) or still waiting to be polled (fetched while the slow
+/// one runs). Once with every message in the first batch and no dedup store, once with m1 and
+/// m2 sent while m0 runs and a store. Before, nothing signalled the messages behind the slow
+/// one nor the prefetched ones, and the slow one only every third of a claim's lease (30 s)
+/// and only with a store: they were redelivered every second.
+#[tokio::test]
+async fn a_handler_longer_than_ack_wait_burns_no_deliveries() {
+    let Some(p) = platform("a_handler_longer_than_ack_wait_burns_no_deliveries").await else {
+        return;
+    };
+    for (store, prefetched) in [(false, false), (true, true)] {
+        let t = topic(&p, "js-topic", 1).await;
+        let group = name("g");
+        let prod = p.producer(ProducerConfig::default()).await.unwrap();
+        let send = move |prod: Arc<dyn onceflow_core::ProducerBackend>, t: String, i: usize| async move {
+            let k = format!("m{i}");
+            prod.send(Record::new(t, k.clone()).idempotency_key(k))
+                .await
+                .unwrap();
+        };
+        send(prod.clone(), t.clone(), 0).await;
+        if !prefetched {
+            send(prod.clone(), t.clone(), 1).await;
+            send(prod.clone(), t.clone(), 2).await;
+        }
+        let options = [("ack_wait_ms", "1000"), ("max_deliver", "3")];
+        let topic_in = t.clone();
+        let got = handle_all(&p, &group, &t, &options, store, 3, move |m| {
+            let (prod, t) = (prod.clone(), topic_in.clone());
+            Box::pin(async move {
+                if m == "m0" {
+                    if prefetched {
+                        send(prod.clone(), t.clone(), 1).await;
+                        send(prod, t, 2).await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(3500)).await;
+                }
+            })
+        })
+        .await;
+        let case = format!("store={store} prefetched={prefetched}");
+        assert_eq!(got, ["m0", "m1", "m2"], "{case}: each once");
+        let (info, last) = durable_info(&p, &t, &group).await;
+        assert_eq!(
+            (
+                info.delivered.consumer_sequence,
+                info.num_redelivered,
+                info.ack_floor.stream_sequence
+            ),
+            (3, 0, last),
+            "{case}: 3 deliveries, none again, all acked: {info:?}"
+        );
+    }
 }
 
 /// JetStream redelivers a message whose `ack_wait` expired even to the member holding it;

@@ -447,7 +447,8 @@ impl Core {
         let result = if held.lock().is_empty() {
             work.await
         } else {
-            self.with_renewal(&held, &keys, msgs.last(), work).await
+            self.with_renewal(&held, &keys, (&tp, generation), work)
+                .await
         };
         // Whatever is still held was not completed: free it for the redelivery.
         let leftover = std::mem::take(&mut *held.lock());
@@ -458,13 +459,17 @@ impl Core {
         result
     }
 
-    /// Runs `work`, renewing the held claims (and telling the platform the message is in
-    /// progress) every third of the lease until it finishes.
+    /// Runs `work` (a chunk's handling), renewing the held claims every third of the lease
+    /// until it finishes, so a handler longer than the lease keeps its claims. Once the
+    /// partition `(tp, generation)` moved away (or was rewound) it stops renewing: the work is
+    /// fenced, and its keys are for the partition's next owner once their leases run out.
+    /// (JetStream keeps the messages' ack deadline alive itself while they are delivered and
+    /// not acknowledged.)
     async fn with_renewal<T>(
         &self,
         held: &Held,
         keys: &Keys,
-        current: Option<&Message>,
+        (tp, generation): (&TopicPartition, u64),
         work: impl Future<Output = T>,
     ) -> T {
         let mut work = std::pin::pin!(work);
@@ -477,23 +482,20 @@ impl Core {
             tokio::select! {
                 v = &mut work => return v,
                 _ = ticker.tick() => {
-                    let claims = held_keys(&held.lock(), &keys.lock());
-                    if let Some(store) = &self.store {
-                        match store.renew(&claims, self.config.lease).await {
-                            Ok(ok) => {
-                                let lost = ok.iter().filter(|b| !**b).count();
-                                if lost > 0 {
-                                    self.metrics.add(Metric::Fenced, lost as u64);
-                                    tracing::warn!(lost, "leases lost while handling; completions will be refused");
-                                }
-                            }
-                            Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
-                        }
+                    if self.tracker.generation(tp) != generation {
+                        continue;
                     }
-                    if let Some(m) = current {
-                        if let Err(e) = self.consumer.backend().in_progress(m).await {
-                            tracing::debug!(error = %e, "in-progress ack failed");
+                    let claims = held_keys(&held.lock(), &keys.lock());
+                    let Some(store) = &self.store else { continue };
+                    match store.renew(&claims, self.config.lease).await {
+                        Ok(ok) => {
+                            let lost = ok.iter().filter(|b| !**b).count();
+                            if lost > 0 {
+                                self.metrics.add(Metric::Fenced, lost as u64);
+                                tracing::warn!(lost, "leases lost while handling; completions will be refused");
+                            }
                         }
+                        Err(e) => tracing::warn!(error = %e, "lease renewal failed"),
                     }
                 }
             }
