@@ -39,7 +39,7 @@ pub use error::{
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{
     now_ms, Delivery, Header, Headers, Message, Position, Record, StartFrom, TimestampMs,
-    TopicPartition,
+    TopicPartition, KEY_GENERATION_HEADER,
 };
 /// The SQLite client, re-exported for embedded inbox handlers (their transaction is a
 /// `rusqlite::Transaction` on the embedded store's file; see [`inbox::EmbeddedInbox`]).

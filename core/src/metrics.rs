@@ -56,6 +56,10 @@ pub struct MetricsSnapshot {
     /// `version-traceid-parentid-flags` in lowercase hex, or an all-zero id) and was ignored:
     /// the message was processed outside the trace its producer meant (a new trace, or none).
     pub malformed_traceparents: u64,
+    /// Messages whose handler (or transform) ran without an idempotency key while a dedup
+    /// store was set (the key strategy found none): at-least-once, no dedup record written.
+    /// Also the OpenTelemetry counter `onceflow.keyless`.
+    pub keyless: u64,
 }
 
 #[derive(Default)]
@@ -74,6 +78,7 @@ struct Counts {
     commits: AtomicU64,
     produced: AtomicU64,
     malformed_traceparents: AtomicU64,
+    keyless: AtomicU64,
 }
 
 struct Instruments {
@@ -87,6 +92,7 @@ struct Instruments {
     rebalances: Counter<u64>,
     fenced: Counter<u64>,
     malformed_traceparents: Counter<u64>,
+    keyless: Counter<u64>,
     lag: Gauge<u64>,
 }
 
@@ -121,6 +127,8 @@ pub enum Metric {
     Produced,
     /// [`MetricsSnapshot::malformed_traceparents`]
     MalformedTraceparent,
+    /// [`MetricsSnapshot::keyless`]
+    Keyless,
 }
 
 /// Counters of one engine instance (an idempotent consumer or a pipeline). Cheap to clone.
@@ -188,6 +196,13 @@ impl Metrics {
             malformed_traceparents: meter
                 .u64_counter(MALFORMED_TRACEPARENTS)
                 .with_description(MALFORMED_TRACEPARENTS_DESCRIPTION)
+                .with_unit("{message}")
+                .build(),
+            keyless: meter
+                .u64_counter("onceflow.keyless")
+                .with_description(
+                    "Messages handled without an idempotency key although a dedup store was set",
+                )
                 .with_unit("{message}")
                 .build(),
             lag: meter
@@ -270,6 +285,10 @@ impl Metrics {
                 c.malformed_traceparents.fetch_add(n, Ordering::Relaxed);
                 o.malformed_traceparents.add(n, a);
             }
+            Metric::Keyless => {
+                c.keyless.fetch_add(n, Ordering::Relaxed);
+                o.keyless.add(n, a);
+            }
         }
     }
 
@@ -314,6 +333,7 @@ impl Metrics {
             commits: l(&c.commits),
             produced: l(&c.produced),
             malformed_traceparents: l(&c.malformed_traceparents),
+            keyless: l(&c.keyless),
         }
     }
 }

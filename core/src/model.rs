@@ -467,10 +467,84 @@ impl Record {
         self
     }
 
+    /// Requeues a job already processed, on purpose: generation `generation` of its
+    /// idempotency key, written to the [`KEY_GENERATION_HEADER`] header (`0` removes it: the
+    /// record is the key's first generation, byte for byte what it was without this call).
+    ///
+    /// A generation `n > 0` makes the record new to both sides of the pipe while its
+    /// idempotency key stays the same: the platform's message id becomes `{key}#requeue-{n}`
+    /// (see [`Record::message_id`]; JetStream's duplicate window drops only repeats of that
+    /// id) and the idempotent consumer's dedup key gets the same suffix, so the handler runs
+    /// once more, once per generation. Sending generation `n` twice is deduplicated like any
+    /// repeat. Send errors: [`crate::ErrorKind::Config`] when the record has no idempotency
+    /// key ([`Record::idempotency_key`] or the `idempotency-key` header).
+    pub fn requeue(mut self, generation: u32) -> Self {
+        if generation == 0 {
+            self.headers.remove(KEY_GENERATION_HEADER);
+        } else {
+            self.headers
+                .set(KEY_GENERATION_HEADER, generation.to_string().into_bytes());
+        }
+        self
+    }
+
+    /// The generation of this record's idempotency key set by [`Record::requeue`]; `0` when
+    /// it has none. A header that is not a decimal number from 0 to 4294967295 is a
+    /// [`crate::ErrorKind::Config`] naming it.
+    pub fn key_generation(&self) -> crate::Result<u32> {
+        parse_generation(self.headers.get(KEY_GENERATION_HEADER).flatten())
+    }
+
+    /// The platform message id of this record (JetStream `Nats-Msg-Id`): its idempotency key
+    /// for generation 0, `{key}#requeue-{n}` for generation `n` (see [`Record::requeue`]);
+    /// `None` without an idempotency key. Adapters take the id from here, never from the key.
+    pub fn message_id(&self) -> Option<std::borrow::Cow<'_, str>> {
+        let key = self.idempotency_key.as_deref()?;
+        match self.headers.get(KEY_GENERATION_HEADER).flatten() {
+            Some(g) if !generation_is_zero(g) => {
+                Some(std::borrow::Cow::Owned(with_generation(key.to_string(), g)))
+            }
+            _ => Some(std::borrow::Cow::Borrowed(key)),
+        }
+    }
+
     /// Approximate size in bytes (key + payload + headers), for size limits.
     pub fn size_bytes(&self) -> usize {
         self.key.as_ref().map_or(0, |k| k.len()) + self.payload.len() + self.headers.size_bytes()
     }
+}
+
+/// Header carrying the generation of a requeued record's idempotency key (see
+/// [`Record::requeue`]): a decimal number, absent for generation 0.
+pub const KEY_GENERATION_HEADER: &str = "onceflow-key-generation";
+
+fn generation_is_zero(g: &[u8]) -> bool {
+    g.is_empty() || g == b"0"
+}
+
+/// `key` of generation `g` (the header's text): `{key}#requeue-{g}`; `key` itself for
+/// generation 0. The platform message id and the dedup key share this form.
+pub(crate) fn with_generation(mut key: String, g: &[u8]) -> String {
+    if !generation_is_zero(g) {
+        key.push_str("#requeue-");
+        key.push_str(&String::from_utf8_lossy(g));
+    }
+    key
+}
+
+pub(crate) fn parse_generation(g: Option<&Bytes>) -> crate::Result<u32> {
+    let Some(g) = g else { return Ok(0) };
+    std::str::from_utf8(g)
+        .ok()
+        .filter(|t| t.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|t| t.parse::<u32>().ok())
+        .ok_or_else(|| {
+            crate::Error::config(format!(
+                "header {KEY_GENERATION_HEADER} '{}': expected a whole number from 0 to {}",
+                crate::shown(&String::from_utf8_lossy(g)),
+                u32::MAX
+            ))
+        })
 }
 
 /// What a successful send returns: where the record landed.
@@ -717,5 +791,36 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.message().contains("offset:-3"));
         assert!("kinesis:12a".parse::<Position>().is_err());
+    }
+}
+
+#[cfg(test)]
+mod requeue_tests {
+    use super::*;
+
+    #[test]
+    fn generation_zero_keeps_the_key_as_message_id_and_a_requeue_gets_its_own() {
+        let r = Record::new("t", "p").idempotency_key("job-1");
+        assert!(matches!(
+            r.message_id(),
+            Some(std::borrow::Cow::Borrowed("job-1"))
+        ));
+        assert_eq!(r.key_generation().unwrap(), 0);
+        let r0 = r.clone().requeue(0);
+        assert_eq!(r0.headers, r.headers, "generation 0 adds nothing");
+        let r2 = r.clone().requeue(2);
+        assert_eq!(r2.message_id().as_deref(), Some("job-1#requeue-2"));
+        assert_eq!(r2.key_generation().unwrap(), 2);
+        assert_eq!(r2.headers.get_str(KEY_GENERATION_HEADER), Some("2"));
+        assert_eq!(r2.requeue(0).headers, r.headers, "back to generation 0");
+        assert_eq!(Record::new("t", "p").requeue(1).message_id(), None);
+    }
+
+    #[test]
+    fn a_malformed_generation_header_is_a_config_error_naming_it() {
+        let r = Record::new("t", "p").header(KEY_GENERATION_HEADER, "-1");
+        let e = r.key_generation().unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Config);
+        assert!(e.message().contains("'-1'") && e.message().contains(KEY_GENERATION_HEADER));
     }
 }

@@ -8,7 +8,9 @@
 //! `conflicting_payload_is_an_error`, `malformed_traceparent_does_not_stop_consumption`,
 //! `trace_context_continues_into_handler`, `pipeline_outputs_each_input_once`,
 //! `pipeline_restart_after_crash`, `member_joining_mid_stream_loses_and_repeats_nothing`,
-//! `shutdown_drains_and_commits`.
+//! `shutdown_drains_and_commits`, `keyless_messages_write_no_dedup_record_and_are_counted`,
+//! `require_key_dead_letters_a_keyless_message`,
+//! `conflicting_payload_does_not_stop_consumer_or_pipeline`, `requeued_job_runs_once_more`.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -48,6 +50,10 @@ macro_rules! engine_suite {
             pipeline_redoes_inputs_completed_by_an_uncommitted_transaction,
             member_joining_mid_stream_loses_and_repeats_nothing,
             shutdown_drains_and_commits,
+            keyless_messages_write_no_dedup_record_and_are_counted,
+            require_key_dead_letters_a_keyless_message,
+            conflicting_payload_does_not_stop_consumer_or_pipeline,
+            requeued_job_runs_once_more,
         );
     };
     (@cases ($harness:expr) $($case:ident),* $(,)?) => {
@@ -1084,6 +1090,294 @@ pub async fn shutdown_drains_and_commits(h: &dyn Harness) -> CaseResult {
     let summary = summary?;
     check(summary.drained, "drained within the deadline")?;
     check(metrics.snapshot().commits >= 1, "committed at shutdown")?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// Runs of a handler: `(idempotency key, key generation, payload)` per successful run.
+type Runs = Arc<Mutex<Vec<(String, u32, String)>>>;
+
+fn recording(runs: Runs) -> Arc<dyn Handler> {
+    Arc::new(onceflow_core::handler_fn(move |m: Message| {
+        let runs = runs.clone();
+        async move {
+            let generation = m
+                .headers
+                .get_str(onceflow_core::KEY_GENERATION_HEADER)
+                .map_or(0, |g| g.parse().unwrap_or(u32::MAX));
+            runs.lock().unwrap().push((
+                Counting::key(&m),
+                generation,
+                String::from_utf8_lossy(&m.payload).into_owned(),
+            ));
+            Ok(None)
+        }
+    }))
+}
+
+/// Messages without an idempotency key (no header) run at-least-once with a store, write no
+/// dedup record (they used to write one under their coordinates) and are counted as keyless.
+pub async fn keyless_messages_write_no_dedup_record_and_are_counted(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    let mut recs: Vec<Record> = ["a", "b", "c"]
+        .iter()
+        .map(|p| Record::new(topic.clone(), p.as_bytes().to_vec()))
+        .collect();
+    recs.push(record(&topic, "k1", "x"));
+    produce(&client, recs).await?;
+    let group = h.group();
+    let store: Arc<dyn DedupStore> = store();
+    let runs: Runs = Arc::default();
+    let consumer = client.consumer(consumer_config(h, &group, &topic)).await?;
+    let ic = IdempotentConsumer::with_config(
+        consumer,
+        Some(store.clone()),
+        recording(runs.clone()),
+        fast_engine(h),
+        None,
+    )?;
+    let metrics = ic.metrics();
+    let r2 = runs.clone();
+    ic.run_until(until(h, move || r2.lock().unwrap().len() >= 4))
+        .await?;
+    let runs = runs.lock().unwrap().clone();
+    let keyless = runs.iter().filter(|r| r.0.is_empty()).count();
+    check(
+        keyless == 3 && runs.len() == 4,
+        format!("three keyless runs and one keyed, got {runs:?}"),
+    )?;
+    let s = metrics.snapshot();
+    check(s.keyless == 3, format!("keyless counter 3, got {s:?}"))?;
+    let read = read_all(h, &client, &topic, 4).await?;
+    let coordinate_keys: Vec<String> = read
+        .iter()
+        .filter(|m| Counting::key(m).is_empty())
+        .map(|m| format!("{group}/@{}/{}/{}", m.topic, m.partition, m.position))
+        .collect();
+    check(
+        coordinate_keys.len() == 3,
+        "three keyless messages read back",
+    )?;
+    let rows = store.get(&coordinate_keys).await?;
+    check(
+        rows.iter().all(Option::is_none),
+        format!("no dedup record for keyless messages, found {rows:?} at {coordinate_keys:?}"),
+    )?;
+    check(
+        store.get(&[format!("{group}/k1")]).await?[0].is_some(),
+        "the keyed message has its record",
+    )?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// With `require_key`, a keyless message is an error naming the header that found nothing,
+/// dead-lettered like a failed handler; its handler does not run and the consumer goes on.
+pub async fn require_key_dead_letters_a_keyless_message(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    let dlq = h.topic(1).await?;
+    produce(
+        &client,
+        vec![
+            record(&topic, "k0", "x"),
+            Record::new(topic.clone(), b"no-key".to_vec()),
+            record(&topic, "k1", "y"),
+        ],
+    )
+    .await?;
+    let handler = Arc::new(Counting::default());
+    let cfg = EngineConfig {
+        require_key: true,
+        on_failure: OnFailure::DeadLetter(dlq.clone()),
+        ..fast_engine(h)
+    };
+    let group = h.group();
+    let (metrics, summary) = run_consumer(
+        h,
+        &client,
+        &group,
+        &topic,
+        handler.clone(),
+        cfg,
+        true,
+        |c, m| c.distinct() == 2 && m.snapshot().dead_lettered == 1,
+    )
+    .await?;
+    summary?;
+    let runs = handler.runs.lock().unwrap().clone();
+    check(
+        runs.len() == 2 && !runs.contains_key(""),
+        format!("k0 and k1 handled, the keyless one not: {runs:?}"),
+    )?;
+    let s = metrics.snapshot();
+    check(
+        s.dead_lettered == 1 && s.keyless == 0,
+        format!("one dead letter, nothing run keyless: {s:?}"),
+    )?;
+    let dead = read_all(h, &client, &dlq, 1).await?;
+    check(
+        dead.len() == 1,
+        format!("one dead letter, got {}", dead.len()),
+    )?;
+    let d = &dead[0];
+    check(
+        d.payload.as_ref() == b"no-key",
+        "dead letter keeps the payload",
+    )?;
+    let error = d.headers.get_str("onceflow-error").unwrap_or("");
+    check(
+        error.contains("header 'idempotency-key'") && error.contains("require_key"),
+        format!("the error names the header, got '{error}'"),
+    )?;
+    check(
+        d.headers.get_str("onceflow-error-kind") == Some("ONCEFLOW_CONFIG"),
+        format!("error kind header, got {:?}", d.headers),
+    )?;
+    nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// A payload conflicting with its key's fingerprint is routed like a failed handler: with
+/// `redeliver` (the default) it is handed back to the platform and neither the consumer nor
+/// the pipeline stops (both used to stop with the Conflict error).
+pub async fn conflicting_payload_does_not_stop_consumer_or_pipeline(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    produce(
+        &client,
+        vec![record(&topic, "k", "first"), record(&topic, "k", "second")],
+    )
+    .await?;
+    let handler = Arc::new(Counting::default());
+    let (metrics, summary) = run_consumer(
+        h,
+        &client,
+        &h.group(),
+        &topic,
+        handler.clone(),
+        fast_engine(h),
+        false,
+        |_, m| m.snapshot().redelivery_requests >= 2,
+    )
+    .await?;
+    check(
+        summary.is_ok(),
+        format!("the consumer goes on after a conflict, got {summary:?}"),
+    )?;
+    let s = metrics.snapshot();
+    check(
+        s.redelivery_requests >= 2,
+        format!("the conflict was redelivered, got {s:?}"),
+    )?;
+    check(handler.distinct() == 1, "the first payload was handled")?;
+
+    // The pipeline, transactional where the platform has transactions.
+    let output = h.topic(1).await?;
+    let group = h.group();
+    let consumer = client.consumer(consumer_config(h, &group, &topic)).await?;
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(format!("{group}-tx")))
+        .await?;
+    let echo = Echo {
+        out: output.clone(),
+        calls: Arc::new(AtomicU64::new(0)),
+        crash_after: None,
+    };
+    let pipeline = Pipeline::with_config(
+        consumer,
+        producer,
+        Some(store()),
+        Arc::new(echo),
+        PipelineConfig {
+            engine: fast_engine(h),
+            transaction_interval: Duration::from_millis(50),
+            ..PipelineConfig::default()
+        },
+    )?;
+    let pm = pipeline.metrics();
+    let pm2 = pm.clone();
+    let summary = pipeline
+        .run_until(until(h, move || pm2.snapshot().redelivery_requests >= 2))
+        .await;
+    check(
+        summary.is_ok(),
+        format!("the pipeline goes on after a conflict, got {summary:?}"),
+    )?;
+    check(
+        pm.snapshot().redelivery_requests >= 2,
+        format!(
+            "the pipeline redelivered the conflict, got {:?}",
+            pm.snapshot()
+        ),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// A processed job requeued on purpose (`Record::requeue(1)`) runs once more although its
+/// idempotency key is the same; a plain re-send (generation 0) and a repeat of generation 1
+/// are deduplicated. Where the platform deduplicates by message id (JetStream `Nats-Msg-Id`)
+/// it keeps the requeue and drops the repeats itself.
+pub async fn requeued_job_runs_once_more(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    let job = || Record::new(topic.clone(), b"job".to_vec()).idempotency_key("job-1");
+    produce(&client, vec![job()]).await?;
+    let group = h.group();
+    let runs: Runs = Arc::default();
+    let consumer = client.consumer(consumer_config(h, &group, &topic)).await?;
+    let ic = IdempotentConsumer::with_config(
+        consumer,
+        Some(store()),
+        recording(runs.clone()),
+        fast_engine(h),
+        None,
+    )?;
+    let metrics = ic.metrics();
+    let r2 = runs.clone();
+    let run = tokio::spawn(ic.run_until(until(h, move || {
+        r2.lock().unwrap().iter().any(|r| r.0 == "end")
+    })));
+    let r3 = runs.clone();
+    until(h, move || !r3.lock().unwrap().is_empty()).await;
+    // After the first run: the same job again, then requeued twice, then an end marker.
+    produce(
+        &client,
+        vec![
+            job(),
+            job().requeue(1),
+            job().requeue(1),
+            record(&topic, "end", "end"),
+        ],
+    )
+    .await?;
+    run.await
+        .map_err(|e| Error::new(ErrorKind::Platform, e.to_string()))??;
+    let runs = runs.lock().unwrap().clone();
+    let jobs: Vec<u32> = runs
+        .iter()
+        .filter(|r| r.0 == "job-1")
+        .map(|r| r.1)
+        .collect();
+    check(
+        jobs == [0, 1],
+        format!("job-1 run for generations 0 and 1 once each, got {runs:?}"),
+    )?;
+    let read = read_all(h, &client, &topic, 3).await?;
+    let kept = read.iter().filter(|m| m.payload.as_ref() == b"job").count();
+    if h.platform().name() == "jetstream" {
+        check(
+            kept == 2,
+            format!("JetStream keeps generation 0 and 1 once each, kept {kept}"),
+        )?;
+    } else {
+        let dups = metrics.snapshot().duplicates_skipped;
+        check(
+            kept == 4 && dups == 2,
+            format!("4 sends kept, 2 skipped as duplicates; got {kept} and {dups}"),
+        )?;
+    }
     nothing_left(h, &client, &group, &topic).await?;
     Ok(Outcome::Passed)
 }

@@ -294,18 +294,31 @@ impl Core {
         }
     }
 
-    /// The store key of a message, if it has an idempotency key.
+    /// The store key of a message, if it has an idempotency key: `{namespace}/{key}`, with
+    /// `#requeue-{n}` for a requeued generation `n` ([`crate::Record::requeue`]).
     pub(crate) fn store_key(&self, m: &Message) -> Option<String> {
+        let k = self.store_key_of_generation_zero(m)?;
+        Some(match m.headers.get(crate::model::KEY_GENERATION_HEADER) {
+            Some(Some(g)) => crate::model::with_generation(k, g),
+            _ => k,
+        })
+    }
+
+    fn store_key_of_generation_zero(&self, m: &Message) -> Option<String> {
         // The common case, a UTF-8 header, costs one allocation.
         if let KeyStrategy::Header(name) = &self.config.key {
-            if let Some(Some(v)) = m.headers.get(name) {
-                if let (false, Ok(k)) = (v.is_empty(), std::str::from_utf8(v)) {
-                    let mut s = String::with_capacity(self.namespace.len() + 1 + k.len());
-                    s.push_str(&self.namespace);
-                    s.push('/');
-                    s.push_str(k);
-                    return Some(s);
+            match m.headers.get(name) {
+                Some(Some(v)) if !v.is_empty() => {
+                    if let Ok(k) = std::str::from_utf8(v) {
+                        let mut s = String::with_capacity(self.namespace.len() + 1 + k.len());
+                        s.push_str(&self.namespace);
+                        s.push('/');
+                        s.push_str(k);
+                        return Some(s);
+                    }
                 }
+                // Keyless: no dedup record (it used to fall back to a coordinates key).
+                _ => return None,
             }
         }
         if let KeyStrategy::Coordinates = &self.config.key {
@@ -322,8 +335,13 @@ impl Core {
         }
         self.config
             .key
-            .key_of(m)
+            .find_key(m)
             .map(|k| format!("{}/{k}", self.namespace))
+    }
+
+    /// Whether keys are looked up at all: with a store, or to refuse keyless messages.
+    pub(crate) fn needs_keys(&self) -> bool {
+        self.store.is_some() || self.config.require_key
     }
 
     pub(crate) fn claim_request(&self, key: String, m: &Message) -> ClaimRequest {
@@ -368,10 +386,11 @@ impl Core {
     async fn process_chunk(&self, tp: TopicPartition, msgs: Vec<Message>) -> Result<()> {
         let generation = self.tracker.generation(&tp);
         let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
-        // Keys only matter with a store.
-        let mut keys: Vec<Option<String>> = match &self.store {
-            Some(_) => msgs.iter().map(|m| self.store_key(m)).collect(),
-            None => vec![None; msgs.len()],
+        // Keys only matter with a store (or to refuse keyless messages).
+        let mut keys: Vec<Option<String>> = if self.needs_keys() {
+            msgs.iter().map(|m| self.store_key(m)).collect()
+        } else {
+            vec![None; msgs.len()]
         };
         if let Some(store) = &self.store {
             // A key repeated within the chunk (a redelivery arriving with its original) is
@@ -548,12 +567,17 @@ impl Core {
                 self.metrics.add(Metric::Fenced, 1);
                 break;
             }
-            let runnable =
-                |o: &Option<ClaimOutcome>| matches!(o, None | Some(ClaimOutcome::Claimed { .. }));
-            if batched && runnable(&outcome) && ready.get(i).is_none_or(Option::is_none) {
+            // A keyless message refused by `require_key` needs no handler.
+            let refused = |j: usize| self.config.require_key && keys.lock().keys[j].is_none();
+            let runnable = |j: usize, o: &Option<ClaimOutcome>| match o {
+                None => !refused(j),
+                Some(ClaimOutcome::Claimed { .. }) => true,
+                _ => false,
+            };
+            if batched && runnable(i, &outcome) && ready.get(i).is_none_or(Option::is_none) {
                 // The run of messages from here that need the handler: one call for all.
                 let end = (i + 1..msgs.len())
-                    .find(|&j| !runnable(&outcomes[j]))
+                    .find(|&j| !runnable(j, &outcomes[j]))
                     .unwrap_or(msgs.len());
                 let results = self.run_batch_handler(tp, generation, &msgs[i..end]).await;
                 ready.resize_with(msgs.len(), || None);
@@ -580,7 +604,8 @@ impl Core {
                             msg.position
                         ),
                     );
-                    self.give_up(tp, msg, None, err, 1, true).await
+                    tracing::warn!(error = %err, "payload conflicts with its key's fingerprint; routed by on_failure");
+                    self.give_up(tp, msg, None, err, 1).await
                 }
                 Some(ClaimOutcome::Claimed { token }) => {
                     let result = match handled(&mut ready) {
@@ -597,13 +622,21 @@ impl Core {
                         }
                         Err((err, attempts)) => {
                             let k = key_copy().expect("claimed implies key");
-                            self.give_up(tp, msg, Some((i, &k, token, held)), err, attempts, false)
+                            self.give_up(tp, msg, Some((i, &k, token, held)), err, attempts)
                                 .await
                         }
                     }
                 }
                 Some(ClaimOutcome::InProgress { .. }) => Ok(Done::Fenced),
+                None if self.config.require_key && keys.lock().keys[i].is_none() => {
+                    let err = super::missing_key_error(&self.config.key, msg);
+                    tracing::warn!(error = %err, "keyless message refused; routed by on_failure");
+                    self.give_up(tp, msg, None, err, 1).await
+                }
                 None => {
+                    if self.store.is_some() && keys.lock().keys[i].is_none() {
+                        self.metrics.add(Metric::Keyless, 1);
+                    }
                     let result = match handled(&mut ready) {
                         Some(r) => r,
                         None => self.run_handler(tp, generation, msg).await,
@@ -613,9 +646,7 @@ impl Core {
                             self.metrics.add(Metric::Processed, 1);
                             Ok(Done::Finished)
                         }
-                        Err((err, attempts)) => {
-                            self.give_up(tp, msg, None, err, attempts, false).await
-                        }
+                        Err((err, attempts)) => self.give_up(tp, msg, None, err, attempts).await,
                     }
                 }
             };
@@ -848,7 +879,6 @@ impl Core {
         claim: Option<(usize, &str, FencingToken, &Held)>,
         err: Error,
         attempts: u32,
-        conflict: bool,
     ) -> Result<Done> {
         if err.kind() == ErrorKind::Fenced {
             return Ok(Done::Fenced);
@@ -874,7 +904,7 @@ impl Core {
                 self.metrics.add(Metric::DeadLettered, 1);
                 Ok(Done::Finished)
             }
-            OnFailure::Redeliver if !conflict => {
+            OnFailure::Redeliver => {
                 self.metrics.add(Metric::RedeliveryRequested, 1);
                 if !self.consumer.capabilities().per_message_nack {
                     self.tracker.bump(tp);

@@ -30,13 +30,16 @@ pub type KeyFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
 /// Where the idempotency key of a message comes from.
 #[derive(Clone)]
 pub enum KeyStrategy {
-    /// A header (default `idempotency-key`); a message without it falls back to its own
-    /// coordinates (topic, partition, position), so it is deduplicated against its own
-    /// redeliveries and never against another message.
+    /// A header (default `idempotency-key`). A message without it (or with it empty) is
+    /// *keyless*: with a dedup store it writes no dedup record and its handler runs
+    /// at-least-once (counted in [`crate::MetricsSnapshot::keyless`]), or it is refused when
+    /// [`EngineConfig::require_key`] is on. A requeued record's generation
+    /// ([`crate::Record::requeue`]) is part of its dedup key.
     Header(String),
     /// The message's coordinates: `topic/partition/position`.
     Coordinates,
-    /// A user function; `None` means "no key": the message is handled without dedup.
+    /// A user function; `None` means "no key": the message is keyless, as for a missing
+    /// header.
     Custom(KeyFn),
 }
 
@@ -57,7 +60,34 @@ impl std::fmt::Debug for KeyStrategy {
 }
 
 impl KeyStrategy {
-    /// The idempotency key of `message`, or `None` when it has none.
+    /// The idempotency key this strategy finds in `message`, or `None` when it finds none (a
+    /// missing or empty header, a function returning `None`): the key the dedup store sees,
+    /// without the requeue generation.
+    pub fn find_key(&self, message: &Message) -> Option<String> {
+        match self {
+            KeyStrategy::Header(name) => match message.headers.get(name) {
+                Some(Some(v)) if !v.is_empty() => Some(String::from_utf8_lossy(v).into_owned()),
+                _ => None,
+            },
+            KeyStrategy::Coordinates => Some(coordinates(message)),
+            KeyStrategy::Custom(f) => f(message),
+        }
+    }
+
+    /// What found nothing in a keyless message, for error messages: `header 'NAME'` or `the
+    /// key function`.
+    pub fn source(&self) -> String {
+        match self {
+            KeyStrategy::Header(name) => format!("header '{name}'"),
+            KeyStrategy::Coordinates => "the message coordinates".to_string(),
+            KeyStrategy::Custom(_) => "the key function".to_string(),
+        }
+    }
+
+    /// The idempotency key of `message` as output ids and the inbox use it: like
+    /// [`KeyStrategy::find_key`], except that a message without the header falls back to its
+    /// own coordinates (`@topic/partition/position`), so the outputs of its replays keep
+    /// deterministic ids.
     pub fn key_of(&self, message: &Message) -> Option<String> {
         match self {
             KeyStrategy::Header(name) => match message.headers.get(name) {
@@ -87,6 +117,29 @@ impl std::str::FromStr for KeyStrategy {
             ))),
         }
     }
+}
+
+/// The base of output ids for `m` (pipeline outputs are `{base}:{index}`): the strategy's key
+/// ([`KeyStrategy::key_of`]) with the requeue generation, so the outputs of a requeued input
+/// are new to the platform too; generation 0 leaves the key as it is.
+pub(crate) fn output_key(key: &KeyStrategy, m: &Message) -> Option<String> {
+    let k = key.key_of(m)?;
+    Some(match m.headers.get(crate::model::KEY_GENERATION_HEADER) {
+        Some(Some(g)) => crate::model::with_generation(k, g),
+        _ => k,
+    })
+}
+
+/// The error for a keyless message when [`EngineConfig::require_key`] is on.
+pub(crate) fn missing_key_error(key: &KeyStrategy, m: &Message) -> Error {
+    Error::config(format!(
+        "message at {}/{} position {} has no idempotency key: {} found none (require_key is \
+         on; expected every message to carry a key)",
+        m.topic,
+        m.partition,
+        m.position,
+        key.source()
+    ))
 }
 
 fn coordinates(m: &Message) -> String {
@@ -155,8 +208,20 @@ pub struct EngineConfig {
     /// Lease of a claim; renewed every third of it while the handler runs. Default 30 s.
     pub lease: Duration,
     /// Compare payload fingerprints: the same key with a different payload is an
-    /// [`crate::ErrorKind::Conflict`] instead of a silent skip. Default on.
+    /// [`crate::ErrorKind::Conflict`] instead of a silent skip. Default on. A conflicting
+    /// message never stops the engine by itself: it is routed like a handler that failed for
+    /// good, by [`EngineConfig::on_failure`] (dead-lettered, redelivered, or a stop only when
+    /// the policy is [`OnFailure::Stop`]). A conflict does not go away on redelivery: with
+    /// [`OnFailure::Redeliver`] it comes back until the platform's delivery limit, so name a
+    /// dead-letter topic.
     pub fingerprint: bool,
+    /// Refuse keyless messages (no key found by [`EngineConfig::key`]): each is an
+    /// [`crate::ErrorKind::Config`] error naming the header or the key function that found
+    /// nothing, routed like a handler that failed for good (dead-letter topic, or
+    /// [`EngineConfig::on_failure`]); its handler does not run. Default off: a keyless
+    /// message runs at-least-once without a dedup record, counted in
+    /// [`crate::MetricsSnapshot::keyless`].
+    pub require_key: bool,
     /// Handler attempts per delivery (1 = no retry). Default 5.
     pub max_attempts: u32,
     /// First retry delay; doubles up to `max_backoff`, with jitter. Default 100 ms.
@@ -189,6 +254,7 @@ impl Default for EngineConfig {
             worker_id: format!("worker-{:016x}", rand::random::<u64>()),
             lease: Duration::from_secs(30),
             fingerprint: true,
+            require_key: false,
             max_attempts: 5,
             min_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),

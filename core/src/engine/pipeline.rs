@@ -240,7 +240,7 @@ impl Handler for OutputHandler {
             records: mut outputs,
             parent,
         } = self.transform.transform_traced(message).await?;
-        set_output_ids(self.key.key_of(message), &mut outputs);
+        set_output_ids(super::output_key(&self.key, message), &mut outputs);
         if outputs.is_empty() {
             return Ok(None);
         }
@@ -538,7 +538,7 @@ impl TxLoop<'_> {
             }
             // Store keys are only needed with a store: without one, no key is claimed, and
             // formatting one per input was a sixth of the pipeline's own CPU time (K4).
-            let keys: Vec<Option<String>> = if core.store.is_some() {
+            let keys: Vec<Option<String>> = if core.needs_keys() {
                 msgs.iter().map(|m| core.store_key(m)).collect()
             } else {
                 vec![None; msgs.len()]
@@ -609,9 +609,10 @@ impl TxLoop<'_> {
                                 msg.position
                             ),
                         );
-                        if !self.dead_letter(&mut st, msg, &err, 1, None).await? {
-                            self.abort_and_rewind(&mut st, "conflict").await?;
-                            return Err(err);
+                        // Routed like a transform that failed for good; never a stop by itself.
+                        tracing::warn!(error = %err, "payload conflicts with its key's fingerprint; routed by on_failure");
+                        if !self.give_up(&mut st, msg, err, 1, None, false).await? {
+                            return Ok(());
                         }
                     }
                     Some(ClaimOutcome::Claimed { token }) => {
@@ -627,7 +628,17 @@ impl TxLoop<'_> {
                         }
                     }
                     Some(ClaimOutcome::InProgress { .. }) => unreachable!("waited out above"),
+                    None if key.is_none() && cfg.require_key => {
+                        let err = super::missing_key_error(&cfg.key, msg);
+                        tracing::warn!(error = %err, "keyless message refused; routed by on_failure");
+                        if !self.give_up(&mut st, msg, err, 1, None, false).await? {
+                            return Ok(());
+                        }
+                    }
                     None => {
+                        if key.is_none() && core.store.is_some() {
+                            core.metrics.add(Metric::Keyless, 1);
+                        }
                         if !self.process(&mut st, msg, key.as_deref()).await? {
                             return Ok(());
                         }
@@ -698,36 +709,15 @@ impl TxLoop<'_> {
                             tokio::time::sleep(d).await;
                         }
                         _ => {
-                            if self.dead_letter(st, msg, &e, attempt, cx).await? {
-                                // Finished by the dead-letter record in this transaction; free
-                                // the key so a later replay of the message runs again.
-                                let _ = key;
-                                if let (Some(store), Some(k)) = (&core.store, core.store_key(msg)) {
-                                    if let Some(i) = st.claims.iter().position(|c| c.key == k) {
-                                        let c = st.claims.remove(i);
-                                        store.release_one(&c.key, c.token).await?;
-                                    }
-                                }
-                                return Ok(true);
-                            }
-                            self.abort_and_rewind(st, "transform failed").await?;
-                            if core.config.on_failure == OnFailure::Stop {
-                                return Err(e.context(format!(
-                                    "{} {} after {attempt} attempt(s)",
-                                    msg.topic_partition(),
-                                    msg.position
-                                )));
-                            }
-                            core.metrics.add(Metric::RedeliveryRequested, 1);
-                            tokio::time::sleep(core.config.redelivery_delay).await;
-                            return Ok(false);
+                            let _ = key;
+                            return self.give_up(st, msg, e, attempt, cx, true).await;
                         }
                     }
                 }
             }
         };
         let mut outputs = outputs;
-        set_output_ids(core.config.key.key_of(msg), &mut outputs);
+        set_output_ids(super::output_key(&core.config.key, msg), &mut outputs);
         let n = outputs.len() as u64;
         // Sent with the rest of the batch (pipelined) by `flush`, before positions commit, each
         // as a child of this input's process span.
@@ -736,6 +726,47 @@ impl TxLoop<'_> {
         core.metrics.add(Metric::Produced, n);
         core.metrics.add(Metric::Processed, 1);
         Ok(true)
+    }
+
+    /// `msg` failed for good with `e` after `attempts` (a transform, a payload conflicting with
+    /// its key's fingerprint, a keyless message refused by `require_key`): dead-lettered in the
+    /// transaction when a dead-letter topic is set (`Ok(true)`: go on with the batch);
+    /// otherwise the transaction is aborted and rewound, and then an error with
+    /// [`OnFailure::Stop`], or a wait of the redelivery delay and `Ok(false)` (the batch is
+    /// read again).
+    async fn give_up(
+        &self,
+        st: &mut TxState,
+        msg: &Message,
+        e: Error,
+        attempts: u32,
+        cx: Option<opentelemetry::Context>,
+        claimed: bool,
+    ) -> Result<bool> {
+        let core = self.core;
+        if self.dead_letter(st, msg, &e, attempts, cx).await? {
+            // Finished by the dead-letter record in this transaction; free the key (if `msg`
+            // claimed it: a conflicting copy did not) so a later replay of the message runs
+            // again.
+            if let (Some(store), Some(k), true) = (&core.store, core.store_key(msg), claimed) {
+                if let Some(i) = st.claims.iter().position(|c| c.key == k) {
+                    let c = st.claims.remove(i);
+                    store.release_one(&c.key, c.token).await?;
+                }
+            }
+            return Ok(true);
+        }
+        self.abort_and_rewind(st, "input failed").await?;
+        if core.config.on_failure == OnFailure::Stop {
+            return Err(e.context(format!(
+                "{} {} after {attempts} attempt(s)",
+                msg.topic_partition(),
+                msg.position
+            )));
+        }
+        core.metrics.add(Metric::RedeliveryRequested, 1);
+        tokio::time::sleep(core.config.redelivery_delay).await;
+        Ok(false)
     }
 
     /// Enqueues the outputs gathered so far in the open transaction; their delivery reports
