@@ -151,6 +151,18 @@ impl AdminBackend for JetStreamAdmin {
             .to_string(),
         );
         options.insert("replicas".to_string(), c.num_replicas.to_string());
+        // What an ack promises (see JetStreamPlatform::durability).
+        let durability = self.shared.check_durability(name, false).await?;
+        options.insert("sync".to_string(), durability.sync.to_string());
+        options.insert(
+            "durable_on_ack".to_string(),
+            match durability.durable_on_ack {
+                Some(true) => "true",
+                Some(false) => "false",
+                None => "unknown",
+            }
+            .to_string(),
+        );
         options.insert("messages".to_string(), info.state.messages.to_string());
         Ok(TopicDescription {
             name: name.to_string(),

@@ -48,6 +48,31 @@ pub struct JetStreamOptions {
     pub memory_storage: bool,
     /// `fetch_batch` (default 256): messages asked per pull request.
     pub fetch_batch: usize,
+    /// `pull_expires_ms` (default 500, at least 100): how long one pull request waits on the
+    /// server for messages (its `expires`). A partition given up waits for the request in
+    /// flight to end, so a longer expiry makes hand-overs slower.
+    pub pull_expires: Duration,
+    /// `idle_heartbeat_ms` (default 0 = none): the pull request's `idle_heartbeat`: while it
+    /// waits, the server sends a heartbeat this often, and a request that misses two in a row
+    /// is given up and pulled again (a server that restarted or a connection that died
+    /// silently is noticed within two heartbeats instead of at the request's expiry). At most
+    /// half of `pull_expires_ms` (the server refuses a longer one), at least 10 ms
+    /// ([pull requests](https://docs.nats.io/reference/reference-protocols/nats_api_reference#fetching-from-a-pull-consumer),
+    /// [ADR-37](https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-37.md)).
+    pub idle_heartbeat: Option<Duration>,
+    /// `reset` (default `false`): a consumer with an explicit start (`Earliest`, `Latest`, a
+    /// position or a timestamp) deletes the group's existing durables of its partitions and
+    /// creates them again at that start: the group's progress (ack floor) is forgotten.
+    /// Without it an explicit start applies to durables created now only, and an existing
+    /// durable is resumed at its ack floor (a warning says so), as Kafka's
+    /// `auto.offset.reset` applies only to a group without committed offsets. Every member
+    /// that joins with `reset=true` resets: give it to one run only.
+    pub reset: bool,
+    /// `require_durable` (default `false`): the application needs an acknowledged write to
+    /// survive a server crash. A topic whose stream cannot promise that (memory storage, or a
+    /// file stream whose server's `sync_interval` clients cannot read, see
+    /// [`crate::DurabilityReport`]) gets a warning when it is first used.
+    pub require_durable: bool,
     /// `dead_letter` (default none): a topic; with `max_deliver` > 0 a consumer republishes a
     /// message the server gave up on (its `MAX_DELIVERIES` advisory) to it, with the reason in
     /// headers, and terminates it.
@@ -104,6 +129,10 @@ impl std::fmt::Debug for JetStreamOptions {
             .field("allow_atomic", &self.allow_atomic)
             .field("memory_storage", &self.memory_storage)
             .field("fetch_batch", &self.fetch_batch)
+            .field("pull_expires", &self.pull_expires)
+            .field("idle_heartbeat", &self.idle_heartbeat)
+            .field("reset", &self.reset)
+            .field("require_durable", &self.require_durable)
             .field("dead_letter", &self.dead_letter)
             .field("tls", &self.tls)
             .field("tls_ca", &self.tls_ca)
@@ -137,6 +166,10 @@ impl Default for JetStreamOptions {
             allow_atomic: true,
             memory_storage: false,
             fetch_batch: 256,
+            pull_expires: Duration::from_millis(500),
+            idle_heartbeat: None,
+            reset: false,
+            require_durable: false,
             dead_letter: None,
             tls: false,
             tls_ca: None,
@@ -270,6 +303,29 @@ impl JetStreamOptions {
                     return Err(Error::config(format!("'{key}={value}': expected >= 1")));
                 }
             }
+            "pull_expires_ms" => {
+                let d = ms(key, value)?;
+                if d < Duration::from_millis(100) {
+                    return Err(Error::config(format!(
+                        "'{key}={value}': expected at least 100 ms"
+                    )));
+                }
+                self.pull_expires = d;
+            }
+            "idle_heartbeat_ms" => {
+                let d = ms(key, value)?;
+                self.idle_heartbeat = if d.is_zero() {
+                    None
+                } else if d < Duration::from_millis(10) {
+                    return Err(Error::config(format!(
+                        "'{key}={value}': expected 0 (none) or at least 10 ms"
+                    )));
+                } else {
+                    Some(d)
+                };
+            }
+            "reset" => self.reset = parse_bool(key, value)?,
+            "require_durable" => self.require_durable = parse_bool(key, value)?,
             "dead_letter" => {
                 crate::naming::check_topic(value)?;
                 self.dead_letter = Some(value.to_string())
@@ -290,7 +346,8 @@ impl JetStreamOptions {
                     "unknown nats option '{}': expected one of auto_create, partitions, \
                      publish_timeout_ms, publish_retries, request_timeout_ms, ack_wait_ms, \
                      max_deliver, max_ack_pending, backoff_ms, duplicate_window_ms, allow_atomic, \
-                     storage, fetch_batch, dead_letter, {}",
+                     storage, fetch_batch, pull_expires_ms, idle_heartbeat_ms, reset, \
+                     require_durable, dead_letter, {}",
                     onceflow_core::shown(other),
                     CONNECTION_KEYS.join(", ")
                 )))
@@ -312,7 +369,21 @@ impl JetStreamOptions {
             }
             self.set(k, v)?;
         }
-        Ok(())
+        self.check_heartbeat()
+    }
+
+    /// The idle heartbeat fits in a pull request: at most half its expiry (the server refuses
+    /// a pull request whose heartbeat is longer).
+    fn check_heartbeat(&self) -> Result<()> {
+        match self.idle_heartbeat {
+            Some(hb) if hb > self.pull_expires / 2 => Err(Error::config(format!(
+                "idle_heartbeat_ms={} must be at most half of \
+                 pull_expires_ms={}: raise pull_expires_ms or lower the heartbeat",
+                hb.as_millis(),
+                self.pull_expires.as_millis()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Whether TLS is required: `tls`, a `tls://` server, or any `tls_*` option.
@@ -349,6 +420,7 @@ impl JetStreamOptions {
     /// Checks the servers and the combination of TLS and credential options (files are read
     /// at connect time). `Config` naming what is wrong; never a secret's value.
     pub fn validate(&self) -> Result<()> {
+        self.check_heartbeat()?;
         for s in self.servers.split(',') {
             let addr: async_nats::ServerAddr = s.parse().map_err(|e| {
                 Error::config(format!(
@@ -697,6 +769,45 @@ mod tests {
         let e = o.apply(&m).unwrap_err();
         assert!(e.message().contains("connection"), "{e}");
         assert!(!e.message().contains("S3cret"), "{e}");
+    }
+
+    #[test]
+    fn idle_heartbeat_fits_in_the_pull_request() {
+        let o = parse_url("nats://h:1?idle_heartbeat_ms=1000&pull_expires_ms=5000").unwrap();
+        assert_eq!(o.idle_heartbeat, Some(Duration::from_millis(1000)));
+        assert_eq!(o.pull_expires, Duration::from_millis(5000));
+        assert_eq!(
+            parse_url("nats://h:1?idle_heartbeat_ms=0")
+                .unwrap()
+                .idle_heartbeat,
+            None
+        );
+        for (url, says) in [
+            ("nats://h:1?idle_heartbeat_ms=300", "idle_heartbeat_ms=300"),
+            ("nats://h:1?idle_heartbeat_ms=5", "at least 10 ms"),
+            ("nats://h:1?idle_heartbeat_ms=x", "idle_heartbeat_ms=x"),
+            ("nats://h:1?pull_expires_ms=50", "at least 100 ms"),
+        ] {
+            let e = parse_url(url).unwrap_err();
+            assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{url}");
+            assert!(e.message().contains(says), "{url}: {e}");
+        }
+        let mut o = JetStreamOptions::default();
+        let mut m = BTreeMap::new();
+        m.insert("idle_heartbeat_ms".to_string(), "400".to_string());
+        assert!(o
+            .clone()
+            .apply(&m)
+            .unwrap_err()
+            .message()
+            .contains("pull_expires_ms=500"));
+        m.insert("pull_expires_ms".to_string(), "1000".to_string());
+        o.apply(&m).unwrap();
+        assert!(
+            parse_url("nats://h:1?reset=true&require_durable=true")
+                .unwrap()
+                .reset
+        );
     }
 
     #[test]

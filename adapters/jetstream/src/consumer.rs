@@ -126,6 +126,8 @@ enum Admit {
 }
 
 struct Fetch {
+    /// The pull requests' expiry (`pull_expires_ms`).
+    expires: Duration,
     rx: mpsc::Receiver<jetstream::Message>,
     task: JoinHandle<Vec<jetstream::Message>>,
     stop: oneshot::Sender<()>,
@@ -137,7 +139,7 @@ impl Fetch {
     /// nobody polled, in order.
     async fn shutdown(mut self) -> Vec<jetstream::Message> {
         let _ = self.stop.send(());
-        let more = match tokio::time::timeout(PULL_EXPIRES * 4, &mut self.task).await {
+        let more = match tokio::time::timeout(self.expires * 4, &mut self.task).await {
             Ok(Ok(more)) => more,
             _ => {
                 self.task.abort();
@@ -217,8 +219,10 @@ impl JetStreamConsumer {
                 let subject = naming::subject(topic, n, p);
                 let durable = naming::durable(&config.group, p);
                 let start = resolve_start(&stream, &subject, &config.start).await?;
-                // Created (or, for an explicit start, created again) now; resumed on claim.
-                ensure_durable(&stream, &durable, &subject, &options, &start).await?;
+                // Created (or, with reset=true and an explicit start, created again) now, or resumed
+                // and updated to the options; resumed on claim.
+                ensure_durable(&stream, &durable, &subject, &options, &start, options.reset)
+                    .await?;
                 partitions.push(Partition {
                     tp: TopicPartition::new(topic.clone(), p),
                     stream: stream.clone(),
@@ -238,6 +242,11 @@ impl JetStreamConsumer {
         let member = config
             .client_id
             .unwrap_or_else(|| format!("member-{:016x}", rand::random::<u64>()));
+        if options.require_durable {
+            for topic in &config.topics {
+                shared.check_durability(topic, true).await?;
+            }
+        }
         let membership = Membership::join(&shared, &config.group, &member, session).await?;
         if options.dead_letter.is_some() && options.max_deliver <= 0 {
             return Err(Error::config(format!(
@@ -452,6 +461,7 @@ impl JetStreamConsumer {
             &part.subject,
             &self.options,
             &part.start,
+            false,
         )
         .await?;
         // Read before the first pull: what an earlier owner was given and may not have acked.
@@ -639,7 +649,7 @@ fn json_str(json: &str, field: &str) -> Option<String> {
 }
 
 /// The number value of `"field":N` in a flat JSON advisory.
-fn json_num(json: &str, field: &str) -> Option<u64> {
+pub(crate) fn json_num(json: &str, field: &str) -> Option<u64> {
     let at = json.find(&format!("\"{field}\":"))? + field.len() + 3;
     let rest = json[at..].trim_start();
     let end = rest
@@ -707,15 +717,26 @@ async fn resolve_start(stream: &Stream, subject: &str, start: &StartFrom) -> Res
     })
 }
 
-/// Gets the durable (resuming it) or creates it. With an explicit start the durable is created
-/// again with that deliver policy: JetStream cannot update a deliver policy
-/// (<https://docs.nats.io/nats-concepts/jetstream/consumers#deliverpolicy>).
+/// Gets the durable (resuming it) or creates it.
+///
+/// - A durable that exists is resumed at its ack floor, whatever `start` says, unless `reset`
+///   is set and `start` is explicit (not `Committed`): then it is deleted and created again
+///   with the deliver policy of `start` (JetStream cannot change a durable's deliver policy,
+///   <https://docs.nats.io/nats-concepts/jetstream/consumers#deliverpolicy>). An explicit start
+///   that does not reset an existing durable is logged as a warning.
+/// - A durable resumed with settings other than the requested ones (`ack_wait`,
+///   `max_deliver`, `max_ack_pending`, `backoff`, the filter subject) is updated in place
+///   (consumer update, nats-server ≥ 2.10,
+///   <https://docs.nats.io/nats-concepts/jetstream/consumers#configuration>); a server that
+///   refuses is a `Config` error naming each setting, the durable's value and the requested
+///   one. The old settings are never kept silently.
 async fn ensure_durable(
     stream: &Stream,
     durable: &str,
     subject: &str,
     options: &JetStreamOptions,
     start: &StartFrom,
+    reset: bool,
 ) -> Result<PullConsumer> {
     let config = PullConfig {
         durable_name: Some(durable.to_string()),
@@ -728,35 +749,154 @@ async fn ensure_durable(
         deliver_policy: deliver_policy(start)?,
         ..Default::default()
     };
-    if matches!(start, StartFrom::Committed { .. }) {
-        match stream.get_consumer::<PullConfig>(durable).await {
-            Ok(c) => return Ok(c),
-            Err(e) => {
-                let err = nats_err(format!("consumer '{durable}'"), e);
+    let explicit = !matches!(start, StartFrom::Committed { .. });
+    match stream.get_consumer::<PullConfig>(durable).await {
+        Ok(c) if explicit && reset => {
+            tracing::info!(durable, start = ?start, "reset: deleting the durable to create it again at the explicit start");
+            drop(c);
+            if let Err(e) = stream.delete_consumer(durable).await {
+                let err = nats_err(format!("deleting consumer '{durable}'"), e);
                 if err.kind() != ErrorKind::NotFound {
                     return Err(err);
                 }
             }
         }
-    } else if let Err(e) = stream.delete_consumer(durable).await {
-        let err = nats_err(format!("deleting consumer '{durable}'"), e);
-        if err.kind() != ErrorKind::NotFound {
-            return Err(err);
+        Ok(c) => {
+            if explicit {
+                tracing::warn!(
+                    durable,
+                    start = ?start,
+                    "consumer '{durable}' exists: resuming it at its ack floor; the explicit \
+                     start applies to a new durable only (give the consumer option reset=true \
+                     to delete it and start over)"
+                );
+            }
+            return reconcile(stream, c, &config).await;
+        }
+        Err(e) => {
+            let err = nats_err(format!("consumer '{durable}'"), e);
+            if err.kind() != ErrorKind::NotFound {
+                return Err(err);
+            }
         }
     }
-    match stream.create_consumer(config).await {
+    match stream.create_consumer(config.clone()).await {
         Ok(c) => Ok(c),
         // Another member created it at the same time: use theirs.
         Err(e) => match stream.get_consumer::<PullConfig>(durable).await {
-            Ok(c) => Ok(c),
+            Ok(c) => reconcile(stream, c, &config).await,
             Err(_) => Err(nats_err(format!("creating consumer '{durable}'"), e)),
         },
     }
 }
 
-/// How long one pull request waits on the server; also the longest a stop waits for the
-/// request in flight to end.
-const PULL_EXPIRES: Duration = Duration::from_millis(500);
+/// The settings of `have` that differ from `want`: (name, durable's value, requested value).
+fn config_diff(have: &PullConfig, want: &PullConfig) -> Vec<(&'static str, String, String)> {
+    let ms = |d: Duration| format!("{} ms", d.as_millis());
+    let list = |b: &[Duration]| {
+        let v: Vec<String> = b.iter().map(|d| d.as_millis().to_string()).collect();
+        format!("[{}] ms", v.join(","))
+    };
+    let mut out = Vec::new();
+    // With a backoff the server takes its first step as ack_wait.
+    let want_wait = want.backoff.first().copied().unwrap_or(want.ack_wait);
+    if have.ack_wait != want.ack_wait && have.ack_wait != want_wait {
+        out.push(("ack_wait", ms(have.ack_wait), ms(want.ack_wait)));
+    }
+    if have.max_deliver != want.max_deliver {
+        out.push((
+            "max_deliver",
+            have.max_deliver.to_string(),
+            want.max_deliver.to_string(),
+        ));
+    }
+    if have.max_ack_pending != want.max_ack_pending {
+        out.push((
+            "max_ack_pending",
+            have.max_ack_pending.to_string(),
+            want.max_ack_pending.to_string(),
+        ));
+    }
+    if have.backoff != want.backoff {
+        out.push(("backoff", list(&have.backoff), list(&want.backoff)));
+    }
+    if have.filter_subject != want.filter_subject {
+        out.push((
+            "filter_subject",
+            have.filter_subject.clone(),
+            want.filter_subject.clone(),
+        ));
+    }
+    out
+}
+
+/// Brings an existing durable to the requested settings: a consumer update (its deliver
+/// policy and start kept), or a `Config` error naming what the server would not change.
+async fn reconcile(
+    stream: &Stream,
+    mut consumer: PullConsumer,
+    want: &PullConfig,
+) -> Result<PullConsumer> {
+    let have = consumer.cached_info().config.clone();
+    let have = PullConfig {
+        durable_name: have.durable_name,
+        name: have.name,
+        description: have.description,
+        deliver_policy: have.deliver_policy,
+        ack_policy: have.ack_policy,
+        ack_wait: have.ack_wait,
+        max_deliver: have.max_deliver,
+        filter_subject: have.filter_subject,
+        filter_subjects: have.filter_subjects,
+        replay_policy: have.replay_policy,
+        rate_limit: have.rate_limit,
+        sample_frequency: have.sample_frequency,
+        max_waiting: have.max_waiting,
+        max_ack_pending: have.max_ack_pending,
+        headers_only: have.headers_only,
+        max_batch: have.max_batch,
+        max_bytes: have.max_bytes,
+        max_expires: have.max_expires,
+        inactive_threshold: have.inactive_threshold,
+        num_replicas: have.num_replicas,
+        memory_storage: have.memory_storage,
+        metadata: have.metadata,
+        backoff: have.backoff,
+        ..Default::default()
+    };
+    let diff = config_diff(&have, want);
+    if diff.is_empty() {
+        return Ok(consumer);
+    }
+    let name = have.durable_name.clone().unwrap_or_default();
+    let update = PullConfig {
+        ack_wait: want.ack_wait,
+        max_deliver: want.max_deliver,
+        max_ack_pending: want.max_ack_pending,
+        backoff: want.backoff.clone(),
+        filter_subject: want.filter_subject.clone(),
+        ..have
+    };
+    let shown: Vec<String> = diff
+        .iter()
+        .map(|(k, have, want)| format!("{k}: the durable has {have}, requested {want}"))
+        .collect();
+    match stream.update_consumer(update).await {
+        Ok(c) => {
+            tracing::info!(durable = %name, changes = %shown.join("; "), "updated the durable's settings");
+            consumer = c;
+            Ok(consumer)
+        }
+        Err(e) => Err(Error::config(format!(
+            "consumer '{name}' of stream '{}' exists with other settings and the server refused \
+             to update it ({e}): {}; reopen it with its settings, or give the consumer option \
+             reset=true with an explicit start to delete and create it again",
+            stream.cached_info().config.name,
+            shown.join("; ")
+        ))
+        .with_source(e)),
+    }
+}
 
 /// How often delivered messages not yet acknowledged get `+WPI`: a fifth of the shortest
 /// ack deadline (the consumer's `ack_wait`, or its shortest `backoff` step, which the server
@@ -775,7 +915,8 @@ fn keepalive_period(options: &JetStreamOptions) -> Duration {
 
 /// Starts the task that pulls from `consumer` into a bounded channel: one pull request at a
 /// time ([pull consumers](https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#pull-consumers)),
-/// up to `fetch_batch` messages, expiring after [`PULL_EXPIRES`]. A request's messages are read
+/// up to `fetch_batch` messages, expiring after `pull_expires_ms` (with `idle_heartbeat_ms`, a
+/// request that misses two heartbeats is given up and made again). A request's messages are read
 /// as they arrive (into `waiting` while the channel is full), so that every message the server
 /// delivered and `poll` has not taken yet is known to the task, which sends `+WPI` for those
 /// waiting a [`keepalive_period`] or longer: a slow handler does not make the prefetched
@@ -790,6 +931,8 @@ fn spawn_fetch(
     notify: Arc<Notify>,
 ) -> Fetch {
     let batch = options.fetch_batch;
+    let expires = options.pull_expires;
+    let heartbeat = options.idle_heartbeat;
     let period = keepalive_period(options);
     let (tx, rx) = mpsc::channel(batch);
     let (stop, mut stop_rx) = oneshot::channel::<()>();
@@ -804,12 +947,11 @@ fn spawn_fetch(
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !stopping {
-            let request = consumer
-                .batch()
-                .max_messages(batch)
-                .expires(PULL_EXPIRES)
-                .messages()
-                .await;
+            let mut request = consumer.batch().max_messages(batch).expires(expires);
+            if let Some(hb) = heartbeat {
+                request = request.heartbeat(hb);
+            }
+            let request = request.messages().await;
             let mut messages = match request {
                 Ok(m) => m,
                 Err(e) => {
@@ -839,7 +981,20 @@ fn spawn_fetch(
                     m = messages.next(), if !ended => match m {
                         None => ended = true,
                         Some(Ok(m)) => waiting.push_back((m, Instant::now())),
-                        Some(Err(e)) => tracing::debug!(error = %e, "JetStream pull error"),
+                        Some(Err(e)) => {
+                            let missed = e
+                                .downcast_ref::<async_nats::jetstream::consumer::pull::MessagesError>()
+                                .is_some_and(|e| e.kind() == async_nats::jetstream::consumer::pull::MessagesErrorKind::MissingHeartbeat)
+                                || e.to_string().contains("missed idle heartbeat");
+                            if missed {
+                                // Two heartbeats missed: the server restarted or the connection
+                                // died silently; pull again.
+                                tracing::warn!(error = %e, "pull request missed its idle heartbeats; pulling again");
+                                ended = true;
+                            } else {
+                                tracing::debug!(error = %e, "JetStream pull error");
+                            }
+                        }
                     },
                     _ = ticker.tick() => {
                         let in_channel = batch.saturating_sub(tx.capacity());
@@ -872,7 +1027,12 @@ fn spawn_fetch(
         }
         waiting.into_iter().map(|(m, _)| m).collect()
     });
-    Fetch { rx, task, stop }
+    Fetch {
+        expires,
+        rx,
+        task,
+        stop,
+    }
 }
 
 fn ack_err(what: &str, tp: &TopicPartition, seq: u64, e: async_nats::Error) -> Error {
@@ -1063,6 +1223,7 @@ impl ConsumerBackend for JetStreamConsumer {
             &part.subject,
             &self.options,
             &target,
+            true,
         )
         .await?;
         let fetch = spawn_fetch(

@@ -91,9 +91,21 @@
 //!   Its owner pulls with one request at a time (`fetch_batch` messages, 500 ms expiry), so
 //!   giving a partition up leaves no request of ours on the server that would swallow the
 //!   messages it naks.
-//!   A consumer that reconnects resumes its durable; with
-//!   [`StartFrom::Committed`](onceflow_core::StartFrom::Committed) an existing durable is never
-//!   recreated. The fallback (`Earliest` / `Latest`) is the deliver policy of a new durable.
+//!   A consumer that reconnects resumes its durable at its ack floor, whatever its start: the
+//!   start (`Earliest`, `Latest`, a position, a timestamp, or the fallback of
+//!   [`StartFrom::Committed`](onceflow_core::StartFrom::Committed)) is the deliver policy of a
+//!   durable created now, as Kafka's `auto.offset.reset` applies only to a group without
+//!   committed offsets. An explicit start meeting an existing durable logs a warning; the
+//!   consumer option `reset=true` deletes the durable and creates it again at the start (the
+//!   group's progress on that partition is forgotten; every member joining with it resets).
+//!   A durable reopened with other `ack_wait`, `max_deliver`, `max_ack_pending` or `backoff`
+//!   is updated in place (consumer update, nats-server ≥ 2.10, [consumer configuration]); a
+//!   server that refuses is a `Config` error naming each setting, the durable's value and the
+//!   requested one: old settings are never kept silently. With `backoff` the server's
+//!   `ack_wait` is the first step.
+//!   `pull_expires_ms` (default 500) is each pull request's expiry, `idle_heartbeat_ms`
+//!   (default none, at most half the expiry) its idle heartbeat: a request that misses two
+//!   is given up and made again.
 //! - **commit** double-acks ([`AckSync`][ack]) every delivered, not nacked message of the
 //!   partition up to the position: the server confirms each ack.
 //! - **nack** is a per-message `-NAK` with the delay ([ack]); a nacked message is not acked by a
@@ -111,7 +123,7 @@
 //!   counts toward `max_deliver`, after which the server gives the message up or, with
 //!   `dead_letter`, onceflow dead-letters it. A member that dies stops signalling, and its
 //!   messages reach the next owner after `ack_wait` as before.
-//! - **seek / explicit start** (`Earliest`, `Latest`, `Position`, `Timestamp`): JetStream cannot
+//! - **seek** (and an explicit start with `reset=true`): JetStream cannot
 //!   change a durable's deliver policy, so the durable is deleted and created again with
 //!   `DeliverPolicy::All` / `New` / `ByStartSequence`. A timestamp is resolved to a stream
 //!   sequence first: a binary search over the partition's messages (`STREAM.MSG.GET`
@@ -157,12 +169,14 @@
 //! [JetStream dedup]: https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication
 //! [ack]: https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#delivery-reliability
 //! [consumer info]: https://docs.nats.io/nats-concepts/jetstream/consumers
+//! [consumer configuration]: https://docs.nats.io/nats-concepts/jetstream/consumers#configuration
 
 mod admin;
 mod config;
 mod connect;
 mod consumer;
 mod convert;
+mod durability;
 mod group;
 mod naming;
 mod producer;
@@ -182,6 +196,7 @@ use parking_lot::Mutex;
 pub use admin::JetStreamAdmin;
 pub use config::{parse_url, JetStreamOptions, CONNECTION_KEYS};
 pub use consumer::{JetStreamConsumer, DEFAULT_SESSION_TIMEOUT};
+pub use durability::{DurabilityReport, ServerSync};
 pub use group::GROUPS_BUCKET;
 pub use naming::{
     durable, partition_for_key, partition_of_subject, subject, KEY_HEADER, KEY_HEX_HEADER,
@@ -227,6 +242,8 @@ pub(crate) struct Shared {
     lookup: tokio::sync::Mutex<()>,
     /// Topics whose dedup window mismatch was already warned about.
     window_warned: Mutex<HashSet<String>>,
+    /// Topics whose durability risk was already warned about (`require_durable`).
+    durability_warned: Mutex<HashSet<String>>,
 }
 
 /// Partition count of a stream: its `onceflow.partitions` metadata, else 1.
@@ -261,6 +278,32 @@ impl Shared {
         // `max_payload()` reads an atomic the client updates on every server `INFO`;
         // `server_info()` would clone the whole `ServerInfo` (a dozen strings) on every send.
         self.client.max_payload().saturating_sub(HEADER_ROOM)
+    }
+
+    /// The durability report of `topic`; with `required` (the `require_durable` option), a
+    /// warning (`tracing::warn!`, once per topic and connection) when an acknowledged write
+    /// is not known to be synced to disk.
+    pub(crate) async fn check_durability(
+        &self,
+        topic: &str,
+        required: bool,
+    ) -> Result<DurabilityReport> {
+        let mut report = durability::report(self, topic).await?;
+        if required {
+            if let Some(risk) = report.risk() {
+                if self.durability_warned.lock().insert(topic.to_string()) {
+                    report.warned = true;
+                    tracing::warn!(
+                        topic,
+                        storage = report.storage,
+                        replicas = report.replicas,
+                        sync = %report.sync,
+                        "require_durable: {risk}"
+                    );
+                }
+            }
+        }
+        Ok(report)
     }
 
     pub(crate) fn forget_topic(&self, topic: &str) {
@@ -322,6 +365,9 @@ impl Shared {
             }
             Err(e) => return Err(e),
         };
+        if self.options.require_durable {
+            self.check_durability(topic, true).await?;
+        }
         let subjects: Arc<[async_nats::Subject]> = (0..n as i32)
             .map(|p| async_nats::Subject::from(naming::subject(topic, n, p)))
             .collect();
@@ -392,6 +438,7 @@ impl JetStreamPlatform {
                 topics: Mutex::new(HashMap::new()),
                 lookup: tokio::sync::Mutex::new(()),
                 window_warned: Mutex::new(HashSet::new()),
+                durability_warned: Mutex::new(HashSet::new()),
             }),
         }))
     }
@@ -404,6 +451,19 @@ impl JetStreamPlatform {
     /// The async-nats client, for anything onceflow does not cover.
     pub fn nats_client(&self) -> async_nats::Client {
         self.shared.client.clone()
+    }
+
+    /// What the stream of `topic` promises about an acknowledged write: its storage (`file` /
+    /// `memory`), replica count and the server's `sync_interval` when this client can read
+    /// it (only a system-account user can: [`ServerSync::Unknown`] otherwise; the setting is
+    /// on the server's monitoring endpoint, `/varz`). With the `require_durable` option (URL
+    /// or consumer) a stream that is not known to be durable on ack gets a warning
+    /// (`tracing::warn!`, once per topic and connection) here, at a consumer's join and when
+    /// a producer first uses the topic. `NotFound` when the topic has no stream.
+    pub async fn durability(&self, topic: &str) -> Result<DurabilityReport> {
+        self.shared
+            .check_durability(topic, self.shared.options.require_durable)
+            .await
     }
 
     /// The duplicate window of the stream of `topic` (`Nats-Msg-Id` dedup horizon), for

@@ -695,3 +695,179 @@ async fn dead_letter_needs_max_deliver() {
         .expect("max_deliver is unlimited by default");
     assert_eq!(e.kind(), ErrorKind::Config);
 }
+
+/// A consumer of `group` on `t` with these options and start.
+async fn open(
+    p: &JetStreamPlatform,
+    t: &str,
+    group: &str,
+    start: StartFrom,
+    options: &[(&str, &str)],
+) -> Arc<dyn onceflow_core::ConsumerBackend> {
+    let mut cfg = ConsumerConfig::new(group.to_string(), [t.to_string()]).start(start);
+    for (k, v) in options {
+        cfg.options.insert(k.to_string(), v.to_string());
+    }
+    p.consumer(cfg).await.unwrap()
+}
+
+/// Reopening a durable with other settings updates it (consumer update, nats-server ≥ 2.10);
+/// an explicit start on an existing durable resumes it (before, the durable was deleted and
+/// created again: the group's progress was lost and every message came back) unless
+/// `reset=true` asks to start over.
+#[tokio::test]
+async fn reopening_a_durable_updates_it_and_an_explicit_start_resumes_it() {
+    let Some(p) = platform("reopening_a_durable_updates_it_and_an_explicit_start_resumes_it").await
+    else {
+        return;
+    };
+    let t = topic(&p, "js-reopen", 1).await;
+    let group = name("g");
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..3 {
+        prod.send(Record::new(t.clone(), format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    let c = open(&p, &t, &group, StartFrom::Earliest, &[]).await;
+    let got = take(c.as_ref(), 3).await;
+    c.commit(&[(got[2].topic_partition(), got[2].position.clone())])
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    let (before, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(before.config.ack_wait, Duration::from_secs(30));
+
+    let c = open(
+        &p,
+        &t,
+        &group,
+        StartFrom::Earliest,
+        &[
+            ("ack_wait_ms", "5000"),
+            ("max_ack_pending", "50"),
+            ("max_deliver", "7"),
+        ],
+    )
+    .await;
+    let (after, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(after.created, before.created, "resumed, not created again");
+    assert_eq!(after.config.ack_wait, Duration::from_secs(5));
+    assert_eq!(after.config.max_ack_pending, 50);
+    assert_eq!(after.config.max_deliver, 7);
+    assert_eq!(after.ack_floor.stream_sequence, 3, "progress kept");
+    let again = c.poll(100, Duration::from_secs(2)).await.unwrap();
+    assert!(
+        again.is_empty(),
+        "start=earliest re-read {} messages",
+        again.len()
+    );
+    c.close().await.unwrap();
+    let c = open(
+        &p,
+        &t,
+        &group,
+        StartFrom::committed_or_earliest(),
+        &[("max_deliver", "7"), ("backoff_ms", "1000,2000")],
+    )
+    .await;
+    let (after, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(
+        after.config.backoff,
+        [Duration::from_secs(1), Duration::from_secs(2)]
+    );
+    c.close().await.unwrap();
+
+    let c = open(&p, &t, &group, StartFrom::Earliest, &[("reset", "true")]).await;
+    let all = take(c.as_ref(), 3).await;
+    assert_eq!(all[0].payload, Bytes::from("m0"));
+    let (reset, _) = durable_info(&p, &t, &group).await;
+    assert_ne!(reset.created, before.created, "reset=true created it again");
+    assert_eq!(reset.config.ack_wait, Duration::from_secs(30));
+    c.close().await.unwrap();
+}
+
+/// `idle_heartbeat_ms` reaches the pull requests and a consumer with it reads as before; a
+/// heartbeat longer than half the request's expiry is a `Config` error naming both.
+#[tokio::test]
+async fn idle_heartbeat_is_configurable() {
+    let Some(p) = platform("idle_heartbeat_is_configurable").await else {
+        return;
+    };
+    let t = topic(&p, "js-hb", 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    prod.send(Record::new(t.clone(), "m0")).await.unwrap();
+    let group = name("g");
+    let c = open(
+        &p,
+        &t,
+        &group,
+        StartFrom::Earliest,
+        &[("idle_heartbeat_ms", "100"), ("pull_expires_ms", "2000")],
+    )
+    .await;
+    assert_eq!(take(c.as_ref(), 1).await[0].payload, Bytes::from("m0"));
+    c.close().await.unwrap();
+    let mut cfg = ConsumerConfig::new(name("g"), [t.clone()]);
+    cfg.options
+        .insert("idle_heartbeat_ms".into(), "2000".into());
+    let e = p.consumer(cfg).await.err().expect("refused");
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(
+        e.message().contains("idle_heartbeat_ms=2000")
+            && e.message().contains("pull_expires_ms=500"),
+        "{e}"
+    );
+}
+
+/// The durability report: storage, replicas and the server's sync setting as far as a
+/// client can read it (an ordinary user cannot: `Unknown`, and durable-on-ack is then
+/// unknown for a file stream); `require_durable` warns once per topic.
+#[tokio::test]
+async fn the_durability_report_says_what_an_ack_promises() {
+    let Some(p) = platform("the_durability_report_says_what_an_ack_promises").await else {
+        return;
+    };
+    let url = std::env::var(URL_VAR).unwrap();
+    let file = topic(&p, "js-file", 1).await;
+    let r = p.durability(&file).await.unwrap();
+    assert_eq!((r.storage, r.replicas), ("file", 1));
+    assert_eq!(r.sync, onceflow_jetstream::ServerSync::Unknown);
+    assert_eq!(r.durable_on_ack, None);
+    assert!(!r.warned, "no warning unless require_durable");
+    assert!(
+        r.risk().unwrap().contains("sync_interval"),
+        "{:?}",
+        r.risk()
+    );
+    let d = p
+        .admin()
+        .await
+        .unwrap()
+        .describe_topic(&file)
+        .await
+        .unwrap();
+    assert_eq!(
+        d.options.get("durable_on_ack").map(String::as_str),
+        Some("unknown")
+    );
+    assert_eq!(d.options.get("sync").map(String::as_str), Some("unknown"));
+
+    let mem = name("js-mem");
+    let mut spec = TopicSpec::new(mem.clone(), 1);
+    spec.options.insert("storage".into(), "memory".into());
+    p.admin().await.unwrap().create_topic(&spec).await.unwrap();
+    let strict = onceflow_jetstream::connect(&format!("{url}?require_durable=true"))
+        .await
+        .unwrap();
+    let r = strict.durability(&mem).await.unwrap();
+    assert_eq!((r.storage, r.durable_on_ack), ("memory", Some(false)));
+    assert!(r.warned, "{r:?}");
+    assert!(r.risk().unwrap().contains("memory"));
+    assert!(
+        !strict.durability(&mem).await.unwrap().warned,
+        "warned twice"
+    );
+    let e = strict.durability(&name("js-missing")).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+}
