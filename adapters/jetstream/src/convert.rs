@@ -209,11 +209,31 @@ where
     let e: onceflow_core::BoxError = e.into();
     let text = e.to_string();
     let lower = text.to_lowercase();
+    // async-nats names the JetStream API's "no responders" "requested JetStream resource
+    // does not exist" (`RequestErrorKind::NoResponders`); a stream or consumer that is really
+    // missing is the server's answer with code 10059 / 10014 instead.
+    if lower.contains("no responders")
+        || lower.contains("requested jetstream resource does not exist")
+        || lower.contains("temporarily unavailable")
+        || lower.contains("10008")
+    {
+        // Nobody answered the JetStream API (the server is starting, restarting or recovering
+        // its streams, or lost its cluster quorum): transient, unlike a stream that is not
+        // there (which the server answers with code 10059).
+        return Error::new(
+            ErrorKind::Connect,
+            format!(
+                "{context}: {text} (JetStream is not answering: the server may be restarting \
+                 or recovering; retry)"
+            ),
+        )
+        .with_source_box(e)
+        .retriable(true);
+    }
     let kind = if lower.contains("timed out") || lower.contains("timeout") {
         ErrorKind::Timeout
     } else if lower.contains("not found")
         || lower.contains("does not exist")
-        || lower.contains("no responders")
         || lower.contains("10059")
         || lower.contains("10014")
     {

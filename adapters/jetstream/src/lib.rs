@@ -82,6 +82,13 @@
 //!   `Nats-Batch-Commit`; all records are stored or none (at most 1000 per batch, server limit).
 //! - No transactions: [`Capabilities::transactions`] is `false`; pipelines run
 //!   effectively-once (atomic batch + deterministic `Nats-Msg-Id`).
+//! - **While JetStream does not answer** (a server restarting or recovering its streams, a
+//!   cluster without quorum): a publish nobody answered ("no stream found for given
+//!   subject", the server's 503 "no responders") is checked against the JetStream API: a
+//!   stream the API says is gone is `NotFound`, otherwise the error is a retriable
+//!   `Connect`. API requests nobody answers (async-nats: "requested JetStream resource does
+//!   not exist") and "JetStream system temporarily unavailable" (10008) are retriable
+//!   `Connect` too, never `NotFound`.
 //! - `max_record_bytes` is the server's `max_payload` minus 512 bytes for the headers onceflow
 //!   adds.
 //!

@@ -88,6 +88,8 @@ enum Outcome {
     Done(Result<Delivery>),
     /// The attempt timed out: retried with the same `Nats-Msg-Id`.
     Retry(Prepared),
+    /// Nobody answered the publish: the stream is gone or JetStream is not answering yet.
+    Recheck(Prepared, Error),
 }
 
 fn random_id() -> String {
@@ -354,6 +356,7 @@ impl JetStreamProducer {
             match self.outcome(p, result) {
                 Outcome::Done(done) => done,
                 Outcome::Retry(p) => Box::pin(self.retry(p)).await,
+                Outcome::Recheck(p, e) => Err(Box::pin(self.recheck(&p, e)).await),
             }
         })
     }
@@ -364,6 +367,36 @@ impl JetStreamProducer {
             Outcome::Done(done) => done,
             // Retries are rare: their future lives out of line, not in every send's.
             Outcome::Retry(p) => Box::pin(self.retry(p)).await,
+            Outcome::Recheck(p, e) => Err(Box::pin(self.recheck(&p, e)).await),
+        }
+    }
+
+    /// A publish nobody answered (async-nats' `StreamNotFound`, the server's 503 "no
+    /// responders") means the stream is gone, or that JetStream is not answering yet (a
+    /// server restarting or recovering its streams): the JetStream API tells them apart.
+    /// A stream that is there, or an API that does not answer either, is a retriable
+    /// `Connect`; a stream the API says is missing stays `NotFound`.
+    async fn recheck(&self, p: &Prepared, e: Error) -> Error {
+        let e = self.failed(p, e);
+        match self.shared.get_stream(&p.record.topic).await {
+            Err(gone) if gone.kind() == ErrorKind::NotFound => e,
+            Ok(_) => Error::new(
+                ErrorKind::Connect,
+                format!(
+                    "{}: stream '{}' exists but no server answered the publish (it may be \
+                     restarting or recovering its streams); retry",
+                    e.message(),
+                    p.record.topic
+                ),
+            )
+            .with_source(e)
+            .retriable(true),
+            Err(api) => Error::new(
+                ErrorKind::Connect,
+                format!("{}; asking for the stream: {}", e.message(), api.message()),
+            )
+            .with_source(e)
+            .retriable(true),
         }
     }
 
@@ -372,6 +405,7 @@ impl JetStreamProducer {
         match result {
             Ok(ack) => Outcome::Done(Ok(Self::delivery(p, ack, false))),
             Err(e) if self.retriable(&p, &e, 0) => Outcome::Retry(p),
+            Err(e) if e.kind() == ErrorKind::NotFound => Outcome::Recheck(p, e),
             Err(e) => Outcome::Done(Err(self.failed(&p, e))),
         }
     }
@@ -385,6 +419,7 @@ impl JetStreamProducer {
             match self.attempt(&mut p).await {
                 Ok(ack) => return Ok(Self::delivery(p, ack, true)),
                 Err(e) if self.retriable(&p, &e, attempt) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => return Err(self.recheck(&p, e).await),
                 Err(e) => return Err(self.failed(&p, e)),
             }
         }

@@ -871,3 +871,156 @@ async fn the_durability_report_says_what_an_ack_promises() {
     let e = strict.durability(&name("js-missing")).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
 }
+
+/// A nats-server of this test's own on a free loopback port (the binary the harness installs,
+/// `tests/brokers/nats/up.sh`), so restarting it disturbs no other test. Killed on drop.
+struct PrivateServer {
+    bin: std::path::PathBuf,
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateServer {
+    /// `None` (the test skips, said on stderr) when the harness' binary is not installed.
+    fn new(test: &str) -> Option<PrivateServer> {
+        let cache = std::env::var("ONCEFLOW_CACHE_DIR").unwrap_or_else(|_| {
+            format!(
+                "{}/.cache/onceflow",
+                std::env::var("HOME").unwrap_or_else(|_| "/tmp".into())
+            )
+        });
+        let bin = std::path::PathBuf::from(cache).join("venv-nats/bin/nats-server");
+        if !bin.exists() {
+            eprintln!(
+                "SKIPPED {test}: no {} (tests/brokers/up.sh nats installs it)",
+                bin.display()
+            );
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(name("onceflow-nats"));
+        Some(PrivateServer {
+            bin,
+            port,
+            dir,
+            child: None,
+        })
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server, with JetStream (on its store directory) or without, and waits
+    /// until it accepts connections.
+    async fn start(&mut self, jetstream: bool) {
+        let mut cmd = std::process::Command::new(&self.bin);
+        cmd.args(["-a", "127.0.0.1", "-p", &self.port.to_string()]);
+        if jetstream {
+            cmd.args(["-js", "-sd"]).arg(&self.dir);
+        }
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        self.child = Some(cmd.spawn().unwrap());
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("private nats-server on port {} did not start", self.port);
+    }
+
+    /// SIGKILL, as a crash.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Waits until the client is connected again after a server restart.
+async fn reconnected(p: &JetStreamPlatform) {
+    for _ in 0..200 {
+        if p.nats_client().connection_state() == async_nats::connection::State::Connected {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the client did not reconnect");
+}
+
+/// After a server restart, until JetStream answers again, a publish and an API request get
+/// "no responders": retriable `Connect` errors (before, `NotFound`, not retriable, and
+/// describe_topic said the topic did not exist). Once JetStream is back the same producer
+/// sends again. The restart is simulated by a server without JetStream on the same port (a
+/// server still recovering its streams answers the same way), then one with it.
+#[tokio::test]
+async fn errors_while_jetstream_recovers_are_retriable() {
+    let test = "errors_while_jetstream_recovers_are_retriable";
+    if platform(test).await.is_none() {
+        return;
+    }
+    let Some(mut server) = PrivateServer::new(test) else {
+        return;
+    };
+    server.start(true).await;
+    let p = onceflow_jetstream::connect(&format!(
+        "{}?publish_timeout_ms=1000&publish_retries=0&request_timeout_ms=1000",
+        server.url()
+    ))
+    .await
+    .unwrap();
+    let t = topic(&p, "js-restart", 1).await;
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    prod.send(Record::new(t.clone(), "a")).await.unwrap();
+
+    server.kill();
+    server.start(false).await;
+    reconnected(&p).await;
+    let e = prod.send(Record::new(t.clone(), "b")).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Connect, "{e}");
+    assert!(e.is_retriable(), "{e}");
+    let e = p
+        .admin()
+        .await
+        .unwrap()
+        .describe_topic(&t)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Connect, "{e}");
+    assert!(e.is_retriable(), "{e}");
+
+    server.kill();
+    server.start(true).await;
+    reconnected(&p).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match prod.send(Record::new(t.clone(), "c")).await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(e.is_retriable(), "not retriable while recovering: {e}");
+                assert!(tokio::time::Instant::now() < deadline, "still failing: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let d = p.admin().await.unwrap().describe_topic(&t).await.unwrap();
+    assert_eq!(d.options.get("messages").map(String::as_str), Some("2"));
+}
