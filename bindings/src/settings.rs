@@ -93,6 +93,7 @@ const ENGINE: &[Entry] = &[
     ("worker_id", Kind::Text { non_empty: true }),
     ("lease", Kind::Duration { min_ms: 100 }),
     ("fingerprint", Kind::Bool),
+    ("require_key", Kind::Bool),
     (
         "max_attempts",
         Kind::Count {
@@ -326,6 +327,7 @@ fn apply_engine(c: &mut EngineConfig, spelled: &str, name: &str, v: Parsed) -> R
         ("worker_id", Parsed::Text(t)) => c.worker_id = t,
         ("lease", Parsed::Duration(d)) => c.lease = d,
         ("fingerprint", Parsed::Bool(b)) => c.fingerprint = b,
+        ("require_key", Parsed::Bool(b)) => c.require_key = b,
         ("max_attempts", Parsed::Count(n)) => c.max_attempts = n as u32,
         ("min_backoff", Parsed::Duration(d)) => c.min_backoff = d,
         ("max_backoff", Parsed::Duration(d)) => c.max_backoff = d,
@@ -402,7 +404,7 @@ fn build<C>(
 ///
 /// Names (as `language` spells them; [`Value::Absent`] keeps the default):
 /// `key` (`header:NAME` or `coordinates`), `namespace`, `worker_id`, `lease` (at least 100 ms),
-/// `fingerprint`, `max_attempts` (at least 1), `min_backoff`, `max_backoff`, `on_failure`
+/// `fingerprint`, `require_key`, `max_attempts` (at least 1), `min_backoff`, `max_backoff`, `on_failure`
 /// (`redeliver`, `stop` or `dead-letter:TOPIC`), `redelivery_delay`, `batch_size` (at least 1),
 /// `poll_timeout`, `commit_interval`, `commit_every` (at least 1), `shutdown_deadline`,
 /// `tracing`. Their meanings and defaults are [`EngineConfig`]'s fields'.

@@ -140,6 +140,9 @@ class Record(NamedTuple):
     partition: Optional[int] = None
     timestamp: Optional[int] = None
     idempotency_key: Optional[str] = None
+    #: Requeue a processed job on purpose: generation ``n`` (an int from 0 to 4294967295) of
+    #: its idempotency key (see ``Producer.send``).
+    requeue: int = 0
 
 
 _CLASSES: Dict[str, type] = {code: getattr(_native, cls) for _kind, code, cls in _native.error_kinds()}
@@ -308,6 +311,7 @@ class Producer:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
+        requeue: int = 0,
     ) -> "_native.SendFuture[Delivery]":
         """Sends one record: hands it at once to the producer's background sender, which
         passes it to the platform client (for Kafka, librdkafka's queue) together with the
@@ -323,17 +327,26 @@ class Producer:
         anyway. ``flush()`` and ``close()`` wait for it too. Call it on the event loop's thread (from a
         coroutine or a loop callback); invalid arguments raise at the call, a record the
         platform refuses fails the future. It is not a coroutine: ``asyncio.ensure_future``
-        returns it as is, ``asyncio.create_task`` does not take it (and needs not)."""
+        returns it as is, ``asyncio.create_task`` does not take it (and needs not).
+
+        ``requeue=n`` (an int from 0 to 4294967295) requeues a job already processed, on
+        purpose: generation ``n`` of its ``idempotency_key`` (required), written to the
+        ``onceflow-key-generation`` header. The platform message id becomes
+        ``{key}#requeue-{n}`` (JetStream's duplicate window drops only repeats of it) and
+        the idempotent consumer's dedup key gets the same suffix, so the handler runs once
+        more; sending generation ``n`` twice is deduplicated like any repeat. ``0`` (the
+        default) sends the record as it is."""
         if (
             key is None
             and headers is None
             and partition is None
             and timestamp is None
             and idempotency_key is None
+            and not requeue
             and not _OTEL
         ):
             return self._native.send(topic, payload)  # no keyword dict to build and parse
-        return _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
+        return _send(self._native, self.platform, topic, payload, key, headers, partition, timestamp, idempotency_key, requeue)
 
     async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         """Sends records pipelined (one boundary crossing for the batch); returns their
@@ -379,6 +392,7 @@ class Producer:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
+        requeue: int = 0,
     ) -> None:
         """Hands one record over and returns at once, without an awaitable (the cheap path for
         many single records, like confluent-kafka's ``produce``). The record is buffered and
@@ -396,18 +410,18 @@ class Producer:
                 headers = _otel.merge(headers, trace_headers)
             try:
                 self._native.send_nowait(
-                    topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
+                    topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key, requeue=requeue
                 )
             except BaseException as e:
                 _otel.end_send(span, error=e)
                 raise
             _otel.end_send(span)
             return
-        if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None:
+        if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None and not requeue:
             self._native.send_nowait(topic, payload)  # no keyword dict to build and parse
             return
         self._native.send_nowait(
-            topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
+            topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key, requeue=requeue
         )
 
     async def flush(self, timeout: float = 30.0) -> None:
@@ -434,7 +448,7 @@ class Producer:
         await self.close()
 
 
-def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key) -> "_native.SendFuture[Delivery]":
+def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key, requeue=0) -> "_native.SendFuture[Delivery]":
     if _otel.ENABLED:
         span, trace_headers = _otel.start_send(topic, platform, headers=headers)
         if trace_headers is not None:
@@ -447,16 +461,17 @@ def _send(native, platform, topic, payload, key, headers, partition, timestamp, 
                     partition=partition,
                     timestamp=timestamp,
                     idempotency_key=idempotency_key,
+                    requeue=requeue,
                 )
             except BaseException as e:
                 _otel.end_send(span, error=e)
                 raise
             fut.add_done_callback(functools.partial(_end_send_span, span))
             return fut
-    if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None:
+    if key is None and headers is None and partition is None and timestamp is None and idempotency_key is None and not requeue:
         return native.send(topic, payload)  # no keyword dict to build and parse
     return native.send(
-        topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key
+        topic, payload, key=key, headers=headers, partition=partition, timestamp=timestamp, idempotency_key=idempotency_key, requeue=requeue
     )
 
 
@@ -544,10 +559,11 @@ class Transaction:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
+        requeue: int = 0,
     ) -> "_native.SendFuture[Delivery]":
         """Sends a record inside the transaction; a ``SendFuture`` of its ``Delivery`` (see
         ``Producer.send``)."""
-        return _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key)
+        return _send(self._native, self._platform, topic, payload, key, headers, partition, timestamp, idempotency_key, requeue)
 
     async def send_batch(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Delivery]:
         return _check(await _send_batch(self._native, self._platform, records))
@@ -803,7 +819,9 @@ class _Engine(abc.ABC):
         ``transactions_aborted``, ``rebalances``, ``fenced``, ``commits``, ``produced`` and
         ``malformed_traceparents`` (messages whose W3C ``traceparent`` was malformed and
         ignored; also the OpenTelemetry counter ``onceflow.malformed_traceparents`` when a
-        meter provider is installed in Rust)."""
+        meter provider is installed in Rust) and ``keyless`` (messages handled without an
+        idempotency key although a dedup store was set: at-least-once, no dedup record;
+        the OpenTelemetry counter ``onceflow.keyless``)."""
         return self._native.metrics() if self._native is not None else {}
 
     @property
@@ -820,8 +838,13 @@ class IdempotentConsumer(_Engine):
     ``on_failure`` (``redeliver``, ``stop``, ``dead-letter:TOPIC``), ``key``
     (``header:NAME`` or ``coordinates``), ``lease``, ``batch_size``, ``poll_timeout``,
     ``commit_interval``, ``commit_every``, ``shutdown_deadline``, ``namespace``, ``worker_id``,
-    ``fingerprint``, ``redelivery_delay``, ``tracing``. Durations are seconds (``int`` or
-    ``float``) or a ``datetime.timedelta``; ``None`` keeps a default. Raised by ``run()`` /
+    ``fingerprint``, ``require_key``, ``redelivery_delay``, ``tracing``. Durations are
+    seconds (``int`` or ``float``) or a ``datetime.timedelta``; ``None`` keeps a default.
+    A message without a key (no ``idempotency-key`` header) runs at-least-once and writes no
+    dedup record (counted in ``metrics()["keyless"]``); ``require_key=True`` makes it an
+    error naming the header, routed like a failed handler (dead-letter topic or
+    ``on_failure``). A payload conflicting with its key's fingerprint is routed the same
+    way and never stops the consumer by itself (only ``on_failure="stop"`` does). Raised by ``run()`` /
     ``step()``: ``TypeError`` for a value of the wrong type, ``ConfigError`` naming the setting
     for an unknown name, a count that is not a whole number from 1, or a duration out of range
     (the same table the Node package uses).

@@ -200,6 +200,7 @@ class Producer:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
+        requeue: Optional[int] = None,
     ) -> SendFuture[Delivery]: ...
     def send_nowait(
         self,
@@ -211,6 +212,7 @@ class Producer:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
+        requeue: Optional[int] = None,
     ) -> None: ...
     def drain(self, timeout: _Seconds = 30.0) -> Awaitable[List[OnceflowError]]: ...
     def send_batch(self, records: Iterable[_RecordTuple]) -> Awaitable[Deliveries]: ...
@@ -229,6 +231,7 @@ class Transaction:
         partition: Optional[int] = None,
         timestamp: Optional[int] = None,
         idempotency_key: Optional[str] = None,
+        requeue: Optional[int] = None,
     ) -> SendFuture[Delivery]: ...
     def send_batch(self, records: Iterable[_RecordTuple]) -> Awaitable[Deliveries]: ...
     def commit_offsets(self, consumer: Consumer, positions: Optional[List[_Position]] = None, batch: int = 0, handed_out: Optional[int] = None) -> Awaitable[None]: ...

@@ -571,7 +571,7 @@ impl Producer {
     /// `SendFuture` that resolves to its `Delivery` when the platform acknowledged it (or
     /// raises the send's exception, a validation error included). Cancelling the future never
     /// un-sends the record. Invalid arguments raise here.
-    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
+    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None, requeue=None))]
     #[allow(clippy::too_many_arguments)]
     fn send<'py>(
         &self,
@@ -583,6 +583,7 @@ impl Producer {
         partition: Option<&Bound<'py, PyAny>>,
         timestamp: Option<&Bound<'py, PyAny>>,
         idempotency_key: Option<&Bound<'py, PyAny>>,
+        requeue: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.check_fork(py)?;
         let record = convert::record(
@@ -593,6 +594,7 @@ impl Producer {
             partition,
             timestamp,
             idempotency_key,
+            requeue,
         )?;
         #[cfg(unix)]
         if let Some((fut, completion)) = wake::pending(py)? {
@@ -607,7 +609,7 @@ impl Producer {
     /// and sent by a background task with the records buffered around it, in batches, in call
     /// order. Failures are kept until `drain` returns them. Invalid arguments raise
     /// here.
-    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
+    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None, requeue=None))]
     #[allow(clippy::too_many_arguments)]
     fn send_nowait<'py>(
         &self,
@@ -618,6 +620,7 @@ impl Producer {
         partition: Option<&Bound<'py, PyAny>>,
         timestamp: Option<&Bound<'py, PyAny>>,
         idempotency_key: Option<&Bound<'py, PyAny>>,
+        requeue: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<()> {
         self.check_fork(payload.py())?;
         let record = convert::record(
@@ -628,6 +631,7 @@ impl Producer {
             partition,
             timestamp,
             idempotency_key,
+            requeue,
         )?;
         #[cfg(unix)]
         self.buffer(record, None);
@@ -734,7 +738,7 @@ pub struct Transaction {
 #[pymethods]
 impl Transaction {
     /// Sends a record inside the transaction; returns a `SendFuture` (see `Producer.send`).
-    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None))]
+    #[pyo3(signature = (topic, payload, *, key=None, headers=None, partition=None, timestamp=None, idempotency_key=None, requeue=None))]
     #[allow(clippy::too_many_arguments)]
     fn send<'py>(
         &self,
@@ -746,6 +750,7 @@ impl Transaction {
         partition: Option<&Bound<'py, PyAny>>,
         timestamp: Option<&Bound<'py, PyAny>>,
         idempotency_key: Option<&Bound<'py, PyAny>>,
+        requeue: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let record = convert::record(
             topic,
@@ -755,6 +760,7 @@ impl Transaction {
             partition,
             timestamp,
             idempotency_key,
+            requeue,
         )?;
         let tx = self.inner.clone();
         let fut = async move {

@@ -137,13 +137,14 @@ pub fn record(
     partition: Option<&Bound<'_, PyAny>>,
     timestamp: Option<&Bound<'_, PyAny>>,
     idempotency_key: Option<&Bound<'_, PyAny>>,
+    requeue: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Record> {
     let idempotency_key = match idempotency_key.filter(|k| !k.is_none()) {
         Some(k) => Some(text("idempotency_key", k, "str or None")?),
         None => None,
     };
     let topic = text("topic", topic, "str")?;
-    build(
+    let r = build(
         topic,
         payload,
         key,
@@ -151,7 +152,16 @@ pub fn record(
         partition,
         timestamp,
         idempotency_key,
-    )
+    )?;
+    with_requeue(r, "requeue", requeue)
+}
+
+/// `r` requeued as generation `v` of its idempotency key (`None` or 0: as it is).
+fn with_requeue(r: Record, what: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<Record> {
+    Ok(match opt_int(what, v, 0, i64::from(u32::MAX))? {
+        Some(n) if n > 0 => r.requeue(n as u32),
+        _ => r,
+    })
 }
 
 /// A record of a topic and idempotency key already converted.
@@ -176,18 +186,18 @@ fn build(
 }
 
 /// A record from a tuple `(topic, payload, key=None, headers=None, partition=None,
-/// timestamp=None, idempotency_key=None)`; `onceflow.Record` is such a tuple.
+/// timestamp=None, idempotency_key=None, requeue=0)`; `onceflow.Record` is such a tuple.
 pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
     let t = v.cast::<PyTuple>().map_err(|_| {
         PyTypeError::new_err(format!(
-            "record: expected onceflow.Record or a tuple (topic, payload, key, headers, partition, timestamp, idempotency_key), got {}",
+            "record: expected onceflow.Record or a tuple (topic, payload, key, headers, partition, timestamp, idempotency_key, requeue), got {}",
             type_name(v)
         ))
     })?;
     let n = t.len();
-    if !(2..=7).contains(&n) {
+    if !(2..=8).contains(&n) {
         return Err(PyTypeError::new_err(format!(
-            "record: expected 2 to 7 fields (topic, payload, ...), got {n}"
+            "record: expected 2 to 8 fields (topic, payload, ...), got {n}"
         )));
     }
     let get =
@@ -198,7 +208,7 @@ pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
         None => None,
         Some(k) => Some(text("record idempotency_key", &k, "str or None")?),
     };
-    build(
+    let r = build(
         topic,
         &t.get_item(1)?,
         get(2).as_ref(),
@@ -206,7 +216,8 @@ pub fn record_from_tuple(v: &Bound<'_, PyAny>) -> PyResult<Record> {
         get(4).as_ref(),
         get(5).as_ref(),
         idempotency_key,
-    )
+    )?;
+    with_requeue(r, "record requeue", none_or(7).as_ref())
 }
 
 /// Records from any iterable of record tuples.

@@ -266,6 +266,7 @@ fn metrics_dict(py: Python<'_>, m: MetricsSnapshot) -> PyResult<Py<PyAny>> {
     d.set_item("commits", m.commits)?;
     d.set_item("produced", m.produced)?;
     d.set_item("malformed_traceparents", m.malformed_traceparents)?;
+    d.set_item("keyless", m.keyless)?;
     Ok(d.into_any().unbind())
 }
 
