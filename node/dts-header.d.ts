@@ -33,6 +33,15 @@ export interface RecordInit {
   partition?: number
   timestamp?: number
   idempotencyKey?: string
+  /**
+   * Requeue a job already processed, on purpose: generation `n` (a whole number from 0 to
+   * 4294967295) of its `idempotencyKey` (required), written to the `onceflow-key-generation`
+   * header. The platform message id becomes `{key}#requeue-{n}` (JetStream's duplicate window
+   * drops only repeats of it) and the idempotent consumer's dedup key gets the same suffix, so
+   * the handler runs once more; generation `n` sent twice is a duplicate. 0 (the default):
+   * the record as it is.
+   */
+  requeue?: number
 }
 
 /** Options of a send given as `send(topic, payload, options)`. */
@@ -98,8 +107,18 @@ export interface EngineOptions {
   workerId?: string
   /** Lease of a claim, ms, at least 100 (default 30000); renewed every third of it. */
   leaseMs?: number
-  /** Same key with a different payload is a conflict (default true). */
+  /**
+   * Same key with a different payload is a conflict (default true), routed like a failed
+   * handler (dead-letter topic or `onFailure`); it stops the consumer only with `onFailure: 'stop'`.
+   */
   fingerprint?: boolean
+  /**
+   * Refuse messages without an idempotency key (default false): each is a `config` error naming
+   * the header that found nothing, routed like a failed handler (dead-letter topic or
+   * `onFailure`). Off, a keyless message runs at-least-once without a dedup record, counted in
+   * `metrics().keyless`.
+   */
+  requireKey?: boolean
   /** Handler attempts per delivery, at least 1 (default 5). */
   maxAttempts?: number
   /** First retry delay, ms (default 100); doubles up to `maxBackoffMs`, with jitter. */

@@ -141,7 +141,7 @@ function toHeaders(h) {
   return out
 }
 
-/** A record from `{topic, payload, key, headers, partition, timestamp, idempotencyKey}`. */
+/** A record from `{topic, payload, key, headers, partition, timestamp, idempotencyKey, requeue}`. */
 function toRecord(r) {
   if (r === null || typeof r !== 'object') throw new TypeError('record: expected an object {topic, payload, ...}')
   if (typeof r.topic !== 'string') throw new TypeError(`record.topic: expected a string, got ${typeof r.topic}`)
@@ -152,6 +152,13 @@ function toRecord(r) {
   if (r.partition !== undefined && r.partition !== null) out.partition = r.partition
   if (r.timestamp !== undefined && r.timestamp !== null) out.timestamp = r.timestamp
   if (r.idempotencyKey !== undefined && r.idempotencyKey !== null) out.idempotencyKey = String(r.idempotencyKey)
+  if (r.requeue !== undefined && r.requeue !== null) {
+    const n = r.requeue
+    if (typeof n !== 'number' || !Number.isInteger(n) || n < 0 || n > 4294967295) {
+      throw configError(`requeue ${String(n)}: expected a whole number from 0 to 4294967295`)
+    }
+    out.requeue = n
+  }
   return out
 }
 

@@ -41,6 +41,8 @@ pub struct RecordIn {
     pub timestamp: Option<i64>,
     /// Idempotency key (header `idempotency-key`, the platform's message id where it has one).
     pub idempotency_key: Option<String>,
+    /// Requeue generation of the idempotency key (`Record::requeue`); 0 or absent: none.
+    pub requeue: Option<u32>,
 }
 
 fn bytes(b: &Buffer) -> Bytes {
@@ -65,7 +67,7 @@ pub fn headers(h: Option<Vec<Header>>) -> Headers {
 
 /// A record from its JavaScript form.
 pub fn record(r: RecordIn) -> Record {
-    Record {
+    let record = Record {
         topic: r.topic,
         payload: bytes(&r.payload),
         key: r.key.as_ref().map(bytes),
@@ -73,6 +75,10 @@ pub fn record(r: RecordIn) -> Record {
         partition: r.partition,
         timestamp: r.timestamp,
         idempotency_key: r.idempotency_key,
+    };
+    match r.requeue {
+        Some(n) if n > 0 => record.requeue(n),
+        _ => record,
     }
 }
 

@@ -124,6 +124,9 @@ pub struct Metrics {
     /// Messages whose `traceparent` header was malformed and ignored (W3C Trace Context §3.2);
     /// also exported as the OpenTelemetry counter `onceflow.malformed_traceparents`.
     pub malformed_traceparents: f64,
+    /// Messages handled without an idempotency key although a dedup store was set
+    /// (at-least-once, no dedup record); also the OpenTelemetry counter `onceflow.keyless`.
+    pub keyless: f64,
 }
 
 impl From<onceflow::MetricsSnapshot> for Metrics {
@@ -143,6 +146,7 @@ impl From<onceflow::MetricsSnapshot> for Metrics {
             commits: m.commits as f64,
             produced: m.produced as f64,
             malformed_traceparents: m.malformed_traceparents as f64,
+            keyless: m.keyless as f64,
         }
     }
 }
