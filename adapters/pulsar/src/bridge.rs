@@ -289,9 +289,32 @@ fn serve(
         };
         inner.relayed.fetch_add(1, Ordering::Relaxed);
         let server = upstream.to_string();
-        let tls = match connect_upstream(&inner, &upstream).await {
-            Ok(s) => s,
-            Err(e) => return fail(&inner, &mut client, e).await,
+        // A broker that cannot be reached (refused or timed out, as while it restarts) gets no
+        // ERROR answer: the crate takes any answer but CONNECTED as fatal (it retries only a
+        // connection attempt that was refused or timed out), and its consumers would stop for
+        // good. So the bridge says nothing and keeps trying until the broker answers or the
+        // crate gives the attempt up (its connection timeout, retried with its own backoff).
+        let tls = loop {
+            let attempt = tokio::select! {
+                a = connect_upstream(&inner, &upstream) => a,
+                r = client.read_buf(&mut cbuf) => {
+                    if matches!(r, Ok(0) | Err(_)) {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            match attempt {
+                Ok(s) => break s,
+                Err((e, true)) => {
+                    tracing::debug!(error = %e, "Pulsar mTLS bridge: broker unreachable, trying again");
+                    let mut refusal = inner.refusal.lock();
+                    if refusal.is_none() {
+                        *refusal = Some(e);
+                    }
+                }
+                Err((e, false)) => return fail(&inner, &mut client, e).await,
+            }
         };
         let (mut ur, mut uw) = tokio::io::split(tls);
         if let Err(e) = async {
@@ -411,11 +434,12 @@ async fn fail(inner: &Inner, client: &mut TcpStream, e: Error) {
     let _ = client.shutdown().await;
 }
 
-/// TCP and TLS to the broker.
+/// TCP and TLS to the broker. The error says whether the broker was unreachable (its TCP
+/// port refused or timed out until `connect_timeout`: worth trying again).
 async fn connect_upstream(
     inner: &Inner,
     up: &Upstream,
-) -> std::result::Result<tokio_rustls::client::TlsStream<TcpStream>, Error> {
+) -> std::result::Result<tokio_rustls::client::TlsStream<TcpStream>, (Error, bool)> {
     let server = up.to_string();
     // A refused or timed-out TCP connection is tried again, with a growing pause, until
     // `connect_timeout`, as the pulsar crate does on its own connections: failing the local
@@ -437,16 +461,19 @@ async fn connect_upstream(
         );
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if !retriable || left < pause {
-            return Err(Error::new(
-                if e.kind() == std::io::ErrorKind::TimedOut {
-                    ErrorKind::Timeout
-                } else {
-                    ErrorKind::Connect
-                },
-                format!(
-                    "cannot reach the Pulsar broker at {server} (tried for up to {} ms): {e}",
-                    inner.connect_timeout.as_millis()
+            return Err((
+                Error::new(
+                    if e.kind() == std::io::ErrorKind::TimedOut {
+                        ErrorKind::Timeout
+                    } else {
+                        ErrorKind::Connect
+                    },
+                    format!(
+                        "cannot reach the Pulsar broker at {server} (tried for up to {} ms): {e}",
+                        inner.connect_timeout.as_millis()
+                    ),
                 ),
+                retriable,
             ));
         }
         tokio::time::sleep(pause).await;
@@ -454,20 +481,26 @@ async fn connect_upstream(
     };
     let _ = tcp.set_nodelay(true);
     let name = rustls::pki_types::ServerName::try_from(up.host.clone()).map_err(|e| {
-        Error::config(format!(
-            "Pulsar at {server}: '{}' is not a host name for TLS: {e}",
-            up.host
-        ))
+        (
+            Error::config(format!(
+                "Pulsar at {server}: '{}' is not a host name for TLS: {e}",
+                up.host
+            )),
+            false,
+        )
     })?;
     match tokio::time::timeout(inner.connect_timeout, inner.tls.connect(name, tcp)).await {
         Ok(Ok(s)) => Ok(s),
-        Ok(Err(e)) => Err(refused_after_handshake(inner, &server, &e)),
-        Err(_) => Err(Error::new(
-            ErrorKind::Timeout,
-            format!(
-                "no TLS handshake with the Pulsar broker at {server} within {} ms",
-                inner.connect_timeout.as_millis()
+        Ok(Err(e)) => Err((refused_after_handshake(inner, &server, &e), false)),
+        Err(_) => Err((
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no TLS handshake with the Pulsar broker at {server} within {} ms",
+                    inner.connect_timeout.as_millis()
+                ),
             ),
+            false,
         )),
     }
 }
@@ -1171,7 +1204,7 @@ mod tests {
             .unwrap()
             .port();
         let t0 = std::time::Instant::now();
-        let Err(e) = connect_upstream(
+        let Err((e, unreachable)) = connect_upstream(
             &inner,
             &Upstream {
                 host: "127.0.0.1".to_string(),
@@ -1184,6 +1217,7 @@ mod tests {
         };
         let took = t0.elapsed();
         assert_eq!(e.kind(), ErrorKind::Connect, "{e}");
+        assert!(unreachable, "{e}");
         assert!(e.message().contains(&format!("127.0.0.1:{port}")), "{e}");
         // Tried with pauses of 100, 200, 400 ms within the 1 s timeout, not failed at once.
         assert!(took >= Duration::from_millis(600), "{took:?}");

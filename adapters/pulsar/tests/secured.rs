@@ -37,6 +37,11 @@
 //! - `mtls_bridge_closes_local_connections_without_its_secret`: another local process that
 //!   connects to the bridge's loopback port (a CONNECT with a wrong secret, with the `tls`
 //!   method, garbage) is closed without an answer and never reaches the broker.
+//! - `mtls_consumer_and_producer_go_on_after_the_broker_was_unreachable`: the broker's TLS port
+//!   (a relay in front of it, which Pulsar standalone's lookups keep the client on) refuses
+//!   connections for 10 s and drops those it had; afterwards the producer and the consumer
+//!   go on through the bridge (the bridge answered the crate's reconnects with an ERROR
+//!   before, which the crate takes as fatal: its consumer stopped for good).
 //!
 //! Every error text, `Debug` output and the log lines captured at DEBUG are grepped for the
 //! test secrets (tokens, and the base64 lines of the client key).
@@ -957,4 +962,96 @@ async fn mtls_bridge_closes_local_connections_without_its_secret() {
         logs.contains("closed a local connection without contacting the broker"),
         "the refusals are logged at debug"
     );
+}
+
+/// A TCP relay on 127.0.0.1 (a name the broker's certificate has) to `upstream`, on `port`
+/// (0: any); aborting the returned task and `conns` makes the broker unreachable.
+fn outage_relay(
+    port: u16,
+    upstream: String,
+    conns: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+) -> (u16, tokio::task::JoinHandle<()>) {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+    let task = tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let upstream = upstream.clone();
+            let relayed = tokio::spawn(async move {
+                if let Ok(mut out) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                }
+            });
+            conns.lock().unwrap().push(relayed);
+        }
+    });
+    (port, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_consumer_and_producer_go_on_after_the_broker_was_unreachable() {
+    let Some(env) = env() else { return };
+    let upstream = env.tls_url.trim_start_matches("pulsar+ssl://").to_string();
+    let conns = Arc::new(Mutex::new(Vec::new()));
+    let (port, relay) = outage_relay(0, upstream.clone(), conns.clone());
+    let url = mtls_url(&env, &env.client_cert, &env.client_key).replacen(
+        &env.tls_url,
+        &format!("pulsar+ssl://127.0.0.1:{port}"),
+        1,
+    );
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let client = Client::new(platform.clone());
+    let topic = name("mtls-outage");
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    let consumer = client
+        .consumer(ConsumerConfig::new(name("g"), [topic.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    producer
+        .send(Record::new(topic.clone(), "before"))
+        .await
+        .unwrap();
+
+    // The broker is away for 10 s: its port refuses, its connections are gone.
+    relay.abort();
+    let _ = relay.await;
+    for c in conns.lock().unwrap().drain(..) {
+        c.abort();
+    }
+    let t0 = Instant::now();
+    let sending = {
+        let (producer, topic) = (producer.clone(), topic.clone());
+        tokio::spawn(async move { producer.send(Record::new(topic, "during")).await })
+    };
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (_, relay) = outage_relay(port, upstream, conns.clone());
+    tokio::time::timeout(Duration::from_secs(60), sending)
+        .await
+        .expect("the send during the outage hung")
+        .unwrap()
+        .unwrap();
+    eprintln!(
+        "mTLS outage: the send made during it was delivered {} ms after it began",
+        t0.elapsed().as_millis()
+    );
+    producer
+        .send(Record::new(topic.clone(), "after"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.len() < 3 && Instant::now() < deadline {
+        for m in consumer.poll(10, Duration::from_millis(300)).await.unwrap() {
+            got.push(String::from_utf8_lossy(&m.payload).to_string());
+        }
+    }
+    eprintln!("mTLS outage: {:?}", platform.mtls_bridge());
+    assert_eq!(
+        got,
+        vec!["before", "during", "after"],
+        "the consumer stopped"
+    );
+    consumer.close().await.unwrap();
+    relay.abort();
 }
