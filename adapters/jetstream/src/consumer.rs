@@ -1,6 +1,6 @@
 //! Durable pull consumers, one per group and partition.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,6 +53,11 @@ struct PartitionInner {
     paused: bool,
     /// Delivered by `poll`, not yet acked or nacked, by stream sequence.
     pending: BTreeMap<u64, jetstream::Message>,
+    /// When the ack deadline of each pending message runs out, as far as this member knows
+    /// (its poll or its last `+WPI`, plus the shortest ack deadline), and whether the server
+    /// delivered it again while it was pending: an ack after either is late
+    /// ([`JetStreamConsumer::commit`]).
+    deadlines: HashMap<u64, Deadline>,
     /// The sequences `pending` held at the last keepalive tick, sorted: those still pending at
     /// the next tick get `+WPI` ([`JetStreamConsumer::keep_alive`]).
     pending_at_tick: Vec<u64>,
@@ -77,6 +82,7 @@ impl PartitionInner {
     /// Forgets what was delivered (a new owner, a seek): the next fetch starts afresh.
     fn reset(&mut self) {
         self.pending.clear();
+        self.deadlines.clear();
         self.pending_at_tick.clear();
         self.delivered = 0;
         self.nacked.clear();
@@ -100,6 +106,9 @@ impl PartitionInner {
     fn admit(&mut self, seq: u64, m: &jetstream::Message) -> Admit {
         if let Some(held) = self.pending.get_mut(&seq) {
             *held = m.clone();
+            if let Some(d) = self.deadlines.get_mut(&seq) {
+                d.redelivered = true;
+            }
             return Admit::Held;
         }
         let nacked = self.nacked.remove(&seq).is_some();
@@ -115,6 +124,14 @@ impl PartitionInner {
     }
 }
 
+/// The ack deadline of a pending message ([`PartitionInner::deadlines`]).
+#[derive(Clone, Copy)]
+struct Deadline {
+    at: Instant,
+    /// The server delivered the message again while this member held it.
+    redelivered: bool,
+}
+
 /// What [`PartitionInner::admit`] made of a fetched message.
 enum Admit {
     /// New to the poller: return it.
@@ -123,6 +140,24 @@ enum Admit {
     Held,
     /// A redelivery of a message already committed: ack it again, don't return it.
     Committed,
+}
+
+/// Whether the group still counts this member alive: its last heartbeat is younger than the
+/// session timeout. A member past it may have lost its partitions without knowing (it has not
+/// polled), so it neither pulls nor keeps messages alive until its next heartbeat: the
+/// messages it holds reach the new owner after `ack_wait`.
+#[derive(Clone)]
+struct Liveness {
+    last: Arc<Mutex<Option<Instant>>>,
+    session: Duration,
+}
+
+impl Liveness {
+    fn stale(&self) -> bool {
+        self.last
+            .lock()
+            .is_some_and(|t| t.elapsed() >= self.session)
+    }
 }
 
 struct Fetch {
@@ -164,7 +199,12 @@ pub struct JetStreamConsumer {
     partitions: Vec<Partition>,
     membership: Membership,
     refresh_every: Duration,
+    /// The group's session timeout: a member whose last heartbeat is older is dead to the
+    /// others, which take its partitions.
+    session: Duration,
     last_refresh: Mutex<Option<tokio::time::Instant>>,
+    /// When this member's last heartbeat reached the group bucket.
+    liveness: Liveness,
     rebalancing: tokio::sync::Mutex<()>,
     listener: Mutex<Option<Arc<dyn RebalanceListener>>>,
     closed: AtomicBool,
@@ -263,7 +303,12 @@ impl JetStreamConsumer {
             partitions,
             membership,
             refresh_every: (session / 4).clamp(Duration::from_millis(100), Duration::from_secs(1)),
+            session,
             last_refresh: Mutex::new(None),
+            liveness: Liveness {
+                last: Arc::new(Mutex::new(None)),
+                session,
+            },
             rebalancing: tokio::sync::Mutex::new(()),
             listener: Mutex::new(None),
             closed: AtomicBool::new(false),
@@ -296,32 +341,50 @@ impl JetStreamConsumer {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
-            let due: Vec<jetstream::Message> = {
+            let (due, deadline) = {
                 let Some(c) = consumer.upgrade() else { return };
                 if c.closed.load(Ordering::Acquire) {
                     return;
                 }
+                // A member the others consider dead (no heartbeat for the session timeout:
+                // it has not polled) may have lost its partitions already: its messages must
+                // reach the new owner after ack_wait, so they are no longer kept alive.
+                let stale = c.liveness.stale();
                 let mut due = Vec::new();
-                for part in &c.partitions {
+                for (i, part) in c.partitions.iter().enumerate() {
                     let mut guard = part.inner.lock();
                     let inner = &mut *guard;
-                    for (seq, m) in &inner.pending {
-                        if inner.pending_at_tick.binary_search(seq).is_ok() {
-                            due.push(m.clone());
+                    if !stale {
+                        for (seq, m) in &inner.pending {
+                            if inner.pending_at_tick.binary_search(seq).is_ok() {
+                                due.push((i, *seq, m.clone()));
+                            }
                         }
                     }
                     inner.pending_at_tick.clear();
                     inner.pending_at_tick.extend(inner.pending.keys());
                 }
-                due
+                (due, ack_deadline(&c.options))
             };
-            for r in
-                futures::future::join_all(due.iter().map(|m| m.ack_with(AckKind::Progress))).await
-            {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "in-progress signal failed; the server may redeliver after ack_wait");
+            let sent = Instant::now();
+            let results = futures::future::join_all(
+                due.iter().map(|(_, _, m)| m.ack_with(AckKind::Progress)),
+            )
+            .await;
+            let Some(c) = consumer.upgrade() else { return };
+            for ((i, seq, _), r) in due.iter().zip(results) {
+                match r {
+                    Ok(()) => {
+                        if let Some(d) = c.partitions[*i].inner.lock().deadlines.get_mut(seq) {
+                            d.at = sent + deadline;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "in-progress signal failed; the server may redeliver after ack_wait");
+                    }
                 }
             }
+            drop(c);
         }
     }
 
@@ -471,6 +534,7 @@ impl JetStreamConsumer {
             &self.options,
             self.shared.client.clone(),
             self.notify.clone(),
+            self.liveness.clone(),
         );
         let old = {
             let mut inner = part.inner.lock();
@@ -522,6 +586,7 @@ impl JetStreamConsumer {
         };
         *self.last_refresh.lock() = Some(tokio::time::Instant::now());
         self.membership.heartbeat().await?;
+        *self.liveness.last.lock() = Some(Instant::now());
         let live = self.membership.live_members().await?;
         let all: Vec<TopicPartition> = self.partitions.iter().map(|p| p.tp.clone()).collect();
         let desired = group::assignment_for(&all, &live, self.membership.member());
@@ -905,12 +970,18 @@ async fn reconcile(
 /// polled, and two periods after it was polled while it is pending, so within four fifths of
 /// the deadline.
 fn keepalive_period(options: &JetStreamOptions) -> Duration {
-    let shortest = options
+    (ack_deadline(options) / 5).max(Duration::from_millis(10))
+}
+
+/// The shortest ack deadline the server may give a delivered message: the consumer's
+/// `ack_wait`, or its shortest `backoff` step, which the server uses instead
+/// (<https://docs.nats.io/nats-concepts/jetstream/consumers#backoff>).
+fn ack_deadline(options: &JetStreamOptions) -> Duration {
+    options
         .backoff
         .iter()
         .copied()
-        .fold(options.ack_wait, Duration::min);
-    (shortest / 5).max(Duration::from_millis(10))
+        .fold(options.ack_wait, Duration::min)
 }
 
 /// Starts the task that pulls from `consumer` into a bounded channel: one pull request at a
@@ -929,6 +1000,7 @@ fn spawn_fetch(
     options: &JetStreamOptions,
     client: async_nats::Client,
     notify: Arc<Notify>,
+    liveness: Liveness,
 ) -> Fetch {
     let batch = options.fetch_batch;
     let expires = options.pull_expires;
@@ -947,6 +1019,14 @@ fn spawn_fetch(
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !stopping {
+            if liveness.stale() {
+                // Presumed dead by the group: no pull (the new owner's requests get the
+                // messages), and no in-progress signals for what is waiting.
+                tokio::select! {
+                    _ = &mut stop_rx => return waiting.into_iter().map(|(m, _)| m).collect(),
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => continue,
+                }
+            }
             let mut request = consumer.batch().max_messages(batch).expires(expires);
             if let Some(hb) = heartbeat {
                 request = request.heartbeat(hb);
@@ -996,7 +1076,7 @@ fn spawn_fetch(
                             }
                         }
                     },
-                    _ = ticker.tick() => {
+                    _ = ticker.tick(), if !liveness.stale() => {
                         let in_channel = batch.saturating_sub(tx.capacity());
                         let polled = sent.len().saturating_sub(in_channel);
                         sent.drain(..polled);
@@ -1035,8 +1115,40 @@ fn spawn_fetch(
     }
 }
 
+/// `+ACK` as a request ([AckSync][ack]): `Ok` once the server confirmed it. Unlike
+/// async-nats' `double_ack`, which takes any reply for a confirmation, the server's 503 (no
+/// responders: the durable is gone) is an error here.
+///
+/// [ack]: https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#delivery-reliability
+async fn confirmed_ack(
+    client: &async_nats::Client,
+    m: &jetstream::Message,
+    timeout: Duration,
+) -> std::result::Result<(), async_nats::Error> {
+    let reply = m
+        .reply
+        .clone()
+        .ok_or("no reply subject: not a JetStream message")?;
+    let request = async_nats::Request::new()
+        .payload(bytes::Bytes::from_static(b"+ACK"))
+        .timeout(Some(timeout));
+    client.send_request(reply, request).await?;
+    Ok(())
+}
+
 fn ack_err(what: &str, tp: &TopicPartition, seq: u64, e: async_nats::Error) -> Error {
     let text = e.to_string();
+    if text.to_lowercase().contains("no responders") {
+        // Nobody answered the ack: the durable is gone (deleted, or reset by another member).
+        return Error::new(
+            ErrorKind::Fenced,
+            format!(
+                "{what} of {tp} seq:{seq}: no server answered the ack ({text}): the partition's \
+                 durable is gone (deleted, or reset by another member)"
+            ),
+        )
+        .with_source_box(e);
+    }
     let kind = if text.to_lowercase().contains("timed out") {
         ErrorKind::Timeout
     } else {
@@ -1096,6 +1208,13 @@ impl ConsumerBackend for JetStreamConsumer {
                                         }
                                     }
                                     inner.pending.insert(s, m);
+                                    inner.deadlines.insert(
+                                        s,
+                                        Deadline {
+                                            at: Instant::now() + ack_deadline(&self.options),
+                                            redelivered: false,
+                                        },
+                                    );
                                 }
                                 out.push(msg);
                             }
@@ -1131,9 +1250,24 @@ impl ConsumerBackend for JetStreamConsumer {
 
     /// Double-acks ([`AckSync`](https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#delivery-reliability))
     /// every message of the partition delivered by `poll` up to the position and not nacked.
+    ///
+    /// The server confirms an ack of any delivery of a message it still tracks, however late
+    /// (measured on nats-server 2.14: an ack of an expired or already redelivered delivery is
+    /// answered like a timely one and moves the ack floor), so lateness is found here:
+    /// - **`Fenced`** (nothing acked): the group's owner entry of the partition
+    ///   ([`crate::GROUPS_BUCKET`]) no longer names this member's claim: another member took
+    ///   it over (this one missed its session timeout) and handles these messages. The next
+    ///   poll drops the partition (`on_lost`). Also `Fenced`: the durable is gone (deleted,
+    ///   or reset by another member), the ack had nobody to answer it.
+    /// - **`Timeout`**, retriable (acked): a message's ack deadline (`ack_wait`, or the
+    ///   shortest `backoff` step) ran out before its ack without an in-progress signal (the
+    ///   process or its runtime stalled), or the server delivered it again while it was held:
+    ///   the server may have delivered it again, and each delivery counts toward
+    ///   `max_deliver`. The error names the sequences; a retry of the commit is a no-op.
     async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.check_open()?;
         let mut first_err = None;
+        let mut late_err = None;
         for (tp, pos) in positions {
             let part = self.partition(tp)?;
             let seq = pos.as_sequence().ok_or_else(|| {
@@ -1141,30 +1275,105 @@ impl ConsumerBackend for JetStreamConsumer {
                     "position {pos} of {tp} is not a JetStream position: expected seq:N"
                 ))
             })?;
-            let msgs: Vec<(u64, jetstream::Message)> = {
+            // Still ours? (Read from the group bucket: a member that stalled past its session
+            // timeout has not heard yet that another took the partition.)
+            let claim = part.inner.lock().owner_revision;
+            match self.membership.owner(tp).await? {
+                group::Owner::Me(r) if Some(r) == claim => {}
+                other => {
+                    // The next poll refreshes the group at once and drops the partition.
+                    *self.last_refresh.lock() = None;
+                    let now = match other {
+                        group::Owner::Other { member, .. } => format!("member '{member}'"),
+                        group::Owner::Nobody => "nobody".to_string(),
+                        group::Owner::Me(_) => "a newer claim of this member".to_string(),
+                    };
+                    return Err(Error::new(
+                        ErrorKind::Fenced,
+                        format!(
+                            "commit of {tp} up to {pos} refused: this member of group '{}' lost \
+                             the partition (now owned by {now}; it missed its session timeout \
+                             of {} ms), its messages are another member's now; nothing acked",
+                            self.group,
+                            self.session.as_millis()
+                        ),
+                    ));
+                }
+            }
+            let (msgs, deadlines): (Vec<(u64, jetstream::Message)>, Vec<Option<Deadline>>) = {
                 let mut inner = part.inner.lock();
                 let rest = inner.pending.split_off(&(seq + 1));
                 let taken = std::mem::replace(&mut inner.pending, rest);
-                taken.into_iter().collect()
+                let deadlines = taken.keys().map(|s| inner.deadlines.remove(s)).collect();
+                (taken.into_iter().collect(), deadlines)
             };
-            let results = futures::future::join_all(msgs.iter().map(|(_, m)| m.double_ack())).await;
+            let sent = Instant::now();
+            let client = &self.shared.client;
+            let wait = self.options.request_timeout;
+            let results =
+                futures::future::join_all(msgs.iter().map(|(_, m)| confirmed_ack(client, m, wait)))
+                    .await;
             let mut failed = Vec::new();
-            for ((s, m), r) in msgs.into_iter().zip(results) {
-                if let Err(e) = r {
-                    if first_err.is_none() {
-                        first_err = Some(ack_err("commit (double ack)", tp, s, e));
+            let mut late = Vec::new();
+            for (((s, m), r), d) in msgs.into_iter().zip(results).zip(deadlines) {
+                match r {
+                    Err(e) => {
+                        if first_err.is_none() {
+                            first_err = Some(ack_err("commit (double ack)", tp, s, e));
+                        }
+                        failed.push((s, m, d));
                     }
-                    failed.push((s, m));
+                    Ok(()) => {
+                        if let Some(d) = d.filter(|d| d.redelivered || sent > d.at) {
+                            late.push((s, d));
+                        }
+                    }
                 }
             }
             if !failed.is_empty() {
                 let mut inner = part.inner.lock();
-                for (s, m) in failed {
+                for (s, m, d) in failed {
                     inner.pending.entry(s).or_insert(m);
+                    if let Some(d) = d {
+                        inner.deadlines.entry(s).or_insert(d);
+                    }
                 }
             }
+            if !late.is_empty() && late_err.is_none() {
+                let shown: Vec<String> = late
+                    .iter()
+                    .take(10)
+                    .map(|(s, d)| {
+                        if d.redelivered {
+                            format!("seq:{s} (delivered again while held)")
+                        } else {
+                            format!(
+                                "seq:{s} ({} ms after its deadline)",
+                                sent.duration_since(d.at).as_millis()
+                            )
+                        }
+                    })
+                    .collect();
+                late_err = Some(
+                    Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "commit of {tp} up to {pos}: acked, but {} message(s) were acked \
+                             after their ack deadline ({} ms, ack_wait or the shortest backoff \
+                             step) or after the server delivered them again: {}{}; the server \
+                             may have delivered them again (each delivery counts toward \
+                             max_deliver)",
+                            late.len(),
+                            ack_deadline(&self.options).as_millis(),
+                            shown.join(", "),
+                            if late.len() > 10 { ", …" } else { "" }
+                        ),
+                    )
+                    .retriable(true),
+                );
+            }
         }
-        match first_err {
+        match first_err.or(late_err) {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -1231,6 +1440,7 @@ impl ConsumerBackend for JetStreamConsumer {
             &self.options,
             self.shared.client.clone(),
             self.notify.clone(),
+            self.liveness.clone(),
         );
         let old = {
             let mut inner = part.inner.lock();
@@ -1326,6 +1536,7 @@ impl ConsumerBackend for JetStreamConsumer {
         let m = {
             let mut inner = part.inner.lock();
             let m = inner.pending.remove(&seq);
+            inner.deadlines.remove(&seq);
             if let Some(m) = &m {
                 inner.nacked.insert(seq, m.clone());
             }
@@ -1353,10 +1564,16 @@ impl ConsumerBackend for JetStreamConsumer {
         let seq = message.position.as_sequence().unwrap_or(0);
         let m = part.inner.lock().pending.get(&seq).cloned();
         match m {
-            Some(m) => m
-                .ack_with(AckKind::Progress)
-                .await
-                .map_err(|e| ack_err("in-progress ack", &part.tp, seq, e)),
+            Some(m) => {
+                let sent = Instant::now();
+                m.ack_with(AckKind::Progress)
+                    .await
+                    .map_err(|e| ack_err("in-progress ack", &part.tp, seq, e))?;
+                if let Some(d) = part.inner.lock().deadlines.get_mut(&seq) {
+                    d.at = sent + ack_deadline(&self.options);
+                }
+                Ok(())
+            }
             None => Ok(()),
         }
     }

@@ -114,7 +114,17 @@
 //!   (default none, at most half the expiry) its idle heartbeat: a request that misses two
 //!   is given up and made again.
 //! - **commit** double-acks ([`AckSync`][ack]) every delivered, not nacked message of the
-//!   partition up to the position: the server confirms each ack.
+//!   partition up to the position: the server confirms each ack. The server confirms an ack
+//!   however late it is (nats-server 2.14 answers an ack of an expired or redelivered
+//!   delivery like a timely one, and it counts), so onceflow reports lateness itself: a
+//!   commit of a partition whose owner entry in the group bucket no longer names this
+//!   member's claim (it missed its session timeout and another member took over) is
+//!   `Fenced` and acks nothing; an ack the server did not answer because the durable is
+//!   gone is `Fenced`; an ack sent after the message's ack deadline ran out without an
+//!   in-progress signal (a stalled process), or after the server delivered it again, is
+//!   acked and reported as a retriable `Timeout` naming the sequences. A member past its
+//!   session timeout neither pulls nor sends `+WPI` until its next heartbeat, so what it
+//!   holds reaches the new owner after `ack_wait`.
 //! - **nack** is a per-message `-NAK` with the delay ([ack]); a nacked message is not acked by a
 //!   later commit.
 //! - **ack_wait redeliveries to the owner are hidden**: the server redelivers a message whose

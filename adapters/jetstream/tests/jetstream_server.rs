@@ -1024,3 +1024,83 @@ async fn errors_while_jetstream_recovers_are_retriable() {
     let d = p.admin().await.unwrap().describe_topic(&t).await.unwrap();
     assert_eq!(d.options.get("messages").map(String::as_str), Some("2"));
 }
+
+/// A member that stalls past its session timeout loses its partition to another member; its
+/// commit afterwards is `Fenced` and acks nothing (before, it acked the messages the new
+/// owner was handling and returned Ok, and its keepalive kept them from reaching the new
+/// owner at all). The new owner gets the message after `ack_wait` and commits it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_after_losing_the_partition_is_fenced() {
+    let Some(p) = platform("a_commit_after_losing_the_partition_is_fenced").await else {
+        return;
+    };
+    let t = topic(&p, "js-fenced", 1).await;
+    let group = name("g");
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    prod.send(Record::new(t.clone(), "m0")).await.unwrap();
+    let member = |id: &str| {
+        let mut cfg = ConsumerConfig::new(group.clone(), [t.clone()]);
+        cfg.session_timeout = Some(Duration::from_secs(1));
+        cfg.client_id = Some(id.to_string());
+        cfg.options.insert("ack_wait_ms".into(), "2000".into());
+        cfg
+    };
+    let a = p.consumer(member("a")).await.unwrap();
+    let got = take(a.as_ref(), 1).await;
+    let b = p.consumer(member("b")).await.unwrap();
+    // `a` no longer polls: `b` takes the partition after a's session timeout and gets the
+    // message after ack_wait.
+    let again = take(b.as_ref(), 1).await;
+    assert_eq!(again[0].position, got[0].position);
+    let e = a
+        .commit(&[(got[0].topic_partition(), got[0].position.clone())])
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    assert!(e.message().contains("member 'b'"), "{e}");
+    let (info, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(
+        info.ack_floor.stream_sequence, 0,
+        "the fenced commit acked nothing"
+    );
+    b.commit(&[(again[0].topic_partition(), again[0].position.clone())])
+        .await
+        .unwrap();
+    let (info, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(info.ack_floor.stream_sequence, 1);
+    a.close().await.unwrap();
+    b.close().await.unwrap();
+}
+
+/// A commit whose ack comes after the message's ack deadline (here the runtime is blocked
+/// past `ack_wait`, so no in-progress signal went out) is a retriable `Timeout` naming the
+/// sequence, though the server took the ack (before: a plain Ok); a retry is a no-op.
+#[tokio::test] // one thread: the blocking sleep stalls the keepalive too
+async fn an_ack_after_its_deadline_is_reported() {
+    let Some(p) = platform("an_ack_after_its_deadline_is_reported").await else {
+        return;
+    };
+    let t = topic(&p, "js-late", 1).await;
+    let group = name("g");
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    prod.send(Record::new(t.clone(), "m0")).await.unwrap();
+    let c = open(
+        &p,
+        &t,
+        &group,
+        StartFrom::Earliest,
+        &[("ack_wait_ms", "1000")],
+    )
+    .await;
+    let got = take(c.as_ref(), 1).await;
+    std::thread::sleep(Duration::from_millis(2500));
+    let at = [(got[0].topic_partition(), got[0].position.clone())];
+    let e = c.commit(&at).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(e.is_retriable(), "{e}");
+    assert!(e.message().contains("seq:1"), "{e}");
+    let (info, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(info.ack_floor.stream_sequence, 1, "the late ack counted");
+    c.commit(&at).await.unwrap();
+    c.close().await.unwrap();
+}
