@@ -10,7 +10,8 @@
 //! `pipeline_restart_after_crash`, `member_joining_mid_stream_loses_and_repeats_nothing`,
 //! `shutdown_drains_and_commits`, `keyless_messages_write_no_dedup_record_and_are_counted`,
 //! `require_key_dead_letters_a_keyless_message`,
-//! `conflicting_payload_does_not_stop_consumer_or_pipeline`, `requeued_job_runs_once_more`.
+//! `conflicting_payload_does_not_stop_consumer_or_pipeline`, `requeued_job_runs_once_more`,
+//! `requeued_input_is_transformed_once_more`.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -54,6 +55,7 @@ macro_rules! engine_suite {
             require_key_dead_letters_a_keyless_message,
             conflicting_payload_does_not_stop_consumer_or_pipeline,
             requeued_job_runs_once_more,
+            requeued_input_is_transformed_once_more,
         );
     };
     (@cases ($harness:expr) $($case:ident),* $(,)?) => {
@@ -1379,5 +1381,67 @@ pub async fn requeued_job_runs_once_more(h: &dyn Harness) -> CaseResult {
         )?;
     }
     nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// A requeued input (`Record::requeue(1)`) runs through the pipeline once more and its outputs
+/// get ids of their own (`{key}#requeue-1:{index}`), so a platform that deduplicates by
+/// message id (JetStream) keeps them; a plain re-send of the input writes nothing again.
+pub async fn requeued_input_is_transformed_once_more(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let input = h.topic(1).await?;
+    let output = h.topic(1).await?;
+    let job = || Record::new(input.clone(), b"job".to_vec()).idempotency_key("job-1");
+    produce(
+        &client,
+        vec![job(), job(), job().requeue(1), job().requeue(1)],
+    )
+    .await?;
+    let group = h.group();
+    let consumer = client.consumer(consumer_config(h, &group, &input)).await?;
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(format!("{group}-tx")))
+        .await?;
+    let calls = Arc::new(AtomicU64::new(0));
+    let echo = Echo {
+        out: output.clone(),
+        calls: calls.clone(),
+        crash_after: None,
+    };
+    let pipeline = Pipeline::with_config(
+        consumer,
+        producer,
+        Some(store()),
+        Arc::new(echo),
+        PipelineConfig {
+            engine: fast_engine(h),
+            transaction_interval: Duration::from_millis(50),
+            ..PipelineConfig::default()
+        },
+    )?;
+    let c2 = calls.clone();
+    pipeline
+        .run_until(until(h, move || c2.load(Ordering::SeqCst) >= 2))
+        .await?;
+    let out = read_all(h, &client, &output, 2).await?;
+    let ids: Vec<&str> = out
+        .iter()
+        .map(|m| {
+            m.headers
+                .get_str(onceflow_core::IDEMPOTENCY_KEY_HEADER)
+                .unwrap_or("")
+        })
+        .collect();
+    check(
+        calls.load(Ordering::SeqCst) == 2,
+        format!(
+            "the transform ran for generations 0 and 1 only, ran {} times",
+            calls.load(Ordering::SeqCst)
+        ),
+    )?;
+    check(
+        ids == ["job-1:0", "job-1#requeue-1:0"],
+        format!("one output per generation with its own id, got {ids:?}"),
+    )?;
     Ok(Outcome::Passed)
 }
