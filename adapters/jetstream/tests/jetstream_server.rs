@@ -1104,3 +1104,48 @@ async fn an_ack_after_its_deadline_is_reported() {
     c.commit(&at).await.unwrap();
     c.close().await.unwrap();
 }
+
+/// A durable the server will not update (here a stream whose consumer limits cap
+/// `max_ack_pending` at 100) is a `Config` error naming the setting, the durable's value and
+/// the requested one; the durable keeps its settings and nothing is recreated.
+#[tokio::test]
+async fn a_durable_the_server_will_not_update_is_a_config_error() {
+    let Some(p) = platform("a_durable_the_server_will_not_update_is_a_config_error").await else {
+        return;
+    };
+    let t = name("js-limits");
+    let js = async_nats::jetstream::new(p.nats_client());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: t.clone(),
+        subjects: vec![t.clone()],
+        consumer_limits: Some(async_nats::jetstream::stream::ConsumerLimits {
+            inactive_threshold: Duration::ZERO,
+            max_ack_pending: 100,
+        }),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let group = name("g");
+    let c = open(
+        &p,
+        &t,
+        &group,
+        StartFrom::Earliest,
+        &[("max_ack_pending", "50")],
+    )
+    .await;
+    c.close().await.unwrap();
+    let mut cfg = ConsumerConfig::new(group.clone(), [t.clone()]);
+    cfg.options.insert("max_ack_pending".into(), "500".into());
+    let e = p.consumer(cfg).await.err().expect("refused");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(
+        e.message()
+            .contains("max_ack_pending: the durable has 50, requested 500"),
+        "{e}"
+    );
+    assert!(e.message().contains("reset=true"), "{e}");
+    let (info, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(info.config.max_ack_pending, 50);
+}
