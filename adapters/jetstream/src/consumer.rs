@@ -158,6 +158,11 @@ impl Liveness {
             .lock()
             .is_some_and(|t| t.elapsed() >= self.session)
     }
+
+    /// The last heartbeat reached the group bucket less than `age` ago.
+    fn recent(&self, age: Duration) -> bool {
+        self.last.lock().is_some_and(|t| t.elapsed() < age)
+    }
 }
 
 struct Fetch {
@@ -1257,7 +1262,9 @@ impl ConsumerBackend for JetStreamConsumer {
     /// - **`Fenced`** (nothing acked): the group's owner entry of the partition
     ///   ([`crate::GROUPS_BUCKET`]) no longer names this member's claim: another member took
     ///   it over (this one missed its session timeout) and handles these messages. The next
-    ///   poll drops the partition (`on_lost`). Also `Fenced`: the durable is gone (deleted,
+    ///   poll drops the partition (`on_lost`). The entry is read only when this member's last
+    ///   heartbeat is older than half the session timeout (with a younger one nobody can
+    ///   have taken over), so a member that polls commits without the extra request. Also `Fenced`: the durable is gone (deleted,
     ///   or reset by another member), the ack had nobody to answer it.
     /// - **`Timeout`**, retriable (acked): a message's ack deadline (`ack_wait`, or the
     ///   shortest `backoff` step) ran out before its ack without an in-progress signal (the
@@ -1275,10 +1282,17 @@ impl ConsumerBackend for JetStreamConsumer {
                     "position {pos} of {tp} is not a JetStream position: expected seq:N"
                 ))
             })?;
-            // Still ours? (Read from the group bucket: a member that stalled past its session
-            // timeout has not heard yet that another took the partition.)
+            // Still ours? Another member takes a partition over only from a member whose
+            // heartbeat is older than the session timeout, so with a heartbeat younger than
+            // half of it the claim stands; otherwise the group bucket says (a member that
+            // stalled has not heard yet that another took the partition).
             let claim = part.inner.lock().owner_revision;
-            match self.membership.owner(tp).await? {
+            let owner = if self.liveness.recent(self.session / 2) {
+                group::Owner::Me(claim.unwrap_or_default())
+            } else {
+                self.membership.owner(tp).await?
+            };
+            match owner {
                 group::Owner::Me(r) if Some(r) == claim => {}
                 other => {
                     // The next poll refreshes the group at once and drops the partition.
