@@ -186,6 +186,15 @@ pub struct PulsarOptions {
     /// `operation_timeout_ms` (default 30000, 1 to 3 600 000): how long a send, a lookup or a subscribe may
     /// take (the crate's operation timeout, like Java's `sendTimeout`).
     pub operation_timeout: Duration,
+    /// `connection_max_retries` (default 12, the pulsar crate's `ConnectionRetryOptions`):
+    /// how often the client retries a broker connection that failed, with a backoff doubling
+    /// from 10 ms up to `connection_max_backoff_ms`, before an operation on it fails. A
+    /// consumer whose connection stays down past that resubscribes on its own, and its
+    /// `poll` reports a retriable `Connect` error for each failed attempt.
+    pub connection_max_retries: u32,
+    /// `connection_max_backoff_ms` (default 30000, at least 10): the longest wait between two
+    /// connection retries (see `connection_max_retries`).
+    pub connection_max_backoff: Duration,
     /// `batch_size` (default none = no batching): messages per batch.
     pub batch_size: Option<u32>,
     /// `batch_bytes` (default none): bytes per batch.
@@ -257,6 +266,8 @@ impl Default for PulsarOptions {
             tenant: "public".to_string(),
             namespace: "default".to_string(),
             operation_timeout: Duration::from_secs(30),
+            connection_max_retries: 12,
+            connection_max_backoff: Duration::from_secs(30),
             batch_size: None,
             batch_bytes: None,
             batch_timeout: None,
@@ -289,9 +300,11 @@ fn parse_num<T: std::str::FromStr>(key: &str, value: &str, what: &str) -> Result
 /// caller waits for; a zero bound would fail every operation before it starts).
 const MAX_OPERATION_TIMEOUT: Duration = Duration::from_secs(3600);
 
-/// The keys that configure the connection itself (TLS, credentials), refused per consumer or
-/// producer.
+/// The keys that configure the connection itself (TLS, credentials, connection retries),
+/// refused per consumer or producer.
 const CONNECTION_KEYS: &[&str] = &[
+    "connection_max_retries",
+    "connection_max_backoff_ms",
     "tls_trust_certs",
     "tls_hostname_verification",
     "tls_allow_insecure_connection",
@@ -469,6 +482,20 @@ impl PulsarOptions {
                 }
                 self.operation_timeout = d;
             }
+            "connection_max_retries" => {
+                self.connection_max_retries = parse_num(key, value, "a retry count")?;
+            }
+            "connection_max_backoff_ms" => {
+                let d = ms(key, value)?;
+                if d < Duration::from_millis(10) || d > MAX_OPERATION_TIMEOUT {
+                    return Err(Error::config(format!(
+                        "'{key}={}': expected milliseconds, 10 to {}",
+                        onceflow_core::shown(value),
+                        MAX_OPERATION_TIMEOUT.as_millis()
+                    )));
+                }
+                self.connection_max_backoff = d;
+            }
             "batch_size" => {
                 let n: u32 = parse_num(key, value, "a message count")?;
                 self.batch_size = (n > 0).then_some(n);
@@ -544,7 +571,8 @@ impl PulsarOptions {
                 }
                 return Err(Error::config(format!(
                     "unknown pulsar option '{}': expected one of admin, tenant, namespace, \
-                     operation_timeout_ms, batch_size, batch_bytes, batch_timeout_ms, \
+                     operation_timeout_ms, connection_max_retries, connection_max_backoff_ms, \
+                     batch_size, batch_bytes, batch_timeout_ms, \
                      compression, producer_name, max_message_bytes, subscription_type, \
                      receiver_queue_size, ack_timeout_ms, dead_letter, max_redeliver, \
                      batch_index_ack, refresh_ms, metadata.KEY, tls_trust_certs, \
@@ -756,6 +784,19 @@ mod tests {
                 .operation_timeout,
             Duration::from_secs(3600)
         );
+        let o = parse_url("pulsar://h:1?connection_max_retries=2&connection_max_backoff_ms=200")
+            .unwrap();
+        assert_eq!(o.connection_max_retries, 2);
+        assert_eq!(o.connection_max_backoff, Duration::from_millis(200));
+        for bad in ["connection_max_retries=-1", "connection_max_backoff_ms=5"] {
+            let e = parse_url(&format!("pulsar://h:1?{bad}")).unwrap_err();
+            assert!(e.message().contains(bad), "{e}");
+        }
+        let mut per_consumer = PulsarOptions::default();
+        let e = per_consumer
+            .apply(&[("connection_max_retries".to_string(), "1".to_string())].into())
+            .unwrap_err();
+        assert!(e.message().contains("option of the connection"), "{e}");
     }
 
     #[test]

@@ -152,7 +152,74 @@ struct Part {
     cmd: mpsc::UnboundedSender<Cmd>,
     rx: Mutex<mpsc::Receiver<Fetched>>,
     state: Mutex<PartState>,
+    /// Set by the partition task when resubscribing after its crate consumer ended failed
+    /// (a retriable `Connect` error); taken by the next `poll`.
+    failure: Arc<Mutex<Option<Error>>>,
     task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What a partition task needs to subscribe again once its crate consumer has ended (the
+/// crate gives up reconnecting after `connection_max_retries`): the same subscription name,
+/// type, consumer name and options.
+struct Resubscribe {
+    shared: Arc<Shared>,
+    options: PulsarOptions,
+    config: ConsumerConfig,
+    member: String,
+    /// Full topic name of the partition.
+    name: String,
+}
+
+/// First wait before subscribing again after a failed attempt; doubled up to
+/// [`RESUBSCRIBE_MAX`].
+const RESUBSCRIBE_STEP: Duration = Duration::from_millis(200);
+const RESUBSCRIBE_MAX: Duration = Duration::from_secs(5);
+
+type Subscribing = std::pin::Pin<Box<dyn std::future::Future<Output = Result<RawConsumer>> + Send>>;
+
+impl Resubscribe {
+    /// Subscribes after `delay`, within the operation timeout.
+    fn attempt(self: &Arc<Self>, delay: Duration) -> Subscribing {
+        let this = self.clone();
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            let bound = this.options.operation_timeout;
+            match tokio::time::timeout(
+                bound,
+                subscribe(
+                    &this.shared,
+                    &this.options,
+                    &this.config,
+                    &this.member,
+                    &this.name,
+                ),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(Error::new(
+                    ErrorKind::Connect,
+                    format!("no answer within {} ms", bound.as_millis()),
+                )),
+            }
+        })
+    }
+
+    /// The retriable `Connect` error `poll` reports while subscribing again fails.
+    fn failed(&self, topic: &str, partition: i32, e: &Error, retry_in: Duration) -> Error {
+        Error::new(
+            ErrorKind::Connect,
+            format!(
+                "the Pulsar consumer of {topic}[{partition}] (subscription '{}') lost its \
+                 connection to the broker at {} and cannot subscribe again: {}; retrying in {} ms",
+                self.config.group,
+                onceflow_core::redact_credentials(&self.options.service_url),
+                e.message(),
+                retry_in.as_millis()
+            ),
+        )
+        .retriable(true)
+    }
 }
 
 /// A member of a consumer group (a Pulsar subscription) on Pulsar (see the crate docs).
@@ -255,15 +322,27 @@ impl PulsarConsumer {
                 let (cmd, cmd_rx) = mpsc::unbounded_channel();
                 let (tx, rx) = mpsc::channel(options.receiver_queue_size.max(1) as usize);
                 let tp = TopicPartition::new(topic.clone(), i as i32);
+                let failure = Arc::new(Mutex::new(None));
+                let again = Arc::new(Resubscribe {
+                    shared: shared.clone(),
+                    options: options.clone(),
+                    config: config.clone(),
+                    member: member.clone(),
+                    name: name.clone(),
+                });
                 let task = tokio::spawn(run_partition(
                     shared.client.clone(),
                     raw,
-                    topic.clone(),
-                    i as i32,
-                    index,
+                    again,
+                    Link {
+                        topic: topic.clone(),
+                        partition: i as i32,
+                        index,
+                        tx,
+                        notify: notify.clone(),
+                        failure: failure.clone(),
+                    },
                     cmd_rx,
-                    tx,
-                    notify.clone(),
                 ));
                 let part = Part {
                     tp,
@@ -272,6 +351,7 @@ impl PulsarConsumer {
                     cmd,
                     rx: Mutex::new(rx),
                     state: Mutex::new(PartState::default()),
+                    failure,
                     task: Mutex::new(Some(task)),
                 };
                 let existed = existing
@@ -795,26 +875,71 @@ async fn close_after_acks(c: &mut RawConsumer, topic: &str, partition: i32, dead
     }
 }
 
-/// The task owning one partition's crate consumer: forwards messages (one held at a time, so
-/// the broker's flow control bounds what is fetched) and runs acks, nacks, seeks and close.
-#[allow(clippy::too_many_arguments)]
-async fn run_partition(
-    client: pulsar::Pulsar<TokioExecutor>,
-    mut c: RawConsumer,
+/// A partition task's ends towards the consumer: where its messages go, and where it reports
+/// that it cannot subscribe again.
+struct Link {
     topic: String,
     partition: i32,
     index: i32,
-    mut cmds: mpsc::UnboundedReceiver<Cmd>,
     tx: mpsc::Sender<Fetched>,
     notify: Arc<Notify>,
+    failure: Arc<Mutex<Option<Error>>>,
+}
+
+/// The next message of the crate consumer; never, while there is none (resubscribing).
+async fn next_of(
+    c: &mut Option<RawConsumer>,
+) -> Option<std::result::Result<pulsar::consumer::Message<Vec<u8>>, pulsar::Error>> {
+    match c {
+        Some(c) => c.next().await,
+        None => futures::future::pending().await,
+    }
+}
+
+/// The task owning one partition's crate consumer: forwards messages (one held at a time, so
+/// the broker's flow control bounds what is fetched) and runs acks, nacks, seeks and close.
+///
+/// When the crate consumer's stream ends (the crate gave up reconnecting to the broker after
+/// `connection_max_retries`), the task subscribes again with the same subscription name, type,
+/// consumer name and options, with a backoff from 200 ms to 5 s while the broker cannot be
+/// reached, and sets [`Part::failure`] to a retriable `Connect` error after each failed
+/// attempt. The broker then redelivers, from the subscription's cursor, every message not
+/// acknowledged: what `poll` delivered and was not committed stays pending (its commit
+/// acknowledges it on the new consumer; its redelivered copy is dropped), and what was
+/// committed but whose acknowledgement the crate lost with the connection comes again (the
+/// dedup store skips it). Acknowledgements asked for while there is no consumer are sent once
+/// there is one again.
+async fn run_partition(
+    client: pulsar::Pulsar<TokioExecutor>,
+    raw: RawConsumer,
+    again: Arc<Resubscribe>,
+    link: Link,
+    mut cmds: mpsc::UnboundedReceiver<Cmd>,
 ) {
+    let Link {
+        topic,
+        partition,
+        index,
+        tx,
+        notify,
+        failure,
+    } = link;
+    let mut c = Some(raw);
     let mut held: Option<Fetched> = None;
+    let mut resubscribing: Option<Subscribing> = None;
+    let mut backoff = RESUBSCRIBE_STEP;
+    // Acknowledgements asked for while there is no crate consumer.
+    let mut deferred: Vec<MessageIdData> = Vec::new();
     loop {
         tokio::select! {
             biased;
             cmd = cmds.recv() => match cmd {
                 None => break,
                 Some(Cmd::Ack(ids)) => {
+                    let Some(c) = c.as_mut() else {
+                        deferred.extend(ids);
+                        continue;
+                    };
                     // Queued to the crate's consumer engine, which writes them to the
                     // connection in order with everything else it handles (see `commit`).
                     for id in ids {
@@ -824,21 +949,37 @@ async fn run_partition(
                     }
                 }
                 Some(Cmd::Nack(id)) => {
-                    if let Err(e) = c.nack_with_id(&topic, id).await {
-                        tracing::warn!(error = %e, %topic, partition, "negative ack failed");
+                    // Without a consumer, the message comes again anyway once subscribed.
+                    if let Some(c) = c.as_mut() {
+                        if let Err(e) = c.nack_with_id(&topic, id).await {
+                            tracing::warn!(error = %e, %topic, partition, "negative ack failed");
+                        }
                     }
                 }
                 Some(Cmd::Seek { id, time, done }) => {
                     held = None;
-                    let r = c
-                        .seek(None, id, time, client.clone())
-                        .await
-                        .map_err(|e| pulsar_err(format!("seeking {topic}[{partition}]"), e));
+                    let r = match c.as_mut() {
+                        Some(c) => c
+                            .seek(None, id, time, client.clone())
+                            .await
+                            .map_err(|e| pulsar_err(format!("seeking {topic}[{partition}]"), e)),
+                        None => Err(Error::new(
+                            ErrorKind::Connect,
+                            format!(
+                                "seeking {topic}[{partition}]: the consumer is subscribing again \
+                                 after losing its connection to the broker at {}",
+                                onceflow_core::redact_credentials(&again.options.service_url)
+                            ),
+                        )
+                        .retriable(true)),
+                    };
                     let _ = done.send(r);
                 }
                 Some(Cmd::Close(deadline, done)) => {
                     // What this task holds was not delivered: the broker redelivers it.
-                    close_after_acks(&mut c, &topic, partition, deadline).await;
+                    if let Some(c) = c.as_mut() {
+                        close_after_acks(c, &topic, partition, deadline).await;
+                    }
                     let _ = done.send(());
                     return;
                 }
@@ -852,20 +993,52 @@ async fn run_partition(
                 }
                 Err(_) => break,
             },
-            m = c.next(), if held.is_none() => match m {
+            r = async { resubscribing.as_mut().expect("guarded").await }, if resubscribing.is_some() => {
+                resubscribing = None;
+                match r {
+                    Ok(mut fresh) => {
+                        tracing::info!(%topic, partition, "Pulsar consumer subscribed again");
+                        for id in deferred.drain(..) {
+                            if let Err(e) = fresh.ack_with_id(&topic, id).await {
+                                tracing::warn!(error = %e, %topic, partition, "ack failed");
+                            }
+                        }
+                        c = Some(fresh);
+                        backoff = RESUBSCRIBE_STEP;
+                        *failure.lock() = None;
+                    }
+                    Err(e) => {
+                        let err = again.failed(&topic, partition, &e, backoff);
+                        tracing::warn!(error = %err, "subscribing again failed");
+                        *failure.lock() = Some(err);
+                        notify.notify_one();
+                        resubscribing = Some(again.attempt(backoff));
+                        backoff = (backoff * 2).min(RESUBSCRIBE_MAX);
+                    }
+                }
+            },
+            m = next_of(&mut c), if held.is_none() && c.is_some() => match m {
                 Some(Ok(m)) => held = Some(convert_message(&topic, partition, index, &m)),
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, %topic, partition, "Pulsar consumer error");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 None => {
-                    tracing::debug!(%topic, partition, "Pulsar consumer stream ended");
-                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    tracing::warn!(
+                        %topic,
+                        partition,
+                        "the Pulsar consumer's connection to the broker is gone for good (the \
+                         client stopped reconnecting); subscribing again"
+                    );
+                    c = None;
+                    resubscribing = Some(again.attempt(Duration::ZERO));
                 }
             },
         }
     }
-    let _ = c.close().await;
+    if let Some(c) = c.as_mut() {
+        let _ = c.close().await;
+    }
 }
 
 #[async_trait]
@@ -886,6 +1059,11 @@ impl ConsumerBackend for PulsarConsumer {
         loop {
             if let Err(e) = self.refresh(false).await {
                 tracing::warn!(error = %e, group = %self.group, "reading the active partitions failed; retrying");
+            }
+            if out.is_empty() {
+                if let Some(e) = self.parts.iter().find_map(|p| p.failure.lock().take()) {
+                    return Err(e);
+                }
             }
             let start = self.rotate.fetch_add(1, Ordering::Relaxed) % k.max(1);
             for j in 0..k {

@@ -399,12 +399,16 @@ impl PulsarPlatform {
             Some(b) => b.local_url(),
             None => options.service_url.clone(),
         };
-        let mut builder = Pulsar::builder(service_url, TokioExecutor).with_operation_retry_options(
-            pulsar::OperationRetryOptions {
+        let mut builder = Pulsar::builder(service_url, TokioExecutor)
+            .with_operation_retry_options(pulsar::OperationRetryOptions {
                 operation_timeout: options.operation_timeout,
                 ..Default::default()
-            },
-        );
+            })
+            .with_connection_retry_options(pulsar::ConnectionRetryOptions {
+                max_retries: options.connection_max_retries,
+                max_backoff: options.connection_max_backoff,
+                ..Default::default()
+            });
         if tls && bridge.is_none() {
             if let Some(pem) = &trusted {
                 builder = builder.with_certificate_chain(pem.clone());

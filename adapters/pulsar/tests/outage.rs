@@ -1,0 +1,187 @@
+//! A broker outage longer than the pulsar crate's connection retry budget, on a real Pulsar
+//! standalone (`tests/brokers/up.sh pulsar`, which prints `ONCEFLOW_PULSAR_URL`,
+//! `ONCEFLOW_PULSAR_ADMIN_URL`, `ONCEFLOW_PULSAR_FAULT_URL` and
+//! `ONCEFLOW_PULSAR_FAULT_UPSTREAM`). The consumer reaches the broker through the fault proxy
+//! of `onceflow_conformance::fault_proxy` on the broker's `fault` listener, which advertises the
+//! proxy's address, so every connection of the consumer's client goes through it. Without the
+//! URLs the test is skipped with that reason; `ONCEFLOW_REQUIRE_BROKERS=1` (set by `make test`)
+//! makes a missing broker a failure.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use onceflow_conformance::fault_proxy::FaultProxy;
+use onceflow_core::{Client, ConsumerConfig, ErrorKind, ProducerConfig, Record, StartFrom};
+
+fn require(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            assert!(
+                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+                "ONCEFLOW_REQUIRE_BROKERS=1 but {var} is not set (tests/brokers/up.sh pulsar)"
+            );
+            eprintln!(
+                "outage: SKIPPED: {var} is not set (start a broker with tests/brokers/up.sh pulsar)"
+            );
+            None
+        }
+    }
+}
+
+/// A fault proxy on `listen` relaying to `upstream`; retried while the port is still taken.
+async fn start_proxy(listen: &str, upstream: &str) -> FaultProxy {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match FaultProxy::start(listen, upstream).await {
+            Ok(p) => return p,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("fault proxy on {listen}: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("fault proxy on {listen}: {e}"),
+        }
+    }
+}
+
+fn name(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+/// The crate's consumer stream ended after it gave up reconnecting (here after 2 retries), and
+/// the consumer stopped for good: `poll` returned `[]` for ever. Now it subscribes again once
+/// the broker is back, `poll` reports a retriable `Connect` error while it cannot, and every
+/// message written before, during and after the outage reaches it, with no backlog left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_subscribes_again_after_an_outage_longer_than_the_retries() {
+    let Some(direct) = require("ONCEFLOW_PULSAR_URL") else {
+        return;
+    };
+    let Some(admin) = require("ONCEFLOW_PULSAR_ADMIN_URL") else {
+        return;
+    };
+    let Some(fault) = require("ONCEFLOW_PULSAR_FAULT_URL") else {
+        return;
+    };
+    let Some(upstream) = require("ONCEFLOW_PULSAR_FAULT_UPSTREAM") else {
+        return;
+    };
+    let started = Instant::now();
+    let listen = fault.trim_start_matches("pulsar://").to_string();
+    let proxy = start_proxy(&listen, &upstream).await;
+    let writer = Client::new(
+        onceflow_pulsar::connect(&format!("{direct}?admin={admin}"))
+            .await
+            .unwrap(),
+    );
+    let reader = Client::new(
+        onceflow_pulsar::connect(&format!(
+            "{fault}?admin={admin}&connection_max_retries=2&connection_max_backoff_ms=200\
+             &operation_timeout_ms=3000"
+        ))
+        .await
+        .unwrap(),
+    );
+    let topic = name("outage");
+    let group = name("outage-g");
+    let producer = writer.producer(ProducerConfig::new()).await.unwrap();
+    let write = |tag: &'static str| {
+        let producer = &producer;
+        let topic = &topic;
+        async move {
+            for i in 0..10 {
+                producer
+                    .send(Record::new(topic.as_str(), format!("{tag}-{i}")))
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    let consumer = reader
+        .consumer(ConsumerConfig::new(group.clone(), [topic.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let mut seen = BTreeSet::new();
+    let mut connect_errors = 0;
+    // Reads (and commits) until `want` distinct messages came or `wait` passed.
+    macro_rules! read_until {
+        ($want:expr, $wait:expr) => {{
+            let deadline = Instant::now() + $wait;
+            while seen.len() < $want && Instant::now() < deadline {
+                match consumer.poll(100, Duration::from_millis(200)).await {
+                    Ok(batch) => {
+                        for m in &batch {
+                            seen.insert(String::from_utf8_lossy(&m.payload).into_owned());
+                            consumer.commit_message(m).await.unwrap();
+                        }
+                    }
+                    Err(e) => {
+                        assert_eq!(e.kind(), ErrorKind::Connect, "{e}");
+                        assert!(e.is_retriable(), "{e}");
+                        assert!(
+                            e.message().contains(&topic) && e.message().contains(&listen),
+                            "the error names the topic and the broker: {e}"
+                        );
+                        connect_errors += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }};
+    }
+
+    write("before").await;
+    read_until!(10, Duration::from_secs(20));
+    assert_eq!(seen.len(), 10, "before the outage: {seen:?}");
+
+    // The broker is unreachable (connections refused) for 12 s, far beyond the retry budget
+    // (2 retries, backoff at most 200 ms).
+    drop(proxy);
+    write("during").await;
+    let down = Instant::now();
+    read_until!(usize::MAX, Duration::from_secs(12));
+    eprintln!(
+        "down for {:?}: {connect_errors} Connect errors, {} messages seen",
+        down.elapsed(),
+        seen.len()
+    );
+    assert!(
+        connect_errors > 0,
+        "poll surfaced no Connect error while the broker was unreachable"
+    );
+
+    let _proxy = start_proxy(&listen, &upstream).await;
+    write("after").await;
+    read_until!(30, Duration::from_secs(40));
+    let want: BTreeSet<String> = ["before", "during", "after"]
+        .iter()
+        .flat_map(|t| (0..10).map(move |i| format!("{t}-{i}")))
+        .collect();
+    assert_eq!(
+        seen, want,
+        "every message before, during and after the outage"
+    );
+
+    // The commits reach the broker: no backlog is left.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let lag: u64 = consumer
+            .lag()
+            .await
+            .unwrap()
+            .iter()
+            .map(|l| l.messages)
+            .sum();
+        if lag == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "lag still {lag}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    consumer.close().await.unwrap();
+    producer.close().await.unwrap();
+    eprintln!(
+        "outage test took {:?} ({connect_errors} Connect errors in all)",
+        started.elapsed()
+    );
+}
