@@ -53,9 +53,12 @@ pub struct JetStreamOptions {
     /// flight to end, so a longer expiry makes hand-overs slower.
     pub pull_expires: Duration,
     /// `idle_heartbeat_ms` (default 0 = none): the pull request's `idle_heartbeat`: while it
-    /// waits, the server sends a heartbeat this often, and a request that misses two in a row
-    /// is given up and pulled again (a server that restarted or a connection that died
-    /// silently is noticed within two heartbeats instead of at the request's expiry). At most
+    /// waits, the server sends a heartbeat this often. A request the server has not ended
+    /// two heartbeats (at least 500 ms) after its expiry died with its server or connection
+    /// and is given up and made again; without a heartbeat that takes 5 s (async-nats'
+    /// batch timeout), so after a server restart a consumer reads again within about
+    /// `pull_expires_ms` + max(2 × heartbeat, 500 ms) instead of `pull_expires_ms` + 5 s
+    /// (async-nats' batch requests swallow the heartbeats themselves). At most
     /// half of `pull_expires_ms` (the server refuses a longer one), at least 10 ms
     /// ([pull requests](https://docs.nats.io/reference/reference-protocols/nats_api_reference#fetching-from-a-pull-consumer),
     /// [ADR-37](https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-37.md)).

@@ -978,6 +978,17 @@ fn keepalive_period(options: &JetStreamOptions) -> Duration {
     (ack_deadline(options) / 5).max(Duration::from_millis(10))
 }
 
+/// How long after its expiry a pull request the server has not ended is given up: two idle
+/// heartbeats (at least 500 ms, so a busy connection's late end-of-request is not taken for
+/// a dead one: messages still sent to a request given up come back only after `ack_wait`),
+/// or without a heartbeat the 5 s async-nats waits itself.
+fn request_grace(heartbeat: Option<Duration>) -> Duration {
+    match heartbeat {
+        Some(hb) => (hb * 2).max(Duration::from_millis(500)),
+        None => Duration::from_secs(5),
+    }
+}
+
 /// The shortest ack deadline the server may give a delivered message: the consumer's
 /// `ack_wait`, or its shortest `backoff` step, which the server uses instead
 /// (<https://docs.nats.io/nats-concepts/jetstream/consumers#backoff>).
@@ -991,8 +1002,8 @@ fn ack_deadline(options: &JetStreamOptions) -> Duration {
 
 /// Starts the task that pulls from `consumer` into a bounded channel: one pull request at a
 /// time ([pull consumers](https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#pull-consumers)),
-/// up to `fetch_batch` messages, expiring after `pull_expires_ms` (with `idle_heartbeat_ms`, a
-/// request that misses two heartbeats is given up and made again). A request's messages are read
+/// up to `fetch_batch` messages, expiring after `pull_expires_ms`; a request the server has
+/// not ended [`request_grace`] after its expiry is given up and made again. A request's messages are read
 /// as they arrive (into `waiting` while the channel is full), so that every message the server
 /// delivered and `poll` has not taken yet is known to the task, which sends `+WPI` for those
 /// waiting a [`keepalive_period`] or longer: a slow handler does not make the prefetched
@@ -1010,6 +1021,7 @@ fn spawn_fetch(
     let batch = options.fetch_batch;
     let expires = options.pull_expires;
     let heartbeat = options.idle_heartbeat;
+    let grace = request_grace(heartbeat);
     let period = keepalive_period(options);
     let (tx, rx) = mpsc::channel(batch);
     let (stop, mut stop_rx) = oneshot::channel::<()>();
@@ -1048,10 +1060,22 @@ fn spawn_fetch(
                 }
             };
             let mut ended = false;
+            // The server ends a request at its expiry; one not ended `grace` later died with
+            // its server (a restart) or connection: given up, and the next one is made.
+            let given_up = tokio::time::sleep(expires + grace);
+            tokio::pin!(given_up);
             while !ended || (!waiting.is_empty() && !stopping) {
                 tokio::select! {
                     biased;
                     _ = &mut stop_rx, if !stopping => stopping = true,
+                    _ = &mut given_up, if !ended => {
+                        tracing::warn!(
+                            expires_ms = expires.as_millis() as u64,
+                            grace_ms = grace.as_millis() as u64,
+                            "pull request not ended by the server after its expiry; pulling again"
+                        );
+                        ended = true;
+                    }
                     permit = tx.reserve(), if !waiting.is_empty() && !stopping => match permit {
                         Ok(p) => {
                             let (m, at) = waiting.pop_front().expect("waiting is not empty");
@@ -1066,20 +1090,7 @@ fn spawn_fetch(
                     m = messages.next(), if !ended => match m {
                         None => ended = true,
                         Some(Ok(m)) => waiting.push_back((m, Instant::now())),
-                        Some(Err(e)) => {
-                            let missed = e
-                                .downcast_ref::<async_nats::jetstream::consumer::pull::MessagesError>()
-                                .is_some_and(|e| e.kind() == async_nats::jetstream::consumer::pull::MessagesErrorKind::MissingHeartbeat)
-                                || e.to_string().contains("missed idle heartbeat");
-                            if missed {
-                                // Two heartbeats missed: the server restarted or the connection
-                                // died silently; pull again.
-                                tracing::warn!(error = %e, "pull request missed its idle heartbeats; pulling again");
-                                ended = true;
-                            } else {
-                                tracing::debug!(error = %e, "JetStream pull error");
-                            }
-                        }
+                        Some(Err(e)) => tracing::debug!(error = %e, "JetStream pull error"),
                     },
                     _ = ticker.tick(), if !liveness.stale() => {
                         let in_channel = batch.saturating_sub(tx.capacity());

@@ -1149,3 +1149,64 @@ async fn a_durable_the_server_will_not_update_is_a_config_error() {
     let (info, _) = durable_info(&p, &t, &group).await;
     assert_eq!(info.config.max_ack_pending, 50);
 }
+
+/// A consumer keeps reading across a server restart (SIGKILL, then the same store): its pull
+/// request in flight died with the server and is given up after its expiry plus a grace, 5 s
+/// without a heartbeat (async-nats' batch timeout; measured 5.4 s), two heartbeats but at
+/// least 500 ms with `idle_heartbeat_ms` (before, 5.4 s with it as well; now about 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_reads_on_after_a_server_restart() {
+    let test = "a_consumer_reads_on_after_a_server_restart";
+    if platform(test).await.is_none() {
+        return;
+    }
+    for options in [vec![], vec![("idle_heartbeat_ms", "100")]] {
+        let Some(mut server) = PrivateServer::new(test) else {
+            return;
+        };
+        server.start(true).await;
+        let p = onceflow_jetstream::connect(&format!("{}?request_timeout_ms=1000", server.url()))
+            .await
+            .unwrap();
+        let t = topic(&p, "js-restart", 1).await;
+        let prod = p.producer(ProducerConfig::default()).await.unwrap();
+        prod.send(Record::new(t.clone(), "a")).await.unwrap();
+        let c = open(&p, &t, &name("g"), StartFrom::Earliest, &options).await;
+        assert_eq!(take(c.as_ref(), 1).await[0].payload, Bytes::from("a"));
+        server.kill();
+        server.start(true).await;
+        reconnected(&p).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while let Err(e) = prod.send(Record::new(t.clone(), "b")).await {
+            assert!(e.is_retriable(), "{e}");
+            assert!(tokio::time::Instant::now() < deadline, "{e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let started = tokio::time::Instant::now();
+        let mut got = Vec::new();
+        while got.is_empty() && started.elapsed() < Duration::from_secs(15) {
+            got = c
+                .poll(10, Duration::from_millis(200))
+                .await
+                .unwrap_or_default();
+        }
+        assert_eq!(
+            got.first().map(|m| m.payload.clone()),
+            Some(Bytes::from("b")),
+            "{options:?}: nothing read within 15 s of the restart"
+        );
+        let took = started.elapsed();
+        eprintln!(
+            "{options:?}: read again {} ms after the restart",
+            took.as_millis()
+        );
+        if !options.is_empty() {
+            assert!(
+                took < Duration::from_secs(3),
+                "with idle_heartbeat_ms=100 the dead request is given up within 1 s of its \
+                 expiry: read again after {took:?}"
+            );
+        }
+        c.close().await.unwrap();
+    }
+}
