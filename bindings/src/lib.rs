@@ -8,11 +8,14 @@
 //!   exist in the child, so its runtime would hang).
 //! - [`settings`]: engine and pipeline settings from a binding's options, one table of names,
 //!   kinds and limits spelled per [`settings::Language`].
+//! - [`raw_options`]: raw client options (`key=value` for the native client) from strings,
+//!   booleans and numbers, by one rule for every binding and every place that takes them.
 //! - [`yielded`]: what `commit()` without arguments commits, the last message handed out of
 //!   each partition.
 //! - [`error_kinds`]: every [`ErrorKind`] with its stable code and the exception/class name a
 //!   binding gives it.
 
+pub mod raw_options;
 pub mod settings;
 pub mod yielded;
 

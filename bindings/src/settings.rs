@@ -195,7 +195,7 @@ impl Language {
     }
 
     /// The type of `value`, as this language names it (`type(v).__name__`, `typeof v`).
-    fn type_name(self, value: &Value) -> String {
+    pub(crate) fn type_name(self, value: &Value) -> String {
         match (self, value) {
             (Language::Python, Value::Absent) => "NoneType".into(),
             (Language::Node, Value::Absent) => "undefined".into(),

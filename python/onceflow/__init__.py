@@ -83,6 +83,10 @@ from ._native import (
 
 __version__: str = _native.__version__
 
+# Raw client options: values are text for the native client; a bool goes as "true" / "false",
+# an int or float as its decimal.
+_Options = Mapping[str, Union[str, bool, int, float]]
+
 # Stop the tokio runtime before the interpreter tears down, so no worker thread touches it.
 atexit.register(_native._shutdown)
 
@@ -187,17 +191,20 @@ def _as_records(records: Iterable[Union[Record, tuple]]) -> List[Record]:
     return [r if isinstance(r, Record) else Record(*r) for r in records]
 
 
-async def connect(url: str, options: Optional[Mapping[str, str]] = None) -> "Client":
+async def connect(url: str, options: Optional[_Options] = None) -> "Client":
     """Connects to the platform named by the URL: ``memory://NAME``, ``kafka://HOST:PORT``,
     ``nats://HOST:PORT`` (``tls://`` for NATS over TLS), ``pulsar://`` / ``pulsar+ssl://``,
     ``kinesis://``.
 
-    ``options`` (``str`` → ``str``) are added to the URL's query parameters, so credentials
-    can stay out of the URL string: for Kafka they are librdkafka properties, e.g.
+    ``options`` are added to the URL's query parameters, so credentials can stay out of the
+    URL string: for Kafka they are librdkafka properties, e.g.
     ``{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
-    "sasl.username": user, "sasl.password": password}``.
+    "sasl.username": user, "sasl.password": password}``. A value is a ``str``, a ``bool``
+    (sent as ``"true"`` / ``"false"``) or a number (``500`` as ``"500"``, ``0.5`` as
+    ``"0.5"``); another type (``None``, a list, a dict) raises ``TypeError`` naming the key
+    and the type, never the value.
 
-    Raises ``ConfigError`` for an unknown scheme or a malformed option, ``UnsupportedError``
+    Raises ``ConfigError`` for an unknown scheme, a malformed option or a NaN / infinite one, ``UnsupportedError``
     for a platform not compiled in, ``ConnectError`` when it cannot be reached, ``AuthError``
     when the server refuses the credentials or the TLS certificate (never showing the
     secret)."""
@@ -234,10 +241,11 @@ class Client:
         transactional_id: Optional[str] = None,
         client_id: Optional[str] = None,
         idempotent: Optional[bool] = None,
-        options: Optional[Dict[str, str]] = None,
+        options: Optional[_Options] = None,
     ) -> "Producer":
         """A producer; ``transactional_id`` enables ``transaction()``; ``options`` go to the
-        native client verbatim (librdkafka properties, for example)."""
+        native client (librdkafka properties, for example), each value a ``str``, ``bool``
+        or number as for ``connect``."""
         native = await self._native.producer(
             transactional_id=transactional_id, client_id=client_id, idempotent=idempotent, options=options
         )
@@ -252,12 +260,14 @@ class Client:
         isolation: str = "read_committed",
         client_id: Optional[str] = None,
         session_timeout: Optional[float] = None,
-        options: Optional[Dict[str, str]] = None,
+        options: Optional[_Options] = None,
         batch_size: int = 500,
         poll_timeout: float = 1.0,
     ) -> "Consumer":
         """A consumer of ``group`` on ``topics``. ``start``: ``committed`` (else earliest),
-        ``committed-or-latest``, ``earliest``, ``latest``, ``timestamp:MS`` or a position."""
+        ``committed-or-latest``, ``earliest``, ``latest``, ``timestamp:MS`` or a position.
+        ``options`` go to the native client, each value a ``str``, ``bool`` or number as for
+        ``connect``."""
         if isinstance(topics, str):
             topics = [topics]
         native = await self._native.consumer(

@@ -14,6 +14,7 @@ from typing import (
     Iterable,
     Iterator,
     List,
+    Mapping,
     Optional,
     Sequence,
     Tuple,
@@ -30,6 +31,9 @@ _RecordTuple = tuple
 _Position = Tuple[str, int, str]
 # A duration in seconds: int, float or datetime.timedelta.
 _Seconds = Union[int, float, datetime.timedelta]
+# Raw client options (librdkafka properties, URL query parameters): values are text for the
+# native client; a bool goes as "true" / "false", an int or float as its decimal.
+_Options = Mapping[str, Union[str, bool, int, float]]
 
 class OnceflowError(Exception):
     kind: str
@@ -58,7 +62,7 @@ class PlatformError(OnceflowError): ...
 def error_kinds() -> List[Tuple[str, str, str]]: ...
 def supported_schemes() -> List[str]: ...
 def _shutdown(timeout: float = 1.0) -> None: ...
-def connect(url: str, options: Optional[Dict[str, str]] = None) -> Awaitable[Client]: ...
+def connect(url: str, options: Optional[_Options] = None) -> Awaitable[Client]: ...
 def dedup_store(url: str, window: _Seconds = 86400.0) -> Awaitable[DedupStore]: ...
 
 class Message:
@@ -152,7 +156,7 @@ class Client:
         transactional_id: Optional[str] = None,
         client_id: Optional[str] = None,
         idempotent: Optional[bool] = None,
-        options: Optional[Dict[str, str]] = None,
+        options: Optional[_Options] = None,
     ) -> Awaitable[Producer]: ...
     def consumer(
         self,
@@ -163,7 +167,7 @@ class Client:
         isolation: str = "read_committed",
         client_id: Optional[str] = None,
         session_timeout: Optional[_Seconds] = None,
-        options: Optional[Dict[str, str]] = None,
+        options: Optional[_Options] = None,
     ) -> Awaitable[Consumer]: ...
     def admin(self) -> Awaitable[Admin]: ...
 
@@ -262,7 +266,7 @@ class Admin:
         retention_ms: Optional[int] = None,
         retention_bytes: Optional[int] = None,
         compacted: bool = False,
-        options: Optional[Dict[str, str]] = None,
+        options: Optional[_Options] = None,
     ) -> Awaitable[None]: ...
     def describe_topic(self, name: str) -> Awaitable[Dict[str, Any]]: ...
     def delete_topic(self, name: str) -> Awaitable[None]: ...

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import (
     DedupStore,
@@ -94,9 +94,10 @@ async def _awaited(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await call(*args, **kwargs)
 
 
-def connect(url: str) -> "Client":
-    """Connects to the platform named by the URL (see ``onceflow.connect``)."""
-    return Client(_run(_connect(url)))
+def connect(url: str, options: Optional[Mapping[str, Union[str, bool, int, float]]] = None) -> "Client":
+    """Connects to the platform named by the URL, ``options`` added to its query parameters
+    (see ``onceflow.connect``)."""
+    return Client(_run(_connect(url, options)))
 
 
 def dedup_store(url: str, window: float = 86400.0) -> DedupStore:

@@ -8,7 +8,11 @@ use onceflow::{
     ConsumerConfig, DedupStore as RsDedupStore, Error, ErrorKind, Isolation, ProducerConfig,
     TopicPartition, TopicSpec,
 };
+use onceflow_bindings::raw_options::raw_options;
+use onceflow_bindings::settings::{Language, Value};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyFloat, PyInt, PyMapping, PyString};
 
 use crate::convert::{self, Delivery, Lag, Message, MessageBatch, MessageIter, Seconds};
 use crate::errors::to_pyerr;
@@ -40,18 +44,19 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
 /// `tls://`, `pulsar://`, `pulsar+ssl://`, `kinesis://`); awaitable, resolves to a `Client`.
-/// `options` (str → str) are added to the URL's query, so secrets need not be in the URL.
+/// `options` (str → str, bool, int or float; see [`options`]) are added to the URL's query, so
+/// secrets need not be in the URL.
 /// Raises `ConnectError` (code `ONCEFLOW_CONNECT`) within seconds when no Kafka or Pulsar
 /// broker of the URL answers, `AuthError` (`ONCEFLOW_AUTH`) when the server refuses the
 /// credentials or certificate, and `ConfigError` (`ONCEFLOW_CONFIG`) for a malformed URL.
 #[pyfunction]
 #[pyo3(signature = (url, options=None))]
-fn connect(
-    py: Python<'_>,
+fn connect<'py>(
+    py: Python<'py>,
     url: String,
-    options: Option<HashMap<String, String>>,
-) -> PyResult<Bound<'_, PyAny>> {
-    let options = self::options(options);
+    options: Option<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let options = self::options(options.as_ref())?;
     awaitable(py, async move {
         onceflow::connect_with(&url, options.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .await
@@ -92,8 +97,57 @@ pub struct Client {
     inner: onceflow::Client,
 }
 
-fn options(o: Option<HashMap<String, String>>) -> BTreeMap<String, String> {
-    o.unwrap_or_default().into_iter().collect()
+/// Raw client options from a mapping of `str` keys to `str`, `bool` (`"true"` / `"false"`),
+/// `int` (its exact decimal) or `float` values, by the bindings' one rule
+/// (`onceflow_bindings::raw_options`). A value of another type (`None`, a list, a dict) is a
+/// `TypeError` naming the key and the type, a NaN or infinite float a `ConfigError`; the value
+/// itself is never shown (it may be a password).
+fn options(o: Option<&Bound<'_, PyAny>>) -> PyResult<BTreeMap<String, String>> {
+    let Some(o) = o.filter(|o| !o.is_none()) else {
+        return Ok(BTreeMap::new());
+    };
+    let Ok(map) = o.cast::<PyMapping>() else {
+        return Err(PyTypeError::new_err(format!(
+            "options: expected a mapping of str to str, bool, int or float, got {}",
+            o.get_type().name()?
+        )));
+    };
+    let mut entries = Vec::new();
+    for item in map.items()?.iter() {
+        let (k, v) = item.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()?;
+        let Ok(key) = k.cast::<PyString>() else {
+            return Err(PyTypeError::new_err(format!(
+                "options: keys must be str, got {}",
+                k.get_type().name()?
+            )));
+        };
+        entries.push((key.to_str()?.to_string(), option_value(&v)?));
+    }
+    crate::engine::settings_result(raw_options(Language::Python, entries))
+}
+
+/// A raw option's value for the bindings' rule. `bool` is checked before `int` (its subclass);
+/// an `int` goes as its exact decimal text (as a float it would round past 2**53), which is
+/// the text the rule gives a whole number.
+fn option_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
+    Ok(if v.is_none() {
+        Value::Absent
+    } else if let Ok(b) = v.cast::<PyBool>() {
+        Value::Bool(b.is_true())
+    } else if let Ok(t) = v.cast::<PyString>() {
+        Value::Text(t.to_str()?.to_string())
+    } else if v.is_instance_of::<PyInt>() {
+        Value::Text(
+            v.py()
+                .get_type::<PyInt>()
+                .call_method1("__repr__", (v,))?
+                .extract()?,
+        )
+    } else if v.is_instance_of::<PyFloat>() {
+        Value::Number(v.extract::<f64>()?)
+    } else {
+        Value::Other(v.get_type().name()?.to_string())
+    })
 }
 
 #[pymethods]
@@ -117,14 +171,14 @@ impl Client {
         transactional_id: Option<String>,
         client_id: Option<String>,
         idempotent: Option<bool>,
-        options: Option<HashMap<String, String>>,
+        options: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let client = self.inner.clone();
         let config = ProducerConfig {
             client_id,
             transactional_id,
             idempotent,
-            options: self::options(options),
+            options: self::options(options.as_ref())?,
         };
         let epoch = wake::fork_epoch(py)?;
         awaitable(py, async move {
@@ -148,7 +202,7 @@ impl Client {
         isolation: &str,
         client_id: Option<String>,
         session_timeout: Option<Seconds>,
-        options: Option<HashMap<String, String>>,
+        options: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let client = self.inner.clone();
         let isolation = crate::errors::py_result(isolation.parse::<Isolation>())?;
@@ -161,7 +215,7 @@ impl Client {
             session_timeout: session_timeout
                 .map(|s| convert::seconds("session_timeout", s.0))
                 .transpose()?,
-            options: self::options(options),
+            options: self::options(options.as_ref())?,
         };
         awaitable(py, async move {
             client.consumer(config).await.map(|inner| Consumer {
@@ -1038,7 +1092,7 @@ impl Admin {
         retention_ms: Option<u64>,
         retention_bytes: Option<u64>,
         compacted: bool,
-        options: Option<HashMap<String, String>>,
+        options: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let spec = TopicSpec {
             name,
@@ -1046,7 +1100,7 @@ impl Admin {
             retention_ms,
             retention_bytes,
             compacted,
-            options: self::options(options),
+            options: self::options(options.as_ref())?,
         };
         let a = self.inner.clone();
         awaitable(py, async move { a.create_topic(&spec).await })

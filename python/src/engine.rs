@@ -230,7 +230,7 @@ fn setting_entries(config: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, 
 
 /// A settings table result as Python raises it: a value of the wrong type is a `TypeError`
 /// (as for any argument), a bad value a `ConfigError`.
-fn settings_result<T>(r: onceflow::Result<T>) -> PyResult<T> {
+pub(crate) fn settings_result<T>(r: onceflow::Result<T>) -> PyResult<T> {
     r.map_err(|e| {
         if settings::is_wrong_type(&e) {
             pyo3::exceptions::PyTypeError::new_err(e.message().to_string())
