@@ -391,12 +391,15 @@ export interface Capabilities {
  * `options` are added to the URL's query parameters, so credentials can stay out of the URL
  * string: for Kafka they are librdkafka properties, e.g. `{ 'security.protocol': 'SASL_SSL',
  * 'sasl.mechanism': 'SCRAM-SHA-512', 'sasl.username': user, 'sasl.password': password }`.
+ * A value is a string, a boolean (sent as `"true"` / `"false"`) or a finite number (`500` as
+ * `"500"`, `0.5` as `"0.5"`); another type is an `ONCEFLOW_CONFIG` error naming the key and the
+ * type, never the value.
  *
  * Rejects with an `ONCEFLOW_CONNECT` error within seconds when no Kafka or Pulsar broker of the
  * URL answers, `ONCEFLOW_AUTH` when the server refuses the credentials or the TLS certificate
  * (the secret is never in the message), and `ONCEFLOW_CONFIG` for a malformed URL or option.
  */
-export declare function connect(url: string, options?: Record<string, string> | undefined | null): Promise<Client>
+export declare function connect(url: string, options?: Record<string, string | boolean | number> | undefined | null): Promise<Client>
 
 /** Consumer settings. */
 export interface ConsumerOptions {
@@ -411,8 +414,11 @@ export interface ConsumerOptions {
   clientId?: string
   /** Group session timeout, ms. */
   sessionTimeoutMs?: number
-  /** Raw `key=value` options for the native client. */
-  options?: Record<string, string>
+  /**
+   * Raw `key=value` options for the native client (librdkafka properties, for example):
+   * strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`).
+   */
+  options?: Record<string, string | boolean | number>
 }
 
 /**
@@ -590,8 +596,11 @@ export interface ProducerOptions {
   clientId?: string
   /** Idempotent producer (default: on where the platform has it). */
   idempotent?: boolean
-  /** Raw `key=value` options for the native client. */
-  options?: Record<string, string>
+  /**
+   * Raw `key=value` options for the native client (librdkafka properties, for example):
+   * strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`).
+   */
+  options?: Record<string, string | boolean | number>
 }
 
 /** A record to send, as `index.js` hands it over. */
@@ -648,8 +657,11 @@ export interface TopicOptions {
   retentionBytes?: number
   /** Log compaction. */
   compacted?: boolean
-  /** Raw platform options. */
-  options?: Record<string, string>
+  /**
+   * Raw platform options: strings, booleans (`"true"` / `"false"`) or numbers (`500` →
+   * `"500"`).
+   */
+  options?: Record<string, string | boolean | number>
 }
 
 /** A topic and partition. */

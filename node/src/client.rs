@@ -1,7 +1,6 @@
 //! `connect`, `dedupStore` and the handles: `Client`, `Producer`, `Transaction`, `Consumer`,
 //! `Admin`, `DedupStore`.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use napi::bindgen_prelude::Result;
@@ -14,7 +13,7 @@ use onceflow_bindings::settings::Language;
 use onceflow_bindings::yielded::{Progress, Yielded};
 
 use crate::convert::{self, Delivery, Lag, MessageColumns, PositionIn, RecordIn, SendResult};
-use crate::options::{Checked, Expect, Known};
+use crate::options::{Checked, Expect, Known, RawOptions};
 use crate::{js_err, on_rt};
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
@@ -23,6 +22,9 @@ use crate::{js_err, on_rt};
 /// `options` are added to the URL's query parameters, so credentials can stay out of the URL
 /// string: for Kafka they are librdkafka properties, e.g. `{ 'security.protocol': 'SASL_SSL',
 /// 'sasl.mechanism': 'SCRAM-SHA-512', 'sasl.username': user, 'sasl.password': password }`.
+/// A value is a string, a boolean (sent as `"true"` / `"false"`) or a finite number (`500` as
+/// `"500"`, `0.5` as `"0.5"`); another type is an `ONCEFLOW_CONFIG` error naming the key and the
+/// type, never the value.
 ///
 /// Rejects with an `ONCEFLOW_CONNECT` error within seconds when no Kafka or Pulsar broker of the
 /// URL answers, `ONCEFLOW_AUTH` when the server refuses the credentials or the TLS certificate
@@ -30,8 +32,12 @@ use crate::{js_err, on_rt};
 #[napi]
 // Only called from JavaScript: the unit-test build of the addon has no caller.
 #[cfg_attr(test, allow(dead_code))]
-pub async fn connect(url: String, options: Option<HashMap<String, String>>) -> Result<Client> {
-    let options = convert::options(options);
+pub async fn connect(
+    url: String,
+    #[napi(ts_arg_type = "Record<string, string | boolean | number> | undefined | null")]
+    options: Option<RawOptions>,
+) -> Result<Client> {
+    let options = options.unwrap_or_default().0;
     on_rt(async move {
         onceflow::connect_with(&url, options.iter().map(|(k, v)| (k.as_str(), v.as_str()))).await
     })
@@ -78,8 +84,10 @@ pub struct ProducerOptions {
     pub client_id: Option<String>,
     /// Idempotent producer (default: on where the platform has it).
     pub idempotent: Option<bool>,
-    /// Raw `key=value` options for the native client.
-    pub options: Option<HashMap<String, String>>,
+    /// Raw `key=value` options for the native client (librdkafka properties, for example):
+    /// strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`).
+    #[napi(ts_type = "Record<string, string | boolean | number>")]
+    pub options: Option<RawOptions>,
 }
 
 impl Known for ProducerOptions {
@@ -88,7 +96,7 @@ impl Known for ProducerOptions {
         ("transactionalId", Expect::String),
         ("clientId", Expect::String),
         ("idempotent", Expect::Boolean),
-        ("options", Expect::StringMap),
+        ("options", Expect::RawOptions),
     ];
 }
 
@@ -104,8 +112,10 @@ pub struct ConsumerOptions {
     pub client_id: Option<String>,
     /// Group session timeout, ms.
     pub session_timeout_ms: Option<f64>,
-    /// Raw `key=value` options for the native client.
-    pub options: Option<HashMap<String, String>>,
+    /// Raw `key=value` options for the native client (librdkafka properties, for example):
+    /// strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`).
+    #[napi(ts_type = "Record<string, string | boolean | number>")]
+    pub options: Option<RawOptions>,
 }
 
 impl Known for ConsumerOptions {
@@ -115,7 +125,7 @@ impl Known for ConsumerOptions {
         ("isolation", Expect::String),
         ("clientId", Expect::String),
         ("sessionTimeoutMs", Expect::Number),
-        ("options", Expect::StringMap),
+        ("options", Expect::RawOptions),
     ];
 }
 
@@ -198,7 +208,7 @@ impl Client {
             client_id: o.client_id,
             transactional_id: o.transactional_id,
             idempotent: o.idempotent,
-            options: convert::options(o.options),
+            options: o.options.unwrap_or_default().0,
         };
         let client = self.inner.clone();
         on_rt(async move { client.producer(config).await })
@@ -244,7 +254,7 @@ impl Client {
                 .session_timeout_ms
                 .map(|ms| convert::millis("sessionTimeoutMs", ms))
                 .transpose()?,
-            options: convert::options(o.options),
+            options: o.options.unwrap_or_default().0,
         };
         let client = self.inner.clone();
         on_rt(async move { client.consumer(config).await })
@@ -617,8 +627,10 @@ pub struct TopicOptions {
     pub retention_bytes: Option<f64>,
     /// Log compaction.
     pub compacted: Option<bool>,
-    /// Raw platform options.
-    pub options: Option<HashMap<String, String>>,
+    /// Raw platform options: strings, booleans (`"true"` / `"false"`) or numbers (`500` →
+    /// `"500"`).
+    #[napi(ts_type = "Record<string, string | boolean | number>")]
+    pub options: Option<RawOptions>,
 }
 
 impl Known for TopicOptions {
@@ -628,7 +640,7 @@ impl Known for TopicOptions {
         ("retentionMs", Expect::Number),
         ("retentionBytes", Expect::Number),
         ("compacted", Expect::Boolean),
-        ("options", Expect::StringMap),
+        ("options", Expect::RawOptions),
     ];
 }
 
@@ -662,7 +674,7 @@ impl Admin {
             retention_ms: o.retention_ms.map(|v| v as u64),
             retention_bytes: o.retention_bytes.map(|v| v as u64),
             compacted: o.compacted.unwrap_or(false),
-            options: convert::options(o.options),
+            options: o.options.unwrap_or_default().0,
         };
         let a = self.inner.clone();
         on_rt(async move { a.create_topic(&spec).await }).await

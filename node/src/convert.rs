@@ -1,8 +1,6 @@
 //! Type conversions between JavaScript objects and onceflow's model. `index.js` normalises
 //! what users pass (strings, header maps) into these shapes before the call crosses.
 
-use std::collections::{BTreeMap, HashMap};
-
 use bytes::Bytes;
 use napi::bindgen_prelude::{
     Buffer, Either, Float64Array, Int32Array, Null, Object, Uint32Array, Unknown,
@@ -349,11 +347,6 @@ impl From<onceflow::PartitionLag> for Lag {
             millis: l.millis.map(|m| m as f64),
         }
     }
-}
-
-/// Raw `key=value` options handed to the native client.
-pub fn options(o: Option<HashMap<String, String>>) -> BTreeMap<String, String> {
-    o.unwrap_or_default().into_iter().collect()
 }
 
 /// Milliseconds → Duration: 0 to 100 years; refuses negatives, NaN and larger values with a

@@ -3,9 +3,13 @@
 //! in Rust's words (`into rust type u32`). [`Checked`] refuses both with a config error naming
 //! the option as the user wrote it and what was expected, then lets napi convert.
 
-use napi::bindgen_prelude::{FromNapiValue, Object, TypeName, Unknown};
+use std::collections::BTreeMap;
+
+use napi::bindgen_prelude::{FromNapiValue, JsValue, Object, ToNapiValue, TypeName, Unknown};
 use napi::{sys, ValueType};
 use onceflow::Error;
+use onceflow_bindings::raw_options::raw_options;
+use onceflow_bindings::settings::{Language, Value};
 
 use crate::js_err;
 
@@ -20,8 +24,9 @@ pub enum Expect {
     Count,
     /// `true` or `false`.
     Boolean,
-    /// An object of string values (raw client options).
-    StringMap,
+    /// Raw client options: an object of string, boolean or number values ([`RawOptions`]
+    /// checks the values as it reads them).
+    RawOptions,
 }
 
 /// The keys an options object takes, for [`Checked`].
@@ -91,25 +96,13 @@ fn check_value(what: &str, key: &str, expect: Expect, obj: &Object) -> napi::Res
             }
             Ok(())
         }
-        Expect::StringMap if t != ValueType::Object => Err(wrong("an object of strings")),
-        Expect::StringMap => {
-            let map = obj.get::<Object>(key)?.expect("present");
-            for name in Object::keys(&map)? {
-                let t = map
-                    .get::<Unknown>(&name)?
-                    .map(|v| v.get_type())
-                    .transpose()?
-                    .unwrap_or(ValueType::Undefined);
-                if t != ValueType::String {
-                    return Err(config(format!(
-                        "{what} {key}['{}']: expected a string, got {} (raw client options are \
-                         strings, as in the native client's configuration)",
-                        onceflow::shown(&name),
-                        type_name(t)
-                    )));
-                }
-            }
-            Ok(())
+        Expect::RawOptions if t != ValueType::Object || value.is_array()? => {
+            Err(wrong("an object of strings, booleans or numbers"))
+        }
+        // Checked here, where an error is ours alone: napi appends " on Struct.field" to an
+        // error of a field's own conversion.
+        Expect::RawOptions => {
+            read_raw_options(&obj.get::<Object>(key)?.expect("present")).map(drop)
         }
         _ => Ok(()),
     }
@@ -151,6 +144,74 @@ impl<T: FromNapiValue + Known> FromNapiValue for Checked<T> {
 impl<T: TypeName> TypeName for Checked<T> {
     fn type_name() -> &'static str {
         T::type_name()
+    }
+
+    fn value_type() -> ValueType {
+        ValueType::Object
+    }
+}
+
+/// The TypeScript type of raw client options.
+pub const RAW_OPTIONS_TS: &str = "Record<string, string | boolean | number>";
+
+/// Raw client options (`key=value` for the native client), read from an object whose values
+/// are strings, booleans or numbers by the bindings' one rule
+/// ([`onceflow_bindings::raw_options`]): `false` → `"false"`, `500` → `"500"`. A value of
+/// another type (`undefined`, `null`, an object) is an `ONCEFLOW_CONFIG` error naming the key
+/// and its type, NaN or Infinity one naming the key; never the value (it may be a password).
+#[derive(Debug, Default)]
+pub struct RawOptions(pub BTreeMap<String, String>);
+
+impl FromNapiValue for RawOptions {
+    unsafe fn from_napi_value(env: sys::napi_env, value: sys::napi_value) -> napi::Result<Self> {
+        // SAFETY: `env` and `value` are napi's own, handed through unchanged.
+        let unknown = unsafe { Unknown::from_napi_value(env, value)? };
+        let t = unknown.get_type()?;
+        if t != ValueType::Object || unknown.is_array()? {
+            return Err(config(format!(
+                "options: expected an object of strings, booleans or numbers, got {}",
+                if t == ValueType::Object {
+                    "array"
+                } else {
+                    type_name(t)
+                }
+            )));
+        }
+        // SAFETY: as above; the value is an object.
+        let obj = unsafe { Object::from_napi_value(env, value)? };
+        read_raw_options(&obj).map(RawOptions)
+    }
+}
+
+/// The raw options of the object `obj` by the bindings' rule.
+fn read_raw_options(obj: &Object) -> napi::Result<BTreeMap<String, String>> {
+    let mut entries = Vec::new();
+    for name in Object::keys(obj)? {
+        let value = match obj.get::<Unknown>(&name)? {
+            None => Value::Absent,
+            Some(v) => match v.get_type()? {
+                ValueType::Undefined => Value::Absent,
+                ValueType::Boolean => Value::Bool(obj.get::<bool>(&name)?.unwrap_or_default()),
+                ValueType::Number => Value::Number(obj.get::<f64>(&name)?.unwrap_or_default()),
+                ValueType::String => Value::Text(obj.get::<String>(&name)?.unwrap_or_default()),
+                other => Value::Other(type_name(other).into()),
+            },
+        };
+        entries.push((name, value));
+    }
+    raw_options(Language::Node, entries).map_err(|e| crate::js_err(&e))
+}
+
+impl ToNapiValue for RawOptions {
+    unsafe fn to_napi_value(env: sys::napi_env, val: Self) -> napi::Result<sys::napi_value> {
+        // SAFETY: `env` is napi's own.
+        unsafe { BTreeMap::to_napi_value(env, val.0) }
+    }
+}
+
+impl TypeName for RawOptions {
+    fn type_name() -> &'static str {
+        RAW_OPTIONS_TS
     }
 
     fn value_type() -> ValueType {

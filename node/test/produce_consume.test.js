@@ -163,7 +163,8 @@ test('client options: a misspelled key or a wrong type throws a config error nam
   await refused(() => client.consumer(unique('g'), [t], { ackWaitMs: 5000 }), "unknown consumer option 'ackWaitMs': expected one of start, isolation")
   await refused(() => client.consumer(unique('g'), [t], { start: 5 }), 'consumer option start: expected a string, got number')
   await refused(() => client.consumer(unique('g'), [t], { sessionTimeoutMs: -1 }), 'consumer option sessionTimeoutMs -1')
-  await refused(() => client.consumer(unique('g'), [t], { options: { 'fetch.min.bytes': 1 } }), "consumer option options['fetch.min.bytes']: expected a string, got number")
+  await refused(() => client.consumer(unique('g'), [t], { options: { 'fetch.min.bytes': [1] } }), "option 'fetch.min.bytes': expected a string, boolean or number, got object")
+  await refused(() => client.consumer(unique('g'), [t], { options: 'fetch.min.bytes=1' }), 'consumer option options: expected an object of strings, booleans or numbers, got string')
   await refused(() => client.consumer(unique('g'), [t], 'earliest'), 'consumer options: expected an object, got string')
   await refused(() => client.producer({ transactionalID: 'x' }), "unknown producer option 'transactionalID'")
   await refused(() => client.producer({ idempotent: 'yes' }), 'producer option idempotent: expected a boolean, got string')
@@ -173,6 +174,46 @@ test('client options: a misspelled key or a wrong type throws a config error nam
   // The right keys still work, undefined ones included.
   const c = await client.consumer(unique('g'), [t], { start: 'earliest', clientId: undefined })
   await c.close()
+})
+
+test('raw client options take strings, booleans and numbers; other types are config errors naming the key', async () => {
+  // auto_create: false as a boolean reaches the memory platform: a missing topic is NotFound.
+  const client = await onceflow.connect(`memory://${unique('raw')}`, { auto_create: false, partitions: 2 })
+  const producer = await client.producer({ options: { 'linger.ms': 5, 'enable.idempotence': true, ratio: 0.5 } })
+  const missing = await producer.send(unique('missing'), 'x').then(() => null, (e) => e)
+  assert.equal(missing?.code, 'ONCEFLOW_NOT_FOUND', `${missing}`)
+  const admin = await client.admin()
+  const t = unique('t')
+  await admin.createTopic(t, { partitions: 2, options: { 'segment.ms': 1000, compacted: false } })
+  await producer.send(t, 'm')
+  const consumer = await client.consumer(unique('g'), [t], { start: 'earliest', options: { 'fetch.min.bytes': 1, 'check.crcs': true } })
+  const got = await consumer.poll(10, 5000)
+  assert.equal(got.length, 1)
+  await consumer.close()
+
+  const refused = async (call, text) => {
+    const e = await (async () => call())().then(() => null, (err) => err)
+    assert.ok(e instanceof onceflow.OnceflowError, `${text}: ${e}`)
+    assert.equal(e.code, 'ONCEFLOW_CONFIG')
+    assert.equal(e.kind, 'config')
+    assert.ok(e.message.includes(text), `expected '${text}' in: ${e.message}`)
+    return e
+  }
+  const url = `memory://${unique('raw')}`
+  for (const [value, type] of [[[1], 'object'], [{ a: 1 }, 'object'], [null, 'null'], [undefined, 'undefined'], [10n, 'bigint']]) {
+    const text = `option 'tls_hostname_verification': expected a string, boolean or number, got ${type}`
+    const options = { tls_hostname_verification: value }
+    await refused(() => onceflow.connect(url, options), text)
+    await refused(() => client.producer({ options }), text)
+    await refused(() => client.consumer(unique('g'), [t], { options }), text)
+    await refused(() => admin.createTopic(unique('t'), { options }), text)
+  }
+  await refused(() => onceflow.connect(url, { 'linger.ms': NaN }), "option 'linger.ms': expected a finite number, got NaN or Infinity")
+  await refused(() => client.producer({ options: { 'linger.ms': Infinity } }), "option 'linger.ms': expected a finite number")
+  await refused(() => onceflow.connect(url, ['a=b']), 'options: expected an object of strings, booleans or numbers, got array')
+  // A value is never shown: it may be a password.
+  const e = await refused(() => client.producer({ options: { 'sasl.password': ['hunter2-s3cret'] } }), "option 'sasl.password'")
+  assert.ok(!e.message.includes('hunter2'), e.message)
 })
 
 test('an iterator left mid-batch is continued, not skipped', async () => {
