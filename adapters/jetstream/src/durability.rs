@@ -94,10 +94,22 @@ impl DurabilityReport {
     }
 }
 
+/// The server's sync setting, asked once per connection ([`ask_server_sync`]): a user
+/// without the right gets no answer (or a permissions error) every time, and a server's
+/// `sync_interval` changes only with a restart.
+async fn server_sync(shared: &Shared) -> ServerSync {
+    if let Some(known) = *shared.server_sync.lock() {
+        return known;
+    }
+    let sync = ask_server_sync(shared).await;
+    *shared.server_sync.lock() = Some(sync);
+    sync
+}
+
 /// Asks the servers for their `VARZ` through the system account's request subject; `Unknown`
 /// when nobody answers (ordinary accounts cannot call it) or the answer has no JetStream
 /// config.
-async fn server_sync(shared: &Shared) -> ServerSync {
+async fn ask_server_sync(shared: &Shared) -> ServerSync {
     let request = shared
         .client
         .request("$SYS.REQ.SERVER.PING.VARZ", bytes::Bytes::new());

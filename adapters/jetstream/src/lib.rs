@@ -264,6 +264,8 @@ pub(crate) struct Shared {
     window_warned: Mutex<HashSet<String>>,
     /// Topics whose durability risk was already warned about (`require_durable`).
     durability_warned: Mutex<HashSet<String>>,
+    /// The server's sync setting once asked ([`DurabilityReport::sync`]).
+    server_sync: Mutex<Option<ServerSync>>,
 }
 
 /// Partition count of a stream: its `onceflow.partitions` metadata, else 1.
@@ -459,6 +461,7 @@ impl JetStreamPlatform {
                 lookup: tokio::sync::Mutex::new(()),
                 window_warned: Mutex::new(HashSet::new()),
                 durability_warned: Mutex::new(HashSet::new()),
+                server_sync: Mutex::new(None),
             }),
         }))
     }
