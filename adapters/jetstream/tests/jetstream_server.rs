@@ -1210,3 +1210,33 @@ async fn a_consumer_reads_on_after_a_server_restart() {
         c.close().await.unwrap();
     }
 }
+
+/// An ack nobody answers because the durable is gone (deleted here, as a reset by another
+/// member would) is `Fenced`; before, async-nats' double ack took the server's 503 (no
+/// responders) for a confirmation and the commit returned Ok.
+#[tokio::test]
+async fn an_ack_to_a_deleted_durable_is_fenced() {
+    let Some(p) = platform("an_ack_to_a_deleted_durable_is_fenced").await else {
+        return;
+    };
+    let t = topic(&p, "js-gone", 1).await;
+    let group = name("g");
+    let prod = p.producer(ProducerConfig::default()).await.unwrap();
+    prod.send(Record::new(t.clone(), "m0")).await.unwrap();
+    let c = open(&p, &t, &group, StartFrom::Earliest, &[]).await;
+    let got = take(c.as_ref(), 1).await;
+    let js = async_nats::jetstream::new(p.nats_client());
+    js.get_stream(&t)
+        .await
+        .unwrap()
+        .delete_consumer(&onceflow_jetstream::durable(&group, 0))
+        .await
+        .unwrap();
+    let e = c
+        .commit(&[(got[0].topic_partition(), got[0].position.clone())])
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    assert!(e.message().contains("durable is gone"), "{e}");
+    c.close().await.unwrap();
+}
