@@ -44,8 +44,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
 /// `tls://`, `pulsar://`, `pulsar+ssl://`, `kinesis://`); awaitable, resolves to a `Client`.
-/// `options` (str → str, bool, int or float; see [`options`]) are added to the URL's query, so
-/// secrets need not be in the URL.
+/// `options` are added to the URL's query, so secrets need not be in the URL; a value is a
+/// `str`, a `bool` (sent as `"true"` / `"false"`) or a number (`500` as `"500"`), another type a
+/// `TypeError` naming the key and the type, never the value.
 /// Raises `ConnectError` (code `ONCEFLOW_CONNECT`) within seconds when no Kafka or Pulsar
 /// broker of the URL answers, `AuthError` (`ONCEFLOW_AUTH`) when the server refuses the
 /// credentials or certificate, and `ConfigError` (`ONCEFLOW_CONFIG`) for a malformed URL.
