@@ -172,6 +172,13 @@ pub async fn open(url: &str) -> Result<Arc<KafkaPlatform>> {
 /// what the client's error callback reported.
 const CHECK_ROUND: Duration = Duration::from_millis(200);
 
+/// Whether librdkafka's reason says our TLS refused the broker's certificate (untrusted CA,
+/// wrong host name, expired): OpenSSL's "certificate verify failed", whatever error code
+/// carries it (`_SSL`, or `_TRANSPORT` when the event arrives after the connection closed).
+fn untrusted_broker(reason: &str) -> bool {
+    reason.contains("certificate verify failed")
+}
+
 /// What [`CheckContext`] saw end a connection attempt: a refusal (`auth`) or a security
 /// protocol that does not match the listener, with librdkafka's reason.
 #[derive(Debug, Clone)]
@@ -247,7 +254,7 @@ impl CheckContext {
             && (reason.contains("certificate") || reason.contains("unknown ca"));
         let auth = if tls_at_plaintext || plaintext_at_tls {
             false
-        } else if certificate_refused || errors::is_auth(code) {
+        } else if certificate_refused || untrusted_broker(reason) || errors::is_auth(code) {
             true
         } else {
             return;
@@ -377,10 +384,20 @@ impl KafkaPlatform {
                             std::thread::sleep(round.saturating_sub(asked.elapsed()));
                             continue;
                         }
-                        let last = rdkafka::consumer::Consumer::context(&c)
+                        let failure = rdkafka::consumer::Consumer::context(&c)
                             .last_failure
                             .lock()
-                            .as_ref()
+                            .clone();
+                        // The handshake's refusal reached the log but not (yet) an error event:
+                        // still a refusal, not a broker that never answered.
+                        if let Some(f) = failure.as_deref().filter(|f| untrusted_broker(f)) {
+                            let refusal = Refusal {
+                                auth: true,
+                                reason: f.to_string(),
+                            };
+                            return Err(refusal.error(&servers));
+                        }
+                        let last = failure
                             .map(|f| format!(", last failure: {f}"))
                             .unwrap_or_default();
                         return Err(Error::new(
