@@ -14,6 +14,10 @@
 //!   the secret in constant time, and only then connects to the broker, with the `CONNECT`
 //!   rewritten to `auth_method_name = "tls"` (the broker's `AuthenticationProviderTls` takes
 //!   the role from the certificate). Anything else is closed before the broker is contacted.
+//!   Local connections awaiting their first frame are capped ([`MAX_AWAITING_CONNECT`], newer
+//!   ones displace the oldest) and closed after [`FIRST_FRAME_TIMEOUT`], and nothing is
+//!   reserved for a first frame before its size is read and checked ([`MAX_FIRST_FRAME`]), so
+//!   other local processes cannot exhaust our file descriptors or memory through the bridge.
 //!   A broker `AUTH_CHALLENGE` answered by the crate (`AUTH_RESPONSE`) is rewritten the same
 //!   way, so the secret never leaves the process.
 //! - **Lookups.** A `LOOKUP_RESPONSE` names the owning broker (`brokerServiceUrlTls`); it is
@@ -32,7 +36,7 @@
 //! (one extra copy per frame and direction), plus one loopback connection per broker
 //! connection.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,10 +59,21 @@ use crate::config::TlsClientCert;
 /// The auth method name the crate presents to the bridge (never sent to a broker).
 pub(crate) const MARKER: &str = "onceflow-loopback-mtls-bridge";
 
-/// How long a local connection may take to send its `CONNECT`.
-const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(5);
-/// Largest first frame (a `CONNECT`) a local connection may send.
-const MAX_FIRST_FRAME: usize = 64 * 1024;
+/// How long a local connection may take to send its `CONNECT` (the pulsar crate sends it as
+/// soon as it is connected).
+const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(1);
+/// Largest first frame (a `CONNECT`) a local connection may send: the crate's `CONNECT` to the
+/// bridge (client version, protocol version, auth method and the 32-byte secret, proxy URL,
+/// feature flags) is a few hundred bytes.
+const MAX_FIRST_FRAME: usize = 4 * 1024;
+/// Most local connections that may await their first frame at once, per bridge. Other local
+/// processes can open connections to the bridge's loopback ports: without a cap they could
+/// hold our file descriptors and memory until the process runs out. Beyond the cap the
+/// connection that has waited longest is closed at once: the crate sends its `CONNECT` within
+/// moments of connecting, so a flood of idle connections displaces idle ones, not the crate's
+/// (closing the crate's connection before `CONNECTED` is a fatal error to it, so refusing the
+/// newest would hit the crate's reconnect during a flood).
+const MAX_AWAITING_CONNECT: usize = 32;
 /// Largest frame relayed (Pulsar's own limit is the broker's `maxMessageSize` plus headers).
 const MAX_FRAME: usize = 256 * 1024 * 1024;
 /// Bytes read at once.
@@ -131,6 +146,45 @@ struct Inner {
     relayed: AtomicU64,
     refused_local: AtomicU64,
     lookups: AtomicU64,
+    /// Local connections accepted that have not sent their first frame yet, oldest first
+    /// (at most [`MAX_AWAITING_CONNECT`]), each with the token that closes it.
+    awaiting: Mutex<VecDeque<(u64, CancellationToken)>>,
+    next_local: AtomicU64,
+}
+
+/// A local connection in [`Inner::awaiting`] until its first frame has come (or it ends).
+struct Awaiting<'a> {
+    inner: &'a Inner,
+    id: u64,
+    /// Cancelled when the connection is displaced by newer ones.
+    displaced: CancellationToken,
+}
+
+impl<'a> Awaiting<'a> {
+    /// Registers a new local connection, closing the one that has waited longest when
+    /// [`MAX_AWAITING_CONNECT`] are waiting already.
+    fn enter(inner: &'a Inner) -> Awaiting<'a> {
+        let id = inner.next_local.fetch_add(1, Ordering::Relaxed);
+        let displaced = CancellationToken::new();
+        let mut waiting = inner.awaiting.lock();
+        while waiting.len() >= MAX_AWAITING_CONNECT {
+            if let Some((_, oldest)) = waiting.pop_front() {
+                oldest.cancel();
+            }
+        }
+        waiting.push_back((id, displaced.clone()));
+        Awaiting {
+            inner,
+            id,
+            displaced,
+        }
+    }
+}
+
+impl Drop for Awaiting<'_> {
+    fn drop(&mut self) {
+        self.inner.awaiting.lock().retain(|(id, _)| *id != self.id);
+    }
 }
 
 /// The loopback bridge of one connection ([`crate::PulsarPlatform`]); its listeners and
@@ -175,6 +229,8 @@ impl Bridge {
             relayed: AtomicU64::new(0),
             refused_local: AtomicU64::new(0),
             lookups: AtomicU64::new(0),
+            awaiting: Mutex::new(VecDeque::new()),
+            next_local: AtomicU64::new(0),
         });
         let service = listen(&inner, service).map_err(|e| {
             Error::new(
@@ -270,18 +326,30 @@ fn serve(
     upstream: Upstream,
 ) -> BoxFuture<'static, ()> {
     Box::pin(async move {
+        let awaiting = Awaiting::enter(&inner);
         let _ = client.set_nodelay(true);
-        let mut cbuf = BytesMut::with_capacity(READ_CHUNK);
-        let first = tokio::time::timeout(
-            FIRST_FRAME_TIMEOUT,
-            read_frame(&mut client, &mut cbuf, MAX_FIRST_FRAME),
-        )
-        .await;
+        // Nothing is reserved before the first frame's size is known (see `read_frame`).
+        let mut cbuf = BytesMut::new();
+        let first = tokio::select! {
+            f = tokio::time::timeout(
+                FIRST_FRAME_TIMEOUT,
+                read_frame(&mut client, &mut cbuf, MAX_FIRST_FRAME),
+            ) => Some(f),
+            _ = awaiting.displaced.cancelled() => None,
+        };
+        drop(awaiting);
         let frame = match first {
-            Ok(Ok(Some(f))) => f,
-            Ok(Ok(None)) => return refuse_local(&inner, peer, "closed before CONNECT"),
-            Ok(Err(_)) => return refuse_local(&inner, peer, "no valid Pulsar frame"),
-            Err(_) => return refuse_local(&inner, peer, "no CONNECT within 5 s"),
+            Some(Ok(Ok(Some(f)))) => f,
+            Some(Ok(Ok(None))) => return refuse_local(&inner, peer, "closed before CONNECT"),
+            Some(Ok(Err(_))) => return refuse_local(&inner, peer, "no valid Pulsar frame"),
+            Some(Err(_)) => return refuse_local(&inner, peer, "no CONNECT within 1 s"),
+            None => {
+                return refuse_local(
+                    &inner,
+                    peer,
+                    "no CONNECT yet while newer local connections came beyond the cap",
+                )
+            }
         };
         let connect = match check_connect(&frame, &inner.secret) {
             Ok(c) => c,
@@ -533,7 +601,9 @@ fn refused_after_handshake(inner: &Inner, server: &str, e: &std::io::Error) -> E
 }
 
 /// Reads one whole frame (`[u32 totalSize]` and what follows) from `r`, keeping what follows
-/// it in `buf`. `None` at end of stream before a frame started.
+/// it in `buf`. `None` at end of stream before a frame started. With `max` up to
+/// [`MAX_FIRST_FRAME`] (a local connection's first frame) nothing beyond the 4-byte size is
+/// reserved before the size is read and checked.
 async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut BytesMut,
@@ -546,6 +616,8 @@ async fn read_frame<R: AsyncRead + Unpin>(
                 return Ok(Some(buf.split_to(4 + total)));
             }
             buf.reserve(4 + total - buf.len());
+        } else if max <= MAX_FIRST_FRAME {
+            buf.reserve(4 - buf.len());
         } else {
             buf.reserve(READ_CHUNK);
         }
@@ -1086,6 +1158,8 @@ mod tests {
             relayed: AtomicU64::new(0),
             refused_local: AtomicU64::new(0),
             lookups: AtomicU64::new(0),
+            awaiting: Mutex::new(VecDeque::new()),
+            next_local: AtomicU64::new(0),
         })
     }
 
@@ -1222,6 +1296,45 @@ mod tests {
         // Tried with pauses of 100, 200, 400 ms within the 1 s timeout, not failed at once.
         assert!(took >= Duration::from_millis(600), "{took:?}");
         assert!(took < Duration::from_secs(2), "{took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_first_frame_reserves_nothing_before_its_size_and_is_capped() {
+        use tokio::io::AsyncWriteExt;
+        let (mut a, mut b) = tokio::io::duplex(MAX_FIRST_FRAME);
+        a.write_all(&((MAX_FIRST_FRAME + 1) as u32).to_be_bytes())
+            .await
+            .unwrap();
+        let mut buf = BytesMut::new();
+        let e = read_frame(&mut b, &mut buf, MAX_FIRST_FRAME)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        assert!(buf.capacity() < 64, "reserved {}", buf.capacity());
+        // A CONNECT as the crate sends it fits.
+        let f = connect_frame(Some(MARKER), Some(vec![9; 32]));
+        assert!(f.len() < MAX_FIRST_FRAME / 8, "{}", f.len());
+        a.write_all(&f).await.unwrap();
+        let mut buf = BytesMut::new();
+        let got = read_frame(&mut b, &mut buf, MAX_FIRST_FRAME).await.unwrap();
+        assert_eq!(got.as_deref(), Some(&f[..]));
+    }
+
+    #[test]
+    fn local_connections_beyond_the_cap_displace_the_oldest() {
+        let inner = inner();
+        let first = Awaiting::enter(&inner);
+        let mut rest: Vec<_> = (1..MAX_AWAITING_CONNECT)
+            .map(|_| Awaiting::enter(&inner))
+            .collect();
+        assert!(!first.displaced.is_cancelled());
+        rest.push(Awaiting::enter(&inner));
+        assert!(first.displaced.is_cancelled());
+        assert!(rest.iter().all(|a| !a.displaced.is_cancelled()));
+        assert_eq!(inner.awaiting.lock().len(), MAX_AWAITING_CONNECT);
+        drop(first);
+        drop(rest);
+        assert!(inner.awaiting.lock().is_empty());
     }
 
     #[test]

@@ -1055,3 +1055,141 @@ async fn mtls_consumer_and_producer_go_on_after_the_broker_was_unreachable() {
     consumer.close().await.unwrap();
     relay.abort();
 }
+
+/// Another local process opens 100 idle connections to each of the bridge's loopback ports
+/// and sends nothing. They used to be held 5 s each with 64 KiB reserved, uncapped (3000 of
+/// them raised the RSS by 25 MB, and at `ulimit -n 256` the process ran out of file
+/// descriptors). Now at most 32 per bridge await their CONNECT, for at most 1 s; newer ones
+/// displace the oldest, which are closed at once. Meanwhile the broker connection is cut, so the crate has to connect to
+/// the bridge again: it gets through, and the producer and consumer go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_bridge_caps_local_connections_awaiting_their_connect() {
+    use tokio::io::AsyncReadExt;
+    let Some(env) = env() else { return };
+    let upstream = env.tls_url.trim_start_matches("pulsar+ssl://").to_string();
+    let conns = Arc::new(Mutex::new(Vec::new()));
+    let (port, relay) = outage_relay(0, upstream.clone(), conns.clone());
+    let url = mtls_url(&env, &env.client_cert, &env.client_key).replacen(
+        &env.tls_url,
+        &format!("pulsar+ssl://127.0.0.1:{port}"),
+        1,
+    );
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let client = Client::new(platform.clone());
+    let topic = name("mtls-flood");
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    let consumer = client
+        .consumer(ConsumerConfig::new(name("g"), [topic.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    producer
+        .send(Record::new(topic.clone(), "before"))
+        .await
+        .unwrap();
+    let before = platform.mtls_bridge().unwrap();
+
+    // The flood: 100 idle connections to each listener, each timed until the bridge closes it.
+    const IDLE: usize = 100;
+    let mut idle = Vec::new();
+    for (_, local) in &before.listeners {
+        for _ in 0..IDLE {
+            let mut s = tokio::net::TcpStream::connect(*local).await.unwrap();
+            let t0 = Instant::now();
+            idle.push(tokio::spawn(async move {
+                let mut buf = [0u8; 64];
+                let closed = tokio::time::timeout(Duration::from_secs(10), async {
+                    loop {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(_) => {}
+                        }
+                    }
+                })
+                .await;
+                closed.ok().map(|_| t0.elapsed())
+            }));
+        }
+    }
+    // The broker connection is cut (and its port open again at once): the crate connects to
+    // the flooded bridge again.
+    relay.abort();
+    let _ = relay.await;
+    for c in conns.lock().unwrap().drain(..) {
+        c.abort();
+    }
+    let (_, relay) = outage_relay(port, upstream, conns.clone());
+    let t0 = Instant::now();
+    producer
+        .send(Record::new(topic.clone(), "after"))
+        .await
+        .unwrap();
+    eprintln!(
+        "mTLS flood: the send after the cut was delivered in {} ms",
+        t0.elapsed().as_millis()
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    let mut retried = 0;
+    while got.len() < 2 && Instant::now() < deadline {
+        match consumer.poll(10, Duration::from_millis(300)).await {
+            Ok(batch) => {
+                for m in batch {
+                    got.push(String::from_utf8_lossy(&m.payload).to_string());
+                }
+            }
+            // What the engine retries.
+            Err(e) if e.is_retriable() => {
+                eprintln!("mTLS flood: poll: {e}");
+                retried += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(
+        got,
+        vec!["before", "after"],
+        "the platform works on ({retried} retries)"
+    );
+
+    let mut times = Vec::new();
+    for t in idle {
+        times.push(
+            t.await
+                .unwrap()
+                .expect("an idle local connection was held for 10 s"),
+        );
+    }
+    times.sort();
+    let at_once = times
+        .iter()
+        .filter(|t| **t < Duration::from_millis(300))
+        .count();
+    let slowest = *times.last().unwrap();
+    let after = platform.mtls_bridge().unwrap();
+    eprintln!(
+        "mTLS flood: {} idle connections, {at_once} closed within 300 ms, the last after {} ms; \
+         {after:?}",
+        times.len(),
+        slowest.as_millis()
+    );
+    let listeners = before.listeners.len();
+    assert!(
+        at_once >= listeners * (IDLE - 32),
+        "beyond 32 awaiting their CONNECT, local connections are closed at once: {at_once}"
+    );
+    assert!(
+        slowest < Duration::from_millis(1500),
+        "idle local connections are closed within about 1 s: {slowest:?}"
+    );
+    assert!(
+        after.refused_local >= before.refused_local + (listeners * IDLE) as u64,
+        "{after:?}"
+    );
+    assert!(
+        after.relayed > before.relayed,
+        "the crate connected again: {after:?}"
+    );
+    consumer.close().await.unwrap();
+    relay.abort();
+}
