@@ -891,6 +891,30 @@ pub(crate) fn client_config(
             cert.cert_file.display()
         )));
     }
+    // A certificate outside its validity is refused by the broker with a TLS alert that says
+    // "CertificateExpired" even when it is not valid yet: say which, with its dates.
+    if let Some((not_before, not_after)) = validity(&chain[0]) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        if now < not_before || now > not_after {
+            return Err(Error::new(
+                ErrorKind::Auth,
+                format!(
+                    "tls_cert_file={}: the certificate is {} (notBefore {}, notAfter {}; now {})",
+                    cert.cert_file.display(),
+                    if now < not_before {
+                        "not valid yet"
+                    } else {
+                        "expired"
+                    },
+                    utc(not_before),
+                    utc(not_after),
+                    utc(now)
+                ),
+            ));
+        }
+    }
     let key_pem = zeroize::Zeroizing::new(read_file("tls_key_file", &cert.key_file)?);
     // The PEM error could quote a line of the file: not shown.
     let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| {
@@ -933,6 +957,90 @@ pub(crate) fn client_config(
             cert.key_file.display()
         ))
     })
+}
+
+/// One DER element: its tag, its content and what follows it.
+fn der(buf: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = buf.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (first as usize, rest)
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n].iter().fold(0usize, |a, b| (a << 8) | *b as usize);
+        (len, &rest[n..])
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+}
+
+/// Seconds since the Unix epoch of an X.509 `UTCTime` (tag 0x17, `YYMMDDHHMMSSZ`, years
+/// 1950-2049) or `GeneralizedTime` (tag 0x18, `YYYYMMDDHHMMSSZ`), RFC 5280 4.1.2.5.
+fn der_time(tag: u8, t: &[u8]) -> Option<i64> {
+    let digits = std::str::from_utf8(t.strip_suffix(b"Z")?).ok()?;
+    let (year, rest) = match (tag, digits.len()) {
+        (0x17, 12) => {
+            let yy: i64 = digits[..2].parse().ok()?;
+            (if yy < 50 { 2000 + yy } else { 1900 + yy }, &digits[2..])
+        }
+        (0x18, 14) => (digits[..4].parse().ok()?, &digits[4..]),
+        _ => return None,
+    };
+    let n = |i: usize| rest.get(i..i + 2)?.parse::<i64>().ok();
+    let (month, day, h, m, sec) = (n(0)?, n(2)?, n(4)?, n(6)?, n(8)?);
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + h * 3600 + m * 60 + sec)
+}
+
+/// A certificate's validity (`notBefore`, `notAfter`) in seconds since the Unix epoch, read
+/// from its DER (RFC 5280 4.1); `None` if it cannot be read (the TLS stack then decides).
+fn validity(cert: &[u8]) -> Option<(i64, i64)> {
+    let (_, certificate, _) = der(cert)?;
+    let (_, tbs, _) = der(certificate)?;
+    let (tag, _, mut rest) = der(tbs)?;
+    if tag != 0xa0 {
+        // No explicit version: that element was the serial number.
+        rest = der(tbs)?.2;
+    } else {
+        rest = der(rest)?.2; // serial number
+    }
+    let rest = der(rest)?.2; // signature algorithm
+    let rest = der(rest)?.2; // issuer
+    let (_, validity, _) = der(rest)?;
+    let (t1, nb, rest) = der(validity)?;
+    let (t2, na, _) = der(rest)?;
+    Some((der_time(t1, nb)?, der_time(t2, na)?))
+}
+
+/// Seconds since the Unix epoch as `YYYY-MM-DD HH:MM:SS UTC`.
+fn utc(secs: i64) -> String {
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        tod / 3600,
+        tod % 3600 / 60,
+        tod % 60
+    )
 }
 
 fn read_file(key: &str, path: &Path) -> Result<Vec<u8>> {
@@ -1296,6 +1404,31 @@ mod tests {
         // Tried with pauses of 100, 200, 400 ms within the 1 s timeout, not failed at once.
         assert!(took >= Duration::from_millis(600), "{took:?}");
         assert!(took < Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn certificate_validity_is_read_from_its_der() {
+        fn tlv(tag: u8, content: &[u8]) -> Vec<u8> {
+            let mut v = vec![tag, content.len() as u8];
+            v.extend_from_slice(content);
+            v
+        }
+        let times = [tlv(0x17, b"300101000000Z"), tlv(0x18, b"20310203040506Z")].concat();
+        let tbs = [
+            tlv(0xa0, &tlv(0x02, &[2])),
+            tlv(0x02, &[1]),
+            tlv(0x30, &[]),
+            tlv(0x30, &[]),
+            tlv(0x30, &times),
+        ]
+        .concat();
+        let cert = tlv(0x30, &tlv(0x30, &tbs));
+        let (nb, na) = validity(&cert).unwrap();
+        assert_eq!(nb, 1_893_456_000);
+        assert_eq!(utc(nb), "2030-01-01 00:00:00 UTC");
+        assert_eq!(utc(na), "2031-02-03 04:05:06 UTC");
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert!(validity(&[0x30, 0x05, 1]).is_none());
     }
 
     #[tokio::test]
