@@ -77,10 +77,7 @@ impl State {
         } else {
             HandedOut::First(0)
         };
-        let end = match handed {
-            HandedOut::All => self.positions.len(),
-            HandedOut::First(n) => n.min(self.positions.len()),
-        };
+        let end = self.end_of(handed);
         // The highest position handed out of each run, not its last: a redelivery can come
         // behind newer messages (see `Position::highest`).
         self.runs
@@ -95,6 +92,22 @@ impl State {
             })
     }
 
+    /// One past the last message of the latest batch handed out, by `progress`.
+    fn end(&self, progress: Progress) -> usize {
+        if progress.batch == self.batch {
+            self.end_of(progress.handed)
+        } else {
+            0
+        }
+    }
+
+    fn end_of(&self, handed: HandedOut) -> usize {
+        match handed {
+            HandedOut::All => self.positions.len(),
+            HandedOut::First(n) => n.min(self.positions.len()),
+        }
+    }
+
     /// Moves what was handed out of the latest batch into `settled`.
     fn settle(&mut self, progress: Progress) {
         let done: Vec<_> = self
@@ -103,6 +116,11 @@ impl State {
             .collect();
         raise(&mut self.settled, done);
     }
+}
+
+/// The lowest of `positions` (of one partition), `None` if there are none.
+fn lowest(positions: &[Position]) -> Option<&Position> {
+    positions.iter().reduce(|a, b| if b < a { b } else { a })
 }
 
 /// Raises each partition's position in `to` to the one in `from` where that is higher.
@@ -152,7 +170,12 @@ impl Yielded {
     }
 
     /// The positions `commit()` commits: per partition, the highest message handed out, `latest`
-    /// saying how far the host got. Sorted by topic and partition.
+    /// saying how far the host got, but always below every message of the latest batch not
+    /// handed out yet: JetStream and Pulsar acknowledge every held message at or below a
+    /// committed position, so a position above one the user has not seen would acknowledge it
+    /// unhandled (a redelivery batch `[3, 5]` after 8 was committed, with only 3 handed out,
+    /// commits 3, not 8). A partition with nothing to commit below its first message not
+    /// handed out is left out. Sorted by topic and partition.
     pub fn positions(&self, latest: Progress) -> Vec<(TopicPartition, Position)> {
         let s = self.state.lock();
         let mut out = s.settled.clone();
@@ -160,6 +183,31 @@ impl Yielded {
             &mut out,
             s.handed_out(latest).map(|(tp, p)| (tp.clone(), p.clone())),
         );
+        // Per partition of the latest batch: its messages handed out, and the lowest not.
+        let end = s.end(latest);
+        let mut parts: HashMap<&TopicPartition, (Vec<&Position>, Option<&Position>)> =
+            HashMap::new();
+        for (start, run_end, tp) in &s.runs {
+            let cut = (*run_end).min(end).max(*start);
+            let (handed, floor) = parts.entry(tp).or_default();
+            handed.extend(&s.positions[*start..cut]);
+            if let Some(l) = lowest(&s.positions[cut..*run_end]) {
+                *floor = Some(floor.map_or(l, |f| if l < f { l } else { f }));
+            }
+        }
+        for (tp, (handed, floor)) in parts {
+            let Some(floor) = floor else { continue };
+            let below = |p: &&Position| *p < floor;
+            let settled = s.settled.get(tp).filter(below);
+            match Position::highest(handed.into_iter().filter(below).chain(settled)) {
+                Some(p) => {
+                    out.insert(tp.clone(), p.clone());
+                }
+                None => {
+                    out.remove(tp);
+                }
+            }
+        }
         let mut out: Vec<_> = out.into_iter().collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
@@ -254,11 +302,40 @@ mod tests {
             &[m(0, 7), m(0, 8), m(0, 1), m(0, 2)],
             Progress::new(b1, None),
         );
-        assert_eq!(at(&y.positions(first(b2, 0))), vec![(0, 6)]);
-        assert_eq!(at(&y.positions(first(b2, 3))), vec![(0, 8)]);
+        // Nothing below the unseen 1 and 2 yet: committing 6 or 8 would acknowledge them.
+        assert_eq!(at(&y.positions(first(b2, 0))), vec![]);
+        assert_eq!(at(&y.positions(first(b2, 3))), vec![(0, 1)]);
         assert_eq!(at(&y.positions(Progress::new(b2, None))), vec![(0, 8)]);
         let b3 = y.polled(&[m(0, 3)], Progress::new(b2, None));
         assert_eq!(at(&y.positions(Progress::new(b3, None))), vec![(0, 8)]);
+    }
+
+    /// A commit never names a position at or above a message of the latest batch the user
+    /// has not been handed: JetStream and Pulsar would acknowledge it unhandled.
+    #[test]
+    fn commit_stays_below_every_message_not_handed_out() {
+        let y = Yielded::default();
+        let b1 = y.polled(&[m(0, 6), m(0, 7), m(0, 8)], Progress::new(0, None));
+        let b2 = y.polled(&[m(0, 3), m(0, 5)], Progress::new(b1, None));
+        assert_eq!(at(&y.positions(first(b2, 0))), vec![], "nothing below 3");
+        assert_eq!(
+            at(&y.positions(first(b2, 1))),
+            vec![(0, 3)],
+            "not 8: 5 is unseen"
+        );
+        assert_eq!(at(&y.positions(Progress::new(b2, None))), vec![(0, 8)]);
+        // Pulsar-like order: a nacked message behind newer ones.
+        let y = Yielded::default();
+        let b1 = y.polled(
+            &[m(1, 7), m(1, 8), m(1, 1), m(1, 2)],
+            Progress::new(0, None),
+        );
+        assert_eq!(
+            at(&y.positions(first(b1, 3))),
+            vec![(1, 1)],
+            "not 8: 2 is unseen"
+        );
+        assert_eq!(at(&y.positions(Progress::new(b1, None))), vec![(1, 8)]);
     }
 
     #[test]
