@@ -1060,11 +1060,6 @@ impl ConsumerBackend for PulsarConsumer {
             if let Err(e) = self.refresh(false).await {
                 tracing::warn!(error = %e, group = %self.group, "reading the active partitions failed; retrying");
             }
-            if out.is_empty() {
-                if let Some(e) = self.parts.iter().find_map(|p| p.failure.lock().take()) {
-                    return Err(e);
-                }
-            }
             let start = self.rotate.fetch_add(1, Ordering::Relaxed) % k.max(1);
             for j in 0..k {
                 let part = &self.parts[(start + j) % k];
@@ -1099,6 +1094,13 @@ impl ConsumerBackend for PulsarConsumer {
                 }
                 if out.len() >= max {
                     break;
+                }
+            }
+            // A partition that lost its consumer (subscribing again after an outage) is an
+            // error only when no other partition had anything to give.
+            if out.is_empty() {
+                if let Some(e) = self.parts.iter().find_map(|p| p.failure.lock().take()) {
+                    return Err(e);
                 }
             }
             let now = tokio::time::Instant::now();

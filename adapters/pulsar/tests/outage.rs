@@ -185,3 +185,127 @@ async fn a_consumer_subscribes_again_after_an_outage_longer_than_the_retries() {
         started.elapsed()
     );
 }
+
+/// The idempotent consumer rides out the same outage: the poll's retriable `Connect` errors
+/// (its consumer subscribing again) are waited out with the engine's backoff instead of ending
+/// the run (before, `run_until` returned the first one as its error and closed the consumer),
+/// and every message written before, during and after is handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_idempotent_consumer_rides_out_an_outage_longer_than_the_retries() {
+    use std::sync::{Arc, Mutex};
+
+    use onceflow_core::dedup::MemoryStore;
+    use onceflow_core::{handler_fn, EngineConfig, IdempotentConsumer};
+
+    let (Some(direct), Some(admin), Some(fault), Some(upstream)) = (
+        require("ONCEFLOW_PULSAR_URL"),
+        require("ONCEFLOW_PULSAR_ADMIN_URL"),
+        require("ONCEFLOW_PULSAR_FAULT_URL"),
+        require("ONCEFLOW_PULSAR_FAULT_UPSTREAM"),
+    ) else {
+        return;
+    };
+    let listen = fault.trim_start_matches("pulsar://").to_string();
+    let proxy = start_proxy(&listen, &upstream).await;
+    let writer = Client::new(
+        onceflow_pulsar::connect(&format!("{direct}?admin={admin}"))
+            .await
+            .unwrap(),
+    );
+    let reader = Client::new(
+        onceflow_pulsar::connect(&format!(
+            "{fault}?admin={admin}&connection_max_retries=2&connection_max_backoff_ms=200\
+             &operation_timeout_ms=3000"
+        ))
+        .await
+        .unwrap(),
+    );
+    let topic = name("outage-engine");
+    let producer = writer.producer(ProducerConfig::new()).await.unwrap();
+    let write = |tag: &'static str| {
+        let (producer, topic) = (&producer, &topic);
+        async move {
+            for i in 0..10 {
+                let payload = format!("{tag}-{i}");
+                producer
+                    .send(Record::new(topic.as_str(), payload.clone()).idempotency_key(payload))
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    let consumer = reader
+        .consumer(
+            ConsumerConfig::new(name("outage-engine-g"), [topic.clone()])
+                .start(StartFrom::Earliest),
+        )
+        .await
+        .unwrap();
+    let handled = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = handled.clone();
+    let engine = IdempotentConsumer::with_config(
+        consumer,
+        Some(Arc::new(MemoryStore::new(Duration::from_secs(600), 1000))),
+        Arc::new(handler_fn(move |m: onceflow_core::Message| {
+            let seen = seen.clone();
+            async move {
+                seen.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&m.payload).into_owned());
+                Ok(None)
+            }
+        })),
+        EngineConfig {
+            max_backoff: Duration::from_millis(500),
+            ..EngineConfig::default()
+        },
+        None,
+    )
+    .unwrap();
+    let count = |h: &Arc<Mutex<Vec<String>>>| h.lock().unwrap().len();
+    let watched = handled.clone();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(engine.run_until(async move {
+        let _ = stop_rx.await;
+    }));
+    write("before").await;
+    let until = |n: usize, wait: Duration| {
+        let watched = watched.clone();
+        async move {
+            let deadline = Instant::now() + wait;
+            while count(&watched) < n && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    until(10, Duration::from_secs(20)).await;
+    drop(proxy);
+    write("during").await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert!(
+        !run.is_finished(),
+        "the run ended during the outage: {:?}",
+        run.await
+    );
+    let _proxy = start_proxy(&listen, &upstream).await;
+    write("after").await;
+    until(30, Duration::from_secs(40)).await;
+    let _ = stop_tx.send(());
+    let summary = run
+        .await
+        .unwrap()
+        .expect("the run ends cleanly at shutdown");
+    let mut got = handled.lock().unwrap().clone();
+    got.sort();
+    let want: BTreeSet<String> = ["before", "during", "after"]
+        .iter()
+        .flat_map(|t| (0..10).map(move |i| format!("{t}-{i}")))
+        .collect();
+    assert_eq!(
+        got,
+        want.into_iter().collect::<Vec<_>>(),
+        "every message handled once"
+    );
+    eprintln!("engine outage: {:?}", summary.metrics);
+    producer.close().await.unwrap();
+}

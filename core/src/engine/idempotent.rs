@@ -89,6 +89,8 @@ pub(crate) struct Core {
     pub(crate) tracker: Tracker,
     pub(crate) namespace: String,
     last_commit: Mutex<Instant>,
+    /// Retriable poll failures in a row ([`Core::poll`]'s backoff).
+    poll_failures: std::sync::atomic::AtomicU32,
 }
 
 impl IdempotentConsumer {
@@ -291,6 +293,7 @@ impl Core {
             tracker,
             namespace,
             last_commit: Mutex::new(Instant::now()),
+            poll_failures: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
@@ -353,12 +356,43 @@ impl Core {
         }
     }
 
-    /// Polls once and handles the batch; partitions concurrently, each in order.
-    pub(crate) async fn step(&self) -> Result<usize> {
-        let msgs = self
+    /// Polls a batch. A retriable failure of the poll itself (the platform out of reach for a
+    /// while, e.g. a Pulsar consumer subscribing again after an outage: nothing was delivered)
+    /// is logged, waited out with the engine's backoff (`min_backoff` doubling up to
+    /// `max_backoff`) and reads as an empty batch, so the run goes on once the platform is
+    /// back; any other error stops the run.
+    pub(crate) async fn poll(&self) -> Result<Vec<Message>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self
             .consumer
             .poll(self.config.batch_size, self.config.poll_timeout)
-            .await?;
+            .await
+        {
+            Ok(msgs) => {
+                self.poll_failures.store(0, Relaxed);
+                Ok(msgs)
+            }
+            Err(e)
+                if e.is_retriable()
+                    && !matches!(e.kind(), ErrorKind::Fenced | ErrorKind::Closed) =>
+            {
+                let n = self.poll_failures.fetch_add(1, Relaxed).min(16);
+                let wait = self
+                    .config
+                    .min_backoff
+                    .saturating_mul(1 << n)
+                    .min(self.config.max_backoff);
+                tracing::warn!(error = %e, ?wait, failures = n + 1, "poll failed; retrying");
+                tokio::time::sleep(wait).await;
+                Ok(Vec::new())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Polls once and handles the batch; partitions concurrently, each in order.
+    pub(crate) async fn step(&self) -> Result<usize> {
+        let msgs = self.poll().await?;
         let n = msgs.len();
         if n == 0 {
             return Ok(0);

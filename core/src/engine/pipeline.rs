@@ -509,7 +509,7 @@ impl TxLoop<'_> {
     async fn step(&self) -> Result<()> {
         let core = self.core;
         let cfg = &core.config;
-        let msgs = core.consumer.poll(cfg.batch_size, cfg.poll_timeout).await?;
+        let msgs = core.poll().await?;
         let mut st = self.state.lock().await;
         // Every partition of the batch is rewound with the transaction, not only those whose
         // inputs were processed: a batch abandoned part-way (a failed transform, a revocation)
