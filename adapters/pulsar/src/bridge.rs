@@ -979,7 +979,12 @@ fn der(buf: &[u8]) -> Option<(u8, &[u8], &[u8])> {
 /// Seconds since the Unix epoch of an X.509 `UTCTime` (tag 0x17, `YYMMDDHHMMSSZ`, years
 /// 1950-2049) or `GeneralizedTime` (tag 0x18, `YYYYMMDDHHMMSSZ`), RFC 5280 4.1.2.5.
 fn der_time(tag: u8, t: &[u8]) -> Option<i64> {
-    let digits = std::str::from_utf8(t.strip_suffix(b"Z")?).ok()?;
+    let digits = t.strip_suffix(b"Z")?;
+    if !digits.iter().all(u8::is_ascii_digit) {
+        // Also keeps the slicing below on character boundaries.
+        return None;
+    }
+    let digits = std::str::from_utf8(digits).ok()?;
     let (year, rest) = match (tag, digits.len()) {
         (0x17, 12) => {
             let yy: i64 = digits[..2].parse().ok()?;
@@ -1429,6 +1434,9 @@ mod tests {
         assert_eq!(utc(na), "2031-02-03 04:05:06 UTC");
         assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
         assert!(validity(&[0x30, 0x05, 1]).is_none());
+        // A non-ASCII byte in a time field is no time, not a panic on a char boundary.
+        assert_eq!(der_time(0x17, "3é010100000Z".as_bytes()), None);
+        assert_eq!(der_time(0x18, "203é020304050Z".as_bytes()), None);
     }
 
     #[tokio::test]
