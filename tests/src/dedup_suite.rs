@@ -481,7 +481,8 @@ pub async fn renew_extends_the_lease(h: &dyn StoreHarness, _: &Case) {
     assert!(store.complete_one(&key, t, None).await.unwrap());
 }
 
-/// A zero lease, in a claim or a renewal, is a config error naming it, and nothing is claimed;
+/// A zero (or sub-millisecond) lease, in a claim or a renewal, is a config error naming it,
+/// and nothing is claimed;
 /// `Duration::MAX` is a lease like any other (the store saturates it): the key is held, renewed
 /// and completed.
 pub async fn a_zero_lease_is_refused_and_the_longest_holds(h: &dyn StoreHarness, _: &Case) {
@@ -503,6 +504,12 @@ pub async fn a_zero_lease_is_refused_and_the_longest_holds(h: &dyn StoreHarness,
     );
     let t = claimed(&*store, req(&key, "a", Duration::MAX)).await;
     let e = store.renew_one(&key, t, Duration::ZERO).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    // Under a millisecond is zero to a store counting whole milliseconds.
+    let e = store
+        .renew_one(&key, t, Duration::from_micros(999))
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Config, "{e}");
     match store.claim_one(req(&key, "b", LONG_LEASE)).await.unwrap() {
         ClaimOutcome::InProgress { owner, expires_in } => {

@@ -53,15 +53,17 @@ pub struct ClaimRequest {
 }
 
 /// Checks the leases given to [`DedupStore::claim`] and [`DedupStore::renew`], as every store
-/// does before anything else: a zero lease is refused ([`crate::ErrorKind::Config`]), because a
+/// does before anything else: a lease under a millisecond (zero included) is refused
+/// ([`crate::ErrorKind::Config`]), because stores count leases in whole milliseconds and a
 /// claim that ends as it starts would let another worker take the key while the handler runs.
 /// A lease too long for a store's clock (up to [`Duration::MAX`]) is not an error: stores
 /// saturate it, so the claim holds until completed or released.
 pub fn check_lease(lease: Duration) -> Result<()> {
-    if lease.is_zero() {
-        return Err(Error::config(
-            "lease is 0: expected a positive duration (a claim holds its key for its lease)",
-        ));
+    if lease < Duration::from_millis(1) {
+        return Err(Error::config(format!(
+            "lease is {lease:?}: expected at least 1 ms (a claim holds its key for its lease, \
+             counted in whole milliseconds)"
+        )));
     }
     Ok(())
 }
@@ -153,14 +155,15 @@ pub trait DedupStore: Send + Sync {
     /// Claims keys; one outcome per request, in order. A key that is free, whose lease expired,
     /// or that the same owner holds is claimed with a new, higher token.
     ///
-    /// Errors: [`crate::ErrorKind::Config`] when a request's lease is zero ([`check_claims`]);
+    /// Errors: [`crate::ErrorKind::Config`] when a request's lease is under 1 ms
+    /// ([`check_claims`]);
     /// then nothing of the batch is claimed. A lease up to [`Duration::MAX`] is held until the
     /// key is completed or released.
     async fn claim(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>>;
 
     /// Extends leases to `lease` from now. `false` where the token is no longer the holder's.
     ///
-    /// Errors: [`crate::ErrorKind::Config`] when `lease` is zero ([`check_lease`]).
+    /// Errors: [`crate::ErrorKind::Config`] when `lease` is under 1 ms ([`check_lease`]).
     async fn renew(&self, claims: &[(String, FencingToken)], lease: Duration) -> Result<Vec<bool>>;
 
     /// Marks keys done (remembered for the window). `false` where the token is stale: the
