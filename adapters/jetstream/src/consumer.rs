@@ -166,8 +166,11 @@ impl Liveness {
 }
 
 struct Fetch {
-    /// The pull requests' expiry (`pull_expires_ms`).
-    expires: Duration,
+    /// How long a stop waits for the pull request in flight to end: its expiry
+    /// (`pull_expires_ms`), the grace after which the task gives a silent request up
+    /// ([`request_grace`]), and a second to spare. Past it the task is aborted, and what it
+    /// held comes back only after `ack_wait`, counting toward `max_deliver`.
+    stop_within: Duration,
     rx: mpsc::Receiver<jetstream::Message>,
     task: JoinHandle<Vec<jetstream::Message>>,
     stop: oneshot::Sender<()>,
@@ -179,7 +182,7 @@ impl Fetch {
     /// nobody polled, in order.
     async fn shutdown(mut self) -> Vec<jetstream::Message> {
         let _ = self.stop.send(());
-        let more = match tokio::time::timeout(self.expires * 4, &mut self.task).await {
+        let more = match tokio::time::timeout(self.stop_within, &mut self.task).await {
             Ok(Ok(more)) => more,
             _ => {
                 self.task.abort();
@@ -1124,7 +1127,7 @@ fn spawn_fetch(
         waiting.into_iter().map(|(m, _)| m).collect()
     });
     Fetch {
-        expires,
+        stop_within: expires + grace + Duration::from_secs(1),
         rx,
         task,
         stop,
