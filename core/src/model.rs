@@ -519,15 +519,25 @@ impl Record {
 pub const KEY_GENERATION_HEADER: &str = "onceflow-key-generation";
 
 fn generation_is_zero(g: &[u8]) -> bool {
-    g.is_empty() || g == b"0"
+    g.iter().all(|b| *b == b'0')
 }
 
-/// `key` of generation `g` (the header's text): `{key}#requeue-{g}`; `key` itself for
-/// generation 0. The platform message id and the dedup key share this form.
+/// The longest part of a malformed generation header that goes into a key.
+const MAX_GENERATION_TEXT: usize = 32;
+
+/// `key` of generation `g` (the header's text): `{key}#requeue-{n}` with `n` in canonical
+/// decimal (`007` is 7, `00` is generation 0: `key` itself), so the sender's message id and
+/// the consumer's dedup key agree on one form. A header that is no number (from another
+/// producer) still makes a key of its own, with at most [`MAX_GENERATION_TEXT`] characters
+/// of it, so a huge header cannot make a huge key.
 pub(crate) fn with_generation(mut key: String, g: &[u8]) -> String {
-    if !generation_is_zero(g) {
-        key.push_str("#requeue-");
-        key.push_str(&String::from_utf8_lossy(g));
+    if generation_is_zero(g) {
+        return key;
+    }
+    key.push_str("#requeue-");
+    match parse_generation(Some(&Bytes::copy_from_slice(g))) {
+        Ok(n) => key.push_str(&n.to_string()),
+        Err(_) => key.extend(String::from_utf8_lossy(g).chars().take(MAX_GENERATION_TEXT)),
     }
     key
 }
@@ -813,6 +823,10 @@ mod requeue_tests {
         assert_eq!(r2.key_generation().unwrap(), 2);
         assert_eq!(r2.headers.get_str(KEY_GENERATION_HEADER), Some("2"));
         assert_eq!(r2.requeue(0).headers, r.headers, "back to generation 0");
+        // One canonical form on both sides: leading zeros, an all-zero header, a huge header.
+        assert_eq!(with_generation("k".into(), b"007"), "k#requeue-7");
+        assert_eq!(with_generation("k".into(), b"00"), "k");
+        assert_eq!(with_generation("k".into(), &[b'x'; 10_000]).len(), "k#requeue-".len() + 32);
         assert_eq!(Record::new("t", "p").requeue(1).message_id(), None);
     }
 
