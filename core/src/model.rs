@@ -826,7 +826,10 @@ mod requeue_tests {
         // One canonical form on both sides: leading zeros, an all-zero header, a huge header.
         assert_eq!(with_generation("k".into(), b"007"), "k#requeue-7");
         assert_eq!(with_generation("k".into(), b"00"), "k");
-        assert_eq!(with_generation("k".into(), &[b'x'; 10_000]).len(), "k#requeue-".len() + 32);
+        assert_eq!(
+            with_generation("k".into(), &[b'x'; 10_000]).len(),
+            "k#requeue-".len() + 32
+        );
         assert_eq!(Record::new("t", "p").requeue(1).message_id(), None);
     }
 
