@@ -575,6 +575,12 @@ pub struct Delivery {
 
 /// Where a consumer starts in a partition that has no committed position (or always, for the
 /// explicit variants).
+///
+/// One exception: on JetStream a group's progress lives in each partition's durable consumer,
+/// and an explicit start meeting an existing durable resumes it (with a warning), as Kafka's
+/// `auto.offset.reset` would, because starting over means deleting the durable and the
+/// group's progress with it; the consumer option `reset=true` asks for that, and
+/// `Consumer::seek` always does it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StartFrom {
     /// The group's committed position; where there is none, the fallback.
