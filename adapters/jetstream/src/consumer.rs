@@ -537,13 +537,7 @@ impl JetStreamConsumer {
         .await?;
         // Read before the first pull: what an earlier owner was given and may not have acked.
         let inherited_upto = consumer.cached_info().delivered.stream_sequence;
-        let fetch = spawn_fetch(
-            consumer,
-            &self.options,
-            self.shared.client.clone(),
-            self.notify.clone(),
-            self.liveness.clone(),
-        );
+        let fetch = self.fetch(consumer);
         let old = {
             let mut inner = part.inner.lock();
             inner.owner_revision = Some(revision);
@@ -555,6 +549,17 @@ impl JetStreamConsumer {
             old.shutdown().await;
         }
         Ok(())
+    }
+
+    /// Starts the fetch task of a partition's durable with this consumer's settings.
+    fn fetch(&self, consumer: PullConsumer) -> Fetch {
+        spawn_fetch(
+            consumer,
+            &self.options,
+            self.shared.client.clone(),
+            self.notify.clone(),
+            self.liveness.clone(),
+        )
     }
 
     /// Stops fetching a partition; returns the owner revision and the messages delivered or
@@ -1463,13 +1468,7 @@ impl ConsumerBackend for JetStreamConsumer {
             true,
         )
         .await?;
-        let fetch = spawn_fetch(
-            consumer,
-            &self.options,
-            self.shared.client.clone(),
-            self.notify.clone(),
-            self.liveness.clone(),
-        );
+        let fetch = self.fetch(consumer);
         let old = {
             let mut inner = part.inner.lock();
             inner.reset();

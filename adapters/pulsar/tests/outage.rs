@@ -48,25 +48,23 @@ fn name(prefix: &str) -> String {
     format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
-/// The crate's consumer stream ended after it gave up reconnecting (here after 2 retries), and
-/// the consumer stopped for good: `poll` returned `[]` for ever. Now it subscribes again once
-/// the broker is back, `poll` reports a retriable `Connect` error while it cannot, and every
-/// message written before, during and after the outage reaches it, with no backlog left.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_subscribes_again_after_an_outage_longer_than_the_retries() {
-    let Some(direct) = require("ONCEFLOW_PULSAR_URL") else {
-        return;
-    };
-    let Some(admin) = require("ONCEFLOW_PULSAR_ADMIN_URL") else {
-        return;
-    };
-    let Some(fault) = require("ONCEFLOW_PULSAR_FAULT_URL") else {
-        return;
-    };
-    let Some(upstream) = require("ONCEFLOW_PULSAR_FAULT_UPSTREAM") else {
-        return;
-    };
-    let started = Instant::now();
+/// What both outage tests start from: the fault proxy on the broker's `fault` listener, a
+/// writer connected straight to the broker, and a reader behind the proxy whose client gives
+/// up reconnecting after 2 retries of at most 200 ms; with the proxy's listen address and its
+/// upstream. `None` (test skipped) without the broker's URLs.
+struct Outage {
+    proxy: FaultProxy,
+    writer: Client,
+    reader: Client,
+    listen: String,
+    upstream: String,
+}
+
+async fn outage() -> Option<Outage> {
+    let direct = require("ONCEFLOW_PULSAR_URL")?;
+    let admin = require("ONCEFLOW_PULSAR_ADMIN_URL")?;
+    let fault = require("ONCEFLOW_PULSAR_FAULT_URL")?;
+    let upstream = require("ONCEFLOW_PULSAR_FAULT_UPSTREAM")?;
     let listen = fault.trim_start_matches("pulsar://").to_string();
     let proxy = start_proxy(&listen, &upstream).await;
     let writer = Client::new(
@@ -82,6 +80,32 @@ async fn a_consumer_subscribes_again_after_an_outage_longer_than_the_retries() {
         .await
         .unwrap(),
     );
+    Some(Outage {
+        proxy,
+        writer,
+        reader,
+        listen,
+        upstream,
+    })
+}
+
+/// The crate's consumer stream ended after it gave up reconnecting (here after 2 retries), and
+/// the consumer stopped for good: `poll` returned `[]` for ever. Now it subscribes again once
+/// the broker is back, `poll` reports a retriable `Connect` error while it cannot, and every
+/// message written before, during and after the outage reaches it, with no backlog left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_subscribes_again_after_an_outage_longer_than_the_retries() {
+    let started = Instant::now();
+    let Some(Outage {
+        proxy,
+        writer,
+        reader,
+        listen,
+        upstream,
+    }) = outage().await
+    else {
+        return;
+    };
     let topic = name("outage");
     let group = name("outage-g");
     let producer = writer.producer(ProducerConfig::new()).await.unwrap();
@@ -197,29 +221,16 @@ async fn the_idempotent_consumer_rides_out_an_outage_longer_than_the_retries() {
     use onceflow_core::dedup::MemoryStore;
     use onceflow_core::{handler_fn, EngineConfig, IdempotentConsumer};
 
-    let (Some(direct), Some(admin), Some(fault), Some(upstream)) = (
-        require("ONCEFLOW_PULSAR_URL"),
-        require("ONCEFLOW_PULSAR_ADMIN_URL"),
-        require("ONCEFLOW_PULSAR_FAULT_URL"),
-        require("ONCEFLOW_PULSAR_FAULT_UPSTREAM"),
-    ) else {
+    let Some(Outage {
+        proxy,
+        writer,
+        reader,
+        listen,
+        upstream,
+    }) = outage().await
+    else {
         return;
     };
-    let listen = fault.trim_start_matches("pulsar://").to_string();
-    let proxy = start_proxy(&listen, &upstream).await;
-    let writer = Client::new(
-        onceflow_pulsar::connect(&format!("{direct}?admin={admin}"))
-            .await
-            .unwrap(),
-    );
-    let reader = Client::new(
-        onceflow_pulsar::connect(&format!(
-            "{fault}?admin={admin}&connection_max_retries=2&connection_max_backoff_ms=200\
-             &operation_timeout_ms=3000"
-        ))
-        .await
-        .unwrap(),
-    );
     let topic = name("outage-engine");
     let producer = writer.producer(ProducerConfig::new()).await.unwrap();
     let write = |tag: &'static str| {
