@@ -533,6 +533,21 @@ impl Transaction {
     }
 }
 
+/// A consumer group's committed position in one partition ([`Consumer::committed`]).
+///
+/// `next` is where the group resumes: the position of the message *after* the last processed
+/// one, on every platform, as Kafka's committed offset is the next offset to read. It is not the
+/// last processed position that [`Consumer::commit`] takes; passing it there would skip the
+/// message at `next`. `None` where the group has committed nothing in the partition (or, on
+/// Kinesis and Pulsar, nothing has been written after the committed message yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Committed {
+    /// The partition.
+    pub partition: TopicPartition,
+    /// The next position the group reads in it, or `None` if nothing is committed.
+    pub next: Option<Position>,
+}
+
 /// A consumer: one member of a consumer group.
 #[derive(Clone)]
 pub struct Consumer {
@@ -579,7 +594,13 @@ impl Consumer {
         self.inner.poll(max, timeout).await
     }
 
-    /// Commits, per partition, the last finished message's position (the group resumes after it).
+    /// Commits, per partition, the position of the last *processed* message: the group resumes
+    /// after it. Unlike Kafka's `commitSync(offsets)`, which takes the next offset to read,
+    /// this takes the message's own position (as [`Consumer::commit_message`] does); what
+    /// [`Consumer::committed`] returns ([`Committed::next`]) is the next one and must not be
+    /// passed back here, or the message at it is skipped.
+    ///
+    /// Errors: [`crate::ErrorKind::Fenced`] for a partition no longer assigned to this member.
     pub async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.inner.commit(positions).await
     }
@@ -600,12 +621,18 @@ impl Consumer {
             .await
     }
 
-    /// The group's committed position (next to read) per partition.
-    pub async fn committed(
-        &self,
-        partitions: &[TopicPartition],
-    ) -> Result<Vec<(TopicPartition, Option<Position>)>> {
-        self.inner.committed(partitions).await
+    /// The group's committed position of each partition, in the order asked: where the group
+    /// resumes ([`Committed::next`]), one past the last processed message, as Kafka's committed
+    /// offset. It is not what [`Consumer::commit`] takes (the last *processed* position): the
+    /// two are different types so that passing one for the other does not compile.
+    pub async fn committed(&self, partitions: &[TopicPartition]) -> Result<Vec<Committed>> {
+        Ok(self
+            .inner
+            .committed(partitions)
+            .await?
+            .into_iter()
+            .map(|(partition, next)| Committed { partition, next })
+            .collect())
     }
 
     /// Moves the fetch position of an assigned partition (replay).

@@ -26,7 +26,8 @@ pub use backend::{
     TopicDescription, TopicSpec, TransactionBackend,
 };
 pub use client::{
-    Admin, Client, Consumer, Producer, Transaction, IDEMPOTENCY_KEY_HEADER, MAX_PARTITIONS,
+    Admin, Client, Committed, Consumer, Producer, Transaction, IDEMPOTENCY_KEY_HEADER,
+    MAX_PARTITIONS,
 };
 pub use dedup::{DedupStore, DedupStoreExt};
 pub use engine::{

@@ -549,7 +549,7 @@ impl Consumer {
             .await
             .map(|v| {
                 v.into_iter()
-                    .map(|(_, p)| p.map(|p| p.to_string()))
+                    .map(|c| c.next.map(|p| p.to_string()))
                     .collect()
             })
     }

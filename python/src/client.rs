@@ -994,7 +994,10 @@ impl Consumer {
         awaitable(py, async move {
             c.committed(&tps).await.map(|v| {
                 v.into_iter()
-                    .map(|(tp, p)| (tp.topic, tp.partition, p.map(|p| p.to_string())))
+                    .map(|c| {
+                        let next = c.next.map(|p| p.to_string());
+                        (c.partition.topic, c.partition.partition, next)
+                    })
                     .collect::<Vec<_>>()
             })
         })
@@ -1107,11 +1110,15 @@ impl Admin {
         awaitable(py, async move { a.create_topic(&spec).await })
     }
 
-    /// Describes a topic: `{name, partitions, retention_ms, retention_bytes, compacted}`.
+    /// Describes a topic: `{name, partitions, retention_ms, retention_bytes, compacted,
+    /// options, storage, replicas, sync, durable_on_ack}` (`onceflow.TopicDescription`).
+    /// `options` holds every setting the platform reports, as text; the last four are read
+    /// from it where the platform reports them (JetStream), else `None`.
     fn describe_topic<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyAny>> {
         let a = self.inner.clone();
         awaitable_py(py, async move {
             let d = crate::errors::py_result(a.describe_topic(&name).await)?;
+            let durability = onceflow_bindings::durability::Durability::of(&d.options);
             Python::attach(|py| -> PyResult<Py<PyAny>> {
                 let out = pyo3::types::PyDict::new(py);
                 out.set_item("name", d.name)?;
@@ -1119,6 +1126,11 @@ impl Admin {
                 out.set_item("retention_ms", d.retention_ms)?;
                 out.set_item("retention_bytes", d.retention_bytes)?;
                 out.set_item("compacted", d.compacted)?;
+                out.set_item("options", d.options)?;
+                out.set_item("storage", durability.storage)?;
+                out.set_item("replicas", durability.replicas)?;
+                out.set_item("sync", durability.sync)?;
+                out.set_item("durable_on_ack", durability.durable_on_ack)?;
                 Ok(out.into_any().unbind())
             })
         })

@@ -13,7 +13,7 @@ use opentelemetry::context::FutureExt as _;
 use super::idempotent::{drive, repeat_outcome, Core, RunSummary};
 use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
 use crate::backend::Guarantee;
-use crate::client::{Consumer, Producer, Transaction};
+use crate::client::{Committed, Consumer, Producer, Transaction};
 use crate::dedup::{ClaimOutcome, Completion, DedupStore, DedupStoreExt, FencingToken, KeyState};
 use crate::error::{BoxError, Error, ErrorKind, Result};
 use crate::metrics::{Metric, Metrics};
@@ -853,8 +853,13 @@ impl TxLoop<'_> {
                 tps.push(tp.clone());
             }
         }
-        let committed: HashMap<TopicPartition, Option<Position>> =
-            core.consumer.committed(&tps).await?.into_iter().collect();
+        let committed: HashMap<TopicPartition, Option<Position>> = core
+            .consumer
+            .committed(&tps)
+            .await?
+            .into_iter()
+            .map(|c| (c.partition, c.next))
+            .collect();
         // Kept: inputs whose position the group has not committed (next to read ≤ offset).
         candidates.retain(|(_, tp, offset, _)| {
             committed
@@ -1077,7 +1082,11 @@ impl TxLoop<'_> {
         self.core.tracker.rewind_all();
         if !tps.is_empty() {
             let committed = consumer.committed(&tps).await?;
-            for (tp, pos) in committed {
+            for Committed {
+                partition: tp,
+                next: pos,
+            } in committed
+            {
                 let target = match pos {
                     Some(p) => StartFrom::Position(p),
                     None => StartFrom::Position(st.first[&tp].clone()),
