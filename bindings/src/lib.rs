@@ -10,11 +10,14 @@
 //!   kinds and limits spelled per [`settings::Language`].
 //! - [`raw_options`]: raw client options (`key=value` for the native client) from strings,
 //!   booleans and numbers, by one rule for every binding and every place that takes them.
+//! - [`durability`]: the durability fields of a topic description (JetStream's `storage`,
+//!   `replicas`, `sync`, `durable_on_ack`), typed.
 //! - [`yielded`]: what `commit()` without arguments commits, the last message handed out of
 //!   each partition.
 //! - [`error_kinds`]: every [`ErrorKind`] with its stable code and the exception/class name a
 //!   binding gives it.
 
+pub mod durability;
 pub mod raw_options;
 pub mod settings;
 pub mod yielded;
