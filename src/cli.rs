@@ -136,10 +136,16 @@ pub struct ConsumeArgs {
     /// Consumer group.
     #[arg(long, short)]
     group: String,
-    /// Where to start without a committed position: earliest, latest, committed, ts:MS_SINCE_EPOCH
-    /// or a position (offset:N, seq:N, kinesis:DIGITS, pulsar:L:E:P:B).
-    #[arg(long, default_value = "earliest")]
-    from: String,
+    /// Where to start. Without --from: the group's committed position, else the earliest
+    /// message (as `--from committed`; `committed-or-latest`: else only new messages). An
+    /// explicit earliest, latest, ts:MS_SINCE_EPOCH or position (offset:N, seq:N,
+    /// kinesis:DIGITS, pulsar:L:E:P:B) starts every partition there, whatever the group
+    /// committed. On NATS JetStream the group's progress is a durable consumer per partition:
+    /// an existing durable resumes at its ack floor (with a warning) and the explicit start
+    /// applies to new ones only, unless `-o reset=true` deletes and creates it again at the
+    /// start (give it to one run only).
+    #[arg(long, value_name = "START")]
+    from: Option<String>,
     /// Stop after this many messages (at least 1).
     #[arg(long, allow_negative_numbers = true, value_parser = crate::positive_count)]
     max: Option<u64>,
@@ -573,11 +579,12 @@ async fn read_loop(
 
 /// `onceflow consume`
 pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
-    let start = match parse_start(&a.from)? {
-        StartFrom::Committed { fallback } => StartFrom::Committed { fallback },
-        other => StartFrom::Committed {
-            fallback: Box::new(other),
-        },
+    // What the user typed reaches the platform as it is: an explicit start is explicit (on
+    // JetStream the one that `-o reset=true` resets a durable to), only the default is
+    // committed-with-fallback.
+    let start = match &a.from {
+        Some(from) => parse_start(from)?,
+        None => StartFrom::committed_or_earliest(),
     };
     require_name("--group", &a.group, "a consumer group name")?;
     let client = connect(&a.target.full_url()?).await?;

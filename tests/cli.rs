@@ -1157,3 +1157,132 @@ fn demo_runs_on_secured_nats_with_creds_and_foreign_creds_exit_1() {
         &secrets,
     );
 }
+
+/// The payloads `consume` printed (text lines end with the payload), in order.
+fn payloads(out: &Output) -> Vec<String> {
+    text(&out.stdout)
+        .lines()
+        .filter_map(|l| l.rsplit(' ').next().map(str::to_string))
+        .collect()
+}
+
+/// Runs `onceflow consume` on `topic` as `group` with `extra` arguments, expecting success.
+fn consume(url: &str, topic: &str, group: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "consume",
+        "--url",
+        url,
+        "-t",
+        topic,
+        "-g",
+        group,
+        "--idle-ms",
+        "1000",
+    ];
+    args.extend(extra);
+    let out = onceflow(&args);
+    assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    out
+}
+
+/// On JetStream an explicit `--from` reaches the durables as the explicit start it is (before,
+/// the CLI turned every `--from` into committed-with-fallback, so `-o reset=true` did nothing):
+/// without `reset=true` an existing durable resumes where the group committed (saying so on
+/// stderr); with it, `--from earliest` reads everything again, `--from ts:MS` from that time,
+/// `--from latest` only what comes next. Without `--from`, the group's committed position.
+#[test]
+fn consume_from_an_explicit_start_resets_a_jetstream_durable_only_when_asked() {
+    let Some(url) = secured_env("ONCEFLOW_NATS_URL", "nats") else {
+        return;
+    };
+    let topic = format!("cli-reset-{:08x}", rand::random::<u32>());
+    let group = format!("{topic}-g");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let send = |payloads: std::ops::Range<u32>| {
+        rt.block_on(async {
+            let client = onceflow::connect(&url).await.unwrap();
+            let producer = client
+                .producer(onceflow::ProducerConfig::new())
+                .await
+                .unwrap();
+            for i in payloads {
+                producer
+                    .send(onceflow::Record::new(topic.clone(), format!("m{i}")))
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    rt.block_on(new_topic(&url, &topic, 1));
+    send(0..3);
+    // Between m2 and m4: a timestamp start at `middle` begins at m3.
+    std::thread::sleep(Duration::from_millis(50));
+    let middle = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    std::thread::sleep(Duration::from_millis(50));
+    send(3..5);
+    let all: Vec<String> = (0..5).map(|i| format!("m{i}")).collect();
+
+    let out = consume(&url, &topic, &group, &["--max", "2"]);
+    assert_eq!(payloads(&out), all[..2], "{}", text(&out.stderr));
+
+    // An explicit start without reset: the durable resumes at what the group committed.
+    let out = consume(&url, &topic, &group, &["--from", "earliest"]);
+    assert_eq!(payloads(&out), all[2..], "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("resuming it at its ack floor") && err.contains("reset=true"),
+        "the resume is said: {err}"
+    );
+
+    // With reset=true, everything again.
+    let out = consume(
+        &url,
+        &topic,
+        &group,
+        &["--from", "earliest", "-o", "reset=true"],
+    );
+    assert_eq!(payloads(&out), all, "{}", text(&out.stderr));
+
+    // Without --from: committed (nothing left).
+    let out = consume(&url, &topic, &group, &[]);
+    assert!(payloads(&out).is_empty(), "{}", text(&out.stderr));
+
+    // A timestamp start with reset: from the first message at or after it.
+    let from = format!("ts:{middle}");
+    let out = consume(&url, &topic, &group, &["--from", &from, "-o", "reset=true"]);
+    assert_eq!(payloads(&out), all[3..], "{}", text(&out.stderr));
+
+    // latest with reset: none of what is there, then what comes next.
+    let out = consume(
+        &url,
+        &topic,
+        &group,
+        &["--from", "latest", "-o", "reset=true"],
+    );
+    assert!(payloads(&out).is_empty(), "{}", text(&out.stderr));
+    send(5..6);
+    let out = consume(&url, &topic, &group, &[]);
+    assert_eq!(payloads(&out), ["m5"], "{}", text(&out.stderr));
+}
+
+/// `consume --help` says what an explicit `--from` does on JetStream without `reset=true`.
+#[test]
+fn consume_help_says_how_an_explicit_start_meets_a_jetstream_durable() {
+    let out = onceflow(&["consume", "--help"]);
+    assert!(out.status.success());
+    let help = text(&out.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    for said in [
+        "Without --from: the group's committed position, else the earliest",
+        "an existing durable resumes at its ack floor",
+        "-o reset=true",
+    ] {
+        assert!(help.contains(said), "{said:?} not in: {help}");
+    }
+}
