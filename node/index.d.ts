@@ -358,6 +358,36 @@ export declare class Transaction {
   abort(): Promise<void>
 }
 
+/** `headers` with the injected trace headers (name → value) applied by the core's rule. */
+export declare function _applyTraceHeaders(headers: Array<Header> | undefined | null, injected: Record<string, string>): Array<Header>
+
+/** The attributes of a send span whose record the platform acknowledged. */
+export declare function _deliveredSpanAttributes(partition: number, position: string): Record<string, string | number>
+
+/** The attributes of a span whose operation failed with error code `code`. */
+export declare function _failedSpanAttributes(code: string): Record<string, string | number>
+
+/** Whether one send span can parent every record of a batch (one header list per record). */
+export declare function _oneSpanForBatch(headers: Array<Array<Header> | undefined | null>): boolean
+
+/**
+ * The consumer span of processing a batch of messages of `topic` together, whose headers are
+ * `headers` (one list per message).
+ */
+export declare function _processBatchSpanPlan(system: string, group: string, topic: string, headers: Array<Array<Header> | undefined | null>): SpanPlan
+
+/**
+ * The consumer span of processing one message (its topic, partition, position, payload size
+ * in bytes and headers) by a member of `group`.
+ */
+export declare function _processSpanPlan(system: string, group: string, topic: string, partition: number, position: string, bodySize: number, headers?: Array<Header> | undefined | null): SpanPlan
+
+/**
+ * The producer span of a send of `count` records to `topic` (`bodySize`: the payload's bytes
+ * for one record) whose own headers are `headers`.
+ */
+export declare function _sendSpanPlan(system: string, topic: string, count: number, bodySize?: number | undefined | null, headers?: Array<Header> | undefined | null): SpanPlan
+
 /** What the platform can do. */
 export interface Capabilities {
   /** Transactions. */
@@ -644,8 +674,66 @@ export interface SendResult {
   error?: string
 }
 
+/** A span to start, as the core plans it. */
+export interface SpanPlan {
+  /** `send {topic}` or `process {topic}`. */
+  name: string
+  /** `producer` or `consumer`. */
+  kind: string
+  /** Attributes to start the span with (strings and integers). */
+  attributes: Record<string, string | number>
+  /**
+   * Where the parent comes from: `current` (the active context), `current_else` (the
+   * active context when its span is valid, else `carrier`'s when valid, else the active
+   * one) or `headers` (`carrier`'s context; none: a new trace).
+   */
+  parent: string
+  /** Trace headers (lowercase name → value) of the parent, if any. */
+  carrier?: Record<string, string>
+  /** Trace headers of the contexts to link to (batch processing). */
+  links: Array<Record<string, string>>
+}
+
 /** URL schemes this build can open. */
 export declare function supportedSchemes(): Array<string>
+
+/**
+ * What `Admin.describeTopic` resolves to.
+ *
+ * The durability fields are read from `options` where the platform reports them
+ * (JetStream), and are absent (undefined) elsewhere. With the connection option `require_durable: true`
+ * (or `?require_durable=true`), a JetStream topic whose `durableOnAck` is not `true` is
+ * warned about (in the log) once when first used.
+ */
+export interface TopicDescription {
+  /** Name. */
+  name: string
+  /** Partitions (JetStream: subjects; Kinesis: shards). */
+  partitions: number
+  /** Retention by time, ms; absent when not set. */
+  retentionMs?: number
+  /** Retention by size, bytes; absent when not set. */
+  retentionBytes?: number
+  /** Log compaction. */
+  compacted: boolean
+  /** Every setting the platform reports, as text. */
+  options: Record<string, string>
+  /** `file` or `memory` (a memory stream loses its messages when the server restarts). */
+  storage?: string
+  /** The topic's replica count. */
+  replicas?: number
+  /**
+   * The server's `sync_interval`: `always`, `N ms`, or `unknown` where this client cannot
+   * read it (only a system-account user can).
+   */
+  sync?: string
+  /**
+   * `true`: an acknowledged write is synced to disk (file storage, `sync_interval:
+   * always`); `false`: it is not (memory storage, or an interval); absent: cannot be told
+   * (`sync` is `unknown`) or not reported.
+   */
+  durableOnAck?: boolean
+}
 
 /** Topic settings for `createTopic`. */
 export interface TopicOptions {

@@ -22,6 +22,7 @@ function load() {
 }
 
 const native = load()
+otel.setNative(native)
 
 const MARKER = '\u0001onceflow-error:'
 const JS_ERROR = /\[onceflow-js-error:(\d+)\]/
@@ -173,7 +174,7 @@ function batchResults(rs) {
 }
 
 async function sendOne(target, system, record) {
-  const started = otel.startSend(record.topic, system, 1, record.headers)
+  const started = otel.startSend(record.topic, system, 1, record.headers, record.payload.length)
   if (started) record.headers = otel.merge(record.headers, started.headers)
   try {
     const d = await target._send(record)
@@ -188,7 +189,7 @@ async function sendOne(target, system, record) {
 async function sendMany(target, system, records) {
   if (!Array.isArray(records)) throw new TypeError('sendBatch: expected an array of records')
   const rs = records.map(toRecord)
-  const started = rs.length && otel.sameTraceHeaders(rs) ? otel.startSend(rs[0].topic, system, rs.length, rs[0].headers) : null
+  const started = rs.length && otel.sameTraceHeaders(rs) ? otel.startSend(rs[0].topic, system, rs.length, rs[0].headers, rs[0].payload.length) : null
   if (started) for (const r of rs) r.headers = otel.merge(r.headers, started.headers)
   try {
     const out = batchResults(await target._sendBatch(rs))
@@ -405,11 +406,11 @@ function handlerResult(v) {
 
 // `convertResult(value, ctx)` gets the process span's context too (undefined without
 // OpenTelemetry): a pipeline hands it to the core as the parent of the outputs.
-function wrapUserFn(fn, system, convertResult) {
+function wrapUserFn(fn, system, group, convertResult) {
   if (typeof fn !== 'function') throw new TypeError('expected a function (message) => Promise')
   return async (message) => {
     try {
-      return await otel.runHandler(message, system, async (ctx) => convertResult(await fn(message), ctx))
+      return await otel.runHandler(message, system, group, async (ctx) => convertResult(await fn(message), ctx))
     } catch (e) {
       const id = ++thrownSeq
       thrown.set(id, e)
@@ -474,7 +475,7 @@ class IdempotentConsumer extends Engine {
   constructor(consumer, handler, options) {
     super(options)
     this._consumer = consumer
-    this._handler = wrapUserFn(handler, consumer.platform, handlerResult)
+    this._handler = wrapUserFn(handler, consumer.platform, consumer.group, handlerResult)
   }
   _build(store) {
     // The rest of the options are engine settings: the native side checks every name, type
@@ -504,7 +505,7 @@ class Pipeline extends Engine {
     // core sends them as that span's children, whatever trace headers they carry.
     // Absent fields are left undefined, not null: napi reads a null where it expects an
     // array as a wrong type (the transform then failed on every input).
-    this._transform = wrapUserFn(transform, consumer.platform, (v, ctx) => {
+    this._transform = wrapUserFn(transform, consumer.platform, consumer.group, (v, ctx) => {
       const out = {}
       if (v !== undefined && v !== null) out.records = (Array.isArray(v) ? v : [v]).map(toRecord)
       const parent = otel.traceHeaders(ctx)

@@ -1,12 +1,17 @@
 'use strict'
 // OpenTelemetry propagation, used only when `@opentelemetry/api` can be loaded (from this
-// package or from the application's folder). On send, a `send {topic}` producer span is
-// started as a child of the active context and its context is written to the record's
-// headers (W3C traceparent / tracestate / baggage through the global propagator) before the
-// record crosses into Rust. On handling, the context a message carries is extracted, a
-// `process {topic}` consumer span is started as its child, and the handler runs inside it.
-// A pipeline's transform runs inside that span too, and its outputs are sent as its children.
-// Without the package, headers pass through to the Rust core untouched.
+// package or from the application's folder). What each span looks like is decided by the Rust
+// core (`onceflow::trace::plan`), the same code that decides the Rust engine's own spans: the
+// span's name, kind and attributes, where its parent comes from, and how injected trace
+// headers replace a record's own. This file only hands those plans to `@opentelemetry/api`.
+//
+// On send, a `send {topic}` producer span is started as a child of the active context (or,
+// without an active span, of the valid traceparent the record carries) and its context is
+// written to the record's headers (W3C traceparent / tracestate / baggage through the global
+// propagator) before the record crosses into Rust. On handling, a `process {topic}` consumer
+// span is started as the child of the context the message carries, and the handler runs inside
+// it. A pipeline's transform runs inside that span too, and its outputs are sent as its
+// children. Without the package, headers pass through to the Rust core untouched.
 //
 // Trace header names are read, replaced and removed in any casing (`Traceparent`, as some
 // older clients write it, is `traceparent`; W3C Trace Context §3.1, §3.3): a record leaves
@@ -15,8 +20,13 @@
 const path = require('node:path')
 const { createRequire } = require('node:module')
 
-const TRACE_HEADERS = new Set(['traceparent', 'tracestate', 'baggage'])
 let cached
+let native
+
+/** Set by index.js once the addon is loaded: the span plans come from it. */
+function setNative(n) {
+  native = n
+}
 
 function api() {
   if (cached !== undefined) return cached
@@ -36,89 +46,93 @@ function tracer(otel) {
   return otel.trace.getTracer('onceflow')
 }
 
-const isTraceHeader = (name) => TRACE_HEADERS.has(String(name).toLowerCase())
+const getter = {
+  keys(carrier) {
+    return Object.keys(carrier)
+  },
+  get(carrier, key) {
+    return carrier[key]
+  },
+}
 
-/** The trace headers among normalised `headers` (`{name, value}` items, any casing; the first of each name) as a carrier, or null. */
-function carrierOf(headers) {
-  let carrier = null
-  for (const h of headers || []) {
-    const low = String(h.name).toLowerCase()
-    if (TRACE_HEADERS.has(low) && h.value !== null && h.value !== undefined) {
-      carrier = carrier || {}
-      if (!(low in carrier)) carrier[low] = h.value.toString()
-    }
+const valid = (otel, ctx) => {
+  const span = otel.trace.getSpan(ctx)
+  return Boolean(span && otel.isSpanContextValid(span.spanContext()))
+}
+
+/** The context `carrier` carries, on an empty base (none: an empty context). */
+function extract(otel, carrier) {
+  return carrier ? otel.propagation.extract(otel.ROOT_CONTEXT, carrier, getter) : otel.ROOT_CONTEXT
+}
+
+/** A plan's parent (`onceflow::trace::plan::Parent`). */
+function parentOf(otel, plan) {
+  const active = otel.context.active()
+  if (plan.parent === 'current') return active
+  if (plan.parent === 'headers') return extract(otel, plan.carrier)
+  // current_else: the active span when valid, else the record's own valid context.
+  if (valid(otel, active) || !plan.carrier) return active
+  const own = extract(otel, plan.carrier)
+  return valid(otel, own) ? own : active
+}
+
+/** Starts the span of `plan`; returns `{ span, parent }`. */
+function start(otel, plan) {
+  const parent = parentOf(otel, plan)
+  const links = []
+  for (const c of plan.links) {
+    const span = otel.trace.getSpan(extract(otel, c))
+    if (span && otel.isSpanContextValid(span.spanContext())) links.push({ context: span.spanContext() })
   }
-  return carrier
+  const kind = plan.kind === 'producer' ? otel.SpanKind.PRODUCER : otel.SpanKind.CONSUMER
+  const span = tracer(otel).startSpan(plan.name, { kind, attributes: plan.attributes, links }, parent)
+  return { span, parent }
+}
+
+function fail(otel, span, error) {
+  span.recordException(error)
+  span.setStatus({ code: otel.SpanStatusCode.ERROR, message: String((error && error.message) || error) })
+  if (error && error.code) span.setAttributes(native._failedSpanAttributes(String(error.code)))
 }
 
 /**
  * Whether every record carries the same trace headers (or none): one span can then be the
- * parent of the whole batch. Records whose own traceparents differ are left to the Rust core,
- * which continues each one's trace.
+ * parent of the whole batch (decided by the core). Records whose own traceparents differ are
+ * left to the Rust core, which continues each one's trace.
  */
 function sameTraceHeaders(records) {
-  const key = (r) => JSON.stringify(carrierOf(r.headers))
-  const first = key(records[0])
-  return records.every((r) => key(r) === first)
-}
-
-/**
- * The parent of a send's span: the active context when its span is valid, else the context
- * the record's own headers carry when valid, else the active context (a new trace).
- */
-function sendParent(otel, headers) {
-  const active = otel.context.active()
-  const current = otel.trace.getSpan(active)
-  if (current && otel.isSpanContextValid(current.spanContext())) return active
-  const carrier = carrierOf(headers)
-  if (carrier) {
-    const own = otel.propagation.extract(otel.ROOT_CONTEXT, carrier, getter)
-    const span = otel.trace.getSpan(own)
-    if (span && otel.isSpanContextValid(span.spanContext())) return own
-  }
-  return active
+  return native._oneSpanForBatch(records.map((r) => r.headers || null))
 }
 
 /**
  * Starts the producer span of a send (one span for a batch), a child of the active span or,
  * without one, of the valid trace context `headers` (normalised) carry. Returns
- * `{ span, headers }` with the trace headers to add, or null when there is nothing to
- * propagate.
+ * `{ span, headers }` with the trace headers to add (a name → value object), or null when there
+ * is nothing to propagate. `bodySize`: the payload's bytes, for a single record.
  */
-function startSend(topic, system, count, headers) {
+function startSend(topic, system, count, headers, bodySize) {
   const otel = api()
   if (!otel) return null
-  const parent = sendParent(otel, headers)
-  const attributes = {
-    'messaging.system': system,
-    'messaging.operation.type': 'send',
-    'messaging.operation.name': 'send',
-    'messaging.destination.name': topic,
-  }
-  if (count !== 1) attributes['messaging.batch.message_count'] = count
-  const span = tracer(otel).startSpan(
-    `send ${topic}`,
-    { kind: otel.SpanKind.PRODUCER, attributes },
-    parent
-  )
+  const plan = native._sendSpanPlan(system, topic, count, count === 1 ? bodySize : undefined, headers || null)
+  const { span, parent } = start(otel, plan)
   if (!otel.isSpanContextValid(span.spanContext())) {
     span.end()
     return null
   }
   const carrier = {}
   otel.propagation.inject(otel.trace.setSpan(parent, span), carrier)
-  const names = Object.keys(carrier)
-  if (names.length === 0) {
+  if (Object.keys(carrier).length === 0) {
     span.end()
     return null
   }
-  return { span, headers: names.map((name) => ({ name, value: Buffer.from(String(carrier[name])) })) }
+  return { span, headers: carrier }
 }
 
-/** `headers` (normalised) with any trace headers, in any casing, replaced by the injected ones. */
+/** `headers` (normalised) with the injected trace headers applied by the core's rule. */
 function merge(headers, injected) {
-  const kept = (headers || []).filter((h) => !isTraceHeader(h.name))
-  return kept.concat(injected)
+  const out = {}
+  for (const [k, v] of Object.entries(injected)) out[k] = String(v)
+  return native._applyTraceHeaders(headers || null, out)
 }
 
 /**
@@ -127,9 +141,7 @@ function merge(headers, injected) {
  */
 function traceHeaders(ctx) {
   const otel = api()
-  if (!otel || !ctx) return null
-  const span = otel.trace.getSpan(ctx)
-  if (!span || !otel.isSpanContextValid(span.spanContext())) return null
+  if (!otel || !ctx || !valid(otel, ctx)) return null
   const carrier = {}
   otel.propagation.inject(ctx, carrier)
   const names = Object.keys(carrier)
@@ -141,57 +153,36 @@ function endSend(started, delivery, error) {
   const otel = api()
   const { span } = started
   if (delivery && !(delivery instanceof Error)) {
-    span.setAttribute('messaging.destination.partition.id', String(delivery.partition))
-    span.setAttribute('messaging.message.id', delivery.position)
+    span.setAttributes(native._deliveredSpanAttributes(delivery.partition, delivery.position))
   }
-  if (error) {
-    span.recordException(error)
-    span.setStatus({ code: otel.SpanStatusCode.ERROR, message: String(error.message || error) })
-    if (error.code) span.setAttribute('error.type', error.code)
-  }
+  if (error) fail(otel, span, error)
   span.end()
-}
-
-const getter = {
-  keys(carrier) {
-    return Object.keys(carrier)
-  },
-  get(carrier, key) {
-    return carrier[key]
-  },
 }
 
 /**
  * Runs `fn(ctx)` inside a `process {topic}` span, child of the context `message` carries (trace
- * headers read in any casing); `ctx` is the span's context (undefined without OpenTelemetry).
+ * headers read in any casing), for a member of `group`; `ctx` is the span's context (undefined
+ * without OpenTelemetry).
  */
-function runHandler(message, system, fn) {
+function runHandler(message, system, group, fn) {
   const otel = api()
   if (!otel) return fn(undefined)
-  const carrier = carrierOf(message.headers) || {}
-  const parent = otel.propagation.extract(otel.context.active(), carrier, getter)
-  const span = tracer(otel).startSpan(
-    `process ${message.topic}`,
-    {
-      kind: otel.SpanKind.CONSUMER,
-      attributes: {
-        'messaging.system': system,
-        'messaging.operation.type': 'process',
-        'messaging.operation.name': 'process',
-        'messaging.destination.name': message.topic,
-        'messaging.destination.partition.id': String(message.partition),
-        'messaging.message.id': message.position,
-      },
-    },
-    parent
+  const plan = native._processSpanPlan(
+    system,
+    group,
+    message.topic,
+    message.partition,
+    message.position,
+    message.payload ? message.payload.length : 0,
+    message.headers || null
   )
+  const { span, parent } = start(otel, plan)
   const ctx = otel.trace.setSpan(parent, span)
   return otel.context.with(ctx, async () => {
     try {
       return await fn(ctx)
     } catch (e) {
-      span.recordException(e)
-      span.setStatus({ code: otel.SpanStatusCode.ERROR, message: String((e && e.message) || e) })
+      fail(otel, span, e)
       throw e
     } finally {
       span.end()
@@ -199,4 +190,4 @@ function runHandler(message, system, fn) {
   })
 }
 
-module.exports = { api, startSend, sameTraceHeaders, merge, endSend, runHandler, traceHeaders, TRACE_HEADERS }
+module.exports = { api, setNative, startSend, sameTraceHeaders, merge, endSend, runHandler, traceHeaders }

@@ -40,6 +40,19 @@ use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
 use crate::metrics::{Metric, Metrics, MALFORMED_TRACEPARENTS, MALFORMED_TRACEPARENTS_DESCRIPTION};
 use crate::model::{Headers, Message, Record};
 
+pub mod plan;
+
+/// The plan's attributes as OpenTelemetry key-values.
+fn key_values(attributes: plan::Attributes) -> Vec<KeyValue> {
+    attributes
+        .into_iter()
+        .map(|(k, v)| match v {
+            plan::Value::Str(s) => KeyValue::new(k, s),
+            plan::Value::Int(i) => KeyValue::new(k, i),
+        })
+        .collect()
+}
+
 /// Header carrying the W3C trace parent.
 pub const TRACEPARENT: &str = "traceparent";
 /// Header carrying the W3C trace state.
@@ -91,12 +104,12 @@ struct HeaderReader<'a>(&'a Headers);
 impl Extractor for HeaderReader<'_> {
     fn get(&self, key: &str) -> Option<&str> {
         // W3C header names are case-insensitive on HTTP; messaging headers are exact, but accept
-        // other casings written by other clients.
+        // other casings written by other clients. The first non-null UTF-8 value, as
+        // `plan::carrier` reads it for the bindings.
         self.0
             .iter()
-            .find(|h| h.name.eq_ignore_ascii_case(key))
-            .and_then(|h| h.value.as_ref())
-            .and_then(|v| std::str::from_utf8(v).ok())
+            .filter(|h| h.name.eq_ignore_ascii_case(key))
+            .find_map(|h| h.value.as_ref().and_then(|v| std::str::from_utf8(v).ok()))
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -372,14 +385,15 @@ fn start_span(
         .with_kind(SpanKind::Producer)
         .start_with_context(tracer, parent);
     if span.is_recording() {
-        span.update_name(format!("send {}", record.topic));
-        span.set_attributes([
-            KeyValue::new("messaging.system", system),
-            KeyValue::new("messaging.operation.type", "send"),
-            KeyValue::new("messaging.operation.name", "send"),
-            KeyValue::new("messaging.destination.name", record.topic.clone()),
-            KeyValue::new("messaging.message.body.size", record.payload.len() as i64),
-        ]);
+        let plan = plan::send(
+            system,
+            &record.topic,
+            1,
+            Some(record.payload.len()),
+            Vec::new(),
+        );
+        span.update_name(plan.name);
+        span.set_attributes(key_values(plan.attributes));
     }
     span
 }
@@ -392,38 +406,17 @@ pub fn end_send(cx: &Context, result: Result<&crate::Delivery, &crate::Error>) {
         return;
     }
     match result {
-        Ok(d) => {
-            span.set_attribute(KeyValue::new(
-                "messaging.destination.partition.id",
-                d.partition.to_string(),
-            ));
-            span.set_attribute(KeyValue::new(
-                "messaging.message.id",
-                d.position.to_string(),
-            ));
-        }
+        Ok(d) => span.set_attributes(key_values(plan::delivered(d))),
         Err(e) => {
             span.set_status(opentelemetry::trace::Status::error(e.to_string()));
-            span.set_attribute(KeyValue::new("error.type", e.kind().code()));
+            span.set_attributes(key_values(plan::failed(e.kind().code())));
         }
     }
     span.end();
 }
 
 fn process_attributes(system: &'static str, message: &Message, group: &str) -> Vec<KeyValue> {
-    vec![
-        KeyValue::new("messaging.system", system),
-        KeyValue::new("messaging.operation.type", "process"),
-        KeyValue::new("messaging.operation.name", "process"),
-        KeyValue::new("messaging.destination.name", message.topic.clone()),
-        KeyValue::new(
-            "messaging.destination.partition.id",
-            message.partition.to_string(),
-        ),
-        KeyValue::new("messaging.consumer.group.name", group.to_string()),
-        KeyValue::new("messaging.message.id", message.position.to_string()),
-        KeyValue::new("messaging.message.body.size", message.payload.len() as i64),
-    ]
+    key_values(plan::process_attributes(system, group, message))
 }
 
 /// Starts a `process {topic}` span (kind `Consumer`) as a child of the context the message
@@ -504,18 +497,12 @@ pub fn process_batch_context(system: &'static str, group: &str, messages: &[Mess
             sc.is_valid().then(|| Link::with_context(sc))
         })
         .collect();
-    let topic = messages.first().map(|m| m.topic.as_str()).unwrap_or("");
+    let plan = plan::process_batch(system, group, messages);
     let span = tracer
-        .span_builder(format!("process {topic}"))
+        .span_builder(plan.name)
         .with_kind(SpanKind::Consumer)
         .with_links(links)
-        .with_attributes([
-            KeyValue::new("messaging.system", system),
-            KeyValue::new("messaging.operation.type", "process"),
-            KeyValue::new("messaging.destination.name", topic.to_string()),
-            KeyValue::new("messaging.consumer.group.name", group.to_string()),
-            KeyValue::new("messaging.batch.message_count", messages.len() as i64),
-        ])
+        .with_attributes(key_values(plan.attributes))
         .start(&tracer);
     Context::current().with_span(span)
 }
@@ -525,7 +512,7 @@ pub fn end(cx: &Context, error: Option<&crate::Error>) {
     let span = cx.span();
     if let Some(e) = error {
         span.set_status(opentelemetry::trace::Status::error(e.to_string()));
-        span.set_attribute(KeyValue::new("error.type", e.kind().code()));
+        span.set_attributes(key_values(plan::failed(e.kind().code())));
     }
     span.end();
 }

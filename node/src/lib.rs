@@ -18,6 +18,7 @@ mod client;
 mod convert;
 mod engine;
 mod options;
+mod trace;
 
 /// A native error as JavaScript sees it: `index.js` turns a message starting with this
 /// marker into an `OnceflowError` from the JSON that follows.

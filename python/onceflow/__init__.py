@@ -415,7 +415,7 @@ class Producer:
         installed the current trace context is injected and the send span covers the
         hand-over only."""
         if _otel.ENABLED:
-            span, trace_headers = _otel.start_send(topic, self.platform, headers=headers)
+            span, trace_headers = _otel.start_send(topic, self.platform, headers=headers, body_size=_otel.body_size(payload))
             if trace_headers is not None:
                 headers = _otel.merge(headers, trace_headers)
             try:
@@ -460,7 +460,7 @@ class Producer:
 
 def _send(native, platform, topic, payload, key, headers, partition, timestamp, idempotency_key, requeue=0) -> "_native.SendFuture[Delivery]":
     if _otel.ENABLED:
-        span, trace_headers = _otel.start_send(topic, platform, headers=headers)
+        span, trace_headers = _otel.start_send(topic, platform, headers=headers, body_size=_otel.body_size(payload))
         if trace_headers is not None:
             try:
                 fut = native.send(
@@ -508,7 +508,9 @@ async def _send_batch(native, platform, records):
     if _otel.ENABLED:
         records = _as_records(records)
         if _otel.same_trace_headers(records):
-            span, trace_headers = _otel.start_send(records[0].topic, platform, len(records), records[0].headers)
+            span, trace_headers = _otel.start_send(
+                records[0].topic, platform, len(records), records[0].headers, body_size=_otel.body_size(records[0].payload) if len(records) == 1 else None
+            )
             if trace_headers is not None:
                 records = _with_trace(records, trace_headers)
     try:
@@ -753,8 +755,8 @@ def _traced_batch(
     func: Callable[[MessageBatch], Any], system: str, group: str
 ) -> Callable[[MessageBatch], Awaitable[Any]]:
     """The callable the engine calls with a batch: runs ``func`` (sync or async) as an
-    awaitable, inside the trace context of the batch's first message when OpenTelemetry is
-    installed (one span per call, as for a batch send)."""
+    awaitable, inside one ``process`` span per call when OpenTelemetry is installed: a child of
+    the current context linked to every message's context, as the core's batch spans are."""
     if not _otel.ENABLED:
 
         async def plain(messages: MessageBatch) -> Any:
@@ -766,7 +768,16 @@ def _traced_batch(
         return plain
 
     async def call(messages: MessageBatch) -> Any:
-        return await _run_in_process_span(func, messages, messages[0], system, group)
+        span, token = _otel.start_process_batch(messages, system, group)
+        try:
+            result = func(messages)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException as e:
+            _otel.end_process(span, token, e)
+            raise
+        _otel.end_process(span, token)
+        return result
 
     return call
 

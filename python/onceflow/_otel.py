@@ -1,12 +1,19 @@
 """OpenTelemetry propagation, used only when ``opentelemetry-api`` is installed.
 
+What each span looks like is decided by the Rust core (``onceflow::trace::plan``), the same
+code that decides the Rust engine's own spans: the span's name, kind and attributes, where its
+parent comes from, the links of a batch, and how injected trace headers replace a record's
+own. This module only hands those plans to the ``opentelemetry`` API, so that the
+application's tracer provider, sampler and exporter see the spans.
+
 On send, a ``send {topic}`` producer span is started as a child of the current context (or,
 without a current span, of the valid ``traceparent`` the record carries) and its context is
 written to the record's headers (W3C ``traceparent`` / ``tracestate`` / ``baggage``) before the
-record crosses into Rust. On handling, the context a message carries is extracted, a
-``process {topic}`` consumer span is started as its child, and the handler (or a pipeline's
-transform, whose outputs are sent as children of that span) runs inside it. Without the
-package, headers pass through to the Rust core untouched.
+record crosses into Rust. On handling, a ``process {topic}`` consumer span is started as the
+child of the context the message carries (a batch handler: one span, child of the current
+context, linked to every message's context), and the handler (or a pipeline's transform,
+whose outputs are sent as children of that span) runs inside it. Without the package, headers
+pass through to the Rust core untouched.
 
 Trace header names are read, replaced and removed in any casing (``Traceparent`` as some older
 clients write it is ``traceparent``; W3C Trace Context §3.1, §3.3), so a record leaves with one
@@ -17,87 +24,105 @@ clients write it is ``traceparent``; W3C Trace Context §3.1, §3.3), so a recor
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+from . import _native
 
 try:  # pragma: no cover - exercised by both test environments
     from opentelemetry import context as _context
     from opentelemetry import propagate as _propagate
     from opentelemetry import trace as _trace
+    from opentelemetry.trace import Link as _Link
     from opentelemetry.trace import SpanKind as _SpanKind
     from opentelemetry.trace import Status as _Status
     from opentelemetry.trace import StatusCode as _StatusCode
 
     ENABLED = True
+    _KINDS = {"producer": _SpanKind.PRODUCER, "consumer": _SpanKind.CONSUMER}
 except ImportError:  # pragma: no cover
     ENABLED = False
 
-TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
-
 HeaderValue = Union[bytes, str, None]
 HeadersIn = Union[None, dict, Sequence[Tuple[str, HeaderValue]]]
+
+
+def body_size(payload: Any) -> Optional[int]:
+    """The size in bytes of a payload as the core will send it (``str`` as UTF-8), ``None``
+    for a type the core converts otherwise (it raises there)."""
+    if isinstance(payload, (bytes, bytearray)):
+        return len(payload)
+    if isinstance(payload, memoryview):
+        return payload.nbytes
+    if isinstance(payload, str):
+        return len(payload.encode("utf-8", "surrogatepass"))
+    return None
 
 
 def _tracer():
     return _trace.get_tracer("onceflow")
 
 
-def _header_carrier(headers: HeadersIn) -> Optional[dict]:
-    """The trace headers among ``headers`` (any casing; the first of each name), as a carrier
-    for the propagator, or ``None`` when there are none."""
-    if not headers:
-        return None
-    items = headers.items() if isinstance(headers, dict) else headers
-    carrier = None
-    for name, value in items:
-        low = name.lower()
-        if low in TRACE_HEADERS and value is not None:
-            if carrier is None:
-                carrier = {}
-            if low not in carrier:
-                carrier[low] = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-    return carrier
+def _valid(ctx) -> bool:
+    return _trace.get_current_span(ctx).get_span_context().is_valid
 
 
-def _send_parent(headers: HeadersIn):
-    """The parent of a send's span: the current context when its span is valid, else the
-    context the record's own headers carry when that is valid, else the current context (a
-    new trace)."""
+def _extract(carrier: Optional[dict]):
+    """The context ``carrier`` carries, on an empty base (``None`` carrier: an empty context)."""
+    empty = _context.Context()
+    return _propagate.extract(carrier, context=empty) if carrier else empty
+
+
+def _parent(mode: str, carrier: Optional[dict]):
+    """A plan's parent (``onceflow::trace::plan::Parent``)."""
     current = _context.get_current()
-    if _trace.get_current_span(current).get_span_context().is_valid:
+    if mode == "current":
         return current
-    carrier = _header_carrier(headers)
-    if carrier:
-        own = _propagate.extract(carrier)
-        if _trace.get_current_span(own).get_span_context().is_valid:
-            return own
-    return current
+    if mode == "headers":
+        return _extract(carrier)
+    # "current_else": the current span when valid, else the record's own valid context.
+    if _valid(current) or not carrier:
+        return current
+    own = _extract(carrier)
+    return own if _valid(own) else current
+
+
+def _start(plan) -> Tuple[Any, Any]:
+    """Starts the span of ``plan`` (the tuple of ``_native.*_span_plan``); returns
+    ``(span, parent_context)``."""
+    name, kind, attributes, mode, carrier, links = plan
+    parent = _parent(mode, carrier)
+    span_links = []
+    for c in links:
+        sc = _trace.get_current_span(_extract(c)).get_span_context()
+        if sc.is_valid:
+            span_links.append(_Link(sc))
+    span = _tracer().start_span(name, context=parent, kind=_KINDS[kind], attributes=attributes, links=span_links)
+    return span, parent
+
+
+def _fail(span, error: BaseException) -> None:
+    span.record_exception(error)
+    span.set_status(_Status(_StatusCode.ERROR, str(error)))
+    code = getattr(error, "code", None)
+    if code:
+        span.set_attributes(_native.failed_span_attributes(str(code)))
 
 
 def same_trace_headers(records) -> bool:
-    """Whether every record carries the same trace headers (or none): one span can then be
-    the parent of the whole batch. Records whose own traceparents differ are better left to
-    the Rust core, which continues each one's trace."""
-    first = _header_carrier(records[0].headers)
-    return all(_header_carrier(r.headers) == first for r in records[1:])
+    """Whether one span can be the parent of the whole batch (every record carries the same
+    trace headers, or none; decided by the core). Records whose own traceparents differ are
+    left to the Rust core, which continues each one's trace."""
+    return _native.one_span_for_batch([r.headers for r in records])
 
 
-def start_send(topic: str, system: str, count: int = 1, headers: HeadersIn = None):
+def start_send(topic: str, system: str, count: int = 1, headers: HeadersIn = None, body_size: Optional[int] = None):
     """Starts the producer span of a send (one span for a batch, as the messaging semantic
     conventions say), a child of the current span or, without one, of the valid trace context
     ``headers`` carry. Returns ``(span, trace_headers)``; ``(None, None)`` when there is
     nothing to propagate."""
     if not ENABLED:
         return None, None
-    parent = _send_parent(headers)
-    attributes = {
-        "messaging.system": system,
-        "messaging.operation.type": "send",
-        "messaging.operation.name": "send",
-        "messaging.destination.name": topic,
-    }
-    if count != 1:
-        attributes["messaging.batch.message_count"] = count
-    span = _tracer().start_span(f"send {topic}", context=parent, kind=_SpanKind.PRODUCER, attributes=attributes)
+    span, parent = _start(_native.send_span_plan(system, topic, count, body_size, headers))
     if not span.get_span_context().is_valid:
         span.end()
         return None, None
@@ -106,21 +131,16 @@ def start_send(topic: str, system: str, count: int = 1, headers: HeadersIn = Non
     if not carrier:
         span.end()
         return None, None
-    return span, [(k, v.encode()) for k, v in carrier.items()]
+    return span, [(k, str(v)) for k, v in carrier.items()]
 
 
 def end_send(span, delivery: Any = None, error: Optional[BaseException] = None) -> None:
     if span is None:
         return
     if delivery is not None:
-        span.set_attribute("messaging.destination.partition.id", str(delivery.partition))
-        span.set_attribute("messaging.message.id", delivery.position)
+        span.set_attributes(_native.delivered_span_attributes(delivery.partition, delivery.position))
     if error is not None:
-        span.record_exception(error)
-        span.set_status(_Status(_StatusCode.ERROR, str(error)))
-        code = getattr(error, "code", None)
-        if code:
-            span.set_attribute("error.type", code)
+        _fail(span, error)
     span.end()
 
 
@@ -137,29 +157,19 @@ def current_trace_headers() -> Optional[List[Tuple[str, bytes]]]:
     return [(k, v.encode()) for k, v in carrier.items()] or None
 
 
-def merge(headers: HeadersIn, trace_headers: List[Tuple[str, bytes]]) -> List[Tuple[str, HeaderValue]]:
-    """``headers`` with any trace headers (in any casing) replaced by ``trace_headers``."""
-    if headers is None:
-        items: Iterable = ()
-    elif isinstance(headers, dict):
-        items = headers.items()
-    else:
-        items = headers
-    out = [(k, v) for k, v in items if k.lower() not in TRACE_HEADERS]
-    out.extend(trace_headers)
-    return out
-
-
-def _carrier(message) -> Optional[dict]:
-    return _header_carrier(message.headers)
+def merge(headers: HeadersIn, trace_headers: List[Tuple[str, str]]) -> List[Tuple[str, HeaderValue]]:
+    """``headers`` with the injected ``trace_headers`` applied by the core's rule: any
+    ``traceparent`` / ``tracestate`` in any casing removed, each injected header replacing its
+    name in any casing (a record's own ``baggage`` stays unless one is injected)."""
+    return _native.apply_trace_headers(headers, [(k, v.decode() if isinstance(v, bytes) else v) for k, v in trace_headers])
 
 
 def context_of(message):
     """The OpenTelemetry context a message carries (``None`` without OpenTelemetry)."""
     if not ENABLED:
         return None
-    carrier = _carrier(message)
-    return _propagate.extract(carrier) if carrier else _context.Context()
+    _name, _kind, _attributes, _mode, carrier, _links = _native.process_span_plan(message, "", "")
+    return _extract(carrier)
 
 
 def start_process(message, system: str, group: str):
@@ -167,24 +177,18 @@ def start_process(message, system: str, group: str):
     makes it current. Returns ``(span, token)``; ``(None, None)`` without OpenTelemetry."""
     if not ENABLED:
         return None, None
-    carrier = _carrier(message)
-    parent = _propagate.extract(carrier) if carrier else None
-    span = _tracer().start_span(
-        f"process {message.topic}",
-        context=parent,
-        kind=_SpanKind.CONSUMER,
-        attributes={
-            "messaging.system": system,
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": message.topic,
-            "messaging.destination.partition.id": str(message.partition),
-            "messaging.consumer.group.name": group,
-            "messaging.message.id": message.position,
-        },
-    )
-    ctx = _trace.set_span_in_context(span, parent)
-    token = _context.attach(ctx)
+    span, parent = _start(_native.process_span_plan(message, system, group))
+    token = _context.attach(_trace.set_span_in_context(span, parent))
+    return span, token
+
+
+def start_process_batch(batch, system: str, group: str):
+    """Starts one ``process {topic}`` consumer span for a batch handler's call: a child of the
+    current context, linked to every message's context. Returns ``(span, token)``."""
+    if not ENABLED:
+        return None, None
+    span, parent = _start(_native.process_batch_span_plan(batch, system, group))
+    token = _context.attach(_trace.set_span_in_context(span, parent))
     return span, token
 
 
@@ -192,7 +196,6 @@ def end_process(span, token, error: Optional[BaseException] = None) -> None:
     if span is None:
         return
     if error is not None:
-        span.record_exception(error)
-        span.set_status(_Status(_StatusCode.ERROR, str(error)))
+        _fail(span, error)
     _context.detach(token)
     span.end()

@@ -261,6 +261,11 @@ impl Message {
     fn inner(&self) -> &RsMessage {
         &self.batch[self.index]
     }
+
+    /// The Rust message (for the span plans of `crate::trace`).
+    pub(crate) fn rs(&self) -> &RsMessage {
+        self.inner()
+    }
 }
 
 #[pymethods]
@@ -369,6 +374,11 @@ pub struct MessageBatch {
 }
 
 impl MessageBatch {
+    /// The Rust messages, in order (for the span plans of `crate::trace`).
+    pub(crate) fn rs_messages(&self) -> &[RsMessage] {
+        &self.messages
+    }
+
     /// A batch of `messages`, in order.
     pub fn new(messages: Vec<RsMessage>) -> Self {
         Self::numbered(messages, 0)

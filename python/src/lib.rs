@@ -20,6 +20,7 @@ mod client;
 mod convert;
 mod engine;
 mod errors;
+mod trace;
 mod wake;
 
 /// pyo3-async-runtimes' view of the bindings' runtime (which is rebuilt after `fork()`).
@@ -153,6 +154,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_shutdown, m)?)?;
     client::register(m)?;
     engine::register(m)?;
+    trace::register(m)?;
     Ok(())
 }
 
