@@ -32,6 +32,7 @@ import abc
 import asyncio
 import atexit
 import contextlib
+import datetime
 import functools
 import inspect
 import os
@@ -48,6 +49,7 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    TypedDict,
     Union,
 )
 
@@ -84,8 +86,8 @@ from ._native import (
 __version__: str = _native.__version__
 
 # Raw client options: values are text for the native client; a bool goes as "true" / "false",
-# an int or float as its decimal.
-_Options = Mapping[str, Union[str, bool, int, float]]
+# an int or float as its decimal, a timedelta (for a key ending in "_ms") as whole milliseconds.
+_Options = Mapping[str, Union[str, bool, int, float, datetime.timedelta]]
 
 # Stop the tokio runtime before the interpreter tears down, so no worker thread touches it.
 atexit.register(_native._shutdown)
@@ -95,6 +97,7 @@ __all__ = [
     "AuthError",
     "Client",
     "ClosedError",
+    "Committed",
     "ConfigError",
     "ConflictError",
     "ConnectError",
@@ -119,6 +122,7 @@ __all__ = [
     "SendError",
     "SerializationError",
     "TimeoutError",
+    "TopicDescription",
     "Transaction",
     "UnsupportedError",
     "connect",
@@ -147,6 +151,54 @@ class Record(NamedTuple):
     #: Requeue a processed job on purpose: generation ``n`` (an int from 0 to 4294967295) of
     #: its idempotency key (see ``Producer.send``).
     requeue: int = 0
+
+
+class Committed(NamedTuple):
+    """A consumer group's committed position in one partition, as ``Consumer.committed()``
+    returns it: ``next`` is the position the group reads next (one past the last processed
+    message, as Kafka's committed offset), or ``None`` where the group has committed nothing.
+
+    It is not what ``Consumer.commit()`` takes: ``commit()`` takes processed messages (or
+    their ``(topic, partition, position)``), the *last processed* one per partition, and
+    refuses a ``Committed`` with a ``ConfigError`` (passing ``next`` back would skip the
+    message at it). Unpacking works as for a tuple: ``topic, partition, next = c``."""
+
+    topic: str
+    partition: int
+    #: The next position the group reads (e.g. ``"offset:42"``), or ``None``.
+    next: Optional[str]
+
+
+class TopicDescription(TypedDict):
+    """What ``Admin.describe_topic`` returns (every key is present).
+
+    ``retention_ms`` / ``retention_bytes``: ``None`` when not set. ``options``: every setting
+    the platform reports, as text. The durability fields are read from them where the
+    platform reports them (JetStream), and are ``None`` elsewhere:
+
+    - ``storage``: ``"file"`` or ``"memory"`` (a memory stream loses its messages when the
+      server restarts);
+    - ``replicas``: the stream's replica count;
+    - ``sync``: the server's ``sync_interval``: ``"always"``, ``"N ms"``, or ``"unknown"``
+      where this client cannot read it (only a system-account user can);
+    - ``durable_on_ack``: ``True`` when an acknowledged write is synced to disk (file storage,
+      ``sync_interval: always``), ``False`` when it is not (memory storage, or an interval),
+      ``None`` when it cannot be told.
+
+    With the connection option ``require_durable=True`` (``connect(url, {"require_durable":
+    True})`` or ``?require_durable=true``), a JetStream topic whose ``durable_on_ack`` is not
+    ``True`` is warned about (in the log) once when first used."""
+
+    name: str
+    partitions: int
+    retention_ms: Optional[int]
+    retention_bytes: Optional[int]
+    compacted: bool
+    options: Dict[str, str]
+    storage: Optional[str]
+    replicas: Optional[int]
+    sync: Optional[str]
+    durable_on_ack: Optional[bool]
 
 
 _CLASSES: Dict[str, type] = {code: getattr(_native, cls) for _kind, code, cls in _native.error_kinds()}
@@ -267,7 +319,27 @@ class Client:
         """A consumer of ``group`` on ``topics``. ``start``: ``committed`` (else earliest),
         ``committed-or-latest``, ``earliest``, ``latest``, ``timestamp:MS`` or a position.
         ``options`` go to the native client, each value a ``str``, ``bool`` or number as for
-        ``connect``."""
+        ``connect``; an option in milliseconds (a key ending in ``_ms``) also takes a
+        ``datetime.timedelta`` (whole milliseconds). An unknown key raises ``ConfigError``
+        naming it and the keys expected.
+
+        JetStream consumer options (the durable's settings; reopening a group with other ones
+        updates the durable where the server allows, else raises ``ConfigError`` naming each):
+
+        - ``ack_wait_ms`` (default 30000): a delivered message not acked for this long is
+          redelivered. A handler may run longer: every message delivered and not yet acked is
+          signalled in progress within four fifths of it, so it is not redelivered (give
+          ``session_timeout`` above your longest batch of handler calls);
+        - ``max_deliver`` (default -1, unlimited), ``max_ack_pending``, ``backoff_ms``
+          (comma-separated ms);
+        - ``idle_heartbeat_ms`` (0: none, else at least 10): the server's heartbeat on an idle
+          pull request, so a pull request lost with a restarting server is made again sooner;
+        - ``pull_expires_ms`` (at least 100, default 500): how long one pull request waits;
+        - ``reset`` (default ``False``): with an explicit ``start`` (``earliest``, ``latest``,
+          a position or a timestamp), deletes the group's existing durables and starts over at
+          ``start`` (the group's progress is forgotten; give it to one run only). Without it
+          an existing durable resumes at its ack floor whatever ``start`` says, as Kafka's
+          ``auto.offset.reset`` applies only to a group without committed offsets."""
         if isinstance(topics, str):
             topics = [topics]
         native = await self._native.consumer(
@@ -282,6 +354,8 @@ class Client:
         return Consumer(native, batch_size=batch_size, poll_timeout=poll_timeout)
 
     async def admin(self) -> _native.Admin:
+        """Topic administration: ``create_topic``, ``describe_topic`` (a
+        ``TopicDescription``, with JetStream's durability report), ``delete_topic``."""
         return await self._native.admin()
 
     def __repr__(self) -> str:
@@ -533,8 +607,17 @@ def _positions(messages: Iterable[Any]) -> List[Tuple[str, int, str]]:
     """The last position per partition of messages (or ``(topic, partition, position)``)."""
     if isinstance(messages, MessageBatch):
         return messages.last_positions()
+    if isinstance(messages, Committed):  # one, not a sequence of three fields
+        messages = [messages]
     last: Dict[Tuple[str, int], str] = {}
     for m in messages:
+        if isinstance(m, Committed):
+            raise ConfigError(
+                f"position {_shown(m)}: a Committed is the next position to read, from "
+                f"committed(); commit() takes processed messages (or their (topic, partition, "
+                f"position)), the last processed one per partition: committing 'next' would "
+                f"skip the message at it"
+            )
         if isinstance(m, tuple):
             if len(m) != 3:
                 raise ConfigError(
@@ -581,8 +664,10 @@ class Transaction:
         return _check(await _send_batch(self._native, self._platform, records))
 
     async def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:
-        """Commits ``consumer``'s positions with the transaction: of ``messages`` (the last
-        per partition), or of every message the consumer has yielded so far."""
+        """Commits ``consumer``'s positions with the transaction: of ``messages`` (processed
+        ``Message``s or their ``(topic, partition, position)``, the last per partition), or of
+        every message the consumer has yielded so far. A ``Committed`` (the next position to
+        read, from ``Consumer.committed()``) raises ``ConfigError``, as for ``commit()``."""
         if messages is None:
             await self._native.commit_offsets(consumer._native, None, consumer._batch, consumer._handed_out)
         else:
@@ -687,8 +772,14 @@ class Consumer:
                 yield batch[i]
 
     async def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:
-        """Commits, per partition, the last of ``messages`` (``Message``s or
-        ``(topic, partition, position)``), or the last message yielded so far."""
+        """Commits, per partition, the last of ``messages`` (``Message``s, a ``MessageBatch``
+        or ``(topic, partition, position)`` of processed messages), or, without argument,
+        the last message yielded so far: the group resumes *after* it.
+
+        Unlike Kafka's ``commitSync(offsets)`` / confluent-kafka's ``commit(offsets=...)``,
+        which take the next offset to read, this takes the last *processed* message's own
+        position. What ``committed()`` returns is the next one (``Committed.next``): a
+        ``Committed`` given here raises ``ConfigError`` (it would skip a message)."""
         if messages is None:
             await self._native.commit(None, self._batch, self._handed_out)
             return
@@ -696,8 +787,13 @@ class Consumer:
         if positions:
             await self._native.commit(positions)
 
-    async def committed(self, partitions: Sequence[Tuple[str, int]]) -> List[Tuple[str, int, Optional[str]]]:
-        return await self._native.committed(list(partitions))
+    async def committed(self, partitions: Sequence[Tuple[str, int]]) -> List[Committed]:
+        """The group's committed position of each ``(topic, partition)``, in the order asked,
+        as ``Committed(topic, partition, next)``: ``next`` is where the group resumes (one
+        past the last processed message, as Kafka's committed offset), ``None`` where it has
+        committed nothing. Not for ``commit()``, which takes processed positions and refuses
+        a ``Committed``."""
+        return [Committed(t, p, n) for t, p, n in await self._native.committed(list(partitions))]
 
     async def seek(self, topic: str, partition: int, to: str) -> None:
         """Replays from ``to``: ``earliest``, ``latest``, ``timestamp:MS`` or a position such

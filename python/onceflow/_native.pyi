@@ -23,6 +23,8 @@ from typing import (
     overload,
 )
 
+from onceflow import TopicDescription
+
 _T = TypeVar("_T")
 
 _Bytes = Union[bytes, bytearray, memoryview, str]
@@ -32,8 +34,9 @@ _Position = Tuple[str, int, str]
 # A duration in seconds: int, float or datetime.timedelta.
 _Seconds = Union[int, float, datetime.timedelta]
 # Raw client options (librdkafka properties, URL query parameters): values are text for the
-# native client; a bool goes as "true" / "false", an int or float as its decimal.
-_Options = Mapping[str, Union[str, bool, int, float]]
+# native client; a bool goes as "true" / "false", an int or float as its decimal, a timedelta
+# (for a key ending in "_ms") as whole milliseconds.
+_Options = Mapping[str, Union[str, bool, int, float, datetime.timedelta]]
 
 class OnceflowError(Exception):
     kind: str
@@ -280,7 +283,10 @@ class Admin:
         compacted: bool = False,
         options: Optional[_Options] = None,
     ) -> Awaitable[None]: ...
-    def describe_topic(self, name: str) -> Awaitable[Dict[str, Any]]: ...
+    def describe_topic(self, name: str) -> Awaitable[TopicDescription]:
+        """The topic's settings (see ``onceflow.TopicDescription``); on JetStream with the
+        durability report: ``storage``, ``replicas``, ``sync``, ``durable_on_ack``. Raises
+        ``NotFoundError`` when the topic does not exist."""
     def delete_topic(self, name: str) -> Awaitable[None]: ...
 
 class IdempotentConsumer:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import threading
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import (
+    Committed,
     DedupStore,
     Delivery,
     Lag,
@@ -94,7 +96,7 @@ async def _awaited(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await call(*args, **kwargs)
 
 
-def connect(url: str, options: Optional[Mapping[str, Union[str, bool, int, float]]] = None) -> "Client":
+def connect(url: str, options: Optional[Mapping[str, Union[str, bool, int, float, datetime.timedelta]]] = None) -> "Client":
     """Connects to the platform named by the URL, ``options`` added to its query parameters
     (see ``onceflow.connect``)."""
     return Client(_run(_connect(url, options)))
@@ -205,7 +207,15 @@ class Consumer:
                 yield batch[i]
 
     def commit(self, messages: Union[None, Message, Iterable[Any]] = None) -> None:
+        """Commits processed messages (the last per partition), or the last yielded; see
+        ``onceflow.Consumer.commit`` (a ``Committed`` raises ``ConfigError``)."""
         _run(self._inner.commit(messages))
+
+    def committed(self, partitions: Sequence[Tuple[str, int]]) -> List[Committed]:
+        """The group's ``Committed(topic, partition, next)`` of each partition: ``next`` is the
+        next position to read, not one to pass to ``commit()``; see
+        ``onceflow.Consumer.committed``."""
+        return _run(self._inner.committed(partitions))
 
     def seek(self, topic: str, partition: int, to: str) -> None:
         _run(self._inner.seek(topic, partition, to))

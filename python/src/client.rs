@@ -99,7 +99,8 @@ pub struct Client {
 }
 
 /// Raw client options from a mapping of `str` keys to `str`, `bool` (`"true"` / `"false"`),
-/// `int` (its exact decimal) or `float` values, by the bindings' one rule
+/// `int` (its exact decimal) or `float` values, or a `datetime.timedelta` for a key ending in
+/// `_ms` (its whole milliseconds, [`millis_option`]), by the bindings' one rule
 /// (`onceflow_bindings::raw_options`). A value of another type (`None`, a list, a dict) is a
 /// `TypeError` naming the key and the type, a NaN or infinite float a `ConfigError`; the value
 /// itself is never shown (it may be a password).
@@ -122,9 +123,32 @@ fn options(o: Option<&Bound<'_, PyAny>>) -> PyResult<BTreeMap<String, String>> {
                 k.get_type().name()?
             )));
         };
-        entries.push((key.to_str()?.to_string(), option_value(&v)?));
+        let key = key.to_str()?.to_string();
+        let value = match convert::timedelta_seconds(&v)? {
+            Some(seconds) if key.ends_with("_ms") => millis_option(&key, seconds)?,
+            _ => option_value(&v)?,
+        };
+        entries.push((key, value));
     }
     crate::engine::settings_result(raw_options(Language::Python, entries))
+}
+
+/// A `datetime.timedelta` given for the raw option `key` ending in `_ms` (JetStream's
+/// `ack_wait_ms`, `idle_heartbeat_ms`, ...): its whole milliseconds, so
+/// `{"ack_wait_ms": timedelta(seconds=30)}` means 30000. A duration that is negative or not
+/// a whole number of milliseconds is a `ConfigError` naming the key. (For another key a
+/// timedelta is a `TypeError`, as any other type.)
+fn millis_option(key: &str, seconds: f64) -> PyResult<Value> {
+    let shown = onceflow::shown(key);
+    let ms = seconds * 1000.0;
+    let whole = ms.round();
+    if !(0.0..=9.0e15).contains(&whole) || (ms - whole).abs() > 1e-6 {
+        return Err(crate::errors::config_err(format!(
+            "option '{shown}': expected a datetime.timedelta of whole milliseconds from 0, got \
+             {seconds} s"
+        )));
+    }
+    Ok(Value::Text(format!("{}", whole as u64)))
 }
 
 /// A raw option's value for the bindings' rule. `bool` is checked before `int` (its subclass);
