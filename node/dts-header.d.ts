@@ -47,7 +47,11 @@ export interface RecordInit {
 /** Options of a send given as `send(topic, payload, options)`. */
 export type SendOptions = Omit<RecordInit, 'topic' | 'payload'>
 
-/** A position to commit (a Message fits). */
+/**
+ * A position to commit: that of the last *processed* message of a partition (a Message fits).
+ * Not an entry of `Consumer.committed()`, whose `next` is the next position to read: `commit()`
+ * refuses an object with a `next` field.
+ */
 export interface PositionLike {
   topic: string
   partition: number
@@ -89,7 +93,13 @@ export interface Consumer extends AsyncIterable<Message> {
    * until `close()` or `break`; `timeoutMs` bounds each poll (default 1000).
    */
   batches(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message[]>
-  /** Commits the given messages/positions, or the last message yielded of each partition. */
+  /**
+   * Commits, per partition, the last of the given processed messages (or their
+   * `{topic, partition, position}`), or the last message yielded of each partition: the group
+   * resumes after it. Unlike kafkajs' `commitOffsets` (the next offset to read), this takes the
+   * processed message's own position; an entry of `committed()` (`{topic, partition, next}`)
+   * throws an `OnceflowError` of kind `config`.
+   */
   commit(positions?: PositionLike | PositionLike[]): Promise<void>
 }
 

@@ -47,7 +47,11 @@ export interface RecordInit {
 /** Options of a send given as `send(topic, payload, options)`. */
 export type SendOptions = Omit<RecordInit, 'topic' | 'payload'>
 
-/** A position to commit (a Message fits). */
+/**
+ * A position to commit: that of the last *processed* message of a partition (a Message fits).
+ * Not an entry of `Consumer.committed()`, whose `next` is the next position to read: `commit()`
+ * refuses an object with a `next` field.
+ */
 export interface PositionLike {
   topic: string
   partition: number
@@ -89,7 +93,13 @@ export interface Consumer extends AsyncIterable<Message> {
    * until `close()` or `break`; `timeoutMs` bounds each poll (default 1000).
    */
   batches(options?: { batchSize?: number; timeoutMs?: number }): AsyncGenerator<Message[]>
-  /** Commits the given messages/positions, or the last message yielded of each partition. */
+  /**
+   * Commits, per partition, the last of the given processed messages (or their
+   * `{topic, partition, position}`), or the last message yielded of each partition: the group
+   * resumes after it. Unlike kafkajs' `commitOffsets` (the next offset to read), this takes the
+   * processed message's own position; an entry of `committed()` (`{topic, partition, next}`)
+   * throws an `OnceflowError` of kind `config`.
+   */
   commit(positions?: PositionLike | PositionLike[]): Promise<void>
 }
 
@@ -212,6 +222,11 @@ export declare const version: string
 export declare class Admin {
   /** Creates a topic. */
   createTopic(name: string, options?: TopicOptions | undefined | null): Promise<void>
+  /**
+   * Describes a topic, with JetStream's durability report (`storage`, `replicas`, `sync`,
+   * `durableOnAck`). Throws an `OnceflowError` of kind `not_found` when it does not exist.
+   */
+  describeTopic(name: string): Promise<TopicDescription>
   /** Deletes a topic. */
   deleteTopic(name: string): Promise<void>
 }
@@ -252,8 +267,14 @@ export declare class Consumer {
    * `_poll`).
    */
   _commit(positions?: Array<PositionIn> | undefined | null, batch?: number | undefined | null, handedOut?: number | undefined | null): Promise<void>
-  /** The group's committed position (next to read) of each partition, or null. */
-  committed(partitions: Array<TopicPartitionIn>): Promise<Array<string | undefined | null>>
+  /**
+   * The group's committed position of each partition, in the order asked, as
+   * `{ topic, partition, next }`: `next` is where the group resumes, one past the last
+   * processed message (as Kafka's committed offset), or null where it has committed
+   * nothing. Not for `commit()`, which takes processed positions and throws an
+   * `OnceflowError` of kind `config` for an entry of `committed()`.
+   */
+  committed(partitions: Array<TopicPartitionIn>): Promise<Array<Committed>>
   /**
    * Moves the fetch position of an assigned partition: `to` is `earliest`, `latest`,
    * `timestamp:MS` or a position such as `offset:42` (inclusive).
@@ -415,6 +436,24 @@ export interface Capabilities {
 }
 
 /**
+ * A consumer group's committed position in one partition (`Consumer.committed()`).
+ *
+ * `next` is the position the group reads next, not the last processed one that
+ * `Consumer.commit()` takes: `commit()` refuses an object with a `next` field.
+ */
+export interface Committed {
+  /** Topic. */
+  topic: string
+  /** Partition. */
+  partition: number
+  /**
+   * The next position the group reads (e.g. `offset:42`), or null if nothing is committed
+   * (always present, so `commit()` recognises the entry).
+   */
+  next: string | null
+}
+
+/**
  * Connects to the platform named by the URL's scheme (`memory://`, `kafka://`, `nats://`,
  * `tls://`, `pulsar://`, `pulsar+ssl://`, `kinesis://`).
  *
@@ -446,7 +485,24 @@ export interface ConsumerOptions {
   sessionTimeoutMs?: number
   /**
    * Raw `key=value` options for the native client (librdkafka properties, for example):
-   * strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`).
+   * strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`); an unknown key
+   * throws an `OnceflowError` of kind `config` naming it.
+   *
+   * JetStream's consumer options (the durable's settings; reopening a group with other ones
+   * updates the durable where the server allows, else throws naming each):
+   * - `ack_wait_ms` (default 30000): a delivered message not acked for this long is
+   *   redelivered. A handler may run longer: every message delivered and not yet acked is
+   *   signalled in progress within four fifths of it (keep `sessionTimeoutMs` above your
+   *   longest batch of handler calls);
+   * - `max_deliver` (default -1, unlimited), `max_ack_pending`, `backoff_ms` (comma-separated);
+   * - `idle_heartbeat_ms` (0: none, else at least 10): the server's heartbeat on an idle pull
+   *   request, so one lost with a restarting server is made again sooner;
+   * - `pull_expires_ms` (at least 100, default 500): how long one pull request waits;
+   * - `reset` (default false): with an explicit `start` (`earliest`, `latest`, a position or
+   *   a timestamp), deletes the group's existing durables and starts over at `start` (the
+   *   group's progress is forgotten; give it to one run only). Without it an existing
+   *   durable resumes at its ack floor whatever `start` says, as Kafka's
+   *   `auto.offset.reset` applies only to a group without committed offsets.
    */
   options?: Record<string, string | boolean | number>
 }
@@ -701,9 +757,9 @@ export declare function supportedSchemes(): Array<string>
  * What `Admin.describeTopic` resolves to.
  *
  * The durability fields are read from `options` where the platform reports them
- * (JetStream), and are absent (undefined) elsewhere. With the connection option `require_durable: true`
- * (or `?require_durable=true`), a JetStream topic whose `durableOnAck` is not `true` is
- * warned about (in the log) once when first used.
+ * (JetStream), and are absent (undefined) elsewhere. With the connection option
+ * `require_durable: true` (or `?require_durable=true`), a JetStream topic whose
+ * `durableOnAck` is not `true` is warned about (in the log) once when first used.
  */
 export interface TopicDescription {
   /** Name. */

@@ -239,7 +239,7 @@ Transaction.prototype.sendBatch = function (records) {
   return sendMany(this, this._system || 'onceflow', records)
 }
 /** Commits `consumer`'s positions with the transaction: the given messages/positions, or what it yielded last. */
-Transaction.prototype.commitOffsets = function (consumer, positions) {
+Transaction.prototype.commitOffsets = async function (consumer, positions) {
   return this._commitOffsets(consumer, explicitPositions(positions), consumer._batch ?? 0, consumer._handedOut ?? null)
 }
 
@@ -330,10 +330,25 @@ function rest(consumer) {
   return batch && handed !== null && handed !== undefined && handed < batch.length ? batch : null
 }
 
+/**
+ * The positions to commit from messages / `{topic, partition, position}` objects. An entry of
+ * `committed()` (it has `next`: the next position to read) is refused: committing it would
+ * skip the message at it, since `commit()` takes the last *processed* position.
+ */
 function explicitPositions(arg) {
   if (arg === undefined || arg === null) return null
   const list = Array.isArray(arg) ? arg : [arg]
-  return list.map((p) => ({ topic: p.topic, partition: p.partition, position: p.position }))
+  return list.map((p) => {
+    if (p !== null && typeof p === 'object' && 'next' in p) {
+      throw configError(
+        `position {topic: ${JSON.stringify(String(p.topic)).slice(0, 80)}, partition: ${String(p.partition)}, next: ...}: ` +
+          'an entry of committed() is the next position to read; commit() takes processed messages ' +
+          '(or their {topic, partition, position}), the last processed one per partition: committing ' +
+          "'next' would skip the message at it"
+      )
+    }
+    return { topic: p.topic, partition: p.partition, position: p.position }
+  })
 }
 
 /**
@@ -387,8 +402,14 @@ Consumer.prototype.batches = async function* (options = {}) {
 Consumer.prototype[Symbol.asyncIterator] = function () {
   return this.messages()
 }
-/** Commits the given messages/positions, or the last message yielded of each partition. */
-Consumer.prototype.commit = function (positions) {
+/**
+ * Commits, per partition, the last of the given processed messages (or their
+ * `{topic, partition, position}`), or the last message yielded of each partition: the group
+ * resumes after it. Unlike kafkajs' `commitOffsets` (the next offset to read), this takes the
+ * processed message's own position; an entry of `committed()` (`{topic, partition, next}`)
+ * throws an `OnceflowError` of kind `config`.
+ */
+Consumer.prototype.commit = async function (positions) {
   return this._commit(explicitPositions(positions), this._batch ?? 0, this._handedOut ?? null)
 }
 const nativeClose = Consumer.prototype.close

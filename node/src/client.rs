@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use napi::bindgen_prelude::Result;
+use napi::bindgen_prelude::{Either, Null, Result};
 use napi_derive::napi;
 use onceflow::{
     ConsumerConfig, Error, ErrorKind, Isolation, ProducerConfig, StartFrom, TopicPartition,
@@ -113,7 +113,24 @@ pub struct ConsumerOptions {
     /// Group session timeout, ms.
     pub session_timeout_ms: Option<f64>,
     /// Raw `key=value` options for the native client (librdkafka properties, for example):
-    /// strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`).
+    /// strings, booleans (`"true"` / `"false"`) or numbers (`500` → `"500"`); an unknown key
+    /// throws an `OnceflowError` of kind `config` naming it.
+    ///
+    /// JetStream's consumer options (the durable's settings; reopening a group with other ones
+    /// updates the durable where the server allows, else throws naming each):
+    /// - `ack_wait_ms` (default 30000): a delivered message not acked for this long is
+    ///   redelivered. A handler may run longer: every message delivered and not yet acked is
+    ///   signalled in progress within four fifths of it (keep `sessionTimeoutMs` above your
+    ///   longest batch of handler calls);
+    /// - `max_deliver` (default -1, unlimited), `max_ack_pending`, `backoff_ms` (comma-separated);
+    /// - `idle_heartbeat_ms` (0: none, else at least 10): the server's heartbeat on an idle pull
+    ///   request, so one lost with a restarting server is made again sooner;
+    /// - `pull_expires_ms` (at least 100, default 500): how long one pull request waits;
+    /// - `reset` (default false): with an explicit `start` (`earliest`, `latest`, a position or
+    ///   a timestamp), deletes the group's existing durables and starts over at `start` (the
+    ///   group's progress is forgotten; give it to one run only). Without it an existing
+    ///   durable resumes at its ack floor whatever `start` says, as Kafka's
+    ///   `auto.offset.reset` applies only to a group without committed offsets.
     #[napi(ts_type = "Record<string, string | boolean | number>")]
     pub options: Option<RawOptions>,
 }
@@ -468,6 +485,21 @@ fn tps(v: Vec<TopicPartitionIn>) -> Vec<TopicPartition> {
         .collect()
 }
 
+/// A consumer group's committed position in one partition (`Consumer.committed()`).
+///
+/// `next` is the position the group reads next, not the last processed one that
+/// `Consumer.commit()` takes: `commit()` refuses an object with a `next` field.
+#[napi(object)]
+pub struct Committed {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The next position the group reads (e.g. `offset:42`), or null if nothing is committed
+    /// (always present, so `commit()` recognises the entry).
+    pub next: Either<String, Null>,
+}
+
 /// A topic and partition.
 #[napi(object)]
 pub struct TopicPartitionIn {
@@ -537,19 +569,27 @@ impl Consumer {
         on_rt(async move { c.commit(&positions).await }).await
     }
 
-    /// The group's committed position (next to read) of each partition, or null.
+    /// The group's committed position of each partition, in the order asked, as
+    /// `{ topic, partition, next }`: `next` is where the group resumes, one past the last
+    /// processed message (as Kafka's committed offset), or null where it has committed
+    /// nothing. Not for `commit()`, which takes processed positions and throws an
+    /// `OnceflowError` of kind `config` for an entry of `committed()`.
     #[napi]
-    pub async fn committed(
-        &self,
-        partitions: Vec<TopicPartitionIn>,
-    ) -> Result<Vec<Option<String>>> {
+    pub async fn committed(&self, partitions: Vec<TopicPartitionIn>) -> Result<Vec<Committed>> {
         let tps = tps(partitions);
         let c = self.inner.clone();
         on_rt(async move { c.committed(&tps).await })
             .await
             .map(|v| {
                 v.into_iter()
-                    .map(|c| c.next.map(|p| p.to_string()))
+                    .map(|c| Committed {
+                        topic: c.partition.topic,
+                        partition: c.partition.partition,
+                        next: match c.next {
+                            Some(p) => Either::A(p.to_string()),
+                            None => Either::B(Null),
+                        },
+                    })
                     .collect()
             })
     }
@@ -644,6 +684,39 @@ impl Known for TopicOptions {
     ];
 }
 
+/// What `Admin.describeTopic` resolves to.
+///
+/// The durability fields are read from `options` where the platform reports them
+/// (JetStream), and are absent (undefined) elsewhere. With the connection option
+/// `require_durable: true` (or `?require_durable=true`), a JetStream topic whose
+/// `durableOnAck` is not `true` is warned about (in the log) once when first used.
+#[napi(object)]
+pub struct TopicDescription {
+    /// Name.
+    pub name: String,
+    /// Partitions (JetStream: subjects; Kinesis: shards).
+    pub partitions: u32,
+    /// Retention by time, ms; absent when not set.
+    pub retention_ms: Option<f64>,
+    /// Retention by size, bytes; absent when not set.
+    pub retention_bytes: Option<f64>,
+    /// Log compaction.
+    pub compacted: bool,
+    /// Every setting the platform reports, as text.
+    pub options: std::collections::HashMap<String, String>,
+    /// `file` or `memory` (a memory stream loses its messages when the server restarts).
+    pub storage: Option<String>,
+    /// The topic's replica count.
+    pub replicas: Option<u32>,
+    /// The server's `sync_interval`: `always`, `N ms`, or `unknown` where this client cannot
+    /// read it (only a system-account user can).
+    pub sync: Option<String>,
+    /// `true`: an acknowledged write is synced to disk (file storage, `sync_interval:
+    /// always`); `false`: it is not (memory storage, or an interval); absent: cannot be told
+    /// (`sync` is `unknown`) or not reported.
+    pub durable_on_ack: Option<bool>,
+}
+
 /// Topic administration.
 #[napi]
 pub struct Admin {
@@ -678,6 +751,27 @@ impl Admin {
         };
         let a = self.inner.clone();
         on_rt(async move { a.create_topic(&spec).await }).await
+    }
+
+    /// Describes a topic, with JetStream's durability report (`storage`, `replicas`, `sync`,
+    /// `durableOnAck`). Throws an `OnceflowError` of kind `not_found` when it does not exist.
+    #[napi]
+    pub async fn describe_topic(&self, name: String) -> Result<TopicDescription> {
+        let a = self.inner.clone();
+        let d = on_rt(async move { a.describe_topic(&name).await }).await?;
+        let durability = onceflow_bindings::durability::Durability::of(&d.options);
+        Ok(TopicDescription {
+            name: d.name,
+            partitions: d.partitions,
+            retention_ms: d.retention_ms.map(|v| v as f64),
+            retention_bytes: d.retention_bytes.map(|v| v as f64),
+            compacted: d.compacted,
+            options: d.options.into_iter().collect(),
+            storage: durability.storage,
+            replicas: durability.replicas,
+            sync: durability.sync,
+            durable_on_ack: durability.durable_on_ack,
+        })
     }
 
     /// Deletes a topic.

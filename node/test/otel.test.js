@@ -55,6 +55,19 @@ for (const p of platforms()) {
     assert.equal(inHandler.traceId, traceId, 'the handler runs inside the extracted context')
     const parentOf = (s) => (s.parentSpanContext || s.parentSpanId && { spanId: s.parentSpanId } || {}).spanId
     assert.equal(parentOf(proc), send.spanContext().spanId)
+    // The attributes come from the core's span plans (onceflow::trace::plan), as the Rust
+    // engine's and Python's do: the same keys in every language.
+    assert.deepEqual(Object.keys(send.attributes).sort(), [
+      'messaging.destination.name', 'messaging.destination.partition.id', 'messaging.message.body.size',
+      'messaging.message.id', 'messaging.operation.name', 'messaging.operation.type', 'messaging.system',
+    ])
+    assert.deepEqual(Object.keys(proc.attributes).sort(), [
+      'messaging.consumer.group.name', 'messaging.destination.name', 'messaging.destination.partition.id',
+      'messaging.message.body.size', 'messaging.message.id', 'messaging.operation.name',
+      'messaging.operation.type', 'messaging.system',
+    ])
+    assert.equal(send.attributes['messaging.message.body.size'], 5)
+    assert.equal(proc.attributes['messaging.consumer.group.name'], consumer.group)
   })
 }
 

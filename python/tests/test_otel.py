@@ -64,6 +64,34 @@ async def test_handler_span_is_a_child_of_the_producer_span(platform, spans):
     assert process.parent.span_id == send.context.span_id
     assert charge.parent.span_id == process.context.span_id
     assert process.attributes["messaging.destination.name"] == topic
+    # The attributes come from the core's span plans (onceflow::trace::plan), as the Rust
+    # engine's and Node's do: the same keys in every language.
+    assert set(send.attributes) == SEND_ATTRIBUTES
+    assert set(process.attributes) == PROCESS_ATTRIBUTES
+    assert send.attributes["messaging.message.body.size"] == len(b"order")
+    assert process.attributes["messaging.message.body.size"] == len(b"order")
+    assert process.attributes["messaging.consumer.group.name"]
+
+
+SEND_ATTRIBUTES = {
+    "messaging.system",
+    "messaging.operation.type",
+    "messaging.operation.name",
+    "messaging.destination.name",
+    "messaging.message.body.size",
+    "messaging.destination.partition.id",
+    "messaging.message.id",
+}
+PROCESS_ATTRIBUTES = {
+    "messaging.system",
+    "messaging.operation.type",
+    "messaging.operation.name",
+    "messaging.destination.name",
+    "messaging.destination.partition.id",
+    "messaging.consumer.group.name",
+    "messaging.message.id",
+    "messaging.message.body.size",
+}
 
 
 async def test_batch_send_carries_one_context_and_consumers_can_extract_it(memory, spans):
