@@ -138,6 +138,9 @@ start_node() {
     props=$(write_node_props "$n")
     log4j_conf INFO >"$RUN_DIR/kafka-cluster-log4j2.properties"
     mkdir -p "$tmp_dir"
+    # Stopping the cluster stops its last node without a quorum: its controlled shutdown would
+    # wait for ever (the data is fresh at each up.sh start anyway).
+    echo KILL >"$RUN_DIR/kafka-cluster-$n.stopsignal"
     # Small heap, serial-ish GC with short pauses, few JIT threads: three of them share 2 cores.
     start_bg "kafka-cluster-$n" "$JAVA" -Xms"$HEAP" -Xmx"$HEAP" -XX:+UseG1GC \
         -XX:MaxGCPauseMillis=20 -XX:CICompilerCount=2 -XX:ParallelGCThreads=1 \
