@@ -247,9 +247,9 @@ test('an iterator left mid-batch is continued, not skipped', async () => {
   await assert.rejects(async () => consumer.poll('10'), (e) => e instanceof onceflow.OnceflowError && e.kind === 'config' && e.message === 'max: expected a number, got string')
 })
 
-test('header() gives the first value of a name and headerAll() every one', async () => {
-  const client = await onceflow.connect(`memory://${unique('hdr')}`)
-  const t = unique('t')
+for (const p of platforms()) test(`${p.name}: header() gives the first value of a name and headerAll() every one`, async () => {
+  const client = await onceflow.connect(p.url())
+  const t = await topic(client)
   const producer = await client.producer()
   await producer.send({ topic: t, payload: 'x', headers: [['h', null], ['h', '1'], ['other', 'o'], ['h', '2']] })
   const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
@@ -260,4 +260,14 @@ test('header() gives the first value of a name and headerAll() every one', async
   assert.equal(onceflow.header(m, 'missing'), undefined)
   assert.deepEqual(onceflow.headerAll(m, 'missing'), [])
   await consumer.close()
+})
+
+test('supportedSchemes() lists the URL schemes compiled in, and connect refuses another naming it', async () => {
+  const schemes = onceflow.supportedSchemes()
+  assert.ok(Array.isArray(schemes) && schemes.every((s) => typeof s === 'string'))
+  for (const s of ['memory://', 'kafka://', 'nats://']) assert.ok(schemes.includes(s), `${s} in ${schemes}`)
+  await assert.rejects(
+    async () => onceflow.connect('nope://x'),
+    (e) => e instanceof onceflow.OnceflowError && e.kind === 'config' && e.message.includes('nope')
+  )
 })

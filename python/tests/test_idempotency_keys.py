@@ -28,29 +28,29 @@ async def _run_until(engine, predicate, timeout=30.0):
     return await asyncio.wait_for(task, 30)
 
 
-async def test_keyless_messages_run_and_are_counted(memory):
-    topic = await memory.topic()
-    producer = await memory.client.producer()
+async def test_keyless_messages_run_and_are_counted(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
     await producer.send(topic, b"no key")
     await producer.send(topic, b"keyed", idempotency_key="k1")
     handled = []
     engine = onceflow.IdempotentConsumer(
-        await memory.consumer(topic), lambda m: handled.append(m.payload), "memory://", poll_timeout=0.1
+        await platform.consumer(topic), lambda m: handled.append(m.payload), "memory://", poll_timeout=0.1
     )
     summary = await _run_until(engine, lambda: len(handled) == 2)
     assert handled == [b"no key", b"keyed"]
     assert summary["metrics"]["keyless"] == 1
 
 
-async def test_require_key_dead_letters_a_keyless_message_naming_the_header(memory):
-    topic = await memory.topic()
-    dlq = await memory.topic()
-    producer = await memory.client.producer()
+async def test_require_key_dead_letters_a_keyless_message_naming_the_header(platform):
+    topic = await platform.topic()
+    dlq = await platform.topic()
+    producer = await platform.client.producer()
     await producer.send(topic, b"no key")
     await producer.send(topic, b"keyed", idempotency_key="k1")
     handled = []
     engine = onceflow.IdempotentConsumer(
-        await memory.consumer(topic),
+        await platform.consumer(topic),
         lambda m: handled.append(m.payload),
         "memory://",
         dead_letter_producer=producer,
@@ -61,7 +61,7 @@ async def test_require_key_dead_letters_a_keyless_message_naming_the_header(memo
     summary = await _run_until(engine, lambda: engine.metrics().get("dead_lettered") == 1 and handled)
     assert handled == [b"keyed"]
     assert summary["metrics"]["keyless"] == 0
-    [dead] = await drain(await memory.consumer(dlq, start="earliest"), 1)
+    [dead] = await drain(await platform.consumer(dlq, start="earliest"), 1)
     assert dead.payload == b"no key"
     assert b"header 'idempotency-key'" in dead.header("onceflow-error")
     assert dead.header("onceflow-error-kind") == b"ONCEFLOW_CONFIG"
@@ -74,7 +74,10 @@ async def test_require_key_must_be_a_bool(memory):
         await engine.step()
 
 
-async def test_a_conflicting_payload_does_not_stop_the_consumer(memory):
+async def test_a_conflicting_payload_does_not_stop_the_consumer(platform):
+    if platform.name == "nats":
+        pytest.skip("JetStream drops the second publish of a key itself (Nats-Msg-Id): no conflict reaches the consumer")
+    memory = platform
     topic = await memory.topic()
     producer = await memory.client.producer()
     await producer.send(topic, b"first", idempotency_key="k")

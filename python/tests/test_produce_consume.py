@@ -112,11 +112,11 @@ async def test_str_payloads_and_dict_headers_are_accepted(memory):
     assert m.payload == "héllo".encode() and m.key == b"k" and user_headers(m) == [("x", b"y")]
 
 
-async def test_header_gives_the_first_value_and_header_all_every_one(memory):
-    topic = await memory.topic()
-    producer = await memory.client.producer()
+async def test_header_gives_the_first_value_and_header_all_every_one(platform):
+    topic = await platform.topic()
+    producer = await platform.client.producer()
     await producer.send(topic, b"x", headers=[("h", None), ("h", b"1"), ("other", b"o"), ("h", b"2")])
-    consumer = await memory.consumer(topic)
+    consumer = await platform.consumer(topic)
     [m] = await drain(consumer, 1)
     assert m.header("h") is None  # the first value is null
     assert m.header_all("h") == [None, b"1", b"2"]
