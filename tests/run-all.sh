@@ -49,9 +49,16 @@ export ONCEFLOW_REQUIRE_BROKERS=1
 
 phases+=("brokers ${SECONDS}s")
 
+# The cross-language scenario suite (tests/scenarios/) runs inside the three phases below: its
+# Rust test binary with the workspace tests, its Python and Node interpreters with those
+# packages' tests, on the wheel and addon they build. Each writes its cells to
+# target/scenarios/<language>.txt, cleared here so a cell of an earlier run never counts.
+rm -rf "${CARGO_TARGET_DIR:-target}/scenarios"
 phase rust bash -c 'set -o pipefail; cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log'
 phase python bash -c 'set -o pipefail; bash python/run-tests.sh 2>&1 | tee target/python-test-output.log'
 phase node bash node/run-tests.sh
+# Every (scenario, language, platform) cell passed: a missing one fails like a failed one.
+phase scenarios python3 tests/scenarios/check.py
 
 # Installs as users get them (tests/packaging/): the crates as published, a Rust user's crate
 # outside the workspace with one platform feature, the wheel and the npm tarball installed

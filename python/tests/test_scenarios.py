@@ -316,13 +316,16 @@ class Cell:
         lags: List[Any] = []
         want = step["expect_messages"]
         deadline = time.monotonic() + WAIT
+        previous = None
         while True:
+            # The same figure twice in a row, 300 ms apart: not one seen while a commit lands.
             lags = await consumer.lag()
             total = sum(l.messages for l in lags)
-            if total == want:
+            if total == want and previous == want:
                 break
+            previous = total
             assert time.monotonic() < deadline, f"lag {total} messages ({lags}), expected {want}"
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.3)
         await consumer.close()
 
 
