@@ -784,13 +784,7 @@ mod tests {
     use super::*;
 
     fn delivered(position: i64) -> Result<Delivery> {
-        Ok(Delivery {
-            topic: "t".into(),
-            partition: 0,
-            position: Position::Offset(position),
-            timestamp: None,
-            duplicate: false,
-        })
+        Ok(Delivery::new("t", 0, Position::Offset(position)))
     }
 
     fn offset(r: &Result<Delivery>) -> Option<i64> {

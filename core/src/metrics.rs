@@ -5,9 +5,12 @@
 //! The bounded memory dedup store counts on its own, per store rather than per engine:
 //! `onceflow.dedup.evicted_in_window`, keys it evicted while still inside their dedup window
 //! (read in code with [`crate::dedup::MemoryStore::evicted_in_window`]).
+//!
+//! Producers count their resends, outside any engine: [`SEND_RETRIES`], read in code with
+//! [`send_retries`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use opentelemetry::metrics::{Counter, Gauge};
 use opentelemetry::{global, KeyValue};
@@ -22,6 +25,87 @@ pub const MALFORMED_TRACEPARENTS: &str = "onceflow.malformed_traceparents";
 
 pub(crate) const MALFORMED_TRACEPARENTS_DESCRIPTION: &str =
     "Malformed W3C traceparent headers ignored (the message was handled outside its trace)";
+
+/// Name of the OpenTelemetry counter of send retries: one per record sent again after an
+/// attempt that failed retriably or went unanswered, so a delivery of
+/// [`attempts`](crate::Delivery::attempts) `n` counted `n - 1` (and the resends of a send
+/// that failed in the end count too). Its points carry `messaging.system`. Counted where
+/// onceflow resends, JetStream and Kinesis; Kafka's and Pulsar's client libraries resend
+/// inside and do not say so per record, so nothing is counted there (see
+/// [`crate::Delivery::attempts`]). Read in code with [`send_retries`].
+pub const SEND_RETRIES: &str = "onceflow.send_retries";
+
+/// The process totals of [`SEND_RETRIES`], one per platform that counted any.
+static SEND_RETRY_TOTALS: Mutex<Vec<(&'static str, Arc<AtomicU64>)>> = Mutex::new(Vec::new());
+
+/// Send retries on platform `system` (`jetstream`, `kinesis`, ...) in this process so far, all
+/// its producers together: the in-code reading of the OpenTelemetry counter [`SEND_RETRIES`].
+pub fn send_retries(system: &str) -> u64 {
+    let totals = SEND_RETRY_TOTALS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    totals
+        .iter()
+        .find(|(s, _)| *s == system)
+        .map_or(0, |(_, n)| n.load(Ordering::Relaxed))
+}
+
+/// Where a producer counts its resends ([`SEND_RETRIES`]): made by the adapter with the
+/// producer, from the meter provider installed then (as an engine's [`Metrics`]), and bumped
+/// where the adapter sends a record again. Cheap to clone.
+#[derive(Clone)]
+pub struct SendRetries {
+    total: Arc<AtomicU64>,
+    otel: Counter<u64>,
+    system: KeyValue,
+}
+
+impl std::fmt::Debug for SendRetries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendRetries")
+            .field("system", &self.system.value.as_str())
+            .field("process_total", &self.total.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl SendRetries {
+    /// The counter of a producer on `system` (OpenTelemetry attribute `messaging.system`).
+    pub fn new(system: &'static str) -> Self {
+        let total = {
+            let mut totals = SEND_RETRY_TOTALS
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match totals.iter().find(|(s, _)| *s == system) {
+                Some((_, n)) => n.clone(),
+                None => {
+                    let n = Arc::new(AtomicU64::new(0));
+                    totals.push((system, n.clone()));
+                    n
+                }
+            }
+        };
+        let otel = global::meter(crate::trace::SCOPE)
+            .u64_counter(SEND_RETRIES)
+            .with_description("Records sent again after an attempt that failed or went unanswered")
+            .with_unit("{retry}")
+            .build();
+        SendRetries {
+            total,
+            otel,
+            system: KeyValue::new("messaging.system", system),
+        }
+    }
+
+    /// Counts `n` resends.
+    pub fn add(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.total.fetch_add(n, Ordering::Relaxed);
+        self.otel.add(n, std::slice::from_ref(&self.system));
+    }
+}
 
 /// A point-in-time copy of the engine's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -355,5 +439,18 @@ mod tests {
         assert_eq!(s.duplicates_skipped, 1);
         assert_eq!(s.transactions_committed, 2);
         assert_eq!(s.processed, 0);
+    }
+
+    #[test]
+    fn send_retries_add_up_per_platform_across_producers() {
+        // A platform name of this test's own: other tests count on the real ones.
+        let before = send_retries("metrics-test");
+        let a = SendRetries::new("metrics-test");
+        let b = SendRetries::new("metrics-test");
+        a.add(2);
+        b.add(1);
+        a.add(0);
+        assert_eq!(send_retries("metrics-test") - before, 3);
+        assert_eq!(send_retries("no-such-platform"), 0);
     }
 }

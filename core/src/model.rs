@@ -557,8 +557,12 @@ pub(crate) fn parse_generation(g: Option<&Bytes>) -> crate::Result<u32> {
         })
 }
 
-/// What a successful send returns: where the record landed.
+/// What a successful send returns: where the record landed, and how many attempts it took.
+///
+/// `#[non_exhaustive]`: adapters build it with [`Delivery::new`] and its setters, so a field
+/// added later breaks none of them; every field stays public to read.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Delivery {
     /// Topic written to.
     pub topic: String,
@@ -571,6 +575,71 @@ pub struct Delivery {
     /// The platform recognised this record as a duplicate of one already written (JetStream
     /// `duplicate` publish ack); the position is the original one.
     pub duplicate: bool,
+    /// How many times onceflow sent the record before this acknowledgement: `1` when the
+    /// first attempt was acknowledged, `n` after `n - 1` resends. Each resend is also counted
+    /// in the OpenTelemetry counter [`crate::metrics::SEND_RETRIES`] (and
+    /// [`crate::metrics::send_retries`]), failed sends' resends included. What an attempt is,
+    /// per platform:
+    ///
+    /// - **JetStream**: one publish. A publish whose ack does not come within the producer's
+    ///   `publish_timeout_ms` (a lost ack, a slow server) is published again with the same
+    ///   `Nats-Msg-Id`, at most `publish_retries` times, and the stream's duplicate window
+    ///   stores it once (NATS docs, "JetStream Model Deep Dive", message deduplication). A
+    ///   record without a message id (`idempotent=false` and no idempotency key) and an atomic
+    ///   batch (ADR-50) are never resent: always `1`.
+    /// - **Kinesis**: one PutRecords request carrying the record. Entries that failed in a
+    ///   partial failure (`ProvisionedThroughputExceededException`, `InternalFailure`: AWS
+    ///   Kinesis API Reference, PutRecords) are put again, at most `put_attempts` requests by
+    ///   onceflow; a request the AWS SDK retried itself (its standard retry mode: throttling
+    ///   and transient errors of the whole request) counts each of its HTTP attempts.
+    /// - **memory**: always `1`.
+    /// - **Kafka**: always `1`, the one time onceflow hands the record to librdkafka; its
+    ///   resends are not visible. librdkafka resends a failed produce request's messages
+    ///   itself (`retries` / `message.send.max.retries`, default 2147483647, bounded by
+    ///   `delivery.timeout.ms`: librdkafka CONFIGURATION.md; KIP-91), without duplicates on
+    ///   an idempotent producer (KIP-98, onceflow's default), and its delivery report carries
+    ///   no count. Its statistics' `txretries` (STATISTICS.md) counts retried protocol
+    ///   requests, not these resends (they go back to the partition queue and leave in a new
+    ///   produce request), so it is not reported as send retries either.
+    /// - **Pulsar**: always `1`, the one time onceflow hands the record to the pulsar crate.
+    ///   The crate resends the messages still waiting for a receipt when it re-creates its
+    ///   producer after a broken connection or a closed producer (until `operation_timeout`),
+    ///   and the send receipt (`CommandSendReceipt`) carries no count; a resend the broker had
+    ///   stored already (PIP-6 deduplication) comes back as a [`Delivery::duplicate`].
+    pub attempts: u32,
+}
+
+impl Delivery {
+    /// A delivery to `partition` of `topic` at `position`, acknowledged on the first attempt:
+    /// no timestamp, not a duplicate, `attempts` 1.
+    pub fn new(topic: impl Into<String>, partition: i32, position: Position) -> Self {
+        Delivery {
+            topic: topic.into(),
+            partition,
+            position,
+            timestamp: None,
+            duplicate: false,
+            attempts: 1,
+        }
+    }
+
+    /// Sets the timestamp the platform assigned (`None`: not known).
+    pub fn timestamp(mut self, timestamp: Option<TimestampMs>) -> Self {
+        self.timestamp = timestamp;
+        self
+    }
+
+    /// Marks the record as a duplicate of one already written (or not).
+    pub fn duplicate(mut self, duplicate: bool) -> Self {
+        self.duplicate = duplicate;
+        self
+    }
+
+    /// Sets how many attempts the send took (see [`Delivery::attempts`]; at least 1).
+    pub fn attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts.max(1);
+        self
+    }
 }
 
 /// Where a consumer starts in a partition that has no committed position (or always, for the
@@ -807,6 +876,21 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.message().contains("offset:-3"));
         assert!("kinesis:12a".parse::<Position>().is_err());
+    }
+
+    #[test]
+    fn a_delivery_is_one_attempt_until_told_otherwise() {
+        let d = Delivery::new("t", 2, Position::Offset(7));
+        assert_eq!((d.topic.as_str(), d.partition), ("t", 2));
+        assert_eq!(d.position, Position::Offset(7));
+        assert_eq!((d.timestamp, d.duplicate, d.attempts), (None, false, 1));
+        let d = d.timestamp(Some(5)).duplicate(true).attempts(3);
+        assert_eq!((d.timestamp, d.duplicate, d.attempts), (Some(5), true, 3));
+        assert_eq!(
+            d.attempts(0).attempts,
+            1,
+            "a send takes at least one attempt"
+        );
     }
 }
 

@@ -19,7 +19,8 @@
 //! to the harness's deadlines, so they are fast in process and tolerant of broker latency.
 //!
 //! Cases: `round_trip`, `same_key_same_partition_in_order`, `send_batch_results_in_order`,
-//! `enqueue_batch_in_call_order`, `oversized_record_rejected`, `group_members_share_partitions`,
+//! `enqueue_batch_in_call_order`, `plain_sends_take_one_attempt`, `oversized_record_rejected`,
+//! `group_members_share_partitions`,
 //! `commit_then_new_member_resumes`, `start_from_earliest`, `start_from_latest`,
 //! `start_from_position`, `start_from_timestamp`, `seek`, `pause_resume`, `lag`,
 //! `committed_positions`, `nack_redelivers`, `tx_commit_makes_records_visible`,
@@ -95,6 +96,7 @@ macro_rules! backend_suite {
             same_key_same_partition_in_order,
             send_batch_results_in_order,
             enqueue_batch_in_call_order,
+            plain_sends_take_one_attempt,
             oversized_record_rejected,
             group_members_share_partitions,
             commit_then_new_member_resumes,
@@ -491,6 +493,58 @@ pub async fn enqueue_batch_in_call_order(h: &dyn Harness) -> CaseResult {
         .flat_map(|b| (0..5).map(move |i| format!("e{b}-{i}")))
         .collect();
     assert_eq!(got, want, "read in call order");
+    Ok(Outcome::Passed)
+}
+
+/// A send the platform acknowledges at once reports one attempt, whatever the path: `send`,
+/// `send_batch`, `enqueue_batch`, and where the platform has them a transaction's sends and an
+/// atomic batch. (Resends are tested per platform where onceflow makes them: JetStream after
+/// a lost ack, Kinesis after throttling, in `tests/send_retries.rs`.)
+pub async fn plain_sends_take_one_attempt(h: &dyn Harness) -> CaseResult {
+    let topic = h.topic(2).await?;
+    let p = producer(h).await?;
+    let mut deliveries = vec![("send", p.send(Record::new(topic.clone(), "s")).await?)];
+    for r in p
+        .send_batch(vec![
+            Record::new(topic.clone(), "b0").key("k"),
+            Record::new(topic.clone(), "b1").partition(1),
+        ])
+        .await
+    {
+        deliveries.push(("send_batch", r?));
+    }
+    for r in p
+        .enqueue_batch(vec![Record::new(topic.clone(), "e0")])
+        .await
+        .await
+    {
+        deliveries.push(("enqueue_batch", r?));
+    }
+    if caps(h).transactions {
+        let tp = tx_producer(h, &h.transactional_id()).await?;
+        let mut tx = tp.begin().await?;
+        deliveries.push((
+            "transaction send",
+            tx.send(Record::new(topic.clone(), "t")).await?,
+        ));
+        for r in tx.send_batch(vec![Record::new(topic.clone(), "tb")]).await {
+            deliveries.push(("transaction send_batch", r?));
+        }
+        tx.commit().await?;
+    }
+    if caps(h).atomic_batch {
+        let batch = vec![
+            Record::new(topic.clone(), "a0").partition(0),
+            Record::new(topic.clone(), "a1").partition(0),
+        ];
+        for d in p.send_atomic(batch).await? {
+            deliveries.push(("send_atomic", d));
+        }
+    }
+    for (how, d) in &deliveries {
+        assert_eq!(d.attempts, 1, "{how}: {d:?}");
+        assert!(!d.duplicate, "{how}: {d:?}");
+    }
     Ok(Outcome::Passed)
 }
 

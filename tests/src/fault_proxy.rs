@@ -1,7 +1,8 @@
 //! A fault layer between a client and a real broker on loopback: a TCP relay that reads the
-//! length-prefixed frames of both directions (Kafka and Pulsar both frame every request and
-//! response with a 4-byte big-endian size) and, by rule, delays a frame or cuts the connection
-//! when one passes. Every other byte is relayed unchanged, in order.
+//! frames of both directions and, by rule, delays a frame, drops it, or cuts the connection
+//! when one passes. Every other byte is relayed unchanged, in order. Two framings
+//! ([`Framing`]): length-prefixed (Kafka and Pulsar both frame every request and response with
+//! a 4-byte big-endian size), and the NATS client protocol's lines and messages.
 //!
 //! Brokers hand clients the addresses they advertise, so a client would leave the proxy after its
 //! first metadata lookup: the broker scripts give each broker a listener that advertises the
@@ -23,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -46,6 +47,23 @@ pub enum Action {
     Delay(Duration),
     /// Drop the frame and close the connection both ways, as a reset link would.
     Cut,
+    /// Drop the frame and relay on: a frame lost on a live connection. Only for protocols that
+    /// live with a missing frame (NATS: a message the server sent that never arrives, such as
+    /// a JetStream publish ack); a Kafka or Pulsar client would wait for its lost response.
+    Drop,
+}
+
+/// How the bytes of a connection divide into frames.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// A 4-byte big-endian size, then that many bytes (Kafka, Pulsar). Rules see the frame
+    /// without its size.
+    LengthPrefixed,
+    /// The NATS client protocol: a control line ending in CRLF (`INFO`, `PING`, `SUB`, ...),
+    /// and for `MSG`, `HMSG`, `PUB` and `HPUB` the payload of the size the line gives (the
+    /// last number: the total, headers included) and its CRLF. Rules see the whole frame,
+    /// control line included (see [`nats_payload`]).
+    Nats,
 }
 
 type Matcher = Box<dyn Fn(&[u8]) -> bool + Send + Sync>;
@@ -60,6 +78,7 @@ struct Rule {
 
 struct Inner {
     upstream: String,
+    framing: Framing,
     rules: Mutex<Vec<Rule>>,
     /// Bumped by [`FaultProxy::cut_all`]: every connection open at that moment closes.
     cut: watch::Sender<u64>,
@@ -76,13 +95,30 @@ pub struct FaultProxy {
 
 impl FaultProxy {
     /// Listens on `listen` (`host:port`; port 0 picks one) and relays each connection to
-    /// `upstream`. Errors if the address cannot be bound.
+    /// `upstream`, in length-prefixed frames (Kafka, Pulsar). Errors if the address cannot be
+    /// bound.
     pub async fn start(listen: &str, upstream: &str) -> std::io::Result<FaultProxy> {
+        Self::start_with(listen, upstream, Framing::LengthPrefixed).await
+    }
+
+    /// [`FaultProxy::start`] for a NATS server: the frames are the NATS protocol's
+    /// ([`Framing::Nats`]). A client connected through it stays behind it as long as the
+    /// server advertises no other address (a single server on loopback advertises none).
+    pub async fn start_nats(listen: &str, upstream: &str) -> std::io::Result<FaultProxy> {
+        Self::start_with(listen, upstream, Framing::Nats).await
+    }
+
+    async fn start_with(
+        listen: &str,
+        upstream: &str,
+        framing: Framing,
+    ) -> std::io::Result<FaultProxy> {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let (cut, _) = watch::channel(0u64);
         let inner = Arc::new(Inner {
             upstream: upstream.to_string(),
+            framing,
             rules: Mutex::new(Vec::new()),
             cut,
             connections: AtomicUsize::new(0),
@@ -215,24 +251,82 @@ fn decide(inner: &Inner, direction: Direction, frame: &[u8]) -> Option<Action> {
 async fn pump(
     inner: Arc<Inner>,
     direction: Direction,
-    mut from: OwnedReadHalf,
+    from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
 ) -> std::io::Result<()> {
-    let mut size = [0u8; 4];
-    let mut frame = Vec::new();
+    let mut from = BufReader::new(from);
+    // One frame as it came, and where in it the part the rules see starts.
+    let mut wire = Vec::new();
     loop {
-        from.read_exact(&mut size).await?;
-        let len = u32::from_be_bytes(size) as usize;
-        frame.resize(len, 0);
-        from.read_exact(&mut frame).await?;
-        match decide(&inner, direction, &frame) {
+        wire.clear();
+        let start = match inner.framing {
+            Framing::LengthPrefixed => {
+                let mut size = [0u8; 4];
+                from.read_exact(&mut size).await?;
+                wire.extend_from_slice(&size);
+                wire.resize(4 + u32::from_be_bytes(size) as usize, 0);
+                from.read_exact(&mut wire[4..]).await?;
+                4
+            }
+            Framing::Nats => {
+                read_nats_frame(&mut from, &mut wire).await?;
+                0
+            }
+        };
+        match decide(&inner, direction, &wire[start..]) {
             Some(Action::Cut) => return Ok(()),
+            Some(Action::Drop) => continue,
             Some(Action::Delay(d)) => tokio::time::sleep(d).await,
             None => {}
         }
-        to.write_all(&size).await?;
-        to.write_all(&frame).await?;
+        to.write_all(&wire).await?;
     }
+}
+
+/// Reads one NATS protocol frame into `wire` (see [`Framing::Nats`]).
+async fn read_nats_frame(
+    from: &mut BufReader<OwnedReadHalf>,
+    wire: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    if from.read_until(b'\n', wire).await? == 0 {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    if let Some(size) = nats_payload_size(wire) {
+        let line = wire.len();
+        wire.resize(line + size + 2, 0);
+        from.read_exact(&mut wire[line..]).await?;
+    }
+    Ok(())
+}
+
+/// The payload size a NATS control line announces (`MSG`, `HMSG`, `PUB`, `HPUB`: its last
+/// number, headers included), `None` for a line without payload.
+fn nats_payload_size(line: &[u8]) -> Option<usize> {
+    let line = std::str::from_utf8(line).ok()?;
+    let mut words = line.split_ascii_whitespace();
+    let op = words.next()?.to_ascii_uppercase();
+    if !matches!(op.as_str(), "MSG" | "HMSG" | "PUB" | "HPUB") {
+        return None;
+    }
+    words.last()?.parse().ok()
+}
+
+/// The payload of a NATS `MSG` or `HMSG` frame (headers skipped), `None` for any other
+/// frame: what a rule matches a reply on, such as a JetStream publish ack
+/// (`{"stream":"…","seq":…}`).
+pub fn nats_payload(frame: &[u8]) -> Option<&[u8]> {
+    let end = frame.iter().position(|b| *b == b'\n')?;
+    let line = std::str::from_utf8(&frame[..end]).ok()?;
+    let words: Vec<&str> = line.split_ascii_whitespace().collect();
+    let op = words.first()?.to_ascii_uppercase();
+    let headers = match op.as_str() {
+        "MSG" => 0,
+        // HMSG <subject> <sid> [reply-to] <header bytes> <total bytes>
+        "HMSG" => words.get(words.len().checked_sub(2)?)?.parse().ok()?,
+        _ => return None,
+    };
+    let total: usize = words.last()?.parse().ok()?;
+    frame.get(end + 1 + headers..end + 1 + total)
 }
 
 /// The API key of a Kafka request frame (the first field of every request header; EndTxn is
@@ -282,11 +376,31 @@ mod tests {
         assert_eq!(pulsar_command_type(&[0, 0, 0, 4, 0x10, 6]), None);
     }
 
-    #[tokio::test]
-    async fn relays_frames_and_applies_rules() {
+    #[test]
+    fn reads_the_payload_of_nats_messages() {
+        assert_eq!(
+            nats_payload(b"MSG _INBOX.a 1 4\r\nbody\r\n"),
+            Some(&b"body"[..])
+        );
+        assert_eq!(
+            nats_payload(b"MSG s 1 _INBOX.r 2\r\nok\r\n"),
+            Some(&b"ok"[..])
+        );
+        // Headers (12 bytes) come before the payload; the total counts both.
+        assert_eq!(
+            nats_payload(b"HMSG s 1 12 16\r\nNATS/1.0\r\n\r\nbody\r\n"),
+            Some(&b"body"[..])
+        );
+        assert_eq!(nats_payload(b"PING\r\n"), None);
+        assert_eq!(nats_payload(b"PUB s 2\r\nhi\r\n"), None);
+        assert_eq!(nats_payload_size(b"hpub s 2 5\r\n"), Some(5));
+        assert_eq!(nats_payload_size(b"INFO {}\r\n"), None);
+    }
+
+    /// An echo server on loopback: every byte written to it comes back.
+    async fn echo_server() -> String {
         let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let up_addr = upstream.local_addr().unwrap().to_string();
-        // An echo server.
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = upstream.accept().await.unwrap();
@@ -304,7 +418,35 @@ mod tests {
                 });
             }
         });
-        let proxy = FaultProxy::start("127.0.0.1:0", &up_addr).await.unwrap();
+        up_addr
+    }
+
+    #[tokio::test]
+    async fn relays_nats_frames_and_drops_one_by_rule() {
+        let proxy = FaultProxy::start_nats("127.0.0.1:0", &echo_server().await)
+            .await
+            .unwrap();
+        proxy.once(
+            Direction::ToClient,
+            |f| nats_payload(f) == Some(b"lost"),
+            Action::Drop,
+        );
+        let mut c = TcpStream::connect(proxy.addr()).await.unwrap();
+        // A payload holding a line break stays one frame.
+        let sent = b"PING\r\nMSG s 1 4\r\nlost\r\nMSG s 1 6\r\nk\r\nept\r\nPONG\r\n";
+        c.write_all(sent).await.unwrap();
+        let want = b"PING\r\nMSG s 1 6\r\nk\r\nept\r\nPONG\r\n";
+        let mut got = vec![0u8; want.len()];
+        c.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, want);
+        assert_eq!(proxy.fired(), 1);
+    }
+
+    #[tokio::test]
+    async fn relays_frames_and_applies_rules() {
+        let proxy = FaultProxy::start("127.0.0.1:0", &echo_server().await)
+            .await
+            .unwrap();
         let mut c = TcpStream::connect(proxy.addr()).await.unwrap();
         let frame = |b: &[u8]| {
             let mut v = (b.len() as u32).to_be_bytes().to_vec();

@@ -11,4 +11,5 @@ pub mod fault_proxy;
 pub mod harness;
 pub mod http;
 pub mod interop;
+pub mod kinesis_throttle;
 pub mod logs;

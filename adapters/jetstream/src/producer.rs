@@ -13,6 +13,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::Subject;
 use async_trait::async_trait;
+use onceflow_core::metrics::SendRetries;
 use onceflow_core::{
     Capabilities, Delivery, Error, ErrorKind, Position, ProducerBackend, ProducerConfig, Record,
     Result,
@@ -34,6 +35,8 @@ pub struct JetStreamProducer {
     idempotent: bool,
     timeout: Duration,
     retries: u32,
+    /// Counts each publish made again after a timeout (`onceflow.send_retries`).
+    send_retries: SendRetries,
     round_robin: AtomicU32,
 }
 
@@ -153,6 +156,7 @@ impl JetStreamProducer {
             idempotent: config.idempotent.unwrap_or(true),
             timeout,
             retries,
+            send_retries: SendRetries::new("jetstream"),
             round_robin: AtomicU32::new(rand::random::<u32>() % 1024),
         })
     }
@@ -258,17 +262,18 @@ impl JetStreamProducer {
         fut.await.map_err(|e| self.ack_err(p, e))
     }
 
-    fn delivery(p: Prepared, ack: PublishAck, retried: bool) -> Delivery {
+    /// The delivery of the record acknowledged by `ack` at its publish number `attempts`.
+    fn delivery(p: Prepared, ack: PublishAck, attempts: u32) -> Delivery {
         // A duplicate ack for a retry of an id onceflow generated can only be our own earlier
         // attempt: the record is written once, not a duplicate of someone else's.
-        let own_retry = retried && matches!(p.msg_id, MsgId::Generated(_));
-        Delivery {
-            topic: p.record.topic,
-            partition: p.partition,
-            position: Position::Sequence(ack.sequence),
-            timestamp: None,
-            duplicate: ack.duplicate && !own_retry,
-        }
+        let own_retry = attempts > 1 && matches!(p.msg_id, MsgId::Generated(_));
+        Delivery::new(
+            p.record.topic,
+            p.partition,
+            Position::Sequence(ack.sequence),
+        )
+        .duplicate(ack.duplicate && !own_retry)
+        .attempts(attempts)
     }
 
     /// One attempt: publish, then wait for the ack.
@@ -407,21 +412,23 @@ impl JetStreamProducer {
     /// What a first attempt's result comes to.
     fn outcome(&self, p: Prepared, result: Result<PublishAck>) -> Outcome {
         match result {
-            Ok(ack) => Outcome::Done(Ok(Self::delivery(p, ack, false))),
+            Ok(ack) => Outcome::Done(Ok(Self::delivery(p, ack, 1))),
             Err(e) if self.retriable(&p, &e, 0) => Outcome::Retry(p),
             Err(e) if e.kind() == ErrorKind::NotFound => Outcome::Recheck(p, e),
             Err(e) => Outcome::Done(Err(self.failed(&p, e))),
         }
     }
 
-    /// Retries a timed-out publish with the same headers and `Nats-Msg-Id`.
+    /// Retries a timed-out publish with the same headers and `Nats-Msg-Id`; each retry is
+    /// counted in `onceflow.send_retries` and in the delivery's `attempts`.
     async fn retry(&self, mut p: Prepared) -> Result<Delivery> {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
             tracing::debug!(subject = %p.subject, attempt, "publish timed out; retrying with the same Nats-Msg-Id");
+            self.send_retries.add(1);
             match self.attempt(&mut p).await {
-                Ok(ack) => return Ok(Self::delivery(p, ack, true)),
+                Ok(ack) => return Ok(Self::delivery(p, ack, attempt + 1)),
                 Err(e) if self.retriable(&p, &e, attempt) => {}
                 Err(e) if e.kind() == ErrorKind::NotFound => return Err(self.recheck(&p, e).await),
                 Err(e) => return Err(self.failed(&p, e)),
@@ -574,12 +581,12 @@ impl ProducerBackend for JetStreamProducer {
         Ok(prepared
             .into_iter()
             .enumerate()
-            .map(|(i, p)| Delivery {
-                topic: p.record.topic,
-                partition: p.partition,
-                position: Position::Sequence(first_seq + i as u64),
-                timestamp: None,
-                duplicate: false,
+            .map(|(i, p)| {
+                Delivery::new(
+                    p.record.topic,
+                    p.partition,
+                    Position::Sequence(first_seq + i as u64),
+                )
             })
             .collect())
     }

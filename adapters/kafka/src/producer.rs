@@ -826,16 +826,14 @@ impl Enqueued {
     }
 }
 
-/// A record's result from its report; the delivery takes the record's topic name.
+/// A record's result from its report; the delivery takes the record's topic name. Its
+/// `attempts` is 1: librdkafka resends inside and does not say how often (see
+/// [`Delivery::attempts`]).
 fn delivery_of(topic: String, report: Report) -> Result<Delivery> {
     match report {
-        Ok((partition, offset, timestamp)) => Ok(Delivery {
-            topic,
-            partition,
-            position: Position::Offset(offset),
-            timestamp,
-            duplicate: false,
-        }),
+        Ok((partition, offset, timestamp)) => {
+            Ok(Delivery::new(topic, partition, Position::Offset(offset)).timestamp(timestamp))
+        }
         Err(e) => Err(send_error(e, &topic)),
     }
 }

@@ -2,14 +2,18 @@
 //! retried, throttling backed off.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use aws_sdk_kinesis::config::interceptors::BeforeTransmitInterceptorContextRef;
+use aws_sdk_kinesis::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_kinesis::primitives::Blob;
 use aws_sdk_kinesis::types::PutRecordsRequestEntry;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use bytes::Bytes;
+use onceflow_core::metrics::SendRetries;
 use onceflow_core::{
     Capabilities, Delivery, Error, ErrorKind, Position, ProducerBackend, ProducerConfig, Record,
     Result,
@@ -66,7 +70,11 @@ impl Prepared {
 
 struct Pending {
     rec: Prepared,
+    /// PutRecords calls that failed for this record (at most `put_attempts`).
     attempt: usize,
+    /// HTTP requests that carried this record, the AWS SDK's own retries included: its
+    /// delivery's `attempts`.
+    sent: u32,
     reply: Reply,
 }
 
@@ -175,6 +183,10 @@ struct Queue {
 /// 500 records and 5 MiB. Calls are made one at a time, so records of one partition key are
 /// written in the order they were sent, except that an entry retried after a partial failure
 /// lands after entries of the same call that succeeded (as with AWS's KPL).
+///
+/// A delivery's [`attempts`](Delivery::attempts) counts the PutRecords requests that carried
+/// its record: onceflow's puts of a failed entry and the AWS SDK's own retries of a whole
+/// request alike; each request after the first is also counted in `onceflow.send_retries`.
 pub struct KinesisProducer {
     shared: Arc<Shared>,
     queue: Arc<Queue>,
@@ -187,7 +199,8 @@ impl KinesisProducer {
             wake: Notify::new(),
             closed: Mutex::new(false),
         });
-        tokio::spawn(drain(shared.clone(), Arc::downgrade(&queue)));
+        let retries = SendRetries::new("kinesis");
+        tokio::spawn(drain(shared.clone(), Arc::downgrade(&queue), retries));
         KinesisProducer { shared, queue }
     }
 
@@ -261,6 +274,7 @@ impl KinesisProducer {
             q.extend(recs.into_iter().map(|(rec, reply)| Pending {
                 rec,
                 attempt: 0,
+                sent: 0,
                 reply,
             }));
         }
@@ -393,7 +407,7 @@ fn next_batch(q: &mut VecDeque<Pending>) -> Vec<Pending> {
     batch
 }
 
-async fn drain(shared: Arc<Shared>, queue: std::sync::Weak<Queue>) {
+async fn drain(shared: Arc<Shared>, queue: std::sync::Weak<Queue>, retries: SendRetries) {
     loop {
         let Some(q) = queue.upgrade() else { return };
         let batch = next_batch(&mut q.items.lock());
@@ -406,7 +420,7 @@ async fn drain(shared: Arc<Shared>, queue: std::sync::Weak<Queue>) {
             continue;
         }
         shared.set_put_in_flight(true);
-        let retry = put(&shared, batch).await;
+        let retry = put(&shared, batch, &retries).await;
         shared.set_put_in_flight(false);
         if !retry.is_empty() {
             // Failed entries go back to the front, in their order.
@@ -430,9 +444,37 @@ fn backoff(attempt: usize) -> Duration {
         .unwrap_or(Duration::from_secs(2))
 }
 
+/// Counts the HTTP requests of one operation: the AWS SDK retries a throttled or failed
+/// request itself (standard retry mode) before the caller sees its outcome.
+#[derive(Debug, Clone, Default)]
+struct Transmissions(Arc<AtomicU32>);
+
+impl Transmissions {
+    fn get(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Intercept for Transmissions {
+    fn name(&self) -> &'static str {
+        "onceflow-put-records-transmissions"
+    }
+
+    fn read_before_transmit(
+        &self,
+        _: &BeforeTransmitInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
 /// One PutRecords call. Replies to what succeeded or failed for good; returns the entries to
-/// retry (after sleeping the backoff of the worst of them).
-async fn put(shared: &Shared, batch: Vec<Pending>) -> Vec<Pending> {
+/// retry (after sleeping the backoff of the worst of them). Every request that carried a
+/// record after its first is counted in `retries`.
+async fn put(shared: &Shared, mut batch: Vec<Pending>, retries: &SendRetries) -> Vec<Pending> {
     let stream = batch[0].rec.stream.clone();
     let entries: Vec<PutRecordsRequestEntry> = batch
         .iter()
@@ -446,13 +488,24 @@ async fn put(shared: &Shared, batch: Vec<Pending>) -> Vec<Pending> {
         })
         .collect();
     let attempts = shared.options.put_attempts;
+    let transmissions = Transmissions::default();
     let resp = shared
         .client
         .put_records()
         .stream_name(&stream)
         .set_records(Some(entries))
+        .customize()
+        .interceptor(transmissions.clone())
         .send()
         .await;
+    let sent = transmissions.get();
+    let mut resent = 0u64;
+    for p in &mut batch {
+        let before = p.sent;
+        p.sent += sent;
+        resent += u64::from(p.sent.saturating_sub(before.max(1)));
+    }
+    retries.add(resent);
     let mut retry = Vec::new();
     match resp {
         Err(e) => {
@@ -485,13 +538,13 @@ async fn put(shared: &Shared, batch: Vec<Pending>) -> Vec<Pending> {
                 };
                 match (r.error_code, r.sequence_number, r.shard_id) {
                     (None, Some(seq), Some(shard)) => {
-                        p.reply.send(Ok(Delivery {
-                            topic: stream.clone(),
-                            partition: partition_of_shard(&shard).unwrap_or(-1),
-                            position: Position::SequenceNumber(seq),
-                            timestamp: p.rec.timestamp,
-                            duplicate: false,
-                        }));
+                        p.reply.send(Ok(Delivery::new(
+                            stream.clone(),
+                            partition_of_shard(&shard).unwrap_or(-1),
+                            Position::SequenceNumber(seq),
+                        )
+                        .timestamp(p.rec.timestamp)
+                        .attempts(p.sent)));
                     }
                     (code, _, _) => {
                         let code = code.unwrap_or_else(|| "NoSequenceNumber".to_string());

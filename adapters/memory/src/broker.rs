@@ -336,13 +336,7 @@ impl State {
                 }
             }
         }
-        Delivery {
-            topic: record.topic,
-            partition,
-            position: Position::Offset(offset),
-            timestamp: Some(timestamp),
-            duplicate: false,
-        }
+        Delivery::new(record.topic, partition, Position::Offset(offset)).timestamp(Some(timestamp))
     }
 
     /// Ends a transaction: its records become committed or aborted, a control marker is written

@@ -258,6 +258,9 @@ impl PulsarProducer {
     /// earlier life's message under this sequence id and dropped this record) or this record's
     /// first receipt may have been lost: a non-retriable `Platform` error naming the producer,
     /// with [`Error::outcome_unknown`] set.
+    ///
+    /// [`Delivery::attempts`] is 1 either way: the crate's resends are its own, and its receipt
+    /// does not say how many there were.
     async fn complete(&self, f: InFlight) -> Result<Delivery> {
         let topic = f.topic;
         let receipt = f.future.await.map_err(|e| {
@@ -281,13 +284,13 @@ impl PulsarProducer {
                     sequence_id = receipt.sequence_id,
                     "the broker had stored this record already (a resend after a reconnect)"
                 );
-                return Ok(Delivery {
+                return Ok(Delivery::new(
                     topic,
-                    partition: f.partition,
-                    position: convert::position(&id, partition_index),
-                    timestamp: Some(f.timestamp),
-                    duplicate: true,
-                });
+                    f.partition,
+                    convert::position(&id, partition_index),
+                )
+                .timestamp(Some(f.timestamp))
+                .duplicate(true));
             }
             // Nothing of this producer is stored yet: either the name was used before (a
             // restarted process) and the broker holds an earlier life's message under this
@@ -314,13 +317,10 @@ impl PulsarProducer {
         }
         f.stored_from
             .fetch_min(receipt.sequence_id, Ordering::AcqRel);
-        Ok(Delivery {
-            topic,
-            partition: f.partition,
-            position: convert::position(&id, partition_index),
-            timestamp: Some(f.timestamp),
-            duplicate: false,
-        })
+        Ok(
+            Delivery::new(topic, f.partition, convert::position(&id, partition_index))
+                .timestamp(Some(f.timestamp)),
+        )
     }
 }
 
