@@ -525,6 +525,14 @@ export interface Delivery {
   timestamp?: number
   /** The platform recognised the record as a duplicate of one already written. */
   duplicate: boolean
+  /**
+   * How many times the record was sent: 1 when the first attempt was acknowledged.
+   * JetStream publishes again after an ack timeout (same message id) and Kinesis puts again
+   * what a partial failure or throttling refused; Kafka and Pulsar resend inside their
+   * client library without saying so, so it is always 1 there. Each resend is also counted
+   * in the OpenTelemetry counter `onceflow.send_retries`.
+   */
+  attempts: number
 }
 
 /** One error kind as the binding names it. */

@@ -205,7 +205,7 @@ async function sendMany(target, system, records) {
 
 const { Producer, Transaction, Consumer } = native
 
-/** Sends one record; resolves to its delivery `{topic, partition, position, timestamp, duplicate}`. */
+/** Sends one record; resolves to its delivery `{topic, partition, position, timestamp, duplicate, attempts}`. */
 Producer.prototype.send = function (...args) {
   return sendOne(this, this.platform, recordArgs(args))
 }

@@ -258,6 +258,12 @@ pub struct Delivery {
     pub timestamp: Option<i64>,
     /// The platform recognised the record as a duplicate of one already written.
     pub duplicate: bool,
+    /// How many times the record was sent: 1 when the first attempt was acknowledged.
+    /// JetStream publishes again after an ack timeout (same message id) and Kinesis puts again
+    /// what a partial failure or throttling refused; Kafka and Pulsar resend inside their
+    /// client library without saying so, so it is always 1 there. Each resend is also counted
+    /// in the OpenTelemetry counter `onceflow.send_retries`.
+    pub attempts: u32,
 }
 
 impl From<onceflow::Delivery> for Delivery {
@@ -268,6 +274,7 @@ impl From<onceflow::Delivery> for Delivery {
             position: d.position.to_string(),
             timestamp: d.timestamp,
             duplicate: d.duplicate,
+            attempts: d.attempts,
         }
     }
 }

@@ -42,6 +42,19 @@ for (const p of platforms()) {
     await producer.close()
   })
 
+  test(`${p.name}: a delivery says how many attempts its send took`, async () => {
+    // Acknowledged at once: one attempt, from send and sendBatch alike (resends, which only
+    // JetStream and Kinesis make themselves, are tested in Rust behind fault proxies).
+    const client = await onceflow.connect(p.url())
+    const t = await topic(client)
+    const producer = await client.producer()
+    const d = await producer.send(t, 'once')
+    assert.equal(d.attempts, 1)
+    const rs = await producer.sendBatch([{ topic: t, payload: 'a' }, { topic: t, payload: 'b' }])
+    assert.deepEqual(rs.map((r) => r.attempts), [1, 1])
+    await producer.close()
+  })
+
   test(`${p.name}: batches(), poll's message shape, commit() after a break`, async () => {
     const client = await onceflow.connect(p.url())
     const t = await topic(client)

@@ -144,6 +144,13 @@ class Delivery:
     def timestamp(self) -> Optional[int]: ...
     @property
     def duplicate(self) -> bool: ...
+    @property
+    def attempts(self) -> int:
+        """How many times the record was sent: 1 when the first attempt was acknowledged.
+        JetStream publishes again after an ack timeout (same message id) and Kinesis puts
+        again what a partial failure or throttling refused; Kafka and Pulsar resend inside
+        their client library without saying so, so it is always 1 there. Each resend is also
+        counted in the OpenTelemetry counter ``onceflow.send_retries``."""
 
 class Lag:
     @property

@@ -545,6 +545,13 @@ pub struct Delivery {
     /// The platform recognised the record as a duplicate of one already written.
     #[pyo3(get)]
     pub duplicate: bool,
+    /// How many times the record was sent: 1 when the first attempt was acknowledged. JetStream
+    /// publishes again after an ack timeout (same message id) and Kinesis puts again what a
+    /// partial failure or throttling refused; Kafka and Pulsar resend inside their client
+    /// library without saying so, so it is always 1 there. Each resend is also counted in the
+    /// OpenTelemetry counter `onceflow.send_retries`.
+    #[pyo3(get)]
+    pub attempts: u32,
 }
 
 #[pymethods]
@@ -557,11 +564,12 @@ impl Delivery {
 
     fn __repr__(&self) -> String {
         format!(
-            "Delivery(topic={:?}, partition={}, position={:?}, duplicate={})",
+            "Delivery(topic={:?}, partition={}, position={:?}, duplicate={}, attempts={})",
             self.topic,
             self.partition,
             self.position.to_string(),
-            if self.duplicate { "True" } else { "False" }
+            if self.duplicate { "True" } else { "False" },
+            self.attempts
         )
     }
 }
@@ -574,6 +582,7 @@ impl From<RsDelivery> for Delivery {
             position: d.position,
             timestamp: d.timestamp,
             duplicate: d.duplicate,
+            attempts: d.attempts,
         }
     }
 }

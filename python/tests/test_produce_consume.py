@@ -39,6 +39,22 @@ async def test_send_and_consume_round_trip(platform):
     await producer.close()
 
 
+async def test_a_delivery_says_how_many_attempts_its_send_took(platform):
+    """A send the platform acknowledges at once took one attempt: ``Delivery.attempts`` is the
+    int 1 from ``send``, ``send_batch`` and ``send_batch_results`` alike (resends, which only
+    JetStream and Kinesis make themselves, are tested in Rust behind fault proxies)."""
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    d = await producer.send(topic, b"once")
+    assert type(d.attempts) is int and d.attempts == 1
+    assert "attempts=1" in repr(d)
+    batch = await producer.send_batch([onceflow.Record(topic, b"a"), (topic, b"b")])
+    assert [b.attempts for b in batch] == [1, 1]
+    [r] = await producer.send_batch_results([onceflow.Record(topic, b"c")])
+    assert r.attempts == 1
+    await producer.close()
+
+
 async def test_send_batch_and_async_iteration_in_order(platform):
     topic = await platform.topic()
     producer = await platform.client.producer()

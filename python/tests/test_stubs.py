@@ -52,3 +52,13 @@ def test_class_members_match():
         }
         stub = {n for n in stub_members if not n.startswith("_")}
         assert stub == native, f"{name}: only in stub: {stub - native}; only in module: {native - stub}"
+
+
+def test_delivery_attempts_is_a_documented_int_property():
+    tree = ast.parse(STUB.read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Delivery"]
+    [attempts] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "attempts"]
+    assert [ast.unparse(d) for d in attempts.decorator_list] == ["property"]
+    assert ast.unparse(attempts.returns) == "int"
+    assert "onceflow.send_retries" in (ast.get_docstring(attempts) or "")
+    assert isinstance(_native.Delivery.attempts, type(_native.Delivery.duplicate)), "a native getter"
