@@ -36,6 +36,16 @@ for (const p of platforms()) {
         'commit() refuses an entry of committed()'
       )
     }
+    for (const [wrong, shape] of [
+      [{ topic: t, partition: 0, committed: got[2].position }, 'an object with keys topic, partition, committed'],
+      [[t, 0, got[1].position], 'an array'],
+      ['offset:1', 'string'],
+    ]) {
+      await assert.rejects(
+        consumer.commit([wrong]),
+        (e) => e.kind === 'config' && e.message === `position: expected a message or {topic: string, partition: number, position: string}, got ${shape}`
+      )
+    }
     // The refusals committed nothing: the group still resumes at m2.
     assert.deepEqual(await consumer.committed([{ topic: t, partition: 0 }]), committed)
     await consumer.close()
