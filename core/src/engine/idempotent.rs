@@ -1,6 +1,5 @@
 //! The idempotent consumer: at-least-once delivery plus a dedup store.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,6 +9,7 @@ use futures::future::join_all;
 use opentelemetry::context::FutureExt as _;
 use parking_lot::Mutex;
 
+use super::claims::conflict_error;
 use super::tracker::{CommitOnRevoke, Tracker};
 use super::{dead_letter_record, EngineConfig, Handler, KeyStrategy, OnFailure};
 use crate::backend::{Guarantee, PartitionLag};
@@ -419,67 +419,15 @@ impl Core {
     /// Handles one partition's messages in order.
     async fn process_chunk(&self, tp: TopicPartition, msgs: Vec<Message>) -> Result<()> {
         let generation = self.tracker.generation(&tp);
-        let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
         // Keys only matter with a store (or to refuse keyless messages).
         let mut keys: Vec<Option<String>> = if self.needs_keys() {
             msgs.iter().map(|m| self.store_key(m)).collect()
         } else {
             vec![None; msgs.len()]
         };
-        if let Some(store) = &self.store {
-            // A key repeated within the chunk (a redelivery arriving with its original) is
-            // claimed once; later copies are duplicates of the first.
-            let mut first = vec![false; msgs.len()];
-            let mut repeats: Vec<(usize, ClaimOutcome)> = Vec::new();
-            let mut fps: Vec<Option<u128>> = Vec::with_capacity(msgs.len());
-            {
-                let mut seen: HashMap<&str, Option<u128>, quick_cache::DefaultHashBuilder> =
-                    HashMap::with_capacity_and_hasher(msgs.len(), Default::default());
-                for (i, (m, k)) in msgs.iter().zip(&keys).enumerate() {
-                    let Some(k) = k else { continue };
-                    let fp = self.config.fingerprint.then(|| fingerprint(&m.payload));
-                    match seen.get(k.as_str()) {
-                        Some(first_fp) => repeats.push((i, repeat_outcome(*first_fp, fp))),
-                        None => {
-                            seen.insert(k.as_str(), fp);
-                            first[i] = true;
-                            fps.push(fp);
-                        }
-                    }
-                }
-            }
-            if !fps.is_empty() {
-                // The keys move into the requests and back: no copy per message.
-                let reqs: Vec<ClaimRequest> = keys
-                    .iter_mut()
-                    .zip(&first)
-                    .filter(|(_, f)| **f)
-                    .zip(fps)
-                    .map(|((k, _), fp)| ClaimRequest {
-                        key: k.take().expect("first copies have keys"),
-                        owner: self.config.worker_id.clone(),
-                        lease: self.config.lease,
-                        fingerprint: fp,
-                    })
-                    .collect();
-                let claimed = store.claim(&reqs).await;
-                let mut reqs = reqs.into_iter();
-                for (k, f) in keys.iter_mut().zip(&first) {
-                    if *f {
-                        *k = reqs.next().map(|r| r.key);
-                    }
-                }
-                let mut claimed = claimed?.into_iter();
-                for (i, slot) in outcomes.iter_mut().enumerate() {
-                    if first[i] {
-                        *slot = claimed.next();
-                    }
-                }
-            }
-            for (i, o) in repeats {
-                outcomes[i] = Some(o);
-            }
-        }
+        // A key repeated within the chunk (a redelivery arriving with its original) is claimed
+        // once; later copies are duplicates of the first.
+        let outcomes = self.claim_batch(&msgs, &mut keys, None).await?.outcomes;
         let keys: Keys = Mutex::new(ChunkKeys {
             keys,
             completions: Vec::new(),
@@ -582,20 +530,13 @@ impl Core {
             let key_copy = || keys.lock().keys[i].clone();
             // Wait out another worker's claim on this key: its completion, release or the end
             // of its lease.
-            let mut asked = 0;
-            while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
-                tokio::time::sleep(self.config.claim_wait(*expires_in, asked)).await;
-                asked += 1;
-                if self.tracker.generation(tp) != generation {
-                    break;
-                }
-                let store = self.store.as_ref().expect("in-progress implies a store");
-                let req = self.claim_request(key_copy().expect("claim implies key"), msg);
-                let o = store.claim_one(req).await?;
-                if let ClaimOutcome::Claimed { token } = &o {
+            if matches!(outcome, Some(ClaimOutcome::InProgress { .. })) {
+                let still_ours = || self.tracker.generation(tp) == generation;
+                let key = || key_copy().expect("claim implies key");
+                outcome = self.wait_out(outcome, key, msg, still_ours).await?;
+                if let Some(ClaimOutcome::Claimed { token }) = &outcome {
                     held.lock().push((i, *token));
                 }
-                outcome = Some(o);
             }
             if self.tracker.generation(tp) != generation {
                 self.metrics.add(Metric::Fenced, 1);
@@ -628,16 +569,7 @@ impl Core {
                     Ok(Done::Finished)
                 }
                 Some(ClaimOutcome::Mismatch { stored, given }) => {
-                    let err = Error::new(
-                        ErrorKind::Conflict,
-                        format!(
-                            "idempotency key '{}' at {} {} was seen before with another payload \
-                             (fingerprint {stored:032x}, this one {given:032x})",
-                            key_copy().unwrap_or_default(),
-                            tp,
-                            msg.position
-                        ),
-                    );
+                    let err = conflict_error(&key_copy().unwrap_or_default(), msg, stored, given);
                     tracing::warn!(error = %err, "payload conflicts with its key's fingerprint; routed by on_failure");
                     self.give_up(tp, msg, None, err, 1).await
                 }

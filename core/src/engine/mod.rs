@@ -17,6 +17,7 @@ use crate::client::IDEMPOTENCY_KEY_HEADER;
 use crate::error::{BoxError, Error, Result};
 use crate::model::{Message, Record};
 
+mod claims;
 mod idempotent;
 mod pipeline;
 pub(crate) mod tracker;

@@ -10,7 +10,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use opentelemetry::context::FutureExt as _;
 
-use super::idempotent::{drive, repeat_outcome, Core, RunSummary};
+use super::claims::conflict_error;
+use super::idempotent::{drive, Core, RunSummary};
 use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
 use crate::backend::Guarantee;
 use crate::client::{Committed, Consumer, Producer, Transaction};
@@ -538,41 +539,22 @@ impl TxLoop<'_> {
             }
             // Store keys are only needed with a store: without one, no key is claimed, and
             // formatting one per input was a sixth of the pipeline's own CPU time (K4).
-            let keys: Vec<Option<String>> = if core.needs_keys() {
+            let mut keys: Vec<Option<String>> = if core.needs_keys() {
                 msgs.iter().map(|m| core.store_key(m)).collect()
             } else {
                 vec![None; msgs.len()]
             };
-            let mut outcomes: Vec<Option<ClaimOutcome>> = vec![None; msgs.len()];
-            if let Some(store) = &core.store {
-                // Keys already in the open transaction (a redelivery of an input in flight) or
-                // repeated in this batch are duplicates: if the transaction commits, so does the
-                // input; if it aborts, the rewind reads it again.
-                let mut first = vec![false; msgs.len()];
-                let mut reqs = Vec::with_capacity(msgs.len());
-                for (i, (m, k)) in msgs.iter().zip(&keys).enumerate() {
-                    let Some(k) = k else { continue };
-                    let req = core.claim_request(k.clone(), m);
-                    match st.inflight.get(k) {
-                        Some(fp) => outcomes[i] = Some(repeat_outcome(*fp, req.fingerprint)),
-                        None => {
-                            st.inflight.insert(k.clone(), req.fingerprint);
-                            first[i] = true;
-                            reqs.push(req);
-                        }
-                    }
-                }
-                let mut it = if reqs.is_empty() {
-                    Vec::new().into_iter()
-                } else {
-                    store.claim(&reqs).await?.into_iter()
-                };
-                for (i, slot) in outcomes.iter_mut().enumerate() {
-                    if first[i] {
-                        *slot = it.next();
-                    }
-                }
+            // Keys already in the open transaction (a redelivery of an input in flight) or
+            // repeated in this batch are duplicates: if the transaction commits, so does the
+            // input; if it aborts, the rewind reads it again.
+            let claims = core
+                .claim_batch(&msgs, &mut keys, Some(&st.inflight))
+                .await?;
+            for &(i, fp) in &claims.first {
+                let k = keys[i].clone().expect("first copies have keys");
+                st.inflight.insert(k, fp);
             }
+            let outcomes = claims.outcomes;
             let redo = self.redo(&msgs, &outcomes).await?;
             for (i, (((msg, key), mut outcome), redo)) in
                 msgs.iter().zip(&keys).zip(outcomes).zip(redo).enumerate()
@@ -587,28 +569,28 @@ impl TxLoop<'_> {
                     );
                     outcome = None;
                 }
-                let mut asked = 0;
-                while let Some(ClaimOutcome::InProgress { expires_in, .. }) = &outcome {
-                    tokio::time::sleep(cfg.claim_wait(*expires_in, asked)).await;
-                    asked += 1;
-                    let store = core.store.as_ref().expect("in-progress implies a store");
-                    let req = core.claim_request(key.clone().expect("key"), msg);
-                    outcome = Some(store.claim_one(req).await?);
+                if matches!(outcome, Some(ClaimOutcome::InProgress { .. })) {
+                    // Another worker holds the key: wait it out, unless the partition moves
+                    // away meanwhile (then the transaction aborts and the input is the next
+                    // owner's).
+                    let tp = msg.topic_partition();
+                    let generation = core.tracker.generation(&tp);
+                    let still_ours = || core.tracker.generation(&tp) == generation;
+                    let k = || key.clone().expect("in-progress implies a key");
+                    outcome = core.wait_out(outcome, k, msg, still_ours).await?;
+                    if matches!(outcome, Some(ClaimOutcome::InProgress { .. })) {
+                        core.tracker.take_revoked_flag();
+                        self.abort_and_rewind(&mut st, "partitions revoked").await?;
+                        return Ok(());
+                    }
                 }
                 match outcome {
                     Some(ClaimOutcome::Duplicate { .. }) => {
                         core.metrics.add(Metric::DuplicateSkipped, 1);
                     }
                     Some(ClaimOutcome::Mismatch { stored, given }) => {
-                        let err = Error::new(
-                            ErrorKind::Conflict,
-                            format!(
-                                "idempotency key '{}' at {} {} was seen before with another payload (fingerprint {stored:032x}, this one {given:032x})",
-                                key.as_deref().unwrap_or_default(),
-                                msg.topic_partition(),
-                                msg.position
-                            ),
-                        );
+                        let err =
+                            conflict_error(key.as_deref().unwrap_or_default(), msg, stored, given);
                         // Routed like a transform that failed for good; never a stop by itself.
                         tracing::warn!(error = %err, "payload conflicts with its key's fingerprint; routed by on_failure");
                         if !self.give_up(&mut st, msg, err, 1, None, false).await? {
