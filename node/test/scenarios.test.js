@@ -117,7 +117,10 @@ class Cell {
   }
 
   async run() {
-    for (const [i, step] of this.scenario.steps.entries()) {
+    for (const [i, raw] of this.scenario.steps.entries()) {
+      // A platform's documented difference replaces fields of the step ("why" says why).
+      const { why: _why, ...override } = (raw.overrides || {})[this.platform] || {}
+      const step = { ...raw, ...override }
       const unsupported = (step.unsupported || {})[this.platform]
       try {
         await this[`op_${step.op}`](step)
@@ -145,13 +148,14 @@ class Cell {
   async op_produce(step) {
     const producer = await this.client.producer()
     const topic = this.topics[step.topic]
+    const deliveries = []
     const sendAll = async () => {
       for (const r of step.records) {
         const rec = { topic, payload: value(r.payload), headers: (r.headers || []).map(([n, v]) => [n, value(v)]) }
         const key = value(r.key)
         if (key !== null) rec.key = key
         if (r.idempotency_key) rec.idempotencyKey = r.idempotency_key
-        await producer.send(rec)
+        deliveries.push(await producer.send(rec))
       }
     }
     if (step.traceparent) {
@@ -168,6 +172,9 @@ class Cell {
     }
     await producer.flush()
     await producer.close()
+    if (step.expect_duplicate) {
+      assert.deepStrictEqual(deliveries.map((d) => d.duplicate), step.expect_duplicate, 'Delivery.duplicate per record')
+    }
   }
 
   async op_sleep(step) {
@@ -210,6 +217,7 @@ class Cell {
   async op_idempotent(step) {
     const consumer = await this.client.consumer(unique('node-scn-g'), [this.topics[step.topic]], { start: 'earliest' })
     const calls = {}
+    const deliveryCounts = {}
     const failFirst = new Set(step.fail_first || [])
     const seenTraces = []
     const keyHeader = step.key_header || 'idempotency-key'
@@ -219,6 +227,7 @@ class Cell {
       const h = onceflow.header(m, keyHeader)
       const k = h ? h.toString() : ''
       calls[k] = (calls[k] || 0) + 1
+      ;(deliveryCounts[k] = deliveryCounts[k] || []).push(m.deliveryCount)
       if (step.expect_trace) {
         const span = api.trace.getSpan(api.context.active())
         const tp = onceflow.header(m, 'traceparent')
@@ -246,6 +255,9 @@ class Cell {
     assert.deepStrictEqual(calls, step.expect_calls, 'handler calls per key')
     for (const [k, v] of Object.entries(expectMetrics)) {
       assert.equal(summary.metrics[camel(k)], v, `metrics.${camel(k)} (all: ${JSON.stringify(summary.metrics)})`)
+    }
+    for (const [k, want] of Object.entries(step.expect_delivery_counts || {})) {
+      assert.deepStrictEqual(deliveryCounts[k], want, `deliveryCount of ${k} per handler call`)
     }
     if (step.expect_trace) {
       const want = step.expect_trace

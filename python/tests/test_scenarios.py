@@ -154,6 +154,9 @@ class Cell:
 
     async def run(self) -> None:
         for i, step in enumerate(self.scenario["steps"]):
+            # A platform's documented difference replaces fields of the step ("why" says why).
+            override = step.get("overrides", {}).get(self.platform, {})
+            step = {**step, **{k: v for k, v in override.items() if k != "why"}}
             op = step["op"]
             unsupported = step.get("unsupported", {}).get(self.platform)
             try:
@@ -178,16 +181,19 @@ class Cell:
         producer = await self.client.producer()
         topic = self.topics[step["topic"]]
 
+        deliveries = []
+
         async def send_all() -> None:
             for r in step["records"]:
                 headers = [(n, value(v)) for n, v in r.get("headers", [])]
-                await producer.send(
+                d = await producer.send(
                     topic,
                     value(r["payload"]),
                     key=value(r.get("key")),
                     headers=headers or None,
                     idempotency_key=r.get("idempotency_key"),
                 )
+                deliveries.append(d)
 
         if "traceparent" in step:
             parent = TraceContextTextMapPropagator().extract({"traceparent": step["traceparent"]})
@@ -197,6 +203,9 @@ class Cell:
             await send_all()
         await producer.flush()
         await producer.close()
+        if "expect_duplicate" in step:
+            flags = [d.duplicate for d in deliveries]
+            assert flags == step["expect_duplicate"], f"Delivery.duplicate {flags}, expected {step['expect_duplicate']}"
 
     async def op_sleep(self, step: dict) -> None:
         await asyncio.sleep(step["ms"] / 1000.0)
@@ -233,6 +242,7 @@ class Cell:
     async def op_idempotent(self, step: dict) -> None:
         consumer = await self.client.consumer(unique("py-scn-g"), [self.topics[step["topic"]]], start="earliest")
         calls: Dict[str, int] = collections.Counter()
+        delivery_counts: Dict[str, List[int]] = collections.defaultdict(list)
         fail_first = set(step.get("fail_first", []))
         seen_traces: List[Tuple[str, Optional[bytes]]] = []
         key_header = step.get("key_header", "idempotency-key")
@@ -243,6 +253,7 @@ class Cell:
         async def handler(m: onceflow.Message) -> None:
             k = (m.header(key_header) or b"").decode()
             calls[k] += 1
+            delivery_counts[k].append(m.delivery_count)
             if "expect_trace" in step:
                 ctx = trace.get_current_span().get_span_context()
                 seen_traces.append((format(ctx.trace_id, "032x"), m.header("traceparent")))
@@ -269,6 +280,10 @@ class Cell:
         metrics = summary["metrics"]
         for k, v in expect_metrics.items():
             assert metrics[k] == v, f"metrics[{k!r}] = {metrics[k]}, expected {v} (all: {metrics})"
+        for k, want_counts in step.get("expect_delivery_counts", {}).items():
+            assert delivery_counts[k] == want_counts, (
+                f"delivery_count of {k} per handler call {delivery_counts[k]}, expected {want_counts}"
+            )
         if "expect_trace" in step:
             want = step["expect_trace"]
             assert seen_traces, "the handler never ran"

@@ -267,7 +267,15 @@ impl Cell<'_> {
 
     async fn run(&mut self) -> Res {
         let steps = self.scenario["steps"].as_array().expect("spec: steps");
-        for (i, step) in steps.iter().enumerate() {
+        for (i, raw) in steps.iter().enumerate() {
+            // A platform's documented difference replaces fields of the step ("why" says why).
+            let mut step = raw.clone();
+            if let Some(o) = raw["overrides"][self.platform].as_object() {
+                for (k, v) in o.iter().filter(|(k, _)| k.as_str() != "why") {
+                    step[k.as_str()] = v.clone();
+                }
+            }
+            let step = &step;
             let op = str_of(step, "op");
             let unsupported = &step["unsupported"][self.platform];
             let r = self.step(op, step).await;
@@ -340,6 +348,7 @@ impl Cell<'_> {
             }
             None => Context::new(),
         };
+        let mut duplicates = Vec::new();
         for r in step["records"].as_array().expect("spec: records") {
             let mut record = Record::new(topic.clone(), value(&r["payload"]).unwrap_or_default());
             record.key = value(&r["key"]);
@@ -352,11 +361,23 @@ impl Cell<'_> {
             if let Some(k) = r["idempotency_key"].as_str() {
                 record = record.idempotency_key(k);
             }
-            producer.send(record).with_context(cx.clone()).await?;
+            duplicates.push(
+                producer
+                    .send(record)
+                    .with_context(cx.clone())
+                    .await?
+                    .duplicate,
+            );
         }
         cx.span().end();
         producer.flush(Duration::from_secs(30)).await?;
         producer.close().await?;
+        if let Some(want) = step["expect_duplicate"].as_array() {
+            let want: Vec<bool> = want.iter().map(|b| b.as_bool().unwrap()).collect();
+            ensure(duplicates == want, || {
+                format!("Delivery::duplicate {duplicates:?}, expected {want:?}")
+            })?;
+        }
         Ok(())
     }
 
@@ -461,10 +482,13 @@ impl Cell<'_> {
             .map(|a| a.iter().map(|k| k.as_str().unwrap().to_string()).collect())
             .unwrap_or_default();
         let calls: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
+        let delivery_counts: Arc<Mutex<BTreeMap<String, Vec<u64>>>> = Arc::default();
         let traces: Arc<Mutex<Vec<HandlerTrace>>> = Arc::default();
         let handler = {
             let (calls, traces, key_header) = (calls.clone(), traces.clone(), key_header.clone());
+            let delivery_counts = delivery_counts.clone();
             handler_fn(move |m: Message| {
+                let delivery_counts = delivery_counts.clone();
                 let (calls, traces, key_header, fail_first) = (
                     calls.clone(),
                     traces.clone(),
@@ -479,6 +503,12 @@ impl Cell<'_> {
                         *n += 1;
                         *n
                     };
+                    delivery_counts
+                        .lock()
+                        .unwrap()
+                        .entry(k.clone())
+                        .or_default()
+                        .push(u64::from(m.delivery_count));
                     let cx = Context::current();
                     traces.lock().unwrap().push((
                         cx.span().span_context().trace_id().to_string(),
@@ -543,6 +573,21 @@ impl Cell<'_> {
                     summary.metrics
                 )
             })?;
+        }
+        if let Some(want) = step["expect_delivery_counts"].as_object() {
+            let counts = delivery_counts.lock().unwrap().clone();
+            for (k, v) in want {
+                let want: Vec<u64> = v
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|n| n.as_u64().unwrap())
+                    .collect();
+                let got = counts.get(k).cloned().unwrap_or_default();
+                ensure(got == want, || {
+                    format!("delivery_count of {k} per handler call {got:?}, expected {want:?}")
+                })?;
+            }
         }
         if let Some(want) = step["expect_trace"].as_object() {
             let trace_id = want["trace_id"].as_str().unwrap();
