@@ -79,15 +79,27 @@ fn retries_of(system: &str) -> (u64, u64) {
     (send_retries(system), exported_retries(system))
 }
 
-/// The broker URL in `var`, or `None` after saying the test is skipped.
-fn url_of(var: &str, service: &str, test: &str) -> Option<String> {
+/// The broker URL in `var`, with the meter provider installed; `None` after saying the test
+/// is skipped.
+fn broker(var: &str, service: &str, test: &str) -> Option<String> {
     match broker_url(var, service) {
-        Ok(url) => Some(url),
+        Ok(url) => {
+            telemetry();
+            Some(url)
+        }
         Err(reason) => {
             eprintln!("{test}: SKIPPED: {reason}");
             None
         }
     }
+}
+
+/// A new one-partition topic on `platform`, once the platform describes it.
+async fn new_topic(platform: Arc<dyn PlatformBackend>) -> String {
+    PlatformHarness::new(platform, Timings::broker())
+        .topic(1)
+        .await
+        .unwrap()
 }
 
 /// `host:port` of a broker URL.
@@ -137,17 +149,13 @@ fn attempts(ds: &[Delivery]) -> Vec<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once() {
     let test = "jetstream_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once";
-    let Some(url) = url_of("ONCEFLOW_NATS_URL", "nats", test) else {
+    let Some(url) = broker("ONCEFLOW_NATS_URL", "nats", test) else {
         return;
     };
-    telemetry();
     let direct = onceflow_jetstream::connect(&format!("nats://{}?storage=memory", host_port(&url)))
         .await
         .unwrap();
-    let topic = PlatformHarness::new(direct.clone(), Timings::broker())
-        .topic(1)
-        .await
-        .unwrap();
+    let topic = new_topic(direct.clone()).await;
     let proxy = FaultProxy::start_nats("127.0.0.1:0", &host_port(&url))
         .await
         .unwrap();
@@ -195,18 +203,14 @@ async fn jetstream_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kinesis_throttled_puts_are_sent_again_and_stored_once() {
     let test = "kinesis_throttled_puts_are_sent_again_and_stored_once";
-    let Some(url) = url_of("ONCEFLOW_KINESIS_URL", "kinesis", test) else {
+    let Some(url) = broker("ONCEFLOW_KINESIS_URL", "kinesis", test) else {
         return;
     };
-    telemetry();
     let sep = if url.contains('?') { '&' } else { '?' };
     let direct = onceflow_kinesis::connect(&format!("{url}{sep}idle_ms=100"))
         .await
         .unwrap();
-    let topic = PlatformHarness::new(direct.clone(), Timings::broker())
-        .topic(1)
-        .await
-        .unwrap();
+    let topic = new_topic(direct.clone()).await;
     let proxy = ThrottleProxy::start(&host_port(&url)).await.unwrap();
     let behind =
         onceflow_kinesis::connect(&url.replace(&host_port(&url), &proxy.addr().to_string()))
