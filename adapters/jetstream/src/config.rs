@@ -52,14 +52,16 @@ pub struct JetStreamOptions {
     /// server for messages (its `expires`). A partition given up waits for the request in
     /// flight to end, so a longer expiry makes hand-overs slower.
     pub pull_expires: Duration,
-    /// `idle_heartbeat_ms` (default 0 = none): the pull request's `idle_heartbeat`: while it
-    /// waits, the server sends a heartbeat this often. A request the server has not ended
-    /// two heartbeats (at least 500 ms) after its expiry died with its server or connection
-    /// and is given up and made again; without a heartbeat that takes 5 s (async-nats'
-    /// batch timeout), so after a server restart a consumer reads again within about
-    /// `pull_expires_ms` + max(2 × heartbeat, 500 ms) instead of `pull_expires_ms` + 5 s
-    /// (async-nats' batch requests swallow the heartbeats themselves). At most
-    /// half of `pull_expires_ms` (the server refuses a longer one), at least 10 ms
+    /// `idle_heartbeat_ms` (default 0 = none): the pull request's `idle_heartbeat`: while a
+    /// request waits without a message, the server sends a heartbeat this often, until it ends
+    /// the request (a 408 status at its expiry). A request that hears nothing from the server
+    /// for two heartbeats (at least 500 ms) lost its server (a restart, a server that hangs)
+    /// or its connection, whatever its expiry: it is given up, said once in a warning, and
+    /// made again once connected. Without a heartbeat a request is given up only 5 s after its
+    /// expiry (async-nats' batch timeout): after a server restart a consumer reads again
+    /// within about max(2 × heartbeat, 500 ms) instead of `pull_expires_ms` + 5 s. An idle
+    /// stream on a healthy server is not taken for a dead one. At most half of
+    /// `pull_expires_ms` (the server refuses a longer one), at least 10 ms
     /// ([pull requests](https://docs.nats.io/reference/reference-protocols/nats_api_reference#fetching-from-a-pull-consumer),
     /// [ADR-37](https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-37.md)).
     pub idle_heartbeat: Option<Duration>,

@@ -557,6 +557,7 @@ impl JetStreamConsumer {
             consumer,
             &self.options,
             self.shared.client.clone(),
+            self.shared.js.clone(),
             self.notify.clone(),
             self.liveness.clone(),
         )
@@ -986,15 +987,79 @@ fn keepalive_period(options: &JetStreamOptions) -> Duration {
     (ack_deadline(options) / 5).max(Duration::from_millis(10))
 }
 
-/// How long after its expiry a pull request the server has not ended is given up: two idle
-/// heartbeats (at least 500 ms, so a busy connection's late end-of-request is not taken for
-/// a dead one: messages still sent to a request given up come back only after `ack_wait`),
-/// or without a heartbeat the 5 s async-nats waits itself.
+/// How long a pull request in flight may go without a word from the server before it is
+/// taken for dead (its server restarted or hangs, or its connection died silently) and made
+/// again:
+/// - with an idle heartbeat, two heartbeats (at least 500 ms) since the server last sent it
+///   anything. The server sends a heartbeat whenever the request has waited that long without
+///   a message, until it ends the request with a status (408 at its expiry) or its last
+///   message, so a request that hears nothing for two has lost its server, whatever its
+///   expiry ([ADR-37](https://github.com/nats-io/nats-architecture-and-design/blob/main/adr/ADR-37.md)).
+///   The floor keeps a busy connection's late heartbeat from being taken for a dead server:
+///   messages still sent to a request given up come back only after `ack_wait`.
+/// - without, 5 s after the request's expiry (what async-nats' own batch waits): until its
+///   expiry the server says nothing to a request it has no message for.
 fn request_grace(heartbeat: Option<Duration>) -> Duration {
     match heartbeat {
         Some(hb) => (hb * 2).max(Duration::from_millis(500)),
         None => Duration::from_secs(5),
     }
+}
+
+/// What the server sent a pull request's inbox.
+enum Reply {
+    /// A message of the stream.
+    Message(Box<jetstream::Message>),
+    /// `100 Idle Heartbeat`: the request waits, the server is alive.
+    Heartbeat,
+    /// A status that ends the request: `408 Request Timeout` (its expiry) or `404 No
+    /// Messages` with `None`, anything else (409 consumer deleted or leadership change, 503 no
+    /// responders while JetStream recovers, ...) with its code and description.
+    End(Option<String>),
+}
+
+impl Reply {
+    fn of(m: async_nats::Message, js: &jetstream::Context) -> Reply {
+        use async_nats::StatusCode;
+        match m.status {
+            None | Some(StatusCode::OK) => Reply::Message(Box::new(jetstream::Message {
+                message: m,
+                context: js.clone(),
+            })),
+            Some(StatusCode::IDLE_HEARTBEAT) => Reply::Heartbeat,
+            Some(StatusCode::TIMEOUT | StatusCode::NOT_FOUND) => Reply::End(None),
+            Some(status) => Reply::End(Some(format!(
+                "{status} {}",
+                m.description.as_deref().unwrap_or_default()
+            ))),
+        }
+    }
+}
+
+/// Sends one pull request for up to `batch` messages, expiring after `expires`, with the idle
+/// heartbeat if any, to a new inbox; the inbox's subscription (unsubscribed when dropped).
+///
+/// The replies are read here rather than through async-nats' `Batch`: that stream swallows an
+/// idle heartbeat without asking to be woken for the next reply, so once a heartbeat came,
+/// the rest of the request (its messages, its 408) was read only when something else woke
+/// the task.
+async fn pull_request(
+    client: &async_nats::Client,
+    consumer: &PullConsumer,
+    batch: usize,
+    expires: Duration,
+    heartbeat: Option<Duration>,
+) -> std::result::Result<async_nats::Subscriber, async_nats::Error> {
+    let inbox = async_nats::Subject::from(client.new_inbox());
+    let sub = client.subscribe(inbox.clone()).await?;
+    let request = async_nats::jetstream::consumer::pull::BatchConfig {
+        batch,
+        expires: Some(expires),
+        idle_heartbeat: heartbeat.unwrap_or_default(),
+        ..Default::default()
+    };
+    consumer.request_batch(request, inbox).await?;
+    Ok(sub)
 }
 
 /// The shortest ack deadline the server may give a delivered message: the consumer's
@@ -1010,8 +1075,11 @@ fn ack_deadline(options: &JetStreamOptions) -> Duration {
 
 /// Starts the task that pulls from `consumer` into a bounded channel: one pull request at a
 /// time ([pull consumers](https://docs.nats.io/using-nats/developer/develop_jetstream/consumers#pull-consumers)),
-/// up to `fetch_batch` messages, expiring after `pull_expires_ms`; a request the server has
-/// not ended [`request_grace`] after its expiry is given up and made again. A request's messages are read
+/// up to `fetch_batch` messages, expiring after `pull_expires_ms`. A request ends with the
+/// server's status (408 at its expiry) or its last message; one that heard nothing from the
+/// server for [`request_grace`] (with `idle_heartbeat_ms`; without, that long after its expiry)
+/// died with its server or connection and is given up (said once until the server answers
+/// again), and the next one is made once the client is connected. A request's messages are read
 /// as they arrive (into `waiting` while the channel is full), so that every message the server
 /// delivered and `poll` has not taken yet is known to the task, which sends `+WPI` for those
 /// waiting a [`keepalive_period`] or longer: a slow handler does not make the prefetched
@@ -1023,6 +1091,7 @@ fn spawn_fetch(
     consumer: PullConsumer,
     options: &JetStreamOptions,
     client: async_nats::Client,
+    js: jetstream::Context,
     notify: Arc<Notify>,
     liveness: Liveness,
 ) -> Fetch {
@@ -1031,6 +1100,10 @@ fn spawn_fetch(
     let heartbeat = options.idle_heartbeat;
     let grace = request_grace(heartbeat);
     let period = keepalive_period(options);
+    let (stream_name, durable) = {
+        let info = consumer.cached_info();
+        (info.stream_name.clone(), info.name.clone())
+    };
     let (tx, rx) = mpsc::channel(batch);
     let (stop, mut stop_rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
@@ -1043,24 +1116,32 @@ fn spawn_fetch(
         let mut sent: VecDeque<(async_nats::Subject, Instant)> = VecDeque::new();
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The server stopped answering (a request given up, or one that could not be made):
+        // said once, until it answers again.
+        let mut unanswered = false;
         while !stopping {
-            if liveness.stale() {
+            if liveness.stale()
+                || client.connection_state() != async_nats::connection::State::Connected
+            {
                 // Presumed dead by the group: no pull (the new owner's requests get the
-                // messages), and no in-progress signals for what is waiting.
+                // messages), and no in-progress signals for what is waiting. Disconnected: a
+                // request would wait in the client's buffer and reach the server after the
+                // reconnection, next to the one made then.
                 tokio::select! {
                     _ = &mut stop_rx => return waiting.into_iter().map(|(m, _)| m).collect(),
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => continue,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
                 }
             }
-            let mut request = consumer.batch().max_messages(batch).expires(expires);
-            if let Some(hb) = heartbeat {
-                request = request.heartbeat(hb);
-            }
-            let request = request.messages().await;
-            let mut messages = match request {
-                Ok(m) => m,
+            let mut replies = match pull_request(&client, &consumer, batch, expires, heartbeat)
+                .await
+            {
+                Ok(sub) => sub,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot pull; retrying");
+                    if !std::mem::replace(&mut unanswered, true) {
+                        tracing::warn!(error = %e, stream = %stream_name, durable = %durable, "cannot pull; retrying");
+                    } else {
+                        tracing::debug!(error = %e, stream = %stream_name, durable = %durable, "cannot pull; retrying");
+                    }
                     tokio::select! {
                         _ = &mut stop_rx => return waiting.into_iter().map(|(m, _)| m).collect(),
                         _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
@@ -1068,22 +1149,22 @@ fn spawn_fetch(
                 }
             };
             let mut ended = false;
-            // The server ends a request at its expiry; one not ended `grace` later died with
-            // its server (a restart) or connection: given up, and the next one is made.
-            let given_up = tokio::time::sleep(expires + grace);
+            // Ended by a status other than the expiry's: wait a little before the next request
+            // (a deleted durable answers every request at once).
+            let mut refused = false;
+            let mut received = 0usize;
+            // When the request is taken for dead: `grace` after the server's last word with a
+            // heartbeat (pushed back by every reply), `grace` after the expiry without.
+            let silent_after = match heartbeat {
+                Some(_) => grace,
+                None => expires + grace,
+            };
+            let given_up = tokio::time::sleep(silent_after);
             tokio::pin!(given_up);
             while !ended || (!waiting.is_empty() && !stopping) {
                 tokio::select! {
                     biased;
                     _ = &mut stop_rx, if !stopping => stopping = true,
-                    _ = &mut given_up, if !ended => {
-                        tracing::warn!(
-                            expires_ms = expires.as_millis() as u64,
-                            grace_ms = grace.as_millis() as u64,
-                            "pull request not ended by the server after its expiry; pulling again"
-                        );
-                        ended = true;
-                    }
                     permit = tx.reserve(), if !waiting.is_empty() && !stopping => match permit {
                         Ok(p) => {
                             let (m, at) = waiting.pop_front().expect("waiting is not empty");
@@ -1095,11 +1176,70 @@ fn spawn_fetch(
                         }
                         Err(_) => stopping = true,
                     },
-                    m = messages.next(), if !ended => match m {
-                        None => ended = true,
-                        Some(Ok(m)) => waiting.push_back((m, Instant::now())),
-                        Some(Err(e)) => tracing::debug!(error = %e, "JetStream pull error"),
-                    },
+                    // Before the give-up timer: a reply already here is read, not taken for
+                    // silence.
+                    m = replies.next(), if !ended => {
+                        let Some(m) = m else {
+                            ended = true;
+                            continue;
+                        };
+                        if std::mem::take(&mut unanswered) {
+                            tracing::info!(stream = %stream_name, durable = %durable, "the server answers pull requests again");
+                        }
+                        if heartbeat.is_some() {
+                            given_up
+                                .as_mut()
+                                .reset(tokio::time::Instant::now() + grace);
+                        }
+                        match Reply::of(m, &js) {
+                            Reply::Message(m) => {
+                                waiting.push_back((*m, Instant::now()));
+                                received += 1;
+                                // The request is complete: the server forgets it.
+                                ended = received >= batch;
+                            }
+                            Reply::Heartbeat => {}
+                            Reply::End(None) => ended = true,
+                            Reply::End(Some(status)) => {
+                                tracing::debug!(%status, stream = %stream_name, durable = %durable, "pull request ended by the server");
+                                ended = true;
+                                refused = true;
+                            }
+                        }
+                    }
+                    _ = &mut given_up, if !ended => {
+                        let now = tokio::time::Instant::now();
+                        if now > given_up.deadline() + Duration::from_millis(100) {
+                            // The timer itself is late: this process stalled (a blocked
+                            // runtime), not the server; what it sent meanwhile may not have
+                            // been read yet. Listen a grace more.
+                            given_up.as_mut().reset(now + grace);
+                            continue;
+                        }
+                        let first = !std::mem::replace(&mut unanswered, true);
+                        let grace_ms = grace.as_millis() as u64;
+                        let expires_ms = expires.as_millis() as u64;
+                        match (heartbeat, first) {
+                            (Some(hb), true) => tracing::warn!(
+                                stream = %stream_name, durable = %durable, grace_ms,
+                                heartbeat_ms = hb.as_millis() as u64,
+                                "pull request missed its idle heartbeats: nothing from the \
+                                 server for {grace_ms} ms (it restarted or hangs, or the \
+                                 connection is gone); pulling again"
+                            ),
+                            (None, true) => tracing::warn!(
+                                stream = %stream_name, durable = %durable, expires_ms, grace_ms,
+                                "pull request not ended by the server {grace_ms} ms after its \
+                                 expiry (it restarted or hangs, or the connection is gone); \
+                                 pulling again"
+                            ),
+                            (_, false) => tracing::debug!(
+                                stream = %stream_name, durable = %durable,
+                                "pull request unanswered again; pulling again"
+                            ),
+                        }
+                        ended = true;
+                    }
                     _ = ticker.tick(), if !liveness.stale() => {
                         let in_channel = batch.saturating_sub(tx.capacity());
                         let polled = sent.len().saturating_sub(in_channel);
@@ -1126,6 +1266,13 @@ fn spawn_fetch(
                             }
                         }
                     }
+                }
+            }
+            drop(replies);
+            if refused && !stopping {
+                tokio::select! {
+                    _ = &mut stop_rx => stopping = true,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
             }
         }

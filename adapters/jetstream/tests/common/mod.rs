@@ -69,3 +69,109 @@ pub async fn take(c: &dyn ConsumerBackend, n: usize) -> Vec<Message> {
     }
     out
 }
+
+/// A nats-server of this test's own on a free loopback port (the binary the harness installs,
+/// `tests/brokers/nats/up.sh`), so restarting it disturbs no other test. Killed on drop.
+pub struct PrivateServer {
+    bin: std::path::PathBuf,
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateServer {
+    /// `None` (the test skips, said on stderr) when the harness' binary is not installed.
+    pub fn new(test: &str) -> Option<PrivateServer> {
+        let cache = std::env::var("ONCEFLOW_CACHE_DIR").unwrap_or_else(|_| {
+            format!(
+                "{}/.cache/onceflow",
+                std::env::var("HOME").unwrap_or_else(|_| "/tmp".into())
+            )
+        });
+        let bin = std::path::PathBuf::from(cache).join("venv-nats/bin/nats-server");
+        if !bin.exists() {
+            eprintln!(
+                "SKIPPED {test}: no {} (tests/brokers/up.sh nats installs it)",
+                bin.display()
+            );
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(name("onceflow-nats"));
+        Some(PrivateServer {
+            bin,
+            port,
+            dir,
+            child: None,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server, with JetStream (on its store directory) or without, and waits
+    /// until it accepts connections.
+    pub async fn start(&mut self, jetstream: bool) {
+        let mut cmd = std::process::Command::new(&self.bin);
+        cmd.args(["-a", "127.0.0.1", "-p", &self.port.to_string()]);
+        if jetstream {
+            cmd.args(["-js", "-sd"]).arg(&self.dir);
+        }
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        self.child = Some(cmd.spawn().unwrap());
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("private nats-server on port {} did not start", self.port);
+    }
+
+    /// SIGSTOP (`freeze: true`) or SIGCONT: a server that hangs with its connections open,
+    /// which a client notices only by what stops coming (idle heartbeats, pings).
+    pub fn freeze(&self, freeze: bool) {
+        let pid = self.child.as_ref().expect("the server runs").id();
+        let sig = if freeze { "-STOP" } else { "-CONT" };
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill {sig} {pid}");
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Waits until the client is connected again after a server restart.
+pub async fn reconnected(p: &JetStreamPlatform) {
+    for _ in 0..200 {
+        if p.nats_client().connection_state() == async_nats::connection::State::Connected {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the client did not reconnect");
+}
