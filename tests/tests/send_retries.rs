@@ -162,8 +162,10 @@ async fn jetstream_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once() {
     let behind = onceflow_jetstream::connect(&format!("nats://{}?storage=memory", proxy.addr()))
         .await
         .unwrap();
+    // Long enough that only the dropped ack times out on a loaded machine, short enough to be
+    // quick: the resend comes 2 s after the first publish.
     let producer = Client::new(behind)
-        .producer(ProducerConfig::new().option("publish_timeout_ms", "1000"))
+        .producer(ProducerConfig::new().option("publish_timeout_ms", "2000"))
         .await
         .unwrap();
     // The topic's stream is looked up on its first send: an ack that comes back at once.
