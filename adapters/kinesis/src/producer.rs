@@ -498,12 +498,13 @@ async fn put(shared: &Shared, mut batch: Vec<Pending>, retries: &SendRetries) ->
         .interceptor(transmissions.clone())
         .send()
         .await;
+    // Every request that carried a record, but its very first, sent it again.
     let sent = transmissions.get();
     let mut resent = 0u64;
     for p in &mut batch {
-        let before = p.sent;
+        let first = u32::from(p.sent == 0 && sent > 0);
         p.sent += sent;
-        resent += u64::from(p.sent.saturating_sub(before.max(1)));
+        resent += u64::from(sent - first);
     }
     retries.add(resent);
     let mut retry = Vec::new();
