@@ -766,8 +766,9 @@ export declare function supportedSchemes(): Array<string>
  *
  * The durability fields are read from `options` where the platform reports them
  * (JetStream), and are absent (undefined) elsewhere. With the connection option
- * `require_durable: true` (or `?require_durable=true`), a JetStream topic whose
- * `durableOnAck` is not `true` is warned about (in the log) once when first used.
+ * `require_durable: true` (or `?require_durable=true`), the native client warns once about a
+ * JetStream topic whose `durableOnAck` is not `true` when first used, in its Rust `tracing`
+ * log, which this package does not forward yet: read `durableOnAck` here to act on it.
  */
 export interface TopicDescription {
   /** Name. */

@@ -186,8 +186,10 @@ class TopicDescription(TypedDict):
       ``None`` when it cannot be told.
 
     With the connection option ``require_durable=True`` (``connect(url, {"require_durable":
-    True})`` or ``?require_durable=true``), a JetStream topic whose ``durable_on_ack`` is not
-    ``True`` is warned about (in the log) once when first used."""
+    True})`` or ``?require_durable=true``), the native client warns once about a JetStream
+    topic whose ``durable_on_ack`` is not ``True`` when first used, in its Rust ``tracing``
+    log, which this package does not forward to ``logging`` yet: read ``durable_on_ack`` here
+    to act on it."""
 
     name: str
     partitions: int
