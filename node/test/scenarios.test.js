@@ -97,6 +97,22 @@ function engineOptions(cfg) {
 const camel = (k) => k.replace(/_([a-z])/g, (_, c) => c.toUpperCase())
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 
+/** Polls until `want` messages arrived (or the wait ran out), then `quietMs` more. */
+async function read(consumer, want, quietMs) {
+  const got = []
+  const deadline = Date.now() + WAIT_MS
+  while (got.length < want && Date.now() < deadline) got.push(...(await consumer.poll(want - got.length, 200)))
+  const quiet = Date.now() + quietMs
+  while (Date.now() < quiet) got.push(...(await consumer.poll(10, 200)))
+  return got
+}
+
+/** The payloads of `got` are those of the spec, as a multiset. */
+function checkPayloads(got, expected, what) {
+  const actual = got.map((m) => show(m.payload)).sort()
+  assert.deepStrictEqual(actual, expected.map((p) => show(value(p))).sort(), `payloads ${what}`)
+}
+
 async function waitUntil(pred, what, ms = WAIT_MS) {
   const deadline = Date.now() + ms
   while (!(await pred())) {
@@ -189,12 +205,8 @@ class Cell {
     const start = subst(step.start || 'earliest', this.vars)
     const consumer = await this.client.consumer(unique('node-scn-g'), [this.topics[step.topic]], { start })
     const want = step.expect ? step.expect.length : step.expect_payloads.length
-    const got = []
-    const deadline = Date.now() + WAIT_MS
-    while (got.length < want && Date.now() < deadline) got.push(...(await consumer.poll(want - got.length, 200)))
-    const quiet = Date.now() + (step.quiet_ms || 0)
-    while (Date.now() < quiet) got.push(...(await consumer.poll(10, 200)))
-    await consumer.close()
+    // Without a seek to follow, `quiet_ms` more after the last expected record: nothing more.
+    const got = await read(consumer, want, step.seek ? 0 : step.quiet_ms || 0)
     if (step.expect) {
       const actual = got.map((m) => ({
         key: show(m.key),
@@ -208,10 +220,17 @@ class Cell {
       }))
       assert.deepStrictEqual(actual, expected)
     } else {
-      const actual = got.map((m) => show(m.payload)).sort()
-      const expected = step.expect_payloads.map((p) => show(value(p))).sort()
-      assert.deepStrictEqual(actual, expected)
+      checkPayloads(got, step.expect_payloads, 'read')
     }
+    if (step.seek) {
+      const to = subst(step.seek, this.vars)
+      const assignment = consumer.assignment()
+      assert.ok(assignment.length > 0, 'no partition assigned after reading')
+      for (const { topic, partition } of assignment) await consumer.seek(topic, partition, to)
+      const again = await read(consumer, step.expect_after_seek.length, step.quiet_ms || 0)
+      checkPayloads(again, step.expect_after_seek, `read after seek to ${to}`)
+    }
+    await consumer.close()
   }
 
   async op_idempotent(step) {

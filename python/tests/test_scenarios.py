@@ -128,6 +128,25 @@ def config_kwargs(cfg: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+async def read(consumer: onceflow.Consumer, want: int, quiet_ms: int) -> List[onceflow.Message]:
+    """Polls until ``want`` messages arrived (or the wait ran out), then ``quiet_ms`` more."""
+    got: List[onceflow.Message] = []
+    deadline = time.monotonic() + WAIT
+    while len(got) < want and time.monotonic() < deadline:
+        got.extend(await consumer.poll(want - len(got), 0.2))
+    quiet = time.monotonic() + quiet_ms / 1000.0
+    while time.monotonic() < quiet:
+        got.extend(await consumer.poll(10, 0.2))
+    return got
+
+
+def check_payloads(got: List[onceflow.Message], expected: List[str], what: str) -> None:
+    """The payloads of ``got`` are those of the spec, as a multiset."""
+    actual_p = sorted(m.payload for m in got)
+    expected_p = sorted(value(p) for p in expected)
+    assert actual_p == expected_p, f"payloads {what}: {actual_p}, expected {expected_p}"
+
+
 async def wait_until(pred, what: str, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -217,14 +236,8 @@ class Cell:
         start = subst(step.get("start", "earliest"), self.vars)
         consumer = await self.client.consumer(unique("py-scn-g"), [self.topics[step["topic"]]], start=start)
         want = len(step["expect"]) if "expect" in step else len(step["expect_payloads"])
-        got: List[onceflow.Message] = []
-        deadline = time.monotonic() + WAIT
-        while len(got) < want and time.monotonic() < deadline:
-            got.extend(await consumer.poll(want - len(got), 0.2))
-        quiet = time.monotonic() + step.get("quiet_ms", 0) / 1000.0
-        while time.monotonic() < quiet:
-            got.extend(await consumer.poll(10, 0.2))
-        await consumer.close()
+        # Without a seek to follow, `quiet_ms` more after the last expected record: nothing more.
+        got = await read(consumer, want, 0 if "seek" in step else step.get("quiet_ms", 0))
         if "expect" in step:
             actual = [
                 (m.key, m.payload, [(n, v) for n, v in m.headers if n.lower() not in TRACE_HEADERS]) for m in got
@@ -235,9 +248,16 @@ class Cell:
             ]
             assert actual == expected, f"records read back:\n  {actual}\nexpected:\n  {expected}"
         else:
-            actual_p = sorted(m.payload for m in got)
-            expected_p = sorted(value(p) for p in step["expect_payloads"])
-            assert actual_p == expected_p, f"payloads read {actual_p}, expected {expected_p}"
+            check_payloads(got, step["expect_payloads"], "read")
+        if "seek" in step:
+            to = subst(step["seek"], self.vars)
+            assignment = consumer.assignment()
+            assert assignment, "no partition assigned after reading"
+            for topic, partition in assignment:
+                await consumer.seek(topic, partition, to)
+            again = await read(consumer, len(step["expect_after_seek"]), step.get("quiet_ms", 0))
+            check_payloads(again, step["expect_after_seek"], f"read after seek to {to}")
+        await consumer.close()
 
     async def op_idempotent(self, step: dict) -> None:
         consumer = await self.client.consumer(unique("py-scn-g"), [self.topics[step["topic"]]], start="earliest")

@@ -222,6 +222,43 @@ fn engine_config(step: &Value) -> EngineConfig {
     c
 }
 
+/// Polls until `want` messages arrived (or the wait ran out), then `quiet_ms` more.
+async fn read(consumer: &onceflow::Consumer, want: usize, quiet_ms: u64) -> Res<Vec<Message>> {
+    let mut got: Vec<Message> = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    while got.len() < want && Instant::now() < deadline {
+        got.extend(
+            consumer
+                .poll(want - got.len(), Duration::from_millis(200))
+                .await?,
+        );
+    }
+    let quiet = Instant::now() + Duration::from_millis(quiet_ms);
+    while Instant::now() < quiet {
+        got.extend(consumer.poll(10, Duration::from_millis(200)).await?);
+    }
+    Ok(got)
+}
+
+/// The payloads of `got` are those of the spec (`expected`, a list), as a multiset.
+fn check_payloads(got: &[Message], expected: &Value, what: &str) -> Res {
+    let mut actual: Vec<String> = got
+        .iter()
+        .map(|m| shown(&Some(m.payload.clone())))
+        .collect();
+    let mut expected: Vec<String> = expected
+        .as_array()
+        .expect("spec: a list of payloads")
+        .iter()
+        .map(|p| shown(&value(p)))
+        .collect();
+    actual.sort();
+    expected.sort();
+    ensure(actual == expected, || {
+        format!("payloads {what}: {actual:?}, expected {expected:?}")
+    })
+}
+
 async fn wait_until(what: &str, mut pred: impl FnMut() -> bool) -> Res {
     let deadline = Instant::now() + WAIT;
     while !pred() {
@@ -398,20 +435,10 @@ impl Cell<'_> {
             .or(step["expect_payloads"].as_array())
             .expect("spec: expect or expect_payloads")
             .len();
-        let mut got: Vec<Message> = Vec::new();
-        let deadline = Instant::now() + WAIT;
-        while got.len() < want && Instant::now() < deadline {
-            got.extend(
-                consumer
-                    .poll(want - got.len(), Duration::from_millis(200))
-                    .await?,
-            );
-        }
-        let quiet = Instant::now() + Duration::from_millis(step["quiet_ms"].as_u64().unwrap_or(0));
-        while Instant::now() < quiet {
-            got.extend(consumer.poll(10, Duration::from_millis(200)).await?);
-        }
-        consumer.close().await?;
+        let quiet_ms = step["quiet_ms"].as_u64().unwrap_or(0);
+        // Without a seek to follow, `quiet_ms` more after the last expected record: nothing more.
+        let seek = step["seek"].as_str();
+        let got = read(&consumer, want, if seek.is_some() { 0 } else { quiet_ms }).await?;
         if let Some(expect) = step["expect"].as_array() {
             let show =
                 |key: &Option<Bytes>, payload: &Option<Bytes>, hs: Vec<(String, Option<Bytes>)>| {
@@ -444,24 +471,29 @@ impl Cell<'_> {
                 .collect();
             ensure(actual == expected, || {
                 format!("records read back:\n  {actual:#?}\nexpected:\n  {expected:#?}")
-            })
+            })?;
         } else {
-            let mut actual: Vec<String> = got
-                .iter()
-                .map(|m| shown(&Some(m.payload.clone())))
-                .collect();
-            let mut expected: Vec<String> = step["expect_payloads"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|p| shown(&value(p)))
-                .collect();
-            actual.sort();
-            expected.sort();
-            ensure(actual == expected, || {
-                format!("payloads read {actual:?}, expected {expected:?}")
-            })
+            check_payloads(&got, &step["expect_payloads"], "read")?;
         }
+        if let Some(to) = seek {
+            let mut to = to.to_string();
+            for (k, v) in &self.vars {
+                to = to.replace(&format!("${k}"), v);
+            }
+            let at: StartFrom = to.parse()?;
+            let assignment = consumer.assignment();
+            ensure(!assignment.is_empty(), || {
+                "no partition assigned after reading".into()
+            })?;
+            for tp in &assignment {
+                consumer.seek(tp, &at).await?;
+            }
+            let after = &step["expect_after_seek"];
+            let again = read(&consumer, after.as_array().unwrap().len(), quiet_ms).await?;
+            check_payloads(&again, after, &format!("read after seek to {to}"))?;
+        }
+        consumer.close().await?;
+        Ok(())
     }
 
     async fn op_idempotent(&mut self, step: &Value) -> Res {
