@@ -188,6 +188,9 @@ class Cell {
     }
     await producer.flush()
     await producer.close()
+    if (step.expect_attempts) {
+      assert.deepStrictEqual(deliveries.map((d) => d.attempts), step.expect_attempts, 'Delivery.attempts per record')
+    }
     if (step.expect_duplicate) {
       assert.deepStrictEqual(deliveries.map((d) => d.duplicate), step.expect_duplicate, 'Delivery.duplicate per record')
     }

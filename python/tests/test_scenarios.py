@@ -222,6 +222,9 @@ class Cell:
             await send_all()
         await producer.flush()
         await producer.close()
+        if "expect_attempts" in step:
+            attempts = [d.attempts for d in deliveries]
+            assert attempts == step["expect_attempts"], f"Delivery.attempts {attempts}, expected {step['expect_attempts']}"
         if "expect_duplicate" in step:
             flags = [d.duplicate for d in deliveries]
             assert flags == step["expect_duplicate"], f"Delivery.duplicate {flags}, expected {step['expect_duplicate']}"

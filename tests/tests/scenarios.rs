@@ -386,6 +386,7 @@ impl Cell<'_> {
             None => Context::new(),
         };
         let mut duplicates = Vec::new();
+        let mut attempts = Vec::new();
         for r in step["records"].as_array().expect("spec: records") {
             let mut record = Record::new(topic.clone(), value(&r["payload"]).unwrap_or_default());
             record.key = value(&r["key"]);
@@ -398,17 +399,19 @@ impl Cell<'_> {
             if let Some(k) = r["idempotency_key"].as_str() {
                 record = record.idempotency_key(k);
             }
-            duplicates.push(
-                producer
-                    .send(record)
-                    .with_context(cx.clone())
-                    .await?
-                    .duplicate,
-            );
+            let d = producer.send(record).with_context(cx.clone()).await?;
+            duplicates.push(d.duplicate);
+            attempts.push(u64::from(d.attempts));
         }
         cx.span().end();
         producer.flush(Duration::from_secs(30)).await?;
         producer.close().await?;
+        if let Some(want) = step["expect_attempts"].as_array() {
+            let want: Vec<u64> = want.iter().map(|n| n.as_u64().unwrap()).collect();
+            ensure(attempts == want, || {
+                format!("Delivery::attempts {attempts:?}, expected {want:?}")
+            })?;
+        }
         if let Some(want) = step["expect_duplicate"].as_array() {
             let want: Vec<bool> = want.iter().map(|b| b.as_bool().unwrap()).collect();
             ensure(duplicates == want, || {
