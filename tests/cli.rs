@@ -1286,3 +1286,78 @@ fn consume_help_says_how_an_explicit_start_meets_a_jetstream_durable() {
         assert!(help.contains(said), "{said:?} not in: {help}");
     }
 }
+
+/// The total on `onceflow lag`'s last line.
+fn total_lag(out: &Output) -> u64 {
+    let stdout = text(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    last.rsplit(": ")
+        .next()
+        .and_then(|t| t.strip_suffix(" message(s)"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no total in: {stdout}"))
+}
+
+/// `onceflow lag` on JetStream reads each partition's durable of the group without joining it
+/// (`num_pending + num_ack_pending`; before, the platform refused a group's lag read from
+/// outside the group): what `consume` left, then 0; a group that never consumed the topic
+/// is `NotFound`, exit 1.
+#[test]
+fn lag_reads_a_jetstream_groups_durables() {
+    let Some(url) = secured_env("ONCEFLOW_NATS_URL", "nats") else {
+        return;
+    };
+    let topic = format!("cli-lag-{:08x}", rand::random::<u32>());
+    let group = format!("{topic}-g");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = new_topic(&url, &topic, 2).await;
+        let producer = client
+            .producer(onceflow::ProducerConfig::new())
+            .await
+            .unwrap();
+        for i in 0..10 {
+            producer
+                .send(
+                    onceflow::Record::new(topic.clone(), format!("m{i}"))
+                        .key(format!("k{i}").into_bytes()),
+                )
+                .await
+                .unwrap();
+        }
+    });
+    let lag = |group: &str| onceflow(&["lag", "--url", &url, "-t", &topic, "-g", group]);
+
+    let out = lag("nobody");
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("group 'nobody' has no durable consumer on topic"),
+        "{err}"
+    );
+
+    let out = consume(&url, &topic, &group, &["--max", "4"]);
+    assert_eq!(payloads(&out).len(), 4, "{}", text(&out.stderr));
+    let out = lag(&group);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let shown = text(&out.stdout);
+    assert_eq!(total_lag(&out), 6, "{shown}");
+    for p in [0, 1] {
+        assert!(shown.contains(&format!("{topic}[{p}]")), "{shown}");
+    }
+    let read = rt.block_on(group_lag(&url, &group, &topic));
+    assert_eq!(read.len(), 2, "{read:?}");
+    assert_eq!(read.iter().map(|l| l.messages).sum::<u64>(), 6, "{read:?}");
+
+    let out = consume(&url, &topic, &group, &[]);
+    assert_eq!(payloads(&out).len(), 6, "{}", text(&out.stderr));
+    let out = lag(&group);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(total_lag(&out), 0, "{}", text(&out.stdout));
+    let read = rt.block_on(group_lag(&url, &group, &topic));
+    assert!(
+        read.iter()
+            .all(|l| l.messages == 0 && l.committed.is_some() && l.committed == l.high_watermark),
+        "{read:?}"
+    );
+}

@@ -7,12 +7,33 @@ use std::time::Duration;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_trait::async_trait;
 use onceflow_core::{
-    AdminBackend, Error, ErrorKind, Position, Result, TopicDescription, TopicSpec,
+    AdminBackend, Error, ErrorKind, PartitionLag, Position, Result, TopicDescription,
+    TopicPartition, TopicSpec,
 };
 
+use crate::consumer::{durable_lag, end_of};
 use crate::convert::nats_err;
 use crate::naming::{self, PARTITIONS_METADATA};
 use crate::Shared;
+
+/// How many messages the stream holds on `subject` (stream info with a subjects filter).
+async fn messages_on(stream: &async_nats::jetstream::stream::Stream, subject: &str) -> Result<u64> {
+    use futures::TryStreamExt;
+    let mut counts = stream
+        .info_with_subjects(subject)
+        .await
+        .map_err(|e| nats_err(format!("messages of subject '{subject}'"), e))?;
+    while let Some((s, n)) = counts
+        .try_next()
+        .await
+        .map_err(|e| nats_err(format!("messages of subject '{subject}'"), e))?
+    {
+        if s == subject {
+            return Ok(n as u64);
+        }
+    }
+    Ok(0)
+}
 
 /// Stream administration (`$JS.API.STREAM.*`, <https://docs.nats.io/nats-concepts/jetstream/streams>).
 pub struct JetStreamAdmin {
@@ -173,6 +194,51 @@ impl AdminBackend for JetStreamAdmin {
             watermarks,
             options,
         })
+    }
+
+    /// Each partition's durable of `group` (`<group>-<partition>`, made when the group first
+    /// consumed the topic), read from its [consumer info] without joining the group, as the
+    /// consumer's own `lag()`: `num_pending` (not delivered yet) + `num_ack_pending`
+    /// (delivered, not acked) messages, committed at the ack floor + 1. A partition without a
+    /// durable counts every message of its subject; a group with no durable on the topic is
+    /// `NotFound`.
+    ///
+    /// [consumer info]: https://docs.nats.io/nats-concepts/jetstream/consumers
+    async fn group_lag(&self, group: &str, topic: &str) -> Result<Vec<PartitionLag>> {
+        naming::check_topic(topic)?;
+        let stream = self.shared.get_stream(topic).await?;
+        let partitions = crate::partitions_of(&stream.cached_info().config);
+        let mut out = Vec::with_capacity(partitions as usize);
+        let mut durables = 0;
+        for p in 0..partitions as i32 {
+            let tp = TopicPartition::new(topic, p);
+            let subject = naming::subject(topic, partitions, p);
+            let durable = naming::durable(group, p);
+            match durable_lag(&stream, &tp, &subject, &durable).await? {
+                Some(lag) => {
+                    durables += 1;
+                    out.push(lag);
+                }
+                None => out.push(PartitionLag {
+                    partition: tp,
+                    committed: None,
+                    high_watermark: end_of(&stream, &subject).await,
+                    messages: messages_on(&stream, &subject).await?,
+                    millis: None,
+                }),
+            }
+        }
+        if durables == 0 {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!(
+                    "group '{group}' has no durable consumer on topic '{topic}' (expected \
+                     '{}' and the like): it has not consumed the topic",
+                    naming::durable(group, 0)
+                ),
+            ));
+        }
+        Ok(out)
     }
 
     async fn delete_topic(&self, name: &str) -> Result<()> {

@@ -720,6 +720,47 @@ impl JetStreamConsumer {
     }
 }
 
+/// The lag of the durable `durable` on partition `tp` (subject `subject`) of `stream`, read
+/// from its [consumer info](https://docs.nats.io/nats-concepts/jetstream/consumers) without
+/// joining the group: `num_pending` (not delivered yet) + `num_ack_pending` (delivered, not
+/// acked) messages, the committed position at its ack floor + 1, the end after the subject's
+/// last message. `None` when the durable does not exist.
+pub(crate) async fn durable_lag(
+    stream: &Stream,
+    tp: &TopicPartition,
+    subject: &str,
+    durable: &str,
+) -> Result<Option<PartitionLag>> {
+    let info = match stream.consumer_info(durable).await {
+        Ok(info) => info,
+        Err(e) => {
+            let err = nats_err(format!("consumer '{durable}' of {tp}"), e);
+            return if err.kind() == ErrorKind::NotFound {
+                Ok(None)
+            } else {
+                Err(err)
+            };
+        }
+    };
+    Ok(Some(PartitionLag {
+        partition: tp.clone(),
+        committed: (info.ack_floor.stream_sequence > 0)
+            .then(|| Position::Sequence(info.ack_floor.stream_sequence + 1)),
+        high_watermark: end_of(stream, subject).await,
+        messages: info.num_pending + info.num_ack_pending as u64,
+        millis: None,
+    }))
+}
+
+/// The position after the last message of `subject` (`None` when it has none).
+pub(crate) async fn end_of(stream: &Stream, subject: &str) -> Option<Position> {
+    stream
+        .get_last_raw_message_by_subject(subject)
+        .await
+        .ok()
+        .map(|m| Position::Sequence(m.sequence + 1))
+}
+
 /// The string value of `"field":"…"` in a flat JSON advisory (names here have no escapes).
 fn json_str(json: &str, field: &str) -> Option<String> {
     let at = json.find(&format!("\"{field}\":"))? + field.len() + 3;
@@ -1653,8 +1694,8 @@ impl ConsumerBackend for JetStreamConsumer {
             .collect()
     }
 
-    /// `num_pending + num_ack_pending` of each partition's durable
-    /// (<https://docs.nats.io/nats-concepts/jetstream/consumers>).
+    /// `num_pending + num_ack_pending` of each assigned partition's durable
+    /// (<https://docs.nats.io/nats-concepts/jetstream/consumers>), as `group_lag` reads it.
     async fn lag(&self) -> Result<Vec<PartitionLag>> {
         let mut out = Vec::with_capacity(self.partitions.len());
         for p in self
@@ -1662,25 +1703,18 @@ impl ConsumerBackend for JetStreamConsumer {
             .iter()
             .filter(|p| p.inner.lock().fetch.is_some())
         {
-            let info = p
-                .stream
-                .consumer_info(&p.durable)
-                .await
-                .map_err(|e| nats_err(format!("consumer '{}' of {}", p.durable, p.tp), e))?;
-            let high = p
-                .stream
-                .get_last_raw_message_by_subject(&p.subject)
-                .await
-                .ok()
-                .map(|m| Position::Sequence(m.sequence + 1));
-            out.push(PartitionLag {
-                partition: p.tp.clone(),
-                committed: (info.ack_floor.stream_sequence > 0)
-                    .then(|| Position::Sequence(info.ack_floor.stream_sequence + 1)),
-                high_watermark: high,
-                messages: info.num_pending + info.num_ack_pending as u64,
-                millis: None,
-            });
+            let lag = durable_lag(&p.stream, &p.tp, &p.subject, &p.durable)
+                .await?
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::NotFound,
+                        format!(
+                            "consumer '{}' of {} is gone (deleted, or reset by another member)",
+                            p.durable, p.tp
+                        ),
+                    )
+                })?;
+            out.push(lag);
         }
         Ok(out)
     }

@@ -153,7 +153,8 @@
 //!   after it, assuming timestamps grow with the sequence as Kafka's time index does; none →
 //!   the end. Messages fetched but not returned are dropped.
 //! - **committed** is the ack floor + 1; **lag** is `num_pending + num_ack_pending`
-//!   ([consumer info]).
+//!   ([consumer info]); the admin's `group_lag` (and `onceflow lag`) reads the same from the
+//!   group's durables without joining the group (`NotFound` for a group with none).
 //! - **Headers** are native NATS headers, names with their case ([ADR-4]). NATS header values
 //!   are text lines and have no null, and async-nats reads headers into a map, so onceflow adds
 //!   `onceflow-headers` (names in order, null and hex marks) and rebuilds the exact list from it:
@@ -582,6 +583,19 @@ impl PlatformBackend for JetStreamPlatform {
         convert::validate_header(name, value)
     }
 }
+
+/// This adapter's entry in the backend registry (`onceflow_core::registry`): the schemes
+/// `nats://`, `tls://` and how to connect, [`connect`]; `tls://` is NATS over TLS. The `onceflow` facade lists it.
+pub const PLATFORM: onceflow_core::registry::PlatformEntry =
+    onceflow_core::registry::PlatformEntry {
+        name: "jetstream",
+        schemes: &["nats://", "tls://"],
+        connect: |url, _| {
+            onceflow_core::registry::boxed(async move {
+                Ok(onceflow_core::registry::client(connect(&url).await?))
+            })
+        },
+    };
 
 #[cfg(test)]
 mod tests {
