@@ -326,13 +326,13 @@ class Cell {
 
   async op_lag(step) {
     const consumer = await this.client.consumer(unique('node-scn-g'), [this.topics[step.topic]], { start: 'earliest' })
-    const read = []
+    const taken = []
     const deadline = Date.now() + WAIT_MS
-    while (read.length < step.read) {
-      assert.ok(Date.now() < deadline, `read ${read.length} of ${step.read}`)
-      read.push(...(await consumer.poll(step.read - read.length, 200)))
+    while (taken.length < step.read) {
+      assert.ok(Date.now() < deadline, `read ${taken.length} of ${step.read}`)
+      taken.push(...(await consumer.poll(step.read - taken.length, 200)))
     }
-    await consumer.commit(read)
+    await consumer.commit(taken)
     const want = step.expect_messages
     let lags = []
     const lagDeadline = Date.now() + WAIT_MS
@@ -346,7 +346,20 @@ class Cell {
       assert.ok(Date.now() < lagDeadline, `lag ${total} messages (${JSON.stringify(lags)}), expected ${want}`)
       await sleep(300)
     }
+    const assignment = consumer.assignment()
+    const committed = await consumer.committed(assignment)
+    assert.ok(
+      committed.length === assignment.length && committed.every((c) => c.next !== null && c.next !== undefined),
+      `committed() = ${JSON.stringify(committed)}: a next position for every partition expected`
+    )
     await consumer.close()
+    if (step.expect_resume) {
+      const member = await this.client.consumer(consumer.group, [this.topics[step.topic]], { start: 'committed' })
+      const first = await read(member, 1, 0)
+      await member.close()
+      assert.ok(first.length > 0, 'a new member of the group read nothing')
+      assert.equal(show(first[0].payload), show(value(step.expect_resume)), 'the first record a new member of the group reads')
+    }
   }
 }
 

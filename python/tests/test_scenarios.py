@@ -345,12 +345,12 @@ class Cell:
 
     async def op_lag(self, step: dict) -> None:
         consumer = await self.client.consumer(unique("py-scn-g"), [self.topics[step["topic"]]], start="earliest")
-        read: List[onceflow.Message] = []
+        taken: List[onceflow.Message] = []
         deadline = time.monotonic() + WAIT
-        while len(read) < step["read"]:
-            assert time.monotonic() < deadline, f"read {len(read)} of {step['read']}"
-            read.extend(await consumer.poll(step["read"] - len(read), 0.2))
-        await consumer.commit(read)
+        while len(taken) < step["read"]:
+            assert time.monotonic() < deadline, f"read {len(taken)} of {step['read']}"
+            taken.extend(await consumer.poll(step["read"] - len(taken), 0.2))
+        await consumer.commit(taken)
         lags: List[Any] = []
         want = step["expect_messages"]
         deadline = time.monotonic() + WAIT
@@ -364,7 +364,19 @@ class Cell:
             previous = total
             assert time.monotonic() < deadline, f"lag {total} messages ({lags}), expected {want}"
             await asyncio.sleep(0.3)
+        assignment = consumer.assignment()
+        committed = await consumer.committed(assignment)
+        assert len(committed) == len(assignment) and all(c.next is not None for c in committed), (
+            f"committed({assignment}) = {committed}: a next position for every partition expected"
+        )
         await consumer.close()
+        if "expect_resume" in step:
+            member = await self.client.consumer(consumer.group, [self.topics[step["topic"]]], start="committed")
+            first = await read(member, 1, 0)
+            await member.close()
+            assert first and first[0].payload == value(step["expect_resume"]), (
+                f"a new member of the group read {[m.payload for m in first]} first, expected {step['expect_resume']}"
+            )
 
 
 async def run_cell(name: str, scenario: dict, store: Optional[str], platform: str, tmp: str) -> Tuple[str, str]:

@@ -725,20 +725,20 @@ impl Cell<'_> {
             )
             .await?;
         let read_n = step["read"].as_u64().unwrap() as usize;
-        let mut read: Vec<Message> = Vec::new();
+        let mut taken: Vec<Message> = Vec::new();
         let deadline = Instant::now() + WAIT;
-        while read.len() < read_n {
+        while taken.len() < read_n {
             ensure(Instant::now() < deadline, || {
-                format!("read {} of {read_n}", read.len())
+                format!("read {} of {read_n}", taken.len())
             })?;
-            read.extend(
+            taken.extend(
                 consumer
-                    .poll(read_n - read.len(), Duration::from_millis(200))
+                    .poll(read_n - taken.len(), Duration::from_millis(200))
                     .await?,
             );
         }
         consumer
-            .commit_message(read.last().expect("read at least one"))
+            .commit_message(taken.last().expect("read at least one"))
             .await?;
         let want = step["expect_messages"].as_u64().unwrap();
         let deadline = Instant::now() + WAIT;
@@ -756,7 +756,31 @@ impl Cell<'_> {
             })?;
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
+        let assignment = consumer.assignment();
+        let committed = consumer.committed(&assignment).await?;
+        ensure(
+            committed.len() == assignment.len() && committed.iter().all(|c| c.next.is_some()),
+            || {
+                format!("committed({assignment:?}) = {committed:?}: a next position for every partition expected")
+            },
+        )?;
         consumer.close().await?;
+        if let Some(want) = step.get("expect_resume") {
+            let member = self
+                .client
+                .consumer(
+                    ConsumerConfig::new(consumer.group(), [self.topic(step, "topic")])
+                        .start(StartFrom::committed_or_earliest()),
+                )
+                .await?;
+            let first = read(&member, 1, 0).await?;
+            member.close().await?;
+            let got = first.first().map(|m| shown(&Some(m.payload.clone())));
+            let want = shown(&value(want));
+            ensure(got.as_deref() == Some(want.as_str()), || {
+                format!("a new member of the group read {got:?} first, expected {want}")
+            })?;
+        }
         Ok(())
     }
 }
