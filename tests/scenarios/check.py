@@ -12,10 +12,13 @@ import os
 import pathlib
 import sys
 
-LANGUAGES = ["rust", "python", "node"]
+LANGUAGES = ["rust", "python", "python-no-otel", "node"]
+# Languages that run without a capability a scenario "needs" leave that scenario out.
+LACKS = {"python-no-otel": "opentelemetry"}
 RUNNERS = {
     "rust": "cargo test -p onceflow-conformance --test scenarios",
     "python": "python/run-tests.sh (tests/test_scenarios.py, in the venv with OpenTelemetry)",
+    "python-no-otel": "python/run-tests.sh (tests/test_scenarios.py, in the venv without OpenTelemetry)",
     "node": "node/run-tests.sh (test/scenarios.test.js)",
 }
 
@@ -26,9 +29,12 @@ def main() -> int:
     results_dir = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else default
     spec = json.loads((root / "tests" / "scenarios" / "scenarios.json").read_text())
     names = []
+    needs = {}
     for s in spec["scenarios"]:
         for store in s.get("stores", [None]):
-            names.append(s["name"] if store is None else f"{s['name']}[{store}]")
+            name = s["name"] if store is None else f"{s['name']}[{store}]"
+            names.append(name)
+            needs[name] = s.get("needs", {})
     platforms = list(spec["platforms"])
 
     seen = {}
@@ -45,10 +51,14 @@ def main() -> int:
     width = max(len(n) for n in names)
     for name in names:
         for lang in LANGUAGES:
+            if LACKS.get(lang) in needs[name]:
+                why = needs[name][LACKS[lang]]
+                print(f"SCENARIO {name:<{width}} {lang:<14} (all)    not run: needs {LACKS[lang]}: {why}")
+                continue
             for p in platforms:
                 status = seen.get((name, lang, p), "MISSING")
                 counts[lang][status if status in ("PASS", "FAIL") else "MISSING"] += 1
-                print(f"SCENARIO {name:<{width}} {lang:<6} {p:<7} {status}")
+                print(f"SCENARIO {name:<{width}} {lang:<14} {p:<7} {status}")
     bad = False
     for lang in LANGUAGES:
         c = counts[lang]
