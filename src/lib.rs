@@ -49,8 +49,32 @@ pub use onceflow_postgres as postgres;
 #[cfg(feature = "redis")]
 pub use onceflow_redis as redis;
 
-/// Every platform scheme onceflow knows, compiled in or not.
-/// Every scheme onceflow knows, compiled in or not: `tls://` is NATS over TLS, `pulsar+ssl://`
+/// The platforms compiled into this build: each adapter crate's registry entry
+/// ([`registry::PlatformEntry`]). A new platform is one line here.
+pub const PLATFORMS: &[&registry::PlatformEntry] = &[
+    #[cfg(feature = "memory")]
+    &onceflow_memory::PLATFORM,
+    #[cfg(feature = "kafka")]
+    &onceflow_kafka::PLATFORM,
+    #[cfg(feature = "jetstream")]
+    &onceflow_jetstream::PLATFORM,
+    #[cfg(feature = "pulsar")]
+    &onceflow_pulsar::PLATFORM,
+    #[cfg(feature = "kinesis")]
+    &onceflow_kinesis::PLATFORM,
+];
+
+/// The shared dedup / checkpoint stores compiled into this build (`memory://` and the
+/// embedded store are core's and always there).
+pub const STORES: &[&registry::StoreEntry] = &[
+    #[cfg(feature = "redis")]
+    &onceflow_redis::STORE,
+    #[cfg(feature = "postgres")]
+    &onceflow_postgres::STORE,
+];
+
+/// Every platform scheme onceflow has an adapter for, compiled into this build or not (for the
+/// error that names a scheme this build lacks): `tls://` is NATS over TLS, `pulsar+ssl://`
 /// Pulsar over TLS.
 const KNOWN_SCHEMES: [&str; 7] = [
     "memory",
@@ -62,41 +86,29 @@ const KNOWN_SCHEMES: [&str; 7] = [
     "kinesis",
 ];
 
-/// URL schemes this build can open, for error messages.
+/// URL schemes this build can open, for error messages (`kafka://`, …, from [`PLATFORMS`]).
 pub fn supported_schemes() -> Vec<&'static str> {
-    let mut v = Vec::new();
-    if cfg!(feature = "memory") {
-        v.push("memory://");
-    }
-    if cfg!(feature = "kafka") {
-        v.push("kafka://");
-    }
-    if cfg!(feature = "jetstream") {
-        v.push("nats://");
-        v.push("tls://");
-    }
-    if cfg!(feature = "pulsar") {
-        v.push("pulsar://");
-        v.push("pulsar+ssl://");
-    }
-    if cfg!(feature = "kinesis") {
-        v.push("kinesis://");
-    }
-    v
+    PLATFORMS
+        .iter()
+        .flat_map(|p| p.schemes.iter().copied())
+        .collect()
 }
 
 /// Dedup and checkpoint store kinds this build can open with [`dedup_store`], for
 /// `onceflow --version` and error messages: `memory://` and `embedded` (a file path or
-/// `embedded:///path`) always, `redis://` and `postgres://` with their features.
+/// `embedded:///path`) always, then the first scheme of each entry of [`STORES`]
+/// (`redis://`, `postgres://`).
 pub fn supported_stores() -> Vec<&'static str> {
     let mut v = vec!["memory://", "embedded"];
-    if cfg!(feature = "redis") {
-        v.push("redis://");
-    }
-    if cfg!(feature = "postgres") {
-        v.push("postgres://");
-    }
+    v.extend(STORES.iter().filter_map(|e| e.schemes.first().copied()));
     v
+}
+
+/// What a platform's connect may open through the rest of the build.
+fn openers() -> registry::Openers {
+    registry::Openers {
+        checkpoint_store: |url| registry::boxed(async move { checkpoint_store(&url).await }),
+    }
 }
 
 /// The version line `onceflow --version` prints: the crate version, then the platforms and
@@ -127,31 +139,21 @@ pub async fn connect(url: &str) -> Result<Client> {
             supported_schemes().join(", ")
         ))
     })?;
-    match scheme {
-        #[cfg(feature = "memory")]
-        "memory" => {
-            let p = onceflow_memory::connect(url)?;
-            Ok(Client::new(p))
-        }
-        #[cfg(feature = "kafka")]
-        "kafka" => Ok(Client::new(onceflow_kafka::open(url).await?)),
-        #[cfg(feature = "jetstream")]
-        "nats" | "tls" => Ok(Client::new(onceflow_jetstream::connect(url).await?)),
-        #[cfg(feature = "pulsar")]
-        "pulsar" | "pulsar+ssl" => Ok(Client::new(onceflow_pulsar::connect(url).await?)),
-        #[cfg(feature = "kinesis")]
-        "kinesis" => Ok(Client::new(connect_kinesis(url).await?)),
-        s if KNOWN_SCHEMES.contains(&s) => Err(Error::unsupported(format!(
+    if let Some(entry) = registry::platform_for(PLATFORMS, scheme) {
+        return (entry.connect)(url.to_string(), openers()).await;
+    }
+    if KNOWN_SCHEMES.contains(&scheme.to_ascii_lowercase().as_str()) {
+        return Err(Error::unsupported(format!(
             "'{scheme}://' is not compiled into this build of onceflow (enable its cargo feature); supported here: {}",
             supported_schemes().join(", ")
-        ))),
-        other => Err(Error::config(format!(
-            "unknown platform scheme '{}://' in '{}': expected one of {}",
-            onceflow_core::shown(other),
-            onceflow_core::shown(&redact_credentials(url)),
-            supported_schemes().join(", ")
-        ))),
+        )));
     }
+    Err(Error::config(format!(
+        "unknown platform scheme '{}://' in '{}': expected one of {}",
+        onceflow_core::shown(scheme),
+        onceflow_core::shown(&redact_credentials(url)),
+        supported_schemes().join(", ")
+    )))
 }
 
 /// `url` with `options` added to its query as `KEY=VALUE` parameters (form-encoded, so PEM
@@ -210,27 +212,6 @@ pub async fn connect_with<'a>(
     connect(&url_with_options(url, options)?).await
 }
 
-/// Opens a Kinesis connection; a `checkpoint_store=redis://…` or `postgres://…` lease table is
-/// opened here, through the facade's `redis` / `postgres` features (onceflow-kinesis itself
-/// opens `memory://` and embedded stores).
-#[cfg(feature = "kinesis")]
-async fn connect_kinesis(url: &str) -> Result<Arc<onceflow_kinesis::KinesisPlatform>> {
-    let options = onceflow_kinesis::parse_url(url)?;
-    let store: Option<onceflow_core::checkpoint::SharedCheckpointStore> =
-        match options.checkpoint_store.as_deref() {
-            #[cfg(feature = "redis")]
-            Some(s) if s.starts_with("redis://") || s.starts_with("rediss://") => Some(Arc::new(
-                onceflow_redis::RedisCheckpointStore::open(s).await?,
-            )),
-            #[cfg(feature = "postgres")]
-            Some(s) if s.starts_with("postgres://") || s.starts_with("postgresql://") => Some(
-                Arc::new(onceflow_postgres::PostgresCheckpointStore::open(s).await?),
-            ),
-            _ => None,
-        };
-    onceflow_kinesis::KinesisPlatform::connect_with(options, store).await
-}
-
 /// Opens a dedup store by URL: `memory://` (bounded, in-process), `embedded:///path/to/file.db`
 /// or a plain file path (on disk, survives restarts), `redis://…` (feature `redis`, see
 /// `onceflow_redis::RedisStore`) or `postgres://…` / `postgresql://…` (feature `postgres`, see
@@ -242,26 +223,10 @@ async fn connect_kinesis(url: &str) -> Result<Arc<onceflow_kinesis::KinesisPlatf
 /// `redis://` / `postgres://` in a build without that feature, [`ErrorKind::DedupStore`] for a
 /// path or server that cannot be used otherwise (naming it, without its password).
 pub async fn dedup_store(url: &str, window: Duration) -> Result<Arc<dyn DedupStore>> {
-    let scheme = url
-        .trim()
-        .split_once("://")
-        .map(|(s, _)| s.to_ascii_lowercase())
-        .unwrap_or_default();
     if !window.is_zero() {
-        match scheme.as_str() {
-            #[cfg(feature = "redis")]
-            "redis" | "rediss" => {
-                return Ok(Arc::new(
-                    onceflow_redis::RedisStore::open(url.trim(), window).await?,
-                ))
-            }
-            #[cfg(feature = "postgres")]
-            "postgres" | "postgresql" => {
-                return Ok(Arc::new(
-                    onceflow_postgres::PostgresStore::open(url.trim(), window).await?,
-                ))
-            }
-            _ => {}
+        if let Some(entry) = registry::scheme_of(url).and_then(|s| registry::store_for(STORES, &s))
+        {
+            return (entry.dedup)(url.to_string(), window).await;
         }
     }
     onceflow_core::dedup::open(url, window).await
@@ -277,22 +242,10 @@ pub async fn dedup_store(url: &str, window: Duration) -> Result<Arc<dyn DedupSto
 /// `redis://` / `postgres://` in a build without that feature, [`ErrorKind::DedupStore`] for a
 /// path or server that cannot be used (naming it, without its password).
 pub async fn checkpoint_store(url: &str) -> Result<checkpoint::SharedCheckpointStore> {
-    let scheme = url
-        .trim()
-        .split_once("://")
-        .map(|(s, _)| s.to_ascii_lowercase())
-        .unwrap_or_default();
-    match scheme.as_str() {
-        #[cfg(feature = "redis")]
-        "redis" | "rediss" => Ok(Arc::new(
-            onceflow_redis::RedisCheckpointStore::open(url.trim()).await?,
-        )),
-        #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => Ok(Arc::new(
-            onceflow_postgres::PostgresCheckpointStore::open(url.trim()).await?,
-        )),
-        _ => checkpoint::open(url).await,
+    if let Some(entry) = registry::scheme_of(url).and_then(|s| registry::store_for(STORES, &s)) {
+        return (entry.checkpoint)(url.to_string()).await;
     }
+    checkpoint::open(url).await
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod inbox;
 pub mod metrics;
 pub mod model;
 pub mod net;
+pub mod registry;
 pub mod trace;
 
 pub use backend::{

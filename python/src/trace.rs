@@ -138,7 +138,12 @@ fn apply_trace_headers<'py>(
     plan::apply(&mut h, &injected);
     let items: Vec<(String, Option<Bound<'py, PyBytes>>)> = h
         .iter()
-        .map(|x| (x.name.clone(), x.value.as_ref().map(|v| PyBytes::new(py, v))))
+        .map(|x| {
+            (
+                x.name.clone(),
+                x.value.as_ref().map(|v| PyBytes::new(py, v)),
+            )
+        })
         .collect();
     PyList::new(py, items)
 }

@@ -469,3 +469,16 @@ impl PlatformBackend for KafkaPlatform {
         admin::validate_name(topic)
     }
 }
+
+/// This adapter's entry in the backend registry (`onceflow_core::registry`): the schemes
+/// `kafka://` and how to connect, [`open`]: a broker must answer. The `onceflow` facade lists it.
+pub const PLATFORM: onceflow_core::registry::PlatformEntry =
+    onceflow_core::registry::PlatformEntry {
+        name: "kafka",
+        schemes: &["kafka://"],
+        connect: |url, _| {
+            onceflow_core::registry::boxed(async move {
+                Ok(onceflow_core::registry::client(open(&url).await?))
+            })
+        },
+    };

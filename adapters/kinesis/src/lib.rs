@@ -490,3 +490,29 @@ impl PlatformBackend for KinesisPlatform {
         Some("Kinesis's 1 MiB per record, less 4 KiB for the envelope and partition key")
     }
 }
+
+/// This adapter's entry in the backend registry (`onceflow_core::registry`): the scheme
+/// `kinesis` and how to connect. A `checkpoint_store=` on a shared store (Redis, PostgreSQL:
+/// any scheme but `memory://` and `embedded://` or a file path, which the adapter opens itself)
+/// is opened now through the registry's openers, so a wrong store URL fails the connect.
+pub const PLATFORM: onceflow_core::registry::PlatformEntry =
+    onceflow_core::registry::PlatformEntry {
+        name: "kinesis",
+        schemes: &["kinesis://"],
+        connect: |url, openers| {
+            onceflow_core::registry::boxed(async move {
+                let options = parse_url(&url)?;
+                let shared = options.checkpoint_store.as_deref().filter(|s| {
+                    onceflow_core::registry::scheme_of(s)
+                        .is_some_and(|scheme| scheme != "memory" && scheme != "embedded")
+                });
+                let store = match shared {
+                    Some(s) => Some((openers.checkpoint_store)(s.to_string()).await?),
+                    None => None,
+                };
+                Ok(onceflow_core::registry::client(
+                    KinesisPlatform::connect_with(options, store).await?,
+                ))
+            })
+        },
+    };

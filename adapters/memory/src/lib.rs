@@ -62,6 +62,19 @@ mod group;
 mod partitioner;
 mod producer;
 
+/// This adapter's entry in the backend registry (`onceflow_core::registry`): the schemes
+/// `memory://` and how to connect, [`connect`]. The `onceflow` facade lists it.
+pub const PLATFORM: onceflow_core::registry::PlatformEntry =
+    onceflow_core::registry::PlatformEntry {
+        name: "memory",
+        schemes: &["memory://"],
+        connect: |url, _| {
+            onceflow_core::registry::boxed(async move {
+                Ok(onceflow_core::registry::client(connect(&url)?))
+            })
+        },
+    };
+
 #[cfg(test)]
 mod tests;
 

@@ -1112,6 +1112,28 @@ fn flags<'a>(
         .collect()
 }
 
+/// This crate's entry in the backend registry (`onceflow_core::registry`): the schemes
+/// `postgres://`, `postgresql://`, opening a [`PostgresStore`] (dedup) or a [`PostgresCheckpointStore`] (lease table). The
+/// `onceflow` facade lists it.
+pub const STORE: onceflow_core::registry::StoreEntry = onceflow_core::registry::StoreEntry {
+    name: "postgres",
+    schemes: &["postgres://", "postgresql://"],
+    dedup: |url, window| {
+        onceflow_core::registry::boxed(async move {
+            let store: onceflow_core::dedup::SharedDedupStore =
+                std::sync::Arc::new(PostgresStore::open(url.trim(), window).await?);
+            Ok(store)
+        })
+    },
+    checkpoint: |url| {
+        onceflow_core::registry::boxed(async move {
+            let store: onceflow_core::checkpoint::SharedCheckpointStore =
+                std::sync::Arc::new(PostgresCheckpointStore::open(url.trim()).await?);
+            Ok(store)
+        })
+    },
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -571,6 +571,19 @@ impl PlatformBackend for PulsarPlatform {
     }
 }
 
+/// This adapter's entry in the backend registry (`onceflow_core::registry`): the schemes
+/// `pulsar://`, `pulsar+ssl://` and how to connect, [`connect`]; `pulsar+ssl://` is Pulsar over TLS. The `onceflow` facade lists it.
+pub const PLATFORM: onceflow_core::registry::PlatformEntry =
+    onceflow_core::registry::PlatformEntry {
+        name: "pulsar",
+        schemes: &["pulsar://", "pulsar+ssl://"],
+        connect: |url, _| {
+            onceflow_core::registry::boxed(async move {
+                Ok(onceflow_core::registry::client(connect(&url).await?))
+            })
+        },
+    };
+
 #[cfg(test)]
 mod tests {
     use super::service_hosts;

@@ -857,6 +857,28 @@ impl DedupStore for RedisStore {
     }
 }
 
+/// This crate's entry in the backend registry (`onceflow_core::registry`): the schemes
+/// `redis://`, `rediss://`, opening a [`RedisStore`] (dedup) or a [`RedisCheckpointStore`] (lease table). The
+/// `onceflow` facade lists it.
+pub const STORE: onceflow_core::registry::StoreEntry = onceflow_core::registry::StoreEntry {
+    name: "redis",
+    schemes: &["redis://", "rediss://"],
+    dedup: |url, window| {
+        onceflow_core::registry::boxed(async move {
+            let store: onceflow_core::dedup::SharedDedupStore =
+                std::sync::Arc::new(RedisStore::open(url.trim(), window).await?);
+            Ok(store)
+        })
+    },
+    checkpoint: |url| {
+        onceflow_core::registry::boxed(async move {
+            let store: onceflow_core::checkpoint::SharedCheckpointStore =
+                std::sync::Arc::new(RedisCheckpointStore::open(url.trim()).await?);
+            Ok(store)
+        })
+    },
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
