@@ -837,7 +837,13 @@ def _traced(func: Callable[[Message], Any], system: str, group: str) -> Callable
 async def _run_in_process_span(func: Callable[[Any], Any], arg: Any, context_of: Message, system: str, group: str) -> Any:
     """Runs ``func(arg)`` (sync or async) inside a process span whose parent is the trace
     context carried by ``context_of``; the span records an exception ``func`` raises."""
-    span, token = _otel.start_process(context_of, system, group)
+    return await _run_in_span(func, arg, _otel.start_process(context_of, system, group))
+
+
+async def _run_in_span(func: Callable[[Any], Any], arg: Any, started: Tuple[Any, Any]) -> Any:
+    """Runs ``func(arg)`` (sync or async) inside the started process span ``(span, token)``,
+    which records an exception ``func`` raises and ends with the call."""
+    span, token = started
     try:
         result = func(arg)
         if inspect.isawaitable(result):
@@ -866,16 +872,7 @@ def _traced_batch(
         return plain
 
     async def call(messages: MessageBatch) -> Any:
-        span, token = _otel.start_process_batch(messages, system, group)
-        try:
-            result = func(messages)
-            if inspect.isawaitable(result):
-                result = await result
-        except BaseException as e:
-            _otel.end_process(span, token, e)
-            raise
-        _otel.end_process(span, token)
-        return result
+        return await _run_in_span(func, messages, _otel.start_process_batch(messages, system, group))
 
     return call
 
