@@ -196,6 +196,28 @@ class Cell {
     }
   }
 
+  async op_transaction(step) {
+    const producer = await this.client.producer({ transactionalId: unique('node-scn-tx') })
+    const topic = this.topics[step.topic]
+    const records = (rs) => rs.map((r) => ({ topic, payload: value(r.payload) }))
+    class Abort extends Error {}
+    try {
+      await producer.transaction(async (tx) => {
+        for (const r of records(step.commit)) await tx.send(r)
+      })
+      // transaction() aborts when its function throws, and rethrows.
+      await assert.rejects(
+        producer.transaction(async (tx) => {
+          for (const r of records(step.abort)) await tx.send(r)
+          throw new Abort('scenario: abort')
+        }),
+        Abort
+      )
+    } finally {
+      await producer.close()
+    }
+  }
+
   async op_sleep(step) {
     await sleep(step.ms)
   }

@@ -234,6 +234,18 @@ class Cell:
             flags = [d.duplicate for d in deliveries]
             assert flags == step["expect_duplicate"], f"Delivery.duplicate {flags}, expected {step['expect_duplicate']}"
 
+    async def op_transaction(self, step: dict) -> None:
+        producer = await self.client.producer(transactional_id=unique("py-scn-tx"))
+        topic = self.topics[step["topic"]]
+        try:
+            for records, end in ((step["commit"], "commit"), (step["abort"], "abort")):
+                tx = await producer.begin()
+                for r in records:
+                    await tx.send(topic, value(r["payload"]), key=value(r.get("key")))
+                await (tx.commit() if end == "commit" else tx.abort())
+        finally:
+            await producer.close()
+
     async def op_sleep(self, step: dict) -> None:
         await asyncio.sleep(step["ms"] / 1000.0)
 

@@ -352,6 +352,7 @@ impl Cell<'_> {
                     Ok(())
                 }
                 "consume" => self.op_consume(step).await,
+                "transaction" => self.op_transaction(step).await,
                 "idempotent" => self.op_idempotent(step).await,
                 "pipeline" => self.op_pipeline(step).await,
                 "lag" => self.op_lag(step).await,
@@ -419,6 +420,35 @@ impl Cell<'_> {
             })?;
         }
         Ok(())
+    }
+
+    async fn op_transaction(&mut self, step: &Value) -> Res {
+        let producer = self
+            .client
+            .producer(ProducerConfig::new().transactional_id(unique("rs-scn-tx")))
+            .await?;
+        let topic = self.topic(step, "topic");
+        let result = async {
+            for (records, commit) in [(&step["commit"], true), (&step["abort"], false)] {
+                let mut tx = producer.begin().await?;
+                for r in records.as_array().expect("spec: records") {
+                    tx.send(Record::new(
+                        topic.clone(),
+                        value(&r["payload"]).unwrap_or_default(),
+                    ))
+                    .await?;
+                }
+                if commit {
+                    tx.commit().await?;
+                } else {
+                    tx.abort().await?;
+                }
+            }
+            Ok::<(), Error>(())
+        }
+        .await;
+        producer.close().await?;
+        Ok(result?)
     }
 
     async fn op_consume(&mut self, step: &Value) -> Res {
