@@ -353,6 +353,7 @@ impl Cell<'_> {
                 }
                 "consume" => self.op_consume(step).await,
                 "transaction" => self.op_transaction(step).await,
+                "atomic_batch" => self.op_atomic_batch(step).await,
                 "idempotent" => self.op_idempotent(step).await,
                 "pipeline" => self.op_pipeline(step).await,
                 "lag" => self.op_lag(step).await,
@@ -449,6 +450,24 @@ impl Cell<'_> {
         .await;
         producer.close().await?;
         Ok(result?)
+    }
+
+    async fn op_atomic_batch(&mut self, step: &Value) -> Res {
+        let producer = self.client.producer(ProducerConfig::new()).await?;
+        let topic = self.topic(step, "topic");
+        let records: Vec<Record> = step["records"]
+            .as_array()
+            .expect("spec: records")
+            .iter()
+            .map(|r| Record::new(topic.clone(), value(&r["payload"]).unwrap_or_default()))
+            .collect();
+        let n = records.len();
+        let result = producer.send_atomic(records).await;
+        producer.close().await?;
+        let deliveries = result?;
+        ensure(deliveries.len() == n, || {
+            format!("{} deliveries for {n} records", deliveries.len())
+        })
     }
 
     async fn op_consume(&mut self, step: &Value) -> Res {
