@@ -8,6 +8,7 @@ pub mod crash;
 pub mod dedup_suite;
 pub mod engine_suite;
 pub mod fault_proxy;
+pub mod faults;
 pub mod harness;
 pub mod http;
 pub mod interop;

@@ -64,7 +64,8 @@ ensure_kafka_libs() {
 # write_node_props N: node N's server.properties (path printed). Replication 3 everywhere,
 # min.insync.replicas 2, and failure detection in seconds rather than the defaults' tens of
 # seconds: a killed broker is fenced (its partitions' leadership moved) ~3 s after its last
-# heartbeat.
+# heartbeat. A restarted broker gets its preferred leaderships back within seconds (not 5 min),
+# so leaders and coordinators are spread over the three again before the next kill.
 write_node_props() {
     local n=$1 props="$RUN_DIR/kafka-cluster-$1.properties" m voters=()
     for m in "${NODES[@]}"; do voters+=("$m@127.0.0.1:$(node_controller_port "$m")"); done
@@ -99,6 +100,7 @@ broker.session.timeout.ms=3000
 controller.quorum.election.timeout.ms=1000
 controller.quorum.fetch.timeout.ms=2000
 replica.lag.time.max.ms=5000
+leader.imbalance.check.interval.seconds=5
 replica.socket.timeout.ms=5000
 num.network.threads=2
 num.io.threads=2

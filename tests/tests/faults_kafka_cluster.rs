@@ -1,0 +1,412 @@
+//! Faults beyond a killed process, on a 3-broker Kafka KRaft cluster
+//! (`tests/brokers/up.sh kafka-cluster`, issue #28): the exactly-once pipeline (transactional
+//! mode) copies topic A to topic B while the test SIGKILLs, one after the other, the broker
+//! leading an input partition and the broker coordinating the pipeline's transactional id (one
+//! test), or the broker coordinating its consumer group (another, ignored for now: it hangs in
+//! librdkafka, see its doc), each restarted (and caught up) before the next kill.
+//! Replication factor 3 and `min.insync.replicas=2` everywhere, so one dead broker loses no
+//! acknowledged write. A `read_committed` reader of B must see every input exactly once.
+//!
+//! A pipeline run that ends in an error is started again on the same group and transactional
+//! id (what a supervisor does); the count of such restarts is printed, and exactly-once must
+//! hold across them too.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use onceflow_conformance::faults::{
+    find_coordinator, partition_leader, report, soak_minutes, wait_fully_replicated, ClusterNodes,
+    CoordinatorType, Tally,
+};
+use onceflow_conformance::harness::{broker_url, random_suffix};
+use onceflow_core::{
+    BoxError, Client, ConsumerConfig, EngineConfig, Isolation, Message, Pipeline, PipelineConfig,
+    ProducerConfig, Record, StartFrom, TopicSpec, Transform,
+};
+
+const HANG_GUARD: Duration = Duration::from_secs(900);
+/// Input and output partitions: three, so at least one input partition is led elsewhere than
+/// on the group coordinator's broker (leaders spread over the three brokers).
+const PARTITIONS: u32 = 3;
+/// The pipeline stalled: no input consumed for this long.
+const STALL: Duration = Duration::from_secs(90);
+
+/// Input `in-i` → output `IN-i`, after a little work so the copy runs through the kills.
+struct Upper(String);
+
+#[async_trait]
+impl Transform for Upper {
+    async fn transform(&self, m: &Message) -> Result<Vec<Record>, BoxError> {
+        tokio::time::sleep(Duration::from_millis(8)).await;
+        Ok(vec![Record::new(
+            self.0.clone(),
+            m.payload.to_ascii_uppercase(),
+        )
+        .key(m.key.clone().unwrap_or_default())])
+    }
+}
+
+async fn pipeline(c: &Client, group: &str, input: &str, output: &str, tx_id: &str) -> Pipeline {
+    let consumer = c
+        .consumer(ConsumerConfig {
+            group: group.to_string(),
+            topics: vec![input.to_string()],
+            isolation: Isolation::ReadCommitted,
+            start: StartFrom::committed_or_earliest(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let producer = c
+        .producer(ProducerConfig {
+            transactional_id: Some(tx_id.to_string()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let config = PipelineConfig {
+        engine: EngineConfig {
+            commit_interval: Duration::from_millis(200),
+            ..Default::default()
+        },
+        max_transaction_inputs: 100,
+        transaction_interval: Duration::from_millis(200),
+        ..Default::default()
+    };
+    Pipeline::with_config(
+        consumer,
+        producer,
+        None,
+        Arc::new(Upper(output.to_string())),
+        config,
+    )
+    .unwrap()
+}
+
+/// Which broker a kill targets.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    InputLeader,
+    TransactionCoordinator,
+    GroupCoordinator,
+}
+
+fn cluster_url(test: &str) -> Option<String> {
+    match broker_url("ONCEFLOW_KAFKA_CLUSTER_URL", "kafka-cluster") {
+        Ok(u) => Some(u),
+        Err(reason) => {
+            eprintln!("SKIPPED {test}: {reason}");
+            None
+        }
+    }
+}
+
+/// The input partition's leader, then the transaction coordinator's broker, each SIGKILLed and
+/// restarted under the running pipeline. Neither is the group coordinator's broker (the names
+/// and the partition are chosen so): that kill is the next test's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_input_leader_and_the_transaction_coordinator_loses_and_duplicates_nothing() {
+    const TEST: &str =
+        "killing_the_input_leader_and_the_transaction_coordinator_loses_and_duplicates_nothing";
+    let Some(url) = cluster_url(TEST) else {
+        return;
+    };
+    let base = [Target::InputLeader, Target::TransactionCoordinator];
+    // A soak run: the two again and again, about three a minute.
+    let kills: Vec<Target> = match soak_minutes() {
+        0 => base.to_vec(),
+        m => base.iter().copied().cycle().take(3 * m as usize).collect(),
+    };
+    tokio::time::timeout(HANG_GUARD, run(TEST, &url, &kills))
+        .await
+        .expect("hung");
+}
+
+/// The group coordinator's broker SIGKILLed (and restarted) under the running pipeline.
+///
+/// KNOWN FAILURE, not run by default: the pipeline stalls for good. Its producer's
+/// `send_offsets_to_transaction` (librdkafka 2.12.1, through rdkafka-sys 4.10) never returns:
+/// a thread dump shows `rd_kafka_send_offsets_to_transaction(timeout_ms=30000)` waiting in
+/// `rd_kafka_txn_op_req0(abs_timeout=-1)`, the transaction coordinator meanwhile aborts the open
+/// transaction on its 60 s timeout, and nothing is consumed again. librdkafka issues #5511 (a
+/// decommissioned group coordinator stays cached: the TxnOffsetCommit waits for a state change
+/// of a broker thread that no longer exists; a killed KRaft broker leaves the metadata while
+/// fenced, so it is decommissioned) and #5456 (the coordinator request's timeout is never
+/// checked). The Kafka adapter runs the call in `spawn_blocking` without an outer bound, so the
+/// pipeline cannot even fail and be restarted; at the end the runtime waits for that thread
+/// forever. Run it with `--ignored` once librdkafka (or the adapter) is fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "hangs: librdkafka 2.12.1 send_offsets_to_transaction never returns after a group \
+            coordinator failover (librdkafka #5511, #5456); see the doc comment"]
+async fn killing_the_group_coordinator_loses_and_duplicates_nothing() {
+    const TEST: &str = "killing_the_group_coordinator_loses_and_duplicates_nothing";
+    let Some(url) = cluster_url(TEST) else {
+        return;
+    };
+    tokio::time::timeout(HANG_GUARD, run(TEST, &url, &[Target::GroupCoordinator]))
+        .await
+        .expect("hung");
+}
+
+/// Names whose coordinators are on different brokers: (group, transactional id). Leaders are
+/// spread again within seconds after a broker's restart (the cluster's
+/// leader.imbalance.check.interval.seconds), so this retries for a while.
+async fn names_on_different_coordinators(bootstrap: &str, id: &str) -> (String, String) {
+    for attempt in 0..600 {
+        if attempt % 20 == 19 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let group = format!("faults-g-{id}-{attempt}");
+        let tx_id = format!("faults-tx-{id}-{attempt}");
+        let g = find_coordinator(bootstrap, &group, CoordinatorType::Group).await;
+        let t = find_coordinator(bootstrap, &tx_id, CoordinatorType::Transaction).await;
+        if g != t {
+            return (group, tx_id);
+        }
+    }
+    panic!("no group and transactional id with coordinators on different brokers");
+}
+
+/// An input partition whose leader is not `avoid` (the group coordinator's broker).
+async fn partition_led_elsewhere(bootstrap: &str, topic: &str, avoid: i32) -> Option<i32> {
+    for p in 0..PARTITIONS as i32 {
+        if partition_leader(bootstrap, topic, p).await != avoid {
+            return Some(p);
+        }
+    }
+    None
+}
+
+async fn run(test: &str, url: &str, kills: &[Target]) {
+    // onceflow's and librdkafka's warnings on stderr: what a stall or an error looked like.
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let started = tokio::time::Instant::now();
+    let bootstrap = url
+        .trim_start_matches("kafka://")
+        .split('?')
+        .next()
+        .unwrap()
+        .to_string();
+    let nodes = ClusterNodes::new("ONCEFLOW_KAFKA_CLUSTER_NODE", "kafka-cluster");
+    let inputs = 2000 * (kills.len() + 1);
+
+    let c = Client::new(onceflow_kafka::connect(url).expect("Kafka URL"));
+    let id = random_suffix();
+    let input = format!("faults-in-{id}");
+    let output = format!("faults-out-{id}");
+    let (group, tx_id) = names_on_different_coordinators(&bootstrap, &id).await;
+    let admin = c.admin().await.unwrap();
+    for t in [&input, &output] {
+        // Replication factor: the cluster's default, 3.
+        admin
+            .create_topic(&TopicSpec::new(t.clone(), PARTITIONS))
+            .await
+            .unwrap();
+    }
+    // The inputs, written before the faults (an idempotent producer, acks=all).
+    let writer = c.producer(ProducerConfig::default()).await.unwrap();
+    let records = (0..inputs)
+        .map(|i| {
+            Record::new(input.clone(), format!("in-{i}"))
+                .key(format!("k{i}"))
+                .partition((i % PARTITIONS as usize) as i32)
+        })
+        .collect();
+    for r in writer.send_batch(records).await {
+        r.unwrap();
+    }
+    writer.close().await.unwrap();
+
+    // The pipeline, run (and started again after an error) until its group has committed
+    // every input; the kills happen meanwhile.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let running = {
+        let (c, group, input, output, tx_id, consumed) = (
+            c.clone(),
+            group.clone(),
+            input.clone(),
+            output.clone(),
+            tx_id.clone(),
+            consumed.clone(),
+        );
+        tokio::spawn(async move {
+            let mut restarts = 0usize;
+            loop {
+                let p = pipeline(&c, &group, &input, &output, &tx_id).await;
+                let m = p.metrics();
+                let base = consumed.load(std::sync::atomic::Ordering::Relaxed);
+                let progress = {
+                    let consumed = consumed.clone();
+                    let m = m.clone();
+                    tokio::spawn(async move {
+                        loop {
+                            consumed.store(
+                                base + m.snapshot().consumed,
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    })
+                };
+                let mut stopped = stopped.clone();
+                let result = p
+                    .run_until(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await;
+                progress.abort();
+                match result {
+                    Ok(_) => return restarts,
+                    Err(e) => {
+                        restarts += 1;
+                        eprintln!("pipeline run {restarts} ended in an error, starting again: {e}");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
+            }
+        })
+    };
+
+    let internal = ["__consumer_offsets", "__transaction_state"];
+    let watched = [input.as_str(), output.as_str(), internal[0], internal[1]];
+    for (k, target) in kills.iter().enumerate() {
+        // Kill k once (k + 1) / (kills + 1) of the inputs went through.
+        let at = (inputs * (k + 1) / (kills.len() + 1)) as u64;
+        let mut last = (
+            consumed.load(std::sync::atomic::Ordering::Relaxed),
+            started.elapsed(),
+        );
+        while last.0 < at {
+            assert!(!running.is_finished(), "the pipeline task ended early");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let now = consumed.load(std::sync::atomic::Ordering::Relaxed);
+            if now != last.0 {
+                last = (now, started.elapsed());
+            }
+            assert!(
+                started.elapsed() - last.1 < STALL,
+                "the pipeline consumed nothing for {STALL:?} (at {} of {inputs} inputs, before \
+                 kill {})",
+                last.0,
+                k + 1
+            );
+        }
+        let node = match target {
+            Target::InputLeader => {
+                let g = find_coordinator(&bootstrap, &group, CoordinatorType::Group).await;
+                match partition_led_elsewhere(&bootstrap, &input, g).await {
+                    Some(p) => partition_leader(&bootstrap, &input, p).await,
+                    None => panic!("every input partition is led by the group coordinator"),
+                }
+            }
+            Target::TransactionCoordinator => {
+                let t = find_coordinator(&bootstrap, &tx_id, CoordinatorType::Transaction).await;
+                let g = find_coordinator(&bootstrap, &group, CoordinatorType::Group).await;
+                assert_ne!(
+                    t, g,
+                    "the transaction coordinator moved onto the group's broker"
+                );
+                t
+            }
+            Target::GroupCoordinator => {
+                find_coordinator(&bootstrap, &group, CoordinatorType::Group).await
+            }
+        };
+        let node = u32::try_from(node).expect("a broker id");
+        eprintln!(
+            "[{:>4} s] kill {}: SIGKILL kafka-cluster-{node} ({target:?}) at {} consumed",
+            started.elapsed().as_secs(),
+            k + 1,
+            consumed.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        let t0 = tokio::time::Instant::now();
+        nodes.kill(node).await;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        nodes.start(node).await;
+        wait_fully_replicated(&bootstrap, &watched, 3).await;
+        eprintln!(
+            "[{:>4} s] kill {}: kafka-cluster-{node} back and caught up after {} s",
+            started.elapsed().as_secs(),
+            k + 1,
+            t0.elapsed().as_secs()
+        );
+    }
+
+    eprintln!(
+        "[{:>4} s] kills done, waiting for the group to commit every input",
+        started.elapsed().as_secs()
+    );
+    // Done when the group has committed every input.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        if let Ok(lag) = admin.group_lag(&group, &input).await {
+            if lag.len() == PARTITIONS as usize
+                && lag
+                    .iter()
+                    .all(|l| l.messages == 0 && l.committed == l.high_watermark)
+            {
+                break;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the group did not commit every input within 180 s after the last kill"
+        );
+        assert!(!running.is_finished(), "the pipeline task ended early");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!(
+        "[{:>4} s] every input committed",
+        started.elapsed().as_secs()
+    );
+    let _ = stop.send(true);
+    let restarts = running.await.expect("pipeline task");
+
+    // Every input exactly once in the committed output.
+    let reader = c
+        .consumer(ConsumerConfig {
+            group: format!("faults-reader-{id}"),
+            topics: vec![output.clone()],
+            isolation: Isolation::ReadCommitted,
+            start: StartFrom::committed_or_earliest(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut got: BTreeMap<String, usize> = BTreeMap::new();
+    let mut idle = tokio::time::Instant::now();
+    while (got.values().sum::<usize>() < inputs && idle.elapsed() < Duration::from_secs(30))
+        || idle.elapsed() < Duration::from_secs(3)
+    {
+        let batch = reader.poll(1000, Duration::from_millis(250)).await.unwrap();
+        if !batch.is_empty() {
+            idle = tokio::time::Instant::now();
+        }
+        for m in batch {
+            *got.entry(String::from_utf8_lossy(&m.payload).into_owned())
+                .or_default() += 1;
+        }
+    }
+    reader.close().await.unwrap();
+    let expected: Vec<String> = (0..inputs).map(|i| format!("IN-{i}")).collect();
+    let tally = Tally::of(&expected, &got);
+    report(test, kills.len(), tally);
+    eprintln!(
+        "{test}: {inputs} inputs, {} broker kills, {restarts} pipeline restarts after an error, \
+         {} outputs read, {} s",
+        kills.len(),
+        got.values().sum::<usize>(),
+        started.elapsed().as_secs()
+    );
+    assert_eq!(tally, Tally::default(), "every input once in the output");
+    for t in [&input, &output] {
+        let _ = admin.delete_topic(t).await;
+    }
+}
