@@ -12,12 +12,15 @@
 //!   booleans and numbers, by one rule for every binding and every place that takes them.
 //! - [`durability`]: the durability fields of a topic description (JetStream's `storage`,
 //!   `replicas`, `sync`, `durable_on_ack`), typed.
+//! - [`inbox`]: the transactional inbox on PostgreSQL or the embedded store with a handler in
+//!   the host language, whose SQL runs in the message's transaction through an [`inbox::InboxTx`].
 //! - [`yielded`]: what `commit()` without arguments commits, the last message handed out of
 //!   each partition.
 //! - [`error_kinds`]: every [`ErrorKind`] with its stable code and the exception/class name a
 //!   binding gives it.
 
 pub mod durability;
+pub mod inbox;
 pub mod raw_options;
 pub mod settings;
 pub mod yielded;

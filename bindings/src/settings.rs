@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use onceflow::inbox::InboxConfig;
 use onceflow::{EngineConfig, Error, PipelineConfig, Result};
 
 /// The language a binding serves: how its users spell setting names, durations and types.
@@ -354,6 +355,43 @@ fn apply_pipeline(c: &mut PipelineConfig, spelled: &str, name: &str, v: Parsed) 
     Ok(())
 }
 
+/// The settings of [`InboxConfig`], in its field order.
+const INBOX: &[Entry] = &[
+    ("key", Kind::Form),
+    ("namespace", TEXT),
+    (
+        "batch_size",
+        Kind::Count {
+            min: 1,
+            max: MAX_COUNT,
+        },
+    ),
+    ("poll_timeout", DURATION),
+    (
+        "max_attempts",
+        Kind::Count {
+            min: 1,
+            max: u32::MAX as f64,
+        },
+    ),
+    ("backoff", DURATION),
+    ("broker_commit_interval", DURATION),
+];
+
+fn apply_inbox(c: &mut InboxConfig, spelled: &str, name: &str, v: Parsed) -> Result<()> {
+    match (name, v) {
+        ("key", Parsed::Text(t)) => c.key = form(spelled, &t)?,
+        ("namespace", Parsed::Text(t)) => c.namespace = Some(t),
+        ("batch_size", Parsed::Count(n)) => c.batch_size = n as usize,
+        ("poll_timeout", Parsed::Duration(d)) => c.poll_timeout = d,
+        ("max_attempts", Parsed::Count(n)) => c.max_attempts = n as u32,
+        ("backoff", Parsed::Duration(d)) => c.backoff = d,
+        ("broker_commit_interval", Parsed::Duration(d)) => c.broker_commit_interval = d,
+        _ => unreachable!("inbox setting {name} and its kind disagree"),
+    }
+    Ok(())
+}
+
 /// The names a table accepts, as `language` spells them.
 fn names(language: Language, tables: &[&[Entry]]) -> Vec<String> {
     tables
@@ -444,6 +482,23 @@ pub fn pipeline_config(
         apply_pipeline,
     )?;
     c.engine.validate()?;
+    Ok(c)
+}
+
+/// An [`InboxConfig`] (the transactional inbox's settings): the defaults with `entries`
+/// applied in order. Names (as `language` spells them): `key` (`header:NAME` or
+/// `coordinates`), `namespace`, `batch_size` (at least 1), `poll_timeout`, `max_attempts` (at
+/// least 1), `backoff`, `broker_commit_interval`; meanings and defaults are [`InboxConfig`]'s
+/// fields'. `own` as in [`engine_config`].
+///
+/// Errors: [`onceflow::ErrorKind::Config`] naming the setting as spelled and what was expected.
+pub fn inbox_config(
+    language: Language,
+    entries: impl IntoIterator<Item = (String, Value)>,
+    own: OwnNames<'_>,
+) -> Result<InboxConfig> {
+    let mut c = InboxConfig::default();
+    build(language, &[INBOX], own, entries, &mut c, apply_inbox)?;
     Ok(c)
 }
 
@@ -610,5 +665,41 @@ mod tests {
         assert!(m.starts_with("mode: pipeline mode 'exactly'"), "{m}");
         let m = err(Language::Python, &[("key", t("header:"))]);
         assert!(m.starts_with("key: key strategy 'header:'"), "{m}");
+    }
+
+    #[test]
+    fn inbox_settings_follow_each_languages_spelling() {
+        let c = inbox_config(
+            Language::Node,
+            [
+                ("backoffMs".to_string(), n(250.0)),
+                ("brokerCommitIntervalMs".to_string(), n(2000.0)),
+                ("maxAttempts".to_string(), n(3.0)),
+                ("namespace".to_string(), t("billing")),
+            ],
+            &["store"],
+        )
+        .unwrap();
+        assert_eq!(c.backoff, Duration::from_millis(250));
+        assert_eq!(c.broker_commit_interval, Duration::from_secs(2));
+        assert_eq!(c.max_attempts, 3);
+        assert_eq!(c.namespace.as_deref(), Some("billing"));
+        let c = inbox_config(Language::Python, [("poll_timeout".into(), n(0.5))], &[]).unwrap();
+        assert_eq!(c.poll_timeout, Duration::from_millis(500));
+        let e = inbox_config(Language::Python, [("lease".into(), n(1.0))], &["store"])
+            .unwrap_err()
+            .message()
+            .to_string();
+        assert!(
+            e.contains("unknown setting 'lease'")
+                && e.contains("backoff, broker_commit_interval, store"),
+            "{e}"
+        );
+        let e = inbox_config(Language::Python, [("max_attempts".into(), n(0.0))], &[]).unwrap_err();
+        assert!(
+            e.message()
+                .starts_with("max_attempts 0: expected a whole number from 1"),
+            "{e}"
+        );
     }
 }

@@ -109,6 +109,8 @@ __all__ = [
     "FencedError",
     "HandlerError",
     "IdempotentConsumer",
+    "Inbox",
+    "InboxTransaction",
     "Lag",
     "Message",
     "MessageBatch",
@@ -121,6 +123,7 @@ __all__ = [
     "Record",
     "SendError",
     "SerializationError",
+    "StoredPosition",
     "TimeoutError",
     "TopicDescription",
     "Transaction",
@@ -1035,6 +1038,149 @@ def idempotent(
         return IdempotentConsumer(consumer, handler, store, **kwargs)
 
     return wrap
+
+
+InboxTransaction = _native.InboxTransaction
+
+
+class StoredPosition(NamedTuple):
+    """A position an ``Inbox`` stored in its database: the last message of ``topic`` /
+    ``partition`` handled (or skipped) and committed; ``position`` as text (a Kafka offset, a
+    JetStream sequence, ...)."""
+
+    topic: str
+    partition: int
+    position: str
+
+
+class Inbox:
+    """The transactional inbox: ``handler(message, tx)`` runs inside one database transaction
+    that also records the message's idempotency key and the consumer's position, so the
+    handler's rows, the key and the position are committed together or not at all.
+
+    ``store`` is ``postgres://user:password@host/db`` (PostgreSQL) or an embedded store: a
+    file path or ``embedded:///absolute/path.db`` (SQLite). ``tx`` is an
+    ``InboxTransaction``; its SQL runs in that transaction:
+
+    - ``await tx.execute(sql, params)`` runs a statement and returns the rows it changed;
+    - ``await tx.query(sql, params)`` returns a list of tuples (``as_dicts=True``: dicts keyed
+      by column name).
+
+    ``params`` is a list (or tuple) of ``str``, ``int``, ``float``, ``bytes``, ``bool`` or
+    ``None``; another type raises ``TypeError`` naming its index. Placeholders: ``$1, $2, ...``
+    on PostgreSQL, ``?`` (or ``?1, ?2, ...``) on the embedded store (``tx.store`` says which).
+    PostgreSQL result columns other than booleans, integers, floats, text and ``bytea`` raise
+    ``SerializationError`` (cast them in SQL, e.g. ``created::text``). A failing statement
+    raises ``DedupStoreError`` (the database's message) and fails the message even if the
+    handler catches it: the transaction rolls back and the message is retried. ``tx`` works
+    only while the handler runs; afterwards it raises ``ClosedError``. Do not commit or roll
+    back yourself.
+
+    A message whose key was already recorded within ``window`` seconds (default one day) is a
+    duplicate: the handler does not run. On start the inbox seeks the consumer to just after
+    the positions stored in the database, so a new consumer group (or lost broker offsets)
+    handles nothing twice. A handler that raises rolls its transaction back and is retried
+    with backoff; after ``max_attempts`` ``run()`` / ``step()`` raise ``HandlerError`` and
+    nothing of that message is committed.
+
+    Settings (keyword arguments, ``None`` keeps the default): ``key`` (``header:NAME`` or
+    ``coordinates``; default the ``idempotency-key`` header, else the coordinates),
+    ``namespace`` (names keys and positions in the database; default the consumer group),
+    ``batch_size`` (100), ``poll_timeout`` (0.1 s), ``max_attempts`` (5), ``backoff`` (first
+    retry delay, doubled per attempt, 0.1 s), ``broker_commit_interval`` (1 s). Durations are
+    seconds or ``datetime.timedelta``. A wrong type raises ``TypeError``, a bad value or
+    unknown name ``ConfigError``; both, like a store that cannot be opened, from the first
+    ``run()`` / ``step()`` (or ``open()``)."""
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        handler: Callable[[Message, Any], Any],
+        store: Union[str, "os.PathLike[str]"],
+        *,
+        window: float = 86400.0,
+        **config: Any,
+    ):
+        if isinstance(store, os.PathLike):
+            store = os.fspath(store)
+        if not isinstance(store, str):
+            raise TypeError(
+                f"store: expected a postgres:// URL or an embedded store path (str or os.PathLike), "
+                f"got {type(store).__name__}"
+            )
+        self.consumer = consumer
+        self.handler = handler
+        self._store = store
+        self._window = window
+        self._config = config
+        self._native: Any = None
+        self._stop_requested = False
+        self._wrap_tx: Callable[[Any], Any] = lambda tx: tx
+
+    async def open(self) -> "Inbox":
+        """Opens the store and builds the inbox now (``run()`` / ``step()`` do it otherwise)."""
+        if self._native is None:
+            handler, wrap_tx = self.handler, self._wrap_tx
+
+            async def call(message: Message, tx: Any) -> None:
+                result = handler(message, wrap_tx(tx))
+                if inspect.isawaitable(result):
+                    await result
+
+            self._native = await _native.open_inbox(
+                self.consumer._native, call, self._store, window=self._window, config=self._config or None
+            )
+        return self
+
+    @property
+    def store(self) -> Optional[str]:
+        """``"postgres"`` or ``"embedded"`` once opened (the handler's placeholder style)."""
+        return self._native.store if self._native is not None else None
+
+    @property
+    def namespace(self) -> Optional[str]:
+        """The namespace of the inbox's keys and positions, once opened."""
+        return self._native.namespace if self._native is not None else None
+
+    async def run(self) -> Dict[str, int]:
+        """Runs until ``stop()`` or an error; returns the summary (see ``summary()``). Does not
+        close the consumer. Cancelling the awaiting task stops the inbox."""
+        await self.open()
+        if self._stop_requested:
+            self._native.stop()
+        try:
+            return await self._native.run()
+        except asyncio.CancelledError:
+            self._native.stop()
+            raise
+
+    async def step(self) -> int:
+        """Polls once and handles what came; returns how many messages were polled."""
+        await self.open()
+        return await self._native.step()
+
+    def stop(self) -> None:
+        """Asks ``run()`` to return once the message in hand is committed (safe from a handler)."""
+        self._stop_requested = True
+        if self._native is not None:
+            self._native.stop()
+
+    def summary(self) -> Dict[str, int]:
+        """``{"handled", "duplicates", "behind_position"}``: messages whose handler ran and
+        committed, skipped as already recorded keys, skipped as at or before the stored
+        position (empty counts before the inbox opened)."""
+        if self._native is None:
+            return {"handled": 0, "duplicates": 0, "behind_position": 0}
+        return self._native.summary()
+
+    async def stored_positions(self) -> List[StoredPosition]:
+        """The positions stored for this inbox's namespace, per partition (not after
+        ``run()`` returned: open a new ``Inbox`` on the same store and namespace)."""
+        await self.open()
+        return [StoredPosition(*p) for p in await self._native.stored_positions()]
+
+    def __repr__(self) -> str:
+        return f"Inbox(store={self.store!r}, namespace={self.namespace!r})"
 
 
 class Pipeline(_Engine):

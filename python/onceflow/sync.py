@@ -38,6 +38,8 @@ from . import (
 from . import Client as _AsyncClient
 from . import Consumer as _AsyncConsumer
 from . import IdempotentConsumer as _AsyncIdempotentConsumer
+from . import Inbox as _AsyncInbox
+from . import StoredPosition
 from . import Pipeline as _AsyncPipeline
 from . import Producer as _AsyncProducer
 from . import Transaction as _AsyncTransaction
@@ -48,6 +50,8 @@ __all__ = [
     "Client",
     "Consumer",
     "IdempotentConsumer",
+    "Inbox",
+    "InboxTransaction",
     "Pipeline",
     "Producer",
     "Record",
@@ -264,3 +268,68 @@ class Pipeline(_SyncEngine):
 
     def __init__(self, consumer: Consumer, producer: Producer, transform: Callable[[Message], Any], store: Union[None, str, DedupStore] = None, **kwargs: Any):
         self._inner = _AsyncPipeline(consumer._inner, producer._inner, transform, store, **kwargs)
+
+
+class InboxTransaction:
+    """The sync view of an inbox handler's database transaction (see
+    ``onceflow.InboxTransaction``): the same calls, blocking. Usable only while the handler
+    runs; afterwards every call raises ``ClosedError``."""
+
+    def __init__(self, native: Any):
+        self._native = native
+
+    @property
+    def store(self) -> str:
+        """``"postgres"`` (placeholders ``$1, $2, ...``) or ``"embedded"`` (``?``)."""
+        return self._native.store
+
+    def execute(self, sql: str, params: Optional[Sequence[Any]] = None) -> int:
+        """Runs one statement in the message's transaction; returns the rows it changed."""
+        return self._native.execute_blocking(sql, params)
+
+    def query(self, sql: str, params: Optional[Sequence[Any]] = None, *, as_dicts: bool = False) -> List[Any]:
+        """Runs one query in the message's transaction; returns a list of tuples (dicts keyed
+        by column with ``as_dicts=True``)."""
+        return self._native.query_blocking(sql, params, as_dicts=as_dicts)
+
+
+class Inbox:
+    """See ``onceflow.Inbox``: ``handler(message, tx)`` is a plain function and ``tx`` an
+    ``onceflow.sync.InboxTransaction`` whose ``execute`` / ``query`` block. The handler runs on
+    the sync API's loop thread."""
+
+    def __init__(self, consumer: Consumer, handler: Callable[[Message, InboxTransaction], Any], store: Union[str, "os.PathLike[str]"], **kwargs: Any):
+        self._inner = _AsyncInbox(consumer._inner, handler, store, **kwargs)
+        self._inner._wrap_tx = InboxTransaction
+
+    def open(self) -> "Inbox":
+        """Opens the store and builds the inbox now."""
+        _run(self._inner.open())
+        return self
+
+    @property
+    def store(self) -> Optional[str]:
+        return self._inner.store
+
+    @property
+    def namespace(self) -> Optional[str]:
+        return self._inner.namespace
+
+    def run(self) -> Dict[str, int]:
+        """Blocks until ``stop()`` (from the handler or another thread) or an error; returns the
+        summary."""
+        return _run(self._inner.run())
+
+    def step(self) -> int:
+        """Polls once and handles what came; returns how many messages were polled."""
+        return _run(self._inner.step())
+
+    def stop(self) -> None:
+        loop = _get_loop()
+        loop.call_soon_threadsafe(self._inner.stop)
+
+    def summary(self) -> Dict[str, int]:
+        return self._inner.summary()
+
+    def stored_positions(self) -> List[StoredPosition]:
+        return _run(self._inner.stored_positions())

@@ -201,7 +201,7 @@ const PIPELINE_OWN: OwnNames<'static> = &["store", "window"];
 
 /// A Python value as a setting's value: `None` keeps the default; a `datetime.timedelta` is
 /// its seconds.
-fn setting_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
+pub(crate) fn setting_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
     Ok(if v.is_none() {
         Value::Absent
     } else if let Ok(b) = v.cast::<PyBool>() {

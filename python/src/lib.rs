@@ -20,6 +20,7 @@ mod client;
 mod convert;
 mod engine;
 mod errors;
+mod inbox;
 mod trace;
 mod wake;
 
@@ -154,6 +155,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_shutdown, m)?)?;
     client::register(m)?;
     engine::register(m)?;
+    inbox::register(m)?;
     trace::register(m)?;
     Ok(())
 }
