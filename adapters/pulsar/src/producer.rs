@@ -33,6 +33,23 @@ struct TopicProducers {
     stored_from: Vec<Arc<AtomicU64>>,
     partitioned: bool,
     round_robin: AtomicUsize,
+    /// The runtime the producers were made on: dropping a crate producer spawns its close on
+    /// tokio, which panics on a thread outside any runtime ("there is no reactor running"),
+    /// e.g. when Python or Node frees the last reference at exit. The drop runs inside it.
+    runtime: Option<tokio::runtime::Handle>,
+}
+
+impl Drop for TopicProducers {
+    fn drop(&mut self) {
+        let parts = std::mem::take(&mut self.parts);
+        match &self.runtime {
+            Some(rt) if tokio::runtime::Handle::try_current().is_err() => {
+                let _inside = rt.enter();
+                drop(parts);
+            }
+            _ => drop(parts),
+        }
+    }
 }
 
 /// A producer on Pulsar (see the crate docs for the mapping).
@@ -134,6 +151,7 @@ impl PulsarProducer {
             parts,
             partitioned,
             round_robin: AtomicUsize::new(rand::random::<u32>() as usize),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         });
         topics.insert(topic.to_string(), t.clone());
         Ok(t)
