@@ -49,12 +49,32 @@ export ONCEFLOW_REQUIRE_BROKERS=1
 
 phases+=("brokers ${SECONDS}s")
 
+# Broker clusters for the fault tests (tests/tests/faults_*.rs, #28): three Kafka brokers and
+# three nats-servers, started for the Rust tests only and stopped (by pid) right after them.
+clusters=(kafka-cluster nats-cluster)
+clusters_started=()
+for s in "${clusters[@]}"; do
+    if ! service_pid "$s-1" >/dev/null; then
+        clusters_started+=("$s")
+        started+=("$s")
+    fi
+done
+t0=$SECONDS
+cluster_env=$(tests/brokers/up.sh "${clusters[@]}")
+phases+=("clusters $((SECONDS - t0))s")
+set -a
+eval "$cluster_env"
+set +a
+
 # The cross-language scenario suite (tests/scenarios/) runs inside the three phases below: its
 # Rust test binary with the workspace tests, its Python and Node interpreters with those
 # packages' tests, on the wheel and addon they build. Each writes its cells to
 # target/scenarios/<language>.txt, cleared here so a cell of an earlier run never counts.
 rm -rf "${CARGO_TARGET_DIR:-target}/scenarios"
 phase rust bash -c 'set -o pipefail; cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log'
+if ((${#clusters_started[@]})); then
+    tests/brokers/down.sh "${clusters_started[@]}" || true
+fi
 phase python bash -c 'set -o pipefail; bash python/run-tests.sh 2>&1 | tee target/python-test-output.log'
 phase node bash node/run-tests.sh
 # Every (scenario, language, platform) cell passed: a missing one fails like a failed one.
