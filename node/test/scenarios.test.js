@@ -237,6 +237,51 @@ class Cell {
     }
   }
 
+  async op_inbox(step) {
+    // The transactional inbox (Rust: PostgresStore::inbox / EmbeddedStore::inbox; Python:
+    // onceflow.Inbox). Until the Node binding has one, every cell of this scenario fails here.
+    assert.equal(
+      typeof onceflow.Inbox,
+      'function',
+      'the Node binding has no transactional inbox (onceflow.Inbox; Rust and Python have it, issue #24 asks for it in Node)'
+    )
+    const consumer = await this.client.consumer(unique('node-scn-g'), [this.topics[step.topic]], { start: 'earliest' })
+    const table = unique('scn_inbox').replace(/-/g, '_')
+    const sql = {}
+    for (const [k, v] of Object.entries(step.sql)) sql[k] = (typeof v === 'string' ? v : v[this.store]).split('{table}').join(table)
+    const keyHeader = step.key_header || 'idempotency-key'
+    const calls = {}
+    const rowsSeen = []
+    const options = { pollTimeoutMs: 50 }
+    if (step.key_header) options.key = `header:${keyHeader}`
+    const inbox = new onceflow.Inbox(
+      consumer,
+      async (m, tx) => {
+        const h = onceflow.header(m, keyHeader)
+        const k = h ? h.toString() : ''
+        await tx.execute(sql.create)
+        const rows = Number((await tx.query(sql.count))[0][0])
+        await tx.execute(sql.insert, [k, m.payload.toString()])
+        calls[k] = (calls[k] || 0) + 1
+        rowsSeen.push(rows)
+      },
+      storeUrl(this.store, this.tmp),
+      options
+    )
+    const want = step.expect_summary
+    const deadline = Date.now() + WAIT_MS
+    let summary
+    for (;;) {
+      await inbox.step()
+      summary = inbox.summary()
+      if (Object.entries(want).every(([k, v]) => summary[k] >= v) || Date.now() > deadline) break
+    }
+    await consumer.close()
+    for (const [k, v] of Object.entries(want)) assert.equal(summary[k], v, `inbox summary ${k}`)
+    assert.deepStrictEqual(calls, step.expect_calls, 'handler calls per key')
+    assert.deepStrictEqual(rowsSeen, step.expect_rows_seen, 'rows seen by each handler call')
+  }
+
   async op_sleep(step) {
     await sleep(step.ms)
   }

@@ -263,6 +263,39 @@ class Cell:
         finally:
             await producer.close()
 
+    async def op_inbox(self, step: dict) -> None:
+        consumer = await self.client.consumer(unique("py-scn-g"), [self.topics[step["topic"]]], start="earliest")
+        table = unique("scn_inbox").replace("-", "_")
+        sql = {k: (v if isinstance(v, str) else v[self.store]).replace("{table}", table) for k, v in step["sql"].items()}
+        key_header = step.get("key_header", "idempotency-key")
+        calls: Dict[str, int] = collections.Counter()
+        rows_seen: List[int] = []
+
+        async def handler(m: onceflow.Message, tx) -> None:
+            k = (m.header(key_header) or b"").decode()
+            await tx.execute(sql["create"])
+            rows = (await tx.query(sql["count"]))[0][0]
+            await tx.execute(sql["insert"], [k, m.payload.decode()])
+            calls[k] += 1
+            rows_seen.append(rows)
+
+        config: Dict[str, Any] = {"poll_timeout": 0.05}
+        if "key_header" in step:
+            config["key"] = f"header:{key_header}"
+        inbox = onceflow.Inbox(consumer, handler, store_url(self.store, self.tmp), **config)
+        want = step["expect_summary"]
+        deadline = time.monotonic() + WAIT
+        while True:
+            await inbox.step()
+            summary = inbox.summary()
+            if all(summary[k] >= v for k, v in want.items()) or time.monotonic() > deadline:
+                break
+        await consumer.close()
+        for k, v in want.items():
+            assert summary[k] == v, f"inbox summary {k} = {summary[k]}, expected {v} ({summary})"
+        assert dict(calls) == step["expect_calls"], f"handler calls {dict(calls)}, expected {step['expect_calls']}"
+        assert rows_seen == step["expect_rows_seen"], f"rows seen by each call {rows_seen}, expected {step['expect_rows_seen']}"
+
     async def op_sleep(self, step: dict) -> None:
         await asyncio.sleep(step["ms"] / 1000.0)
 

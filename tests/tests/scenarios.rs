@@ -281,6 +281,50 @@ struct Cell<'a> {
     vars: BTreeMap<String, String>,
 }
 
+/// What the inbox handler saw: calls per key, and the table's row count at each call.
+#[derive(Debug, Default, Clone)]
+struct InboxSeen {
+    calls: BTreeMap<String, u64>,
+    rows: Vec<i64>,
+}
+
+impl InboxSeen {
+    fn record(&mut self, key: String, rows: i64) {
+        *self.calls.entry(key).or_insert(0) += 1;
+        self.rows.push(rows);
+    }
+}
+
+/// The inbox handler on PostgreSQL: the same statements as the embedded one's closure.
+struct PgHandler {
+    seen: Arc<Mutex<InboxSeen>>,
+    key_header: String,
+    create: String,
+    count: String,
+    insert: String,
+}
+
+#[async_trait::async_trait]
+impl onceflow::postgres::InboxHandler for PgHandler {
+    async fn handle(
+        &self,
+        tx: &mut onceflow::postgres::tokio_postgres::Transaction<'_>,
+        m: &Message,
+    ) -> std::result::Result<(), onceflow::BoxError> {
+        let k = m
+            .headers
+            .get_str(&self.key_header)
+            .unwrap_or("")
+            .to_string();
+        tx.execute(self.create.as_str(), &[]).await?;
+        let rows: i64 = tx.query_one(self.count.as_str(), &[]).await?.get(0);
+        let payload = String::from_utf8_lossy(&m.payload).to_string();
+        tx.execute(self.insert.as_str(), &[&k, &payload]).await?;
+        self.seen.lock().unwrap().record(k, rows);
+        Ok(())
+    }
+}
+
 /// The trace id a handler call ran in, and the `traceparent` its message carried.
 type HandlerTrace = (String, Option<String>);
 
@@ -354,6 +398,7 @@ impl Cell<'_> {
                 "consume" => self.op_consume(step).await,
                 "transaction" => self.op_transaction(step).await,
                 "atomic_batch" => self.op_atomic_batch(step).await,
+                "inbox" => self.op_inbox(step).await,
                 "idempotent" => self.op_idempotent(step).await,
                 "pipeline" => self.op_pipeline(step).await,
                 "lag" => self.op_lag(step).await,
@@ -467,6 +512,138 @@ impl Cell<'_> {
         let deliveries = result?;
         ensure(deliveries.len() == n, || {
             format!("{} deliveries for {n} records", deliveries.len())
+        })
+    }
+
+    /// The inbox's SQL for this cell's store, its table named uniquely: (create, count, insert).
+    fn inbox_sql(&self, step: &Value, table: &str) -> (String, String, String) {
+        let store = self.store.expect("spec: the inbox scenario runs per store");
+        let sql = &step["sql"];
+        let get = |v: &Value| {
+            v.as_str()
+                .or(v[store].as_str())
+                .unwrap_or_else(|| panic!("spec: no SQL for store {store}: {v}"))
+                .replace("{table}", table)
+        };
+        (get(&sql["create"]), get(&sql["count"]), get(&sql["insert"]))
+    }
+
+    async fn op_inbox(&mut self, step: &Value) -> Res {
+        let consumer = self
+            .client
+            .consumer(
+                ConsumerConfig::new(unique("rs-scn-g"), [self.topic(step, "topic")])
+                    .start(StartFrom::Earliest),
+            )
+            .await?;
+        let table = unique("scn_inbox").replace('-', "_");
+        let (create, count, insert) = self.inbox_sql(step, &table);
+        let mut config = onceflow::inbox::InboxConfig {
+            poll_timeout: Duration::from_millis(50),
+            ..Default::default()
+        };
+        if let Some(h) = step["key_header"].as_str() {
+            config.key = KeyStrategy::Header(h.to_string());
+        }
+        let key_header = step["key_header"]
+            .as_str()
+            .unwrap_or("idempotency-key")
+            .to_string();
+        let seen: Arc<Mutex<InboxSeen>> = Arc::default();
+        let window = Duration::from_secs(3600);
+        let expect_calls: BTreeMap<String, u64> = step["expect_calls"]
+            .as_object()
+            .expect("spec: expect_calls")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+            .collect();
+        let want: Vec<(String, u64)> = step["expect_summary"]
+            .as_object()
+            .expect("spec: expect_summary")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+            .collect();
+        let field = |s: &onceflow::inbox::InboxSummary, k: &str| match k {
+            "handled" => s.handled,
+            "duplicates" => s.duplicates,
+            "behind_position" => s.behind_position,
+            other => panic!("spec: unknown inbox summary field '{other}'"),
+        };
+        let deadline = Instant::now() + WAIT;
+        let summary = match self.store {
+            Some("embedded") => {
+                let path =
+                    store_url(self.spec, "embedded", self.tmp).map_err(|e| Fail::Check(e.0))?;
+                let store = onceflow::dedup::EmbeddedStore::open(&path, window).await?;
+                let mut inbox = store.inbox(consumer.clone(), config).await?;
+                let handler = {
+                    let seen = seen.clone();
+                    Arc::new(
+                        move |tx: &mut onceflow::rusqlite::Transaction<'_>,
+                              m: &Message|
+                              -> std::result::Result<(), onceflow::BoxError> {
+                            let k = m.headers.get_str(&key_header).unwrap_or("").to_string();
+                            tx.execute(&create, [])?;
+                            let rows: i64 = tx.query_row(&count, [], |r| r.get(0))?;
+                            let payload = String::from_utf8_lossy(&m.payload).to_string();
+                            tx.execute(&insert, onceflow::rusqlite::params![k, payload])?;
+                            seen.lock().unwrap().record(k, rows);
+                            Ok(())
+                        },
+                    )
+                };
+                loop {
+                    inbox.step(&handler).await?;
+                    let s = inbox.summary();
+                    if want.iter().all(|(k, v)| field(s, k) >= *v) || Instant::now() > deadline {
+                        break s.clone();
+                    }
+                }
+            }
+            Some("postgres") => {
+                let url =
+                    store_url(self.spec, "postgres", self.tmp).map_err(|e| Fail::Check(e.0))?;
+                let store = onceflow::postgres::PostgresStore::open(&url, window).await?;
+                let mut inbox = store.inbox(consumer.clone(), config);
+                let handler = PgHandler {
+                    seen: seen.clone(),
+                    key_header,
+                    create,
+                    count,
+                    insert,
+                };
+                loop {
+                    inbox.step(&handler).await?;
+                    let s = inbox.summary();
+                    if want.iter().all(|(k, v)| field(s, k) >= *v) || Instant::now() > deadline {
+                        break s.clone();
+                    }
+                }
+            }
+            other => panic!("spec: the inbox runs on embedded or postgres, not {other:?}"),
+        };
+        consumer.close().await?;
+        for (k, v) in &want {
+            let got = field(&summary, k);
+            ensure(got == *v, || {
+                format!("inbox summary {k} = {got}, expected {v} ({summary:?})")
+            })?;
+        }
+        let seen = seen.lock().unwrap().clone();
+        ensure(seen.calls == expect_calls, || {
+            format!("handler calls {:?}, expected {expect_calls:?}", seen.calls)
+        })?;
+        let rows_want: Vec<i64> = step["expect_rows_seen"]
+            .as_array()
+            .expect("spec: expect_rows_seen")
+            .iter()
+            .map(|n| n.as_i64().unwrap())
+            .collect();
+        ensure(seen.rows == rows_want, || {
+            format!(
+                "rows seen by each handler call {:?}, expected {rows_want:?}",
+                seen.rows
+            )
         })
     }
 
