@@ -203,6 +203,90 @@ export declare class Pipeline {
   readonly mechanism: string | undefined
 }
 
+/**
+ * A SQL parameter of an inbox transaction: `null`/`undefined` (SQL NULL), a boolean, a number
+ * (a whole number up to 2^53 is an integer, another a float), a bigint (64-bit integer), a
+ * string or a Buffer (`bytea` / `BLOB`). Another type rejects with a `TypeError` naming its
+ * index (`params[1]: expected ...`).
+ */
+export type SqlParam = null | undefined | boolean | number | bigint | string | Buffer | Uint8Array
+/** A value read by `InboxTransaction.query`: integers beyond 2^53 are bigints. */
+export type SqlValue = null | boolean | number | bigint | string | Buffer
+
+/** Settings of a transactional inbox; a wrong type or bad value is a `config` error naming it. */
+export interface InboxOptions {
+  /**
+   * Where the keys, positions and the handler's rows live: `postgres://user:password@host/db`
+   * (PostgreSQL) or an embedded store, `embedded:///absolute/path.db` or a file path (SQLite).
+   */
+  store: string
+  /** How long recorded keys are remembered, ms (default one day). */
+  windowMs?: number
+  /** `header:NAME` or `coordinates` (default: the `idempotency-key` header, else the coordinates). */
+  key?: string
+  /** Names the inbox's keys and positions in the database (default: the consumer group). */
+  namespace?: string
+  /** Messages per poll, at least 1 (default 100). */
+  batchSize?: number
+  /** Longest wait of one poll, ms (default 100). */
+  pollTimeoutMs?: number
+  /** Handler attempts per message before the inbox stops with the error, at least 1 (default 5). */
+  maxAttempts?: number
+  /** First retry delay, ms, doubled per attempt up to 5 s (default 100). */
+  backoffMs?: number
+  /** How often the broker's group offset is brought up to date, ms (default 1000). */
+  brokerCommitIntervalMs?: number
+}
+
+/**
+ * The message's open database transaction, given to an `Inbox` handler: its statements commit
+ * or roll back with the message's idempotency key and position. Usable only while the handler
+ * runs; afterwards every call rejects with `ONCEFLOW_CLOSED`. A failing statement rejects with
+ * `ONCEFLOW_DEDUP_STORE` (the database's message) and fails the message even if the handler
+ * catches it (the transaction rolls back; the message is retried). Do not commit or roll back
+ * yourself.
+ */
+export declare class InboxTransaction {
+  /** `postgres` (placeholders `$1, $2, …`) or `embedded` (SQLite: `?` or `?1, ?2, …`). */
+  readonly store: 'postgres' | 'embedded'
+  /** Whether the handler still runs. */
+  readonly open: boolean
+  /** Runs one statement; resolves to the number of rows it changed. */
+  execute(sql: string, params?: SqlParam[]): Promise<number>
+  /**
+   * Runs one query; resolves to rows as objects keyed by column name, or as arrays with
+   * `{ rowMode: 'array' }`. PostgreSQL columns other than booleans, integers, floats, text and
+   * `bytea` reject with `ONCEFLOW_SERIALIZATION` (cast them in SQL, e.g. `created::text`).
+   */
+  query(sql: string, params?: SqlParam[]): Promise<Array<Record<string, SqlValue>>>
+  query(sql: string, params: SqlParam[] | undefined, options: { rowMode: 'array' }): Promise<SqlValue[][]>
+}
+
+/**
+ * The transactional inbox: `handler(message, tx)` runs inside one database transaction that
+ * also records the message's idempotency key and the consumer's position, so the handler's
+ * rows, the key and the position are committed together or not at all. A key already recorded
+ * is a duplicate (the handler does not run); on start the consumer is sought past the stored
+ * positions, so a new group handles nothing twice. A throwing handler is retried with backoff;
+ * after `maxAttempts` `run()` / `step()` reject with `ONCEFLOW_HANDLER` (its `cause` is what
+ * the handler threw) and nothing of that message is committed.
+ */
+export declare class Inbox {
+  constructor(consumer: Consumer, handler: (message: Message, tx: InboxTransaction) => Promise<unknown>, options: InboxOptions)
+  /** Opens the store and builds the inbox now (`run()` / `step()` do it otherwise). */
+  open(): Promise<this>
+  /** Runs until `stop()` or an error; resolves to the counts. Does not close the consumer. */
+  run(): Promise<InboxSummary>
+  /** Polls once and handles what came; resolves to the number of messages polled. */
+  step(): Promise<number>
+  stop(): void
+  summary(): InboxSummary
+  /** The positions stored for the namespace, per partition. */
+  storedPositions(): Promise<StoredPosition[]>
+  readonly store: 'postgres' | 'embedded' | undefined
+  readonly namespace: string | undefined
+}
+
 /** Opens a dedup store by URL. */
 export declare function dedupStore(url: string, options?: { windowMs?: number }): Promise<DedupStore>
 /**

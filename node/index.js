@@ -549,6 +549,133 @@ class Pipeline extends Engine {
   }
 }
 
+/** Rethrows a handler's error so the engine's error can chain it as `cause`. */
+function stash(e) {
+  const id = ++thrownSeq
+  thrown.set(id, e)
+  if (thrown.size > 1000) thrown.delete(thrown.keys().next().value)
+  return new Error(`${(e && e.message) || e} [onceflow-js-error:${id}]`)
+}
+
+const nativeOpenInbox = guard(native.openInbox)
+
+/** SQL parameters checked on this side, so a wrong one names its index and type. */
+function sqlParams(params) {
+  if (params === undefined || params === null) return []
+  if (!Array.isArray(params)) {
+    throw new TypeError(`params: expected an array of values, got ${params === null ? 'null' : typeof params}`)
+  }
+  return params.map((v, i) => {
+    const t = typeof v
+    if (v === undefined || v === null || t === 'boolean' || t === 'number' || t === 'bigint' || t === 'string' || Buffer.isBuffer(v)) {
+      return v === undefined ? null : v
+    }
+    if (v instanceof Uint8Array) return Buffer.from(v.buffer, v.byteOffset, v.byteLength)
+    const got = Array.isArray(v) ? 'array' : t === 'object' ? (v.constructor && v.constructor.name) || 'object' : t
+    throw new TypeError(`params[${i}]: expected a string, number, bigint, boolean, Buffer, null or undefined, got ${got}`)
+  })
+}
+
+/**
+ * The message's open database transaction, given to an `Inbox` handler: its statements commit
+ * or roll back with the message's idempotency key and position. Usable only while the handler
+ * runs; afterwards every call rejects with a `ClosedError` (`ONCEFLOW_CLOSED`).
+ */
+class InboxTransaction {
+  constructor(call) {
+    this._call = call
+  }
+  /** `postgres` (placeholders `$1, $2, …`) or `embedded` (SQLite: `?` or `?1, ?2, …`). */
+  get store() {
+    return this._call.store
+  }
+  /** Whether the handler still runs. */
+  get open() {
+    return this._call.open
+  }
+  /** Runs one statement; resolves to the number of rows it changed. */
+  async execute(sql, params) {
+    return this._call.execute(sql, sqlParams(params))
+  }
+  /**
+   * Runs one query; resolves to its rows as objects keyed by column name, or as arrays with
+   * `{ rowMode: 'array' }`.
+   */
+  async query(sql, params, options = {}) {
+    const r = await this._call.query(sql, sqlParams(params))
+    if (options.rowMode === 'array') return r.rows
+    return r.rows.map((row) => Object.fromEntries(r.columns.map((c, i) => [c, row[i]])))
+  }
+}
+
+/**
+ * The transactional inbox: `handler(message, tx)` runs inside one database transaction that
+ * also records the message's idempotency key and the consumer's position (see the README).
+ * `options.store` is `postgres://…` or an embedded store (`embedded:///path.db` or a file
+ * path); the rest are the inbox settings.
+ */
+class Inbox {
+  constructor(consumer, handler, options) {
+    if (typeof handler !== 'function') throw new TypeError('handler: expected a function (message, tx) => Promise')
+    const o = options || {}
+    if (typeof o.store !== 'string') {
+      throw configError(`store: expected a postgres:// URL or an embedded store path (a string), got ${o.store === null ? 'null' : typeof o.store}`)
+    }
+    this._consumer = consumer
+    this._options = o
+    this._native = null
+    this._stopped = false
+    this._handler = async (call) => {
+      try {
+        await handler(call.message, new InboxTransaction(call))
+      } catch (e) {
+        throw stash(e)
+      }
+    }
+  }
+  /** Opens the store and builds the inbox now (`run()` / `step()` do it otherwise). */
+  async open() {
+    if (!this._native) {
+      const { store, windowMs, ...settings } = this._options
+      this._native = await nativeOpenInbox(this._consumer, this._handler, store, windowMs, settings)
+      if (this._stopped) this._native.stop()
+    }
+    return this
+  }
+  /** `postgres` or `embedded` once opened. */
+  get store() {
+    return this._native ? this._native.store : undefined
+  }
+  /** The namespace of the inbox's keys and positions, once opened. */
+  get namespace() {
+    return this._native ? this._native.namespace : undefined
+  }
+  /** Runs until `stop()` or an error; resolves to the summary. Does not close the consumer. */
+  async run() {
+    await this.open()
+    return this._native.run()
+  }
+  /** Polls once and handles what came; resolves to the number of messages polled. */
+  async step() {
+    await this.open()
+    return this._native.step()
+  }
+  /** Asks a running `run()` to return once the message in hand is committed. */
+  stop() {
+    this._stopped = true
+    if (this._native) this._native.stop()
+  }
+  /** `{ handled, duplicates, behindPosition }` so far. */
+  summary() {
+    return this._native ? this._native.summary() : { handled: 0, duplicates: 0, behindPosition: 0 }
+  }
+  /** The positions stored for the namespace: `[{ topic, partition, position }]`. */
+  async storedPositions() {
+    await this.open()
+    return this._native.storedPositions()
+  }
+}
+
 /**
  * The first value of header `name` of `message` (exact name, as Rust's `Headers::get`): a
  * Buffer, `null` for a null header, `undefined` when absent.
@@ -570,6 +697,8 @@ module.exports = {
   headerAll,
   OnceflowError,
   IdempotentConsumer,
+  Inbox,
+  InboxTransaction,
   Pipeline,
   Client: native.Client,
   Producer,

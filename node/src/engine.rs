@@ -25,7 +25,7 @@ use crate::{js_err, on_rt};
 type JsFn<R> = ThreadsafeFunction<Message, Promise<R>, Message, Status, false, true>;
 
 /// The text of a rejection, as the handler error's cause.
-fn rejected(e: napi::Error) -> BoxError {
+pub(crate) fn rejected(e: napi::Error) -> BoxError {
     let text = if e.reason.is_empty() {
         e.status.to_string()
     } else {

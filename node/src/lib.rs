@@ -17,6 +17,7 @@ use onceflow::{Error, ErrorKind};
 mod client;
 mod convert;
 mod engine;
+mod inbox;
 mod options;
 mod trace;
 
