@@ -1,7 +1,7 @@
 'use strict'
 // The transactional inbox from Node: the handler's SQL, the idempotency key and the position
 // commit in one database transaction, on the real PostgreSQL (ONCEFLOW_POSTGRES_URL) and on the
-// embedded (SQLite) store, over the memory backend and the real Kafka broker. What was
+// embedded (SQLite) store, over the memory backend and the real Kafka and JetStream brokers. What was
 // committed is read from outside the inbox with psql / sqlite3.
 const test = require('node:test')
 const assert = require('node:assert/strict')
@@ -16,6 +16,8 @@ function platforms() {
   const out = [{ name: 'memory', url: () => `memory://${unique('node')}` }]
   if (process.env.ONCEFLOW_KAFKA_URL) out.push({ name: 'kafka', url: () => process.env.ONCEFLOW_KAFKA_URL })
   else if (process.env.ONCEFLOW_REQUIRE_BROKERS === '1') throw new Error('ONCEFLOW_KAFKA_URL is not set')
+  if (process.env.ONCEFLOW_NATS_URL) out.push({ name: 'nats', url: () => process.env.ONCEFLOW_NATS_URL })
+  else if (process.env.ONCEFLOW_REQUIRE_BROKERS === '1') throw new Error('ONCEFLOW_NATS_URL is not set')
   return out
 }
 
@@ -94,10 +96,26 @@ for (const p of platforms()) {
       if (!db) return
       const client = await onceflow.connect(p.url())
       const tp = await topic(client)
-      await send(client, tp, [['k0', 'a'], ['k1', 'b'], ['k2', 'c'], ['k1', 'b']])
+      // The business key rides in its own header (the inbox's `key` setting), so the repeat of
+      // k1 reaches the consumer on every platform (JetStream's producer dedup drops a repeated
+      // idempotencyKey before it is stored).
+      const producer = await client.producer()
+      for (const [key, payload] of [['k0', 'a'], ['k1', 'b'], ['k2', 'c'], ['k1', 'b']]) {
+        await producer.send({ topic: tp, payload, headers: { 'order-id': key } })
+      }
+      await producer.flush()
+      await producer.close()
       const calls = {}
       const consumer = await client.consumer(unique('g'), [tp], { start: 'earliest' })
-      const inbox = new onceflow.Inbox(consumer, inserting(db, calls), { store: db.url, namespace: unique('ns') })
+      const inbox = new onceflow.Inbox(
+        consumer,
+        async (m, tx) => {
+          const key = onceflow.header(m, 'order-id').toString()
+          calls[key] = (calls[key] || 0) + 1
+          assert.equal(await tx.execute(db.insert, [key, m.payload.toString()]), 1)
+        },
+        { store: db.url, namespace: unique('ns'), key: 'header:order-id' }
+      )
       await stepUntil(inbox, (s) => s.handled + s.duplicates >= 4)
       assert.equal(inbox.store, kind)
       assert.deepEqual(inbox.summary(), { handled: 3, duplicates: 1, behindPosition: 0 })
