@@ -25,11 +25,16 @@
 //!
 //! ## Values
 //! Parameters and row values are [`SqlValue`]s: null, boolean, 64-bit integer, float, text,
-//! bytes. PostgreSQL parameters are `$1, $2, …` and are converted to the type the server infers
-//! for each placeholder (an integer to `int2`/`int4`/`int8`/`float4`/`float8`/`numeric` is
-//! refused only when out of range or for another type); result columns of types other than
-//! boolean, integers, floats, text and `bytea` are refused with a hint to cast them in SQL
-//! (`::text`). SQLite parameters are `?` or `?1, ?2, …`; booleans are stored as 0/1.
+//! bytes. PostgreSQL parameters are `$1, $2, …`, each converted to the type the server infers
+//! for its placeholder: an integer to `int2`/`int4`/`int8` (refused when out of range) or
+//! `float4`/`float8`, a float to `float4`/`float8`, text to `text`/`varchar`/`char`/`name`,
+//! bytes to `bytea`, a boolean to `bool`, null to anything. Another pairing is an error of kind
+//! [`ErrorKind::Serialization`] naming the parameter (`params[1] ($2)`) and both types; cast
+//! the placeholder in SQL (`$1::text::uuid`, `CAST($1 AS bigint)::numeric`). Result columns
+//! of types other than boolean, integers, floats, text and `bytea` are refused the same way,
+//! with a hint to cast them (`created::text`). SQLite parameters are `?` or `?1, ?2, …`;
+//! booleans are stored as 0/1, every SQLite value reads back as null, integer, float, text or
+//! bytes.
 
 use std::future::Future;
 use std::path::PathBuf;

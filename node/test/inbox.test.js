@@ -352,3 +352,32 @@ test('a store without an inbox is a config error; settings are checked', async (
   await assert.rejects(new onceflow.Inbox(consumer, async () => {}, { store: path.join(dir, 'x.db'), maxAttempts: 0 }).step(), /maxAttempts 0/)
   await consumer.close()
 })
+
+for (const kind of stores) {
+  test(`memory/${kind}: run() until stop() resolves to the summary`, async (t) => {
+    const db = database(kind, t)
+    if (!db) return
+    const client = await onceflow.connect(`memory://${unique('node')}`)
+    const tp = await topic(client)
+    await send(client, tp, [['u0', 'a'], ['u1', 'b'], ['u0', 'a']])
+    const calls = {}
+    const handle = inserting(db, calls)
+    const consumer = await client.consumer(unique('g'), [tp], { start: 'earliest' })
+    const inbox = new onceflow.Inbox(
+      consumer,
+      async (m, tx) => {
+        await handle(m, tx)
+        if (Object.keys(calls).length === 2) inbox.stop()
+      },
+      { store: db.url }
+    )
+    const summary = await inbox.run()
+    // The batch in hand is handled to its end: the repeat of u0 is skipped as a duplicate.
+    assert.deepEqual(summary, { handled: 2, duplicates: 1, behindPosition: 0 })
+    assert.deepEqual(inbox.summary(), summary)
+    assert.equal(inbox.namespace, consumer.group)
+    await assert.rejects(inbox.step(), /already ran/)
+    assert.deepEqual(db.rows(), [['u0', 'a'], ['u1', 'b']])
+    await consumer.close()
+  })
+}

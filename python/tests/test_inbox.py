@@ -333,3 +333,27 @@ def test_sync_inbox(db):
     assert counts == [1, 2]
     assert db.rows() == [("y0", "y0"), ("y1", "y1")]
     consumer.close()
+
+
+async def test_run_until_stop_returns_the_summary(memory, db):
+    topic = await memory.topic()
+    await send(memory, topic, [("u0", "a"), ("u1", "b"), ("u0", "a")])
+    calls: Dict[str, int] = {}
+    handle = inserting(db, calls)
+
+    async def stop_after_two(message, tx):
+        await handle(message, tx)
+        if len(calls) == 2:
+            inbox.stop()
+
+    consumer = await memory.consumer(topic, start="earliest")
+    inbox = onceflow.Inbox(consumer, stop_after_two, f"embedded://{db.path}" if db.kind == "embedded" else db.url)
+    summary = await asyncio.wait_for(inbox.run(), 30)
+    # The batch in hand is handled to its end: the repeat of u0 is skipped as a duplicate.
+    assert summary == {"handled": 2, "duplicates": 1, "behind_position": 0}
+    assert inbox.summary() == summary
+    assert inbox.namespace == consumer.group
+    with pytest.raises(onceflow.ClosedError, match="already ran"):
+        await inbox.step()
+    assert db.rows() == [("u0", "a"), ("u1", "b")]
+    await consumer.close()
