@@ -64,6 +64,13 @@ export interface Producer {
   send(topic: string, payload: Buffer | Uint8Array | string, options?: SendOptions): Promise<Delivery>
   /** Sends records in one crossing; one result per record, in order. */
   sendBatch(records: RecordInit[]): Promise<Array<Delivery | OnceflowError>>
+  /**
+   * Writes every record or none, as one atomic batch; resolves to their deliveries in order.
+   * JetStream (atomic batch publish, ADR-50, nats-server 2.12+) and `memory://`; rejects with
+   * an `unsupported` OnceflowError elsewhere (on Kafka, send in a transaction), and with the
+   * batch's error when the platform refused it (none of it was written).
+   */
+  sendAtomic(records: RecordInit[]): Promise<Delivery[]>
   /** Runs `fn(tx)` in a transaction: commits when it resolves, aborts and rethrows when it throws. */
   transaction<T>(fn: (tx: Transaction) => Promise<T>): Promise<T>
 }
@@ -472,6 +479,11 @@ export declare class Producer {
   _send(record: RecordIn): Promise<Delivery>
   /** Sends records pipelined (one crossing for the batch); one result per record, in order. */
   _sendBatch(records: Array<RecordIn>): Promise<Array<SendResult>>
+  /**
+   * Writes every record or none, as one atomic batch (`Producer::send_atomic`); resolves to
+   * their deliveries in order.
+   */
+  _sendAtomic(records: Array<RecordIn>): Promise<Array<Delivery>>
   /** Starts a transaction (needs a `transactionalId`). */
   begin(): Promise<Transaction>
   /** Waits until everything sent is acknowledged, at most `timeoutMs` (default 30 s). */

@@ -186,13 +186,14 @@ async function sendOne(target, system, record) {
   }
 }
 
-async function sendMany(target, system, records) {
-  if (!Array.isArray(records)) throw new TypeError('sendBatch: expected an array of records')
+async function sendMany(target, system, records, atomic = false) {
+  const what = atomic ? 'sendAtomic' : 'sendBatch'
+  if (!Array.isArray(records)) throw new TypeError(`${what}: expected an array of records`)
   const rs = records.map(toRecord)
   const started = rs.length && otel.sameTraceHeaders(rs) ? otel.startSend(rs[0].topic, system, rs.length, rs[0].headers, rs[0].payload.length) : null
   if (started) for (const r of rs) r.headers = otel.merge(r.headers, started.headers)
   try {
-    const out = batchResults(await target._sendBatch(rs))
+    const out = atomic ? await target._sendAtomic(rs) : batchResults(await target._sendBatch(rs))
     otel.endSend(started, undefined, out.find((x) => x instanceof Error))
     return out
   } catch (e) {
@@ -212,6 +213,14 @@ Producer.prototype.send = function (...args) {
 /** Sends records pipelined in one crossing; one result per record: a delivery or an OnceflowError. */
 Producer.prototype.sendBatch = function (records) {
   return sendMany(this, this.platform, records)
+}
+/**
+ * Writes every record or none, as one atomic batch; resolves to their deliveries in order.
+ * JetStream (atomic batch publish, ADR-50, nats-server 2.12+) and `memory://`; an
+ * `unsupported` OnceflowError elsewhere (on Kafka, send in a transaction).
+ */
+Producer.prototype.sendAtomic = function (records) {
+  return sendMany(this, this.platform, records, true)
 }
 /** Runs `fn(tx)` in a transaction: commits when it resolves, aborts and rethrows when it throws. */
 Producer.prototype.transaction = async function (fn) {

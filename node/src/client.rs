@@ -332,6 +332,17 @@ impl Producer {
             .map(convert::results)
     }
 
+    /// Writes every record or none, as one atomic batch (`Producer::send_atomic`); resolves to
+    /// their deliveries in order.
+    #[napi(js_name = "_sendAtomic")]
+    pub async fn send_atomic(&self, records: Vec<RecordIn>) -> Result<Vec<Delivery>> {
+        let records: Vec<_> = records.into_iter().map(convert::record).collect();
+        let p = self.inner.clone();
+        on_rt(async move { p.send_atomic(records).await })
+            .await
+            .map(|ds| ds.into_iter().map(Delivery::from).collect())
+    }
+
     /// Starts a transaction (needs a `transactionalId`).
     #[napi]
     pub async fn begin(&self) -> Result<Transaction> {

@@ -444,6 +444,15 @@ class Producer:
         Raises ``SendError`` (with ``.results``) if any record failed; the others were sent."""
         return _check(await _send_batch(self._native, self.platform, records))
 
+    async def send_atomic(self, records: Iterable[Union[Record, tuple]]) -> List[Delivery]:
+        """Writes every record or none, as one atomic batch; returns their ``Delivery``s in
+        order. Platforms with an atomic multi-record write outside transactions: JetStream
+        (atomic batch publish, ADR-50, nats-server 2.12 or later, on a stream that allows it)
+        and ``memory://``. Raises ``UnsupportedError`` elsewhere (on Kafka write the records in
+        a ``transaction()``), and the batch's error when the platform refused it: then none of
+        it was written."""
+        return await _send_batch(self._native, self.platform, records, atomic=True)
+
     async def send_batch_results(self, records: Iterable[Union[Record, tuple]]) -> Sequence[Union[Delivery, OnceflowError]]:
         """Like ``send_batch`` but returns each record's ``Delivery`` or exception (a
         ``Deliveries`` sequence; ``failed()`` counts the exceptions)."""
@@ -578,7 +587,7 @@ def _end_send_span(span, fut: "_native.SendFuture[Delivery]") -> None:
         _otel.end_send(span, delivery=fut.result())
 
 
-async def _send_batch(native, platform, records):
+async def _send_batch(native, platform, records, atomic: bool = False):
     if not isinstance(records, list):
         records = list(records)
     if not records:
@@ -593,12 +602,12 @@ async def _send_batch(native, platform, records):
             if trace_headers is not None:
                 records = _with_trace(records, trace_headers)
     try:
-        results = await native.send_batch(records)
+        results = await (native.send_atomic(records) if atomic else native.send_batch(records))
     except BaseException as e:
         _otel.end_send(span, error=e)
         raise
     if span is not None:
-        _otel.end_send(span, error=results.first_error())
+        _otel.end_send(span, error=None if atomic else results.first_error())
     return results
 
 

@@ -774,6 +774,23 @@ impl Producer {
         )
     }
 
+    /// Writes every record or none, as one atomic batch (`Producer::send_atomic`); resolves to
+    /// their deliveries in order.
+    fn send_atomic<'py>(
+        &self,
+        py: Python<'py>,
+        records: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.check_fork(py)?;
+        let records = convert::records(records)?;
+        let p = self.inner.clone();
+        awaitable(py, async move {
+            p.send_atomic(records)
+                .await
+                .map(|ds| ds.into_iter().map(Delivery::from).collect::<Vec<_>>())
+        })
+    }
+
     /// Starts a transaction (needs a `transactional_id`).
     fn begin<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.check_fork(py)?;
