@@ -222,11 +222,6 @@ export type SqlValue = null | boolean | number | bigint | string | Buffer
 
 /** Settings of a transactional inbox; a wrong type or bad value is a `config` error naming it. */
 export interface InboxOptions {
-  /**
-   * Where the keys, positions and the handler's rows live: `postgres://user:password@host/db`
-   * (PostgreSQL) or an embedded store, `embedded:///absolute/path.db` or a file path (SQLite).
-   */
-  store: string
   /** How long recorded keys are remembered, ms (default one day). */
   windowMs?: number
   /** `header:NAME` or `coordinates` (default: the `idempotency-key` header, else the coordinates). */
@@ -261,12 +256,13 @@ export declare class InboxTransaction {
   /** Runs one statement; resolves to the number of rows it changed. */
   execute(sql: string, params?: SqlParam[]): Promise<number>
   /**
-   * Runs one query; resolves to rows as objects keyed by column name, or as arrays with
-   * `{ rowMode: 'array' }`. PostgreSQL columns other than booleans, integers, floats, text and
-   * `bytea` reject with `ONCEFLOW_SERIALIZATION` (cast them in SQL, e.g. `created::text`).
+   * Runs one query; resolves to rows as arrays (one value per column, as Python's tuples), or
+   * as objects keyed by column name with `{ asObjects: true }`. PostgreSQL columns other than
+   * booleans, integers, floats, text and `bytea` reject with `ONCEFLOW_SERIALIZATION` (cast
+   * them in SQL, e.g. `created::text`).
    */
-  query(sql: string, params?: SqlParam[]): Promise<Array<Record<string, SqlValue>>>
-  query(sql: string, params: SqlParam[] | undefined, options: { rowMode: 'array' }): Promise<SqlValue[][]>
+  query(sql: string, params?: SqlParam[], options?: { asObjects?: false }): Promise<SqlValue[][]>
+  query(sql: string, params: SqlParam[] | undefined, options: { asObjects: true }): Promise<Array<Record<string, SqlValue>>>
 }
 
 /**
@@ -279,7 +275,16 @@ export declare class InboxTransaction {
  * the handler threw) and nothing of that message is committed.
  */
 export declare class Inbox {
-  constructor(consumer: Consumer, handler: (message: Message, tx: InboxTransaction) => Promise<unknown>, options: InboxOptions)
+  /**
+   * `store`: where the keys, positions and the handler's rows live, `postgres://user:password@host/db`
+   * (PostgreSQL) or an embedded store, `embedded:///absolute/path.db` or a file path (SQLite).
+   */
+  constructor(
+    consumer: Consumer,
+    handler: (message: Message, tx: InboxTransaction) => Promise<unknown>,
+    store: string,
+    options?: InboxOptions
+  )
   /** Opens the store and builds the inbox now (`run()` / `step()` do it otherwise). */
   open(): Promise<this>
   /** Runs until `stop()` or an error; resolves to the counts. Does not close the consumer. */

@@ -607,12 +607,12 @@ class InboxTransaction {
     return this._call.execute(sql, sqlParams(params))
   }
   /**
-   * Runs one query; resolves to its rows as objects keyed by column name, or as arrays with
-   * `{ rowMode: 'array' }`.
+   * Runs one query; resolves to its rows as arrays (one value per column, as Python's tuples),
+   * or as objects keyed by column name with `{ asObjects: true }`.
    */
   async query(sql, params, options = {}) {
     const r = await this._call.query(sql, sqlParams(params))
-    if (options.rowMode === 'array') return r.rows
+    if (!options.asObjects) return r.rows
     return r.rows.map((row) => Object.fromEntries(r.columns.map((c, i) => [c, row[i]])))
   }
 }
@@ -620,18 +620,18 @@ class InboxTransaction {
 /**
  * The transactional inbox: `handler(message, tx)` runs inside one database transaction that
  * also records the message's idempotency key and the consumer's position (see the README).
- * `options.store` is `postgres://…` or an embedded store (`embedded:///path.db` or a file
- * path); the rest are the inbox settings.
+ * `store` is `postgres://…` or an embedded store (`embedded:///path.db` or a file path);
+ * `options` are `windowMs` and the inbox settings.
  */
 class Inbox {
-  constructor(consumer, handler, options) {
+  constructor(consumer, handler, store, options) {
     if (typeof handler !== 'function') throw new TypeError('handler: expected a function (message, tx) => Promise')
-    const o = options || {}
-    if (typeof o.store !== 'string') {
-      throw configError(`store: expected a postgres:// URL or an embedded store path (a string), got ${o.store === null ? 'null' : typeof o.store}`)
+    if (typeof store !== 'string') {
+      throw new TypeError(`store: expected a postgres:// URL or an embedded store path (a string), got ${store === null ? 'null' : typeof store}`)
     }
     this._consumer = consumer
-    this._options = o
+    this._store = store
+    this._options = options || {}
     this._native = null
     this._stopped = false
     this._handler = async (call) => {
@@ -645,8 +645,8 @@ class Inbox {
   /** Opens the store and builds the inbox now (`run()` / `step()` do it otherwise). */
   async open() {
     if (!this._native) {
-      const { store, windowMs, ...settings } = this._options
-      this._native = await nativeOpenInbox(this._consumer, this._handler, store, windowMs, settings)
+      const { windowMs, ...settings } = this._options
+      this._native = await nativeOpenInbox(this._consumer, this._handler, this._store, windowMs, settings)
       if (this._stopped) this._native.stop()
     }
     return this

@@ -19,9 +19,9 @@ use crate::client::Consumer;
 use crate::convert::{self, Message};
 use crate::{js_err, on_rt};
 
-/// The options `index.js` takes out of an `Inbox`'s options object before the settings.
+/// The option `index.js` takes out of an `Inbox`'s options object before the settings.
 #[cfg_attr(test, allow(dead_code))]
-const INBOX_OWN: OwnNames<'static> = &["store", "windowMs"];
+const INBOX_OWN: OwnNames<'static> = &["windowMs"];
 
 /// A SQL parameter as JavaScript gives it (null and undefined: SQL NULL). A whole number up to
 /// 2^53 is an integer, another number a float; a bigint is a 64-bit integer.
