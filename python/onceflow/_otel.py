@@ -120,9 +120,15 @@ def start_send(topic: str, system: str, count: int = 1, headers: HeadersIn = Non
     conventions say), a child of the current span or, without one, of the valid trace context
     ``headers`` carry. Returns ``(span, trace_headers)``; ``(None, None)`` when there is
     nothing to propagate."""
-    if not ENABLED:
+    if not ENABLED or not isinstance(topic, str):
+        # A topic that is not text: the send itself raises the error that names it.
         return None, None
-    span, parent = _start(_native.send_span_plan(system, topic, count, body_size, headers))
+    try:
+        plan = _native.send_span_plan(system, topic, count, body_size, headers)
+    except (TypeError, ValueError):
+        # Headers the send will refuse (naming the bad one): no span for a send that fails.
+        return None, None
+    span, parent = _start(plan)
     if not span.get_span_context().is_valid:
         span.end()
         return None, None
