@@ -3,9 +3,9 @@
 //!
 //! The pulsar crate (6.9) builds its rustls connection `with_no_client_auth()`: it cannot
 //! present a client certificate. So with `tls_cert_file` / `tls_key_file` the crate is given
-//! `pulsar://127.0.0.1:PORT`, a listener of this bridge, and the bridge makes the TLS
-//! connection to the real broker itself (client certificate, trusted CAs, host name check),
-//! relaying frames both ways:
+//! `pulsar://127.0.0.1:PORT/mtls-bridge-to/BROKER:PORT` ([`URL_PATH`]), a listener of this
+//! bridge, and the bridge makes the TLS connection to the real broker itself (client
+//! certificate, trusted CAs, host name check), relaying frames both ways:
 //!
 //! - **Who may use the bridge.** A plaintext loopback port must not lend our client identity
 //!   to another local process. The crate authenticates to the bridge with a private auth
@@ -27,6 +27,9 @@
 //!   the bridge) and names the broker's TLS address as `proxy_to_broker_url`, as Java's
 //!   client does. An answer without a TLS address fails the lookup (the crate would otherwise
 //!   connect in plaintext).
+//! - **Lifetime.** [`Bridge::check`] makes the first broker connection before the crate
+//!   exists, so a refused certificate is onceflow's error alone; a dropped bridge relays on
+//!   until the crate has closed its connections ([`Bridge`]'s `Drop`).
 //! - **Frames** (`[u32 totalSize][u32 commandSize][BaseCommand][payload…]`, Pulsar's binary
 //!   protocol, <https://pulsar.apache.org/docs/next/developing-binary-protocol/>): only the
 //!   command's type is read; the command is decoded and encoded again only for the three
@@ -39,7 +42,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,6 +55,7 @@ use pulsar::proto;
 use subtle::ConstantTimeEq;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::TlsClientCert;
@@ -78,6 +82,14 @@ const MAX_AWAITING_CONNECT: usize = 32;
 const MAX_FRAME: usize = 256 * 1024 * 1024;
 /// Bytes read at once.
 const READ_CHUNK: usize = 64 * 1024;
+/// How long a bridge whose platform was dropped keeps relaying for the pulsar crate, at most:
+/// until the crate has closed its connections (see [`Bridge`]'s `Drop`).
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// The path of the URLs the crate is given for a bridge listener: `pulsar://LOCAL/` this and
+/// the broker's `host:port`. The crate connects to the host and port only; the path is there
+/// so that what the crate logs and reports (`Retry #0 -> connecting producer … to broker
+/// pulsar://127.0.0.1:PORT/mtls-bridge-to/BROKER`) names the broker, not just a loopback port.
+const URL_PATH: &str = "mtls-bridge-to";
 
 type Type = proto::base_command::Type;
 
@@ -150,6 +162,50 @@ struct Inner {
     /// (at most [`MAX_AWAITING_CONNECT`]), each with the token that closes it.
     awaiting: Mutex<VecDeque<(u64, CancellationToken)>>,
     next_local: AtomicU64,
+    /// Local connections accepted and not ended yet (awaiting their `CONNECT` or relayed).
+    open: AtomicUsize,
+    /// Notified when one of them ends.
+    ended: Notify,
+}
+
+impl Inner {
+    /// Waits until no local connection is open, at most `limit`.
+    async fn drained(&self, limit: Duration) {
+        let _ = tokio::time::timeout(limit, async {
+            loop {
+                let ended = self.ended.notified();
+                tokio::pin!(ended);
+                ended.as_mut().enable();
+                if self.open.load(Ordering::Acquire) == 0 {
+                    return;
+                }
+                ended.await;
+            }
+        })
+        .await;
+    }
+}
+
+/// One local connection in [`Inner::open`], counted from its accept to its end.
+struct Open(Arc<Inner>);
+
+impl Open {
+    fn new(inner: &Arc<Inner>) -> Open {
+        inner.open.fetch_add(1, Ordering::AcqRel);
+        Open(inner.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.0.ended.notify_waiters();
+    }
+}
+
+/// The URL the crate is given for the bridge listener `local` of `upstream` (see [`URL_PATH`]).
+fn crate_url(local: SocketAddr, upstream: &Upstream) -> String {
+    format!("pulsar://{local}/{URL_PATH}/{upstream}")
 }
 
 /// A local connection in [`Inner::awaiting`] until its first frame has come (or it ends).
@@ -188,15 +244,41 @@ impl Drop for Awaiting<'_> {
 }
 
 /// The loopback bridge of one connection ([`crate::PulsarPlatform`]); its listeners and
-/// relays stop when it is dropped.
+/// relays stop once it is dropped and the pulsar crate has closed its connections through it.
 pub(crate) struct Bridge {
     inner: Arc<Inner>,
     service: SocketAddr,
+    upstream: Upstream,
 }
 
+/// The bridge goes on relaying until the pulsar crate has closed every connection it made
+/// through it (at most [`DRAIN_TIMEOUT`]): the crate closes a producer or consumer that is
+/// dropped from a task of its own (`CLOSE_PRODUCER` / `CLOSE_CONSUMER`), and its connections
+/// once the last of its handles is gone, all after the platform that holds the bridge may have
+/// been dropped. Stopped at once, the bridge cut those requests off and the crate logged an
+/// ERROR for each ("could not close producer …: Disconnected"). Outside a tokio runtime (its
+/// tasks are gone then anyway) it stops at once.
 impl Drop for Bridge {
     fn drop(&mut self) {
-        self.inner.stop.cancel();
+        let inner = self.inner.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let t0 = tokio::time::Instant::now();
+                    inner.drained(DRAIN_TIMEOUT).await;
+                    inner.stop.cancel();
+                    tracing::debug!(
+                        waited_ms = t0.elapsed().as_millis() as u64,
+                        still_open = inner.open.load(Ordering::Acquire),
+                        "Pulsar mTLS bridge: stopped"
+                    );
+                });
+            }
+            Err(_) => {
+                self.inner.stop.cancel();
+                tracing::debug!("Pulsar mTLS bridge: stopped (outside a runtime)");
+            }
+        }
     }
 }
 
@@ -231,19 +313,58 @@ impl Bridge {
             lookups: AtomicU64::new(0),
             awaiting: Mutex::new(VecDeque::new()),
             next_local: AtomicU64::new(0),
+            open: AtomicUsize::new(0),
+            ended: Notify::new(),
         });
-        let service = listen(&inner, service).map_err(|e| {
+        let local = listen(&inner, service.clone()).map_err(|e| {
             Error::new(
                 ErrorKind::Connect,
                 format!("cannot open the loopback listener of the Pulsar mTLS bridge: {e}"),
             )
         })?;
-        Ok(Bridge { inner, service })
+        Ok(Bridge {
+            inner,
+            service: local,
+            upstream: service,
+        })
     }
 
-    /// The service URL given to the pulsar crate: `pulsar://127.0.0.1:PORT`.
+    /// The service URL given to the pulsar crate:
+    /// `pulsar://127.0.0.1:PORT/mtls-bridge-to/BROKER:PORT` ([`URL_PATH`]).
     pub(crate) fn local_url(&self) -> String {
-        format!("pulsar://{}", self.service)
+        crate_url(self.service, &self.upstream)
+    }
+
+    /// Connects to the service URL's broker with the client certificate as the crate's first
+    /// connection would, before the crate does: TLS, `CONNECT` (auth method `tls`), the
+    /// broker's answer. A certificate the broker refuses is then this `Auth` error, returned
+    /// by `connect`, and the crate, which would log its own ERROR for the refusal before
+    /// onceflow reported it, is never started. `Connect` (or `Timeout`) when the broker cannot
+    /// be reached or answers otherwise.
+    pub(crate) async fn check(&self) -> Result<()> {
+        let server = self.upstream.to_string();
+        let tls = connect_upstream(&self.inner, &self.upstream)
+            .await
+            .map_err(|(e, _)| e)?;
+        let connect = encode_frame(
+            &proto::BaseCommand {
+                r#type: Type::Connect as i32,
+                connect: Some(proto::CommandConnect {
+                    client_version: format!("onceflow-mtls-check-{}", env!("CARGO_PKG_VERSION")),
+                    auth_method_name: Some("tls".to_string()),
+                    protocol_version: Some(12),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &[],
+        );
+        let (_, mut writer, answer, _) = send_connect(&self.inner, tls, &server, &connect).await?;
+        let _ = writer.shutdown().await;
+        match refusal_of(&self.inner, &server, &answer) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// The crate's credential towards the bridge.
@@ -301,7 +422,9 @@ fn listen(inner: &Arc<Inner>, upstream: Upstream) -> std::io::Result<SocketAddr>
                 Ok((client, peer)) => {
                     let i = inner.clone();
                     let up = upstream.clone();
+                    let open = Open::new(&inner);
                     tokio::spawn(async move {
+                        let _open = open;
                         tokio::select! {
                             _ = i.stop.cancelled() => {}
                             _ = serve(i.clone(), client, peer, up) => {}
@@ -384,68 +507,11 @@ fn serve(
                 Err((e, false)) => return fail(&inner, &mut client, e).await,
             }
         };
-        let (mut ur, mut uw) = tokio::io::split(tls);
-        if let Err(e) = async {
-            uw.write_all(&connect).await?;
-            uw.flush().await
-        }
-        .await
-        {
-            let e = refused_after_handshake(&inner, &server, &e);
-            return fail(&inner, &mut client, e).await;
-        }
-        // The broker's answer to CONNECT: CONNECTED, or an ERROR (a refused certificate is an
-        // AuthenticationError); with TLS 1.3 a refused client certificate shows here, as an
-        // alert, since the client's side of the handshake ends before the server checks it.
-        let mut ubuf = BytesMut::with_capacity(READ_CHUNK);
-        let answer = tokio::time::timeout(
-            inner.connect_timeout,
-            read_frame(&mut ur, &mut ubuf, MAX_FRAME),
-        )
-        .await;
-        let answer = match answer {
-            Ok(Ok(Some(a))) => a,
-            Ok(Ok(None)) => {
-                let e = Error::new(
-                    ErrorKind::Connect,
-                    format!(
-                        "the Pulsar broker at {server} closed the TLS connection before \
-                         answering CONNECT (does it accept the client certificate {}?)",
-                        inner.cert_file
-                    ),
-                );
-                return fail(&inner, &mut client, e).await;
-            }
-            Ok(Err(e)) => {
-                let e = refused_after_handshake(&inner, &server, &e);
-                return fail(&inner, &mut client, e).await;
-            }
-            Err(_) => {
-                let e = Error::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "the Pulsar broker at {server} did not answer CONNECT within {} ms",
-                        inner.connect_timeout.as_millis()
-                    ),
-                );
-                return fail(&inner, &mut client, e).await;
-            }
+        let (ur, uw, answer, ubuf) = match send_connect(&inner, tls, &server, &connect).await {
+            Ok(sent) => sent,
+            Err(e) => return fail(&inner, &mut client, e).await,
         };
-        if let Some(err) = error_of(&answer) {
-            let refused = err.error == proto::ServerError::AuthenticationError as i32
-                || err.error == proto::ServerError::AuthorizationError as i32;
-            let e = Error::new(
-                if refused {
-                    ErrorKind::Auth
-                } else {
-                    ErrorKind::Connect
-                },
-                format!(
-                    "Pulsar at {server} refused the client certificate {}: {}",
-                    inner.cert_file,
-                    onceflow_core::shown(&err.message)
-                ),
-            );
+        if let Some(e) = refusal_of(&inner, &server, &answer) {
             tracing::debug!(broker = %server, error = %e, "Pulsar mTLS bridge: CONNECT refused");
             *inner.refusal.lock() = Some(e);
         }
@@ -472,6 +538,77 @@ fn refuse_local(inner: &Inner, peer: SocketAddr, why: &str) {
         reason = why,
         "Pulsar mTLS bridge: closed a local connection without contacting the broker"
     );
+}
+
+/// A TLS connection to a broker, split.
+type UpstreamRead = tokio::io::ReadHalf<tokio_rustls::client::TlsStream<TcpStream>>;
+type UpstreamWrite = tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>;
+
+/// Sends `connect` (a `CONNECT` frame for the broker) on `tls` and reads the broker's answer:
+/// the connection's halves, the answer frame (`CONNECTED`, or an `ERROR`: see [`refusal_of`])
+/// and what was read after it; or why there is no answer. With TLS 1.3 a refused client
+/// certificate shows here, as an alert, since the client's side of the handshake ends before
+/// the server checks it.
+async fn send_connect(
+    inner: &Inner,
+    tls: tokio_rustls::client::TlsStream<TcpStream>,
+    server: &str,
+    connect: &[u8],
+) -> Result<(UpstreamRead, UpstreamWrite, BytesMut, BytesMut)> {
+    let (mut ur, mut uw) = tokio::io::split(tls);
+    if let Err(e) = async {
+        uw.write_all(connect).await?;
+        uw.flush().await
+    }
+    .await
+    {
+        return Err(refused_after_handshake(inner, server, &e));
+    }
+    let mut ubuf = BytesMut::with_capacity(READ_CHUNK);
+    let answer = tokio::time::timeout(
+        inner.connect_timeout,
+        read_frame(&mut ur, &mut ubuf, MAX_FRAME),
+    )
+    .await;
+    match answer {
+        Ok(Ok(Some(a))) => Ok((ur, uw, a, ubuf)),
+        Ok(Ok(None)) => Err(Error::new(
+            ErrorKind::Connect,
+            format!(
+                "the Pulsar broker at {server} closed the TLS connection before answering \
+                 CONNECT (does it accept the client certificate {}?)",
+                inner.cert_file
+            ),
+        )),
+        Ok(Err(e)) => Err(refused_after_handshake(inner, server, &e)),
+        Err(_) => Err(Error::new(
+            ErrorKind::Timeout,
+            format!(
+                "the Pulsar broker at {server} did not answer CONNECT within {} ms",
+                inner.connect_timeout.as_millis()
+            ),
+        )),
+    }
+}
+
+/// The broker's refusal, when its answer to `CONNECT` is an `ERROR`: `Auth` for an
+/// AuthenticationError or AuthorizationError (a refused certificate), `Connect` for the rest.
+fn refusal_of(inner: &Inner, server: &str, answer: &[u8]) -> Option<Error> {
+    let err = error_of(answer)?;
+    let refused = err.error == proto::ServerError::AuthenticationError as i32
+        || err.error == proto::ServerError::AuthorizationError as i32;
+    Some(Error::new(
+        if refused {
+            ErrorKind::Auth
+        } else {
+            ErrorKind::Connect
+        },
+        format!(
+            "Pulsar at {server} refused the client certificate {}: {}",
+            inner.cert_file,
+            onceflow_core::shown(&err.message)
+        ),
+    ))
 }
 
 /// Records `e` as the refusal (when it is one), tells the crate with an ERROR frame and
@@ -794,8 +931,8 @@ fn rewrite_lookup(
     if r.proxy_through_service_url == Some(true) {
         r.broker_service_url = Some(format!("pulsar://{up}"));
     } else {
-        let local = listen(up)?;
-        r.broker_service_url = Some(format!("pulsar://{local}"));
+        let local = listen(up.clone())?;
+        r.broker_service_url = Some(crate_url(local, &up));
     }
     r.broker_service_url_tls = None;
     Ok(())
@@ -1222,7 +1359,7 @@ mod tests {
         );
         assert_eq!(
             r.broker_service_url.as_deref(),
-            Some("pulsar://127.0.0.1:40001")
+            Some("pulsar://127.0.0.1:40001/mtls-bridge-to/broker-2.example:6651")
         );
         assert_eq!(r.broker_service_url_tls, None);
         assert_eq!(r.request_id, 9);
@@ -1273,6 +1410,8 @@ mod tests {
             lookups: AtomicU64::new(0),
             awaiting: Mutex::new(VecDeque::new()),
             next_local: AtomicU64::new(0),
+            open: AtomicUsize::new(0),
+            ended: Notify::new(),
         })
     }
 

@@ -19,7 +19,6 @@ use pulsar::message::proto::command_subscribe::SubType;
 use pulsar::message::proto::MessageIdData;
 use pulsar::{ConsumerOptions, TokioExecutor};
 use tokio::sync::{mpsc, oneshot, Notify};
-use tokio::task::JoinHandle;
 
 use crate::admin::{committed_from_cursor, TopicShape};
 use crate::config::{check_topic, PulsarOptions, SubscriptionType};
@@ -85,8 +84,15 @@ impl BatchAcks {
 }
 
 /// First wait for the crate consumer's close in a partition task; doubled on each retry (see
-/// `close_after_acks`).
-const CLOSE_STEP: Duration = Duration::from_millis(100);
+/// `close_after_acks`). Long enough that a close the crate's engine is merely slow to reach
+/// (acks ahead of it, a loaded machine, the mTLS bridge's extra hop) is not given up: the
+/// crate logs an ERROR for every close request it answers after its caller gave up ("consumer
+/// requested the engine's connection but dropped the channel before receiving"), and with
+/// 100 ms that happened at the end of ordinary runs.
+const CLOSE_STEP: Duration = Duration::from_secs(1);
+/// How long `close_after_acks` reads what the engine had ahead of the close at most, before it
+/// asks for the close.
+const CLOSE_DRAIN: Duration = Duration::from_millis(500);
 
 /// Commands to a partition task, which owns the crate consumer.
 enum Cmd {
@@ -149,13 +155,15 @@ struct Part {
     path: String,
     /// Partition index in message ids (`-1` for a non-partitioned topic).
     index: i32,
+    /// Commands to the partition task, which owns the crate consumer. Dropped with the
+    /// consumer, it ends the task, which closes the crate consumer first (never aborted
+    /// mid-request: the crate logs an ERROR for a request whose caller is gone).
     cmd: mpsc::UnboundedSender<Cmd>,
     rx: Mutex<mpsc::Receiver<Fetched>>,
     state: Mutex<PartState>,
     /// Set by the partition task when resubscribing after its crate consumer ended failed
     /// (a retriable `Connect` error); taken by the next `poll`.
     failure: Arc<Mutex<Option<Error>>>,
-    task: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// What a partition task needs to subscribe again once its crate consumer has ended (the
@@ -330,7 +338,7 @@ impl PulsarConsumer {
                     member: member.clone(),
                     name: name.clone(),
                 });
-                let task = tokio::spawn(run_partition(
+                tokio::spawn(run_partition(
                     shared.client.clone(),
                     raw,
                     again,
@@ -352,7 +360,6 @@ impl PulsarConsumer {
                     rx: Mutex::new(rx),
                     state: Mutex::new(PartState::default()),
                     failure,
-                    task: Mutex::new(Some(task)),
                 };
                 let existed = existing
                     .get(i as usize)
@@ -850,6 +857,19 @@ fn convert_message(
 async fn close_after_acks(c: &mut RawConsumer, topic: &str, partition: i32, deadline: Duration) {
     let until = tokio::time::Instant::now() + deadline;
     let mut step = CLOSE_STEP;
+    // What the engine has ahead of the close reaches us as soon as there is room: read until
+    // two reads 10 ms apart find nothing (at most CLOSE_DRAIN), so that the close request is
+    // not queued behind more than the queue holds and its first wait is enough.
+    let drain_until = tokio::time::Instant::now() + CLOSE_DRAIN.min(deadline / 2);
+    let mut quiet = 0;
+    while quiet < 2 && tokio::time::Instant::now() < drain_until {
+        let mut any = false;
+        while let Some(Some(_)) = c.next().now_or_never() {
+            any = true;
+        }
+        quiet = if any { 0 } else { quiet + 1 };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     loop {
         while let Some(Some(_)) = c.next().now_or_never() {}
         let left = until.saturating_duration_since(tokio::time::Instant::now());
@@ -1036,8 +1056,10 @@ async fn run_partition(
             },
         }
     }
+    // The consumer was dropped without `close` (its commands and queue are gone): the crate
+    // consumer is closed here all the same, after the acks queued before, as `close` does.
     if let Some(c) = c.as_mut() {
-        let _ = c.close().await;
+        close_after_acks(c, &topic, partition, again.options.operation_timeout).await;
     }
 }
 
@@ -1301,15 +1323,5 @@ impl ConsumerBackend for PulsarConsumer {
             p.state.lock().assigned = false;
         }
         Ok(())
-    }
-}
-
-impl Drop for PulsarConsumer {
-    fn drop(&mut self) {
-        for p in &self.parts {
-            if let Some(t) = p.task.lock().take() {
-                t.abort();
-            }
-        }
     }
 }

@@ -46,10 +46,11 @@
 //!
 //! The pulsar crate (6.9) cannot present a client certificate (its rustls connection is built
 //! `with_no_client_auth()`), so **mTLS goes through an in-process loopback bridge**: the crate
-//! is given `pulsar://127.0.0.1:PORT`, a listener of onceflow, and each connection it opens
-//! there is relayed over a TLS connection that onceflow makes to the broker (client
-//! certificate, the CAs of `tls_trust_certs` plus the public web PKI, the broker's host name
-//! checked).
+//! is given `pulsar://127.0.0.1:PORT/mtls-bridge-to/BROKER:PORT`, a listener of onceflow (the
+//! path only names the broker in what the crate logs, such as its `Retry #0 -> connecting …`
+//! warning), and each connection it opens there is relayed over a TLS connection that
+//! onceflow makes to the broker (client certificate, the CAs of `tls_trust_certs` plus the
+//! public web PKI, the broker's host name checked).
 //! - Another local process cannot borrow the client identity through that plaintext port: the
 //!   crate authenticates to the bridge with a private auth method and a random 32-byte secret
 //!   of the connection, which the bridge checks in constant time on the first frame (it must
@@ -65,11 +66,17 @@
 //!   the process (one extra copy per frame and direction; only lookup, auth-response and
 //!   connect commands are decoded, payloads pass byte for byte), and each broker connection
 //!   is two sockets. [`PulsarPlatform::mtls_bridge`] shows what the bridge did.
-//! - A refused certificate (the broker does not trust ours: its TLS alert or
+//! - `connect` makes the first connection to the broker itself, before the crate connects:
+//!   a refused certificate (the broker does not trust ours: its TLS alert or
 //!   `AuthenticationError`; we do not trust the broker's; it does not name the host) is an
-//!   [`ErrorKind::Auth`] error naming the server, within milliseconds. An unreadable file, a
+//!   [`ErrorKind::Auth`] error naming the server, within milliseconds, and said once (the
+//!   crate, never started, logs nothing about it). An unreadable file, a
 //!   file without a certificate or key, or a key that is not the certificate's is a `Config`
 //!   error naming the files. Key contents never appear in errors, logs or `Debug`.
+//! - The bridge outlives the platform that holds it until the crate has closed its
+//!   connections (at most 5 s): the crate closes a dropped producer or consumer from a task of
+//!   its own, after the platform may be gone, and a bridge that stopped first cut those closes
+//!   off (an ERROR line per producer and consumer at the end of every run).
 //! - `tls_hostname_verification=false` (Java `tlsHostnameVerificationEnable`: the chain is
 //!   still verified, not the name) and `tls_allow_insecure_connection=true` (any
 //!   certificate) are taken on this path only, where the TLS is onceflow's. Without a client
@@ -391,6 +398,9 @@ impl PulsarPlatform {
                     cert,
                     options.operation_timeout.min(HANDSHAKE_TIMEOUT),
                 )?;
+                // A refused certificate is found here, before the crate connects: the crate
+                // would log its own ERROR for it, and onceflow's error would say it again.
+                b.check().await?;
                 (Some(b), Some(config))
             }
             _ => (None, None),
