@@ -1110,6 +1110,8 @@ class Inbox:
         window: float = 86400.0,
         **config: Any,
     ):
+        if not callable(handler):
+            raise TypeError(f"handler: expected a callable (message, tx), got {type(handler).__name__}")
         if isinstance(store, os.PathLike):
             store = os.fspath(store)
         if not isinstance(store, str):

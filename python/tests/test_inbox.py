@@ -303,6 +303,10 @@ async def test_a_store_without_an_inbox_is_a_config_error(memory):
         with pytest.raises(onceflow.ConfigError, match="PostgreSQL or the embedded store") as e:
             await inbox.step()
         assert "secret" not in str(e.value)
+    with pytest.raises(TypeError, match="handler: expected a callable"):
+        onceflow.Inbox(consumer, None, "x.db")
+    with pytest.raises(TypeError, match="store: expected a postgres:// URL"):
+        onceflow.Inbox(consumer, lambda m, tx: None, 42)
     with pytest.raises(onceflow.ConfigError, match="backof"):
         await onceflow.Inbox(consumer, lambda m, tx: None, "x.db", backof=1).step()
     with pytest.raises(TypeError, match="max_attempts"):
