@@ -2,7 +2,7 @@
 // The transactional inbox from Node: the handler's SQL, the idempotency key and the position
 // commit in one database transaction, on the real PostgreSQL (ONCEFLOW_POSTGRES_URL) and on the
 // embedded (SQLite) store, over the memory backend and the real Kafka and JetStream brokers. What was
-// committed is read from outside the inbox with psql / sqlite3.
+// committed is read from outside the inbox with psql / Python's sqlite3.
 const test = require('node:test')
 const assert = require('node:assert/strict')
 const { execFileSync } = require('node:child_process')
@@ -22,6 +22,16 @@ function platforms() {
 }
 
 const stores = ['postgres', 'embedded']
+
+// Reads the embedded store's file with Python's sqlite3 module (Node 20 has no SQLite, and the
+// sqlite3 shell is not everywhere): tab-separated rows, as psql -tAF prints them.
+const SQLITE = [
+  'import sqlite3, sys',
+  'c = sqlite3.connect(sys.argv[1], timeout=10)',
+  'rows = c.execute(sys.argv[2]).fetchall()',
+  'c.commit()',
+  'print("\\n".join("\\t".join(str(v) for v in r) for r in rows))',
+].join('\n')
 
 /** A store for one test with its own table `(key TEXT, payload TEXT)`; undefined without PostgreSQL. */
 function database(kind, t) {
@@ -47,7 +57,7 @@ function database(kind, t) {
       const out =
         kind === 'postgres'
           ? execFileSync('psql', [url, '-v', 'ON_ERROR_STOP=1', '-qtAF', '\t', '-c', statement], { encoding: 'utf8' })
-          : execFileSync('sqlite3', ['-separator', '\t', file, statement], { encoding: 'utf8' })
+          : execFileSync('python3', ['-c', SQLITE, file, statement], { encoding: 'utf8' })
       return out.split('\n').filter((l) => l).map((l) => l.split('\t'))
     },
     rows() {
