@@ -118,9 +118,12 @@ fn partition_count(s: &str) -> Result<u32, String> {
 /// duplicate window, a memory store evicting keys still inside their dedup window, a Kafka
 /// consumer that could not commit on revocation. `RUST_LOG` chooses what is shown (for example
 /// `RUST_LOG=onceflow=debug`, syntax of `tracing_subscriber::EnvFilter`); the default is
-/// warnings and errors. An invalid `RUST_LOG` is reported and the default kept.
+/// warnings and errors, except the pulsar crate's "Retry #N -> connecting …" lines, which it logs
+/// at WARN for every connection attempt including the first (a failure that matters reaches
+/// the user as onceflow's error). An invalid `RUST_LOG` is reported and the default kept.
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
+    const DEFAULT_LOG: &str = "warn,pulsar::retry_op=error";
     let filter = match std::env::var("RUST_LOG") {
         Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
             warn_line!(
@@ -128,9 +131,9 @@ fn init_logging() {
                  'warn' or 'onceflow=debug'); showing warnings",
                 onceflow::shown(&v)
             );
-            EnvFilter::new("warn")
+            EnvFilter::new(DEFAULT_LOG)
         }),
-        _ => EnvFilter::new("warn"),
+        _ => EnvFilter::new(DEFAULT_LOG),
     };
     let stderr = std::io::stderr();
     let _ = tracing_subscriber::fmt()
