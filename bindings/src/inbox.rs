@@ -368,36 +368,49 @@ mod pg {
 
     type ToSqlResult = std::result::Result<IsNull, Box<dyn std::error::Error + Sync + Send>>;
 
+    /// A parameter its placeholder's type cannot take, naming both.
+    #[derive(Debug)]
+    struct ParamError(String);
+
+    impl std::fmt::Display for ParamError {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+
+    impl std::error::Error for ParamError {}
+
     impl ToSql for Param<'_> {
         fn to_sql(&self, ty: &Type, out: &mut bytes::BytesMut) -> ToSqlResult {
             let wrong = || -> Box<dyn std::error::Error + Sync + Send> {
-                format!(
-                    "params[{}] (${}): cannot send a value of kind {} as PostgreSQL type {} (cast the \
-                     placeholder in SQL, for example CAST(${} AS {}))",
-                    self.index,
-                    self.index + 1,
-                    self.value.kind_name(),
-                    ty.name(),
-                    self.index + 1,
-                    match self.value {
-                        SqlValue::Int(_) => "bigint",
-                        SqlValue::Float(_) => "float8",
-                        SqlValue::Bool(_) => "boolean",
-                        SqlValue::Bytes(_) => "bytea",
-                        _ => "text",
-                    }
-                )
-                .into()
+                let sent = match self.value {
+                    SqlValue::Int(_) => "bigint",
+                    SqlValue::Float(_) => "float8",
+                    SqlValue::Bool(_) => "boolean",
+                    SqlValue::Bytes(_) => "bytea",
+                    _ => "text",
+                };
+                Box::new(ParamError(format!(
+                    "params[{i}] (${n}): cannot send a value of kind {kind} as PostgreSQL type \
+                     {ty}: send a value of that type, or convert in SQL \
+                     (CAST(${n} AS {sent})::{ty})",
+                    i = self.index,
+                    n = self.index + 1,
+                    kind = self.value.kind_name(),
+                    ty = ty.name(),
+                )))
             };
             let range = |_| -> Box<dyn std::error::Error + Sync + Send> {
-                format!(
-                    "params[{}] (${}): {:?} is out of range for PostgreSQL type {}",
+                let v = match self.value {
+                    SqlValue::Int(i) => i.to_string(),
+                    other => other.kind_name().to_string(),
+                };
+                Box::new(ParamError(format!(
+                    "params[{}] (${}): {v} is out of range for PostgreSQL type {}",
                     self.index,
                     self.index + 1,
-                    self.value,
                     ty.name()
-                )
-                .into()
+                )))
             };
             match (self.value, ty) {
                 (SqlValue::Null, _) => Ok(IsNull::Yes),
@@ -441,28 +454,19 @@ mod pg {
         p.iter().map(|p| p as &(dyn ToSql + Sync)).collect()
     }
 
-    /// A `tokio_postgres` error with the server's message (not only "db error").
+    /// A `tokio_postgres` error with the server's message (not only "db error"); a parameter
+    /// the placeholder's type cannot take ([`ParamError`]) is kind `Serialization`.
     fn db_error(e: onceflow::postgres::tokio_postgres::Error) -> Error {
         use std::error::Error as _;
+        if let Some(p) = e.source().and_then(|s| s.downcast_ref::<ParamError>()) {
+            return Error::new(ErrorKind::Serialization, p.0.clone());
+        }
         let text = match (e.as_db_error(), e.source()) {
             (Some(db), _) => format!("{}: {}", db.severity(), db.message()),
             (None, Some(s)) => format!("{e}: {s}"),
             (None, None) => e.to_string(),
         };
-        let kind = if e
-            .source()
-            .is_some_and(|s| s.to_string().starts_with("params["))
-        {
-            ErrorKind::Serialization
-        } else {
-            ErrorKind::DedupStore
-        };
-        match kind {
-            ErrorKind::Serialization => {
-                Error::new(kind, e.source().map(|s| s.to_string()).unwrap_or(text))
-            }
-            _ => sql_error(InboxStore::Postgres, text),
-        }
+        sql_error(InboxStore::Postgres, text)
     }
 
     fn value(row: &Row, i: usize) -> Result<SqlValue> {

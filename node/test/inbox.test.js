@@ -391,3 +391,37 @@ for (const kind of stores) {
     await consumer.close()
   })
 }
+
+test('memory/postgres: a param PostgreSQL cannot take names its index and types', async (t) => {
+  const db = database('postgres', t)
+  if (!db) return
+  const client = await onceflow.connect(`memory://${unique('node')}`)
+  const tp = await topic(client)
+  await send(client, tp, [['m0', 'a']])
+  const errors = []
+  const attempts = [['m0', 'seven'], ['m0', 2 ** 40], ['m0', 7]]
+  const consumer = await client.consumer(unique('g'), [tp], { start: 'earliest' })
+  const inbox = new onceflow.Inbox(
+    consumer,
+    async (m, tx) => {
+      try {
+        await tx.execute(`INSERT INTO ${db.table} (key, payload) SELECT $1, CAST($2::int4 AS text)`, attempts[errors.length])
+      } catch (e) {
+        errors.push(e)
+        throw e
+      }
+    },
+    db.url,
+    { namespace: unique('ns'), backoffMs: 10 }
+  )
+  await stepUntil(inbox, (s) => s.handled >= 1)
+  assert.deepEqual(
+    errors.map((e) => [e.code, e.message]),
+    [
+      ['ONCEFLOW_SERIALIZATION', 'params[1] ($2): cannot send a value of kind text as PostgreSQL type int4: send a value of that type, or convert in SQL (CAST($2 AS text)::int4)'],
+      ['ONCEFLOW_SERIALIZATION', 'params[1] ($2): 1099511627776 is out of range for PostgreSQL type int4'],
+    ]
+  )
+  assert.deepEqual(db.rows(), [['m0', '7']])
+  await consumer.close()
+})

@@ -361,3 +361,31 @@ async def test_run_until_stop_returns_the_summary(memory, db):
         await inbox.step()
     assert db.rows() == [("u0", "a"), ("u1", "b")]
     await consumer.close()
+
+
+async def test_a_param_postgres_cannot_take_names_its_index_and_types(memory, db):
+    if db.kind != "postgres":
+        pytest.skip("SQLite takes any value in any column (type affinity): nothing to refuse")
+    topic = await memory.topic()
+    await send(memory, topic, [("m0", "a")])
+    errors: List[BaseException] = []
+    attempts = [["m0", "seven"], ["m0", 2**40], ["m0", 7]]
+
+    async def handle(message, tx):
+        params = attempts[len(errors)]
+        try:
+            await tx.execute(f"INSERT INTO {db.table} (key, payload) SELECT {db.ph(1)}, CAST({db.ph(2)}::int4 AS text)", params)
+        except onceflow.SerializationError as e:
+            errors.append(e)
+            raise
+
+    consumer = await memory.consumer(topic, start="earliest")
+    inbox = onceflow.Inbox(consumer, handle, db.url, namespace=unique("ns"), backoff=0.01)
+    await step_until(inbox, lambda: inbox.summary()["handled"] >= 1)
+    assert [str(e) for e in errors] == [
+        "ONCEFLOW_SERIALIZATION: params[1] ($2): cannot send a value of kind text as PostgreSQL type int4: "
+        "send a value of that type, or convert in SQL (CAST($2 AS text)::int4)",
+        "ONCEFLOW_SERIALIZATION: params[1] ($2): 1099511627776 is out of range for PostgreSQL type int4",
+    ]
+    assert db.rows() == [("m0", "7")]
+    await consumer.close()
