@@ -483,6 +483,8 @@ async fn the_exactly_once_pipeline_commits_past_markers_and_aborted_records() {
 struct FailOnce {
     output: String,
     failed: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Inputs transformed without failing (at least once).
+    succeeded: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 #[async_trait]
@@ -492,6 +494,7 @@ impl Transform for FailOnce {
         if payload.ends_with('7') && self.failed.lock().unwrap().insert(payload.clone()) {
             return Err(format!("{payload}: failing once").into());
         }
+        self.succeeded.lock().unwrap().insert(payload);
         Ok(vec![Record::new(
             self.output.clone(),
             m.payload.to_ascii_uppercase(),
@@ -508,7 +511,7 @@ async fn a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again(
         "a_transform_failure_mid_batch_reads_every_partition_of_the_batch_again",
         100,
         EngineConfig::default().batch_size,
-        Duration::from_secs(10),
+        Duration::from_secs(60),
     )
     .await;
 }
@@ -521,14 +524,16 @@ async fn a_transform_failure_reads_the_batch_polled_ahead_again() {
         "a_transform_failure_reads_the_batch_polled_ahead_again",
         300,
         5,
-        Duration::from_secs(20),
+        Duration::from_secs(90),
     )
     .await;
 }
 
 /// `inputs` on 3 partitions through a pipeline whose transform fails once on every input
-/// ending in 7 (no retry), run for `run_for`: each is in the output once, and the group's lag
-/// ends at 0.
+/// ending in 7 (no retry), run until every input was transformed once without failing (at most
+/// `run_for`; a lost input is never transformed and fails the test then): each is in the output
+/// once, and the group's lag ends at 0. The run stops on progress, not after a fixed time, so
+/// a loaded machine (the CI's brokers and clusters on 2 cores) only makes it slower.
 async fn failing_transforms_lose_nothing(
     test: &str,
     inputs: usize,
@@ -562,9 +567,11 @@ async fn failing_transforms_lose_nothing(
             transaction_interval: Duration::from_millis(200),
             ..Default::default()
         };
+        let succeeded = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
         let transform = FailOnce {
             output: output.clone(),
             failed: Default::default(),
+            succeeded: succeeded.clone(),
         };
         let p = Pipeline::with_config(con, producer, None, Arc::new(transform), config).unwrap();
         let started = tokio::time::Instant::now();
@@ -574,7 +581,7 @@ async fn failing_transforms_lose_nothing(
                     let _ = stop.await;
                 })
             },
-            || started.elapsed() > run_for,
+            || succeeded.lock().unwrap().len() >= inputs || started.elapsed() > run_for,
         )
         .await
         .unwrap();
