@@ -126,20 +126,15 @@ async fn killing_the_input_leader_and_the_transaction_coordinator_loses_and_dupl
 
 /// The group coordinator's broker SIGKILLed (and restarted) under the running pipeline.
 ///
-/// KNOWN FAILURE, not run by default: the pipeline stalls for good. Its producer's
-/// `send_offsets_to_transaction` (librdkafka 2.12.1, through rdkafka-sys 4.10) never returns:
-/// a thread dump shows `rd_kafka_send_offsets_to_transaction(timeout_ms=30000)` waiting in
-/// `rd_kafka_txn_op_req0(abs_timeout=-1)`, the transaction coordinator meanwhile aborts the open
-/// transaction on its 60 s timeout, and nothing is consumed again. librdkafka issues #5511 (a
-/// decommissioned group coordinator stays cached: the TxnOffsetCommit waits for a state change
-/// of a broker thread that no longer exists; a killed KRaft broker leaves the metadata while
-/// fenced, so it is decommissioned) and #5456 (the coordinator request's timeout is never
-/// checked). The Kafka adapter runs the call in `spawn_blocking` without an outer bound, so the
-/// pipeline cannot even fail and be restarted; at the end the runtime waits for that thread
-/// forever. Run it with `--ignored` once librdkafka (or the adapter) is fixed.
+/// librdkafka 2.12.1 (rdkafka-sys 4.10) does not return from `send_offsets_to_transaction`
+/// after such a failover: a thread dump showed `rd_kafka_send_offsets_to_transaction(timeout_ms
+/// =30000)` waiting in `rd_kafka_txn_op_req0(abs_timeout=-1)` (librdkafka #5511: a
+/// decommissioned group coordinator stays cached; #5456: that request's timeout is never
+/// checked). Without an outer bound the pipeline stalled for good and the process never exited.
+/// The Kafka adapter now waits at most librdkafka's timeout + 5 s, on a thread of its own: the
+/// commit fails with a retriable `Timeout`, the producer is re-created (a new epoch fences the
+/// stuck one), the pipeline rewinds and goes on; this test checks every input once after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "hangs: librdkafka 2.12.1 send_offsets_to_transaction never returns after a group \
-            coordinator failover (librdkafka #5511, #5456); see the doc comment"]
 async fn killing_the_group_coordinator_loses_and_duplicates_nothing() {
     const TEST: &str = "killing_the_group_coordinator_loses_and_duplicates_nothing";
     let Some(url) = cluster_url(TEST) else {

@@ -972,6 +972,68 @@ fn abort_blocking(native: &Native, timeout: Duration) -> std::result::Result<(),
     native.abort_transaction(timeout)
 }
 
+/// How much longer than librdkafka's own timeout a transaction API call may take before
+/// onceflow stops waiting for it.
+const TXN_CALL_GRACE: Duration = Duration::from_secs(5);
+
+/// Runs a blocking transaction API call (`what`, given librdkafka's `timeout`) on a thread of
+/// its own and waits for it at most `timeout` + [`TXN_CALL_GRACE`]. librdkafka does not always
+/// honour its own timeout there: with the group coordinator's broker killed,
+/// `send_offsets_to_transaction` waited for good on a coordinator that left the metadata
+/// (librdkafka #5511, #5456; `docs/reliability.md`), and the pipeline never failed nor went
+/// on. Past the bound this is a retriable `Timeout` and the producer is marked to be re-created
+/// for the next transaction (a fresh one's `init_transactions` fences the stuck one, KIP-98);
+/// the stuck call keeps its thread until librdkafka returns, without holding up the runtime's
+/// shutdown.
+async fn bounded<T: Send + 'static>(
+    shared: &Shared,
+    what: &str,
+    timeout: Duration,
+    call: impl FnOnce() -> std::result::Result<T, KafkaError> + Send + 'static,
+) -> Result<std::result::Result<T, KafkaError>> {
+    let bound = timeout.saturating_add(TXN_CALL_GRACE);
+    // A thread of its own, not the runtime's blocking pool: a runtime waits for its blocking
+    // tasks when it shuts down, so a call librdkafka never returns kept the process from
+    // exiting (the fault test passed, then hung at its end).
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name(format!("onceflow-kafka-{what}"))
+        .spawn(move || {
+            let _ = tx.send(call());
+        });
+    if let Err(e) = spawned {
+        return Err(Error::new(
+            ErrorKind::Platform,
+            format!("{what}: could not start its thread: {e}"),
+        ));
+    }
+    match tokio::time::timeout(bound, rx).await {
+        Ok(Ok(result)) => Ok(result),
+        Ok(Err(_)) => Err(Error::new(
+            ErrorKind::Platform,
+            format!("{what}: its thread ended without an answer (it panicked)"),
+        )),
+        Err(_) => {
+            shared.state.lock().needs_reinit = true;
+            tracing::warn!(
+                call = what,
+                waited_ms = bound.as_millis() as u64,
+                "librdkafka's transaction call did not return within its timeout; the producer is re-created for the next transaction"
+            );
+            Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "{what} did not return within {} ms (librdkafka's timeout {} ms + {} s);                      the producer is re-created for the next transaction",
+                    bound.as_millis(),
+                    timeout.as_millis(),
+                    TXN_CALL_GRACE.as_secs()
+                ),
+            )
+            .retriable(true))
+        }
+    }
+}
+
 /// [`flush_queued`] unless one started by this function is still running (`rd_kafka_flush`
 /// keeps linger.ms off until nothing is outstanding, records enqueued meanwhile included), so
 /// awaiting many enqueued batches in a row starts one flush, not one per batch.
@@ -1292,6 +1354,33 @@ struct PendingOffsets {
     offsets: std::collections::BTreeMap<TopicPartition, i64>,
 }
 
+/// A commit that timed out or otherwise ended unknown (`mapped`): it may have committed, or
+/// commit later (a delayed EndTxn). Settles it before returning: a fresh producer's
+/// init_transactions (InitProducerId, KIP-98) bumps the epoch, which fences this producer and
+/// makes the coordinator finish the transaction, committed or aborted. Only then are the
+/// group's committed positions final: a caller that read them earlier and redid the work after
+/// them wrote it twice once the delayed commit landed.
+async fn settle_unknown(shared: &Shared, mapped: Error) -> Error {
+    shared.state.lock().needs_reinit = true;
+    let settled = match ensure_initialized(shared).await {
+        Ok(_) => "the producer was re-initialised (a new epoch fenced the old one), so the \
+                  transaction is now committed or aborted: read the committed positions to know \
+                  which"
+            .to_string(),
+        Err(e) => format!(
+            "re-initialising the producer to settle it failed ({}): call \
+             settle_transactions() before reading committed positions",
+            e.message()
+        ),
+    };
+    Error::new(
+        ErrorKind::Timeout,
+        format!("{}; the outcome is unknown; {settled}", mapped.message()),
+    )
+    .with_outcome_unknown()
+    .with_source(mapped)
+}
+
 impl KafkaTransaction {
     async fn send_offsets(&self, pending: PendingOffsets) -> Result<()> {
         let mut tpl = TopicPartitionList::with_capacity(pending.offsets.len());
@@ -1302,11 +1391,13 @@ impl KafkaTransaction {
         let native = self.native.clone();
         let timeout = self.shared.kafka.timeout;
         let md = pending.metadata;
-        let res = tokio::task::spawn_blocking(move || {
-            native.send_offsets_to_transaction(&tpl, &md.native, timeout)
-        })
-        .await
-        .map_err(|e| errors::join(e, "send_offsets_to_transaction"))?;
+        let res = bounded(
+            &self.shared,
+            "send_offsets_to_transaction",
+            timeout,
+            move || native.send_offsets_to_transaction(&tpl, &md.native, timeout),
+        )
+        .await?;
         res.map_err(|e| {
             self.note(&e, "send_offsets_to_transaction");
             errors::map(
@@ -1463,8 +1554,10 @@ impl TransactionBackend for KafkaTransaction {
                 let producer_fenced = self.shared.state.lock().fenced.is_some();
                 if !producer_fenced {
                     let n = self.native.clone();
-                    let aborted =
-                        tokio::task::spawn_blocking(move || abort_blocking(&n, timeout)).await;
+                    let aborted = bounded(&self.shared, "abort_transaction", timeout, move || {
+                        abort_blocking(&n, timeout)
+                    })
+                    .await;
                     if !matches!(aborted, Ok(Ok(()))) {
                         self.shared.state.lock().needs_reinit = true;
                     }
@@ -1473,18 +1566,22 @@ impl TransactionBackend for KafkaTransaction {
                 return Err(e);
             }
         }
-        let res = tokio::task::spawn_blocking(move || commit_blocking(&native, timeout))
-            .await
-            .map_err(|e| errors::join(e, "commit_transaction"));
+        let res = bounded(&self.shared, "commit_transaction", timeout, move || {
+            commit_blocking(&native, timeout)
+        })
+        .await;
         self.finish();
-        let e = match res? {
-            Ok(()) => {
+        let e = match res {
+            Ok(Ok(())) => {
                 for (progress, offsets) in sent {
                     progress.committed(offsets);
                 }
                 return Ok(());
             }
-            Err(e) => e,
+            Ok(Err(e)) => e,
+            // librdkafka did not return: the EndTxn may be on its way, so the outcome is
+            // unknown, as for a commit that timed out.
+            Err(unanswered) => return Err(settle_unknown(&self.shared, unanswered).await),
         };
         self.note(&e, "commit_transaction");
         let mapped = errors::map(
@@ -1495,50 +1592,27 @@ impl TransactionBackend for KafkaTransaction {
             ErrorKind::Aborted => {
                 // Abortable: abort now, so nothing of it becomes visible.
                 let native = self.native.clone();
-                let aborted =
-                    tokio::task::spawn_blocking(move || abort_blocking(&native, timeout)).await;
+                let aborted = bounded(&self.shared, "abort_transaction", timeout, move || {
+                    abort_blocking(&native, timeout)
+                })
+                .await;
                 if !matches!(aborted, Ok(Ok(()))) {
                     self.shared.state.lock().needs_reinit = true;
                 }
                 Err(mapped)
             }
             ErrorKind::Fenced => Err(mapped),
-            _ => {
-                // Timed out or otherwise unknown: it may have committed, or commit later (a
-                // delayed EndTxn). Settle it before returning: a fresh producer's
-                // init_transactions (InitProducerId, KIP-98) bumps the epoch, which fences
-                // this producer and makes the coordinator finish the transaction, committed or
-                // aborted. Only then are the group's committed positions final: a caller that
-                // read them earlier and redid the work after them wrote it twice once the
-                // delayed commit landed.
-                self.shared.state.lock().needs_reinit = true;
-                let settled = match ensure_initialized(&self.shared).await {
-                    Ok(_) => "the producer was re-initialised (a new epoch fenced the old one), \
-                              so the transaction is now committed or aborted: read the committed \
-                              positions to know which"
-                        .to_string(),
-                    Err(e) => format!(
-                        "re-initialising the producer to settle it failed ({}): call \
-                         settle_transactions() before reading committed positions",
-                        e.message()
-                    ),
-                };
-                Err(Error::new(
-                    ErrorKind::Timeout,
-                    format!("{}; the outcome is unknown; {settled}", mapped.message()),
-                )
-                .with_outcome_unknown()
-                .with_source(mapped))
-            }
+            _ => Err(settle_unknown(&self.shared, mapped).await),
         }
     }
 
     async fn abort(mut self: Box<Self>) -> Result<()> {
         let native = self.native.clone();
         let timeout = self.shared.kafka.timeout;
-        let res = tokio::task::spawn_blocking(move || abort_blocking(&native, timeout))
-            .await
-            .map_err(|e| errors::join(e, "abort_transaction"));
+        let res = bounded(&self.shared, "abort_transaction", timeout, move || {
+            abort_blocking(&native, timeout)
+        })
+        .await;
         self.finish();
         match res? {
             Ok(()) => Ok(()),
