@@ -39,6 +39,11 @@ pub struct JetStreamOptions {
     /// `backoff_ms` (default none): consumer `backoff`, comma separated ms, used by the server
     /// for redeliveries after `ack_wait` expiries.
     pub backoff: Vec<Duration>,
+    /// Which of the durable's settings (`ack_wait_ms`, `max_deliver`, `max_ack_pending`,
+    /// `backoff_ms`) were given (in the URL or the consumer's options) rather than left at
+    /// their defaults: reopening an existing durable brings only these to the given values, so
+    /// a member or a CLI run that gives none does not reset another's settings to the defaults.
+    pub durable_settings_given: Vec<&'static str>,
     /// `duplicate_window_ms` (default: the server's, 2 min): duplicate window of created
     /// streams.
     pub duplicate_window: Option<Duration>,
@@ -130,6 +135,7 @@ impl std::fmt::Debug for JetStreamOptions {
             .field("max_deliver", &self.max_deliver)
             .field("max_ack_pending", &self.max_ack_pending)
             .field("backoff", &self.backoff)
+            .field("durable_settings_given", &self.durable_settings_given)
             .field("duplicate_window", &self.duplicate_window)
             .field("allow_atomic", &self.allow_atomic)
             .field("memory_storage", &self.memory_storage)
@@ -167,6 +173,7 @@ impl Default for JetStreamOptions {
             max_deliver: -1,
             max_ack_pending: 10_000,
             backoff: Vec::new(),
+            durable_settings_given: Vec::new(),
             duplicate_window: None,
             allow_atomic: true,
             memory_storage: false,
@@ -207,8 +214,30 @@ fn parse_bool(key: &str, value: &str) -> Result<bool> {
     }
 }
 
+/// The longest duration an option takes: 100 years (the server keeps durations as `i64`
+/// nanoseconds, about 292 years; a larger value wrapped into another duration).
+const MAX_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
+
 fn ms(key: &str, value: &str) -> Result<Duration> {
-    parse_num::<u64>(key, value, "a duration in milliseconds").map(Duration::from_millis)
+    let v = parse_num::<u64>(key, value, "a duration in milliseconds")?;
+    if v > MAX_MS {
+        return Err(Error::config(format!(
+            "'{key}={value}': expected a duration in milliseconds up to {MAX_MS} (100 years)"
+        )));
+    }
+    Ok(Duration::from_millis(v))
+}
+
+/// [`ms`] that must not be 0: a zero ack wait or timeout is the server's default or an instant
+/// failure, never what was meant.
+fn positive_ms(key: &str, value: &str) -> Result<Duration> {
+    let d = ms(key, value)?;
+    if d.is_zero() {
+        return Err(Error::config(format!(
+            "'{key}={value}': expected a positive duration in milliseconds"
+        )));
+    }
+    Ok(d)
 }
 
 /// The keys of the connection itself (TLS and credentials): valid in the URL (or the typed
@@ -266,6 +295,16 @@ fn merge(field: &mut Option<String>, value: String, key: &str) -> Result<()> {
 impl JetStreamOptions {
     /// Applies one `key=value` option (a URL query parameter).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        for given in [
+            "ack_wait_ms",
+            "max_deliver",
+            "max_ack_pending",
+            "backoff_ms",
+        ] {
+            if key == given && !self.durable_settings_given.contains(&given) {
+                self.durable_settings_given.push(given);
+            }
+        }
         match key {
             "auto_create" => self.auto_create = parse_bool(key, value)?,
             "partitions" => {
@@ -276,10 +315,10 @@ impl JetStreamOptions {
                     )));
                 }
             }
-            "publish_timeout_ms" => self.publish_timeout = ms(key, value)?,
+            "publish_timeout_ms" => self.publish_timeout = positive_ms(key, value)?,
             "publish_retries" => self.publish_retries = parse_num(key, value, "a count")?,
-            "request_timeout_ms" => self.request_timeout = ms(key, value)?,
-            "ack_wait_ms" => self.ack_wait = ms(key, value)?,
+            "request_timeout_ms" => self.request_timeout = positive_ms(key, value)?,
+            "ack_wait_ms" => self.ack_wait = positive_ms(key, value)?,
             "max_deliver" => self.max_deliver = parse_num(key, value, "a count or -1")?,
             "max_ack_pending" => self.max_ack_pending = parse_num(key, value, "a count or -1")?,
             "backoff_ms" => {
@@ -834,5 +873,21 @@ mod tests {
         };
         assert!(o.validate().is_err());
         assert!(JetStreamOptions::default().validate().is_ok());
+    }
+
+    #[test]
+    fn durations_refuse_zero_where_it_means_nothing_and_values_past_100_years() {
+        for key in ["ack_wait_ms", "publish_timeout_ms", "request_timeout_ms"] {
+            let e = parse_url(&format!("nats://h:1?{key}=0")).unwrap_err();
+            assert!(
+                e.message().contains(key) && e.message().contains("positive"),
+                "{e}"
+            );
+        }
+        for v in ["9223372036854775808", "1000000000000000"] {
+            let e = parse_url(&format!("nats://h:1?ack_wait_ms={v}")).unwrap_err();
+            assert!(e.message().contains("100 years"), "{e}");
+        }
+        assert!(parse_url("nats://h:1?ack_wait_ms=3153600000000").is_ok());
     }
 }

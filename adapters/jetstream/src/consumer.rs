@@ -27,6 +27,11 @@ use crate::naming;
 use crate::producer::JetStreamProducer;
 use crate::{Shared, CAPABILITIES};
 
+/// The shortest [`ConsumerConfig::session_timeout`] a JetStream group takes: shorter, a member
+/// would count itself dead between two of its own heartbeats (every `session_timeout / 4`, at
+/// least 100 ms apart) and never own a partition; a `Config` error names it.
+pub const MIN_SESSION_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// Session timeout when [`ConsumerConfig::session_timeout`] is not set: a member that does not
 /// poll for this long loses its partitions to the others.
 pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
@@ -287,6 +292,16 @@ impl JetStreamConsumer {
             }
         }
         let session = config.session_timeout.unwrap_or(DEFAULT_SESSION_TIMEOUT);
+        if session < MIN_SESSION_TIMEOUT {
+            // A member heartbeats at most every session / 4 and at least 100 ms apart: below
+            // this it counts itself dead between two heartbeats and never owns a partition.
+            return Err(Error::config(format!(
+                "session_timeout of {} ms: expected at least {} ms (members heartbeat every \
+                 session_timeout / 4, at least 100 ms apart)",
+                session.as_millis(),
+                MIN_SESSION_TIMEOUT.as_millis()
+            )));
+        }
         let member = config
             .client_id
             .unwrap_or_else(|| format!("member-{:016x}", rand::random::<u64>()));
@@ -845,7 +860,8 @@ async fn resolve_start(stream: &Stream, subject: &str, start: &StartFrom) -> Res
 ///   <https://docs.nats.io/nats-concepts/jetstream/consumers#deliverpolicy>). An explicit start
 ///   that does not reset an existing durable is logged as a warning.
 /// - A durable resumed with settings other than the requested ones (`ack_wait`,
-///   `max_deliver`, `max_ack_pending`, `backoff`, the filter subject) is updated in place
+///   `max_deliver`, `max_ack_pending`, `backoff` where they were given — a setting left at its
+///   default keeps the durable's value —, the filter subject) is updated in place
 ///   (consumer update, nats-server ≥ 2.10,
 ///   <https://docs.nats.io/nats-concepts/jetstream/consumers#configuration>); a server that
 ///   refuses is a `Config` error naming each setting, the durable's value and the requested
@@ -891,7 +907,7 @@ async fn ensure_durable(
                      to delete it and start over)"
                 );
             }
-            return reconcile(stream, c, &config).await;
+            return reconcile(stream, c, &config, &options.durable_settings_given).await;
         }
         Err(e) => {
             let err = nats_err(format!("consumer '{durable}'"), e);
@@ -904,7 +920,7 @@ async fn ensure_durable(
         Ok(c) => Ok(c),
         // Another member created it at the same time: use theirs.
         Err(e) => match stream.get_consumer::<PullConfig>(durable).await {
-            Ok(c) => reconcile(stream, c, &config).await,
+            Ok(c) => reconcile(stream, c, &config, &options.durable_settings_given).await,
             Err(_) => Err(nats_err(format!("creating consumer '{durable}'"), e)),
         },
     }
@@ -956,6 +972,7 @@ async fn reconcile(
     stream: &Stream,
     mut consumer: PullConsumer,
     want: &PullConfig,
+    given: &[&str],
 ) -> Result<PullConsumer> {
     let have = consumer.cached_info().config.clone();
     let have = PullConfig {
@@ -983,6 +1000,31 @@ async fn reconcile(
         metadata: have.metadata,
         backoff: have.backoff,
         ..Default::default()
+    };
+    // Settings not given keep the durable's values: another member (or the application
+    // that made the durable) chose them, and defaults must not overwrite them.
+    let want = &PullConfig {
+        ack_wait: if given.contains(&"ack_wait_ms") {
+            want.ack_wait
+        } else {
+            have.ack_wait
+        },
+        max_deliver: if given.contains(&"max_deliver") {
+            want.max_deliver
+        } else {
+            have.max_deliver
+        },
+        max_ack_pending: if given.contains(&"max_ack_pending") {
+            want.max_ack_pending
+        } else {
+            have.max_ack_pending
+        },
+        backoff: if given.contains(&"backoff_ms") {
+            want.backoff.clone()
+        } else {
+            have.backoff.clone()
+        },
+        ..want.clone()
     };
     let diff = config_diff(&have, want);
     if diff.is_empty() {

@@ -218,7 +218,7 @@ use parking_lot::Mutex;
 
 pub use admin::JetStreamAdmin;
 pub use config::{parse_url, JetStreamOptions, CONNECTION_KEYS};
-pub use consumer::{JetStreamConsumer, DEFAULT_SESSION_TIMEOUT};
+pub use consumer::{JetStreamConsumer, DEFAULT_SESSION_TIMEOUT, MIN_SESSION_TIMEOUT};
 pub use durability::{DurabilityReport, ServerSync};
 pub use group::GROUPS_BUCKET;
 pub use naming::{

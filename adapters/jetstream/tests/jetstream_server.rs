@@ -778,6 +778,19 @@ async fn reopening_a_durable_updates_it_and_an_explicit_start_resumes_it() {
     );
     c.close().await.unwrap();
 
+    // A member (or a CLI run) that gives none of these settings keeps the durable's: before,
+    // its defaults silently replaced them (max_deliver 7 became -1, the backoff went).
+    let c = open(&p, &t, &group, StartFrom::committed_or_earliest(), &[]).await;
+    let (kept, _) = durable_info(&p, &t, &group).await;
+    assert_eq!(kept.config.max_deliver, 7);
+    assert_eq!(kept.config.max_ack_pending, 50);
+    assert_eq!(
+        kept.config.backoff,
+        [Duration::from_secs(1), Duration::from_secs(2)]
+    );
+    assert_eq!(kept.created, before.created);
+    c.close().await.unwrap();
+
     let c = open(&p, &t, &group, StartFrom::Earliest, &[("reset", "true")]).await;
     let all = take(c.as_ref(), 3).await;
     assert_eq!(all[0].payload, Bytes::from("m0"));
