@@ -380,7 +380,12 @@ fn prepare_with(
             .headers
             .set(IDEMPOTENCY_KEY_HEADER, k.clone().into_bytes());
     }
-    if record.key_generation()? > 0 && record.headers.get(IDEMPOTENCY_KEY_HEADER).is_none() {
+    if record.key_generation()? > 0
+        && record
+            .headers
+            .get_any_case(IDEMPOTENCY_KEY_HEADER)
+            .is_none()
+    {
         return Err(Error::config(format!(
             "record for topic '{}' is requeued (generation {}) but has no idempotency key: \
              expected an idempotency key to requeue",

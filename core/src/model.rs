@@ -113,6 +113,19 @@ impl Headers {
             .map(|h| h.value.as_ref())
     }
 
+    /// [`Headers::get`], or, without a header of exactly that name, the first whose name
+    /// matches in any ASCII casing: how onceflow reads its own headers (`idempotency-key`,
+    /// `onceflow-key-generation`), which clients that canonicalise names write as
+    /// `Idempotency-Key`.
+    pub fn get_any_case(&self, name: &str) -> Option<Option<&Bytes>> {
+        self.get(name).or_else(|| {
+            self.0
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case(name))
+                .map(|h| h.value.as_ref())
+        })
+    }
+
     /// The first non-null value of `name` as UTF-8 text, if it is valid UTF-8 (a null value
     /// before it is passed over, as the words say; [`Headers::get`] gives the first value
     /// itself).
@@ -492,7 +505,7 @@ impl Record {
     /// it has none. A header that is not a decimal number from 0 to 4294967295 is a
     /// [`crate::ErrorKind::Config`] naming it.
     pub fn key_generation(&self) -> crate::Result<u32> {
-        parse_generation(self.headers.get(KEY_GENERATION_HEADER).flatten())
+        parse_generation(self.headers.get_any_case(KEY_GENERATION_HEADER).flatten())
     }
 
     /// The platform message id of this record (JetStream `Nats-Msg-Id`): its idempotency key
@@ -500,7 +513,7 @@ impl Record {
     /// `None` without an idempotency key. Adapters take the id from here, never from the key.
     pub fn message_id(&self) -> Option<std::borrow::Cow<'_, str>> {
         let key = self.idempotency_key.as_deref()?;
-        match self.headers.get(KEY_GENERATION_HEADER).flatten() {
+        match self.headers.get_any_case(KEY_GENERATION_HEADER).flatten() {
             Some(g) if !generation_is_zero(g) => {
                 Some(std::borrow::Cow::Owned(with_generation(key.to_string(), g)))
             }

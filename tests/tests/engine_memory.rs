@@ -28,3 +28,67 @@ async fn a_requeue_without_an_idempotency_key_is_refused_on_send() {
     assert_eq!(err.kind(), onceflow_core::ErrorKind::Config);
     assert!(err.message().contains("no idempotency key"), "{err}");
 }
+
+/// onceflow's own headers are read in any casing: a client that canonicalises names writes
+/// `Idempotency-Key` / `Onceflow-Key-Generation`, and its repeats must still be duplicates (before,
+/// both copies ran keyless) and its generations still new (#31).
+#[tokio::test]
+async fn idempotency_headers_are_read_in_any_casing() {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use onceflow_core::{
+        handler_fn, ConsumerConfig, IdempotentConsumer, ProducerConfig, Record, StartFrom,
+    };
+    let client = onceflow_core::Client::new(memory().platform());
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    let sends = [
+        ("job", None),
+        ("job", None),
+        ("job", Some("1")),
+        ("job", Some("1")),
+    ];
+    for (payload, generation) in sends {
+        let mut r = Record::new("orders", payload).header("Idempotency-Key", "order-1");
+        if let Some(g) = generation {
+            r = r.header("Onceflow-Key-Generation", g);
+        }
+        producer.send(r).await.unwrap();
+    }
+    let consumer = client
+        .consumer(ConsumerConfig::new("billing", ["orders"]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let store = onceflow_core::dedup::open("memory://", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let ran = Arc::new(Mutex::new(0u32));
+    let counted = ran.clone();
+    let engine = IdempotentConsumer::new(
+        consumer,
+        Some(store),
+        handler_fn(move |_m| {
+            let counted = counted.clone();
+            async move {
+                *counted.lock().unwrap() += 1;
+                Ok(None)
+            }
+        }),
+    );
+    let mut seen = 0;
+    for _ in 0..50 {
+        seen += engine.step().await.unwrap();
+        if seen >= 4 {
+            break;
+        }
+    }
+    assert_eq!(seen, 4, "all four copies consumed");
+    let m = engine.metrics().snapshot();
+    assert_eq!(
+        *ran.lock().unwrap(),
+        2,
+        "generation 0 once, generation 1 once: {m:?}"
+    );
+    assert_eq!(m.duplicates_skipped, 2, "{m:?}");
+    assert_eq!(m.keyless, 0, "{m:?}");
+}

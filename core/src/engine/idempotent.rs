@@ -301,16 +301,18 @@ impl Core {
     /// `#requeue-{n}` for a requeued generation `n` ([`crate::Record::requeue`]).
     pub(crate) fn store_key(&self, m: &Message) -> Option<String> {
         let k = self.store_key_of_generation_zero(m)?;
-        Some(match m.headers.get(crate::model::KEY_GENERATION_HEADER) {
-            Some(Some(g)) => crate::model::with_generation(k, g),
-            _ => k,
-        })
+        Some(
+            match m.headers.get_any_case(crate::model::KEY_GENERATION_HEADER) {
+                Some(Some(g)) => crate::model::with_generation(k, g),
+                _ => k,
+            },
+        )
     }
 
     fn store_key_of_generation_zero(&self, m: &Message) -> Option<String> {
         // The common case, a UTF-8 header, costs one allocation.
         if let KeyStrategy::Header(name) = &self.config.key {
-            match m.headers.get(name) {
+            match m.headers.get_any_case(name) {
                 Some(Some(v)) if !v.is_empty() => {
                     if let Ok(k) = std::str::from_utf8(v) {
                         let mut s = String::with_capacity(self.namespace.len() + 1 + k.len());

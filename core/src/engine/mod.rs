@@ -66,7 +66,7 @@ impl KeyStrategy {
     /// without the requeue generation.
     pub fn find_key(&self, message: &Message) -> Option<String> {
         match self {
-            KeyStrategy::Header(name) => match message.headers.get(name) {
+            KeyStrategy::Header(name) => match message.headers.get_any_case(name) {
                 Some(Some(v)) if !v.is_empty() => Some(String::from_utf8_lossy(v).into_owned()),
                 _ => None,
             },
@@ -91,7 +91,7 @@ impl KeyStrategy {
     /// deterministic ids.
     pub fn key_of(&self, message: &Message) -> Option<String> {
         match self {
-            KeyStrategy::Header(name) => match message.headers.get(name) {
+            KeyStrategy::Header(name) => match message.headers.get_any_case(name) {
                 Some(Some(v)) if !v.is_empty() => Some(String::from_utf8_lossy(v).into_owned()),
                 _ => Some(coordinates(message)),
             },
@@ -125,10 +125,12 @@ impl std::str::FromStr for KeyStrategy {
 /// are new to the platform too; generation 0 leaves the key as it is.
 pub(crate) fn output_key(key: &KeyStrategy, m: &Message) -> Option<String> {
     let k = key.key_of(m)?;
-    Some(match m.headers.get(crate::model::KEY_GENERATION_HEADER) {
-        Some(Some(g)) => crate::model::with_generation(k, g),
-        _ => k,
-    })
+    Some(
+        match m.headers.get_any_case(crate::model::KEY_GENERATION_HEADER) {
+            Some(Some(g)) => crate::model::with_generation(k, g),
+            _ => k,
+        },
+    )
 }
 
 /// The error for a keyless message when [`EngineConfig::require_key`] is on.
