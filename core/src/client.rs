@@ -605,9 +605,19 @@ impl Consumer {
     /// [`Consumer::committed`] returns ([`Committed::next`]) is the next one and must not be
     /// passed back here, or the message at it is skipped.
     ///
+    /// Of several positions given for one partition the highest is committed, whatever their
+    /// order in `positions` (as Kafka users list a batch's messages).
+    ///
     /// Errors: [`crate::ErrorKind::Fenced`] for a partition no longer assigned to this member.
     pub async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
-        self.inner.commit(positions).await
+        let mut highest: Vec<(TopicPartition, Position)> = Vec::with_capacity(positions.len());
+        for (tp, pos) in positions {
+            match highest.iter_mut().find(|(t, _)| t == tp) {
+                Some((_, p)) => p.raise_to(pos),
+                None => highest.push((tp.clone(), pos.clone())),
+            }
+        }
+        self.inner.commit(&highest).await
     }
 
     /// Commits, for partitions where everything delivered is committed, the position the

@@ -92,3 +92,36 @@ async fn idempotency_headers_are_read_in_any_casing() {
     assert_eq!(m.duplicates_skipped, 2, "{m:?}");
     assert_eq!(m.keyless, 0, "{m:?}");
 }
+
+/// `Consumer::commit` of several positions of one partition commits the highest, whatever
+/// their order (before, the last listed: `commit([m2, m1])` moved the group back to m1) (#31).
+#[tokio::test]
+async fn a_commit_takes_the_highest_position_of_each_partition() {
+    use std::time::Duration;
+
+    use onceflow_core::{ConsumerConfig, ProducerConfig, Record, StartFrom};
+    let client = onceflow_core::Client::new(memory().platform());
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    for i in 0..3 {
+        producer
+            .send(Record::new("orders", format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    let consumer = client
+        .consumer(ConsumerConfig::new("billing", ["orders"]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let got = consumer.poll(10, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(got.len(), 3);
+    let tp = got[0].topic_partition();
+    consumer
+        .commit(&[
+            (tp.clone(), got[2].position.clone()),
+            (tp.clone(), got[1].position.clone()),
+        ])
+        .await
+        .unwrap();
+    let committed = consumer.committed(std::slice::from_ref(&tp)).await.unwrap();
+    assert_eq!(committed[0].next, got[2].position.next());
+}
