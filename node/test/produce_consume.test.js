@@ -191,19 +191,6 @@ test('client options: a misspelled key or a wrong type throws a config error nam
 
 test('raw client options take strings, booleans and numbers; other types are config errors naming the key', async () => {
   // auto_create: false as a boolean reaches the memory platform: a missing topic is NotFound.
-  const client = await onceflow.connect(`memory://${unique('raw')}`, { auto_create: false, partitions: 2 })
-  const producer = await client.producer({ options: { 'linger.ms': 5, 'enable.idempotence': true, ratio: 0.5 } })
-  const missing = await producer.send(unique('missing'), 'x').then(() => null, (e) => e)
-  assert.equal(missing?.code, 'ONCEFLOW_NOT_FOUND', `${missing}`)
-  const admin = await client.admin()
-  const t = unique('t')
-  await admin.createTopic(t, { partitions: 2, options: { 'segment.ms': 1000, compacted: false } })
-  await producer.send(t, 'm')
-  const consumer = await client.consumer(unique('g'), [t], { start: 'earliest', options: { 'fetch.min.bytes': 1, 'check.crcs': true } })
-  const got = await consumer.poll(10, 5000)
-  assert.equal(got.length, 1)
-  await consumer.close()
-
   const refused = async (call, text) => {
     const e = await (async () => call())().then(() => null, (err) => err)
     assert.ok(e instanceof onceflow.OnceflowError, `${text}: ${e}`)
@@ -212,6 +199,29 @@ test('raw client options take strings, booleans and numbers; other types are con
     assert.ok(e.message.includes(text), `expected '${text}' in: ${e.message}`)
     return e
   }
+  const client = await onceflow.connect(`memory://${unique('raw')}`, { auto_create: false, partitions: 2 })
+  // Booleans and numbers pass the conversion and reach the platform, which names them:
+  // memory:// reads no producer or consumer options, so it refuses them (#31).
+  await refused(
+    () => client.producer({ options: { 'linger.ms': 5, 'enable.idempotence': true, ratio: 0.5 } }),
+    "unknown memory:// producer options 'enable.idempotence', 'linger.ms', 'ratio'"
+  )
+  const producer = await client.producer()
+  const missing = await producer.send(unique('missing'), 'x').then(() => null, (e) => e)
+  assert.equal(missing?.code, 'ONCEFLOW_NOT_FOUND', `${missing}`)
+  const admin = await client.admin()
+  const t = unique('t')
+  await admin.createTopic(t, { partitions: 2, options: { 'segment.ms': 1000, compacted: false } })
+  await producer.send(t, 'm')
+  await refused(
+    () => client.consumer(unique('g'), [t], { start: 'earliest', options: { 'fetch.min.bytes': 1, 'check.crcs': true } }),
+    "unknown memory:// consumer options 'check.crcs', 'fetch.min.bytes'"
+  )
+  const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+  const got = await consumer.poll(10, 5000)
+  assert.equal(got.length, 1)
+  await consumer.close()
+
   const url = `memory://${unique('raw')}`
   for (const [value, type] of [[[1], 'object'], [{ a: 1 }, 'object'], [null, 'null'], [undefined, 'undefined'], [10n, 'bigint']]) {
     const text = `option 'tls_hostname_verification': expected a string, boolean or number, got ${type}`

@@ -17,13 +17,19 @@ async def test_bool_and_number_options_reach_the_adapter(memory):
     # auto_create=False as a bool: producing to a missing topic is then NotFound.
     client = await onceflow.connect(url, options={"auto_create": False, "partitions": 3})
     admin = await client.admin()
-    producer = await client.producer(options={"linger.ms": 5, "enable.idempotence": True, "ratio": 0.5})
+    # Booleans and numbers pass the conversion and reach the platform, which names them:
+    # memory:// reads no producer or consumer options, so it refuses them (#31).
+    with pytest.raises(onceflow.ConfigError, match="unknown memory:// producer options 'enable.idempotence', 'linger.ms', 'ratio'"):
+        await client.producer(options={"linger.ms": 5, "enable.idempotence": True, "ratio": 0.5})
+    producer = await client.producer()
     with pytest.raises(onceflow.NotFoundError):
         await producer.send(unique("missing"), b"x")
     topic = unique("t")
     await admin.create_topic(topic, 2, options={"cleanup.policy": "delete", "segment.ms": 1000, "x": False})
     await producer.send(topic, b"m")
-    consumer = await client.consumer(unique("g"), [topic], start="earliest", options={"fetch.min.bytes": 1, "check.crcs": True})
+    with pytest.raises(onceflow.ConfigError, match="unknown memory:// consumer options 'check.crcs', 'fetch.min.bytes'"):
+        await client.consumer(unique("g"), [topic], start="earliest", options={"fetch.min.bytes": 1, "check.crcs": True})
+    consumer = await client.consumer(unique("g"), [topic], start="earliest")
     [m] = await drain(consumer, 1)
     assert m.payload == b"m"
     await consumer.close()
@@ -62,6 +68,32 @@ async def test_option_errors_never_show_the_value(memory):
         await memory.client.producer(options={1: "x"})
     with pytest.raises(TypeError, match="options: expected a mapping"):
         await memory.client.producer(options=[("a", "b")])
+
+
+async def test_memory_refuses_producer_and_consumer_options_by_name(memory):
+    # An option memory:// does not read was ignored as if applied (ack_wait_ms on a consumer,
+    # a producer setting of another platform): it is a ConfigError naming it, never its value.
+    topic = await memory.topic()
+    with pytest.raises(onceflow.ConfigError) as e:
+        await memory.client.consumer(unique("g"), [topic], options={"ack_wait_ms": 100})
+    assert "unknown memory:// consumer option 'ack_wait_ms'" in str(e.value), str(e.value)
+    assert "partitions, auto_create, max_record_bytes" in str(e.value)
+    with pytest.raises(onceflow.ConfigError) as e:
+        await memory.client.producer(options={"linger.ms": 5, "sasl.password": "hunter2-s3cret"})
+    assert "unknown memory:// producer options 'linger.ms', 'sasl.password'" in str(e.value), str(e.value)
+    assert "hunter2" not in str(e.value)
+    from onceflow import sync
+
+    client = sync.connect(f"memory://{unique('opts')}")
+    with pytest.raises(onceflow.ConfigError, match="unknown memory:// producer option 'acks'"):
+        client.producer(options={"acks": "all"})
+    # Without options both open as before.
+    producer = await memory.client.producer()
+    await producer.send(topic, b"x")
+    consumer = await memory.client.consumer(unique("g"), [topic], start="earliest")
+    [m] = await drain(consumer, 1)
+    assert m.payload == b"x"
+    await consumer.close()
 
 
 def test_sync_connect_takes_options():

@@ -133,6 +133,32 @@ pub fn parse_url(url: &str) -> Result<(String, MemoryOptions)> {
     Ok((name.to_string(), options))
 }
 
+/// Refuses a producer's or consumer's raw `options` (`what`: "producer" or "consumer"): the
+/// memory backend reads none of them, and one ignored in silence (a misspelled or another
+/// platform's setting) would look applied. Names every key, never a value (it may be a secret).
+pub(crate) fn refuse_client_options(
+    what: &str,
+    options: &std::collections::BTreeMap<String, String>,
+) -> Result<()> {
+    if options.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = options
+        .keys()
+        .map(|k| format!("'{}'", onceflow_core::shown(k)))
+        .collect();
+    let (noun, them) = if names.len() == 1 {
+        ("option", "it")
+    } else {
+        ("options", "them")
+    };
+    Err(Error::config(format!(
+        "unknown memory:// {what} {noun} {}: the memory backend takes no {what} options, so \
+         {them} would be ignored; its settings are URL parameters ({KNOWN})",
+        names.join(", ")
+    )))
+}
+
 /// Kafka's legal topic names: 1 to 249 characters out of `[a-zA-Z0-9._-]`, not `.` or `..`.
 pub(crate) fn validate_topic_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()

@@ -136,6 +136,7 @@ fn not_assigned(tp: &TopicPartition, group: &str) -> Error {
 impl MemoryConsumer {
     /// Joins `config.group` on `broker`.
     pub(crate) fn join(broker: Arc<Broker>, config: ConsumerConfig) -> Result<Arc<MemoryConsumer>> {
+        crate::config::refuse_client_options("consumer", &config.options)?;
         if config.group.is_empty() {
             return Err(Error::config(
                 "consumer group is empty: expected a group name",

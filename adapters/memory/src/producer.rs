@@ -90,6 +90,7 @@ impl MemoryProducer {
         options: MemoryOptions,
         config: ProducerConfig,
     ) -> Result<MemoryProducer> {
+        crate::config::refuse_client_options("producer", &config.options)?;
         let mut epoch = 0;
         if let Some(txid) = &config.transactional_id {
             if txid.is_empty() {

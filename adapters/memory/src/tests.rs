@@ -899,3 +899,40 @@ async fn a_key_held_by_another_worker_is_seen_completed_within_half_a_second() {
         noticed.duration_since(completed)
     );
 }
+
+/// The memory backend reads no producer or consumer options: one given is refused, by name
+/// (never its value), instead of being ignored as if applied.
+#[tokio::test]
+async fn producer_and_consumer_options_are_refused_by_name() {
+    let p = platform();
+    topic(&p, "opts", 1).await;
+    let producer = ProducerConfig::default()
+        .option("linger.ms", "5")
+        .option("sasl.password", "hunter2");
+    let e = p.producer(producer).await.err().expect("refused");
+    assert_eq!(e.kind(), ErrorKind::Config);
+    let text = e.to_string();
+    assert!(
+        text.contains("unknown memory:// producer options 'linger.ms', 'sasl.password'"),
+        "{text}"
+    );
+    assert!(
+        text.contains("partitions, auto_create, max_record_bytes"),
+        "{text}"
+    );
+    assert!(!text.contains("hunter2"), "{text}");
+    let e = p
+        .consumer(cfg("g", "opts").option("ackWaitMs", "100"))
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(
+        e.to_string()
+            .contains("unknown memory:// consumer option 'ackWaitMs'"),
+        "{e}"
+    );
+    // No options: as before.
+    p.producer(ProducerConfig::default()).await.unwrap();
+    p.consumer(cfg("g", "opts")).await.unwrap();
+}
