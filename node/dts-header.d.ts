@@ -299,7 +299,11 @@ export declare class Inbox {
   readonly namespace: string | undefined
 }
 
-/** Opens a dedup store by URL. */
+/**
+ * Opens a dedup store by URL: `memory://`, `embedded:///path/file.db` or a file path.
+ * `windowMs`: how long completed keys are remembered (default one day). Another key, or
+ * options that are not an object, reject with a `config` OnceflowError naming them.
+ */
 export declare function dedupStore(url: string, options?: { windowMs?: number }): Promise<DedupStore>
 /**
  * The first value of header `name` of `message` (exact name, as Rust's `Headers::get`): a

@@ -299,7 +299,11 @@ export declare class Inbox {
   readonly namespace: string | undefined
 }
 
-/** Opens a dedup store by URL. */
+/**
+ * Opens a dedup store by URL: `memory://`, `embedded:///path/file.db` or a file path.
+ * `windowMs`: how long completed keys are remembered (default one day). Another key, or
+ * options that are not an object, reject with a `config` OnceflowError naming them.
+ */
 export declare function dedupStore(url: string, options?: { windowMs?: number }): Promise<DedupStore>
 /**
  * The first value of header `name` of `message` (exact name, as Rust's `Headers::get`): a
@@ -518,6 +522,13 @@ export declare class Transaction {
 /** `headers` with the injected trace headers (name → value) applied by the core's rule. */
 export declare function _applyTraceHeaders(headers: Array<Header> | undefined | null, injected: Record<string, string>): Array<Header>
 
+/**
+ * Opens a dedup store by URL: `memory://`, or `embedded:///path/file.db` / a file path;
+ * completed keys are remembered for `windowMs` (default one day). Wrapped by index.js's
+ * `dedupStore(url, { windowMs })`, which checks the option names.
+ */
+export declare function _dedupStore(url: string, windowMs?: number | undefined | null): Promise<DedupStore>
+
 /** The attributes of a send span whose record the platform acknowledged. */
 export declare function _deliveredSpanAttributes(partition: number, position: string): Record<string, string | number>
 
@@ -642,12 +653,6 @@ export interface ConsumerOptions {
    */
   options?: Record<string, string | boolean | number>
 }
-
-/**
- * Opens a dedup store by URL: `memory://`, or `embedded:///path/file.db` / a file path;
- * completed keys are remembered for `windowMs` (default one day).
- */
-export declare function dedupStore(url: string, windowMs?: number | undefined | null): Promise<DedupStore>
 
 /** Where a sent record landed. */
 export interface Delivery {

@@ -106,7 +106,7 @@ for (const [name, value] of Object.entries(native)) {
   }
 }
 const connect = guard(native.connect)
-const nativeDedupStore = guard(native.dedupStore)
+const nativeDedupStore = guard(native._dedupStore)
 
 // ---- conversions -------------------------------------------------------------------------
 
@@ -142,20 +142,46 @@ function toHeaders(h) {
   return out
 }
 
+/**
+ * Refuses a key of `obj` that is not in `known` (a Set): a config error naming it and the
+ * accepted ones, with a hint when it is another spelling of one (`idempotency_key`). A
+ * misspelled option must not be dropped: a keyless record sent twice is processed twice (#31).
+ */
+function checkKeys(what, obj, known) {
+  for (const k of Object.keys(obj)) {
+    if (!known.has(k)) throw unknownKey(what, k, known)
+  }
+}
+
+function unknownKey(what, k, known) {
+  const loose = (s) => s.toLowerCase().replace(/[-_\s]/g, '')
+  const near = [...known].find((n) => loose(n) === loose(k))
+  const hint = near ? ` (did you mean ${near}?)` : ''
+  return configError(`${what}: unknown key '${k}'${hint}: expected ${[...known].join(', ')}`)
+}
+
+const RECORD_KEYS = new Set(['topic', 'payload', 'key', 'headers', 'partition', 'timestamp', 'idempotencyKey', 'requeue'])
+const SEND_OPTION_KEYS = new Set([...RECORD_KEYS].filter((k) => k !== 'topic' && k !== 'payload'))
+
 /** A record from `{topic, payload, key, headers, partition, timestamp, idempotencyKey, requeue}`. */
-function toRecord(r) {
+function toRecord(r, what = 'record') {
   if (r === null || typeof r !== 'object') throw new TypeError('record: expected an object {topic, payload, ...}')
+  checkKeys(what, r, RECORD_KEYS)
   if (typeof r.topic !== 'string') throw new TypeError(`record.topic: expected a string, got ${typeof r.topic}`)
   const out = { topic: r.topic, payload: toBuffer(r.payload, 'payload') }
   if (r.key !== undefined && r.key !== null) out.key = toBuffer(r.key, 'key')
   const headers = toHeaders(r.headers)
   if (headers) out.headers = headers
-  if (r.partition !== undefined && r.partition !== null) out.partition = r.partition
-  if (r.timestamp !== undefined && r.timestamp !== null) out.timestamp = r.timestamp
+  // A string is refused for its type (not by a range message showing a valid-looking '1');
+  // the range of a number is checked natively.
+  const partition = numberArg('partition', r.partition)
+  if (partition !== undefined) out.partition = partition
+  const timestamp = numberArg('timestamp', r.timestamp)
+  if (timestamp !== undefined) out.timestamp = timestamp
   if (r.idempotencyKey !== undefined && r.idempotencyKey !== null) out.idempotencyKey = String(r.idempotencyKey)
-  if (r.requeue !== undefined && r.requeue !== null) {
-    const n = r.requeue
-    if (typeof n !== 'number' || !Number.isInteger(n) || n < 0 || n > 4294967295) {
+  const n = numberArg('requeue', r.requeue)
+  if (n !== undefined) {
+    if (!Number.isInteger(n) || n < 0 || n > 4294967295) {
       throw configError(`requeue ${String(n)}: expected a whole number from 0 to 4294967295`)
     }
     out.requeue = n
@@ -165,7 +191,13 @@ function toRecord(r) {
 
 function recordArgs(args) {
   // send(record) or send(topic, payload, options)
-  if (typeof args[0] === 'string') return toRecord({ ...(args[2] || {}), topic: args[0], payload: args[1] })
+  if (typeof args[0] === 'string') {
+    const options = args[2]
+    if (options === undefined || options === null) return toRecord({ topic: args[0], payload: args[1] })
+    if (typeof options !== 'object') throw configError(`send options: expected an object, got ${typeof options}`)
+    checkKeys('send options', options, SEND_OPTION_KEYS)
+    return toRecord({ ...options, topic: args[0], payload: args[1] })
+  }
   return toRecord(args[0])
 }
 
@@ -189,7 +221,7 @@ async function sendOne(target, system, record) {
 async function sendMany(target, system, records, atomic = false) {
   const what = atomic ? 'sendAtomic' : 'sendBatch'
   if (!Array.isArray(records)) throw new TypeError(`${what}: expected an array of records`)
-  const rs = records.map(toRecord)
+  const rs = records.map((r) => toRecord(r))
   const started = rs.length && otel.sameTraceHeaders(rs) ? otel.startSend(rs[0].topic, system, rs.length, rs[0].headers, rs[0].payload.length) : null
   if (started) for (const r of rs) r.headers = otel.merge(r.headers, started.headers)
   try {
@@ -460,9 +492,19 @@ async function openStore(o) {
   return o.store
 }
 
-/** Opens a dedup store by URL: `memory://`, `embedded:///path/file.db` or a file path. */
-function dedupStore(url, options = {}) {
-  return nativeDedupStore(url, options.windowMs)
+const DEDUP_STORE_KEYS = new Set(['windowMs'])
+
+/**
+ * Opens a dedup store by URL: `memory://`, `embedded:///path/file.db` or a file path;
+ * `options.windowMs`: how long completed keys are remembered (default one day).
+ */
+async function dedupStore(url, options) {
+  if (options === undefined || options === null) return nativeDedupStore(url, undefined)
+  if (typeof options !== 'object' || Array.isArray(options)) {
+    throw configError(`dedupStore options: expected an object { windowMs }, got ${Array.isArray(options) ? 'an array' : typeof options}`)
+  }
+  checkKeys('dedupStore options', options, DEDUP_STORE_KEYS)
+  return nativeDedupStore(url, numberArg('windowMs', options.windowMs))
 }
 
 class Engine {
@@ -541,7 +583,7 @@ class Pipeline extends Engine {
     // array as a wrong type (the transform then failed on every input).
     this._transform = wrapUserFn(transform, consumer.platform, consumer.group, (v, ctx) => {
       const out = {}
-      if (v !== undefined && v !== null) out.records = (Array.isArray(v) ? v : [v]).map(toRecord)
+      if (v !== undefined && v !== null) out.records = (Array.isArray(v) ? v : [v]).map((r) => toRecord(r))
       const parent = otel.traceHeaders(ctx)
       if (parent) out.parent = parent
       return out

@@ -46,8 +46,9 @@ pub async fn connect(
 }
 
 /// Opens a dedup store by URL: `memory://`, or `embedded:///path/file.db` / a file path;
-/// completed keys are remembered for `windowMs` (default one day).
-#[napi]
+/// completed keys are remembered for `windowMs` (default one day). Wrapped by index.js's
+/// `dedupStore(url, { windowMs })`, which checks the option names.
+#[napi(js_name = "_dedupStore")]
 // Only called from JavaScript: the unit-test build of the addon has no caller.
 #[cfg_attr(test, allow(dead_code))]
 pub async fn dedup_store(url: String, window_ms: Option<f64>) -> Result<DedupStore> {
