@@ -923,19 +923,28 @@ fn k4() {
         }
         input
     });
+    // `ONCEFLOW_K4_ONLY=onceflow` runs the pipeline alone (for profiling; no RATIO lines).
+    let only_onceflow = std::env::var("ONCEFLOW_K4_ONLY").is_ok_and(|v| v == "onceflow");
     let (mut of, mut raw) = (0f64, 0f64);
     for _ in 0..2 {
         let i = input.clone();
         let o = rt.block_on(async { topic(&client().await, "k4-out").await });
-        raw = raw.max(
-            std::thread::spawn(move || k4_rdkafka(&i, &o, n))
-                .join()
-                .expect("rdkafka loop"),
-        );
+        if !only_onceflow {
+            raw = raw.max(
+                std::thread::spawn(move || k4_rdkafka(&i, &o, n))
+                    .join()
+                    .expect("rdkafka loop"),
+            );
+        }
         of = of.max(rt.block_on(async {
             let c = client().await;
             k4_onceflow(&c, &input, n).await
         }));
+    }
+    if only_onceflow {
+        println!("K4: onceflow pipeline {of:.0} msg/s (alone)");
+        rt.block_on(async { delete_topics(&client().await).await });
+        return;
     }
     let o = rt.block_on(async { topic(&client().await, "k4-out").await });
     let py = k4_python(&input, &o, n);
