@@ -308,33 +308,45 @@ pub fn validate<'a>(
 ///   shared by processes on one machine. It may be the same file as an embedded dedup store
 ///   (the tables differ).
 ///
-/// Errors: [`crate::ErrorKind::Unsupported`] for `redis://`, `rediss://`, `postgres://` and
-/// `postgresql://` (their stores live in the `onceflow-redis` / `onceflow-postgres` crates);
-/// [`crate::ErrorKind::Config`] for any other scheme, an option (none are defined) or a bare
-/// scheme name such as `memory`, naming the value and listing the supported forms;
+/// Other stores (Redis, PostgreSQL) live in their own crates: [`open_with`] opens them through
+/// their registry entries (the `onceflow` facade's `onceflow::checkpoint_store` does).
+///
+/// Errors: [`crate::ErrorKind::Config`] for any other scheme, an option (none are defined) or a
+/// bare scheme name such as `memory`, naming the value and listing the supported forms;
 /// [`crate::ErrorKind::DedupStore`] for an embedded path that cannot be opened, naming it.
 pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
+    open_with(url, &[]).await
+}
+
+/// [`open`], and also the stores of `stores` (the registry entries of the store crates in the
+/// build, `onceflow::STORES`): a URL of one of their schemes is opened by its entry, and the
+/// errors list their schemes among the supported forms.
+///
+/// Errors: those of [`open`], and those of the entry that opens the URL.
+pub async fn open_with(
+    url: &str,
+    stores: &[&crate::registry::StoreEntry],
+) -> Result<SharedCheckpointStore> {
     // Errors show the URL without its credentials.
     let shown = crate::error::redact_credentials(url);
-    const SUPPORTED: &str = "memory://, embedded:///absolute/path.db, a plain file path, \
-         redis://… or postgres://… (the last two through their crates)";
+    let supported = crate::registry::forms_with_stores(
+        &[
+            "memory://",
+            "embedded:///absolute/path.db",
+            "a plain file path",
+        ],
+        stores,
+    );
     let trimmed = url.trim();
     if trimmed.is_empty() {
         return Err(Error::config(format!(
-            "empty checkpoint store URL: expected one of {SUPPORTED}"
+            "empty checkpoint store URL: expected one of {supported}"
         )));
     }
     let Some((scheme, rest)) = trimmed.split_once("://") else {
         let bare = trimmed.trim_end_matches(':').to_ascii_lowercase();
-        if [
-            "memory",
-            "embedded",
-            "redis",
-            "rediss",
-            "postgres",
-            "postgresql",
-        ]
-        .contains(&&*bare)
+        if ["memory", "embedded"].contains(&&*bare)
+            || crate::registry::is_store_scheme(stores, &bare)
         {
             return Err(Error::config(format!(
                 "checkpoint store '{shown}' looks like a URL scheme without '://' (did you mean \
@@ -343,6 +355,9 @@ pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
         }
         return Ok(Arc::new(EmbeddedCheckpointStore::open(trimmed).await?));
     };
+    if let Some(entry) = crate::registry::store_for(stores, scheme) {
+        return (entry.checkpoint)(url.to_string()).await;
+    }
     match scheme.to_ascii_lowercase().as_str() {
         "memory" => {
             if !rest.is_empty() && rest != "/" {
@@ -368,13 +383,15 @@ pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
             })?;
             Ok(Arc::new(EmbeddedCheckpointStore::open(path).await?))
         }
-        s @ ("redis" | "rediss" | "postgres" | "postgresql") => Err(Error::unsupported(format!(
-            "checkpoint store URL scheme '{s}://' ('{shown}') is provided by the onceflow-redis / \
-             onceflow-postgres crates; onceflow-core opens memory:// and embedded stores only"
-        ))),
         _ => Err(Error::config(format!(
             "unknown checkpoint store URL scheme '{scheme}://' in '{shown}': expected one of \
-             {SUPPORTED}"
+             {supported}{}",
+            if stores.is_empty() {
+                " (stores in their own crates, such as Redis or PostgreSQL, open through \
+                 onceflow::checkpoint_store)"
+            } else {
+                ""
+            }
         ))),
     }
 }
@@ -416,8 +433,9 @@ mod tests {
             ("memory://x", ErrorKind::Config),
             ("embedded://relative.db", ErrorKind::Config),
             ("ftp://x", ErrorKind::Config),
-            ("redis://127.0.0.1", ErrorKind::Unsupported),
-            ("postgres://127.0.0.1/db", ErrorKind::Unsupported),
+            // Stores of their own crates open through `open_with` and their registry entries.
+            ("redis://127.0.0.1", ErrorKind::Config),
+            ("postgres://127.0.0.1/db", ErrorKind::Config),
         ] {
             let err = open(url)
                 .await
