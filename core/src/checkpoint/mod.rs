@@ -23,11 +23,11 @@
 //!   `TIME`, PostgreSQL `now()`, the wall clock of the machine for `embedded`, a monotonic clock
 //!   for `memory`). Readers see it as [`Lease::expires_in`], the time left (zero once expired).
 //!   Workers never compare their own clocks with the store's.
-//! - `checkpoint`: an opaque string, or none: for Kinesis the sequence number of the last record
-//!   handled, or [`SHARD_END`] once the shard is closed and read to its end.
+//! - `checkpoint`: an opaque string, or none: what the platform's consumer stores there is its
+//!   own (for Kinesis, `onceflow_kinesis`, the sequence number of the last record handled or its
+//!   end-of-shard mark).
 //! - `parents`: lease keys this one descends from (resharding). The store only keeps them; the
-//!   consumer reads a child only after every parent's checkpoint is [`SHARD_END`] (or the parent
-//!   row is gone).
+//!   platform's consumer decides when a child is readable from its parents' checkpoints.
 //!
 //! # Operations and their exact semantics
 //!
@@ -72,10 +72,6 @@ mod row;
 pub use embedded::EmbeddedCheckpointStore;
 pub use memory::MemoryCheckpointStore;
 
-/// Checkpoint of a shard that was closed (split or merged) and read to its end. Children of the
-/// shard are read once all their parents carry it.
-pub const SHARD_END: &str = "SHARD_END";
-
 /// The lease counter: starts at 0, incremented by every take, renew and release of a row.
 pub type LeaseCounter = u64;
 
@@ -92,7 +88,7 @@ pub struct Lease {
     /// Time left on the lease, measured on the store's clock at the time of the read: zero when
     /// expired or unowned.
     pub expires_in: Duration,
-    /// Opaque checkpoint (a sequence number, or [`SHARD_END`]), if any.
+    /// Opaque checkpoint (the platform consumer's own string), if any.
     pub checkpoint: Option<String>,
     /// Keys of the parent leases (resharding), in the order given at creation.
     pub parents: Vec<String>,
@@ -103,11 +99,6 @@ impl Lease {
     /// no owner, or the lease expired.
     pub fn is_available(&self) -> bool {
         self.owner.is_none() || self.expires_in.is_zero()
-    }
-
-    /// Whether the checkpoint is [`SHARD_END`].
-    pub fn is_finished(&self) -> bool {
-        self.checkpoint.as_deref() == Some(SHARD_END)
     }
 }
 
