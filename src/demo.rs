@@ -132,7 +132,7 @@ fn add(a: &mut MetricsSnapshot, b: MetricsSnapshot) {
 }
 
 /// Runs the demo; exit 0 when every order reached the output exactly once. The steps: the
-/// dedup store and the topics ([`open_store`], [`create_topics`]), the orders
+/// dedup store and the topics ([`store_url`], [`create_topics`]), the orders
 /// ([`produce_orders`]), the pipeline with its crashes and restarts ([`run_pipeline`]), the
 /// output read back ([`verify_output`]) and the summary ([`Summary::print`]).
 pub async fn run(mut a: DemoArgs) -> Result<ExitCode> {

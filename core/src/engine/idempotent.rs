@@ -998,7 +998,8 @@ impl Core {
     }
 
     /// With nothing finished to commit, once per commit interval: commits what the platform
-    /// skipped without delivering ([`ConsumerBackend::commit_skipped`]).
+    /// skipped without delivering
+    /// ([`ConsumerBackend::commit_skipped`](crate::backend::ConsumerBackend::commit_skipped)).
     pub(crate) async fn maybe_commit_skipped(&self) -> Result<()> {
         {
             let mut last = self.last_commit.lock();
