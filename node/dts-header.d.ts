@@ -313,6 +313,14 @@ export declare function header(message: Message, name: string): Buffer | null | 
 /** Every value of header `name` of `message`, in order (`null` for a null one; `[]` when absent). */
 export declare function headerAll(message: Message, name: string): Array<Buffer | null>
 
+/**
+ * The OpenTelemetry context `message` carries: its trace headers (`traceparent`, `tracestate`,
+ * `baggage`, read in any casing) extracted with the global propagator onto an empty context
+ * (an empty context when it carries none); `undefined` when `@opentelemetry/api` is not
+ * installed. An `@opentelemetry/api` `Context`, typed `unknown` as that package is optional.
+ */
+export declare function contextOf(message: Message): unknown
+
 /** The native addon's version. */
 export declare const version: string
 

@@ -313,6 +313,14 @@ export declare function header(message: Message, name: string): Buffer | null | 
 /** Every value of header `name` of `message`, in order (`null` for a null one; `[]` when absent). */
 export declare function headerAll(message: Message, name: string): Array<Buffer | null>
 
+/**
+ * The OpenTelemetry context `message` carries: its trace headers (`traceparent`, `tracestate`,
+ * `baggage`, read in any casing) extracted with the global propagator onto an empty context
+ * (an empty context when it carries none); `undefined` when `@opentelemetry/api` is not
+ * installed. An `@opentelemetry/api` `Context`, typed `unknown` as that package is optional.
+ */
+export declare function contextOf(message: Message): unknown
+
 /** The native addon's version. */
 export declare const version: string
 
@@ -555,6 +563,13 @@ export declare function _processSpanPlan(system: string, group: string, topic: s
  * for one record) whose own headers are `headers`.
  */
 export declare function _sendSpanPlan(system: string, topic: string, count: number, bodySize?: number | undefined | null, headers?: Array<Header> | undefined | null): SpanPlan
+
+/**
+ * The trace headers (lowercase name → value) among a received message's `headers`, read in
+ * any casing: the context its process span would continue, without planning the span. `null`
+ * when there is none.
+ */
+export declare function _traceCarrier(headers?: Array<Header> | undefined | null): Record<string, string> | null
 
 /** What the platform can do. */
 export interface Capabilities {

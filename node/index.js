@@ -743,6 +743,7 @@ function headerAll(message, name) {
 
 module.exports = {
   connect,
+  contextOf: otel.contextOf,
   dedupStore,
   header,
   headerAll,

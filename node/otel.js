@@ -190,4 +190,14 @@ function runHandler(message, system, group, fn) {
   })
 }
 
-module.exports = { api, setNative, startSend, sameTraceHeaders, merge, endSend, runHandler, traceHeaders }
+/**
+ * The OpenTelemetry context `message` carries (its trace headers, read in any casing by the
+ * core): an empty context when it carries none, undefined without OpenTelemetry.
+ */
+function contextOf(message) {
+  const otel = api()
+  if (!otel) return undefined
+  return extract(otel, native._traceCarrier(message.headers || null))
+}
+
+module.exports = { api, setNative, startSend, sameTraceHeaders, merge, endSend, runHandler, traceHeaders, contextOf }

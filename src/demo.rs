@@ -131,10 +131,89 @@ fn add(a: &mut MetricsSnapshot, b: MetricsSnapshot) {
     a.produced += b.produced;
 }
 
-/// Runs the demo; exit 0 when every order reached the output exactly once.
+/// Runs the demo; exit 0 when every order reached the output exactly once. The steps: the
+/// dedup store and the topics ([`store_url`], [`create_topics`]), the orders
+/// ([`produce_orders`]), the pipeline with its crashes and restarts ([`run_pipeline`]), the
+/// output read back ([`verify_output`]) and the summary ([`Summary::print`]).
 pub async fn run(mut a: DemoArgs) -> Result<ExitCode> {
     let started = Instant::now();
     a.url = crate::cli::with_options(&a.url, &a.options)?;
+    let n = a.messages;
+    check_size(&a)?;
+    let names = Names::new();
+
+    // The dedup store first: a bad --dedup is refused before any topic is made on the broker.
+    let (_tmp, store_url) = store_url(&a)?;
+    let store = onceflow::dedup_store(&store_url, Duration::from_secs(3600)).await?;
+    let client = crate::cli::connect(&a.url).await?;
+    create_topics(&client, &names, a.partitions).await?;
+    warn_line!(
+        "onceflow demo on {} ({} partitions), dedup store {} ({})",
+        onceflow::shown(&onceflow::redact_credentials(&a.url)),
+        a.partitions,
+        store.name(),
+        onceflow::shown(&onceflow::redact_url(&store_url))
+    );
+
+    // 1. Produce the orders, with ~1% sent twice (same idempotency key) like a retrying producer.
+    let produced = produce_orders(&client, &names.input, n).await?;
+
+    // 2. Fault injection where the platform allows it (memory://): redeliver ~1 in 50 polls.
+    #[cfg(feature = "memory")]
+    let faults = if a.url.starts_with("memory://") {
+        let f = onceflow::memory::connect(&a.url)?.faults();
+        f.redeliver_every(50);
+        Some(f)
+    } else {
+        None
+    };
+
+    // 3. Run the pipeline; crash it every K processed messages and restart it.
+    let runs = run_pipeline(&a, &client, &names, &store).await?;
+    #[cfg(feature = "memory")]
+    let redelivered_by_faults = faults.as_ref().map(|f| {
+        f.stop_redelivery();
+        f.redelivered()
+    });
+    #[cfg(not(feature = "memory"))]
+    let redelivered_by_faults: Option<u64> = None;
+    // On memory:// the broker's own tally of aborted transactions also counts those a simulated
+    // crash left unfinished (ended when the crashed run was dropped or fenced on restart), which
+    // the pipeline's metrics cannot see.
+    #[cfg(feature = "memory")]
+    let aborted_by_broker = faults
+        .as_ref()
+        .map(|f| f.aborted_transactions(&names.tx_id));
+    #[cfg(not(feature = "memory"))]
+    let aborted_by_broker: Option<u64> = None;
+    let aborted_by_crashes =
+        aborted_by_broker.map_or(0, |b| b.saturating_sub(runs.totals.transactions_aborted));
+
+    // 4. Read the output back (read-committed) and check every order is there exactly once.
+    let verified = verify_output(&client, &names, n).await?;
+    let exact = Summary {
+        url: &a.url,
+        platform: client.platform(),
+        store: (store.name(), &store_url),
+        names: &names,
+        n,
+        produced,
+        runs,
+        redelivered_by_faults,
+        aborted_by_crashes,
+        verified,
+        elapsed: started.elapsed(),
+    }
+    .print();
+    Ok(if exact {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Refuses more orders than the in-process broker can hold (`memory://`).
+fn check_size(a: &DemoArgs) -> Result<()> {
     let n = a.messages;
     if n > MAX_MEMORY_MESSAGES
         && a.url
@@ -149,65 +228,87 @@ pub async fn run(mut a: DemoArgs) -> Result<ExitCode> {
              {MAX_MESSAGES}"
         )));
     }
-    let run_id = format!("{:08x}", rand::random::<u32>());
-    let input = format!("orders-{run_id}");
-    let output = format!("order-totals-{run_id}");
-    let group = format!("billing-{run_id}");
-    let tx_id = format!("billing-pipeline-{run_id}");
-    let worker = format!("billing-worker-{run_id}");
+    Ok(())
+}
 
-    // The dedup store first: a bad --dedup is refused before any topic is made on the broker.
-    // A temporary directory only for the default store (removed when `_tmp` drops): with
-    // `--dedup` none is made, so an unusable TMPDIR does not matter then.
-    let (_tmp, store_url) = match &a.dedup {
-        Some(u) => (None, u.clone()),
-        None => {
-            let tmp = tempfile::Builder::new()
-                .prefix("onceflow-demo-")
-                .tempdir()
-                .map_err(|e| {
-                    Error::config(format!(
-                        "cannot create a temporary directory for the demo's dedup store in \
-                         '{}': expected a writable TMPDIR, or give --dedup",
-                        std::env::temp_dir().display()
-                    ))
-                    .with_source(e)
-                })?;
-            let url = tmp.path().join("dedup.db").display().to_string();
-            (Some(tmp), url)
+/// The demo's topics, groups and ids on the platform, unique per run.
+struct Names {
+    run_id: String,
+    input: String,
+    output: String,
+    group: String,
+    tx_id: String,
+    worker: String,
+}
+
+impl Names {
+    fn new() -> Names {
+        let run_id = format!("{:08x}", rand::random::<u32>());
+        Names {
+            input: format!("orders-{run_id}"),
+            output: format!("order-totals-{run_id}"),
+            group: format!("billing-{run_id}"),
+            tx_id: format!("billing-pipeline-{run_id}"),
+            worker: format!("billing-worker-{run_id}"),
+            run_id,
         }
-    };
-    let store = onceflow::dedup_store(&store_url, Duration::from_secs(3600)).await?;
+    }
+}
 
-    let client = crate::cli::connect(&a.url).await?;
+/// The dedup store's URL: `--dedup`, else a file in a new temporary directory (removed when the
+/// returned `TempDir` drops). With `--dedup` none is made, so an unusable TMPDIR does not
+/// matter then.
+fn store_url(a: &DemoArgs) -> Result<(Option<tempfile::TempDir>, String)> {
+    if let Some(u) = &a.dedup {
+        return Ok((None, u.clone()));
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("onceflow-demo-")
+        .tempdir()
+        .map_err(|e| {
+            Error::config(format!(
+                "cannot create a temporary directory for the demo's dedup store in '{}': \
+                 expected a writable TMPDIR, or give --dedup",
+                std::env::temp_dir().display()
+            ))
+            .with_source(e)
+        })?;
+    let url = tmp.path().join("dedup.db").display().to_string();
+    Ok((Some(tmp), url))
+}
+
+/// Creates the input and output topics with `partitions` partitions each.
+async fn create_topics(client: &onceflow::Client, names: &Names, partitions: u32) -> Result<()> {
     let admin = client.admin().await?;
     admin
-        .create_topic(&TopicSpec::new(&input, a.partitions))
+        .create_topic(&TopicSpec::new(&names.input, partitions))
         .await?;
     admin
-        .create_topic(&TopicSpec::new(&output, a.partitions))
-        .await?;
+        .create_topic(&TopicSpec::new(&names.output, partitions))
+        .await
+}
 
-    warn_line!(
-        "onceflow demo on {} ({} partitions), dedup store {} ({})",
-        onceflow::shown(&onceflow::redact_credentials(&a.url)),
-        a.partitions,
-        store.name(),
-        onceflow::shown(&onceflow::redact_url(&store_url))
-    );
+/// What producing the orders sent.
+struct Produced {
+    /// Records sent, duplicate sends included.
+    total_records: u64,
+    /// Duplicate sends the platform dropped itself (JetStream's Nats-Msg-Id window).
+    dropped_by_broker: u64,
+}
 
-    // 1. Produce the orders, with ~1% sent twice (same idempotency key) like a retrying producer.
+/// Sends orders 1..=`n` to `input` in batches of 1000, every 100th followed by a second send
+/// of an earlier order (same idempotency key), and flushes.
+async fn produce_orders(client: &onceflow::Client, input: &str, n: u64) -> Result<Produced> {
     let producer = client.producer(ProducerConfig::new()).await?;
     let dup_every = 100u64;
     let total_records = n + n / dup_every;
     let bar = progress(total_records, "produce");
     let mut batch = Vec::with_capacity(1000);
     let mut sent = 0u64;
-    // Duplicate sends the platform dropped itself (JetStream's Nats-Msg-Id window).
     let mut dropped_by_broker = 0u64;
     for id in 1..=n {
         let rec = |id: u64| {
-            Record::new(input.clone(), order_payload(id))
+            Record::new(input.to_string(), order_payload(id))
                 .key(format!("c{}", id % 977).into_bytes())
                 .idempotency_key(format!("order-{id}"))
         };
@@ -230,65 +331,171 @@ pub async fn run(mut a: DemoArgs) -> Result<ExitCode> {
     }
     producer.flush(Duration::from_secs(60)).await?;
     bar.finish_and_clear();
+    Ok(Produced {
+        total_records,
+        dropped_by_broker,
+    })
+}
 
-    // 2. Fault injection where the platform allows it (memory://): redeliver ~1 in 50 polls.
-    #[cfg(feature = "memory")]
-    let faults = if a.url.starts_with("memory://") {
-        let f = onceflow::memory::connect(&a.url)?.faults();
-        f.redeliver_every(50);
-        Some(f)
-    } else {
-        None
-    };
+/// What the pipeline's runs did, over its crashes and restarts.
+struct Runs {
+    /// The runs' metrics added up.
+    totals: MetricsSnapshot,
+    crashes: u64,
+    guarantee: Guarantee,
+    mechanism: &'static str,
+}
 
-    // 3. Run the pipeline; crash it every K processed messages and restart it.
-    // In-process crashes are simulated only on memory:// by default: dropping a live native
-    // client (librdkafka keeps heartbeating from its own threads) is not what a killed process
-    // does, and the platforms' own crash tests SIGKILL real processes instead.
+/// Runs the pipeline until the group has committed every input, crashing it (dropping the run
+/// mid-flight) every K transformed messages and restarting it ([`run_once`]).
+///
+/// In-process crashes are simulated only on memory:// by default: dropping a live native
+/// client (librdkafka keeps heartbeating from its own threads) is not what a killed process
+/// does, and the platforms' own crash tests SIGKILL real processes instead.
+async fn run_pipeline(
+    a: &DemoArgs,
+    client: &onceflow::Client,
+    names: &Names,
+    store: &Arc<dyn onceflow::DedupStore>,
+) -> Result<Runs> {
+    let n = a.messages;
     let crash_every = a.crash_every.unwrap_or(if a.url.starts_with("memory://") {
         (n / 3).max(1)
     } else {
         0
     });
-    let session = if a.url.starts_with("memory://") {
-        1_000
-    } else {
-        6_000
+    let mut runs = Runs {
+        totals: MetricsSnapshot::default(),
+        crashes: 0,
+        guarantee: Guarantee::AtLeastOnce,
+        mechanism: "",
     };
-    let mut totals = MetricsSnapshot::default();
-    let mut crashes = 0u64;
-    let mut report: Option<(Guarantee, &'static str)>;
     let bar = progress(n, "pipeline");
     let done_total = Arc::new(AtomicU64::new(0));
     // Transform calls over the whole run (replays included): a crash comes every K of them,
     // so every restart makes progress and the run ends.
     let processed = Arc::new(AtomicU64::new(0));
     loop {
-        let mut config = ConsumerConfig::new(group.clone(), [input.clone()])
+        let crash_at = (crash_every > 0).then_some(crash_every * (runs.crashes + 1));
+        let once = Once {
+            a,
+            client,
+            names,
+            store,
+            crash_every,
+            crash_at,
+            processed: &processed,
+            done_total: &done_total,
+            bar: &bar,
+        };
+        let (s, crashed) = once.run(&mut runs).await?;
+        add(&mut runs.totals, s);
+        if !crashed {
+            break;
+        }
+        // The run future was dropped mid-flight: no commit, no offset commit, no close, like a
+        // killed process; the unfinished transaction ends as an abort (dropped, or fenced by the
+        // restarted producer with the same transactional id), and the crashed producer is dead.
+        runs.crashes += 1;
+        #[cfg(feature = "memory")]
+        if a.url.starts_with("memory://") {
+            onceflow::memory::connect(&a.url)?
+                .faults()
+                .crash_producer(&names.tx_id);
+        }
+        note(
+            &bar,
+            format!(
+                "simulated crash #{} after {} transformed messages in all; restarting",
+                runs.crashes,
+                processed.load(Ordering::Relaxed)
+            ),
+        );
+    }
+    bar.finish_and_clear();
+    Ok(runs)
+}
+
+/// One run of the pipeline (see [`Once::run`]).
+struct Once<'a> {
+    a: &'a DemoArgs,
+    client: &'a onceflow::Client,
+    names: &'a Names,
+    store: &'a Arc<dyn onceflow::DedupStore>,
+    /// Transformed messages between crashes (0: none).
+    crash_every: u64,
+    /// The transform calls of the whole run at which this run crashes.
+    crash_at: Option<u64>,
+    processed: &'a Arc<AtomicU64>,
+    /// Messages processed by the runs before this one.
+    done_total: &'a Arc<AtomicU64>,
+    bar: &'a ProgressBar,
+}
+
+impl Once<'_> {
+    /// Runs a new consumer, transactional producer and pipeline until the group has committed
+    /// everything on every partition (`false`) or the transform asks for a crash (`true`, the
+    /// run dropped mid-flight). Returns the run's metrics; notes its guarantee in `runs`.
+    async fn run(&self, runs: &mut Runs) -> Result<(MetricsSnapshot, bool)> {
+        let Once { a, names, .. } = *self;
+        let session = if a.url.starts_with("memory://") {
+            1_000
+        } else {
+            6_000
+        };
+        let mut config = ConsumerConfig::new(names.group.clone(), [names.input.clone()])
             .start(StartFrom::committed_or_earliest())
-            .client_id(worker.clone())
+            .client_id(names.worker.clone())
             .session_timeout(Duration::from_millis(session));
         if a.url.starts_with("kafka://") {
             // Static membership (KIP-345): the restarted worker takes its partitions back at
             // once instead of waiting out the dead member's session.
-            config = config.option("group.instance.id", worker.clone());
+            config = config.option("group.instance.id", names.worker.clone());
         }
-        let consumer = client.consumer(config).await?;
-        let producer = client
-            .producer(ProducerConfig::new().transactional_id(tx_id.clone()))
+        let consumer = self.client.consumer(config).await?;
+        let producer = self
+            .client
+            .producer(ProducerConfig::new().transactional_id(names.tx_id.clone()))
             .await?;
         let crash = Arc::new(tokio::sync::Notify::new());
         let pipeline_metrics = Arc::new(OnceLock::new());
         let transform = BillOrder {
-            out_topic: output.clone(),
-            processed: processed.clone(),
-            crash_at: (crash_every > 0).then_some(crash_every * (crashes + 1)),
+            out_topic: names.output.clone(),
+            processed: self.processed.clone(),
+            crash_at: self.crash_at,
             metrics: pipeline_metrics.clone(),
             fired: AtomicBool::new(false),
             crash: crash.clone(),
         };
+        let pipeline = Pipeline::with_config(
+            consumer.clone(),
+            producer,
+            Some(self.store.clone()),
+            Arc::new(transform),
+            self.pipeline_config(),
+        )?;
+        runs.guarantee = pipeline.guarantee();
+        runs.mechanism = pipeline.mechanism();
+        let metrics = pipeline.metrics();
+        let _ = pipeline_metrics.set(metrics.clone());
+        let finished = Arc::new(tokio::sync::Notify::new());
+        let watcher = self.watch(consumer, finished.clone(), metrics.clone());
+        let run = pipeline.run_until(finished.notified());
+        let crashed = tokio::select! {
+            r = run => { r?; false }
+            _ = crash.notified() => true,
+        };
+        watcher.abort();
+        let s = metrics.snapshot();
+        self.done_total.fetch_add(s.processed, Ordering::Relaxed);
+        Ok((s, crashed))
+    }
+
+    /// The pipeline's settings: this worker's id, short commit intervals and, with crashes,
+    /// several transactions per crash period.
+    fn pipeline_config(&self) -> PipelineConfig {
         let mut engine = EngineConfig {
-            worker_id: worker.clone(),
+            worker_id: self.names.worker.clone(),
             lease: Duration::from_secs(10),
             ..EngineConfig::default()
         };
@@ -297,102 +504,65 @@ pub async fn run(mut a: DemoArgs) -> Result<ExitCode> {
             engine,
             ..PipelineConfig::default()
         };
-        if crash_every > 0 {
+        if self.crash_every > 0 {
             // Several transactions per crash period, so a crash can come after this run's first
             // commit even when the whole run is shorter than one transaction interval.
-            config.max_transaction_inputs = (crash_every / 4).clamp(1, 10_000) as usize;
+            config.max_transaction_inputs = (self.crash_every / 4).clamp(1, 10_000) as usize;
             // A transaction ends between polled batches: batches no larger than that.
             config.engine.batch_size = config.engine.batch_size.min(config.max_transaction_inputs);
         }
-        let pipeline = Pipeline::with_config(
-            consumer.clone(),
-            producer,
-            Some(store.clone()),
-            Arc::new(transform),
-            config,
-        )?;
-        report = Some((pipeline.guarantee(), pipeline.mechanism()));
-        let metrics = pipeline.metrics();
-        let _ = pipeline_metrics.set(metrics.clone());
-        let finished = Arc::new(tokio::sync::Notify::new());
-        // Watch progress: done when the group has committed everything on every partition.
-        let watcher = {
-            let consumer = consumer.clone();
-            let finished = finished.clone();
-            let bar = bar.clone();
-            let metrics = metrics.clone();
-            let base = done_total.load(Ordering::Relaxed);
-            let partitions = a.partitions as usize;
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    let s = metrics.snapshot();
-                    bar.set_position((base + s.processed).min(n));
-                    if consumer.assignment().len() < partitions {
-                        continue;
-                    }
-                    if let Ok(lag) = consumer.lag().await {
-                        if lag.len() >= partitions && lag.iter().all(|l| l.messages == 0) {
-                            finished.notify_one();
-                            return;
-                        }
+        config
+    }
+
+    /// Watches progress every 100 ms (the bar) and notifies `finished` once the group has
+    /// committed everything on every partition.
+    fn watch(
+        &self,
+        consumer: onceflow::Consumer,
+        finished: Arc<tokio::sync::Notify>,
+        metrics: Metrics,
+    ) -> tokio::task::JoinHandle<()> {
+        let bar = self.bar.clone();
+        let base = self.done_total.load(Ordering::Relaxed);
+        let partitions = self.a.partitions as usize;
+        let n = self.a.messages;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let s = metrics.snapshot();
+                bar.set_position((base + s.processed).min(n));
+                if consumer.assignment().len() < partitions {
+                    continue;
+                }
+                if let Ok(lag) = consumer.lag().await {
+                    if lag.len() >= partitions && lag.iter().all(|l| l.messages == 0) {
+                        finished.notify_one();
+                        return;
                     }
                 }
-            })
-        };
-        let run = pipeline.run_until(finished.notified());
-        let crashed = tokio::select! {
-            r = run => { r?; false }
-            _ = crash.notified() => true,
-        };
-        watcher.abort();
-        let s = metrics.snapshot();
-        done_total.fetch_add(s.processed, Ordering::Relaxed);
-        add(&mut totals, s);
-        if !crashed {
-            break;
-        }
-        // The run future was dropped mid-flight: no commit, no offset commit, no close, like a
-        // killed process; the unfinished transaction ends as an abort (dropped, or fenced by the
-        // restarted producer with the same transactional id), and the crashed producer is dead.
-        crashes += 1;
-        #[cfg(feature = "memory")]
-        if a.url.starts_with("memory://") {
-            onceflow::memory::connect(&a.url)?
-                .faults()
-                .crash_producer(&tx_id);
-        }
-        note(
-            &bar,
-            format!(
-                "simulated crash #{crashes} after {} transformed messages in all; restarting",
-                processed.load(Ordering::Relaxed)
-            ),
-        );
+            }
+        })
     }
-    bar.finish_and_clear();
-    let (guarantee, mechanism) = report.unwrap_or((Guarantee::AtLeastOnce, ""));
-    #[cfg(feature = "memory")]
-    let redelivered_by_faults = faults.as_ref().map(|f| {
-        f.stop_redelivery();
-        f.redelivered()
-    });
-    #[cfg(not(feature = "memory"))]
-    let redelivered_by_faults: Option<u64> = None;
-    // On memory:// the broker's own tally of aborted transactions also counts those a simulated
-    // crash left unfinished (ended when the crashed run was dropped or fenced on restart), which
-    // the pipeline's metrics cannot see.
-    #[cfg(feature = "memory")]
-    let aborted_by_broker = faults.as_ref().map(|f| f.aborted_transactions(&tx_id));
-    #[cfg(not(feature = "memory"))]
-    let aborted_by_broker: Option<u64> = None;
-    let aborted_by_crashes =
-        aborted_by_broker.map_or(0, |b| b.saturating_sub(totals.transactions_aborted));
+}
 
-    // 4. Read the output back (read-committed) and check every order is there exactly once.
+/// What reading the output back found.
+struct Verified {
+    /// Output records read.
+    physical: u64,
+    /// Distinct orders among them.
+    distinct: u64,
+    /// Orders of 1..=n not among them.
+    missing: u64,
+    /// Orders read more than once.
+    duplicated: u64,
+}
+
+/// Reads the output topic from the start (read-committed) with a group of its own until it is
+/// quiet, counting each order id.
+async fn verify_output(client: &onceflow::Client, names: &Names, n: u64) -> Result<Verified> {
     let verify = client
         .consumer(
-            ConsumerConfig::new(format!("verify-{run_id}"), [output.clone()])
+            ConsumerConfig::new(format!("verify-{}", names.run_id), [names.output.clone()])
                 .start(StartFrom::Earliest),
         )
         .await?;
@@ -422,129 +592,179 @@ pub async fn run(mut a: DemoArgs) -> Result<ExitCode> {
         }
     }
     verify.close().await?;
-    let distinct = seen.len() as u64;
-    let missing = (1..=n).filter(|id| !seen.contains_key(id)).count() as u64;
-    let duplicated = seen.values().filter(|c| **c > 1).count() as u64;
-    let redelivered = totals
-        .consumed
-        .saturating_sub(total_records - dropped_by_broker);
-
-    let elapsed = started.elapsed();
-    say!("");
-    say!(
-        "  onceflow demo — {}",
-        onceflow::shown(&onceflow::redact_credentials(&a.url))
-    );
-    say!("  ───────────────────────────────────────────────────────────────");
-    let row = |k: &str, v: String| say!("  {k:<38} {v}");
-    row("platform", client.platform().to_string());
-    row("guarantee", guarantee.to_string());
-    row("mechanism", mechanism.to_string());
-    row(
-        "dedup store",
-        format!(
-            "{} ({})",
-            store.name(),
-            onceflow::shown(&onceflow::redact_url(&store_url))
-        ),
-    );
-    row("orders (distinct inputs)", n.to_string());
-    row(
-        "input records incl. duplicate sends",
-        total_records.to_string(),
-    );
-    if dropped_by_broker > 0 {
-        row(
-            "  of which dropped by the broker (id)",
-            dropped_by_broker.to_string(),
-        );
-    }
-    row("deliveries to the pipeline", totals.consumed.to_string());
-    row(
-        "redelivered (beyond the first read)",
-        redelivered.to_string(),
-    );
-    if let Some(r) = redelivered_by_faults {
-        // Counted by the broker when it sends a message again; a crashed run's deliveries are
-        // not in the pipeline's totals, so this is not a part of the row above.
-        row("redeliveries injected by the broker", r.to_string());
-    }
-    row(
-        "duplicates skipped (dedup store)",
-        totals.duplicates_skipped.to_string(),
-    );
-    row(
-        "simulated crashes / restarts",
-        format!("{crashes} / {crashes}"),
-    );
-    row(
-        "transactions committed / aborted",
-        if aborted_by_crashes > 0 {
-            format!(
-                "{} / {} ({aborted_by_crashes} unfinished at a crash)",
-                totals.transactions_committed,
-                totals.transactions_aborted + aborted_by_crashes
-            )
-        } else {
-            format!(
-                "{} / {}",
-                totals.transactions_committed, totals.transactions_aborted
-            )
-        },
-    );
-    row(
-        if guarantee == Guarantee::ExactlyOnce {
-            "output records read (read_committed)"
-        } else {
-            "output records read"
-        },
-        physical.to_string(),
-    );
-    row("distinct orders in output", distinct.to_string());
-    row(
-        "missing / duplicated orders",
-        format!("{missing} / {duplicated}"),
-    );
-    row(
-        "elapsed",
-        format!(
-            "{:.2} s ({:.0} orders/s)",
-            elapsed.as_secs_f64(),
-            n as f64 / elapsed.as_secs_f64()
-        ),
-    );
-    say!("");
-    let exact =
-        missing == 0 && distinct == n && (physical == n || guarantee < Guarantee::EffectivelyOnce);
-    let verdict = if exact { "OK" } else { "FAILED" };
-    if guarantee < Guarantee::EffectivelyOnce {
-        // Say what was checked: the output topic may hold copies; each order counted once.
-        say!(
-            "  {guarantee} output on {}: the output topic held {physical} records for {distinct} \
-             orders; every order was processed once (dedup store) and a reader that keeps each \
-             order id once sees each exactly once.",
-            client.platform()
-        );
-    }
-    if client.platform() != "memory" {
-        // Left for inspection; named so that they can be found and deleted.
-        warn_line!(
-            "onceflow: the demo's topics '{input}' and '{output}' and consumer groups \
-             '{group}' and 'verify-{run_id}' stay on {}; delete them with the platform's tools \
-             when done",
-            onceflow::shown(&onceflow::redact_credentials(&a.url))
-        );
-    }
-    say!(
-        "exactly-once: {verdict} guarantee={guarantee} input={n} output={} output_records={physical} \
-         redelivered={redelivered} duplicates_skipped={} crashes={crashes}",
-        distinct, totals.duplicates_skipped
-    );
-    Ok(if exact {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
+    Ok(Verified {
+        physical,
+        distinct: seen.len() as u64,
+        missing: (1..=n).filter(|id| !seen.contains_key(id)).count() as u64,
+        duplicated: seen.values().filter(|c| **c > 1).count() as u64,
     })
+}
+
+/// Everything the demo's summary reports.
+struct Summary<'a> {
+    url: &'a str,
+    platform: &'a str,
+    /// The dedup store's name and URL.
+    store: (&'a str, &'a str),
+    names: &'a Names,
+    /// Orders (distinct inputs).
+    n: u64,
+    produced: Produced,
+    runs: Runs,
+    redelivered_by_faults: Option<u64>,
+    /// Transactions a simulated crash left unfinished (memory://).
+    aborted_by_crashes: u64,
+    verified: Verified,
+    elapsed: Duration,
+}
+
+impl Summary<'_> {
+    /// Prints the summary table and the `exactly-once:` line; whether every order reached the
+    /// output exactly once (as the guarantee promises).
+    fn print(&self) -> bool {
+        let Summary {
+            url,
+            platform,
+            store: (store_name, store_url),
+            names,
+            n,
+            ref produced,
+            ref runs,
+            redelivered_by_faults,
+            aborted_by_crashes,
+            ref verified,
+            elapsed,
+        } = *self;
+        let Runs {
+            totals,
+            crashes,
+            guarantee,
+            mechanism,
+        } = *runs;
+        let Verified {
+            physical,
+            distinct,
+            missing,
+            duplicated,
+        } = *verified;
+        let redelivered = totals
+            .consumed
+            .saturating_sub(produced.total_records - produced.dropped_by_broker);
+        say!("");
+        say!(
+            "  onceflow demo — {}",
+            onceflow::shown(&onceflow::redact_credentials(url))
+        );
+        say!("  ───────────────────────────────────────────────────────────────");
+        let row = |k: &str, v: String| say!("  {k:<38} {v}");
+        row("platform", platform.to_string());
+        row("guarantee", guarantee.to_string());
+        row("mechanism", mechanism.to_string());
+        row(
+            "dedup store",
+            format!(
+                "{store_name} ({})",
+                onceflow::shown(&onceflow::redact_url(store_url))
+            ),
+        );
+        row("orders (distinct inputs)", n.to_string());
+        row(
+            "input records incl. duplicate sends",
+            produced.total_records.to_string(),
+        );
+        if produced.dropped_by_broker > 0 {
+            row(
+                "  of which dropped by the broker (id)",
+                produced.dropped_by_broker.to_string(),
+            );
+        }
+        row("deliveries to the pipeline", totals.consumed.to_string());
+        row(
+            "redelivered (beyond the first read)",
+            redelivered.to_string(),
+        );
+        if let Some(r) = redelivered_by_faults {
+            // Counted by the broker when it sends a message again; a crashed run's deliveries
+            // are not in the pipeline's totals, so this is not a part of the row above.
+            row("redeliveries injected by the broker", r.to_string());
+        }
+        row(
+            "duplicates skipped (dedup store)",
+            totals.duplicates_skipped.to_string(),
+        );
+        row(
+            "simulated crashes / restarts",
+            format!("{crashes} / {crashes}"),
+        );
+        row(
+            "transactions committed / aborted",
+            if aborted_by_crashes > 0 {
+                format!(
+                    "{} / {} ({aborted_by_crashes} unfinished at a crash)",
+                    totals.transactions_committed,
+                    totals.transactions_aborted + aborted_by_crashes
+                )
+            } else {
+                format!(
+                    "{} / {}",
+                    totals.transactions_committed, totals.transactions_aborted
+                )
+            },
+        );
+        row(
+            if guarantee == Guarantee::ExactlyOnce {
+                "output records read (read_committed)"
+            } else {
+                "output records read"
+            },
+            physical.to_string(),
+        );
+        row("distinct orders in output", distinct.to_string());
+        row(
+            "missing / duplicated orders",
+            format!("{missing} / {duplicated}"),
+        );
+        row(
+            "elapsed",
+            format!(
+                "{:.2} s ({:.0} orders/s)",
+                elapsed.as_secs_f64(),
+                n as f64 / elapsed.as_secs_f64()
+            ),
+        );
+        say!("");
+        let exact = missing == 0
+            && distinct == n
+            && (physical == n || guarantee < Guarantee::EffectivelyOnce);
+        let verdict = if exact { "OK" } else { "FAILED" };
+        if guarantee < Guarantee::EffectivelyOnce {
+            // Say what was checked: the output topic may hold copies; each order counted once.
+            say!(
+                "  {guarantee} output on {platform}: the output topic held {physical} records \
+                 for {distinct} orders; every order was processed once (dedup store) and a \
+                 reader that keeps each order id once sees each exactly once."
+            );
+        }
+        if platform != "memory" {
+            // Left for inspection; named so that they can be found and deleted.
+            warn_line!(
+                "onceflow: the demo's topics '{}' and '{}' and consumer groups '{}' and \
+                 'verify-{}' stay on {}; delete them with the platform's tools when done",
+                names.input,
+                names.output,
+                names.group,
+                names.run_id,
+                onceflow::shown(&onceflow::redact_credentials(url))
+            );
+        }
+        say!(
+            "exactly-once: {verdict} guarantee={guarantee} input={n} output={distinct} \
+             output_records={physical} redelivered={redelivered} duplicates_skipped={} \
+             crashes={crashes}",
+            totals.duplicates_skipped
+        );
+        exact
+    }
 }
 
 /// Prints a line above the progress bar, or to stderr when the bar is hidden (stderr is not a

@@ -86,6 +86,45 @@ const KNOWN_SCHEMES: [&str; 7] = [
     "kinesis",
 ];
 
+/// Every shared store scheme onceflow has a crate for, compiled into this build or not, with
+/// that crate and the facade's cargo feature (for the error that names a store this build
+/// lacks; in a build with it, [`STORES`] opens it).
+const KNOWN_STORE_SCHEMES: [(&str, &str, &str); 4] = [
+    ("redis", "onceflow-redis", "redis"),
+    ("rediss", "onceflow-redis", "redis"),
+    ("postgres", "onceflow-postgres", "postgres"),
+    ("postgresql", "onceflow-postgres", "postgres"),
+];
+
+/// The error for a `what` (`dedup`, `checkpoint`) store URL of a store crate this build lacks
+/// (see [`KNOWN_STORE_SCHEMES`]): [`ErrorKind::Unsupported`], or [`ErrorKind::Config`] for its
+/// bare scheme name (a forgotten `://`, not a file to create). `None` for any other URL.
+fn absent_store(url: &str, what: &str) -> Option<Error> {
+    let trimmed = url.trim();
+    let (scheme, bare) = match trimmed.split_once("://") {
+        Some((s, _)) => (s.to_ascii_lowercase(), false),
+        None => (trimmed.trim_end_matches(':').to_ascii_lowercase(), true),
+    };
+    if registry::store_for(STORES, &scheme).is_some() {
+        return None;
+    }
+    let (scheme, krate, feature) = KNOWN_STORE_SCHEMES.iter().find(|(s, ..)| *s == scheme)?;
+    if bare {
+        return Some(Error::config(format!(
+            "{what} store '{}' looks like a URL scheme without '://' (did you mean \
+             '{scheme}://'?); to use a file of that name, write ./{trimmed}",
+            onceflow_core::shown(&redact_credentials(url))
+        )));
+    }
+    Some(Error::unsupported(format!(
+        "{what} store URL scheme '{scheme}://' ('{}') is provided by the {krate} crate, not \
+         compiled into this build of onceflow: enable the facade's `{feature}` feature; \
+         supported here: {}",
+        onceflow_core::shown(&redact_credentials(url)),
+        supported_stores().join(", ")
+    )))
+}
+
 /// URL schemes this build can open, for error messages (`kafka://`, …, from [`PLATFORMS`]).
 pub fn supported_schemes() -> Vec<&'static str> {
     PLATFORMS
@@ -223,13 +262,11 @@ pub async fn connect_with<'a>(
 /// `redis://` / `postgres://` in a build without that feature, [`ErrorKind::DedupStore`] for a
 /// path or server that cannot be used otherwise (naming it, without its password).
 pub async fn dedup_store(url: &str, window: Duration) -> Result<Arc<dyn DedupStore>> {
-    if !window.is_zero() {
-        if let Some(entry) = registry::scheme_of(url).and_then(|s| registry::store_for(STORES, &s))
-        {
-            return (entry.dedup)(url.to_string(), window).await;
-        }
+    // (A zero window is core's error first, whatever the scheme.)
+    if let Some(e) = absent_store(url, "dedup").filter(|_| !window.is_zero()) {
+        return Err(e);
     }
-    onceflow_core::dedup::open(url, window).await
+    onceflow_core::dedup::open_with(url, window, STORES).await
 }
 
 /// Opens a checkpoint store (the lease table of self-coordinating consumer groups, see
@@ -242,10 +279,10 @@ pub async fn dedup_store(url: &str, window: Duration) -> Result<Arc<dyn DedupSto
 /// `redis://` / `postgres://` in a build without that feature, [`ErrorKind::DedupStore`] for a
 /// path or server that cannot be used (naming it, without its password).
 pub async fn checkpoint_store(url: &str) -> Result<checkpoint::SharedCheckpointStore> {
-    if let Some(entry) = registry::scheme_of(url).and_then(|s| registry::store_for(STORES, &s)) {
-        return (entry.checkpoint)(url.to_string()).await;
+    if let Some(e) = absent_store(url, "checkpoint") {
+        return Err(e);
     }
-    checkpoint::open(url).await
+    checkpoint::open_with(url, STORES).await
 }
 
 #[cfg(test)]

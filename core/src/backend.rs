@@ -58,6 +58,42 @@ pub struct Capabilities {
     pub batch_index_ack: bool,
 }
 
+impl Capabilities {
+    /// The capabilities the bindings report (Python's `Client.capabilities()` dict, in this
+    /// order), by field name: every field but [`Capabilities::batch_index_ack`], an
+    /// acknowledgement detail the engine handles for the user.
+    pub fn fields(&self) -> [(&'static str, bool); 11] {
+        // Destructured without `..`: a capability added to the struct must be decided here.
+        let Capabilities {
+            transactions,
+            idempotent_producer,
+            dedup_by_id,
+            atomic_batch,
+            native_headers,
+            consumer_groups,
+            seek_by_timestamp,
+            pause_resume,
+            per_message_nack,
+            compaction,
+            lag_ms,
+            batch_index_ack: _,
+        } = *self;
+        [
+            ("transactions", transactions),
+            ("idempotent_producer", idempotent_producer),
+            ("dedup_by_id", dedup_by_id),
+            ("atomic_batch", atomic_batch),
+            ("native_headers", native_headers),
+            ("consumer_groups", consumer_groups),
+            ("seek_by_timestamp", seek_by_timestamp),
+            ("pause_resume", pause_resume),
+            ("per_message_nack", per_message_nack),
+            ("compaction", compaction),
+            ("lag_ms", lag_ms),
+        ]
+    }
+}
+
 /// The delivery guarantee a producer, consumer or pipeline actually runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Guarantee {

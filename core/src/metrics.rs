@@ -146,6 +146,48 @@ pub struct MetricsSnapshot {
     pub keyless: u64,
 }
 
+impl MetricsSnapshot {
+    /// Every counter by field name, in field order: what the bindings report (Python's
+    /// `metrics()` dict).
+    pub fn fields(&self) -> [(&'static str, u64); 15] {
+        // Destructured without `..`: a counter added to the struct must be added here.
+        let MetricsSnapshot {
+            consumed,
+            processed,
+            duplicates_skipped,
+            handler_errors,
+            retries,
+            dead_lettered,
+            redelivery_requests,
+            transactions_committed,
+            transactions_aborted,
+            rebalances,
+            fenced,
+            commits,
+            produced,
+            malformed_traceparents,
+            keyless,
+        } = *self;
+        [
+            ("consumed", consumed),
+            ("processed", processed),
+            ("duplicates_skipped", duplicates_skipped),
+            ("handler_errors", handler_errors),
+            ("retries", retries),
+            ("dead_lettered", dead_lettered),
+            ("redelivery_requests", redelivery_requests),
+            ("transactions_committed", transactions_committed),
+            ("transactions_aborted", transactions_aborted),
+            ("rebalances", rebalances),
+            ("fenced", fenced),
+            ("commits", commits),
+            ("produced", produced),
+            ("malformed_traceparents", malformed_traceparents),
+            ("keyless", keyless),
+        ]
+    }
+}
+
 #[derive(Default)]
 struct Counts {
     consumed: AtomicU64,
@@ -439,6 +481,13 @@ mod tests {
         assert_eq!(s.duplicates_skipped, 1);
         assert_eq!(s.transactions_committed, 2);
         assert_eq!(s.processed, 0);
+        let fields = s.fields();
+        assert_eq!(fields[0], ("consumed", 3));
+        assert!(fields.contains(&("malformed_traceparents", 1)));
+        let mut names: Vec<&str> = fields.iter().map(|(n, _)| *n).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), fields.len(), "a counter named twice");
     }
 
     #[test]

@@ -75,6 +75,29 @@ pub fn store_for<'a>(entries: &[&'a StoreEntry], scheme: &str) -> Option<&'a Sto
     entries.iter().copied().find(|e| holds(e.schemes, scheme))
 }
 
+/// Whether `name` (without `://`, any case) is a scheme of one of `stores`: a bare `redis` is a
+/// forgotten `://` when a registered store opens `redis://`.
+pub fn is_store_scheme(stores: &[&StoreEntry], name: &str) -> bool {
+    store_for(stores, name).is_some()
+}
+
+/// An opener's catalogue of the URL forms it accepts, for its errors: its own `forms`, then
+/// each of `stores`' first scheme (`redis://…`), as `a, b, c or d`.
+pub fn forms_with_stores(forms: &[&str], stores: &[&StoreEntry]) -> String {
+    let mut all: Vec<String> = forms.iter().map(|f| f.to_string()).collect();
+    all.extend(
+        stores
+            .iter()
+            .filter_map(|e| e.schemes.first())
+            .map(|s| format!("{s}…")),
+    );
+    match all.split_last() {
+        None => String::new(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
 /// An opener for [`PlatformEntry::connect`] / [`StoreEntry`] from an async function: boxes its
 /// future.
 pub fn boxed<T, F>(f: F) -> Opening<T>

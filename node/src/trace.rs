@@ -69,6 +69,16 @@ fn carrier_of(h: Option<Vec<Header>>) -> Carrier {
     plan::carrier_of(&headers(h))
 }
 
+/// The trace headers (lowercase name → value) among a received message's `headers`, read in
+/// any casing: the context its process span would continue, without planning the span. `null`
+/// when there is none.
+#[napi(js_name = "_traceCarrier")]
+pub fn trace_carrier(headers: Option<Vec<Header>>) -> Option<HashMap<String, String>> {
+    Some(carrier_of(headers))
+        .filter(|c| !c.is_empty())
+        .map(carrier)
+}
+
 /// The producer span of a send of `count` records to `topic` (`bodySize`: the payload's bytes
 /// for one record) whose own headers are `headers`.
 #[napi(js_name = "_sendSpanPlan")]

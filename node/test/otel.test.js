@@ -207,3 +207,20 @@ test('kafka: malformed traceparents are counted in engine metrics; a capitalised
   assert.equal(ic.metrics().malformedTraceparents, 1)
   assert.equal(goodTrace, TP.split('-')[1], 'the handler runs in the trace of the `Traceparent` header')
 })
+
+test('contextOf: the context a message carries, its trace headers read in any casing', async () => {
+  const TP = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'
+  const client = await onceflow.connect(`memory://${unique('node')}`)
+  const t = await topic(client)
+  const producer = await client.producer()
+  // No active span: the send span continues the record's own `TraceParent` context.
+  await producer.send({ topic: t, payload: 'traced', headers: { TraceParent: TP } })
+  await producer.send({ topic: t, payload: 'plain' })
+  const [traced, plain] = await collect(await client.consumer(unique('g'), [t], { start: 'earliest' }), 2)
+  const traceOf = (m) => api.trace.getSpanContext(onceflow.contextOf(m)).traceId
+  assert.equal(traceOf(traced), TP.split('-')[1])
+  // Without headers of its own, the record got its send span's new trace.
+  const own = plain.headers.find((h) => h.name === 'traceparent').value.toString()
+  assert.equal(traceOf(plain), own.split('-')[1])
+  assert.notEqual(traceOf(plain), traceOf(traced))
+})

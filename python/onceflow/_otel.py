@@ -174,8 +174,7 @@ def context_of(message):
     """The OpenTelemetry context a message carries (``None`` without OpenTelemetry)."""
     if not ENABLED:
         return None
-    _name, _kind, _attributes, _mode, carrier, _links = _native.process_span_plan(message, "", "")
-    return _extract(carrier)
+    return _extract(_native.trace_carrier(message))
 
 
 def start_process(message, system: str, group: str):

@@ -264,19 +264,7 @@ impl Client {
 }
 
 fn caps(c: onceflow::Capabilities) -> HashMap<&'static str, bool> {
-    HashMap::from([
-        ("transactions", c.transactions),
-        ("idempotent_producer", c.idempotent_producer),
-        ("dedup_by_id", c.dedup_by_id),
-        ("atomic_batch", c.atomic_batch),
-        ("native_headers", c.native_headers),
-        ("consumer_groups", c.consumer_groups),
-        ("seek_by_timestamp", c.seek_by_timestamp),
-        ("pause_resume", c.pause_resume),
-        ("per_message_nack", c.per_message_nack),
-        ("compaction", c.compaction),
-        ("lag_ms", c.lag_ms),
-    ])
+    HashMap::from(c.fields())
 }
 
 /// Per-record results as a `Deliveries` sequence. Runs on the event loop's thread, once per

@@ -252,21 +252,9 @@ fn engine_config(config: Option<&Bound<'_, PyDict>>) -> PyResult<EngineConfig> {
 
 fn metrics_dict(py: Python<'_>, m: MetricsSnapshot) -> PyResult<Py<PyAny>> {
     let d = PyDict::new(py);
-    d.set_item("consumed", m.consumed)?;
-    d.set_item("processed", m.processed)?;
-    d.set_item("duplicates_skipped", m.duplicates_skipped)?;
-    d.set_item("handler_errors", m.handler_errors)?;
-    d.set_item("retries", m.retries)?;
-    d.set_item("dead_lettered", m.dead_lettered)?;
-    d.set_item("redelivery_requests", m.redelivery_requests)?;
-    d.set_item("transactions_committed", m.transactions_committed)?;
-    d.set_item("transactions_aborted", m.transactions_aborted)?;
-    d.set_item("rebalances", m.rebalances)?;
-    d.set_item("fenced", m.fenced)?;
-    d.set_item("commits", m.commits)?;
-    d.set_item("produced", m.produced)?;
-    d.set_item("malformed_traceparents", m.malformed_traceparents)?;
-    d.set_item("keyless", m.keyless)?;
+    for (name, value) in m.fields() {
+        d.set_item(name, value)?;
+    }
     Ok(d.into_any().unbind())
 }
 

@@ -89,6 +89,16 @@ fn process_span_plan<'py>(
     to_py(py, plan::process(system, group, message.rs()))
 }
 
+/// The trace headers `message` carries (`{name: value}`, names lowercase), or `None`: the
+/// context its process span would continue, without planning the span.
+#[pyfunction]
+fn trace_carrier<'py>(
+    py: Python<'py>,
+    message: PyRef<'py, Message>,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    carrier(py, plan::trace_carrier(message.rs()))
+}
+
 /// The consumer span of processing `batch` together.
 #[pyfunction]
 fn process_batch_span_plan<'py>(
@@ -152,6 +162,7 @@ fn apply_trace_headers<'py>(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(send_span_plan, m)?)?;
     m.add_function(wrap_pyfunction!(process_span_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(trace_carrier, m)?)?;
     m.add_function(wrap_pyfunction!(process_batch_span_plan, m)?)?;
     m.add_function(wrap_pyfunction!(delivered_span_attributes, m)?)?;
     m.add_function(wrap_pyfunction!(failed_span_attributes, m)?)?;

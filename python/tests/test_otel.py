@@ -108,6 +108,21 @@ async def test_batch_send_carries_one_context_and_consumers_can_extract_it(memor
     assert got[1].headers_dict["x"] == b"1"
 
 
+async def test_context_of_reads_trace_headers_in_any_casing(memory, spans):
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    topic = await memory.topic()
+    producer = await memory.client.producer()
+    # No current span: the send span continues the record's own `TraceParent` context.
+    await producer.send(topic, b"traced", headers=[("TraceParent", tp)])
+    await producer.send(topic, b"plain")
+    traced, plain = await drain(await memory.consumer(topic), 2)
+    trace_of = lambda m: trace.get_current_span(onceflow.context_of(m)).get_span_context().trace_id  # noqa: E731
+    assert trace_of(traced) == int(tp.split("-")[1], 16)
+    # Without headers of its own, the record got its send span's new trace.
+    assert trace_of(plain) == int(plain.headers_dict["traceparent"].decode().split("-")[1], 16)
+    assert trace_of(plain) != trace_of(traced)
+
+
 def test_without_opentelemetry_headers_pass_through_untouched(tmp_path):
     # A fresh interpreter where `import opentelemetry` fails, as when it is not installed.
     code = """

@@ -310,3 +310,77 @@ test_certs() {
     exec {lock}>&-
     echo "$dir"
 }
+
+# ---- Apache Kafka: what tests/brokers/kafka/up.sh and tests/brokers/kafka-cluster share ----
+# The jars of tests/brokers/kafka/pom.xml, resolved by Maven into $KAFKA_LIBS once per pom.xml
+# content; the JVM from ONCEFLOW_KAFKA_JAVA, else $JAVA_HOME/bin/java, else `java` on PATH.
+KAFKA_LIBS="$CACHE_DIR/kafka/libs"
+KAFKA_JAVA=${ONCEFLOW_KAFKA_JAVA:-${JAVA_HOME:+$JAVA_HOME/bin/}java}
+
+# kafka_api_versions PORT: a real Kafka request over bash's /dev/tcp (ApiVersions v0,
+# correlation id 42) to 127.0.0.1:PORT; the broker must answer with that correlation id.
+kafka_api_versions() {
+    local reply
+    exec 3<>"/dev/tcp/127.0.0.1/$1" || return 1
+    printf '\x00\x00\x00\x10\x00\x12\x00\x00\x00\x00\x00\x2a\x00\x06probe1' >&3
+    reply=$(timeout 3 head -c 8 <&3 | od -An -tx1 | tr -d ' \n')
+    exec 3<&-
+    [[ ${reply:8:8} == 0000002a ]]
+}
+
+# kafka_libs: checks for Java, resolves the Kafka jars into $KAFKA_LIBS if pom.xml changed since
+# the last resolution (Maven's log in $CACHE_DIR/kafka/mvn.log), and prints the Kafka version
+# (from the kafka_2.13-VERSION.jar among them).
+kafka_libs() {
+    local pom="$BROKERS_DIR/kafka/pom.xml" pom_sum tmp kafka_jar version
+    command -v "$KAFKA_JAVA" >/dev/null || die "java not found (need Java 17+; set JAVA_HOME)"
+    pom_sum=$(sha256sum "$pom" | cut -d' ' -f1)
+    if [[ ! -f $KAFKA_LIBS/.pom.sha256 || $(<"$KAFKA_LIBS/.pom.sha256") != "$pom_sum" ]]; then
+        command -v mvn >/dev/null || die "mvn not found (apt-get install maven)"
+        log "resolving Kafka jars with Maven into $KAFKA_LIBS"
+        tmp="$KAFKA_LIBS.tmp.$$"
+        rm -rf "$tmp"
+        mkdir -p "$CACHE_DIR/kafka"
+        if ! mvn -B -f "$pom" dependency:copy-dependencies -DoutputDirectory="$tmp" \
+            >"$CACHE_DIR/kafka/mvn.log" 2>&1; then
+            tail -n 40 "$CACHE_DIR/kafka/mvn.log" >&2
+            rm -rf "$tmp"
+            die "mvn dependency:copy-dependencies failed (log: $CACHE_DIR/kafka/mvn.log)"
+        fi
+        echo "$pom_sum" >"$tmp/.pom.sha256"
+        rm -rf "$KAFKA_LIBS"
+        mv "$tmp" "$KAFKA_LIBS"
+    fi
+    kafka_jar=$(find "$KAFKA_LIBS" -maxdepth 1 -name 'kafka_2.13-*.jar' | head -n 1)
+    [[ -n $kafka_jar ]] || die "no kafka_2.13 jar in $KAFKA_LIBS"
+    version=${kafka_jar##*/kafka_2.13-}
+    echo "${version%.jar}"
+}
+
+# kafka_log4j_conf LEVEL: a log4j2 configuration printing to the console at LEVEL (request
+# and state-change loggers at WARN).
+kafka_log4j_conf() {
+    cat <<L4J
+status = warn
+appender.out.type = Console
+appender.out.name = OUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = $1
+rootLogger.appenderRef.out.ref = OUT
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+logger.statechange.name = state.change.logger
+logger.statechange.level = WARN
+L4J
+}
+
+# kafka_tool NAME MAIN_CLASS args...: runs a Kafka command-line tool (at most 90 s, small
+# heap), logging at WARN through $RUN_DIR/NAME-tools-log4j2.properties.
+kafka_tool() {
+    local conf="$RUN_DIR/$1-tools-log4j2.properties"
+    shift
+    kafka_log4j_conf WARN >"$conf"
+    timeout 90 "$KAFKA_JAVA" -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC \
+        -Dlog4j2.configurationFile="$conf" -cp "$KAFKA_LIBS/*" "$@"
+}

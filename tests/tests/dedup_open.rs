@@ -1,8 +1,9 @@
-//! `onceflow_core::dedup::open`: store URLs, and clear errors for the ones it cannot open.
+//! `onceflow_core::dedup::open` / `open_with`: store URLs, and clear errors for the ones it
+//! cannot open.
 
 use std::time::Duration;
 
-use onceflow_core::dedup::{open, ClaimOutcome, ClaimRequest, DedupStoreExt};
+use onceflow_core::dedup::{open, open_with, ClaimOutcome, ClaimRequest, DedupStoreExt};
 use onceflow_core::ErrorKind;
 
 const WINDOW: Duration = Duration::from_secs(60);
@@ -128,23 +129,31 @@ async fn a_directory_is_bad_input_as_a_path_and_as_a_url() {
     assert!(!std::path::Path::new("/dev/null-journal").exists());
 }
 
+/// Core names no store of another crate: without registry entries a shared store's URL is an
+/// unknown scheme, whose error points to the facade's opener.
 #[tokio::test]
-async fn shared_store_schemes_are_unsupported_here_and_name_their_crate() {
-    for (url, krate) in [
-        ("redis://127.0.0.1:6379", "onceflow-redis"),
-        ("rediss://cache.example:6380", "onceflow-redis"),
-        ("postgres://u@localhost/db", "onceflow-postgres"),
-        ("postgresql://u@localhost/db", "onceflow-postgres"),
+async fn shared_store_schemes_are_unknown_to_core_alone() {
+    for url in [
+        "redis://127.0.0.1:6379",
+        "rediss://cache.example:6380",
+        "postgres://u@localhost/db",
+        "postgresql://u@localhost/db",
     ] {
         let e = err(url).await;
-        assert_eq!(e.kind(), ErrorKind::Unsupported, "{url}: {e}");
-        assert!(e.message().contains(krate), "{url}: {e}");
+        assert_eq!(e.kind(), ErrorKind::Config, "{url}: {e}");
+        assert!(e.message().contains("onceflow::dedup_store"), "{url}: {e}");
+        assert!(!e.message().contains("onceflow-redis"), "{url}: {e}");
     }
 }
 
+/// With the build's registry entries (`onceflow::STORES`), the catalogue in the errors is
+/// theirs: an unknown scheme lists every store's scheme.
 #[tokio::test]
 async fn unknown_scheme_lists_the_supported_ones() {
-    let e = err("bogus://x").await;
+    let e = match open_with("bogus://x", WINDOW, onceflow::STORES).await {
+        Ok(store) => panic!("'bogus://x' opened a {} store", store.name()),
+        Err(e) => e,
+    };
     assert_eq!(e.kind(), ErrorKind::Config);
     for needle in [
         "'bogus://'",
@@ -158,7 +167,10 @@ async fn unknown_scheme_lists_the_supported_ones() {
     }
     assert_eq!(err("").await.kind(), ErrorKind::Config);
     for bare in ["memory", "memory:", "embedded", "redis"] {
-        let e = err(bare).await;
+        let e = match open_with(bare, WINDOW, onceflow::STORES).await {
+            Ok(store) => panic!("'{bare}' opened a {} store", store.name()),
+            Err(e) => e,
+        };
         assert_eq!(e.kind(), ErrorKind::Config, "{bare}: {e}");
         assert!(e.message().contains("://"), "{bare}: {e}");
         assert!(

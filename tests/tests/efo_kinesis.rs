@@ -24,12 +24,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use onceflow_conformance::harness::broker_url;
-use onceflow_core::checkpoint::SHARD_END;
 use onceflow_core::{
     ConsumerBackend, ConsumerConfig, Message, PlatformBackend, Position, ProducerBackend,
     ProducerConfig, Record, StartFrom, TopicPartition, TopicSpec,
 };
 use onceflow_kinesis::KinesisPlatform;
+use onceflow_kinesis::SHARD_END;
 
 const KEYS: usize = 6;
 

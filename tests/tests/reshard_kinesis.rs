@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use onceflow_conformance::harness::broker_url;
-use onceflow_core::checkpoint::SHARD_END;
 use onceflow_core::{
     ConsumerBackend, ConsumerConfig, PlatformBackend, Position, ProducerConfig, Record, StartFrom,
     TopicPartition, TopicSpec,
 };
+use onceflow_kinesis::SHARD_END;
 
 const KEYS: usize = 8;
 const PER_PHASE: usize = 25;

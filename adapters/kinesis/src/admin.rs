@@ -121,7 +121,7 @@ impl AdminBackend for KinesisAdmin {
             out.push(PartitionLag {
                 partition: TopicPartition::new(topic, s.partition),
                 committed: cp
-                    .filter(|c| c != onceflow_core::checkpoint::SHARD_END)
+                    .filter(|c| c != crate::SHARD_END)
                     .map(Position::SequenceNumber),
                 high_watermark: None,
                 messages,

@@ -11,7 +11,6 @@ use aws_sdk_kinesis::types::ShardIteratorType;
 use bytes::Bytes;
 use onceflow_core::checkpoint::{
     CheckpointRequest, HeldLease, Lease, NewLease, SharedCheckpointStore, TakeOutcome, TakeRequest,
-    SHARD_END,
 };
 use onceflow_core::{
     Capabilities, ConsumerBackend, ConsumerConfig, Error, ErrorKind, GroupMetadata, Headers,
@@ -447,14 +446,14 @@ impl KinesisConsumer {
                 .collect();
             let finished: HashSet<&str> = leases
                 .iter()
-                .filter(|l| l.is_finished())
+                .filter(|l| is_shard_end(l))
                 .map(|l| l.key.as_str())
                 .collect();
             let present: HashSet<&str> = leases.iter().map(|l| l.key.as_str()).collect();
             let readable: Vec<&Lease> = leases
                 .iter()
                 .filter(|l| {
-                    !l.is_finished()
+                    !is_shard_end(l)
                         && l.parents
                             .iter()
                             .all(|p| finished.contains(p.as_str()) || !present.contains(p.as_str()))
@@ -1075,6 +1074,16 @@ fn to_message(tp: &TopicPartition, r: &aws_sdk_kinesis::types::Record) -> Messag
             }
         }
     }
+}
+
+/// The checkpoint of a shard that was closed (split or merged) and read to its end, in the
+/// lease table (the name KCL gives it). Children of the shard are read once all their parents
+/// carry it (or their rows are gone).
+pub const SHARD_END: &str = "SHARD_END";
+
+/// Whether `lease`'s shard was read to its end ([`SHARD_END`]).
+pub(crate) fn is_shard_end(lease: &Lease) -> bool {
+    lease.checkpoint.as_deref() == Some(SHARD_END)
 }
 
 /// Counts the records after checkpoint `cp` (all of them without one) and the shard's

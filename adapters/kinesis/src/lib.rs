@@ -160,7 +160,7 @@ use tokio::sync::OnceCell;
 
 pub use admin::KinesisAdmin;
 pub use config::{parse_url, FanOut, KinesisOptions};
-pub use consumer::{KinesisConsumer, ENVELOPE_ERROR_HEADER};
+pub use consumer::{KinesisConsumer, ENVELOPE_ERROR_HEADER, SHARD_END};
 pub use producer::{
     partition_key_of, KinesisProducer, MAX_BYTES_PER_CALL, MAX_BYTES_PER_RECORD,
     MAX_RECORDS_PER_CALL,

@@ -125,7 +125,8 @@ async fn malformed_urls_are_config_errors_without_the_password() {
     check(&e, ErrorKind::Config, "redis://u:***@127.0.0.1:1");
 }
 
-/// Core's URL openers send Redis URLs to this crate: their error names the URL, redacted.
+/// Core's URL openers: alone, a Redis URL is a scheme they do not know; with this crate's
+/// registry entry they open it through the entry. Every error names the URL, redacted.
 #[tokio::test]
 async fn core_openers_name_redis_urls_without_the_password() {
     let url = format!("redis://u:{SECRET}@127.0.0.1:1");
@@ -133,9 +134,21 @@ async fn core_openers_name_redis_urls_without_the_password() {
         .await
         .err()
         .unwrap();
-    check(&e, ErrorKind::Unsupported, "redis://u:***@127.0.0.1:1");
+    check(&e, ErrorKind::Config, "redis://u:***@127.0.0.1:1");
     let e = onceflow_core::checkpoint::open(&url).await.err().unwrap();
-    check(&e, ErrorKind::Unsupported, "redis://u:***@127.0.0.1:1");
+    check(&e, ErrorKind::Config, "redis://u:***@127.0.0.1:1");
+    // Through the entry: nothing listens on port 1.
+    let stores = [&onceflow_redis::STORE];
+    let e = onceflow_core::dedup::open_with(&url, Duration::from_secs(60), &stores)
+        .await
+        .err()
+        .unwrap();
+    check(&e, ErrorKind::DedupStore, "redis://u:***@127.0.0.1:1");
+    let e = onceflow_core::checkpoint::open_with(&url, &stores)
+        .await
+        .err()
+        .unwrap();
+    check(&e, ErrorKind::DedupStore, "redis://u:***@127.0.0.1:1");
     let e = onceflow_core::dedup::open(&url, Duration::ZERO)
         .await
         .err()

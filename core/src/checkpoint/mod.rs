@@ -23,11 +23,11 @@
 //!   `TIME`, PostgreSQL `now()`, the wall clock of the machine for `embedded`, a monotonic clock
 //!   for `memory`). Readers see it as [`Lease::expires_in`], the time left (zero once expired).
 //!   Workers never compare their own clocks with the store's.
-//! - `checkpoint`: an opaque string, or none: for Kinesis the sequence number of the last record
-//!   handled, or [`SHARD_END`] once the shard is closed and read to its end.
+//! - `checkpoint`: an opaque string, or none: what the platform's consumer stores there is its
+//!   own (for Kinesis, `onceflow_kinesis`, the sequence number of the last record handled or its
+//!   end-of-shard mark).
 //! - `parents`: lease keys this one descends from (resharding). The store only keeps them; the
-//!   consumer reads a child only after every parent's checkpoint is [`SHARD_END`] (or the parent
-//!   row is gone).
+//!   platform's consumer decides when a child is readable from its parents' checkpoints.
 //!
 //! # Operations and their exact semantics
 //!
@@ -72,10 +72,6 @@ mod row;
 pub use embedded::EmbeddedCheckpointStore;
 pub use memory::MemoryCheckpointStore;
 
-/// Checkpoint of a shard that was closed (split or merged) and read to its end. Children of the
-/// shard are read once all their parents carry it.
-pub const SHARD_END: &str = "SHARD_END";
-
 /// The lease counter: starts at 0, incremented by every take, renew and release of a row.
 pub type LeaseCounter = u64;
 
@@ -92,7 +88,7 @@ pub struct Lease {
     /// Time left on the lease, measured on the store's clock at the time of the read: zero when
     /// expired or unowned.
     pub expires_in: Duration,
-    /// Opaque checkpoint (a sequence number, or [`SHARD_END`]), if any.
+    /// Opaque checkpoint (the platform consumer's own string), if any.
     pub checkpoint: Option<String>,
     /// Keys of the parent leases (resharding), in the order given at creation.
     pub parents: Vec<String>,
@@ -103,11 +99,6 @@ impl Lease {
     /// no owner, or the lease expired.
     pub fn is_available(&self) -> bool {
         self.owner.is_none() || self.expires_in.is_zero()
-    }
-
-    /// Whether the checkpoint is [`SHARD_END`].
-    pub fn is_finished(&self) -> bool {
-        self.checkpoint.as_deref() == Some(SHARD_END)
     }
 }
 
@@ -308,33 +299,45 @@ pub fn validate<'a>(
 ///   shared by processes on one machine. It may be the same file as an embedded dedup store
 ///   (the tables differ).
 ///
-/// Errors: [`crate::ErrorKind::Unsupported`] for `redis://`, `rediss://`, `postgres://` and
-/// `postgresql://` (their stores live in the `onceflow-redis` / `onceflow-postgres` crates);
-/// [`crate::ErrorKind::Config`] for any other scheme, an option (none are defined) or a bare
-/// scheme name such as `memory`, naming the value and listing the supported forms;
+/// Other stores (Redis, PostgreSQL) live in their own crates: [`open_with`] opens them through
+/// their registry entries (the `onceflow` facade's `onceflow::checkpoint_store` does).
+///
+/// Errors: [`crate::ErrorKind::Config`] for any other scheme, an option (none are defined) or a
+/// bare scheme name such as `memory`, naming the value and listing the supported forms;
 /// [`crate::ErrorKind::DedupStore`] for an embedded path that cannot be opened, naming it.
 pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
+    open_with(url, &[]).await
+}
+
+/// [`open`], and also the stores of `stores` (the registry entries of the store crates in the
+/// build, `onceflow::STORES`): a URL of one of their schemes is opened by its entry, and the
+/// errors list their schemes among the supported forms.
+///
+/// Errors: those of [`open`], and those of the entry that opens the URL.
+pub async fn open_with(
+    url: &str,
+    stores: &[&crate::registry::StoreEntry],
+) -> Result<SharedCheckpointStore> {
     // Errors show the URL without its credentials.
     let shown = crate::error::redact_credentials(url);
-    const SUPPORTED: &str = "memory://, embedded:///absolute/path.db, a plain file path, \
-         redis://… or postgres://… (the last two through their crates)";
+    let supported = crate::registry::forms_with_stores(
+        &[
+            "memory://",
+            "embedded:///absolute/path.db",
+            "a plain file path",
+        ],
+        stores,
+    );
     let trimmed = url.trim();
     if trimmed.is_empty() {
         return Err(Error::config(format!(
-            "empty checkpoint store URL: expected one of {SUPPORTED}"
+            "empty checkpoint store URL: expected one of {supported}"
         )));
     }
     let Some((scheme, rest)) = trimmed.split_once("://") else {
         let bare = trimmed.trim_end_matches(':').to_ascii_lowercase();
-        if [
-            "memory",
-            "embedded",
-            "redis",
-            "rediss",
-            "postgres",
-            "postgresql",
-        ]
-        .contains(&&*bare)
+        if ["memory", "embedded"].contains(&&*bare)
+            || crate::registry::is_store_scheme(stores, &bare)
         {
             return Err(Error::config(format!(
                 "checkpoint store '{shown}' looks like a URL scheme without '://' (did you mean \
@@ -343,6 +346,9 @@ pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
         }
         return Ok(Arc::new(EmbeddedCheckpointStore::open(trimmed).await?));
     };
+    if let Some(entry) = crate::registry::store_for(stores, scheme) {
+        return (entry.checkpoint)(url.to_string()).await;
+    }
     match scheme.to_ascii_lowercase().as_str() {
         "memory" => {
             if !rest.is_empty() && rest != "/" {
@@ -368,13 +374,15 @@ pub async fn open(url: &str) -> Result<SharedCheckpointStore> {
             })?;
             Ok(Arc::new(EmbeddedCheckpointStore::open(path).await?))
         }
-        s @ ("redis" | "rediss" | "postgres" | "postgresql") => Err(Error::unsupported(format!(
-            "checkpoint store URL scheme '{s}://' ('{shown}') is provided by the onceflow-redis / \
-             onceflow-postgres crates; onceflow-core opens memory:// and embedded stores only"
-        ))),
         _ => Err(Error::config(format!(
             "unknown checkpoint store URL scheme '{scheme}://' in '{shown}': expected one of \
-             {SUPPORTED}"
+             {supported}{}",
+            if stores.is_empty() {
+                " (stores in their own crates, such as Redis or PostgreSQL, open through \
+                 onceflow::checkpoint_store)"
+            } else {
+                ""
+            }
         ))),
     }
 }
@@ -416,8 +424,9 @@ mod tests {
             ("memory://x", ErrorKind::Config),
             ("embedded://relative.db", ErrorKind::Config),
             ("ftp://x", ErrorKind::Config),
-            ("redis://127.0.0.1", ErrorKind::Unsupported),
-            ("postgres://127.0.0.1/db", ErrorKind::Unsupported),
+            // Stores of their own crates open through `open_with` and their registry entries.
+            ("redis://127.0.0.1", ErrorKind::Config),
+            ("postgres://127.0.0.1/db", ErrorKind::Config),
         ] {
             let err = open(url)
                 .await

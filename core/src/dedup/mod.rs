@@ -266,20 +266,40 @@ fn check_file_path(path: &str, shown: &str) -> Result<()> {
 /// - `embedded:///absolute/path.db` (percent-escapes decoded) or a plain file path such as
 ///   `./dedup.db`: an on-disk [`EmbeddedStore`] that survives restarts.
 ///
-/// Errors: [`crate::ErrorKind::Unsupported`] for `redis://`, `rediss://`, `postgres://` and
-/// `postgresql://` (their stores live in the `onceflow-redis` / `onceflow-postgres` crates,
-/// opened by the `onceflow` facade with its `redis` / `postgres` feature);
-/// [`crate::ErrorKind::Config`] for any other scheme, a bad option, a zero window or a bare
-/// scheme name such as `memory` (a forgotten `://`, not a file to create), naming the value
-/// and listing the supported forms, and for an embedded path that is a directory, a device or
-/// in a directory that does not exist; [`crate::ErrorKind::DedupStore`] for an embedded path
-/// that cannot be opened otherwise (no permission, not a database), naming the path.
+/// Other stores (Redis, PostgreSQL) live in their own crates: [`open_with`] opens them through
+/// their registry entries (the `onceflow` facade's `onceflow::dedup_store` does).
+///
+/// Errors: [`crate::ErrorKind::Config`] for any other scheme, a bad option, a zero window or a
+/// bare scheme name such as `memory` (a forgotten `://`, not a file to create), naming the
+/// value and listing the supported forms, and for an embedded path that is a directory, a
+/// device or in a directory that does not exist; [`crate::ErrorKind::DedupStore`] for an
+/// embedded path that cannot be opened otherwise (no permission, not a database), naming the
+/// path.
 pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
+    open_with(url, window, &[]).await
+}
+
+/// [`open`], and also the stores of `stores` (the registry entries of the store crates in the
+/// build, `onceflow::STORES`): a URL of one of their schemes is opened by its entry, and the
+/// errors list their schemes among the supported forms.
+///
+/// Errors: those of [`open`], and those of the entry that opens the URL.
+pub async fn open_with(
+    url: &str,
+    window: Duration,
+    stores: &[&crate::registry::StoreEntry],
+) -> Result<SharedDedupStore> {
     // Errors show the URL without its credentials.
     let shown = crate::error::shown(&crate::error::redact_credentials(url));
     use crate::error::Error;
-    const SUPPORTED: &str = "memory://[?capacity=N], embedded:///absolute/path.db, a plain file \
-         path, redis://… or postgres://… (where this build includes them)";
+    let supported = crate::registry::forms_with_stores(
+        &[
+            "memory://[?capacity=N]",
+            "embedded:///absolute/path.db",
+            "a plain file path",
+        ],
+        stores,
+    );
     if window.is_zero() {
         return Err(Error::config(format!(
             "dedup window for '{shown}' is 0: expected a positive duration (how long completed \
@@ -289,21 +309,14 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
     let trimmed = url.trim();
     if trimmed.is_empty() {
         return Err(Error::config(format!(
-            "empty dedup store URL: expected one of {SUPPORTED}"
+            "empty dedup store URL: expected one of {supported}"
         )));
     }
     let Some((scheme, rest)) = trimmed.split_once("://") else {
         // A bare scheme name is a forgotten `://`, not a file to create in the working directory.
         let bare = trimmed.trim_end_matches(':').to_ascii_lowercase();
-        if [
-            "memory",
-            "embedded",
-            "redis",
-            "rediss",
-            "postgres",
-            "postgresql",
-        ]
-        .contains(&&*bare)
+        if ["memory", "embedded"].contains(&&*bare)
+            || crate::registry::is_store_scheme(stores, &bare)
         {
             return Err(Error::config(format!(
                 "dedup store '{shown}' looks like a URL scheme without '://' (did you mean \
@@ -328,6 +341,9 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
         check_file_path(trimmed, &shown)?;
         return Ok(Arc::new(EmbeddedStore::open(trimmed, window).await?));
     };
+    if let Some(entry) = crate::registry::store_for(stores, scheme) {
+        return (entry.dedup)(url.to_string(), window).await;
+    }
     match scheme.to_ascii_lowercase().as_str() {
         "memory" => {
             let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -394,21 +410,16 @@ pub async fn open(url: &str, window: Duration) -> Result<SharedDedupStore> {
             check_file_path(&path, &shown)?;
             Ok(Arc::new(EmbeddedStore::open(path, window).await?))
         }
-        s @ ("redis" | "rediss") => Err(Error::unsupported(format!(
-            "dedup store URL scheme '{s}://' ('{shown}') is provided by the onceflow-redis crate: \
-             open it with onceflow::dedup_store and the facade's `redis` feature; \
-             onceflow-core opens memory:// and embedded stores only"
-        ))),
-        s @ ("postgres" | "postgresql") => Err(Error::unsupported(format!(
-            "dedup store URL scheme '{s}://' ('{}') is provided by the onceflow-postgres \
-             crate: open it with onceflow::dedup_store and the facade's `postgres` feature; \
-             onceflow-core opens memory:// and embedded stores only",
-            shown
-        ))),
         _ => Err(Error::config(format!(
-            "unknown dedup store URL scheme '{}://' in '{}': expected one of {SUPPORTED}",
+            "unknown dedup store URL scheme '{}://' in '{}': expected one of {supported}{}",
             crate::error::shown(scheme),
-            shown
+            shown,
+            if stores.is_empty() {
+                " (stores in their own crates, such as Redis or PostgreSQL, open through \
+                 onceflow::dedup_store)"
+            } else {
+                ""
+            }
         ))),
     }
 }

@@ -48,6 +48,29 @@ fn held_keys(held: &[(usize, FencingToken)], ck: &ChunkKeys) -> Vec<(String, Fen
         .collect()
 }
 
+/// The claims among a chunk's claim `outcomes`: each claimed message's index and token.
+fn claimed(outcomes: &[Option<ClaimOutcome>]) -> Vec<(usize, FencingToken)> {
+    outcomes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, o)| match o {
+            Some(ClaimOutcome::Claimed { token }) => Some((i, *token)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One partition's chunk while it is handled: the partition and the generation it was polled
+/// in, its messages, their keys and the claims it holds (shared with the lease renewal).
+#[derive(Clone, Copy)]
+struct Chunk<'a> {
+    tp: &'a TopicPartition,
+    generation: u64,
+    msgs: &'a [Message],
+    keys: &'a Keys,
+    held: &'a Held,
+}
+
 /// A handler's result for one message, or its last error and the attempts made.
 type HandlerResult = std::result::Result<Option<Bytes>, (Error, u32)>;
 
@@ -418,7 +441,9 @@ impl Core {
         Ok(n)
     }
 
-    /// Handles one partition's messages in order.
+    /// Handles one partition's messages in order: claims their keys ([`Core::claim_batch`]),
+    /// handles them ([`Core::handle_chunk`]) while renewing the claims held, and releases
+    /// whatever claim is still held at the end (not completed: free for the redelivery).
     async fn process_chunk(&self, tp: TopicPartition, msgs: Vec<Message>) -> Result<()> {
         let generation = self.tracker.generation(&tp);
         // Keys only matter with a store (or to refuse keyless messages).
@@ -436,17 +461,15 @@ impl Core {
             completed: Vec::new(),
         });
         // Claims this chunk holds (renewed while handlers run).
-        let held: Held = Mutex::new(
-            outcomes
-                .iter()
-                .enumerate()
-                .filter_map(|(i, o)| match o {
-                    Some(ClaimOutcome::Claimed { token }) => Some((i, *token)),
-                    _ => None,
-                })
-                .collect(),
-        );
-        let work = self.handle_chunk(&tp, generation, &msgs, &keys, outcomes, &held);
+        let held: Held = Mutex::new(claimed(&outcomes));
+        let chunk = Chunk {
+            tp: &tp,
+            generation,
+            msgs: &msgs,
+            keys: &keys,
+            held: &held,
+        };
+        let work = self.handle_chunk(&chunk, outcomes);
         let result = if held.lock().is_empty() {
             work.await
         } else {
@@ -505,129 +528,26 @@ impl Core {
         }
     }
 
+    /// Handles `chunk`'s messages in order, then completes the keys handled and records the
+    /// partition's progress. The steps: [`Core::handle_in_order`] runs each message's step
+    /// until one stops the chunk; [`Core::redeliver_rest`] asks again for what it left while the
+    /// partition is still ours; [`Core::complete_handled`] sends the completions; the tracker
+    /// finishes the partition up to the first message not finished.
     async fn handle_chunk(
         &self,
-        tp: &TopicPartition,
-        generation: u64,
-        msgs: &[Message],
-        keys: &Keys,
+        chunk: &Chunk<'_>,
         outcomes: Vec<Option<ClaimOutcome>>,
-        held: &Held,
     ) -> Result<()> {
+        let Chunk {
+            tp,
+            generation,
+            msgs,
+            ..
+        } = *chunk;
         let per_message_nack = self.consumer.capabilities().per_message_nack;
-        // Index one past the last message whose work is done (completions pending flush).
-        let mut done_upto = 0usize;
-        let mut stop: Option<Error> = None;
-        let batched = self.handler.batched();
-        let mut outcomes = outcomes;
-        // Handler results of a batched run, by message index, taken as the loop reaches them.
-        let mut ready: Vec<Option<HandlerResult>> = Vec::new();
-        for (i, msg) in msgs.iter().enumerate() {
-            let mut outcome = outcomes[i].take();
-            if self.tracker.generation(tp) != generation {
-                self.metrics.add(Metric::Fenced, 1);
-                break;
-            }
-            // Rare paths read a copy of the key; a completion takes it.
-            let key_copy = || keys.lock().keys[i].clone();
-            // Wait out another worker's claim on this key: its completion, release or the end
-            // of its lease.
-            if matches!(outcome, Some(ClaimOutcome::InProgress { .. })) {
-                let still_ours = || self.tracker.generation(tp) == generation;
-                let key = || key_copy().expect("claim implies key");
-                outcome = self.wait_out(outcome, key, msg, still_ours).await?;
-                if let Some(ClaimOutcome::Claimed { token }) = &outcome {
-                    held.lock().push((i, *token));
-                }
-            }
-            if self.tracker.generation(tp) != generation {
-                self.metrics.add(Metric::Fenced, 1);
-                break;
-            }
-            // A keyless message refused by `require_key` needs no handler.
-            let refused = |j: usize| self.config.require_key && keys.lock().keys[j].is_none();
-            let runnable = |j: usize, o: &Option<ClaimOutcome>| match o {
-                None => !refused(j),
-                Some(ClaimOutcome::Claimed { .. }) => true,
-                _ => false,
-            };
-            if batched && runnable(i, &outcome) && ready.get(i).is_none_or(Option::is_none) {
-                // The run of messages from here that need the handler: one call for all.
-                let end = (i + 1..msgs.len())
-                    .find(|&j| !runnable(j, &outcomes[j]))
-                    .unwrap_or(msgs.len());
-                let results = self.run_batch_handler(tp, generation, &msgs[i..end]).await;
-                ready.resize_with(msgs.len(), || None);
-                for (slot, r) in ready[i..end].iter_mut().zip(results) {
-                    *slot = Some(r);
-                }
-            }
-            let handled =
-                |ready: &mut Vec<Option<HandlerResult>>| ready.get_mut(i).and_then(Option::take);
-            let step = match outcome {
-                Some(ClaimOutcome::Duplicate { result }) => {
-                    self.metrics.add(Metric::DuplicateSkipped, 1);
-                    self.handler.on_duplicate(msg, result).await;
-                    Ok(Done::Finished)
-                }
-                Some(ClaimOutcome::Mismatch { stored, given }) => {
-                    let err = conflict_error(&key_copy().unwrap_or_default(), msg, stored, given);
-                    tracing::warn!(error = %err, "payload conflicts with its key's fingerprint; routed by on_failure");
-                    self.give_up(tp, msg, None, err, 1).await
-                }
-                Some(ClaimOutcome::Claimed { token }) => {
-                    let result = match handled(&mut ready) {
-                        Some(r) => r,
-                        None => self.run_handler(tp, generation, msg).await,
-                    };
-                    match result {
-                        Ok(result) => {
-                            let mut ck = keys.lock();
-                            let key = ck.keys[i].take().expect("claimed implies key");
-                            ck.completed.push(i);
-                            ck.completions.push(Completion { key, token, result });
-                            Ok(Done::Finished)
-                        }
-                        Err((err, attempts)) => {
-                            let k = key_copy().expect("claimed implies key");
-                            self.give_up(tp, msg, Some((i, &k, token, held)), err, attempts)
-                                .await
-                        }
-                    }
-                }
-                Some(ClaimOutcome::InProgress { .. }) => Ok(Done::Fenced),
-                None if self.config.require_key && keys.lock().keys[i].is_none() => {
-                    let err = super::missing_key_error(&self.config.key, msg);
-                    tracing::warn!(error = %err, "keyless message refused; routed by on_failure");
-                    self.give_up(tp, msg, None, err, 1).await
-                }
-                None => {
-                    if self.store.is_some() && keys.lock().keys[i].is_none() {
-                        self.metrics.add(Metric::Keyless, 1);
-                    }
-                    let result = match handled(&mut ready) {
-                        Some(r) => r,
-                        None => self.run_handler(tp, generation, msg).await,
-                    };
-                    match result {
-                        Ok(_) => {
-                            self.metrics.add(Metric::Processed, 1);
-                            Ok(Done::Finished)
-                        }
-                        Err((err, attempts)) => self.give_up(tp, msg, None, err, attempts).await,
-                    }
-                }
-            };
-            match step {
-                Ok(Done::Finished) => done_upto = i + 1,
-                Ok(Done::Redelivered) if per_message_nack => done_upto = i + 1,
-                Ok(Done::Redelivered) | Ok(Done::Fenced) => break,
-                Err(e) => {
-                    stop = Some(e);
-                    break;
-                }
-            }
-        }
+        let (done_upto, stop) = self
+            .handle_in_order(chunk, outcomes, per_message_nack)
+            .await?;
         if done_upto < msgs.len() && self.tracker.generation(tp) == generation {
             // Stopped before the end (fenced by a lost lease, an error) with the partition still
             // ours: the rest was not handled. Ask for it again, or a later commit of messages
@@ -635,52 +555,7 @@ impl Core {
             self.redeliver_rest(tp, &msgs[done_upto..], per_message_nack)
                 .await;
         }
-        // Complete the keys handled, then record progress up to the first refused completion.
-        let mut finished_upto = done_upto;
-        let (completions, completed) = {
-            let mut ck = keys.lock();
-            (
-                std::mem::take(&mut ck.completions),
-                std::mem::take(&mut ck.completed),
-            )
-        };
-        if !completions.is_empty() {
-            let store = self.store.as_ref().expect("completions imply a store");
-            let ok = match store.complete(&completions).await {
-                Ok(ok) => ok,
-                Err(e) => {
-                    // Still held: the keys go back, so the chunk's end releases them.
-                    let mut ck = keys.lock();
-                    for (c, &i) in completions.into_iter().zip(&completed) {
-                        ck.keys[i] = Some(c.key);
-                    }
-                    return Err(e);
-                }
-            };
-            {
-                let mut done = vec![false; msgs.len()];
-                for &i in &completed {
-                    done[i] = true;
-                }
-                held.lock().retain(|(i, _)| !done[*i]);
-            }
-            if let Some(bad) = ok.iter().position(|b| !*b) {
-                let refused = &completions[bad];
-                self.metrics.add(Metric::Fenced, 1);
-                tracing::warn!(key = %refused.key, "completion refused: lease lost to another worker");
-                // Commit only up to the message before the refused one, and rewind to it.
-                if let Some(&idx) = completed.get(bad) {
-                    finished_upto = finished_upto.min(idx);
-                    self.tracker.bump(tp);
-                    self.consumer
-                        .nack(&msgs[idx], Duration::ZERO)
-                        .await
-                        .map_err(|e| e.context("rewinding after a refused completion"))?;
-                }
-            }
-            self.metrics
-                .add(Metric::Processed, ok.iter().filter(|b| **b).count() as u64);
-        }
+        let finished_upto = self.complete_handled(chunk, done_upto).await?;
         // The highest position finished, not the last: redeliveries can come behind newer
         // messages in one batch, and committing the last would leave the newer ones unacked.
         if let Some(highest) = Position::highest(msgs[..finished_upto].iter().map(|m| &m.position))
@@ -691,6 +566,239 @@ impl Core {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Runs each message's step ([`Core::handle_one`]) in order until one stops the chunk: the
+    /// partition moved away, a claim stays another worker's, a redelivery where the platform
+    /// cannot nack one message alone, or an error. Returns the index one past the last message
+    /// whose work is done (its completion pending) and the error that stopped the chunk; `Err`
+    /// when waiting out another worker's claim failed (the chunk ends there, nothing completed).
+    async fn handle_in_order(
+        &self,
+        chunk: &Chunk<'_>,
+        mut outcomes: Vec<Option<ClaimOutcome>>,
+        per_message_nack: bool,
+    ) -> Result<(usize, Option<Error>)> {
+        let Chunk {
+            tp,
+            generation,
+            msgs,
+            keys,
+            held,
+        } = *chunk;
+        let mut done_upto = 0usize;
+        let batched = self.handler.batched();
+        // Handler results of a batched run, by message index, taken as the loop reaches them.
+        let mut ready: Vec<Option<HandlerResult>> = Vec::new();
+        for (i, msg) in msgs.iter().enumerate() {
+            let mut outcome = outcomes[i].take();
+            if self.tracker.generation(tp) != generation {
+                self.metrics.add(Metric::Fenced, 1);
+                break;
+            }
+            // Wait out another worker's claim on this key: its completion, release or the end
+            // of its lease.
+            if matches!(outcome, Some(ClaimOutcome::InProgress { .. })) {
+                let still_ours = || self.tracker.generation(tp) == generation;
+                let key = || keys.lock().keys[i].clone().expect("claim implies key");
+                outcome = self.wait_out(outcome, key, msg, still_ours).await?;
+                if let Some(ClaimOutcome::Claimed { token }) = &outcome {
+                    held.lock().push((i, *token));
+                }
+            }
+            if self.tracker.generation(tp) != generation {
+                self.metrics.add(Metric::Fenced, 1);
+                break;
+            }
+            if batched
+                && self.runnable(keys, i, &outcome)
+                && ready.get(i).is_none_or(Option::is_none)
+            {
+                self.run_batch_from(chunk, i, &outcomes, &mut ready).await;
+            }
+            let handled = ready.get_mut(i).and_then(Option::take);
+            match self.handle_one(chunk, i, outcome, handled).await {
+                Ok(Done::Finished) => done_upto = i + 1,
+                Ok(Done::Redelivered) if per_message_nack => done_upto = i + 1,
+                Ok(Done::Redelivered) | Ok(Done::Fenced) => break,
+                Err(e) => return Ok((done_upto, Some(e))),
+            }
+        }
+        Ok((done_upto, None))
+    }
+
+    /// Whether message `j`, with claim `outcome`, needs the handler: claimed, or no claim made
+    /// (no store) and not a keyless message refused by `require_key`.
+    fn runnable(&self, keys: &Keys, j: usize, outcome: &Option<ClaimOutcome>) -> bool {
+        match outcome {
+            None => !(self.config.require_key && keys.lock().keys[j].is_none()),
+            Some(ClaimOutcome::Claimed { .. }) => true,
+            _ => false,
+        }
+    }
+
+    /// A batch handler's one call for the run of messages from `i` that need the handler (up
+    /// to the first that does not, by `outcomes`); its results go into `ready` by index.
+    async fn run_batch_from(
+        &self,
+        chunk: &Chunk<'_>,
+        i: usize,
+        outcomes: &[Option<ClaimOutcome>],
+        ready: &mut Vec<Option<HandlerResult>>,
+    ) {
+        let Chunk {
+            tp,
+            generation,
+            msgs,
+            keys,
+            ..
+        } = *chunk;
+        let end = (i + 1..msgs.len())
+            .find(|&j| !self.runnable(keys, j, &outcomes[j]))
+            .unwrap_or(msgs.len());
+        let results = self.run_batch_handler(tp, generation, &msgs[i..end]).await;
+        ready.resize_with(msgs.len(), || None);
+        for (slot, r) in ready[i..end].iter_mut().zip(results) {
+            *slot = Some(r);
+        }
+    }
+
+    /// Message `i`'s step by its claim `outcome`: a duplicate is skipped, a fingerprint
+    /// mismatch or a keyless message refused by `require_key` goes to `on_failure`, a claimed
+    /// or unclaimed one runs the handler (or takes its batched result, `handled`) and, claimed,
+    /// queues its key's completion; a claim still another worker's fences the chunk.
+    async fn handle_one(
+        &self,
+        chunk: &Chunk<'_>,
+        i: usize,
+        outcome: Option<ClaimOutcome>,
+        handled: Option<HandlerResult>,
+    ) -> Result<Done> {
+        let Chunk {
+            tp,
+            generation,
+            msgs,
+            keys,
+            held,
+        } = *chunk;
+        let msg = &msgs[i];
+        // Rare paths read a copy of the key; a completion takes it.
+        let key_copy = || keys.lock().keys[i].clone();
+        match outcome {
+            Some(ClaimOutcome::Duplicate { result }) => {
+                self.metrics.add(Metric::DuplicateSkipped, 1);
+                self.handler.on_duplicate(msg, result).await;
+                Ok(Done::Finished)
+            }
+            Some(ClaimOutcome::Mismatch { stored, given }) => {
+                let err = conflict_error(&key_copy().unwrap_or_default(), msg, stored, given);
+                tracing::warn!(error = %err, "payload conflicts with its key's fingerprint; routed by on_failure");
+                self.give_up(tp, msg, None, err, 1).await
+            }
+            Some(ClaimOutcome::Claimed { token }) => {
+                let result = match handled {
+                    Some(r) => r,
+                    None => self.run_handler(tp, generation, msg).await,
+                };
+                match result {
+                    Ok(result) => {
+                        let mut ck = keys.lock();
+                        let key = ck.keys[i].take().expect("claimed implies key");
+                        ck.completed.push(i);
+                        ck.completions.push(Completion { key, token, result });
+                        Ok(Done::Finished)
+                    }
+                    Err((err, attempts)) => {
+                        let k = key_copy().expect("claimed implies key");
+                        self.give_up(tp, msg, Some((i, &k, token, held)), err, attempts)
+                            .await
+                    }
+                }
+            }
+            Some(ClaimOutcome::InProgress { .. }) => Ok(Done::Fenced),
+            None if self.config.require_key && keys.lock().keys[i].is_none() => {
+                let err = super::missing_key_error(&self.config.key, msg);
+                tracing::warn!(error = %err, "keyless message refused; routed by on_failure");
+                self.give_up(tp, msg, None, err, 1).await
+            }
+            None => {
+                if self.store.is_some() && keys.lock().keys[i].is_none() {
+                    self.metrics.add(Metric::Keyless, 1);
+                }
+                let result = match handled {
+                    Some(r) => r,
+                    None => self.run_handler(tp, generation, msg).await,
+                };
+                match result {
+                    Ok(_) => {
+                        self.metrics.add(Metric::Processed, 1);
+                        Ok(Done::Finished)
+                    }
+                    Err((err, attempts)) => self.give_up(tp, msg, None, err, attempts).await,
+                }
+            }
+        }
+    }
+
+    /// Sends the chunk's pending completions to the store and drops them from the held claims.
+    /// Returns how far the partition is finished: `done_upto`, or the index of the first
+    /// completion the store refused (its lease was lost: the partition is rewound to it). On a
+    /// store error the keys go back to the chunk (still held, released at its end).
+    async fn complete_handled(&self, chunk: &Chunk<'_>, done_upto: usize) -> Result<usize> {
+        let Chunk {
+            tp,
+            msgs,
+            keys,
+            held,
+            ..
+        } = *chunk;
+        let mut finished_upto = done_upto;
+        let (completions, completed) = {
+            let mut ck = keys.lock();
+            (
+                std::mem::take(&mut ck.completions),
+                std::mem::take(&mut ck.completed),
+            )
+        };
+        if completions.is_empty() {
+            return Ok(finished_upto);
+        }
+        let store = self.store.as_ref().expect("completions imply a store");
+        let ok = match store.complete(&completions).await {
+            Ok(ok) => ok,
+            Err(e) => {
+                // Still held: the keys go back, so the chunk's end releases them.
+                let mut ck = keys.lock();
+                for (c, &i) in completions.into_iter().zip(&completed) {
+                    ck.keys[i] = Some(c.key);
+                }
+                return Err(e);
+            }
+        };
+        {
+            let mut done = vec![false; msgs.len()];
+            for &i in &completed {
+                done[i] = true;
+            }
+            held.lock().retain(|(i, _)| !done[*i]);
+        }
+        if let Some(bad) = ok.iter().position(|b| !*b) {
+            let refused = &completions[bad];
+            self.metrics.add(Metric::Fenced, 1);
+            tracing::warn!(key = %refused.key, "completion refused: lease lost to another worker");
+            // Commit only up to the message before the refused one, and rewind to it.
+            if let Some(&idx) = completed.get(bad) {
+                finished_upto = finished_upto.min(idx);
+                self.tracker.bump(tp);
+                self.consumer
+                    .nack(&msgs[idx], Duration::ZERO)
+                    .await
+                    .map_err(|e| e.context("rewinding after a refused completion"))?;
+            }
+        }
+        self.metrics
+            .add(Metric::Processed, ok.iter().filter(|b| **b).count() as u64);
+        Ok(finished_upto)
     }
 
     /// Runs `work` (a handler's or a transform's call for `msg`) inside a `process {topic}`
@@ -890,7 +998,8 @@ impl Core {
     }
 
     /// With nothing finished to commit, once per commit interval: commits what the platform
-    /// skipped without delivering ([`ConsumerBackend::commit_skipped`]).
+    /// skipped without delivering
+    /// ([`ConsumerBackend::commit_skipped`](crate::backend::ConsumerBackend::commit_skipped)).
     pub(crate) async fn maybe_commit_skipped(&self) -> Result<()> {
         {
             let mut last = self.last_commit.lock();

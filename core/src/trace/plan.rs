@@ -112,6 +112,13 @@ pub fn carrier_of(headers: &Headers) -> Carrier {
     )
 }
 
+/// The trace headers a received `message` carries ([`carrier_of`] its headers): the context its
+/// `process` span continues ([`Parent::Headers`]), for a host that wants that context without
+/// starting a span. Empty when the message carries none.
+pub fn trace_carrier(message: &Message) -> Carrier {
+    carrier_of(&message.headers)
+}
+
 /// Whether `name` is one of [`TRACE_HEADERS`] in any casing.
 pub fn is_trace_header(name: &str) -> bool {
     TRACE_HEADERS.iter().any(|t| t.eq_ignore_ascii_case(name))
@@ -161,7 +168,7 @@ pub fn process(system: &str, group: &str, message: &Message) -> SpanPlan {
         message.partition,
         &message.position.to_string(),
         message.payload.len(),
-        carrier_of(&message.headers),
+        trace_carrier(message),
     )
 }
 
@@ -392,6 +399,8 @@ mod tests {
             p.parent,
             Parent::Headers(vec![(TRACEPARENT, TP.to_string())])
         );
+        // The carrier alone is the one the process span continues.
+        assert_eq!(p.parent, Parent::Headers(trace_carrier(&m)));
         assert!(p.attributes.contains(&(
             "messaging.consumer.group.name",
             Value::Str("billing".into())

@@ -4,14 +4,11 @@
 # `kafka-cluster-N` of lib.sh: pid in $RUN_DIR/kafka-cluster-N.pid, log in
 # $RUN_DIR/kafka-cluster-N.log, data in $RUN_DIR/kafka-cluster-N-data (kept across a node's
 # restart, fresh at each up.sh start). Same jars as tests/brokers/kafka (its pom.xml, cached in
-# $CACHE_DIR/kafka/libs by tests/brokers/kafka/up.sh or by ensure_kafka_libs below).
+# $CACHE_DIR/kafka/libs by lib.sh's kafka_libs).
 # Ports: broker ${ONCEFLOW_KAFKA_CLUSTER_PORT:-19110}+N, controller
 # ${ONCEFLOW_KAFKA_CLUSTER_CONTROLLER_PORT:-19120}+N. Heap per node ${ONCEFLOW_KAFKA_CLUSTER_HEAP:-384m}.
 # shellcheck source-path=SCRIPTDIR source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-KAFKA_POM="$BROKERS_DIR/kafka/pom.xml"
-LIBS="$CACHE_DIR/kafka/libs"
-JAVA=${ONCEFLOW_KAFKA_JAVA:-${JAVA_HOME:+$JAVA_HOME/bin/}java}
 HEAP=${ONCEFLOW_KAFKA_CLUSTER_HEAP:-384m}
 PORT_BASE=${ONCEFLOW_KAFKA_CLUSTER_PORT:-19110}
 CONTROLLER_BASE=${ONCEFLOW_KAFKA_CLUSTER_CONTROLLER_PORT:-19120}
@@ -27,39 +24,7 @@ bootstrap() {
     echo "${b[*]}"
 }
 
-# api_versions PORT: a real Kafka request over bash's /dev/tcp (ApiVersions v0, correlation
-# id 42); the broker must answer with that correlation id.
-api_versions() {
-    local reply
-    exec 3<>"/dev/tcp/127.0.0.1/$1" || return 1
-    printf '\x00\x00\x00\x10\x00\x12\x00\x00\x00\x00\x00\x2a\x00\x06probe1' >&3
-    reply=$(timeout 3 head -c 8 <&3 | od -An -tx1 | tr -d ' \n')
-    exec 3<&-
-    [[ ${reply:8:8} == 0000002a ]]
-}
-
-# ensure_kafka_libs: the Kafka jars of tests/brokers/kafka/pom.xml in $LIBS (resolved once per
-# pom.xml content, exactly as tests/brokers/kafka/up.sh does).
-ensure_kafka_libs() {
-    local pom_sum tmp
-    pom_sum=$(sha256sum "$KAFKA_POM" | cut -d' ' -f1)
-    if [[ ! -f $LIBS/.pom.sha256 || $(<"$LIBS/.pom.sha256") != "$pom_sum" ]]; then
-        command -v mvn >/dev/null || die "mvn not found (apt-get install maven)"
-        log "resolving Kafka jars with Maven into $LIBS"
-        tmp="$LIBS.tmp.$$"
-        rm -rf "$tmp"
-        mkdir -p "$CACHE_DIR/kafka"
-        if ! mvn -B -f "$KAFKA_POM" dependency:copy-dependencies -DoutputDirectory="$tmp" \
-            >"$CACHE_DIR/kafka/mvn.log" 2>&1; then
-            tail -n 40 "$CACHE_DIR/kafka/mvn.log" >&2
-            rm -rf "$tmp"
-            die "mvn dependency:copy-dependencies failed (log: $CACHE_DIR/kafka/mvn.log)"
-        fi
-        echo "$pom_sum" >"$tmp/.pom.sha256"
-        rm -rf "$LIBS"
-        mv "$tmp" "$LIBS"
-    fi
-}
+api_versions() { kafka_api_versions "$1"; } # PORT: the broker there answers ApiVersions
 
 # write_node_props N: node N's server.properties (path printed). Replication 3 everywhere,
 # min.insync.replicas 2, and failure detection in seconds rather than the defaults' tens of
@@ -111,44 +76,23 @@ PROPS
     echo "$props"
 }
 
-log4j_conf() { # LEVEL: log4j2 config printing to the console
-    cat <<L4J
-status = warn
-appender.out.type = Console
-appender.out.name = OUT
-appender.out.layout.type = PatternLayout
-appender.out.layout.pattern = [%d] %p %m (%c)%n
-rootLogger.level = $1
-rootLogger.appenderRef.out.ref = OUT
-logger.request.name = kafka.request.logger
-logger.request.level = WARN
-logger.statechange.name = state.change.logger
-logger.statechange.level = WARN
-L4J
-}
-
-tool() { # MAIN_CLASS args...: run a Kafka command-line tool
-    log4j_conf WARN >"$RUN_DIR/kafka-cluster-tools-log4j2.properties"
-    timeout 90 "$JAVA" -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC \
-        -Dlog4j2.configurationFile="$RUN_DIR/kafka-cluster-tools-log4j2.properties" \
-        -cp "$LIBS/*" "$@"
-}
+tool() { kafka_tool kafka-cluster "$@"; } # MAIN_CLASS args...: a Kafka command-line tool
 
 # start_node N: starts node N on its existing (formatted) data.
 start_node() {
     local n=$1 props tmp_dir="$RUN_DIR/kafka-cluster-$1-tmp"
     props=$(write_node_props "$n")
-    log4j_conf INFO >"$RUN_DIR/kafka-cluster-log4j2.properties"
+    kafka_log4j_conf INFO >"$RUN_DIR/kafka-cluster-log4j2.properties"
     mkdir -p "$tmp_dir"
     # Stopping the cluster stops its last node without a quorum: its controlled shutdown would
     # wait for ever (the data is fresh at each up.sh start anyway).
     echo KILL >"$RUN_DIR/kafka-cluster-$n.stopsignal"
     # Small heap, serial-ish GC with short pauses, few JIT threads: three of them share 2 cores.
-    start_bg "kafka-cluster-$n" "$JAVA" -Xms"$HEAP" -Xmx"$HEAP" -XX:+UseG1GC \
+    start_bg "kafka-cluster-$n" "$KAFKA_JAVA" -Xms"$HEAP" -Xmx"$HEAP" -XX:+UseG1GC \
         -XX:MaxGCPauseMillis=20 -XX:CICompilerCount=2 -XX:ParallelGCThreads=1 \
         -XX:ConcGCThreads=1 -Djava.awt.headless=true -Djava.io.tmpdir="$tmp_dir" \
         -Dlog4j2.configurationFile="$RUN_DIR/kafka-cluster-log4j2.properties" \
-        -cp "$LIBS/*" kafka.Kafka "$props"
+        -cp "$KAFKA_LIBS/*" kafka.Kafka "$props"
 }
 
 # kill_node N: SIGKILL node N's process group (a crash: no clean shutdown), wait until it is

@@ -26,12 +26,7 @@ if all_answer 2>/dev/null && [[ -s $RUN_DIR/kafka-cluster.env ]]; then
 fi
 for n in "${NODES[@]}"; do stop_service "kafka-cluster-$n" 2>/dev/null || true; done
 
-command -v "$JAVA" >/dev/null || die "java not found (need Java 17+; set JAVA_HOME)"
-ensure_kafka_libs
-kafka_jar=$(find "$LIBS" -maxdepth 1 -name 'kafka_2.13-*.jar' | head -n 1)
-[[ -n $kafka_jar ]] || die "no kafka_2.13 jar in $LIBS"
-version=${kafka_jar##*/kafka_2.13-}
-version=${version%.jar}
+version=$(kafka_libs)
 for n in "${NODES[@]}"; do
     for p in "$(node_port "$n")" "$(node_controller_port "$n")"; do
         port_in_use "$p" && die "port $p is taken by a process we did not start"

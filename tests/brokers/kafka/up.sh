@@ -20,7 +20,6 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 SERVICE=kafka
-HERE="$BROKERS_DIR/kafka"
 PORT=${ONCEFLOW_KAFKA_PORT:-19092}
 CONTROLLER_PORT=${ONCEFLOW_KAFKA_CONTROLLER_PORT:-19093}
 FAULT_PORT=${ONCEFLOW_KAFKA_FAULT_PORT:-19094}
@@ -31,47 +30,13 @@ SASL_PLAINTEXT_PORT=${ONCEFLOW_KAFKA_SASL_PLAINTEXT_PORT:-19098}
 SASL_USER=onceflow
 BOOTSTRAP="127.0.0.1:$PORT"
 URL="kafka://$BOOTSTRAP"
-LIBS="$CACHE_DIR/kafka/libs"
-JAVA=${ONCEFLOW_KAFKA_JAVA:-${JAVA_HOME:+$JAVA_HOME/bin/}java}
 HEAP=${ONCEFLOW_KAFKA_HEAP:-512m}
 
-# A real Kafka request over bash's /dev/tcp: ApiVersions v0 with correlation id
-# 42; the broker must answer with that correlation id.
-api_versions() {
-    local reply
-    exec 3<>"/dev/tcp/127.0.0.1/$PORT" || return 1
-    printf '\x00\x00\x00\x10\x00\x12\x00\x00\x00\x00\x00\x2a\x00\x06probe1' >&3
-    reply=$(timeout 3 head -c 8 <&3 | od -An -tx1 | tr -d ' \n')
-    exec 3<&-
-    [[ ${reply:8:8} == 0000002a ]]
-}
+api_versions() { kafka_api_versions "$PORT"; }
 
 already_up kafka api_versions && exit 0
 
-command -v "$JAVA" >/dev/null || die "java not found (need Java 17+; set JAVA_HOME)"
-
-# Jars: resolved once per pom.xml content.
-pom_sum=$(sha256sum "$HERE/pom.xml" | cut -d' ' -f1)
-if [[ ! -f $LIBS/.pom.sha256 || $(<"$LIBS/.pom.sha256") != "$pom_sum" ]]; then
-    command -v mvn >/dev/null || die "mvn not found (apt-get install maven)"
-    log "resolving Kafka jars with Maven into $LIBS"
-    tmp="$LIBS.tmp.$$"
-    rm -rf "$tmp"
-    mkdir -p "$CACHE_DIR/kafka"
-    if ! mvn -B -f "$HERE/pom.xml" dependency:copy-dependencies -DoutputDirectory="$tmp" \
-        >"$CACHE_DIR/kafka/mvn.log" 2>&1; then
-        tail -n 40 "$CACHE_DIR/kafka/mvn.log" >&2
-        rm -rf "$tmp"
-        die "mvn dependency:copy-dependencies failed (log: $CACHE_DIR/kafka/mvn.log)"
-    fi
-    echo "$pom_sum" >"$tmp/.pom.sha256"
-    rm -rf "$LIBS"
-    mv "$tmp" "$LIBS"
-fi
-kafka_jar=$(find "$LIBS" -maxdepth 1 -name 'kafka_2.13-*.jar' | head -n 1)
-[[ -n $kafka_jar ]] || die "no kafka_2.13 jar in $LIBS"
-version=${kafka_jar##*/kafka_2.13-}
-version=${version%.jar}
+version=$(kafka_libs)
 
 port_in_use "$PORT" && die "port $PORT is taken by a process we did not start"
 port_in_use "$CONTROLLER_PORT" && die "port $CONTROLLER_PORT is taken by a process we did not start"
@@ -132,29 +97,8 @@ share.coordinator.state.topic.num.partitions=1
 group.initial.rebalance.delay.ms=0
 PROPS
 
-log4j_conf() { # LEVEL: log4j2 config printing to the console
-    cat <<L4J
-status = warn
-appender.out.type = Console
-appender.out.name = OUT
-appender.out.layout.type = PatternLayout
-appender.out.layout.pattern = [%d] %p %m (%c)%n
-rootLogger.level = $1
-rootLogger.appenderRef.out.ref = OUT
-logger.request.name = kafka.request.logger
-logger.request.level = WARN
-logger.statechange.name = state.change.logger
-logger.statechange.level = WARN
-L4J
-}
-log4j_conf INFO >"$RUN_DIR/kafka-log4j2.properties"
-log4j_conf WARN >"$RUN_DIR/kafka-tools-log4j2.properties"
-
-tool() { # MAIN_CLASS args...: run a Kafka command-line tool
-    timeout 90 "$JAVA" -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC \
-        -Dlog4j2.configurationFile="$RUN_DIR/kafka-tools-log4j2.properties" \
-        -cp "$LIBS/*" "$@"
-}
+kafka_log4j_conf INFO >"$RUN_DIR/kafka-log4j2.properties"
+tool() { kafka_tool kafka "$@"; } # MAIN_CLASS args...: a Kafka command-line tool
 
 # Cluster id: 16 random bytes, URL-safe base64 without padding (what
 # `kafka-storage.sh random-uuid` prints); Kafka avoids ids starting with '-'.
@@ -170,10 +114,10 @@ tool kafka.tools.StorageTool format --cluster-id "$cluster_id" --config "$props"
     { cat "$RUN_DIR/kafka-format.log" >&2; die "kafka storage format failed"; }
 
 log "starting Kafka $version on $BOOTSTRAP (controller 127.0.0.1:$CONTROLLER_PORT)"
-start_bg kafka "$JAVA" -Xms"$HEAP" -Xmx"$HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+start_bg kafka "$KAFKA_JAVA" -Xms"$HEAP" -Xmx"$HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
     -Djava.awt.headless=true -Djava.io.tmpdir="$tmp_dir" \
     -Dlog4j2.configurationFile="$RUN_DIR/kafka-log4j2.properties" \
-    -cp "$LIBS/*" kafka.Kafka "$props"
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$props"
 wait_for_port 127.0.0.1 "$PORT" 90 || die "Kafka did not open $BOOTSTRAP"
 wait_until 60 api_versions || die "Kafka does not answer ApiVersions on $BOOTSTRAP"
 
