@@ -38,6 +38,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// Which way a frame travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -313,50 +314,67 @@ async fn pump(
     from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
 ) -> std::io::Result<()> {
-    let mut from = BufReader::new(from);
-    // One frame as it came, and where in it the part the rules see starts.
-    let mut wire = Vec::new();
-    loop {
-        wire.clear();
-        let start = match inner.framing {
-            Framing::LengthPrefixed => {
-                let mut size = [0u8; 4];
-                from.read_exact(&mut size).await?;
-                wire.extend_from_slice(&size);
-                wire.resize(4 + u32::from_be_bytes(size) as usize, 0);
-                from.read_exact(&mut wire[4..]).await?;
-                4
-            }
-            Framing::Nats => {
-                read_nats_frame(&mut from, &mut wire).await?;
-                0
-            }
-            Framing::Raw => {
-                wire.resize(64 * 1024, 0);
-                let n = from.read(&mut wire).await?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+    // Frames are read as they come and written at their delivery time by a writer of their
+    // own: a delayed frame holds the ones behind it (TCP keeps order) but frames read while it
+    // waits are not delayed again on top, so a steady latency stays one latency, as on a slow
+    // link, not one per frame queued.
+    let (queue, mut queued) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let writer = async move {
+        while let Some((at, wire)) = queued.recv().await {
+            tokio::time::sleep_until(at).await;
+            to.write_all(&wire).await?;
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    let reader = async move {
+        let mut from = BufReader::new(from);
+        let mut last = Instant::now();
+        loop {
+            // One frame as it came, and where in it the part the rules see starts.
+            let mut wire = Vec::new();
+            let start = match inner.framing {
+                Framing::LengthPrefixed => {
+                    let mut size = [0u8; 4];
+                    from.read_exact(&mut size).await?;
+                    wire.extend_from_slice(&size);
+                    wire.resize(4 + u32::from_be_bytes(size) as usize, 0);
+                    from.read_exact(&mut wire[4..]).await?;
+                    4
                 }
-                wire.truncate(n);
-                0
-            }
-        };
-        match decide(&inner, direction, &wire[start..]) {
-            Some(Action::Cut) => return Ok(()),
-            Some(Action::Drop) => continue,
-            Some(Action::Delay(d)) => tokio::time::sleep(d).await,
-            Some(Action::Jitter { min, max }) => {
-                let d = if max > min {
+                Framing::Nats => {
+                    read_nats_frame(&mut from, &mut wire).await?;
+                    0
+                }
+                Framing::Raw => {
+                    wire.resize(64 * 1024, 0);
+                    let n = from.read(&mut wire).await?;
+                    if n == 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    wire.truncate(n);
+                    0
+                }
+            };
+            let delay = match decide(&inner, direction, &wire[start..]) {
+                Some(Action::Cut) => return Ok(()),
+                Some(Action::Drop) => continue,
+                Some(Action::Delay(d)) => d,
+                Some(Action::Jitter { min, max }) if max > min => {
                     use rand::Rng;
                     min + (max - min).mul_f64(rand::rng().random::<f64>())
-                } else {
-                    min
-                };
-                tokio::time::sleep(d).await
+                }
+                Some(Action::Jitter { min, .. }) => min,
+                None => Duration::ZERO,
+            };
+            last = last.max(Instant::now() + delay);
+            if queue.send((last, wire)).is_err() {
+                return Ok(());
             }
-            None => {}
         }
-        to.write_all(&wire).await?;
+    };
+    tokio::select! {
+        r = reader => r,
+        r = writer => r,
     }
 }
 
