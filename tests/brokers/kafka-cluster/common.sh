@@ -7,6 +7,11 @@
 # $CACHE_DIR/kafka/libs by tests/brokers/kafka/up.sh or by ensure_kafka_libs below).
 # Ports: broker ${ONCEFLOW_KAFKA_CLUSTER_PORT:-19110}+N, controller
 # ${ONCEFLOW_KAFKA_CLUSTER_CONTROLLER_PORT:-19120}+N. Heap per node ${ONCEFLOW_KAFKA_CLUSTER_HEAP:-384m}.
+# A second client listener, FAULT, binds ${ONCEFLOW_KAFKA_CLUSTER_FAULT_PORT:-19130}+N and advertises
+# ${ONCEFLOW_KAFKA_CLUSTER_FAULT_PROXY_PORT:-19140}+N, where a network-fault test runs one fault proxy
+# per node (tests/src/fault_proxy.rs) relaying to the FAULT port: a client bootstrapped on the
+# proxy ports stays behind the proxies for every broker. Brokers talk to each other on
+# PLAINTEXT, never through the proxies.
 # shellcheck source-path=SCRIPTDIR source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 KAFKA_POM="$BROKERS_DIR/kafka/pom.xml"
@@ -15,17 +20,24 @@ JAVA=${ONCEFLOW_KAFKA_JAVA:-${JAVA_HOME:+$JAVA_HOME/bin/}java}
 HEAP=${ONCEFLOW_KAFKA_CLUSTER_HEAP:-384m}
 PORT_BASE=${ONCEFLOW_KAFKA_CLUSTER_PORT:-19110}
 CONTROLLER_BASE=${ONCEFLOW_KAFKA_CLUSTER_CONTROLLER_PORT:-19120}
+FAULT_BASE=${ONCEFLOW_KAFKA_CLUSTER_FAULT_PORT:-19130}
+FAULT_PROXY_BASE=${ONCEFLOW_KAFKA_CLUSTER_FAULT_PROXY_PORT:-19140}
 NODES=(1 2 3)
 
 node_port() { echo $((PORT_BASE + $1)); }
 node_controller_port() { echo $((CONTROLLER_BASE + $1)); }
+node_fault_port() { echo $((FAULT_BASE + $1)); }
+node_fault_proxy_port() { echo $((FAULT_PROXY_BASE + $1)); }
 
-bootstrap() {
+# joined PORT_FN: 127.0.0.1:<port of node 1>,... for the port function named.
+joined() {
     local n b=()
-    for n in "${NODES[@]}"; do b+=("127.0.0.1:$(node_port "$n")"); done
+    for n in "${NODES[@]}"; do b+=("127.0.0.1:$("$1" "$n")"); done
     local IFS=,
     echo "${b[*]}"
 }
+
+bootstrap() { joined node_port; }
 
 # api_versions PORT: a real Kafka request over bash's /dev/tcp (ApiVersions v0, correlation
 # id 42); the broker must answer with that correlation id.
@@ -74,11 +86,11 @@ write_node_props() {
 process.roles=broker,controller
 node.id=$n
 controller.quorum.voters=${voters[*]}
-listeners=PLAINTEXT://127.0.0.1:$(node_port "$n"),CONTROLLER://127.0.0.1:$(node_controller_port "$n")
-advertised.listeners=PLAINTEXT://127.0.0.1:$(node_port "$n")
+listeners=PLAINTEXT://127.0.0.1:$(node_port "$n"),CONTROLLER://127.0.0.1:$(node_controller_port "$n"),FAULT://127.0.0.1:$(node_fault_port "$n")
+advertised.listeners=PLAINTEXT://127.0.0.1:$(node_port "$n"),FAULT://127.0.0.1:$(node_fault_proxy_port "$n")
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,FAULT:PLAINTEXT
 log.dirs=$RUN_DIR/kafka-cluster-$n-data
 num.partitions=1
 default.replication.factor=3
