@@ -7,7 +7,8 @@
 //! (`tests/src/fault_proxy.rs`, raw framing). The input is a `memory://` topic, so the faults
 //! are the store's alone.
 //!
-//! A run that ends in an error is started again on the same group (what a supervisor does).
+//! The consumer waits for its store and goes on: no run may end in an error (a supervisor
+//! loop starts one again if it does, and counts it, so the figures are still printed).
 //! Checked: every key's handler finished (`lost`); no handler ran for a key the store already
 //! held as completed (`duplicated`: a second run of a key whose first completion was never
 //! confirmed is what at-least-once allows, and is counted apart); and no key was ever

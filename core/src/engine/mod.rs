@@ -20,6 +20,7 @@ use crate::model::{Message, Record};
 mod claims;
 mod idempotent;
 mod pipeline;
+mod store_retry;
 pub(crate) mod tracker;
 
 pub use idempotent::{IdempotentConsumer, RunSummary};
