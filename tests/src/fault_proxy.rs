@@ -124,7 +124,8 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Listens on `listen` (`host:port`; port 0 picks one) and relays each connection to
     /// `upstream`, in length-prefixed frames (Kafka, Pulsar). Errors if the address cannot be
-    /// bound.
+    /// bound (one in use is tried again for up to 5 s: a proxy just dropped frees its port on
+    /// the runtime's next turn).
     pub async fn start(listen: &str, upstream: &str) -> std::io::Result<FaultProxy> {
         Self::start_with(listen, upstream, Framing::LengthPrefixed).await
     }
@@ -147,7 +148,20 @@ impl FaultProxy {
         upstream: &str,
         framing: Framing,
     ) -> std::io::Result<FaultProxy> {
-        let listener = TcpListener::bind(listen).await?;
+        // A proxy dropped just before on the same port frees it once its accept task is
+        // cancelled (on the runtime's next turn): wait a little for that rather than fail.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let listener = loop {
+            match TcpListener::bind(listen).await {
+                Ok(l) => break l,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let addr = listener.local_addr()?;
         let (cut, _) = watch::channel(0u64);
         let (isolated, _) = watch::channel(false);
