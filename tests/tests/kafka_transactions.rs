@@ -936,7 +936,7 @@ async fn a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_produc
             let present = first.iter().filter(|n| **n > 0).count();
             let round = onceflow_conformance::faults::Tally {
                 lost: if present == 0 { 0 } else { 3 - present }
-                    + usize::from(got.get("after").is_none()),
+                    + usize::from(!got.contains_key("after")),
                 duplicated: first.iter().map(|n| n.saturating_sub(1)).sum::<usize>()
                     + got.get("after").map_or(0, |n| n.saturating_sub(1)),
             };
