@@ -1,8 +1,17 @@
 //! A fault layer between a client and a real broker on loopback: a TCP relay that reads the
 //! frames of both directions and, by rule, delays a frame, drops it, or cuts the connection
-//! when one passes. Every other byte is relayed unchanged, in order. Two framings
+//! when one passes. Every other byte is relayed unchanged, in order. Three framings
 //! ([`Framing`]): length-prefixed (Kafka and Pulsar both frame every request and response with
-//! a 4-byte big-endian size), and the NATS client protocol's lines and messages.
+//! a 4-byte big-endian size), the NATS client protocol's lines and messages, and raw (whatever
+//! one read returns: Redis, PostgreSQL, HTTP).
+//!
+//! The faults of issue #28, and how each is made with it:
+//! - latency with jitter: [`FaultProxy::always`] with [`Action::Jitter`] on every frame;
+//! - a reset connection: [`FaultProxy::cut_all`], or [`Action::Cut`] when a chosen frame passes;
+//! - one direction black-holed: [`Action::Drop`] on every frame of that direction (the
+//!   connection stays open, nothing arrives);
+//! - one broker cut off: [`FaultProxy::isolate`] (open connections closed, new ones accepted
+//!   and held without an answer until [`FaultProxy::heal`], as behind a partition).
 //!
 //! Brokers hand clients the addresses they advertise, so a client would leave the proxy after its
 //! first metadata lookup: the broker scripts give each broker a listener that advertises the
@@ -29,6 +38,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// Which way a frame travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,8 +59,18 @@ pub enum Action {
     Cut,
     /// Drop the frame and relay on: a frame lost on a live connection. Only for protocols that
     /// live with a missing frame (NATS: a message the server sent that never arrives, such as
-    /// a JetStream publish ack); a Kafka or Pulsar client would wait for its lost response.
+    /// a JetStream publish ack); a Kafka or Pulsar client would wait for its lost response
+    /// (until its request timeout: a black hole).
     Drop,
+    /// Hold the frame a time drawn uniformly from `min..=max`, then relay it (as
+    /// [`Action::Delay`]; frames of one connection and direction stay in order, so a slow frame
+    /// holds the ones behind it, as on a TCP stream).
+    Jitter {
+        /// Shortest hold.
+        min: Duration,
+        /// Longest hold.
+        max: Duration,
+    },
 }
 
 /// How the bytes of a connection divide into frames.
@@ -64,6 +84,10 @@ pub enum Framing {
     /// last number: the total, headers included) and its CRLF. Rules see the whole frame,
     /// control line included (see [`nats_payload`]).
     Nats,
+    /// No framing: each read from the socket (up to 64 KiB) is one frame. For protocols whose
+    /// faults are whole-connection ones (Redis, PostgreSQL, HTTP): a rule sees a chunk that may
+    /// hold part of a request or several.
+    Raw,
 }
 
 type Matcher = Box<dyn Fn(&[u8]) -> bool + Send + Sync>;
@@ -84,6 +108,10 @@ struct Inner {
     cut: watch::Sender<u64>,
     connections: AtomicUsize,
     fired: AtomicUsize,
+    /// Set by [`FaultProxy::isolate`]: new connections are held, unanswered.
+    isolated: watch::Sender<bool>,
+    /// Set when the [`FaultProxy`] is dropped: held connections close instead of relaying.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// A running fault proxy; stops relaying (and closes its connections) when dropped.
@@ -96,9 +124,16 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Listens on `listen` (`host:port`; port 0 picks one) and relays each connection to
     /// `upstream`, in length-prefixed frames (Kafka, Pulsar). Errors if the address cannot be
-    /// bound.
+    /// bound (one in use is tried again for up to 5 s: a proxy just dropped frees its port on
+    /// the runtime's next turn).
     pub async fn start(listen: &str, upstream: &str) -> std::io::Result<FaultProxy> {
         Self::start_with(listen, upstream, Framing::LengthPrefixed).await
+    }
+
+    /// [`FaultProxy::start`] without framing ([`Framing::Raw`]): for Redis, PostgreSQL or HTTP,
+    /// where the faults are connection cuts, black holes and delays of whole chunks.
+    pub async fn start_raw(listen: &str, upstream: &str) -> std::io::Result<FaultProxy> {
+        Self::start_with(listen, upstream, Framing::Raw).await
     }
 
     /// [`FaultProxy::start`] for a NATS server: the frames are the NATS protocol's
@@ -113,9 +148,23 @@ impl FaultProxy {
         upstream: &str,
         framing: Framing,
     ) -> std::io::Result<FaultProxy> {
-        let listener = TcpListener::bind(listen).await?;
+        // A proxy dropped just before on the same port frees it once its accept task is
+        // cancelled (on the runtime's next turn): wait a little for that rather than fail.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let listener = loop {
+            match TcpListener::bind(listen).await {
+                Ok(l) => break l,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let addr = listener.local_addr()?;
         let (cut, _) = watch::channel(0u64);
+        let (isolated, _) = watch::channel(false);
         let inner = Arc::new(Inner {
             upstream: upstream.to_string(),
             framing,
@@ -123,6 +172,8 @@ impl FaultProxy {
             cut,
             connections: AtomicUsize::new(0),
             fired: AtomicUsize::new(0),
+            isolated,
+            closed: Default::default(),
         });
         let accept = tokio::spawn({
             let inner = inner.clone();
@@ -133,6 +184,14 @@ impl FaultProxy {
                     };
                     let inner = inner.clone();
                     tokio::spawn(async move {
+                        // Behind a partition: the connection is accepted (the kernel does that
+                        // anyway) but nothing answers until the proxy heals; then it is relayed.
+                        let mut isolated = inner.isolated.subscribe();
+                        if isolated.wait_for(|i| !*i).await.is_err()
+                            || inner.closed.load(Ordering::Relaxed)
+                        {
+                            return;
+                        }
                         if let Ok(broker) = TcpStream::connect(&inner.upstream).await {
                             inner.connections.fetch_add(1, Ordering::Relaxed);
                             relay(inner, client, broker).await;
@@ -194,6 +253,19 @@ impl FaultProxy {
         self.inner.cut.send_modify(|g| *g += 1);
     }
 
+    /// Cuts this upstream off: every open connection closes and new ones are accepted but held,
+    /// unanswered, until [`FaultProxy::heal`] (a broker behind a network partition: clients
+    /// see their requests time out, not a refused connection).
+    pub fn isolate(&self) {
+        self.inner.isolated.send_replace(true);
+        self.cut_all();
+    }
+
+    /// Ends [`FaultProxy::isolate`]: held and new connections are relayed again.
+    pub fn heal(&self) {
+        self.inner.isolated.send_replace(false);
+    }
+
     /// How many times a rule has fired.
     pub fn fired(&self) -> usize {
         self.inner.fired.load(Ordering::Relaxed)
@@ -208,6 +280,8 @@ impl FaultProxy {
 impl Drop for FaultProxy {
     fn drop(&mut self) {
         self.accept.abort();
+        self.inner.closed.store(true, Ordering::Relaxed);
+        self.heal();
         self.cut_all();
     }
 }
@@ -254,32 +328,67 @@ async fn pump(
     from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
 ) -> std::io::Result<()> {
-    let mut from = BufReader::new(from);
-    // One frame as it came, and where in it the part the rules see starts.
-    let mut wire = Vec::new();
-    loop {
-        wire.clear();
-        let start = match inner.framing {
-            Framing::LengthPrefixed => {
-                let mut size = [0u8; 4];
-                from.read_exact(&mut size).await?;
-                wire.extend_from_slice(&size);
-                wire.resize(4 + u32::from_be_bytes(size) as usize, 0);
-                from.read_exact(&mut wire[4..]).await?;
-                4
-            }
-            Framing::Nats => {
-                read_nats_frame(&mut from, &mut wire).await?;
-                0
-            }
-        };
-        match decide(&inner, direction, &wire[start..]) {
-            Some(Action::Cut) => return Ok(()),
-            Some(Action::Drop) => continue,
-            Some(Action::Delay(d)) => tokio::time::sleep(d).await,
-            None => {}
+    // Frames are read as they come and written at their delivery time by a writer of their
+    // own: a delayed frame holds the ones behind it (TCP keeps order) but frames read while it
+    // waits are not delayed again on top, so a steady latency stays one latency, as on a slow
+    // link, not one per frame queued.
+    let (queue, mut queued) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let writer = async move {
+        while let Some((at, wire)) = queued.recv().await {
+            tokio::time::sleep_until(at).await;
+            to.write_all(&wire).await?;
         }
-        to.write_all(&wire).await?;
+        Ok::<(), std::io::Error>(())
+    };
+    let reader = async move {
+        let mut from = BufReader::new(from);
+        let mut last = Instant::now();
+        loop {
+            // One frame as it came, and where in it the part the rules see starts.
+            let mut wire = Vec::new();
+            let start = match inner.framing {
+                Framing::LengthPrefixed => {
+                    let mut size = [0u8; 4];
+                    from.read_exact(&mut size).await?;
+                    wire.extend_from_slice(&size);
+                    wire.resize(4 + u32::from_be_bytes(size) as usize, 0);
+                    from.read_exact(&mut wire[4..]).await?;
+                    4
+                }
+                Framing::Nats => {
+                    read_nats_frame(&mut from, &mut wire).await?;
+                    0
+                }
+                Framing::Raw => {
+                    wire.resize(64 * 1024, 0);
+                    let n = from.read(&mut wire).await?;
+                    if n == 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    wire.truncate(n);
+                    0
+                }
+            };
+            let delay = match decide(&inner, direction, &wire[start..]) {
+                Some(Action::Cut) => return Ok(()),
+                Some(Action::Drop) => continue,
+                Some(Action::Delay(d)) => d,
+                Some(Action::Jitter { min, max }) if max > min => {
+                    use rand::Rng;
+                    min + (max - min).mul_f64(rand::rng().random::<f64>())
+                }
+                Some(Action::Jitter { min, .. }) => min,
+                None => Duration::ZERO,
+            };
+            last = last.max(Instant::now() + delay);
+            if queue.send((last, wire)).is_err() {
+                return Ok(());
+            }
+        }
+    };
+    tokio::select! {
+        r = reader => r,
+        r = writer => r,
     }
 }
 
@@ -440,6 +549,44 @@ mod tests {
         c.read_exact(&mut got).await.unwrap();
         assert_eq!(got, want);
         assert_eq!(proxy.fired(), 1);
+    }
+
+    #[tokio::test]
+    async fn jitters_raw_chunks_and_isolates_the_upstream() {
+        let proxy = FaultProxy::start_raw("127.0.0.1:0", &echo_server().await)
+            .await
+            .unwrap();
+        proxy.always(
+            Direction::ToBroker,
+            |_| true,
+            Action::Jitter {
+                min: Duration::from_millis(100),
+                max: Duration::from_millis(200),
+            },
+        );
+        let mut c = TcpStream::connect(proxy.addr()).await.unwrap();
+        let t = std::time::Instant::now();
+        c.write_all(b"PING\r\n").await.unwrap();
+        let mut got = [0u8; 6];
+        c.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"PING\r\n");
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        proxy.clear();
+
+        // Isolated: the open connection closes, a new one is accepted but gets no answer
+        // until the proxy heals, then it is relayed.
+        proxy.isolate();
+        let mut rest = Vec::new();
+        assert_eq!(c.read_to_end(&mut rest).await.unwrap(), 0);
+        let mut held = TcpStream::connect(proxy.addr()).await.unwrap();
+        held.write_all(b"x").await.unwrap();
+        let mut one = [0u8; 1];
+        let unanswered =
+            tokio::time::timeout(Duration::from_millis(300), held.read_exact(&mut one)).await;
+        assert!(unanswered.is_err(), "no answer behind the partition");
+        proxy.heal();
+        held.read_exact(&mut one).await.unwrap();
+        assert_eq!(&one, b"x");
     }
 
     #[tokio::test]

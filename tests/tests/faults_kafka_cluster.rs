@@ -7,6 +7,13 @@
 //! Replication factor 3 and `min.insync.replicas=2` everywhere, so one dead broker loses no
 //! acknowledged write. A `read_committed` reader of B must see every input exactly once.
 //!
+//! Network faults come from one fault proxy per broker (`tests/src/fault_proxy.rs`) on the ports
+//! the brokers' FAULT listeners advertise (`ONCEFLOW_KAFKA_CLUSTER_FAULT_URL`): the pipeline's
+//! client is bootstrapped there and stays behind the proxies for every broker, while the test's
+//! own writer and reader connect directly. Latency with jitter on every broker, every
+//! connection reset, and one broker cut off from the client (its connections closed, new ones
+//! held unanswered) while the brokers still see each other.
+//!
 //! A pipeline run that ends in an error is started again on the same group and transactional
 //! id (what a supervisor does); the count of such restarts is printed, and exactly-once must
 //! hold across them too.
@@ -16,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use onceflow_conformance::fault_proxy::{Action, Direction, FaultProxy};
 use onceflow_conformance::faults::{
     find_coordinator, partition_leader, report, soak_minutes, wait_fully_replicated, ClusterNodes,
     CoordinatorType, Tally,
@@ -85,12 +93,58 @@ async fn pipeline(c: &Client, group: &str, input: &str, output: &str, tx_id: &st
     .unwrap()
 }
 
-/// Which broker a kill targets.
+/// Which broker a fault targets.
 #[derive(Debug, Clone, Copy)]
 enum Target {
     InputLeader,
     TransactionCoordinator,
     GroupCoordinator,
+}
+
+/// One fault injected under the running pipeline.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// SIGKILL the broker, restart it 5 s later, wait until every replica caught up.
+    Kill(Target),
+    /// Every frame to and from every broker held 200-500 ms (uniform) for this long.
+    Latency(Duration),
+    /// Every connection to every broker reset, three times 2 s apart.
+    Reset,
+    /// The broker cut off from the pipeline's client for this long (the brokers still see each
+    /// other: its leaderships stay where they are).
+    CutOff(Target, Duration),
+}
+
+/// One network-fault test at a time: the proxies listen on the ports the brokers advertise.
+static PROXY_PORTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// One fault proxy per broker, in node order (node 1 first), and the URL that reaches the
+/// cluster through them.
+async fn proxies() -> (Vec<FaultProxy>, String) {
+    let url = std::env::var("ONCEFLOW_KAFKA_CLUSTER_FAULT_URL")
+        .expect("ONCEFLOW_KAFKA_CLUSTER_FAULT_URL (tests/brokers/up.sh kafka-cluster prints it)");
+    let upstreams = std::env::var("ONCEFLOW_KAFKA_CLUSTER_FAULT_UPSTREAMS").expect(
+        "ONCEFLOW_KAFKA_CLUSTER_FAULT_UPSTREAMS (tests/brokers/up.sh kafka-cluster prints it)",
+    );
+    let listens = url.trim_start_matches("kafka://").split(',');
+    let mut out = Vec::new();
+    for (listen, upstream) in listens.zip(upstreams.split(',')) {
+        out.push(FaultProxy::start(listen, upstream).await.unwrap());
+    }
+    assert_eq!(out.len(), 3, "three proxies: {url} and {upstreams}");
+    (out, url)
+}
+
+/// `base` as is, or in a soak run (`ONCEFLOW_SOAK_MINUTES=m`) 3 × m faults drawn at random
+/// from it.
+fn soak_faults(base: &[Fault]) -> Vec<Fault> {
+    use rand::seq::IndexedRandom;
+    match soak_minutes() {
+        0 => base.to_vec(),
+        m => (0..3 * m)
+            .map(|_| *base.choose(&mut rand::rng()).expect("a fault"))
+            .collect(),
+    }
 }
 
 fn cluster_url(test: &str) -> Option<String> {
@@ -119,9 +173,55 @@ async fn killing_the_input_leader_and_the_transaction_coordinator_loses_and_dupl
         0 => base.to_vec(),
         m => base.iter().copied().cycle().take(3 * m as usize).collect(),
     };
-    tokio::time::timeout(HANG_GUARD, run(TEST, &url, &kills))
+    let faults: Vec<Fault> = kills.into_iter().map(Fault::Kill).collect();
+    tokio::time::timeout(HANG_GUARD, run(TEST, &url, &faults, None))
         .await
         .expect("hung");
+}
+
+/// 200-500 ms of latency (uniform jitter, each direction) on every connection to every broker
+/// for a minute, mid-stream: the group keeps its members or rebalances cleanly (the count is
+/// printed), transactions take longer, and no input is lost or written twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_with_jitter_on_every_broker_loses_and_duplicates_nothing() {
+    const TEST: &str = "latency_with_jitter_on_every_broker_loses_and_duplicates_nothing";
+    let Some(url) = cluster_url(TEST) else {
+        return;
+    };
+    let _turn = PROXY_PORTS.lock().await;
+    let (proxies, fault_url) = proxies().await;
+    let faults = soak_faults(&[Fault::Latency(Duration::from_secs(60))]);
+    tokio::time::timeout(
+        HANG_GUARD,
+        run(TEST, &url, &faults, Some((&proxies, &fault_url))),
+    )
+    .await
+    .expect("hung");
+}
+
+/// Every connection of the pipeline reset (three times), then the transaction coordinator's
+/// broker cut off from the pipeline for 20 s (connections closed, new ones unanswered) and
+/// reachable again: requests in flight are lost with their connections, the transaction in
+/// progress fails or is retried, and the output holds every input once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resets_and_a_broker_cut_off_lose_and_duplicate_nothing() {
+    const TEST: &str = "resets_and_a_broker_cut_off_lose_and_duplicate_nothing";
+    let Some(url) = cluster_url(TEST) else {
+        return;
+    };
+    let _turn = PROXY_PORTS.lock().await;
+    let (proxies, fault_url) = proxies().await;
+    let faults = soak_faults(&[
+        Fault::Reset,
+        Fault::CutOff(Target::TransactionCoordinator, Duration::from_secs(20)),
+        Fault::CutOff(Target::InputLeader, Duration::from_secs(20)),
+    ]);
+    tokio::time::timeout(
+        HANG_GUARD,
+        run(TEST, &url, &faults, Some((&proxies, &fault_url))),
+    )
+    .await
+    .expect("hung");
 }
 
 /// The group coordinator's broker SIGKILLed (and restarted) under the running pipeline.
@@ -140,9 +240,12 @@ async fn killing_the_group_coordinator_loses_and_duplicates_nothing() {
     let Some(url) = cluster_url(TEST) else {
         return;
     };
-    tokio::time::timeout(HANG_GUARD, run(TEST, &url, &[Target::GroupCoordinator]))
-        .await
-        .expect("hung");
+    tokio::time::timeout(
+        HANG_GUARD,
+        run(TEST, &url, &[Fault::Kill(Target::GroupCoordinator)], None),
+    )
+    .await
+    .expect("hung");
 }
 
 /// Names whose coordinators are on different brokers: (group, transactional id). Leaders are
@@ -174,7 +277,10 @@ async fn partition_led_elsewhere(bootstrap: &str, topic: &str, avoid: i32) -> Op
     None
 }
 
-async fn run(test: &str, url: &str, kills: &[Target]) {
+/// Runs the pipeline over `2000 × (faults + 1)` inputs, injecting fault k once k/(faults + 1)
+/// of them were consumed; with `proxies` (the fault proxies and the URL through them) the
+/// pipeline connects through them.
+async fn run(test: &str, url: &str, kills: &[Fault], proxies: Option<(&[FaultProxy], &str)>) {
     // onceflow's and librdkafka's warnings on stderr: what a stall or an error looked like.
     let _ = tracing_subscriber::fmt()
         .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
@@ -192,6 +298,14 @@ async fn run(test: &str, url: &str, kills: &[Target]) {
     let inputs = 2000 * (kills.len() + 1);
 
     let c = Client::new(onceflow_kafka::connect(url).expect("Kafka URL"));
+    // The pipeline's client: behind the proxies when there are some.
+    let behind = match proxies {
+        Some((_, fault_url)) => {
+            Client::new(onceflow_kafka::connect(fault_url).expect("Kafka fault URL"))
+        }
+        None => c.clone(),
+    };
+    let rebalances = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let id = random_suffix();
     let input = format!("faults-in-{id}");
     let output = format!("faults-out-{id}");
@@ -223,13 +337,14 @@ async fn run(test: &str, url: &str, kills: &[Target]) {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let running = {
-        let (c, group, input, output, tx_id, consumed) = (
-            c.clone(),
+        let (c, group, input, output, tx_id, consumed, rebalances) = (
+            behind.clone(),
             group.clone(),
             input.clone(),
             output.clone(),
             tx_id.clone(),
             consumed.clone(),
+            rebalances.clone(),
         );
         tokio::spawn(async move {
             let mut restarts = 0usize;
@@ -237,13 +352,17 @@ async fn run(test: &str, url: &str, kills: &[Target]) {
                 let p = pipeline(&c, &group, &input, &output, &tx_id).await;
                 let m = p.metrics();
                 let base = consumed.load(std::sync::atomic::Ordering::Relaxed);
+                let base_rebalances = rebalances.load(std::sync::atomic::Ordering::Relaxed);
                 let progress = {
-                    let consumed = consumed.clone();
+                    let (consumed, rebalances) = (consumed.clone(), rebalances.clone());
                     let m = m.clone();
                     tokio::spawn(async move {
                         loop {
-                            consumed.store(
-                                base + m.snapshot().consumed,
+                            let snap = m.snapshot();
+                            consumed
+                                .store(base + snap.consumed, std::sync::atomic::Ordering::Relaxed);
+                            rebalances.store(
+                                base_rebalances + snap.rebalances,
                                 std::sync::atomic::Ordering::Relaxed,
                             );
                             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -271,7 +390,7 @@ async fn run(test: &str, url: &str, kills: &[Target]) {
 
     let internal = ["__consumer_offsets", "__transaction_state"];
     let watched = [input.as_str(), output.as_str(), internal[0], internal[1]];
-    for (k, target) in kills.iter().enumerate() {
+    for (k, fault) in kills.iter().enumerate() {
         // Kill k once (k + 1) / (kills + 1) of the inputs went through.
         let at = (inputs * (k + 1) / (kills.len() + 1)) as u64;
         let mut last = (
@@ -293,15 +412,20 @@ async fn run(test: &str, url: &str, kills: &[Target]) {
                 k + 1
             );
         }
+        let target = match fault {
+            Fault::Kill(t) | Fault::CutOff(t, _) => Some(*t),
+            Fault::Latency(_) | Fault::Reset => None,
+        };
         let node = match target {
-            Target::InputLeader => {
+            None => 0,
+            Some(Target::InputLeader) => {
                 let g = find_coordinator(&bootstrap, &group, CoordinatorType::Group).await;
                 match partition_led_elsewhere(&bootstrap, &input, g).await {
                     Some(p) => partition_leader(&bootstrap, &input, p).await,
                     None => panic!("every input partition is led by the group coordinator"),
                 }
             }
-            Target::TransactionCoordinator => {
+            Some(Target::TransactionCoordinator) => {
                 let t = find_coordinator(&bootstrap, &tx_id, CoordinatorType::Transaction).await;
                 let g = find_coordinator(&bootstrap, &group, CoordinatorType::Group).await;
                 assert_ne!(
@@ -310,27 +434,61 @@ async fn run(test: &str, url: &str, kills: &[Target]) {
                 );
                 t
             }
-            Target::GroupCoordinator => {
+            Some(Target::GroupCoordinator) => {
                 find_coordinator(&bootstrap, &group, CoordinatorType::Group).await
             }
         };
         let node = u32::try_from(node).expect("a broker id");
         eprintln!(
-            "[{:>4} s] kill {}: SIGKILL kafka-cluster-{node} ({target:?}) at {} consumed",
+            "[{:>4} s] fault {}: {fault:?} (kafka-cluster-{node}) at {} consumed",
             started.elapsed().as_secs(),
             k + 1,
             consumed.load(std::sync::atomic::Ordering::Relaxed)
         );
         let t0 = tokio::time::Instant::now();
-        nodes.kill(node).await;
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        nodes.start(node).await;
-        wait_fully_replicated(&bootstrap, &watched, 3).await;
+        let proxy_list = || proxies.expect("a network fault needs the fault proxies").0;
+        match fault {
+            Fault::Kill(_) => {
+                nodes.kill(node).await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                nodes.start(node).await;
+                wait_fully_replicated(&bootstrap, &watched, 3).await;
+            }
+            Fault::Latency(how_long) => {
+                let jitter = Action::Jitter {
+                    min: Duration::from_millis(200),
+                    max: Duration::from_millis(500),
+                };
+                for p in proxy_list() {
+                    p.always(Direction::ToBroker, |_| true, jitter);
+                    p.always(Direction::ToClient, |_| true, jitter);
+                }
+                tokio::time::sleep(*how_long).await;
+                for p in proxy_list() {
+                    p.clear();
+                }
+            }
+            Fault::Reset => {
+                for _ in 0..3 {
+                    for p in proxy_list() {
+                        p.cut_all();
+                    }
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }
+            Fault::CutOff(_, how_long) => {
+                let p = &proxy_list()[node as usize - 1];
+                p.isolate();
+                tokio::time::sleep(*how_long).await;
+                p.heal();
+            }
+        }
         eprintln!(
-            "[{:>4} s] kill {}: kafka-cluster-{node} back and caught up after {} s",
+            "[{:>4} s] fault {}: over after {} s, at {} consumed",
             started.elapsed().as_secs(),
             k + 1,
-            t0.elapsed().as_secs()
+            t0.elapsed().as_secs(),
+            consumed.load(std::sync::atomic::Ordering::Relaxed)
         );
     }
 
@@ -394,9 +552,10 @@ async fn run(test: &str, url: &str, kills: &[Target]) {
     let tally = Tally::of(&expected, &got);
     report(test, kills.len(), tally);
     eprintln!(
-        "{test}: {inputs} inputs, {} broker kills, {restarts} pipeline restarts after an error, \
-         {} outputs read, {} s",
+        "{test}: {inputs} inputs, {} faults, {restarts} pipeline restarts after an error, \
+         {} rebalances, {} outputs read, {} s",
         kills.len(),
+        rebalances.load(std::sync::atomic::Ordering::Relaxed),
         got.values().sum::<usize>(),
         started.elapsed().as_secs()
     );

@@ -767,7 +767,9 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
         // blocking calls: commit_transaction gives up after it.
         let behind = client(&format!("{fault_url}?onceflow.timeout.ms={timeout_ms}"));
         let inputs = 120usize;
-        for extra_ms in [50u64, 150, 300, 600, 1200] {
+        let rounds = [50u64, 150, 300, 600, 1200];
+        let mut tally = onceflow_conformance::faults::Tally::default();
+        for extra_ms in rounds {
             let input = topic(&c, 1).await;
             let output = topic(&c, 1).await;
             let plain = c.producer(ProducerConfig::default()).await.unwrap();
@@ -833,6 +835,9 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
                 "the delayed commit was reported as failed: {snap:?}"
             );
             let got = read_output(&c, &output, inputs).await;
+            let expected: Vec<String> = (0..inputs).map(|i| format!("IN-{i}")).collect();
+            let round = onceflow_conformance::faults::Tally::of(&expected, &got);
+            tally = tally.plus(round);
             let twice: Vec<_> = got.iter().filter(|(_, n)| **n > 1).collect();
             assert!(
                 twice.is_empty(),
@@ -844,6 +849,11 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
                 "EndTxn delayed {timeout_ms}+{extra_ms} ms: every input in the output"
             );
         }
+        onceflow_conformance::faults::report(
+            "an_unknown_commit_outcome_is_settled_before_work_is_redone",
+            rounds.len(),
+            tally,
+        );
     })
     .await
     .expect("hung");
@@ -853,7 +863,10 @@ async fn an_unknown_commit_outcome_is_settled_before_work_is_redone() {
 /// an unknown outcome, and the producer has already taken a new epoch (KIP-98), so the late
 /// EndTxn of the old one cannot land after work redone under the new one. After
 /// `settle_transactions` the same producer runs the next transaction, and the output holds the
-/// first transaction's records all once or not at all, never twice.
+/// first transaction's records all once or not at all, never twice. Last, the EndTxn is
+/// black-holed (dropped on a connection that stays open: the coordinator never gets it, the
+/// client never gets an answer): the same, and the first transaction is aborted by the new
+/// epoch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_producer_goes_on() {
     let Some(url) =
@@ -867,7 +880,14 @@ async fn a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_produc
         let timeout_ms = 2000u64;
         let c = client(&url);
         let behind = client(&format!("{fault_url}?onceflow.timeout.ms={timeout_ms}"));
-        for extra_ms in [50u64, 1200] {
+        // Held 50 ms or 1.2 s past the timeout, then delivered; or never delivered (None).
+        let holds = [Some(50u64), Some(1200), None];
+        let mut tally = onceflow_conformance::faults::Tally::default();
+        for hold in holds {
+            let what = match hold {
+                Some(extra_ms) => format!("EndTxn delayed {timeout_ms}+{extra_ms} ms"),
+                None => "EndTxn black-holed".to_string(),
+            };
             let output = topic(&c, 1).await;
             let producer = behind
                 .producer(ProducerConfig {
@@ -881,7 +901,10 @@ async fn a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_produc
             proxy.once(
                 Direction::ToBroker,
                 |f| kafka_api_key(f) == Some(26),
-                Action::Delay(Duration::from_millis(timeout_ms + extra_ms)),
+                match hold {
+                    Some(extra_ms) => Action::Delay(Duration::from_millis(timeout_ms + extra_ms)),
+                    None => Action::Drop,
+                },
             );
             let mut tx = producer.begin().await.unwrap();
             for i in 0..3 {
@@ -893,29 +916,48 @@ async fn a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_produc
                 .commit()
                 .await
                 .expect_err("a commit whose EndTxn is held past the timeout");
-            assert!(
-                e.outcome_unknown(),
-                "EndTxn delayed {timeout_ms}+{extra_ms} ms: {e}"
-            );
+            assert!(e.outcome_unknown(), "{what}: {e} ({:?})", e.kind());
+            eprintln!("{what}: the commit failed with kind {:?}: {e}", e.kind());
             assert_eq!(proxy.fired(), fired + 1, "the EndTxn was held back");
             producer.settle_transactions().await.unwrap();
             let mut tx = producer.begin().await.unwrap();
             tx.send(Record::new(output.clone(), "after")).await.unwrap();
-            tx.commit().await.unwrap_or_else(|e| {
-                panic!("EndTxn delayed {timeout_ms}+{extra_ms} ms: the next transaction: {e}")
-            });
+            tx.commit()
+                .await
+                .unwrap_or_else(|e| panic!("{what}: the next transaction: {e}"));
             producer.close().await.unwrap();
             let got = read_output(&c, &output, 1).await;
             assert_eq!(got.get("after"), Some(&1), "{got:?}");
             let first: Vec<usize> = (0..3)
                 .map(|i| got.get(&format!("first-{i}")).copied().unwrap_or(0))
                 .collect();
+            // Lost: a record of the first transaction missing while another is there, or the
+            // next transaction's; duplicated: any copy beyond one.
+            let present = first.iter().filter(|n| **n > 0).count();
+            let round = onceflow_conformance::faults::Tally {
+                lost: if present == 0 { 0 } else { 3 - present }
+                    + usize::from(!got.contains_key("after")),
+                duplicated: first.iter().map(|n| n.saturating_sub(1)).sum::<usize>()
+                    + got.get("after").map_or(0, |n| n.saturating_sub(1)),
+            };
+            tally = tally.plus(round);
             assert!(
                 first == [0, 0, 0] || first == [1, 1, 1],
-                "EndTxn delayed {timeout_ms}+{extra_ms} ms: the first transaction's records \
-                 all once or none: {got:?}"
+                "{what}: the first transaction's records all once or none: {got:?}"
             );
+            if hold.is_none() {
+                assert_eq!(
+                    first,
+                    [0, 0, 0],
+                    "{what}: the coordinator never got the commit, the new epoch aborted it"
+                );
+            }
         }
+        onceflow_conformance::faults::report(
+            "a_transaction_by_hand_with_an_unknown_outcome_is_settled_and_the_producer_goes_on",
+            holds.len(),
+            tally,
+        );
     })
     .await
     .expect("hung");

@@ -296,6 +296,9 @@ impl Core {
     ) -> Self {
         let metrics = Metrics::new(consumer.platform(), consumer.group());
         let tracker = Tracker::new(metrics.clone());
+        // A store out of reach for a while is waited for, not the end of the run.
+        let store = store
+            .map(|s| super::store_retry::Retrying::wrap(s, config.min_backoff, config.max_backoff));
         consumer
             .backend()
             .set_rebalance_listener(Arc::new(CommitOnRevoke {

@@ -20,6 +20,7 @@ use crate::model::{Message, Record};
 mod claims;
 mod idempotent;
 mod pipeline;
+mod store_retry;
 pub(crate) mod tracker;
 
 pub use idempotent::{IdempotentConsumer, RunSummary};
@@ -227,9 +228,12 @@ pub struct EngineConfig {
     pub require_key: bool,
     /// Handler attempts per delivery (1 = no retry). Default 5.
     pub max_attempts: u32,
-    /// First retry delay; doubles up to `max_backoff`, with jitter. Default 100 ms.
+    /// First retry delay; doubles up to `max_backoff`, with jitter. Default 100 ms. Also the
+    /// first wait after a retriable failure of a poll or of a dedup store call (the store's
+    /// server restarting, a connection reset): those are waited out and made again, for as
+    /// long as they last, instead of ending the run.
     pub min_backoff: Duration,
-    /// Longest retry delay. Default 5 s.
+    /// Longest retry delay (handler retries, polls and dedup store calls). Default 5 s.
     pub max_backoff: Duration,
     /// What to do when retries are exhausted.
     pub on_failure: OnFailure,

@@ -7,24 +7,36 @@
 # $CACHE_DIR/kafka/libs by lib.sh's kafka_libs).
 # Ports: broker ${ONCEFLOW_KAFKA_CLUSTER_PORT:-19110}+N, controller
 # ${ONCEFLOW_KAFKA_CLUSTER_CONTROLLER_PORT:-19120}+N. Heap per node ${ONCEFLOW_KAFKA_CLUSTER_HEAP:-384m}.
+# A second client listener, FAULT, binds ${ONCEFLOW_KAFKA_CLUSTER_FAULT_PORT:-19130}+N and advertises
+# ${ONCEFLOW_KAFKA_CLUSTER_FAULT_PROXY_PORT:-19140}+N, where a network-fault test runs one fault proxy
+# per node (tests/src/fault_proxy.rs) relaying to the FAULT port: a client bootstrapped on the
+# proxy ports stays behind the proxies for every broker. Brokers talk to each other on
+# PLAINTEXT, never through the proxies.
 # shellcheck source-path=SCRIPTDIR source=../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 HEAP=${ONCEFLOW_KAFKA_CLUSTER_HEAP:-384m}
 PORT_BASE=${ONCEFLOW_KAFKA_CLUSTER_PORT:-19110}
 CONTROLLER_BASE=${ONCEFLOW_KAFKA_CLUSTER_CONTROLLER_PORT:-19120}
+FAULT_BASE=${ONCEFLOW_KAFKA_CLUSTER_FAULT_PORT:-19130}
+FAULT_PROXY_BASE=${ONCEFLOW_KAFKA_CLUSTER_FAULT_PROXY_PORT:-19140}
 NODES=(1 2 3)
 
 node_port() { echo $((PORT_BASE + $1)); }
 node_controller_port() { echo $((CONTROLLER_BASE + $1)); }
+node_fault_port() { echo $((FAULT_BASE + $1)); }
+node_fault_proxy_port() { echo $((FAULT_PROXY_BASE + $1)); }
 
-bootstrap() {
+# joined PORT_FN: 127.0.0.1:<port of node 1>,... for the port function named.
+joined() {
     local n b=()
-    for n in "${NODES[@]}"; do b+=("127.0.0.1:$(node_port "$n")"); done
+    for n in "${NODES[@]}"; do b+=("127.0.0.1:$("$1" "$n")"); done
     local IFS=,
     echo "${b[*]}"
 }
 
 api_versions() { kafka_api_versions "$1"; } # PORT: the broker there answers ApiVersions
+
+bootstrap() { joined node_port; }
 
 # write_node_props N: node N's server.properties (path printed). Replication 3 everywhere,
 # min.insync.replicas 2, and failure detection in seconds rather than the defaults' tens of
@@ -39,11 +51,11 @@ write_node_props() {
 process.roles=broker,controller
 node.id=$n
 controller.quorum.voters=${voters[*]}
-listeners=PLAINTEXT://127.0.0.1:$(node_port "$n"),CONTROLLER://127.0.0.1:$(node_controller_port "$n")
-advertised.listeners=PLAINTEXT://127.0.0.1:$(node_port "$n")
+listeners=PLAINTEXT://127.0.0.1:$(node_port "$n"),CONTROLLER://127.0.0.1:$(node_controller_port "$n"),FAULT://127.0.0.1:$(node_fault_port "$n")
+advertised.listeners=PLAINTEXT://127.0.0.1:$(node_port "$n"),FAULT://127.0.0.1:$(node_fault_proxy_port "$n")
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,FAULT:PLAINTEXT
 log.dirs=$RUN_DIR/kafka-cluster-$n-data
 num.partitions=1
 default.replication.factor=3

@@ -4,7 +4,10 @@
 # min.insync.replicas 2 for data, offsets and transaction state (ports and settings in
 # common.sh). Ready when every node answers and a topic with replication factor 3 can be
 # created. Prints ONCEFLOW_KAFKA_CLUSTER_URL (all three bootstrap servers) and
-# ONCEFLOW_KAFKA_CLUSTER_NODE (node.sh: `node.sh kill|start|restart N`).
+# ONCEFLOW_KAFKA_CLUSTER_NODE (node.sh: `node.sh kill|start|restart N`), and for the
+# network-fault tests ONCEFLOW_KAFKA_CLUSTER_FAULT_URL (the three fault-proxy addresses the FAULT
+# listeners advertise, in node order) and ONCEFLOW_KAFKA_CLUSTER_FAULT_UPSTREAMS (the FAULT
+# listeners each proxy relays to, same order).
 # Stop: tests/brokers/down.sh kafka-cluster (its nodes kafka-cluster-1..3).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=common.sh
@@ -28,7 +31,7 @@ for n in "${NODES[@]}"; do stop_service "kafka-cluster-$n" 2>/dev/null || true; 
 
 version=$(kafka_libs)
 for n in "${NODES[@]}"; do
-    for p in "$(node_port "$n")" "$(node_controller_port "$n")"; do
+    for p in "$(node_port "$n")" "$(node_controller_port "$n")" "$(node_fault_port "$n")"; do
         port_in_use "$p" && die "port $p is taken by a process we did not start"
     done
 done
@@ -78,4 +81,6 @@ wait_until 90 tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$(boo
 tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$(bootstrap)" \
     --delete --topic "$probe_topic" >&2 || fail "the Kafka cluster cannot delete a topic"
 emit_env kafka-cluster "ONCEFLOW_KAFKA_CLUSTER_URL=kafka://$(bootstrap)" \
-    "ONCEFLOW_KAFKA_CLUSTER_NODE=$HERE/node.sh"
+    "ONCEFLOW_KAFKA_CLUSTER_NODE=$HERE/node.sh" \
+    "ONCEFLOW_KAFKA_CLUSTER_FAULT_URL=kafka://$(joined node_fault_proxy_port)" \
+    "ONCEFLOW_KAFKA_CLUSTER_FAULT_UPSTREAMS=$(joined node_fault_port)"

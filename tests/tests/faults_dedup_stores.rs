@@ -1,0 +1,542 @@
+//! The idempotent consumer over a Redis or PostgreSQL dedup store that fails under it (issue
+//! #28): the store's server restarted mid-run, the store's connections cut while a claim is in
+//! flight (the claim reached the server, its answer never came back), and every connection
+//! reset. The store is a private server the test starts (`tests/brokers/{redis,postgres}/up.sh`
+//! on a free port in a run directory of its own, restarted by their `restart.sh` and stopped
+//! by `down.sh`), never the shared one, reached through a fault proxy
+//! (`tests/src/fault_proxy.rs`, raw framing). The input is a `memory://` topic, so the faults
+//! are the store's alone.
+//!
+//! The consumer waits for its store and goes on: no run may end in an error (a supervisor
+//! loop starts one again if it does, and counts it, so the figures are still printed).
+//! Checked: every key's handler finished (`lost`); no handler ran for a key the store already
+//! held as completed (`duplicated`: a second run of a key whose first completion was never
+//! confirmed is what at-least-once allows, and is counted apart); and no key was ever
+//! completed in the store before its handler finished (sampled every 200 ms while the faults
+//! run, and at the end).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use onceflow_conformance::fault_proxy::{Action, Direction, FaultProxy};
+use onceflow_conformance::faults::{report, soak_minutes, Tally};
+use onceflow_conformance::harness::random_suffix;
+use onceflow_core::dedup::{KeyState, SharedDedupStore};
+use onceflow_core::{
+    BoxError, Client, ConsumerConfig, EngineConfig, Handler, IdempotentConsumer, Message,
+    ProducerConfig, Record, StartFrom,
+};
+
+const HANG_GUARD: Duration = Duration::from_secs(600);
+const PARTITIONS: u32 = 4;
+
+/// A store server of the test's own: `tests/brokers/<name>/up.sh` in a run directory and on a
+/// port nobody else uses; stopped (by its pid file) when dropped.
+struct PrivateServer {
+    name: &'static str,
+    run_dir: PathBuf,
+    port_var: &'static str,
+    port: u16,
+    url: String,
+}
+
+fn brokers_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("brokers")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl PrivateServer {
+    async fn start(name: &'static str, port_var: &'static str, url_var: &str) -> PrivateServer {
+        // World-readable: PostgreSQL runs as its own user and must reach its data below it.
+        let run_dir =
+            std::env::temp_dir().join(format!("onceflow-faults-{name}-{}", random_suffix()));
+        std::fs::create_dir_all(&run_dir).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut s = PrivateServer {
+            name,
+            run_dir,
+            port_var,
+            port: free_port(),
+            url: String::new(),
+        };
+        let out = s.script("up.sh", &[]).await;
+        let line = out
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{url_var}=")))
+            .unwrap_or_else(|| panic!("{name}/up.sh printed no {url_var}"));
+        s.url = line.to_string();
+        s
+    }
+
+    /// Runs `tests/brokers/<name>/<script>` (or `tests/brokers/<script>` for down.sh) with
+    /// this server's run directory and port; returns its stdout.
+    async fn script(&self, script: &str, args: &[&str]) -> String {
+        let path = if script == "down.sh" {
+            brokers_dir().join(script)
+        } else {
+            brokers_dir().join(self.name).join(script)
+        };
+        let mut cmd = std::process::Command::new("bash");
+        cmd.arg(&path)
+            .args(args)
+            .env("ONCEFLOW_RUN_DIR", &self.run_dir)
+            .env(self.port_var, self.port.to_string());
+        let out = tokio::task::spawn_blocking(move || cmd.output())
+            .await
+            .unwrap()
+            .expect("run a broker script");
+        assert!(
+            out.status.success(),
+            "{} failed: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Stops the server and starts it again on its data (its `restart.sh`).
+    async fn restart(&self) {
+        self.script("restart.sh", &[]).await;
+    }
+
+    fn upstream(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("bash")
+            .arg(brokers_dir().join("down.sh"))
+            .arg(self.name)
+            .env("ONCEFLOW_RUN_DIR", &self.run_dir)
+            .output();
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}
+
+/// What the handler saw.
+#[derive(Default)]
+struct Ledger {
+    /// Key → handler runs that finished.
+    finished: Mutex<HashMap<String, usize>>,
+    /// Runs of a handler for a key the store already held as completed.
+    ran_for_completed: AtomicUsize,
+    /// Handler attempts that failed on purpose (every 7th key's first attempt).
+    failed_on_purpose: AtomicUsize,
+}
+
+struct Checked {
+    ledger: Arc<Ledger>,
+    /// The same store, reached directly (not through the proxy): what it holds now.
+    direct: SharedDedupStore,
+    namespace: String,
+}
+
+impl Checked {
+    async fn completed_in_store(&self, key: &str) -> bool {
+        let k = format!("{}/{key}", self.namespace);
+        // The store may be restarting: ask until it answers.
+        for _ in 0..600 {
+            match self.direct.get(std::slice::from_ref(&k)).await {
+                Ok(v) => return matches!(v.first(), Some(Some(KeyState::Completed { .. }))),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        panic!("the store did not answer for 60 s");
+    }
+}
+
+#[async_trait]
+impl Handler for Checked {
+    async fn handle(&self, m: &Message) -> Result<Option<Bytes>, BoxError> {
+        let key = String::from_utf8_lossy(m.key.as_deref().unwrap_or_default()).into_owned();
+        if self.completed_in_store(&key).await {
+            self.ledger.ran_for_completed.fetch_add(1, Ordering::SeqCst);
+        }
+        let n: usize = key.trim_start_matches('k').parse().unwrap_or(0);
+        let seen = self.ledger.finished.lock().unwrap().contains_key(&key);
+        if n.is_multiple_of(7) && !seen && rand::random::<bool>() {
+            self.ledger.failed_on_purpose.fetch_add(1, Ordering::SeqCst);
+            return Err(format!("{key}: failing on purpose").into());
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        *self.ledger.finished.lock().unwrap().entry(key).or_default() += 1;
+        Ok(Some(Bytes::from_static(b"ok")))
+    }
+}
+
+/// A fault injected under the running consumer.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// The store's server stopped and started again on its data.
+    Restart,
+    /// The connection carrying the next claim cut after the claim reached the server, before
+    /// its answer came back.
+    ClaimInFlight,
+    /// Every store connection reset.
+    Reset,
+}
+
+async fn run(test: &str, server: &PrivateServer, open: Opener) {
+    let started = tokio::time::Instant::now();
+    let proxy = FaultProxy::start_raw("127.0.0.1:0", &server.upstream())
+        .await
+        .unwrap();
+    let through = server
+        .url
+        .replace(&server.upstream(), &proxy.addr().to_string());
+    assert_ne!(through, server.url, "the URL names the server's port");
+    let window = Duration::from_secs(3600);
+    let store = open(through, window).await;
+    let direct = open(server.url.clone(), window).await;
+
+    let base: &[Fault] = &[
+        Fault::Restart,
+        Fault::ClaimInFlight,
+        Fault::Reset,
+        Fault::ClaimInFlight,
+    ];
+    let faults: Vec<Fault> = match soak_minutes() {
+        0 => base.to_vec(),
+        m => {
+            use rand::seq::IndexedRandom;
+            (0..6 * m)
+                .map(|_| *base.choose(&mut rand::rng()).unwrap())
+                .collect()
+        }
+    };
+    let keys = 1000 * (faults.len() + 1);
+
+    let id = random_suffix();
+    let platform_name = format!("faults-store-{id}");
+    let platform = onceflow_memory::connect(&format!("memory://{platform_name}")).unwrap();
+    onceflow_memory::MemoryPlatform::forget(&platform_name);
+    let c = Client::new(platform);
+    let topic = format!("in-{id}");
+    c.admin()
+        .await
+        .unwrap()
+        .create_topic(&onceflow_core::TopicSpec::new(topic.clone(), PARTITIONS))
+        .await
+        .unwrap();
+    // Every key once, and a third of them again later (redeliveries the store must skip).
+    let producer = c.producer(ProducerConfig::new()).await.unwrap();
+    let mut records: Vec<Record> = (0..keys)
+        .map(|i| {
+            Record::new(topic.clone(), format!("v{i}"))
+                .key(format!("k{i}"))
+                .idempotency_key(format!("k{i}"))
+        })
+        .collect();
+    records.extend((0..keys).step_by(3).map(|i| {
+        Record::new(topic.clone(), format!("v{i}"))
+            .key(format!("k{i}"))
+            .idempotency_key(format!("k{i}"))
+    }));
+    for r in producer.send_batch(records).await {
+        r.unwrap();
+    }
+    producer.close().await.unwrap();
+
+    let group = format!("faults-store-g-{id}");
+    let worker = format!("faults-worker-{id}");
+    let ledger = Arc::new(Ledger::default());
+    let handler = Arc::new(Checked {
+        ledger: ledger.clone(),
+        direct: direct.clone(),
+        namespace: group.clone(),
+    });
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let restarts = Arc::new(AtomicUsize::new(0));
+    let running = {
+        let (c, topic, group, worker, store, handler, restarts) = (
+            c.clone(),
+            topic.clone(),
+            group.clone(),
+            worker.clone(),
+            store.clone(),
+            handler.clone(),
+            restarts.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                let consumer = c
+                    .consumer(
+                        ConsumerConfig::new(group.clone(), [topic.clone()])
+                            .start(StartFrom::committed_or_earliest()),
+                    )
+                    .await
+                    .unwrap();
+                let config = EngineConfig {
+                    worker_id: worker.clone(),
+                    lease: Duration::from_secs(3),
+                    batch_size: 50,
+                    max_attempts: 5,
+                    min_backoff: Duration::from_millis(10),
+                    max_backoff: Duration::from_millis(100),
+                    commit_interval: Duration::from_millis(100),
+                    ..Default::default()
+                };
+                let ic = IdempotentConsumer::with_config(
+                    consumer,
+                    Some(store.clone()),
+                    handler.clone(),
+                    config,
+                    None,
+                )
+                .unwrap();
+                let mut stopped = stopped.clone();
+                match ic
+                    .run_until(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
+                {
+                    Ok(_) => return,
+                    Err(e) => {
+                        let n = restarts.fetch_add(1, Ordering::SeqCst) + 1;
+                        eprintln!(
+                            "run {n} ended in an error ({:?}), starting again: {e}",
+                            e.kind()
+                        );
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        })
+    };
+
+    // Sampled while the faults run: a key completed in the store has a finished handler run.
+    let all_keys: Vec<String> = (0..keys).map(|i| format!("{group}/k{i}")).collect();
+    let early_completions = Arc::new(AtomicUsize::new(0));
+    let sampler = {
+        let (direct, ledger, all_keys, early) = (
+            direct.clone(),
+            ledger.clone(),
+            all_keys.clone(),
+            early_completions.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                // Completed keys first, then the ledger: a completion must follow its run.
+                if let Ok(states) = direct.get(&all_keys).await {
+                    let finished = ledger.finished.lock().unwrap();
+                    for (k, s) in all_keys.iter().zip(states) {
+                        if matches!(s, Some(KeyState::Completed { .. }))
+                            && !finished.contains_key(k.rsplit('/').next().unwrap())
+                        {
+                            eprintln!("{k} completed in the store before its handler finished");
+                            early.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+
+    let finished_count = || ledger.finished.lock().unwrap().len();
+    for (k, fault) in faults.iter().enumerate() {
+        let at = keys * (k + 1) / (faults.len() + 1);
+        while finished_count() < at {
+            assert!(!running.is_finished(), "the consumer task ended early");
+            assert!(
+                started.elapsed() < HANG_GUARD,
+                "stalled at {} of {keys} keys",
+                finished_count()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        eprintln!(
+            "[{:>4} s] fault {}: {fault:?} at {} keys finished",
+            started.elapsed().as_secs(),
+            k + 1,
+            finished_count()
+        );
+        match fault {
+            Fault::Restart => server.restart().await,
+            Fault::Reset => proxy.cut_all(),
+            Fault::ClaimInFlight => {
+                // A chunk to the server holding the worker's id is a claim (claims alone carry
+                // the owner): the next chunk back, its answer, is never delivered.
+                let armed = Arc::new(AtomicBool::new(false));
+                let before = proxy.fired();
+                let (a, w) = (armed.clone(), worker.clone().into_bytes());
+                proxy.once(
+                    Direction::ToBroker,
+                    move |chunk| {
+                        if chunk.windows(w.len()).any(|x| x == w) {
+                            a.store(true, Ordering::SeqCst);
+                        }
+                        false
+                    },
+                    Action::Cut,
+                );
+                let a = armed.clone();
+                proxy.once(
+                    Direction::ToClient,
+                    move |_| a.load(Ordering::SeqCst),
+                    Action::Cut,
+                );
+                while proxy.fired() == before && finished_count() < keys {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                proxy.clear();
+            }
+        }
+    }
+    eprintln!(
+        "[{:>4} s] faults done, waiting for every key",
+        started.elapsed().as_secs()
+    );
+    while finished_count() < keys {
+        assert!(!running.is_finished(), "the consumer task ended early");
+        assert!(
+            started.elapsed() < HANG_GUARD,
+            "stalled at {} of {keys} keys after the faults",
+            finished_count()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Every key completed in the store (the last completions may still be on their way).
+    let mut incomplete = keys;
+    for _ in 0..300 {
+        let states = direct.get(&all_keys).await.unwrap();
+        incomplete = states
+            .iter()
+            .filter(|s| !matches!(s, Some(KeyState::Completed { .. })))
+            .count();
+        if incomplete == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Let the redeliveries behind the last keys come through (they must all be skipped).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = stop.send(true);
+    running.await.unwrap();
+    sampler.abort();
+
+    let finished = ledger.finished.lock().unwrap().clone();
+    let expected: Vec<String> = (0..keys).map(|i| format!("k{i}")).collect();
+    // Runs again for a key whose completion never landed are what at-least-once allows: the
+    // duplicates counted are runs for a key already completed (below).
+    let seen: std::collections::BTreeMap<String, usize> =
+        finished.keys().map(|k| (k.clone(), 1)).collect();
+    let mut tally = Tally::of(&expected, &seen);
+    let ran_for_completed = ledger.ran_for_completed.load(Ordering::SeqCst);
+    let early = early_completions.load(Ordering::SeqCst);
+    tally.duplicated += ran_for_completed;
+    tally.lost += incomplete + early;
+    let rerun: usize = finished.values().map(|n| n - 1).sum();
+    report(test, faults.len(), tally);
+    eprintln!(
+        "{test}: {keys} keys (+{} redeliveries), {} faults, {} runs restarted after an error, \
+         {rerun} handler runs again for a key whose completion was never confirmed, \
+         {ran_for_completed} runs for a key already completed, {early} keys completed before \
+         their handler finished, {incomplete} not completed at the end, {} failures on \
+         purpose, {} s",
+        keys.div_ceil(3),
+        faults.len(),
+        restarts.load(Ordering::SeqCst),
+        ledger.failed_on_purpose.load(Ordering::SeqCst),
+        started.elapsed().as_secs()
+    );
+    assert_eq!(
+        tally,
+        Tally::default(),
+        "every key handled once, none early"
+    );
+}
+
+type Opener = fn(
+    String,
+    Duration,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = SharedDedupStore> + Send>>;
+
+fn open_redis(
+    url: String,
+    window: Duration,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = SharedDedupStore> + Send>> {
+    Box::pin(async move {
+        Arc::new(
+            onceflow_redis::RedisStore::open(&url, window)
+                .await
+                .unwrap_or_else(|e| panic!("open the Redis store: {e}")),
+        ) as SharedDedupStore
+    })
+}
+
+fn open_postgres(
+    url: String,
+    window: Duration,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = SharedDedupStore> + Send>> {
+    Box::pin(async move {
+        Arc::new(
+            onceflow_postgres::PostgresStore::open(&url, window)
+                .await
+                .unwrap_or_else(|e| panic!("open the PostgreSQL store: {e}")),
+        ) as SharedDedupStore
+    })
+}
+
+fn enabled(test: &str, tool: &str) -> bool {
+    let found = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "command -v {tool} || ls /usr/lib/postgresql/*/bin/{tool}"
+        ))
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !found && std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1") {
+        eprintln!("SKIPPED {test}: {tool} is not installed");
+        return false;
+    }
+    true
+}
+
+/// Redis: its server restarted, a claim's answer cut off, every connection reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_faults_lose_nothing_and_run_no_completed_key_again() {
+    const TEST: &str = "redis_store_faults_lose_nothing_and_run_no_completed_key_again";
+    if !enabled(TEST, "redis-server") {
+        return;
+    }
+    let server = PrivateServer::start("redis", "ONCEFLOW_REDIS_PORT", "ONCEFLOW_REDIS_URL").await;
+    tokio::time::timeout(HANG_GUARD, run(TEST, &server, open_redis))
+        .await
+        .expect("hung");
+}
+
+/// PostgreSQL: its server restarted, a claim's answer cut off, every connection reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_faults_lose_nothing_and_run_no_completed_key_again() {
+    const TEST: &str = "postgres_store_faults_lose_nothing_and_run_no_completed_key_again";
+    if !enabled(TEST, "initdb") {
+        return;
+    }
+    let server = PrivateServer::start(
+        "postgres",
+        "ONCEFLOW_POSTGRES_PORT",
+        "ONCEFLOW_POSTGRES_URL",
+    )
+    .await;
+    tokio::time::timeout(HANG_GUARD, run(TEST, &server, open_postgres))
+        .await
+        .expect("hung");
+}
