@@ -842,8 +842,15 @@ impl TxLoop<'_> {
         if st.pending.is_empty() {
             return Ok(true);
         }
-        let (records, parents): (Vec<Record>, Vec<Option<opentelemetry::Context>>) =
-            std::mem::take(&mut st.pending).into_iter().unzip();
+        // Drained, not taken: `pending` keeps its capacity for the next batch (regrowing a
+        // batch's worth of records each time showed in K4's profile), and the two vectors
+        // handed on are allocated once at their size.
+        let n = st.pending.len();
+        let (mut records, mut parents) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (r, p) in st.pending.drain(..) {
+            records.push(r);
+            parents.push(p);
+        }
         let tx = st
             .tx
             .as_mut()
