@@ -289,6 +289,44 @@ pub async fn checkpoint_store(url: &str) -> Result<checkpoint::SharedCheckpointS
 mod tests {
     use super::*;
 
+    /// A store crate the build lacks is named with its feature (Unsupported; Config for its bare
+    /// scheme name); one it has, or any other URL, is left to the openers.
+    #[test]
+    fn absent_stores_are_named_by_crate_and_feature() {
+        for (url, feature, krate, present) in [
+            (
+                "redis://u:pw@h:1",
+                "redis",
+                "onceflow-redis",
+                cfg!(feature = "redis"),
+            ),
+            (
+                "postgresql://h/db",
+                "postgres",
+                "onceflow-postgres",
+                cfg!(feature = "postgres"),
+            ),
+        ] {
+            match absent_store(url, "dedup") {
+                None => assert!(present, "{url}"),
+                Some(e) => {
+                    assert!(!present, "{url}: {e}");
+                    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+                    assert!(e.message().contains(krate), "{e}");
+                    assert!(e.message().contains(&format!("`{feature}`")), "{e}");
+                    assert!(!e.message().contains("pw"), "{e}");
+                }
+            }
+            let bare = url.split("://").next().unwrap_or_default();
+            if let Some(e) = absent_store(bare, "checkpoint") {
+                assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+                assert!(e.message().contains("://"), "{e}");
+            }
+        }
+        assert!(absent_store("memory://", "dedup").is_none());
+        assert!(absent_store("./dedup.db", "dedup").is_none());
+    }
+
     #[test]
     fn options_join_the_query_encoded() {
         let u = url_with_options(
