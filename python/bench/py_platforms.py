@@ -214,7 +214,8 @@ def pulsarpy_produce(url: str, topic: str, n: int) -> Timed:
     import pulsar
 
     client = pulsar.Client(pulsar_service(url), logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
-    producer = client.create_producer(pulsar_topic(topic))
+    # Blocks when its pending queue (1 000 by default) is full, instead of failing the send.
+    producer = client.create_producer(pulsar_topic(topic), block_if_queue_full=True)
     producer.send(PAYLOAD)
     acked = [0, 0]
 
