@@ -226,7 +226,13 @@ export interface InboxOptions {
   windowMs?: number
   /** `header:NAME` or `coordinates` (default: the `idempotency-key` header, else the coordinates). */
   key?: string
-  /** Names the inbox's keys and positions in the database (default: the consumer group). */
+  /**
+   * The inbox's identity in its database: names its keys and positions (default `'default'`,
+   * whatever the consumer group, so a new group on the same database handles nothing twice).
+   * Give each application that shares the database and reads the same topics its own
+   * (`'billing'`); an inbox that ran when the default was the group name keeps its keys with
+   * `namespace: '<that group>'`.
+   */
   namespace?: string
   /** Messages per poll, at least 1 (default 100). */
   batchSize?: number
@@ -270,7 +276,11 @@ export declare class InboxTransaction {
  * also records the message's idempotency key and the consumer's position, so the handler's
  * rows, the key and the position are committed together or not at all. A key already recorded
  * is a duplicate (the handler does not run); on start the consumer is sought past the stored
- * positions, so a new group handles nothing twice. A throwing handler is retried with backoff;
+ * positions, so a new group handles nothing twice (keys and positions belong to the inbox's
+ * `namespace`, never to the consumer group). With `@opentelemetry/api` registered, the handler
+ * runs inside a `process {topic}` span (kind CONSUMER), a child of the trace context the message
+ * carries, with the idempotent consumer's attributes; a duplicate starts none. A throwing
+ * handler is retried with backoff;
  * after `maxAttempts` `run()` / `step()` reject with `ONCEFLOW_HANDLER` (its `cause` is what
  * the handler threw) and nothing of that message is committed.
  */
@@ -293,7 +303,10 @@ export declare class Inbox {
   step(): Promise<number>
   stop(): void
   summary(): InboxSummary
-  /** The positions stored for the namespace, per partition. */
+  /**
+   * The positions stored for the namespace, per partition: the last message committed on each;
+   * also while `run()` runs and after it returned.
+   */
   storedPositions(): Promise<StoredPosition[]>
   readonly store: 'postgres' | 'embedded' | undefined
   readonly namespace: string | undefined

@@ -676,9 +676,14 @@ class Inbox {
     this._options = options || {}
     this._native = null
     this._stopped = false
+    // The handler runs in a `process {topic}` span, a child of the message's trace context,
+    // as the idempotent consumer's handler does (the core's span plan; a no-op without
+    // @opentelemetry/api); a key already handled runs no handler and starts no span.
+    const system = consumer.platform
+    const group = consumer.group
     this._handler = async (call) => {
       try {
-        await handler(call.message, new InboxTransaction(call))
+        await otel.runHandler(call.message, system, group, () => handler(call.message, new InboxTransaction(call)))
       } catch (e) {
         throw stash(e)
       }
@@ -720,7 +725,10 @@ class Inbox {
   summary() {
     return this._native ? this._native.summary() : { handled: 0, duplicates: 0, behindPosition: 0 }
   }
-  /** The positions stored for the namespace: `[{ topic, partition, position }]`. */
+  /**
+   * The positions stored for the namespace: `[{ topic, partition, position }]`, the last message
+   * committed per partition; also while `run()` runs and after it returned.
+   */
   async storedPositions() {
     await this.open()
     return this._native.storedPositions()

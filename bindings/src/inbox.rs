@@ -648,6 +648,30 @@ fn target(url: &str) -> Result<Target> {
     }
 }
 
+/// Reads an inbox's stored positions, also while it runs and after it ran (made by
+/// [`Inbox::positions_reader`]; cheap to clone).
+#[derive(Debug, Clone)]
+pub struct InboxPositions(PositionsKind);
+
+#[derive(Debug, Clone)]
+enum PositionsKind {
+    #[cfg(feature = "postgres")]
+    Postgres(onceflow::postgres::InboxPositions),
+    Embedded(onceflow::inbox::EmbeddedInboxPositions),
+}
+
+impl InboxPositions {
+    /// Per partition, the last message handled (or skipped) and committed, ordered by topic
+    /// and partition; the store's error when it cannot be read.
+    pub async fn read(&self) -> Result<Vec<(TopicPartition, Position)>> {
+        match &self.0 {
+            #[cfg(feature = "postgres")]
+            PositionsKind::Postgres(p) => p.read().await,
+            PositionsKind::Embedded(p) => p.read().await,
+        }
+    }
+}
+
 impl Inbox {
     /// Opens the store at `url` (`postgres://…`, `postgresql://…`, `embedded:///path.db` or a
     /// file path; keys remembered for `window`) and makes an inbox over `consumer` whose
@@ -667,6 +691,12 @@ impl Inbox {
                 "inbox window is 0: expected a positive duration (how long keys are remembered)",
             ));
         }
+        // The host starts the handler's process span through its own OpenTelemetry API (the
+        // plan of `onceflow::trace::plan::process`), as for the idempotent consumer.
+        let config = InboxConfig {
+            tracing: false,
+            ..config
+        };
         let kind = match target(url)? {
             #[cfg(feature = "postgres")]
             Target::Postgres => {
@@ -718,11 +748,17 @@ impl Inbox {
 
     /// The positions stored for the namespace, per partition.
     pub async fn stored_positions(&self) -> Result<Vec<(TopicPartition, Position)>> {
-        match &self.kind {
+        self.positions_reader().read().await
+    }
+
+    /// A reader of the stored positions that outlives the inbox: the bindings keep it so
+    /// `stored_positions()` answers while `run()` holds the inbox and after it returned.
+    pub fn positions_reader(&self) -> InboxPositions {
+        InboxPositions(match &self.kind {
             #[cfg(feature = "postgres")]
-            Kind::Postgres(i, _) => i.stored_positions().await,
-            Kind::Embedded(i, _) => i.stored_positions().await,
-        }
+            Kind::Postgres(i, _) => PositionsKind::Postgres(i.positions_reader()),
+            Kind::Embedded(i, _) => PositionsKind::Embedded(i.positions_reader()),
+        })
     }
 
     /// Polls once and handles what came; the number of messages polled.

@@ -5,13 +5,18 @@
 // - onceflow, batch path: `consumer.batches()` (one native crossing per batch of up to 1000
 //   messages, each batch an array of messages);
 // - onceflow, `for await (const m of consumer)` (the same crossings, one message at a time);
-// - kafkajs 2.x: `consumer.run({ eachBatch })` with its defaults otherwise.
+// - kafkajs 2.x: `consumer.run({ eachBatch })` with its defaults otherwise;
+// - @confluentinc/kafka-javascript (issue 24, target onceflow >= 1.3x), when installed
+//   (bench/install-confluent.sh): its KafkaJS-compatible `consumer.run({ eachBatch })` at its
+//   defaults, auto commit off as onceflow's. Its RATIO line is the median of the per-round ratios
+//   (both rates of the same round), as issue 24 asks; the kafkajs lines keep the best round.
 // Every variant reads each message's payload (the byte total is checked) and counts until N.
 // The rate is N over the time from the first message to the N-th (group join excluded, the
 // same for every client). Rounds alternate the clients; the best round of each is kept.
 //
 // Usage: ONCEFLOW_KAFKA_URL=kafka://127.0.0.1:19092 node bench/js2.js [N] [ROUNDS (default 3)]
-// ONCEFLOW_JS2_PARTITIONS sets the topic's partitions (default 1).
+// ONCEFLOW_JS2_PARTITIONS sets the topic's partitions (default 1); ONCEFLOW_JS2_SKIP_KAFKAJS=1
+// leaves kafkajs out, ONCEFLOW_JS2_SKIP_CONFLUENT=1 the confluent client.
 const { Kafka, logLevel } = require('kafkajs')
 const onceflow = require('..')
 const crypto = require('node:crypto')
@@ -59,6 +64,55 @@ function onceflowLibrdkafka() {
   } catch {
     return '?'
   }
+}
+
+/** The confluent client, or the reason it is missing (looked up as bench/js1.js does). */
+function loadConfluent() {
+  const dir = process.env.ONCEFLOW_BENCH_CONFLUENT_DIR || path.join(os.homedir(), '.cache', 'onceflow', 'confluent-kafka-javascript')
+  try {
+    const paths = [dir, path.join(__dirname, '..')]
+    const mod = require(require.resolve('@confluentinc/kafka-javascript', { paths }))
+    const pkg = require(require.resolve('@confluentinc/kafka-javascript/package.json', { paths }))
+    return { mod, version: pkg.version, librdkafka: mod.librdkafkaVersion }
+  } catch (e) {
+    return { missing: `${e.code || 'error'}: ${String(e.message).split('\n')[0]}` }
+  }
+}
+
+/** @confluentinc/kafka-javascript, KafkaJS-compatible `eachBatch`. */
+async function confluentEachBatch(confluent, topic) {
+  const { Kafka: CKafka, logLevel: cLogLevel } = confluent.mod.KafkaJS
+  const kafka = new CKafka({ kafkaJS: { clientId: 'js2', brokers: [broker], logLevel: cLogLevel.NOTHING } })
+  const consumer = kafka.consumer({ kafkaJS: { groupId: group('confluent'), fromBeginning: true, autoCommit: false } })
+  await consumer.connect()
+  await consumer.subscribe({ topics: [topic] })
+  let count = 0
+  let bytes = 0
+  let t0
+  let tEnd
+  await new Promise((resolve, reject) => {
+    consumer
+      .run({
+        eachBatch: async ({ batch }) => {
+          if (t0 === undefined && batch.messages.length) t0 = process.hrtime.bigint()
+          for (const m of batch.messages) bytes += m.value.length
+          count += batch.messages.length
+          if (count >= N && tEnd === undefined) {
+            tEnd = process.hrtime.bigint()
+            resolve()
+          }
+        },
+      })
+      .catch(reject)
+  })
+  await consumer.disconnect()
+  check('confluent eachBatch', count, bytes)
+  return N / (Number(tEnd - t0) / 1e9)
+}
+
+const median = (xs) => {
+  const s = [...xs].sort((a, b) => a - b)
+  return s.length % 2 ? s[(s.length - 1) / 2] : (s[s.length / 2 - 1] + s[s.length / 2]) / 2
 }
 
 const loadavg = () => os.loadavg().map((x) => x.toFixed(2)).join(' ')
@@ -139,17 +193,31 @@ async function kafkajsEachBatch(topic) {
     `node ${process.version}, onceflow ${onceflow.version} (librdkafka ${onceflowLibrdkafka()}), ` +
       `kafkajs ${require('kafkajs/package.json').version}, load average ${loadavg()}`
   )
+  const confluent = loadConfluent()
+  console.log(
+    confluent.missing
+      ? `@confluentinc/kafka-javascript not installed (bench/install-confluent.sh): ${confluent.missing}`
+      : `@confluentinc/kafka-javascript ${confluent.version} (librdkafka ${confluent.librdkafka})`
+  )
   const client = await onceflow.connect(url)
   const topic = `js2-${id}`
   await prefill(client, topic)
   const best = { kafkajs: 0, batches: 0, each: 0 }
+  const vsConfluent = { batches: [], each: [] }
   for (let r = 1; r <= ROUNDS; r++) {
-    const k = await kafkajsEachBatch(topic)
+    const c = confluent.missing || process.env.ONCEFLOW_JS2_SKIP_CONFLUENT ? undefined : await confluentEachBatch(confluent, topic)
+    const k = process.env.ONCEFLOW_JS2_SKIP_KAFKAJS ? NaN : await kafkajsEachBatch(topic)
     const b = await onceflowBatches(client, topic)
     const e = await onceflowForAwait(client, topic)
+    if (c !== undefined) {
+      vsConfluent.batches.push(b / c)
+      vsConfluent.each.push(e / c)
+    }
     console.log(
       `round ${r}: kafkajs eachBatch ${k.toFixed(0)} msg/s, onceflow batches ${b.toFixed(0)} msg/s, ` +
-        `onceflow for-await ${e.toFixed(0)} msg/s`
+        `onceflow for-await ${e.toFixed(0)} msg/s` +
+        (c === undefined ? '' : `, confluent eachBatch ${c.toFixed(0)} msg/s`) +
+        `, load average ${loadavg()}`
     )
     best.kafkajs = Math.max(best.kafkajs, k)
     best.batches = Math.max(best.batches, b)
@@ -159,8 +227,17 @@ async function kafkajsEachBatch(topic) {
   const verdict = (x) => (x >= 1.3 ? 'PASS' : 'MISS')
   const rb = best.batches / best.kafkajs
   const re = best.each / best.kafkajs
-  console.log(`RATIO JS2 onceflow-batches/kafkajs-eachBatch ${rb.toFixed(2)} target >=1.3 ${verdict(rb)} ${tail}`)
-  console.log(`RATIO JS2 onceflow-for-await/kafkajs-eachBatch ${re.toFixed(2)} target >=1.3 ${verdict(re)} ${tail}`)
+  if (!process.env.ONCEFLOW_JS2_SKIP_KAFKAJS) {
+    console.log(`RATIO JS2 onceflow-batches/kafkajs-eachBatch ${rb.toFixed(2)} target >=1.3 ${verdict(rb)} ${tail}`)
+    console.log(`RATIO JS2 onceflow-for-await/kafkajs-eachBatch ${re.toFixed(2)} target >=1.3 ${verdict(re)} ${tail}`)
+  }
+  if (vsConfluent.batches.length) {
+    const ctail = `(N=${N}, ${SIZE} B, ${PARTITIONS} partition(s), median of ${vsConfluent.batches.length})`
+    const mb = median(vsConfluent.batches)
+    const me = median(vsConfluent.each)
+    console.log(`RATIO JS2 onceflow-batches/confluent-eachBatch ${mb.toFixed(2)} target >=1.3 ${verdict(mb)} ${ctail}`)
+    console.log(`RATIO JS2 onceflow-for-await/confluent-eachBatch ${me.toFixed(2)} target >=1.3 ${verdict(me)} ${ctail}`)
+  }
   console.log(`load average after: ${loadavg()}`)
 })().catch((e) => {
   console.error(e)

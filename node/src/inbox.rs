@@ -234,6 +234,7 @@ fn already_ran() -> onceflow::Error {
 #[napi]
 pub struct NativeInbox {
     inner: Arc<tokio::sync::Mutex<Option<inbox::Inbox>>>,
+    positions: inbox::InboxPositions,
     store: String,
     namespace: String,
     last: Arc<std::sync::Mutex<RsInboxSummary>>,
@@ -280,6 +281,7 @@ pub fn open_inbox<'env>(
         Ok(NativeInbox {
             store: ib.store().name().to_string(),
             namespace: ib.namespace().to_string(),
+            positions: ib.positions_reader(),
             inner: Arc::new(tokio::sync::Mutex::new(Some(ib))),
             last: Arc::default(),
             stop: tokio::sync::watch::channel(false).0,
@@ -295,7 +297,8 @@ impl NativeInbox {
         self.store.clone()
     }
 
-    /// The namespace of the inbox's keys and positions (default: the consumer group).
+    /// The namespace of the inbox's keys and positions (default `"default"`; never the
+    /// consumer group, so a new group on the same database handles nothing twice).
     #[napi(getter)]
     pub fn namespace(&self) -> String {
         self.namespace.clone()
@@ -314,17 +317,13 @@ impl NativeInbox {
         s.into()
     }
 
-    /// The positions stored for the namespace, per partition.
+    /// The positions stored for the namespace, per partition; also while `run()` runs and
+    /// after it returned.
     #[napi]
     pub async fn stored_positions(&self) -> Result<Vec<StoredPosition>> {
-        let inner = self.inner.clone();
+        let positions = self.positions.clone();
         on_rt(async move {
-            let g = inner.lock().await;
-            let ps = g
-                .as_ref()
-                .ok_or_else(already_ran)?
-                .stored_positions()
-                .await?;
+            let ps = positions.read().await?;
             Ok(ps
                 .into_iter()
                 .map(|(tp, p)| StoredPosition {

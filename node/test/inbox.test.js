@@ -278,6 +278,43 @@ for (const p of platforms()) {
   }
 }
 
+// The inbox's keys and positions belong to its namespace ('default' unless set), not to the
+// consumer group: a second group reading the topic from the earliest offset on the same database
+// resumes after the stored position and skips the keys already done (#24). Keys are unique per
+// run, since the default namespace is shared by every run on the database.
+if (process.env.ONCEFLOW_KAFKA_URL) {
+  for (const kind of stores) {
+    test(`kafka/${kind}: a new group with the default namespace handles nothing twice`, async (t) => {
+      const db = database(kind, t)
+      if (!db) return
+      const client = await onceflow.connect(process.env.ONCEFLOW_KAFKA_URL)
+      const tp = await topic(client)
+      const run = unique('ng')
+      const firstKeys = Array.from({ length: 30 }, (_, i) => `${run}-${i}`)
+      await send(client, tp, firstKeys.map((k) => [k, 'a']))
+      const calls = {}
+      const handle = inserting(db, calls)
+      const first = await client.consumer(unique('g'), [tp], { start: 'earliest' })
+      const inbox = new onceflow.Inbox(first, handle, db.url)
+      await stepUntil(inbox, (s) => s.handled >= 30)
+      assert.equal(inbox.namespace, 'default')
+      await first.close()
+
+      // Two new keys and a repeat of the first one, after the stored position.
+      await send(client, tp, [[`${run}-new0`, 'b'], [`${run}-new1`, 'b'], [firstKeys[0], 'a']])
+      const second = await client.consumer(unique('g-second'), [tp], { start: 'earliest' })
+      const again = new onceflow.Inbox(second, handle, db.url)
+      await stepUntil(again, (s) => s.handled + s.duplicates >= 3)
+      assert.equal(again.namespace, 'default')
+      assert.equal(again.summary().handled, 2, JSON.stringify(again.summary()))
+      assert.equal(again.summary().duplicates, 1, JSON.stringify(again.summary()))
+      assert.ok(Object.values(calls).every((n) => n === 1), JSON.stringify(calls))
+      assert.equal(db.rows().filter((r) => r[0].startsWith(run)).length, 32)
+      await second.close()
+    })
+  }
+}
+
 for (const kind of stores) {
   test(`memory/${kind}: the transaction is closed after the handler; params are typed`, async (t) => {
     const db = database(kind, t)
@@ -373,21 +410,25 @@ for (const kind of stores) {
     const calls = {}
     const handle = inserting(db, calls)
     const consumer = await client.consumer(unique('g'), [tp], { start: 'earliest' })
+    const namespace = unique('ns')
     const inbox = new onceflow.Inbox(
       consumer,
       async (m, tx) => {
         await handle(m, tx)
         if (Object.keys(calls).length === 2) inbox.stop()
       },
-      db.url
+      db.url,
+      { namespace }
     )
     const summary = await inbox.run()
     // The batch in hand is handled to its end: the repeat of u0 is skipped as a duplicate.
     assert.deepEqual(summary, { handled: 2, duplicates: 1, behindPosition: 0 })
     assert.deepEqual(inbox.summary(), summary)
-    assert.equal(inbox.namespace, consumer.group)
+    assert.equal(inbox.namespace, namespace)
     await assert.rejects(inbox.step(), /already ran/)
     assert.deepEqual(db.rows(), [['u0', 'a'], ['u1', 'b']])
+    // The positions are still readable after run() returned: the last of the three committed.
+    assert.deepEqual(await inbox.storedPositions(), [{ topic: tp, partition: 0, position: 'offset:2' }])
     await consumer.close()
   })
 }

@@ -224,3 +224,69 @@ test('contextOf: the context a message carries, its trace headers read in any ca
   assert.equal(traceOf(plain), own.split('-')[1])
   assert.notEqual(traceOf(plain), traceOf(traced))
 })
+
+// The transactional inbox's handler runs in the message's trace context, inside a `process`
+// span per attempt (the core's plan, as the idempotent consumer's): a failed attempt's span is
+// marked failed, the retry gets a new one, and a repeated key (a duplicate) starts none (#24).
+for (const p of platforms()) {
+  test(`${p.name}: the inbox handler runs in a process span, child of the producer span`, async () => {
+    exporter.reset()
+    const fs = require('node:fs')
+    const os = require('node:os')
+    const path = require('node:path')
+    const file = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'onceflow-otel-inbox-')), 'inbox.db')
+    const client = await onceflow.connect(p.url())
+    const t = await topic(client)
+    const producer = await client.producer()
+    let traceId
+    await tracer.startActiveSpan('checkout', async (span) => {
+      traceId = span.spanContext().traceId
+      // The repeat rides in its own header: JetStream drops a repeated idempotency key.
+      await producer.send({ topic: t, payload: 'order', headers: [{ name: 'order-id', value: 'o1' }] })
+      await producer.send({ topic: t, payload: 'order', headers: [{ name: 'order-id', value: 'o1' }] })
+      span.end()
+    })
+    await producer.close()
+    const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+    const active = []
+    let attempts = 0
+    const inbox = new onceflow.Inbox(
+      consumer,
+      async (m, tx) => {
+        active.push(api.trace.getSpan(api.context.active()).spanContext())
+        await tx.query('SELECT 1')
+        if (++attempts === 1) throw new Error('first attempt fails')
+      },
+      file,
+      { namespace: unique('ns'), key: 'header:order-id', backoffMs: 10, pollTimeoutMs: 50 }
+    )
+    assert.ok(await until(async () => {
+      await inbox.step()
+      const s = inbox.summary()
+      return s.handled + s.duplicates >= 2
+    }))
+    assert.deepEqual(inbox.summary(), { handled: 1, duplicates: 1, behindPosition: 0 })
+    await consumer.close()
+    const spans = exporter.getFinishedSpans()
+    const sends = spans.filter((s) => s.name === `send ${t}`)
+    const procs = spans.filter((s) => s.name === `process ${t}`)
+    assert.equal(sends.length, 2)
+    // Two attempts of the first message, none for the duplicate.
+    assert.equal(procs.length, 2, procs.map((s) => s.name).join())
+    for (const proc of procs) {
+      assert.equal(proc.kind, api.SpanKind.CONSUMER)
+      assert.equal(proc.spanContext().traceId, traceId)
+      assert.ok(sends.map((x) => x.spanContext().spanId).includes(parentOf(proc)), 'a child of a send span')
+      assert.equal(proc.attributes['messaging.consumer.group.name'], consumer.group)
+      assert.deepEqual(Object.keys(proc.attributes).sort(), [
+        'messaging.consumer.group.name', 'messaging.destination.name', 'messaging.destination.partition.id',
+        'messaging.message.body.size', 'messaging.message.id', 'messaging.operation.name',
+        'messaging.operation.type', 'messaging.system',
+      ])
+    }
+    assert.equal(parentOf(procs[0]), parentOf(procs[1]), 'both attempts continue the same message')
+    assert.equal(procs[0].status.code, api.SpanStatusCode.ERROR)
+    assert.notEqual(procs[1].status.code, api.SpanStatusCode.ERROR)
+    assert.deepEqual(active.map((c) => c.spanId), procs.map((s) => s.spanContext().spanId))
+  })
+}

@@ -252,7 +252,9 @@ class Cell {
     const keyHeader = step.key_header || 'idempotency-key'
     const calls = {}
     const rowsSeen = []
-    const options = { pollTimeoutMs: 50 }
+    // Each cell its own namespace: keys are the inbox's per namespace, not per group, and the
+    // PostgreSQL database is shared by every cell and run.
+    const options = { pollTimeoutMs: 50, namespace: unique('scn-ns') }
     if (step.key_header) options.key = `header:${keyHeader}`
     const inbox = new onceflow.Inbox(
       consumer,

@@ -1088,13 +1088,20 @@ class Inbox:
     A message whose key was already recorded within ``window`` seconds (default one day) is a
     duplicate: the handler does not run. On start the inbox seeks the consumer to just after
     the positions stored in the database, so a new consumer group (or lost broker offsets)
-    handles nothing twice. A handler that raises rolls its transaction back and is retried
+    handles nothing twice: keys and positions belong to the inbox's ``namespace``, never to
+    the consumer group. The handler runs inside a ``process {topic}`` span (kind CONSUMER), a
+    child of the trace context the message carries, with the idempotent consumer's attributes
+    (OpenTelemetry messaging semantic conventions), when ``opentelemetry-api`` is installed;
+    a duplicate starts none. A handler that raises rolls its transaction back and is retried
     with backoff; after ``max_attempts`` ``run()`` / ``step()`` raise ``HandlerError`` and
     nothing of that message is committed.
 
     Settings (keyword arguments, ``None`` keeps the default): ``key`` (``header:NAME`` or
     ``coordinates``; default the ``idempotency-key`` header, else the coordinates),
-    ``namespace`` (names keys and positions in the database; default the consumer group),
+    ``namespace`` (the inbox's identity in its database: names its keys and positions;
+    default ``"default"``, whatever the consumer group; give each application that shares the
+    database and reads the same topics its own, e.g. ``namespace="billing"``; an inbox that
+    ran when the default was the group name keeps its keys with ``namespace=<that group>``),
     ``batch_size`` (100), ``poll_timeout`` (0.1 s), ``max_attempts`` (5), ``backoff`` (first
     retry delay, doubled per attempt, 0.1 s), ``broker_commit_interval`` (1 s). Durations are
     seconds or ``datetime.timedelta``. A wrong type raises ``TypeError``, a bad value or
@@ -1132,11 +1139,21 @@ class Inbox:
         """Opens the store and builds the inbox now (``run()`` / ``step()`` do it otherwise)."""
         if self._native is None:
             handler, wrap_tx = self.handler, self._wrap_tx
+            system, group = self.consumer.platform, self.consumer.group
 
             async def call(message: Message, tx: Any) -> None:
-                result = handler(message, wrap_tx(tx))
-                if inspect.isawaitable(result):
-                    await result
+                # A ``process {topic}`` span, child of the message's trace context, as the
+                # idempotent consumer's handler gets (the core's span plan); no span without
+                # OpenTelemetry, nor for a key already handled (the handler does not run).
+                span, token = _otel.start_process(message, system, group)
+                try:
+                    result = handler(message, wrap_tx(tx))
+                    if inspect.isawaitable(result):
+                        await result
+                except BaseException as e:
+                    _otel.end_process(span, token, e)
+                    raise
+                _otel.end_process(span, token)
 
             self._native = await _native.open_inbox(
                 self.consumer._native, call, self._store, window=self._window, config=self._config or None
@@ -1185,8 +1202,9 @@ class Inbox:
         return self._native.summary()
 
     async def stored_positions(self) -> List[StoredPosition]:
-        """The positions stored for this inbox's namespace, per partition (not after
-        ``run()`` returned: open a new ``Inbox`` on the same store and namespace)."""
+        """The positions stored for this inbox's namespace, per partition: the last message
+        committed on each (``StoredPosition(topic, partition, position)``); also while
+        ``run()`` runs and after it returned."""
         await self.open()
         return [StoredPosition(*p) for p in await self._native.stored_positions()]
 

@@ -242,6 +242,7 @@ fn already_ran() -> onceflow::Error {
 #[pyclass(frozen, module = "onceflow._native")]
 pub struct Inbox {
     inner: Arc<tokio::sync::Mutex<Option<inbox::Inbox>>>,
+    positions: inbox::InboxPositions,
     store: &'static str,
     namespace: String,
     last: Arc<Mutex<onceflow::inbox::InboxSummary>>,
@@ -293,6 +294,7 @@ fn open_inbox<'py>(
         Ok(Inbox {
             store: ib.store().name(),
             namespace: ib.namespace().to_string(),
+            positions: ib.positions_reader(),
             inner: Arc::new(tokio::sync::Mutex::new(Some(ib))),
             last: Arc::default(),
             locals,
@@ -309,7 +311,8 @@ impl Inbox {
         self.store
     }
 
-    /// The namespace of the inbox's keys and positions (default: the consumer group).
+    /// The namespace of the inbox's keys and positions (default `"default"`; never the
+    /// consumer group, so a new group on the same database handles nothing twice).
     #[getter]
     fn namespace(&self) -> String {
         self.namespace.clone()
@@ -328,16 +331,12 @@ impl Inbox {
     }
 
     /// Awaitable of the stored positions: `[(topic, partition, position)]`, `position` as
-    /// text (the last message committed per partition).
+    /// text (the last message committed per partition); also while `run()` runs and after it
+    /// returned.
     fn stored_positions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let inner = self.inner.clone();
+        let positions = self.positions.clone();
         awaitable(py, async move {
-            let g = inner.lock().await;
-            let ps = g
-                .as_ref()
-                .ok_or_else(already_ran)?
-                .stored_positions()
-                .await?;
+            let ps = positions.read().await?;
             Ok(ps
                 .into_iter()
                 .map(|(tp, p)| (tp.topic, tp.partition, p.to_string()))

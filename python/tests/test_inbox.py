@@ -248,6 +248,36 @@ async def test_stored_positions_and_a_fresh_group_resumes_from_them(platform, db
     await fresh.close()
 
 
+async def test_a_new_group_with_the_default_namespace_handles_nothing_twice(kafka, db):
+    # The inbox's keys and positions belong to its namespace ("default" unless set), not to
+    # the consumer group: a second group reading the topic from the earliest offset on the same
+    # database resumes after the stored position and skips the keys already done (#24). Keys
+    # are unique per run, since the default namespace is shared by every run on the database.
+    topic = await kafka.topic()
+    run = unique("ng")
+    first_keys = [f"{run}-{i}" for i in range(30)]
+    await send(kafka, topic, [(k, "a") for k in first_keys])
+    calls: Dict[str, int] = {}
+    handle = inserting(db, calls)
+    first = await kafka.consumer(topic, start="earliest")
+    inbox = onceflow.Inbox(first, handle, db.url)
+    await step_until(inbox, lambda: inbox.summary()["handled"] >= 30)
+    assert inbox.namespace == "default"
+    await first.close()
+
+    # Two new keys and a repeat of the first one, after the stored position.
+    await send(kafka, topic, [(f"{run}-new0", "b"), (f"{run}-new1", "b"), (first_keys[0], "a")])
+    second = await kafka.consumer(topic, group=unique("py-second"), start="earliest")
+    again = onceflow.Inbox(second, handle, db.url)
+    await step_until(again, lambda: again.summary()["handled"] + again.summary()["duplicates"] >= 3)
+    assert again.namespace == "default"
+    assert again.summary()["handled"] == 2, again.summary()
+    assert again.summary()["duplicates"] == 1, again.summary()
+    assert all(n == 1 for n in calls.values()), calls
+    assert len([r for r in db.rows() if r[0].startswith(run)]) == 32
+    await second.close()
+
+
 async def test_the_transaction_is_closed_after_the_handler_and_params_are_typed(memory, db):
     topic = await memory.topic()
     await send(memory, topic, [("c0", "a")])
@@ -351,15 +381,20 @@ async def test_run_until_stop_returns_the_summary(memory, db):
             inbox.stop()
 
     consumer = await memory.consumer(topic, start="earliest")
-    inbox = onceflow.Inbox(consumer, stop_after_two, f"embedded://{db.path}" if db.kind == "embedded" else db.url)
+    namespace = unique("ns")
+    inbox = onceflow.Inbox(
+        consumer, stop_after_two, f"embedded://{db.path}" if db.kind == "embedded" else db.url, namespace=namespace
+    )
     summary = await asyncio.wait_for(inbox.run(), 30)
     # The batch in hand is handled to its end: the repeat of u0 is skipped as a duplicate.
     assert summary == {"handled": 2, "duplicates": 1, "behind_position": 0}
     assert inbox.summary() == summary
-    assert inbox.namespace == consumer.group
+    assert inbox.namespace == namespace
     with pytest.raises(onceflow.ClosedError, match="already ran"):
         await inbox.step()
     assert db.rows() == [("u0", "a"), ("u1", "b")]
+    # The positions are still readable after run() returned: the last of the three committed.
+    assert await inbox.stored_positions() == [onceflow.StoredPosition(topic, 0, "offset:2")]
     await consumer.close()
 
 

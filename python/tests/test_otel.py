@@ -247,3 +247,52 @@ async def test_malformed_traceparents_are_counted_in_engine_metrics(kafka):
     summary = await asyncio.wait_for(task, 30)
     assert summary["metrics"]["malformed_traceparents"] == 1
     assert handle.metrics()["malformed_traceparents"] == 1
+
+
+async def test_inbox_handler_runs_in_a_process_span_per_attempt(platform, spans, tmp_path):
+    # The transactional inbox's handler runs in the message's trace context, inside a process
+    # span per attempt (the core's plan, as the idempotent consumer's): a failed attempt's span
+    # is marked failed, the retry gets a new one, and a repeated key (a duplicate) starts none.
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("checkout") as root:
+        # The repeat rides in its own header: JetStream drops a repeated idempotency key.
+        for _ in range(2):
+            await producer.send(topic, b"order", headers=[("order-id", b"o1")])
+    await producer.close()
+    trace_id = root.get_span_context().trace_id
+    consumer = await platform.consumer(topic, start="earliest")
+    active = []
+
+    async def handle(message, tx):
+        active.append(trace.get_current_span().get_span_context().span_id)
+        await tx.query("SELECT 1")
+        if len(active) == 1:
+            raise RuntimeError("first attempt fails")
+
+    inbox = onceflow.Inbox(
+        consumer, handle, str(tmp_path / "inbox.db"), namespace=unique("ns"), key="header:order-id", backoff=0.01
+    )
+    deadline = asyncio.get_running_loop().time() + 30
+    while inbox.summary()["handled"] + inbox.summary()["duplicates"] < 2:
+        assert asyncio.get_running_loop().time() < deadline, inbox.summary()
+        await inbox.step()
+    assert inbox.summary() == {"handled": 1, "duplicates": 1, "behind_position": 0}
+    await consumer.close()
+
+    finished = spans.get_finished_spans()
+    sends = [s for s in finished if s.name == f"send {topic}"]
+    procs = [s for s in finished if s.name == f"process {topic}"]
+    assert len(sends) == 2
+    assert len(procs) == 2, [s.name for s in finished]  # two attempts, none for the duplicate
+    for proc in procs:
+        assert proc.kind == trace.SpanKind.CONSUMER
+        assert proc.context.trace_id == trace_id
+        assert proc.parent.span_id in {s.context.span_id for s in sends}
+        assert set(proc.attributes) == PROCESS_ATTRIBUTES
+        assert proc.attributes["messaging.consumer.group.name"] == consumer.group
+    assert procs[0].parent.span_id == procs[1].parent.span_id
+    assert procs[0].status.status_code == trace.StatusCode.ERROR
+    assert procs[1].status.status_code != trace.StatusCode.ERROR
+    assert active == [p.context.span_id for p in procs]

@@ -279,7 +279,9 @@ class Cell:
             calls[k] += 1
             rows_seen.append(rows)
 
-        config: Dict[str, Any] = {"poll_timeout": 0.05}
+        # Each cell its own namespace: keys are the inbox's per namespace, not per group, and
+        # the PostgreSQL database is shared by every cell and run.
+        config: Dict[str, Any] = {"poll_timeout": 0.05, "namespace": unique("scn-ns")}
         if "key_header" in step:
             config["key"] = f"header:{key_header}"
         inbox = onceflow.Inbox(consumer, handler, store_url(self.store, self.tmp), **config)

@@ -538,8 +538,11 @@ impl Cell<'_> {
             .await?;
         let table = unique("scn_inbox").replace('-', "_");
         let (create, count, insert) = self.inbox_sql(step, &table);
+        // Each cell its own namespace: keys are the inbox's per namespace, not per group, and
+        // the PostgreSQL database is shared by every cell and run.
         let mut config = onceflow::inbox::InboxConfig {
             poll_timeout: Duration::from_millis(50),
+            namespace: Some(unique("scn-ns")),
             ..Default::default()
         };
         if let Some(h) = step["key_header"].as_str() {

@@ -451,3 +451,99 @@ async fn kafka_pipeline_counts_malformed_traceparents_in_snapshot_and_metric() {
         "exported as onceflow.malformed_traceparents for group {group}"
     );
 }
+
+/// The transactional inbox's handler (embedded store, Rust) runs inside a `process {topic}`
+/// span per attempt, the child of the producer span the message carries, with the idempotent
+/// consumer's attributes; the failed first attempt's span is marked failed; a repeated key (a
+/// duplicate) starts no span (issue #24).
+async fn inbox_handler_runs_in_a_process_span_per_attempt(h: &PlatformHarness) {
+    use onceflow_core::inbox::InboxConfig;
+    use onceflow_core::{dedup::EmbeddedStore, KeyStrategy};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    telemetry();
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await.unwrap();
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    let tracer = global::tracer("test");
+    let up = Context::current_with_span(tracer.start("upstream"));
+    for _ in 0..2 {
+        producer
+            .send(Record::new(topic.clone(), "order").header("order-id", "o1"))
+            .with_context(up.clone())
+            .await
+            .unwrap();
+    }
+    up.span().end();
+    producer.flush(Duration::from_secs(30)).await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::open(dir.path().join("inbox.db"), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let consumer = client
+        .consumer(ConsumerConfig::new(h.group(), [topic.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let config = InboxConfig {
+        key: KeyStrategy::Header("order-id".into()),
+        backoff: Duration::from_millis(10),
+        ..InboxConfig::default()
+    };
+    let mut inbox = store.inbox(consumer, config).await.unwrap();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let seen = attempts.clone();
+    let handler = Arc::new(
+        move |_tx: &mut onceflow_core::rusqlite::Transaction<'_>,
+              _m: &Message|
+              -> Result<(), onceflow_core::BoxError> {
+            // The handler runs with the process span current on its (blocking) thread.
+            assert!(Context::current().span().span_context().is_valid());
+            if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Err("first attempt fails".into());
+            }
+            Ok(())
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while inbox.summary().handled + inbox.summary().duplicates < 2 {
+        assert!(Instant::now() < deadline, "{:?}", inbox.summary());
+        inbox.step(&handler).await.unwrap();
+    }
+    assert_eq!(inbox.summary().handled, 1, "{:?}", inbox.summary());
+    assert_eq!(inbox.summary().duplicates, 1, "{:?}", inbox.summary());
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+
+    let all = spans();
+    let name = format!("process {topic}");
+    let process: Vec<&SpanData> = all.iter().filter(|s| s.name == name).collect();
+    assert_eq!(process.len(), 2, "two attempts, none for the duplicate");
+    let sends: Vec<SpanId> = all
+        .iter()
+        .filter(|s| s.name == format!("send {topic}"))
+        .map(|s| s.span_context.span_id())
+        .collect();
+    for p in &process {
+        assert_eq!(p.span_kind, opentelemetry::trace::SpanKind::Consumer);
+        assert_eq!(
+            p.span_context.trace_id(),
+            up.span().span_context().trace_id()
+        );
+        assert!(sends.contains(&p.parent_span_id), "a child of a send span");
+        let keys: std::collections::BTreeSet<&str> =
+            p.attributes.iter().map(|kv| kv.key.as_str()).collect();
+        assert!(keys.contains("messaging.consumer.group.name"), "{keys:?}");
+        assert!(keys.contains("messaging.message.id"), "{keys:?}");
+    }
+    let failed = process
+        .iter()
+        .filter(|p| matches!(p.status, opentelemetry::trace::Status::Error { .. }))
+        .count();
+    assert_eq!(failed, 1, "the failed attempt's span is marked failed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_inbox_handler_runs_in_a_process_span_per_attempt() {
+    let Some(h) = ready(kafka()) else { return };
+    inbox_handler_runs_in_a_process_span_per_attempt(&h).await;
+}

@@ -6,9 +6,11 @@ use std::future::Future;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use onceflow_core::inbox::{parse_stored_position, InboxDatabase, InboxLoop, InboxOutcome};
+use onceflow_core::inbox::{
+    parse_stored_position, HandlerSpans, InboxDatabase, InboxLoop, InboxOutcome,
+};
 pub use onceflow_core::inbox::{InboxConfig, InboxSummary};
-use onceflow_core::{BoxError, Consumer, Error, Message, Position, Result, TopicPartition};
+use onceflow_core::{BoxError, Consumer, Message, Position, Result, TopicPartition};
 
 use crate::Db;
 
@@ -112,24 +114,17 @@ impl Inbox {
     /// The positions stored for this inbox's namespace: per partition, the last message
     /// handled (or skipped) and committed.
     pub async fn stored_positions(&self) -> Result<Vec<(TopicPartition, Position)>> {
-        let client = self.db.client().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT topic, partition, position FROM {} WHERE consumer_group = $1 \
-                     ORDER BY topic, partition",
-                    self.db.t("inbox_position")
-                ),
-                &[&self.namespace()],
-            )
-            .await
-            .map_err(|e| self.db.error("cannot read inbox positions", e))?;
-        rows.iter()
-            .map(|r| {
-                let tp = TopicPartition::new(r.get::<_, String>(0), r.get::<_, i32>(1));
-                Ok((tp, parse_position(&self.db, self.namespace(), r.get(2))?))
-            })
-            .collect()
+        self.positions_reader().read().await
+    }
+
+    /// A reader of this inbox's stored positions that outlives it (it shares the store's
+    /// connection pool), so the positions can be read while [`run_until`](Self::run_until)
+    /// runs (it takes the inbox) and after it returned.
+    pub fn positions_reader(&self) -> InboxPositions {
+        InboxPositions {
+            db: self.db.clone(),
+            namespace: self.namespace().to_string(),
+        }
     }
 
     /// Polls once and handles what came; returns the number of messages polled. See
@@ -139,6 +134,7 @@ impl Inbox {
             db: &self.db,
             window: self.window,
             handler,
+            spans: self.inner.handler_spans(),
         };
         self.inner.step(&db).await
     }
@@ -158,8 +154,52 @@ impl Inbox {
             db: &self.db,
             window: self.window,
             handler: &handler,
+            spans: self.inner.handler_spans(),
         };
         self.inner.run_until(&db, shutdown).await
+    }
+}
+
+/// Reads the stored positions of an [`Inbox`]'s namespace, also while it runs and after it ran
+/// (made by [`Inbox::positions_reader`]; cheap to clone).
+#[derive(Clone)]
+pub struct InboxPositions {
+    db: Db,
+    namespace: String,
+}
+
+impl std::fmt::Debug for InboxPositions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxPositions")
+            .field("url", &self.db.shown)
+            .field("namespace", &self.namespace)
+            .finish()
+    }
+}
+
+impl InboxPositions {
+    /// Per partition, the last message handled (or skipped) and committed, ordered by topic
+    /// and partition. Errors: [`onceflow_core::ErrorKind::DedupStore`] when the database
+    /// cannot be reached or a stored position does not parse.
+    pub async fn read(&self) -> Result<Vec<(TopicPartition, Position)>> {
+        let client = self.db.client().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT topic, partition, position FROM {} WHERE consumer_group = $1 \
+                     ORDER BY topic, partition",
+                    self.db.t("inbox_position")
+                ),
+                &[&self.namespace],
+            )
+            .await
+            .map_err(|e| self.db.error("cannot read inbox positions", e))?;
+        rows.iter()
+            .map(|r| {
+                let tp = TopicPartition::new(r.get::<_, String>(0), r.get::<_, i32>(1));
+                Ok((tp, parse_position(&self.db, &self.namespace, r.get(2))?))
+            })
+            .collect()
     }
 }
 
@@ -172,6 +212,7 @@ struct PgInboxDb<'a, H: ?Sized> {
     db: &'a Db,
     window: Duration,
     handler: &'a H,
+    spans: Option<HandlerSpans>,
 }
 
 #[async_trait]
@@ -242,10 +283,9 @@ impl<H: InboxHandler + ?Sized> InboxDatabase for PgInboxDb<'_, H> {
             None => true,
         };
         if fresh {
-            self.handler
-                .handle(&mut tx, m)
+            HandlerSpans::run(self.spans.as_ref(), m, self.handler.handle(&mut tx, m))
                 .await
-                .map_err(|e| Error::handler(e).context(format!("inbox '{namespace}'")))?;
+                .map_err(|e| e.context(format!("inbox '{namespace}'")))?;
         }
         tx.execute(
             &format!(

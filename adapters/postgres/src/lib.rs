@@ -126,7 +126,7 @@ mod tls;
 
 pub use checkpoint::PostgresCheckpointStore;
 
-pub use inbox::{Inbox, InboxConfig, InboxHandler, InboxSummary};
+pub use inbox::{Inbox, InboxConfig, InboxHandler, InboxPositions, InboxSummary};
 /// The PostgreSQL client, re-exported for inbox handlers (their transaction is a
 /// `tokio_postgres::Transaction`).
 pub use tokio_postgres;

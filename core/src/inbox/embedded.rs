@@ -8,7 +8,8 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 
 use super::{
-    parse_stored_position, InboxConfig, InboxDatabase, InboxLoop, InboxOutcome, InboxSummary,
+    parse_stored_position, HandlerSpans, InboxConfig, InboxDatabase, InboxLoop, InboxOutcome,
+    InboxSummary,
 };
 use crate::client::Consumer;
 use crate::dedup::embedded::EmbeddedOptions;
@@ -138,6 +139,7 @@ impl Db {
     fn transact<H: EmbeddedInboxHandler + ?Sized>(
         &self,
         handler: &H,
+        spans: Option<&HandlerSpans>,
         namespace: &str,
         key: Option<&str>,
         m: &Message,
@@ -155,9 +157,8 @@ impl Db {
             None => true,
         };
         if fresh {
-            handler
-                .handle(&mut tx, m)
-                .map_err(|e| Error::handler(e).context(format!("inbox '{namespace}'")))?;
+            HandlerSpans::run_sync(spans, m, || handler.handle(&mut tx, m))
+                .map_err(|e| e.context(format!("inbox '{namespace}'")))?;
         }
         tx.prepare_cached(SQL_SAVE_POSITION)
             .and_then(|mut s| {
@@ -238,6 +239,7 @@ async fn blocking<T: Send + 'static>(
 struct SqliteInboxDb<H: ?Sized> {
     db: Arc<Db>,
     handler: Arc<H>,
+    spans: Option<HandlerSpans>,
 }
 
 #[async_trait]
@@ -264,10 +266,45 @@ impl<H: EmbeddedInboxHandler + ?Sized + 'static> InboxDatabase for SqliteInboxDb
         let namespace = namespace.to_string();
         let key = key.map(str::to_string);
         let message = message.clone();
+        let spans = self.spans.clone();
         blocking(&self.db.path, move || {
-            db.transact(&*handler, &namespace, key.as_deref(), &message)
+            db.transact(
+                &*handler,
+                spans.as_ref(),
+                &namespace,
+                key.as_deref(),
+                &message,
+            )
         })
         .await
+    }
+}
+
+/// Reads the stored positions of an [`EmbeddedInbox`]'s namespace, also while it runs and
+/// after it ran (made by [`EmbeddedInbox::positions_reader`]; cheap to clone).
+#[derive(Clone)]
+pub struct EmbeddedInboxPositions {
+    db: Arc<Db>,
+    namespace: String,
+}
+
+impl std::fmt::Debug for EmbeddedInboxPositions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedInboxPositions")
+            .field("path", &self.db.path)
+            .field("namespace", &self.namespace)
+            .finish()
+    }
+}
+
+impl EmbeddedInboxPositions {
+    /// Per partition, the last message handled (or skipped) and committed, ordered by topic
+    /// and partition. Errors: [`ErrorKind::DedupStore`] when the file cannot be read or a
+    /// stored position does not parse.
+    pub async fn read(&self) -> Result<Vec<(TopicPartition, Position)>> {
+        let db = self.db.clone();
+        let namespace = self.namespace.clone();
+        blocking(&self.db.path, move || db.all_positions(&namespace)).await
     }
 }
 
@@ -374,9 +411,17 @@ impl EmbeddedInbox {
     /// The positions stored for this inbox's namespace: per partition, the last message
     /// handled (or skipped) and committed.
     pub async fn stored_positions(&self) -> Result<Vec<(TopicPartition, Position)>> {
-        let db = self.db.clone();
-        let namespace = self.namespace().to_string();
-        blocking(&self.db.path, move || db.all_positions(&namespace)).await
+        self.positions_reader().read().await
+    }
+
+    /// A reader of this inbox's stored positions that outlives it: it keeps the inbox's
+    /// connection to the file, so the positions can be read while
+    /// [`run_until`](Self::run_until) runs (it takes the inbox) and after it returned.
+    pub fn positions_reader(&self) -> EmbeddedInboxPositions {
+        EmbeddedInboxPositions {
+            db: self.db.clone(),
+            namespace: self.namespace().to_string(),
+        }
     }
 
     /// Polls once and handles what came; returns the number of messages polled. See
@@ -388,6 +433,7 @@ impl EmbeddedInbox {
         let db = SqliteInboxDb {
             db: self.db.clone(),
             handler: handler.clone(),
+            spans: self.inner.handler_spans(),
         };
         self.inner.step(&db).await
     }
@@ -406,6 +452,7 @@ impl EmbeddedInbox {
         let db = SqliteInboxDb {
             db: self.db,
             handler: Arc::new(handler),
+            spans: self.inner.handler_spans(),
         };
         self.inner.run_until(&db, shutdown).await
     }
@@ -468,12 +515,12 @@ mod tests {
         let (store, db) = store_and_db(&dir).await;
         let key = inbox_key("ns", "k1");
         let out = db
-            .transact(&insert_row, "ns", Some(&key), &message(0, 5, "a"))
+            .transact(&insert_row, None, "ns", Some(&key), &message(0, 5, "a"))
             .unwrap();
         assert_eq!(out, InboxOutcome::Handled);
         // The same key again (a redelivery at a later position): not handled, position moves.
         let out = db
-            .transact(&insert_row, "ns", Some(&key), &message(0, 6, "a"))
+            .transact(&insert_row, None, "ns", Some(&key), &message(0, 6, "a"))
             .unwrap();
         assert_eq!(out, InboxOutcome::Duplicate);
         assert_eq!(count(&db, "SELECT count(*) FROM rows"), 1);
@@ -495,7 +542,7 @@ mod tests {
             };
         let key2 = inbox_key("ns", "k2");
         let e = db
-            .transact(&failing, "ns", Some(&key2), &message(0, 7, "b"))
+            .transact(&failing, None, "ns", Some(&key2), &message(0, 7, "b"))
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Handler, "{e}");
         assert!(e.is_retriable());
@@ -515,7 +562,7 @@ mod tests {
         // No key: always handled.
         for _ in 0..2 {
             let out = db
-                .transact(&insert_row, "ns", None, &message(1, 0, "c"))
+                .transact(&insert_row, None, "ns", None, &message(1, 0, "c"))
                 .unwrap();
             assert_eq!(out, InboxOutcome::Handled);
         }
@@ -553,7 +600,7 @@ mod tests {
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
         let out = db
-            .transact(&insert_row, "ns", Some(&taken), &message(0, 0, "x"))
+            .transact(&insert_row, None, "ns", Some(&taken), &message(0, 0, "x"))
             .unwrap();
         assert_eq!(out, InboxOutcome::Handled);
         let Some(KeyState::Completed { token: t3, .. }) =
@@ -575,6 +622,7 @@ mod tests {
             tokens.push(token);
             db.transact(
                 &insert_row,
+                None,
                 "ns",
                 Some(&inbox_key("ns", &format!("y{i}"))),
                 &message(0, i + 1, "y"),
@@ -608,6 +656,7 @@ mod tests {
         let inbox_db = SqliteInboxDb {
             db: db.clone(),
             handler,
+            spans: None,
         };
         let e = inbox_db
             .transact("ns", Some("inbox:ns:p"), &message(0, 1, "p"))
@@ -625,6 +674,7 @@ mod tests {
         let out = SqliteInboxDb {
             db: db.clone(),
             handler: Arc::new(insert_row),
+            spans: None,
         }
         .transact("ns", Some("inbox:ns:p"), &message(0, 1, "p"))
         .await

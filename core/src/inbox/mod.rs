@@ -25,6 +25,11 @@
 //!   offset is also committed, after the database and at most every
 //!   [`InboxConfig::broker_commit_interval`], so lag tools keep working, but the loop never
 //!   relies on it.
+//! - **Keyed by namespace, not by consumer group**: keys and positions are stored under the
+//!   inbox's namespace ([`InboxConfig::namespace`], default [`DEFAULT_NAMESPACE`]), never
+//!   under the group name, so a new consumer group on the same database (renamed, or
+//!   created to re-read a topic) handles nothing twice. Applications that share a database
+//!   and read the same topics with different handlers each set their own namespace.
 //! - **Failures**: a handler error rolls the transaction back and is retried with backoff
 //!   (doubling from [`InboxConfig::backoff`], at most 5 s) while the error is retriable; after
 //!   [`InboxConfig::max_attempts`] the loop stops with the error, of kind
@@ -47,7 +52,10 @@ use crate::RebalanceListener;
 
 pub mod embedded;
 
-pub use embedded::{EmbeddedInbox, EmbeddedInboxHandler};
+pub use embedded::{EmbeddedInbox, EmbeddedInboxHandler, EmbeddedInboxPositions};
+
+/// The namespace of an inbox whose [`InboxConfig::namespace`] is not set: `"default"`.
+pub const DEFAULT_NAMESPACE: &str = "default";
 
 /// Settings of a transactional inbox (the same for every store).
 #[derive(Debug, Clone)]
@@ -55,8 +63,17 @@ pub struct InboxConfig {
     /// Where a message's idempotency key comes from (default: the `idempotency-key` header,
     /// else the message's coordinates).
     pub key: KeyStrategy,
-    /// Names this inbox's keys and positions in the database (default: the consumer group).
-    /// Two inboxes with the same namespace share keys and positions.
+    /// Names this inbox's keys and positions in the database (default
+    /// [`DEFAULT_NAMESPACE`], `"default"`). It is the inbox's identity in its database, and
+    /// it does **not** follow the consumer group: a new group (a renamed group, a group whose
+    /// broker offsets were reset or lost) with the same namespace on the same database
+    /// resumes after the stored positions and skips every key already completed, so it
+    /// handles nothing twice. Two inboxes with the same namespace share keys and positions:
+    /// give each *application* (each handler whose rows are its own) that shares a database
+    /// and reads the same topics its own namespace (`"billing"`, `"shipping"`), and keep it
+    /// stable across deployments. Earlier versions defaulted to the consumer group name: an
+    /// inbox that ran with that default keeps its keys and positions by setting `namespace`
+    /// to that group name.
     pub namespace: Option<String>,
     /// Messages per poll (default 100).
     pub batch_size: usize,
@@ -68,6 +85,14 @@ pub struct InboxConfig {
     pub backoff: Duration,
     /// How often the broker's group offset is brought up to date (default 1 s).
     pub broker_commit_interval: Duration,
+    /// Whether the handler runs inside a `process {topic}` span (default true): kind
+    /// `Consumer`, a child of the trace context the message carries (its `traceparent`), with
+    /// the attributes of the idempotent consumer's process spans (OpenTelemetry messaging
+    /// semantic conventions, see [`crate::trace::plan::process`]), one span per attempt, failed
+    /// with the handler's error. A key already handled (a duplicate) runs no handler and starts
+    /// no span. The Python and Node packages turn it off and start the same span through their
+    /// host's OpenTelemetry API instead.
+    pub tracing: bool,
 }
 
 impl Default for InboxConfig {
@@ -80,6 +105,7 @@ impl Default for InboxConfig {
             max_attempts: 5,
             backoff: Duration::from_millis(100),
             broker_commit_interval: Duration::from_secs(1),
+            tracing: true,
         }
     }
 }
@@ -104,6 +130,53 @@ pub enum InboxOutcome {
     /// The key was already completed within the window: the handler did not run; the position
     /// is committed.
     Duplicate,
+}
+
+/// Starts the process span of an inbox's handler (see [`InboxConfig::tracing`]) for the
+/// stores: made by [`InboxLoop::handler_spans`], used by an [`InboxDatabase`] right before it
+/// calls the handler (after the key was found new), so a duplicate starts no span.
+#[derive(Debug, Clone)]
+pub struct HandlerSpans {
+    system: &'static str,
+    group: String,
+}
+
+impl HandlerSpans {
+    /// Runs the handler's future `work` for `m` inside its process span, and ends the span with
+    /// the outcome. A handler's error comes back of kind [`ErrorKind::Handler`].
+    pub async fn run<T>(
+        spans: Option<&HandlerSpans>,
+        m: &Message,
+        work: impl Future<Output = std::result::Result<T, crate::BoxError>>,
+    ) -> Result<T> {
+        use opentelemetry::trace::FutureExt;
+        let Some(s) = spans else {
+            return work.await.map_err(Error::handler);
+        };
+        let cx = crate::trace::process_context(s.system, &s.group, m);
+        let r = work.with_context(cx.clone()).await.map_err(Error::handler);
+        crate::trace::end(&cx, r.as_ref().err());
+        r
+    }
+
+    /// [`run`](Self::run) for a handler that runs on the calling thread (the embedded store's,
+    /// on a blocking thread): the span's context is attached to the thread while `work` runs.
+    pub fn run_sync<T>(
+        spans: Option<&HandlerSpans>,
+        m: &Message,
+        work: impl FnOnce() -> std::result::Result<T, crate::BoxError>,
+    ) -> Result<T> {
+        let Some(s) = spans else {
+            return work().map_err(Error::handler);
+        };
+        let cx = crate::trace::process_context(s.system, &s.group, m);
+        let r = {
+            let _attached = cx.clone().attach();
+            work().map_err(Error::handler)
+        };
+        crate::trace::end(&cx, r.as_ref().err());
+        r
+    }
 }
 
 /// The key an inbox records for a message whose idempotency key is `key`:
@@ -228,15 +301,15 @@ impl std::fmt::Debug for InboxLoop {
 
 impl InboxLoop {
     /// A loop over `consumer`; registers itself as the consumer's rebalance listener (it
-    /// replaces one set before). The namespace is [`InboxConfig::namespace`], else the
-    /// consumer group.
+    /// replaces one set before). The namespace is [`InboxConfig::namespace`], else
+    /// [`DEFAULT_NAMESPACE`] (never the consumer group: see [`InboxConfig::namespace`]).
     pub fn new(consumer: Consumer, config: InboxConfig) -> Self {
         let listener = Arc::new(Listener::default());
         consumer.backend().set_rebalance_listener(listener.clone());
         let namespace = config
             .namespace
             .clone()
-            .unwrap_or_else(|| consumer.group().to_string());
+            .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string());
         InboxLoop {
             consumer,
             config,
@@ -266,6 +339,15 @@ impl InboxLoop {
     /// The settings.
     pub fn config(&self) -> &InboxConfig {
         &self.config
+    }
+
+    /// What a store needs to start the handler's process spans: `None` when
+    /// [`InboxConfig::tracing`] is off.
+    pub fn handler_spans(&self) -> Option<HandlerSpans> {
+        self.config.tracing.then(|| HandlerSpans {
+            system: self.consumer.platform(),
+            group: self.consumer.group().to_string(),
+        })
     }
 
     /// Loads the stored positions of partitions not seen yet; returns the partitions moved
