@@ -292,7 +292,10 @@ fn flush_blocking(native: &Native, window: Duration) {
 /// bootstrap connection, before the broker it names is connected; no broker is then eligible,
 /// so the request waits for the timer, and every record sent meanwhile waits with it: the
 /// first delivery of a new idempotent producer took ~505 ms on a loopback broker, against
-/// ~5 ms without idempotence (librdkafka PR #5032 works on the same first-produce delay). Two
+/// ~5 ms without idempotence (librdkafka PR #5032 works on the same first-produce delay). A
+/// transactional producer's `init_transactions` waited for the same timer about one time in two
+/// (~506 ms instead of ~58 ms to a ready producer in K4, and again at every re-initialisation
+/// after a fencing or an unknown commit outcome), so it is primed too. Two
 /// metadata requests for no topic, one after the other, on a blocking thread: the second is
 /// answered by a broker learned from the first, once it is up, and its response acquires the
 /// ProducerID then (~55 ms). Nobody waits for them; a failure (broker down) leaves the timer
@@ -552,7 +555,7 @@ impl KafkaProducer {
         let idempotent = native_config
             .get("enable.idempotence")
             .is_some_and(|v| v.eq_ignore_ascii_case("true"));
-        if idempotent && !transactional {
+        if idempotent {
             acquire_producer_id_early(&native, kafka.timeout);
         }
         let producer = KafkaProducer {
@@ -614,6 +617,7 @@ async fn ensure_initialized(shared: &Shared) -> Result<Native> {
     }
     if reinit {
         let fresh = create_native(&shared.native_config)?;
+        acquire_producer_id_early(&fresh, shared.kafka.timeout);
         let old = std::mem::replace(&mut *shared.native.lock(), fresh);
         drop_native(old);
         let mut st = shared.state.lock();
