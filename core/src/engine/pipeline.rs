@@ -456,6 +456,23 @@ struct TxState {
     prefetch: Option<Prefetch>,
 }
 
+impl TxState {
+    /// Records the first position polled of each partition of `msgs` (runs of one
+    /// partition's inputs: one map entry per run), where a rewind seeks back to when nothing
+    /// is committed there.
+    fn note_first(&mut self, msgs: &[Message]) {
+        let mut last: Option<(&str, i32)> = None;
+        for m in msgs {
+            if last != Some((m.topic.as_str(), m.partition)) {
+                last = Some((m.topic.as_str(), m.partition));
+                self.first
+                    .entry(m.topic_partition())
+                    .or_insert_with(|| m.position.clone());
+            }
+        }
+    }
+}
+
 /// The next batch, polled while the loop processes the one before: without it the loop waited
 /// for each poll (the consumer's fetch queue, one message at a time, and each message's
 /// conversion) and the poll thread for the loop, one after the other (K4).
@@ -556,15 +573,7 @@ impl TxLoop<'_> {
         // Every partition of the batch is rewound with the transaction, not only those whose
         // inputs were processed: a batch abandoned part-way (a failed transform, a revocation)
         // leaves the consumer past its unprocessed inputs, which a later commit would cover.
-        let mut last: Option<(&str, i32)> = None;
-        for m in &msgs {
-            if last != Some((m.topic.as_str(), m.partition)) {
-                last = Some((m.topic.as_str(), m.partition));
-                st.first
-                    .entry(m.topic_partition())
-                    .or_insert_with(|| m.position.clone());
-            }
-        }
+        st.note_first(&msgs);
         if core.tracker.take_revoked_flag() && st.tx.is_some() {
             // Partitions moved while a transaction was open: its positions may belong to
             // another member now. Abort and re-read what we still own.
@@ -743,11 +752,7 @@ impl TxLoop<'_> {
             return;
         };
         if let Ok(msgs) = next.batch().await {
-            for m in &msgs {
-                st.first
-                    .entry(m.topic_partition())
-                    .or_insert_with(|| m.position.clone());
-            }
+            st.note_first(&msgs);
         }
     }
 
