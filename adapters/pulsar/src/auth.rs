@@ -195,7 +195,9 @@ impl Credentials {
     }
 
     /// The credential as the crate's CONNECT carries it, for the diagnosis.
-    async fn connect_data(&self) -> std::result::Result<Option<(String, Vec<u8>)>, String> {
+    pub(crate) async fn connect_data(
+        &self,
+    ) -> std::result::Result<Option<(String, Vec<u8>)>, String> {
         match self {
             Credentials::None | Credentials::ClientCert => Ok(None),
             Credentials::Token(t) => Ok(Some(("token".to_string(), t.clone().into_bytes()))),
@@ -295,7 +297,7 @@ pub(crate) fn trusted_pem(path: &Path) -> Result<Vec<u8>> {
 
 /// The rustls client configuration the pulsar crate builds for `pulsar+ssl://` (webpki roots
 /// plus the trusted CAs, no client certificate), for the diagnosis.
-fn tls_config(pem: Option<&[u8]>) -> Result<rustls::ClientConfig> {
+pub(crate) fn tls_config(pem: Option<&[u8]>) -> Result<rustls::ClientConfig> {
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());

@@ -200,6 +200,12 @@ mod config;
 mod consumer;
 mod convert;
 mod producer;
+// The transaction coordinator client (#27): used by the transactional producer being built on
+// it; until then only its tests call it.
+#[allow(dead_code)]
+mod txn;
+#[allow(dead_code)]
+mod wire;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -278,6 +284,12 @@ pub(crate) struct Shared {
     /// The mTLS loopback bridge, with a client certificate (stops when dropped, after the
     /// client above).
     bridge: Option<bridge::Bridge>,
+    /// How onceflow's own broker connections connect (transactions, `txn.rs`).
+    #[allow(dead_code)]
+    wire: wire::WireConfig,
+    /// The cluster's transaction coordinators, found on first use.
+    #[allow(dead_code)]
+    coordinators: tokio::sync::OnceCell<Arc<txn::Coordinators>>,
 }
 
 impl Shared {
@@ -288,6 +300,27 @@ impl Shared {
 
     pub(crate) fn max_record_bytes(&self, options: &PulsarOptions) -> usize {
         options.max_message_bytes.saturating_sub(PROPERTY_ROOM)
+    }
+
+    /// The cluster's transaction coordinators (found, and connected to, on first use).
+    /// `Unsupported` when the cluster has none.
+    #[allow(dead_code)]
+    pub(crate) async fn coordinators(&self) -> Result<Arc<txn::Coordinators>> {
+        self.coordinators
+            .get_or_try_init(|| async {
+                let service =
+                    wire::BrokerAddr::of_url(&self.options.service_url).ok_or_else(|| {
+                        Error::config(format!(
+                            "{}: no broker address for transactions",
+                            onceflow_core::redact_credentials(&self.options.service_url)
+                        ))
+                    })?;
+                txn::Coordinators::discover(self.wire.clone(), service)
+                    .await
+                    .map(Arc::new)
+            })
+            .await
+            .cloned()
     }
 
     pub(crate) fn forget_topic(&self, topic: &str) {
@@ -479,6 +512,15 @@ impl PulsarPlatform {
                 });
             }
         };
+        let wire = wire::WireConfig {
+            tls: match (&mtls, tls) {
+                (Some(c), _) => Some(Arc::new(c.clone())),
+                (None, true) => Some(Arc::new(auth::tls_config(trusted.as_deref())?)),
+                (None, false) => None,
+            },
+            credentials: credentials.clone(),
+            timeout: options.operation_timeout,
+        };
         let rest = Rest::new(
             &options.admin_url,
             options.operation_timeout,
@@ -524,6 +566,8 @@ impl PulsarPlatform {
                 broker_batch_index_ack,
                 topics: Mutex::new(HashMap::new()),
                 bridge,
+                wire,
+                coordinators: tokio::sync::OnceCell::new(),
             }),
         }))
     }
