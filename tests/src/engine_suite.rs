@@ -25,7 +25,7 @@ use onceflow_core::dedup::{ClaimOutcome, MemoryStore};
 use onceflow_core::{
     BoxError, Client, ConsumerConfig, DedupStore, DedupStoreExt, EngineConfig, Error, ErrorKind,
     Guarantee, Handler, IdempotentConsumer, Message, Metrics, OnFailure, Pipeline, PipelineConfig,
-    ProducerConfig, Record, Result, StartFrom, Transform,
+    Position, ProducerConfig, Record, Result, StartFrom, Transform,
 };
 use opentelemetry::trace::TraceContextExt;
 use tokio::time::Instant;
@@ -890,16 +890,22 @@ pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
     let input = h.topic(1).await?;
     let output = h.topic(1).await?;
     let group = h.group();
-    produce(
-        &client,
-        vec![
+    // The inputs' positions, which the seeded origins name (offsets on Kafka, message ids on
+    // Pulsar).
+    let positions: Vec<Position> = {
+        let p = client.producer(ProducerConfig::new()).await?;
+        let mut out = Vec::new();
+        for r in [
             record(&input, "k0", "v0"),
             record(&input, "k1", "v1"),
             record(&input, "k2", "v2"),
             record(&input, "k3", "v3"),
-        ],
-    )
-    .await?;
+        ] {
+            out.push(p.send(r).await?.position);
+        }
+        p.flush(Duration::from_secs(30)).await?;
+        out
+    };
     let store = store();
     // What a crash after the completion and before the commit leaves: k0 completed with the
     // origin of its input (offset 0 of the input, not committed). k1 was completed by another
@@ -925,22 +931,42 @@ pub async fn pipeline_redoes_inputs_completed_by_an_uncommitted_transaction(
         }
     };
     let input_key = |k: &str| format!("{group}/{k}");
-    let origin = |offset: u32, tx: &str| {
-        format!("onceflow-origin/1\n{group}\n{input}\n0\n{offset}\n{tx}").into_bytes()
+    // The origin as the pipeline writes it: an offset as a bare number, another position in
+    // its display form.
+    let origin = |position: &Position, tx: &str| {
+        let position = position
+            .as_offset()
+            .map_or_else(|| position.to_string(), |o| o.to_string());
+        format!("onceflow-origin/1\n{group}\n{input}\n0\n{position}\n{tx}").into_bytes()
     };
-    seed(input_key("k0"), Some("v0"), Some(origin(0, "crashed-1"))).await?;
+    seed(
+        input_key("k0"),
+        Some("v0"),
+        Some(origin(&positions[0], "crashed-1")),
+    )
+    .await?;
     seed(
         input_key("k1"),
         Some("v1"),
         Some(b"done elsewhere".to_vec()),
     )
     .await?;
-    // k2's completion names another input (offset 99, not committed either): that copy is
-    // the one to write when it is read again; this one is a duplicate.
-    seed(input_key("k2"), Some("v2"), Some(origin(99, "crashed-1"))).await?;
+    // k2's completion names another input (k3's position, not committed either): that copy
+    // is the one to write when it is read again; this one is a duplicate.
+    seed(
+        input_key("k2"),
+        Some("v2"),
+        Some(origin(&positions[3], "crashed-1")),
+    )
+    .await?;
     // k3 was completed by a transaction that committed (its marker is in the store) before
     // the group's offsets were reset: re-reading it is a redelivery, skipped.
-    seed(input_key("k3"), Some("v3"), Some(origin(3, "committed-1"))).await?;
+    seed(
+        input_key("k3"),
+        Some("v3"),
+        Some(origin(&positions[3], "committed-1")),
+    )
+    .await?;
     seed(format!("{group}/onceflow.tx/committed-1"), None, None).await?;
     let tx_id = h.transactional_id();
     let (_, _, m1) = run_pipeline(

@@ -58,7 +58,9 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::Credentials;
 use crate::config::TlsClientCert;
+use crate::txn::TxnId;
 
 /// The auth method name the crate presents to the bridge (never sent to a broker).
 pub(crate) const MARKER: &str = "onceflow-loopback-mtls-bridge";
@@ -112,10 +114,11 @@ impl std::fmt::Display for Upstream {
 }
 
 impl Upstream {
-    /// The broker of a `pulsar+ssl://host[:port]` URL (port 6651 by default).
-    pub(crate) fn of_url(url: &str) -> Option<Upstream> {
+    /// The broker of a `pulsar+ssl://host[:port]` URL (port 6651 by default), or with
+    /// `tls` false of a `pulsar://host[:port]` URL (6650).
+    pub(crate) fn of_url(url: &str, tls: bool) -> Option<Upstream> {
         let u = url::Url::parse(url).ok()?;
-        if u.scheme() != "pulsar+ssl" {
+        if u.scheme() != if tls { "pulsar+ssl" } else { "pulsar" } {
             return None;
         }
         let host = u
@@ -125,7 +128,7 @@ impl Upstream {
             .to_string();
         Some(Upstream {
             host,
-            port: u.port().unwrap_or(6651),
+            port: u.port().unwrap_or(if tls { 6651 } else { 6650 }),
         })
     }
 }
@@ -145,10 +148,46 @@ pub struct BridgeStats {
     pub lookups: u64,
 }
 
+/// What the bridge presents to the brokers in the crate's place.
+#[derive(Clone)]
+pub(crate) enum Present {
+    /// A TLS client certificate (its file, for messages): `CONNECT` and `AUTH_RESPONSE` say
+    /// `tls` and carry no data.
+    ClientCert(String),
+    /// The connection's credential (none, token, token file, OAuth2 access token) and what it
+    /// is, for messages ([`Credentials::describe`]).
+    Credentials(Credentials, String),
+}
+
+impl Present {
+    /// The auth method and data to present, read anew (a rotated token file, a refreshed
+    /// OAuth2 token).
+    async fn auth(&self) -> std::result::Result<(Option<String>, Option<Vec<u8>>), String> {
+        match self {
+            Present::ClientCert(_) => Ok((Some("tls".to_string()), None)),
+            Present::Credentials(c, _) => Ok(match c.connect_data().await? {
+                Some((m, d)) => (Some(m), Some(d)),
+                None => (None, None),
+            }),
+        }
+    }
+
+    /// What is presented, for messages: `the client certificate PATH`, `the token`, ….
+    fn describe(&self) -> String {
+        match self {
+            Present::ClientCert(file) => format!("the client certificate {file}"),
+            Present::Credentials(_, what) => what.clone(),
+        }
+    }
+}
+
 struct Inner {
-    tls: tokio_rustls::TlsConnector,
+    /// TLS towards the brokers (`pulsar+ssl://`); plaintext without.
+    tls: Option<tokio_rustls::TlsConnector>,
+    /// With `transactions=true`: the transactions put on the crate's frames.
+    txn: Option<Arc<TxnFrames>>,
     secret: [u8; 32],
-    cert_file: String,
+    present: Present,
     connect_timeout: Duration,
     listeners: Mutex<HashMap<Upstream, SocketAddr>>,
     /// The last refusal of a broker connection (certificate, TLS alert, broker's
@@ -270,13 +309,13 @@ impl Drop for Bridge {
                     tracing::debug!(
                         waited_ms = t0.elapsed().as_millis() as u64,
                         still_open = inner.open.load(Ordering::Acquire),
-                        "Pulsar mTLS bridge: stopped"
+                        "Pulsar bridge: stopped"
                     );
                 });
             }
             Err(_) => {
                 self.inner.stop.cancel();
-                tracing::debug!("Pulsar mTLS bridge: stopped (outside a runtime)");
+                tracing::debug!("Pulsar bridge: stopped (outside a runtime)");
             }
         }
     }
@@ -296,14 +335,16 @@ impl Bridge {
     /// tokio runtime.
     pub(crate) fn start(
         service: Upstream,
-        tls: Arc<rustls::ClientConfig>,
-        cert: &TlsClientCert,
+        tls: Option<Arc<rustls::ClientConfig>>,
+        present: Present,
+        txn: Option<Arc<TxnFrames>>,
         connect_timeout: Duration,
     ) -> Result<Bridge> {
         let inner = Arc::new(Inner {
-            tls: tokio_rustls::TlsConnector::from(tls),
+            tls: tls.map(tokio_rustls::TlsConnector::from),
+            txn,
             secret: rand::random(),
-            cert_file: cert.cert_file.display().to_string(),
+            present,
             connect_timeout,
             listeners: Mutex::new(HashMap::new()),
             refusal: Mutex::new(None),
@@ -319,7 +360,7 @@ impl Bridge {
         let local = listen(&inner, service.clone()).map_err(|e| {
             Error::new(
                 ErrorKind::Connect,
-                format!("cannot open the loopback listener of the Pulsar mTLS bridge: {e}"),
+                format!("cannot open the loopback listener of the Pulsar bridge: {e}"),
             )
         })?;
         Ok(Bridge {
@@ -335,23 +376,30 @@ impl Bridge {
         crate_url(self.service, &self.upstream)
     }
 
-    /// Connects to the service URL's broker with the client certificate as the crate's first
-    /// connection would, before the crate does: TLS, `CONNECT` (auth method `tls`), the
-    /// broker's answer. A certificate the broker refuses is then this `Auth` error, returned
-    /// by `connect`, and the crate, which would log its own ERROR for the refusal before
-    /// onceflow reported it, is never started. `Connect` (or `Timeout`) when the broker cannot
-    /// be reached or answers otherwise.
+    /// Connects to the service URL's broker with what the bridge presents (the client
+    /// certificate, the credential) as the crate's first connection would, before the crate
+    /// does: TCP, TLS, `CONNECT`, the broker's answer. A certificate or credential the broker
+    /// refuses is then this `Auth` error, returned by `connect`, and the crate, which would log
+    /// its own ERROR for the refusal before onceflow reported it, is never started. `Connect`
+    /// (or `Timeout`) when the broker cannot be reached or answers otherwise.
     pub(crate) async fn check(&self) -> Result<()> {
         let server = self.upstream.to_string();
         let tls = connect_upstream(&self.inner, &self.upstream)
             .await
             .map_err(|(e, _)| e)?;
+        let (auth_method_name, auth_data) = self.inner.present.auth().await.map_err(|e| {
+            Error::new(
+                ErrorKind::Auth,
+                format!("Pulsar at {server}: no credential to present: {e}"),
+            )
+        })?;
         let connect = encode_frame(
             &proto::BaseCommand {
                 r#type: Type::Connect as i32,
                 connect: Some(proto::CommandConnect {
-                    client_version: format!("onceflow-mtls-check-{}", env!("CARGO_PKG_VERSION")),
-                    auth_method_name: Some("tls".to_string()),
+                    client_version: format!("onceflow-check-{}", env!("CARGO_PKG_VERSION")),
+                    auth_method_name,
+                    auth_data,
                     protocol_version: Some(12),
                     ..Default::default()
                 }),
@@ -410,7 +458,7 @@ fn listen(inner: &Arc<Inner>, upstream: Upstream) -> std::io::Result<SocketAddr>
     let addr = listener.local_addr()?;
     listeners.insert(upstream.clone(), addr);
     drop(listeners);
-    tracing::debug!(broker = %upstream, local = %addr, "Pulsar mTLS bridge: listening");
+    tracing::debug!(broker = %upstream, local = %addr, "Pulsar bridge: listening");
     let inner = inner.clone();
     tokio::spawn(async move {
         loop {
@@ -432,7 +480,7 @@ fn listen(inner: &Arc<Inner>, upstream: Upstream) -> std::io::Result<SocketAddr>
                     });
                 }
                 Err(e) => {
-                    tracing::debug!(error = %e, "Pulsar mTLS bridge: accept failed");
+                    tracing::debug!(error = %e, "Pulsar bridge: accept failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
@@ -474,9 +522,19 @@ fn serve(
                 )
             }
         };
-        let connect = match check_connect(&frame, &inner.secret) {
+        let presented = match check_connect(&frame, &inner.secret) {
             Ok(c) => c,
             Err(why) => return refuse_local(&inner, peer, why),
+        };
+        let connect = match inner.present.auth().await {
+            Ok((method, data)) => presented(method, data),
+            Err(e) => {
+                let e = Error::new(
+                    ErrorKind::Auth,
+                    format!("Pulsar at {upstream}: no credential to present: {e}"),
+                );
+                return fail(&inner, &mut client, e).await;
+            }
         };
         inner.relayed.fetch_add(1, Ordering::Relaxed);
         let server = upstream.to_string();
@@ -498,7 +556,7 @@ fn serve(
             match attempt {
                 Ok(s) => break s,
                 Err((e, true)) => {
-                    tracing::debug!(error = %e, "Pulsar mTLS bridge: broker unreachable, trying again");
+                    tracing::debug!(error = %e, "Pulsar bridge: broker unreachable, trying again");
                     let mut refusal = inner.refusal.lock();
                     if refusal.is_none() {
                         *refusal = Some(e);
@@ -512,21 +570,22 @@ fn serve(
             Err(e) => return fail(&inner, &mut client, e).await,
         };
         if let Some(e) = refusal_of(&inner, &server, &answer) {
-            tracing::debug!(broker = %server, error = %e, "Pulsar mTLS bridge: CONNECT refused");
+            tracing::debug!(broker = %server, error = %e, "Pulsar bridge: CONNECT refused");
             *inner.refusal.lock() = Some(e);
         }
         if client.write_all(&answer).await.is_err() {
             return;
         }
         let (cr, cw) = client.into_split();
-        let up = pump(cr, uw, cbuf, &inner, Direction::ToBroker);
-        let down = pump(ur, cw, ubuf, &inner, Direction::ToClient);
+        let conn = Mutex::new(ConnFrames::default());
+        let up = pump(cr, uw, cbuf, &inner, &conn, Direction::ToBroker);
+        let down = pump(ur, cw, ubuf, &inner, &conn, Direction::ToClient);
         let result = tokio::select! {
             r = up => r,
             r = down => r,
         };
         if let Err(e) = result {
-            tracing::debug!(broker = %server, error = %e, "Pulsar mTLS bridge: connection ended");
+            tracing::debug!(broker = %server, error = %e, "Pulsar bridge: connection ended");
         }
     })
 }
@@ -536,13 +595,18 @@ fn refuse_local(inner: &Inner, peer: SocketAddr, why: &str) {
     tracing::debug!(
         %peer,
         reason = why,
-        "Pulsar mTLS bridge: closed a local connection without contacting the broker"
+        "Pulsar bridge: closed a local connection without contacting the broker"
     );
 }
 
-/// A TLS connection to a broker, split.
-type UpstreamRead = tokio::io::ReadHalf<tokio_rustls::client::TlsStream<TcpStream>>;
-type UpstreamWrite = tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>;
+/// The byte stream to a broker: TCP, or TLS over TCP.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+type UpstreamStream = Box<dyn Io>;
+
+/// A connection to a broker, split.
+type UpstreamRead = tokio::io::ReadHalf<UpstreamStream>;
+type UpstreamWrite = tokio::io::WriteHalf<UpstreamStream>;
 
 /// Sends `connect` (a `CONNECT` frame for the broker) on `tls` and reads the broker's answer:
 /// the connection's halves, the answer frame (`CONNECTED`, or an `ERROR`: see [`refusal_of`])
@@ -551,7 +615,7 @@ type UpstreamWrite = tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStr
 /// the server checks it.
 async fn send_connect(
     inner: &Inner,
-    tls: tokio_rustls::client::TlsStream<TcpStream>,
+    tls: UpstreamStream,
     server: &str,
     connect: &[u8],
 ) -> Result<(UpstreamRead, UpstreamWrite, BytesMut, BytesMut)> {
@@ -575,9 +639,9 @@ async fn send_connect(
         Ok(Ok(None)) => Err(Error::new(
             ErrorKind::Connect,
             format!(
-                "the Pulsar broker at {server} closed the TLS connection before answering \
-                 CONNECT (does it accept the client certificate {}?)",
-                inner.cert_file
+                "the Pulsar broker at {server} closed the connection before answering \
+                 CONNECT (does it accept {}?)",
+                inner.present.describe()
             ),
         )),
         Ok(Err(e)) => Err(refused_after_handshake(inner, server, &e)),
@@ -604,8 +668,8 @@ fn refusal_of(inner: &Inner, server: &str, answer: &[u8]) -> Option<Error> {
             ErrorKind::Connect
         },
         format!(
-            "Pulsar at {server} refused the client certificate {}: {}",
-            inner.cert_file,
+            "Pulsar at {server} refused {}: {}",
+            inner.present.describe(),
             onceflow_core::shown(&err.message)
         ),
     ))
@@ -614,7 +678,7 @@ fn refusal_of(inner: &Inner, server: &str, answer: &[u8]) -> Option<Error> {
 /// Records `e` as the refusal (when it is one), tells the crate with an ERROR frame and
 /// closes its connection.
 async fn fail(inner: &Inner, client: &mut TcpStream, e: Error) {
-    tracing::debug!(error = %e, "Pulsar mTLS bridge: no connection to the broker");
+    tracing::debug!(error = %e, "Pulsar bridge: no connection to the broker");
     let server_error = if e.kind() == ErrorKind::Auth {
         proto::ServerError::AuthenticationError
     } else {
@@ -644,7 +708,7 @@ async fn fail(inner: &Inner, client: &mut TcpStream, e: Error) {
 async fn connect_upstream(
     inner: &Inner,
     up: &Upstream,
-) -> std::result::Result<tokio_rustls::client::TlsStream<TcpStream>, (Error, bool)> {
+) -> std::result::Result<UpstreamStream, (Error, bool)> {
     let server = up.to_string();
     // A refused or timed-out TCP connection is tried again, with a growing pause, until
     // `connect_timeout`, as the pulsar crate does on its own connections: failing the local
@@ -685,6 +749,9 @@ async fn connect_upstream(
         pause = (pause * 2).min(Duration::from_secs(1));
     };
     let _ = tcp.set_nodelay(true);
+    let Some(tls) = &inner.tls else {
+        return Ok(Box::new(tcp));
+    };
     let name = rustls::pki_types::ServerName::try_from(up.host.clone()).map_err(|e| {
         (
             Error::config(format!(
@@ -694,8 +761,8 @@ async fn connect_upstream(
             false,
         )
     })?;
-    match tokio::time::timeout(inner.connect_timeout, inner.tls.connect(name, tcp)).await {
-        Ok(Ok(s)) => Ok(s),
+    match tokio::time::timeout(inner.connect_timeout, tls.connect(name, tcp)).await {
+        Ok(Ok(s)) => Ok(Box::new(s)),
         Ok(Err(e)) => Err((refused_after_handshake(inner, &server, &e), false)),
         Err(_) => Err((
             Error::new(
@@ -721,10 +788,10 @@ fn refused_after_handshake(inner: &Inner, server: &str, e: &std::io::Error) -> E
         Some(rustls::Error::AlertReceived(alert)) => Error::new(
             ErrorKind::Auth,
             format!(
-                "Pulsar at {server} refused the TLS connection with the client certificate \
-                 {} (TLS alert {alert:?}): is it signed by a CA the broker trusts (its \
+                "Pulsar at {server} refused the TLS connection with {} (TLS alert \
+                 {alert:?}): is it signed by a CA the broker trusts (its \
                  tlsTrustCertsFilePath), still valid, and made for client authentication?",
-                inner.cert_file
+                inner.present.describe()
             ),
         ),
         _ => Error::new(
@@ -822,9 +889,14 @@ fn error_of(frame: &[u8]) -> Option<proto::CommandError> {
 }
 
 /// Checks a local connection's first frame: a `CONNECT` with [`MARKER`] and `secret` (compared
-/// in constant time). Returns it rewritten for the broker (`auth_method_name = "tls"`, no auth
-/// data), or why it is refused (never quoting what was sent).
-fn check_connect(frame: &[u8], secret: &[u8; 32]) -> std::result::Result<Vec<u8>, &'static str> {
+/// in constant time). Returns what makes it the frame for the broker, given the auth method
+/// and data to present (`tls` and none with a client certificate), or why it is refused
+/// (never quoting what was sent).
+#[allow(clippy::type_complexity)]
+fn check_connect(
+    frame: &[u8],
+    secret: &[u8; 32],
+) -> std::result::Result<impl FnOnce(Option<String>, Option<Vec<u8>>) -> Vec<u8>, &'static str> {
     let (cmd, rest) = split_frame(frame).map_err(|_| "malformed frame")?;
     let mut command = proto::BaseCommand::decode(cmd).map_err(|_| "undecodable command")?;
     if command.r#type != Type::Connect as i32 {
@@ -841,14 +913,19 @@ fn check_connect(frame: &[u8], secret: &[u8; 32]) -> std::result::Result<Vec<u8>
     if !rest.is_empty() {
         return Err("CONNECT with a payload");
     }
-    connect.auth_method_name = Some("tls".to_string());
     connect.auth_data = None;
     connect.auth_method = None;
     // What only a Pulsar proxy sends on behalf of its client: never ours to claim.
     connect.original_principal = None;
     connect.original_auth_data = None;
     connect.original_auth_method = None;
-    Ok(encode_frame(&command, &[]))
+    Ok(move |method: Option<String>, data: Option<Vec<u8>>| {
+        if let Some(c) = command.connect.as_mut() {
+            c.auth_method_name = method;
+            c.auth_data = data;
+        }
+        encode_frame(&command, &[])
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -860,11 +937,21 @@ enum Direction {
 }
 
 /// The frame rewritten for the other side, or `None` to pass it as it is.
-fn rewrite(inner: &Arc<Inner>, dir: Direction, frame: &[u8]) -> std::io::Result<Option<Vec<u8>>> {
+async fn rewrite(
+    inner: &Arc<Inner>,
+    conn: &Mutex<ConnFrames>,
+    dir: Direction,
+    frame: &[u8],
+) -> std::io::Result<Option<Vec<u8>>> {
     let (cmd, rest) = split_frame(frame)?;
     let Some(t) = command_type(cmd) else {
         return Ok(None);
     };
+    if let Some(txn) = &inner.txn {
+        if TXN_TYPES.contains(&t) {
+            return txn.rewrite(conn, dir, cmd, rest);
+        }
+    }
     let invalid =
         |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
     match dir {
@@ -872,9 +959,14 @@ fn rewrite(inner: &Arc<Inner>, dir: Direction, frame: &[u8]) -> std::io::Result<
             let mut c = proto::BaseCommand::decode(cmd)
                 .map_err(|_| invalid("undecodable AUTH_RESPONSE"))?;
             if let Some(r) = c.auth_response.as_mut() {
+                let (method, data) = inner.present.auth().await.map_err(|e| {
+                    std::io::Error::other(format!(
+                        "no credential for the broker's AUTH_CHALLENGE: {e}"
+                    ))
+                })?;
                 r.response = Some(proto::AuthData {
-                    auth_method_name: Some("tls".to_string()),
-                    auth_data: Some(Vec::new()),
+                    auth_method_name: method,
+                    auth_data: Some(data.unwrap_or_default()),
                 });
             }
             Ok(Some(encode_frame(&c, rest)))
@@ -886,7 +978,7 @@ fn rewrite(inner: &Arc<Inner>, dir: Direction, frame: &[u8]) -> std::io::Result<
             let mut c = proto::BaseCommand::decode(cmd)
                 .map_err(|_| invalid("undecodable LOOKUP_RESPONSE"))?;
             if let Some(r) = c.lookup_topic_response.as_mut() {
-                rewrite_lookup(r, |up| listen(inner, up))?;
+                rewrite_lookup(r, inner.tls.is_some(), |up| listen(inner, up))?;
                 inner.lookups.fetch_add(1, Ordering::Relaxed);
             }
             Ok(Some(encode_frame(&c, rest)))
@@ -896,11 +988,13 @@ fn rewrite(inner: &Arc<Inner>, dir: Direction, frame: &[u8]) -> std::io::Result<
 }
 
 /// Points a lookup answer at the bridge: `brokerServiceUrl` becomes the bridge listener of
-/// the broker's TLS address (made by `listen`), or, through a Pulsar proxy
-/// (`proxy_through_service_url`), the broker's TLS `host:port` that the crate sends as
-/// `proxy_to_broker_url` on the service URL. An answer without a TLS address fails.
+/// the broker's address (its TLS address with `tls`; made by `listen`), or, through a Pulsar
+/// proxy (`proxy_through_service_url`), the broker's `host:port` that the crate sends as
+/// `proxy_to_broker_url` on the service URL. With `tls`, an answer without a TLS address
+/// fails.
 fn rewrite_lookup(
     r: &mut proto::CommandLookupTopicResponse,
+    tls: bool,
     listen: impl FnOnce(Upstream) -> std::io::Result<SocketAddr>,
 ) -> std::io::Result<()> {
     use proto::command_lookup_topic_response::LookupType;
@@ -909,11 +1003,24 @@ fn rewrite_lookup(
     if !answered {
         return Ok(());
     }
-    let Some(up) = r
-        .broker_service_url_tls
-        .as_deref()
-        .and_then(Upstream::of_url)
-    else {
+    let address = if tls {
+        r.broker_service_url_tls.as_deref()
+    } else {
+        r.broker_service_url.as_deref()
+    };
+    let Some(up) = address.and_then(|a| Upstream::of_url(a, tls)) else {
+        if !tls {
+            r.response = Some(LookupType::Failed as i32);
+            r.error = Some(proto::ServerError::UnknownError as i32);
+            r.message = Some(format!(
+                "the broker answered the lookup without a plaintext address it can be \
+                 reached at (brokerServiceUrl: {})",
+                r.broker_service_url.as_deref().unwrap_or("not given")
+            ));
+            r.broker_service_url = None;
+            r.broker_service_url_tls = None;
+            return Ok(());
+        }
         r.response = Some(LookupType::Failed as i32);
         r.error = Some(proto::ServerError::UnknownError as i32);
         r.message = Some(format!(
@@ -945,6 +1052,7 @@ async fn pump<R, W>(
     mut w: W,
     mut buf: BytesMut,
     inner: &Arc<Inner>,
+    conn: &Mutex<ConnFrames>,
     dir: Direction,
 ) -> std::io::Result<()>
 where
@@ -960,7 +1068,7 @@ where
                 break;
             }
             let frame = &buf[end..end + 4 + total];
-            match rewrite(inner, dir, frame)? {
+            match rewrite(inner, conn, dir, frame).await? {
                 None => end += 4 + total,
                 Some(new) => {
                     w.write_all(&buf[..end]).await?;
@@ -1250,6 +1358,345 @@ impl rustls::client::danger::ServerCertVerifier for Lenient {
     }
 }
 
+/// The commands the bridge reads and rewrites for transactions ([`TxnFrames`]).
+const TXN_TYPES: [i32; 6] = [
+    Type::Producer as i32,
+    Type::ProducerSuccess as i32,
+    Type::Subscribe as i32,
+    Type::Send as i32,
+    Type::Ack as i32,
+    Type::AckResponse as i32,
+];
+
+/// CRC-32C (Castagnoli), the checksum of a message's metadata and payload.
+const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
+
+/// The payload part of a `SEND` frame (`[0x0e01][u32 CRC-32C][u32 metadata size][metadata]
+/// [payload]`) with the transaction's id in its `MessageMetadata` (`txnid_most_bits` /
+/// `txnid_least_bits`) and the checksum made again: the broker's transaction buffer takes the
+/// message by the command's id, but its dispatchers tell an aborted transaction's messages
+/// by the id in the stored metadata, as Java's client writes both.
+fn with_txn_metadata(rest: &[u8], txn: TxnId) -> std::io::Result<Vec<u8>> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    if rest.len() < 10 || rest[..2] != [0x0e, 0x01] {
+        return Err(bad("a SEND without a checksummed payload"));
+    }
+    let size = u32::from_be_bytes([rest[6], rest[7], rest[8], rest[9]]) as usize;
+    let metadata = rest
+        .get(10..10 + size)
+        .ok_or_else(|| bad("a SEND whose metadata is cut short"))?;
+    let payload = &rest[10 + size..];
+    let mut m =
+        proto::MessageMetadata::decode(metadata).map_err(|_| bad("undecodable MessageMetadata"))?;
+    m.txnid_most_bits = Some(txn.most_bits);
+    m.txnid_least_bits = Some(txn.least_bits);
+    let len = m.encoded_len();
+    let mut out = Vec::with_capacity(10 + len + payload.len());
+    out.extend_from_slice(&[0x0e, 0x01, 0, 0, 0, 0]);
+    out.extend_from_slice(&(len as u32).to_be_bytes());
+    m.encode(&mut out).expect("a Vec grows");
+    out.extend_from_slice(payload);
+    let crc = CRC32C.checksum(&out[6..]);
+    out[2..6].copy_from_slice(&crc.to_be_bytes());
+    Ok(out)
+}
+
+/// Most acknowledgements of ended transactions kept to be dropped ([`TxnFrames::end`]).
+const MAX_VOID_ACKS: usize = 1 << 20;
+
+fn ack_key(topic: &str, subscription: &str, id: &proto::MessageIdData) -> AckKey {
+    (
+        topic.to_string(),
+        subscription.to_string(),
+        id.ledger_id,
+        id.entry_id,
+        id.batch_index.unwrap_or(-1),
+    )
+}
+
+/// Request ids the bridge gives the acknowledgements it puts in a transaction: far above the
+/// pulsar crate's own (a counter per client from 0), so their `ACK_RESPONSE`s are told apart.
+const TXN_ACK_REQUEST_IDS: u64 = 1 << 62;
+
+/// What one relayed connection's frames said about its producers and consumers: ids are per
+/// connection.
+#[derive(Default)]
+pub(crate) struct ConnFrames {
+    /// Producer id → producer name.
+    producers: HashMap<u64, String>,
+    /// `PRODUCER` request id → producer id, until its `PRODUCER_SUCCESS` names it.
+    creating: HashMap<u64, u64>,
+    /// Consumer id → (topic, subscription).
+    consumers: HashMap<u64, (String, String)>,
+}
+
+/// Acknowledgements sent in one transaction: message ids sent and answered, the first
+/// refusal.
+#[derive(Default)]
+struct TxnAcks {
+    sent: u64,
+    answered: u64,
+    error: Option<Error>,
+}
+
+/// An acknowledged message: (partition topic, subscription, ledger, entry, batch index or -1).
+type AckKey = (String, String, u64, u64, i32);
+
+#[derive(Default)]
+struct TxnState {
+    /// Producer name → the open transaction its `SEND`s belong to.
+    producers: HashMap<String, TxnId>,
+    /// Messages a transaction acknowledges whose `ACK` has not passed yet → the transaction.
+    expected: HashMap<AckKey, TxnId>,
+    /// Messages of transactions that ended before their `ACK` passed: dropped when it does
+    /// (an aborted transaction's acknowledgement must not become a plain one).
+    void: HashMap<AckKey, TxnId>,
+    acks: HashMap<TxnId, TxnAcks>,
+    /// Request ids of acknowledgements awaiting their answer → transaction and message ids.
+    awaiting: HashMap<u64, (TxnId, u64)>,
+    next_request: u64,
+}
+
+/// Transactions put on the pulsar crate's frames (PIP-31's transactional send and
+/// acknowledgement; the crate has neither): while a producer name is bound to an open
+/// transaction, the bridge writes its id (`txnid_most_bits` / `txnid_least_bits`) into that
+/// producer's `SEND`s (command and stored metadata) on their way to the broker; the `ACK`s
+/// of the messages a transaction acknowledges ([`TxnFrames::expect_acks`], told before the
+/// consumer sends them) get its id too, whenever they pass (the crate consumer writes them
+/// asynchronously), and once the transaction ended without them they are dropped.
+/// A transactional `ACK` also gets a request id of the bridge's: the broker answers it
+/// (`ACK_RESPONSE`, which the crate would not expect), the bridge counts the answers, and the
+/// transaction is committed only once every acknowledgement it sent was answered without
+/// error ([`TxnFrames::acks_answered`]). Payloads and every other frame pass byte for byte.
+#[derive(Default)]
+pub(crate) struct TxnFrames {
+    state: Mutex<TxnState>,
+    answered: Notify,
+}
+
+impl std::fmt::Debug for TxnFrames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.state.lock();
+        f.debug_struct("TxnFrames")
+            .field("producers", &st.producers.len())
+            .field("expected_acks", &st.expected.len())
+            .finish()
+    }
+}
+
+impl TxnFrames {
+    /// The `SEND`s of the producers named `name` (one per partition) belong to `txn` from
+    /// now on, until [`TxnFrames::end`].
+    pub(crate) fn bind_producer(&self, name: &str, txn: TxnId) {
+        self.state.lock().producers.insert(name.to_string(), txn);
+    }
+
+    /// The `ACK`s of these messages of `subscription` on `topic` (a partition's full name)
+    /// belong to `txn`; call before the consumer sends them.
+    pub(crate) fn expect_acks(
+        &self,
+        txn: TxnId,
+        topic: &str,
+        subscription: &str,
+        ids: &[proto::MessageIdData],
+    ) {
+        let mut st = self.state.lock();
+        for id in ids {
+            st.expected.insert(ack_key(topic, subscription, id), txn);
+        }
+        st.acks.entry(txn).or_default();
+    }
+
+    /// Waits until at least `expected` message ids acknowledged in `txn` were sent and every
+    /// one sent was answered, at most `timeout`. The broker's refusal of one of them
+    /// (`TransactionConflict`: acknowledged in another transaction; the subscription's cursor
+    /// moved past it) is its error (`Aborted`); `Timeout` when the answers did not come.
+    pub(crate) async fn acks_answered(
+        &self,
+        txn: TxnId,
+        expected: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.answered.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = self.state.lock();
+                let a = st.acks.entry(txn).or_default();
+                if let Some(e) = a.error.take() {
+                    return Err(e);
+                }
+                if a.sent >= expected && a.answered >= a.sent {
+                    return Ok(());
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                let st = self.state.lock();
+                let a = st.acks.get(&txn);
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the acknowledgements of Pulsar transaction {txn} were not all answered \
+                         within {} ms ({} of {} message ids sent, {} answered)",
+                        timeout.as_millis(),
+                        a.map_or(0, |a| a.sent),
+                        expected,
+                        a.map_or(0, |a| a.answered)
+                    ),
+                )
+                .retriable(true));
+            }
+        }
+    }
+
+    /// `txn` ended: its producer is unbound, the `ACK`s it still expected are dropped when
+    /// they pass, its counts are forgotten.
+    pub(crate) fn end(&self, txn: TxnId) {
+        let mut st = self.state.lock();
+        st.producers.retain(|_, t| *t != txn);
+        let late: Vec<AckKey> = st
+            .expected
+            .iter()
+            .filter(|(_, t)| **t == txn)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in late {
+            st.expected.remove(&k);
+            st.void.insert(k, txn);
+        }
+        // Bounded: a consumer closed before writing them never sends them.
+        if st.void.len() > MAX_VOID_ACKS {
+            st.void.clear();
+        }
+        st.acks.remove(&txn);
+        st.awaiting.retain(|_, (t, _)| *t != txn);
+    }
+
+    /// Reads (and for `SEND` and `ACK` in a transaction, rewrites) a frame of [`TXN_TYPES`].
+    fn rewrite(
+        &self,
+        conn: &Mutex<ConnFrames>,
+        dir: Direction,
+        cmd: &[u8],
+        rest: &[u8],
+    ) -> std::io::Result<Option<Vec<u8>>> {
+        let invalid = |what: &str| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("undecodable {what}"),
+            )
+        };
+        let mut c = proto::BaseCommand::decode(cmd).map_err(|_| invalid("command"))?;
+        match dir {
+            Direction::ToBroker => {
+                if let Some(p) = c.producer.as_mut() {
+                    {
+                        let mut conn = conn.lock();
+                        match &p.producer_name {
+                            Some(name) => {
+                                conn.producers.insert(p.producer_id, name.clone());
+                            }
+                            None => {
+                                conn.creating.insert(p.request_id, p.producer_id);
+                            }
+                        }
+                    }
+                    // As Java's client with `enableTransaction` creates every producer: the
+                    // broker takes transactional sends only from producers made so.
+                    p.txn_enabled = Some(true);
+                    return Ok(Some(encode_frame(&c, rest)));
+                }
+                if let Some(sub) = &c.subscribe {
+                    conn.lock().consumers.insert(
+                        sub.consumer_id,
+                        (sub.topic.clone(), sub.subscription.clone()),
+                    );
+                    return Ok(None);
+                }
+                if let Some(send) = c.send.as_mut() {
+                    let name = conn.lock().producers.get(&send.producer_id).cloned();
+                    let txn = name.and_then(|n| self.state.lock().producers.get(&n).copied());
+                    let Some(txn) = txn else { return Ok(None) };
+                    send.txnid_most_bits = Some(txn.most_bits);
+                    send.txnid_least_bits = Some(txn.least_bits);
+                    return Ok(Some(encode_frame(&c, &with_txn_metadata(rest, txn)?)));
+                }
+                if let Some(ack) = c.ack.as_mut() {
+                    let Some((topic, sub)) = conn.lock().consumers.get(&ack.consumer_id).cloned()
+                    else {
+                        return Ok(None);
+                    };
+                    let mut st = self.state.lock();
+                    let keys: Vec<AckKey> = ack
+                        .message_id
+                        .iter()
+                        .map(|id| ack_key(&topic, &sub, id))
+                        .collect();
+                    if !keys.is_empty() && keys.iter().all(|k| st.void.contains_key(k)) {
+                        for k in &keys {
+                            st.void.remove(k);
+                        }
+                        // Of a transaction that ended without it: never a plain ack.
+                        return Ok(Some(Vec::new()));
+                    }
+                    let Some(txn) = keys.first().and_then(|k| st.expected.get(k).copied()) else {
+                        return Ok(None);
+                    };
+                    for k in &keys {
+                        st.expected.remove(k);
+                    }
+                    let ids = ack.message_id.len() as u64;
+                    st.next_request += 1;
+                    let id = TXN_ACK_REQUEST_IDS + st.next_request;
+                    st.awaiting.insert(id, (txn, ids));
+                    st.acks.entry(txn).or_default().sent += ids;
+                    ack.txnid_most_bits = Some(txn.most_bits);
+                    ack.txnid_least_bits = Some(txn.least_bits);
+                    ack.request_id = Some(id);
+                    return Ok(Some(encode_frame(&c, rest)));
+                }
+                Ok(None)
+            }
+            Direction::ToClient => {
+                if let Some(ok) = &c.producer_success {
+                    let mut conn = conn.lock();
+                    if let Some(producer_id) = conn.creating.remove(&ok.request_id) {
+                        conn.producers.insert(producer_id, ok.producer_name.clone());
+                    }
+                    return Ok(None);
+                }
+                if let Some(r) = &c.ack_response {
+                    let Some(id) = r.request_id.filter(|id| *id > TXN_ACK_REQUEST_IDS) else {
+                        return Ok(None);
+                    };
+                    let mut st = self.state.lock();
+                    if let Some((txn, ids)) = st.awaiting.remove(&id) {
+                        let a = st.acks.entry(txn).or_default();
+                        a.answered += ids;
+                        if let Some(code) = r.error {
+                            if a.error.is_none() {
+                                a.error = Some(crate::wire::server_error(
+                                    "the broker",
+                                    &format!("an acknowledgement in transaction {txn}"),
+                                    code,
+                                    r.message.as_deref().unwrap_or_default(),
+                                ));
+                            }
+                        }
+                        drop(st);
+                        self.answered.notify_waiters();
+                    }
+                    // The crate asked for no answer: it never sees this one.
+                    return Ok(Some(Vec::new()));
+                }
+                Ok(None)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1276,8 +1723,8 @@ mod tests {
     #[test]
     fn connect_needs_the_marker_and_the_secret_and_is_rewritten_to_tls() {
         let secret = [7u8; 32];
-        let ok =
-            check_connect(&connect_frame(Some(MARKER), Some(secret.to_vec())), &secret).unwrap();
+        let ok = check_connect(&connect_frame(Some(MARKER), Some(secret.to_vec())), &secret)
+            .unwrap_or_else(|why| panic!("{why}"))(Some("tls".to_string()), None);
         let (cmd, rest) = split_frame(&ok).unwrap();
         assert!(rest.is_empty());
         let c = proto::BaseCommand::decode(cmd).unwrap().connect.unwrap();
@@ -1324,7 +1771,10 @@ mod tests {
             ),
             (b"\0\0\0\x02ab".to_vec(), "malformed frame"),
         ] {
-            assert_eq!(check_connect(&frame, &secret).unwrap_err(), why);
+            match check_connect(&frame, &secret) {
+                Err(refused) => assert_eq!(refused, why),
+                Ok(_) => panic!("taken: {why}"),
+            }
         }
     }
 
@@ -1345,7 +1795,7 @@ mod tests {
         let local: SocketAddr = "127.0.0.1:40001".parse().unwrap();
         let mut asked = None;
         let mut r = lookup(Some("pulsar+ssl://broker-2.example:6651"), false);
-        rewrite_lookup(&mut r, |up| {
+        rewrite_lookup(&mut r, true, |up| {
             asked = Some(up);
             Ok(local)
         })
@@ -1367,13 +1817,13 @@ mod tests {
         // Through a Pulsar proxy: no listener; the crate stays on the service URL (the bridge)
         // and names the broker's TLS address as proxy_to_broker_url.
         let mut r = lookup(Some("pulsar+ssl://[::1]:7651"), true);
-        rewrite_lookup(&mut r, |_| panic!("no listener for a proxied lookup")).unwrap();
+        rewrite_lookup(&mut r, true, |_| panic!("no listener for a proxied lookup")).unwrap();
         assert_eq!(r.broker_service_url.as_deref(), Some("pulsar://[::1]:7651"));
         assert_eq!(r.proxy_through_service_url, Some(true));
 
         // No TLS address: the lookup fails instead of sending the crate to plaintext.
         let mut r = lookup(None, false);
-        rewrite_lookup(&mut r, |_| panic!("no listener")).unwrap();
+        rewrite_lookup(&mut r, true, |_| panic!("no listener")).unwrap();
         assert_eq!(
             r.response,
             Some(proto::command_lookup_topic_response::LookupType::Failed as i32)
@@ -1385,7 +1835,7 @@ mod tests {
         let mut r = lookup(None, false);
         r.response = Some(proto::command_lookup_topic_response::LookupType::Failed as i32);
         let before = r.clone();
-        rewrite_lookup(&mut r, |_| panic!("no listener")).unwrap();
+        rewrite_lookup(&mut r, true, |_| panic!("no listener")).unwrap();
         assert_eq!(r, before);
     }
 
@@ -1398,9 +1848,10 @@ mod tests {
         .with_root_certificates(rustls::RootCertStore::empty())
         .with_no_client_auth();
         Arc::new(Inner {
-            tls: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            tls: Some(tokio_rustls::TlsConnector::from(Arc::new(config))),
+            txn: None,
             secret: [1; 32],
-            cert_file: "/c.pem".to_string(),
+            present: Present::ClientCert("/c.pem".to_string()),
             connect_timeout: Duration::from_secs(1),
             listeners: Mutex::new(HashMap::new()),
             refusal: Mutex::new(None),
@@ -1415,8 +1866,8 @@ mod tests {
         })
     }
 
-    #[test]
-    fn auth_responses_lose_the_secret_and_other_frames_pass() {
+    #[tokio::test]
+    async fn auth_responses_lose_the_secret_and_other_frames_pass() {
         let inner = inner();
         let response = encode_frame(
             &proto::BaseCommand {
@@ -1433,9 +1884,15 @@ mod tests {
             },
             &[],
         );
-        let out = rewrite(&inner, Direction::ToBroker, &response)
-            .unwrap()
-            .unwrap();
+        let out = rewrite(
+            &inner,
+            &Mutex::new(ConnFrames::default()),
+            Direction::ToBroker,
+            &response,
+        )
+        .await
+        .unwrap()
+        .unwrap();
         let (cmd, _) = split_frame(&out).unwrap();
         let r = proto::BaseCommand::decode(cmd)
             .unwrap()
@@ -1447,7 +1904,14 @@ mod tests {
         assert_eq!(r.auth_data, Some(Vec::new()));
         // A second CONNECT ends the connection; a payload frame passes as it is.
         let connect = connect_frame(Some(MARKER), Some(vec![1; 32]));
-        assert!(rewrite(&inner, Direction::ToBroker, &connect).is_err());
+        assert!(rewrite(
+            &inner,
+            &Mutex::new(ConnFrames::default()),
+            Direction::ToBroker,
+            &connect
+        )
+        .await
+        .is_err());
         let send = encode_frame(
             &proto::BaseCommand {
                 r#type: Type::Send as i32,
@@ -1455,12 +1919,24 @@ mod tests {
             },
             b"payload",
         );
-        assert!(rewrite(&inner, Direction::ToBroker, &send)
-            .unwrap()
-            .is_none());
-        assert!(rewrite(&inner, Direction::ToClient, &send)
-            .unwrap()
-            .is_none());
+        assert!(rewrite(
+            &inner,
+            &Mutex::new(ConnFrames::default()),
+            Direction::ToBroker,
+            &send
+        )
+        .await
+        .unwrap()
+        .is_none());
+        assert!(rewrite(
+            &inner,
+            &Mutex::new(ConnFrames::default()),
+            Direction::ToClient,
+            &send
+        )
+        .await
+        .unwrap()
+        .is_none());
     }
 
     #[tokio::test]
@@ -1488,27 +1964,33 @@ mod tests {
         let a1 = url_of(
             rewrite(
                 &inner,
+                &Mutex::new(ConnFrames::default()),
                 Direction::ToClient,
                 &answer("pulsar+ssl://a.example:6651"),
             )
+            .await
             .unwrap()
             .unwrap(),
         );
         let a2 = url_of(
             rewrite(
                 &inner,
+                &Mutex::new(ConnFrames::default()),
                 Direction::ToClient,
                 &answer("pulsar+ssl://a.example:6651"),
             )
+            .await
             .unwrap()
             .unwrap(),
         );
         let b = url_of(
             rewrite(
                 &inner,
+                &Mutex::new(ConnFrames::default()),
                 Direction::ToClient,
                 &answer("pulsar+ssl://b.example:6651"),
             )
+            .await
             .unwrap()
             .unwrap(),
         );
@@ -1648,5 +2130,192 @@ mod tests {
         assert_eq!(command_type(c), Some(Type::Send as i32));
         assert_eq!(frame_size(&f, MAX_FRAME).unwrap(), f.len() - 4);
         assert!(frame_size(b"\xff\xff\xff\xff", MAX_FRAME).is_err());
+    }
+
+    fn frame_of(c: proto::BaseCommand, rest: &[u8]) -> Vec<u8> {
+        encode_frame(&c, rest)
+    }
+
+    fn decode(frame: &[u8]) -> (proto::BaseCommand, Vec<u8>) {
+        let (cmd, rest) = split_frame(frame).unwrap();
+        (proto::BaseCommand::decode(cmd).unwrap(), rest.to_vec())
+    }
+
+    /// A SEND's payload part as the crate writes it: magic, CRC-32C, metadata, payload.
+    fn payload_part(meta: &proto::MessageMetadata, payload: &[u8]) -> Vec<u8> {
+        let mut out = vec![0x0e, 0x01, 0, 0, 0, 0];
+        out.extend_from_slice(&(meta.encoded_len() as u32).to_be_bytes());
+        meta.encode(&mut out).unwrap();
+        out.extend_from_slice(payload);
+        let crc = CRC32C.checksum(&out[6..]);
+        out[2..6].copy_from_slice(&crc.to_be_bytes());
+        out
+    }
+
+    #[test]
+    fn transactions_go_on_sends_and_expected_acks_and_late_acks_are_dropped() {
+        let frames = TxnFrames::default();
+        let conn = Mutex::new(ConnFrames::default());
+        let txn = TxnId {
+            most_bits: 1,
+            least_bits: 7,
+        };
+        let topic = "persistent://public/default/t";
+        // The crate creates a named producer and subscribes a consumer.
+        let producer = frame_of(
+            proto::BaseCommand {
+                r#type: Type::Producer as i32,
+                producer: Some(proto::CommandProducer {
+                    topic: topic.into(),
+                    producer_id: 3,
+                    request_id: 1,
+                    producer_name: Some("p".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &[],
+        );
+        let out = frames
+            .rewrite(
+                &conn,
+                Direction::ToBroker,
+                split_frame(&producer).unwrap().0,
+                &[],
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!(decode(&out).0.producer.unwrap().txn_enabled, Some(true));
+        let subscribe = proto::BaseCommand {
+            r#type: Type::Subscribe as i32,
+            subscribe: Some(proto::CommandSubscribe {
+                topic: topic.into(),
+                subscription: "g".into(),
+                consumer_id: 5,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let f = frame_of(subscribe, &[]);
+        assert!(frames
+            .rewrite(&conn, Direction::ToBroker, split_frame(&f).unwrap().0, &[])
+            .unwrap()
+            .is_none());
+
+        // A send of an unbound producer passes; bound, it carries the id in command and metadata.
+        let meta = proto::MessageMetadata {
+            producer_name: "p".into(),
+            sequence_id: 0,
+            publish_time: 1,
+            ..Default::default()
+        };
+        let rest = payload_part(&meta, b"hello");
+        let send = frame_of(
+            proto::BaseCommand {
+                r#type: Type::Send as i32,
+                send: Some(proto::CommandSend {
+                    producer_id: 3,
+                    sequence_id: 0,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &rest,
+        );
+        let (cmd, r) = split_frame(&send).unwrap();
+        assert!(frames
+            .rewrite(&conn, Direction::ToBroker, cmd, r)
+            .unwrap()
+            .is_none());
+        frames.bind_producer("p", txn);
+        let out = frames
+            .rewrite(&conn, Direction::ToBroker, cmd, r)
+            .unwrap()
+            .unwrap();
+        let (c, rest) = decode(&out);
+        let s = c.send.unwrap();
+        assert_eq!((s.txnid_most_bits, s.txnid_least_bits), (Some(1), Some(7)));
+        let size = u32::from_be_bytes([rest[6], rest[7], rest[8], rest[9]]) as usize;
+        let m = proto::MessageMetadata::decode(&rest[10..10 + size]).unwrap();
+        assert_eq!((m.txnid_most_bits, m.txnid_least_bits), (Some(1), Some(7)));
+        assert_eq!(&rest[10 + size..], b"hello");
+        let crc = u32::from_be_bytes([rest[2], rest[3], rest[4], rest[5]]);
+        assert_eq!(crc, CRC32C.checksum(&rest[6..]), "checksum made again");
+
+        // Acks: an expected one carries the transaction and a request id of the bridge's.
+        let id = |entry| proto::MessageIdData {
+            ledger_id: 9,
+            entry_id: entry,
+            ..Default::default()
+        };
+        let ack = |entry| {
+            frame_of(
+                proto::BaseCommand {
+                    r#type: Type::Ack as i32,
+                    ack: Some(proto::CommandAck {
+                        consumer_id: 5,
+                        message_id: vec![id(entry)],
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                &[],
+            )
+        };
+        frames.expect_acks(txn, topic, "g", &[id(0), id(1)]);
+        let a0 = ack(0);
+        let out = frames
+            .rewrite(&conn, Direction::ToBroker, split_frame(&a0).unwrap().0, &[])
+            .unwrap()
+            .unwrap();
+        let a = decode(&out).0.ack.unwrap();
+        assert_eq!((a.txnid_most_bits, a.txnid_least_bits), (Some(1), Some(7)));
+        let request = a.request_id.unwrap();
+        assert!(request > TXN_ACK_REQUEST_IDS);
+        // Another message's ack is plain.
+        let a2 = ack(2);
+        assert!(frames
+            .rewrite(&conn, Direction::ToBroker, split_frame(&a2).unwrap().0, &[])
+            .unwrap()
+            .is_none());
+        // The broker's answer is counted and never reaches the crate.
+        let answer = frame_of(
+            proto::BaseCommand {
+                r#type: Type::AckResponse as i32,
+                ack_response: Some(proto::CommandAckResponse {
+                    consumer_id: 5,
+                    request_id: Some(request),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &[],
+        );
+        let out = frames
+            .rewrite(
+                &conn,
+                Direction::ToClient,
+                split_frame(&answer).unwrap().0,
+                &[],
+            )
+            .unwrap()
+            .unwrap();
+        assert!(out.is_empty());
+        // The transaction ends before message 1's ack passed: it is dropped when it does.
+        frames.end(txn);
+        let a1 = ack(1);
+        let out = frames
+            .rewrite(&conn, Direction::ToBroker, split_frame(&a1).unwrap().0, &[])
+            .unwrap()
+            .unwrap();
+        assert!(
+            out.is_empty(),
+            "an aborted transaction's ack never becomes a plain one"
+        );
+        // And the producer is unbound.
+        assert!(frames
+            .rewrite(&conn, Direction::ToBroker, cmd, r)
+            .unwrap()
+            .is_none());
     }
 }

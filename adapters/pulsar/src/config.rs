@@ -256,6 +256,17 @@ pub struct PulsarOptions {
     /// How the client authenticates: `token`, `token_file`, the `oauth2_*` keys or a client
     /// certificate (`tls_cert_file` + `tls_key_file`), at most one. See [`PulsarAuth`].
     pub auth: PulsarAuth,
+    /// `transactions` (default `false`; Java's `PulsarClientBuilder.enableTransaction`):
+    /// producers with a transactional id can `begin` transactions (PIP-31) and the
+    /// exactly-once pipeline writes its outputs and acknowledges its inputs in them. The
+    /// connection's producers and consumers then reach the brokers through onceflow's
+    /// loopback bridge (one more loopback hop per frame), which puts the transaction id on
+    /// their sends and acknowledgements; see the crate docs, "Transactions".
+    pub transactions: bool,
+    /// `transaction_timeout_ms` (default 60000, 1000 to 3 600 000; Java's
+    /// `newTransaction().withTransactionTimeout`): a transaction still open this long after
+    /// `begin` is aborted by its coordinator, and its commit fails with `Aborted`.
+    pub transaction_timeout: Duration,
 }
 
 impl Default for PulsarOptions {
@@ -285,6 +296,8 @@ impl Default for PulsarOptions {
             tls_trust_certs: None,
             tls_hostname_verification: true,
             tls_allow_insecure_connection: false,
+            transactions: false,
+            transaction_timeout: Duration::from_secs(60),
             auth: PulsarAuth::None,
         }
     }
@@ -392,6 +405,18 @@ impl PulsarOptions {
                     return Err(Error::config(format!("'{key}=': expected a PEM file path")));
                 }
                 self.tls_trust_certs = Some(file_path(value));
+            }
+            "transactions" => {
+                self.transactions = parse_bool(key, value)?;
+            }
+            "transaction_timeout_ms" => {
+                let t = ms(key, value)?;
+                if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&t) {
+                    return Err(Error::config(format!(
+                        "'{key}={value}': expected 1000 to 3600000 milliseconds"
+                    )));
+                }
+                self.transaction_timeout = t;
             }
             "tls_hostname_verification" => {
                 self.tls_hostname_verification = parse_bool(key, value)?;

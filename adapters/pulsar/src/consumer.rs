@@ -232,6 +232,8 @@ impl Resubscribe {
 
 /// A member of a consumer group (a Pulsar subscription) on Pulsar (see the crate docs).
 pub struct PulsarConsumer {
+    /// This consumer, for the group metadata a transaction acknowledges through.
+    me: std::sync::Weak<PulsarConsumer>,
     shared: Arc<Shared>,
     group: String,
     member: String,
@@ -249,6 +251,12 @@ pub struct PulsarConsumer {
     closed: AtomicBool,
     notify: Arc<Notify>,
     rotate: AtomicUsize,
+}
+
+/// What a Pulsar consumer's [`GroupMetadata::native`] holds: the consumer, through which a
+/// transaction of the same connection acknowledges (`PulsarTransaction::commit_offsets`).
+pub(crate) struct TxnAcks {
+    pub(crate) consumer: std::sync::Weak<PulsarConsumer>,
 }
 
 fn sub_type(t: SubscriptionType) -> SubType {
@@ -383,6 +391,7 @@ impl PulsarConsumer {
         }
         let batch_index_ack = shared.capabilities(&options).batch_index_ack;
         let consumer = Arc::new(PulsarConsumer {
+            me: std::sync::Weak::new(),
             shared,
             group: config.group,
             member,
@@ -406,7 +415,10 @@ impl PulsarConsumer {
                 seeks.push((i, s));
             }
         }
-        let consumer = Arc::new(consumer);
+        let consumer = Arc::new_cyclic(|me| {
+            consumer.me = me.clone();
+            consumer
+        });
         for (i, s) in seeks {
             let tp = consumer.parts[i].tp.clone();
             consumer
@@ -493,7 +505,7 @@ impl PulsarConsumer {
                 .map(|l| l.on_revoked(&lost))
                 .unwrap_or_default();
             if !commits.is_empty() {
-                if let Err(e) = self.commit_inner(&commits) {
+                if let Err(e) = self.commit_inner(&commits, &mut |_, _, _| {}) {
                     tracing::warn!(error = %e, group = %self.group, "commit on revocation failed");
                 }
             }
@@ -629,7 +641,15 @@ impl PulsarConsumer {
         out
     }
 
-    fn commit_inner(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
+    /// Acknowledges, for each partition, what was delivered up to the position (see
+    /// `commit`); returns how many message ids went to the crate consumers. `before_send`
+    /// sees each partition's message ids (with the partition's topic name) before they go.
+    fn commit_inner(
+        &self,
+        positions: &[(TopicPartition, Position)],
+        before_send: &mut dyn FnMut(&TopicPartition, &str, &[MessageIdData]),
+    ) -> Result<u64> {
+        let mut sent = 0;
         for (tp, pos) in positions {
             let part = self.part(tp)?;
             let key = pos_key(pos)?;
@@ -664,11 +684,68 @@ impl PulsarConsumer {
             if ids.is_empty() {
                 continue;
             }
+            sent += ids.len() as u64;
+            before_send(tp, &self.partition_topic(tp, part), &ids);
             part.cmd.send(Cmd::Ack(ids)).map_err(|_| {
                 Error::new(ErrorKind::Closed, format!("{tp}: the consumer is closed"))
             })?;
         }
-        Ok(())
+        Ok(sent)
+    }
+
+    /// The (partition topic, subscription) of each position's partition, as a transaction
+    /// registers them (`ADD_SUBSCRIPTION_TO_TXN`). `Fenced` for a partition this member does
+    /// not read.
+    pub(crate) fn txn_subscriptions(
+        &self,
+        positions: &[(TopicPartition, Position)],
+    ) -> Result<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for (tp, _) in positions {
+            let part = self.part(tp)?;
+            let s = (self.partition_topic(tp, part), self.group.clone());
+            if !out.contains(&s) {
+                out.push(s);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The full topic name of a partition (`persistent://…[-partition-N]`).
+    fn partition_topic(&self, tp: &TopicPartition, part: &Part) -> String {
+        let full = self.options.full_topic(&tp.topic);
+        if part.index >= 0 {
+            format!("{full}-partition-{}", part.index)
+        } else {
+            full
+        }
+    }
+
+    /// Acknowledges inside a transaction: as `commit`, with `expect(topic, subscription, ids)`
+    /// told each partition's message ids before they go (the bridge then puts the
+    /// transaction's id on their acknowledgements). Returns how many message ids.
+    pub(crate) fn txn_ack(
+        &self,
+        positions: &[(TopicPartition, Position)],
+        expect: &mut dyn FnMut(&str, &str, &[MessageIdData]),
+    ) -> Result<u64> {
+        self.check_open()?;
+        let group = self.group.clone();
+        self.commit_inner(positions, &mut |_, topic, ids| expect(topic, &group, ids))
+    }
+
+    /// A transaction that acknowledged on these partitions was aborted: those
+    /// acknowledgements are void. What this member believed committed there is forgotten and
+    /// read from the broker's cursor again. (The broker itself dispatches the messages again
+    /// to the member that acknowledged them, as unacknowledged ones.)
+    pub(crate) fn txn_aborted(&self, partitions: &[TopicPartition]) {
+        for tp in partitions {
+            if let Ok(part) = self.part(tp) {
+                let mut st = part.state.lock();
+                st.committed = None;
+                st.committed_next = None;
+            }
+        }
     }
 
     /// Seeks one partition (the broker resets the subscription's cursor; every consumer of the
@@ -1156,7 +1233,7 @@ impl ConsumerBackend for PulsarConsumer {
     /// messages again (at-least-once; the dedup store skips them).
     async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.check_open()?;
-        self.commit_inner(positions)
+        self.commit_inner(positions, &mut |_, _, _| {}).map(drop)
     }
 
     async fn committed(
@@ -1253,7 +1330,9 @@ impl ConsumerBackend for PulsarConsumer {
             group: self.group.clone(),
             generation: 0,
             member_id: self.member.clone(),
-            native: None,
+            native: Some(Arc::new(TxnAcks {
+                consumer: self.me.clone(),
+            })),
         })
     }
 

@@ -109,10 +109,24 @@
 //!   broker assigns. Batching (`batch_size`, `batch_bytes`, `batch_timeout_ms`) and compression
 //!   (`compression`) are the crate's. `send_batch` hands every record to the crate before
 //!   waiting for receipts, so they share batches.
-//! - **No transactions**: the pulsar crate has none ([`CAPABILITIES`]`.transactions` is false,
-//!   `begin()` is `Unsupported`). Pipelines run **effectively-once**: the dedup store decides
-//!   whether a message's side effects ran, and readers of the output skip repeated
-//!   idempotency keys.
+//! - **Transactions** (PIP-31) with `transactions=true` on the URL (Java's
+//!   `enableTransaction`; the brokers need `transactionCoordinatorEnabled=true`): a producer
+//!   with a transactional id `begin`s a transaction at a transaction coordinator, its sends and
+//!   the acknowledgements `commit_offsets` makes are inside it, `commit` / `abort` end it
+//!   (`transaction_timeout_ms`, default 60 s, after which the coordinator aborts it). The
+//!   pulsar crate has no transactions (streamnative/pulsar-rs#253), so onceflow speaks the
+//!   coordinator protocol on connections of its own (`txn.rs`) and the crate's connections go
+//!   through onceflow's loopback bridge, which puts the transaction's id on the crate's sends
+//!   (command and stored metadata) and acknowledgements and reads the broker's answers to the
+//!   latter (`bridge.rs`, [`Capabilities::transactions`] is then true). The pipeline then
+//!   writes its outputs and acknowledges its inputs atomically; readers never see an aborted
+//!   transaction's messages. Differences from Kafka: a transactional id does not fence an
+//!   older producer with the same id (Pulsar has no producer epochs; a member that lost a
+//!   partition is stopped by its acknowledgements, which conflict with the new member's), and
+//!   after an abort the acknowledged messages come again to the member, which must read them
+//!   again (the pipeline rewinds). Without `transactions=true`, `begin()` is `Unsupported`
+//!   and pipelines run **effectively-once**: the dedup store decides whether a message's side
+//!   effects ran, and readers of the output skip repeated idempotency keys.
 //! - **Broker deduplication and named producers** (PIP-6, `brokerDeduplicationEnabled`): the
 //!   broker drops a message whose (producer name, sequence id) it has already stored and
 //!   still acknowledges it, with message id `(-1,-1)`. The pulsar crate starts every producer's
@@ -200,11 +214,8 @@ mod config;
 mod consumer;
 mod convert;
 mod producer;
-// The transaction coordinator client (#27): used by the transactional producer being built on
-// it; until then only its tests call it.
-#[allow(dead_code)]
+mod transaction;
 mod txn;
-#[allow(dead_code)]
 mod wire;
 
 use std::collections::HashMap;
@@ -262,6 +273,7 @@ pub fn capabilities(options: &PulsarOptions) -> Capabilities {
 /// and [`PulsarOptions::batch_index_ack`] allow it.
 pub fn capabilities_on(options: &PulsarOptions, broker_batch_index_ack: bool) -> Capabilities {
     Capabilities {
+        transactions: options.transactions,
         per_message_nack: !options.subscription_type.single_active(),
         batch_index_ack: broker_batch_index_ack && options.batch_index_ack == BatchIndexAck::Auto,
         ..CAPABILITIES
@@ -285,11 +297,11 @@ pub(crate) struct Shared {
     /// client above).
     bridge: Option<bridge::Bridge>,
     /// How onceflow's own broker connections connect (transactions, `txn.rs`).
-    #[allow(dead_code)]
     wire: wire::WireConfig,
     /// The cluster's transaction coordinators, found on first use.
-    #[allow(dead_code)]
     coordinators: tokio::sync::OnceCell<Arc<txn::Coordinators>>,
+    /// With `transactions=true`: the transactions the bridge puts on the crate's frames.
+    pub(crate) txn_frames: Option<Arc<bridge::TxnFrames>>,
 }
 
 impl Shared {
@@ -304,7 +316,6 @@ impl Shared {
 
     /// The cluster's transaction coordinators (found, and connected to, on first use).
     /// `Unsupported` when the cluster has none.
-    #[allow(dead_code)]
     pub(crate) async fn coordinators(&self) -> Result<Arc<txn::Coordinators>> {
         self.coordinators
             .get_or_try_init(|| async {
@@ -411,32 +422,60 @@ impl PulsarPlatform {
         }
         auth::ensure_crypto_provider();
         // A client certificate: the crate talks to the loopback bridge, which makes the TLS
-        // connections (see bridge.rs).
-        let (bridge, mtls) = match &options.auth {
-            config::PulsarAuth::Tls(cert) => {
-                let config = bridge::client_config(
-                    cert,
-                    trusted.as_deref(),
-                    options.tls_hostname_verification,
-                    options.tls_allow_insecure_connection,
-                )?;
-                let upstream = bridge::Upstream::of_url(&options.service_url).ok_or_else(|| {
+        // connections (see bridge.rs); so it does with transactions, whose ids the bridge puts
+        // on the crate's sends and acknowledgements.
+        let mtls = match &options.auth {
+            config::PulsarAuth::Tls(cert) => Some(bridge::client_config(
+                cert,
+                trusted.as_deref(),
+                options.tls_hostname_verification,
+                options.tls_allow_insecure_connection,
+            )?),
+            _ => None,
+        };
+        let tls_config = match (&mtls, tls) {
+            (Some(c), _) => Some(Arc::new(c.clone())),
+            (None, true) => Some(Arc::new(auth::tls_config(trusted.as_deref())?)),
+            (None, false) => None,
+        };
+        let txn_frames = options
+            .transactions
+            .then(|| Arc::new(bridge::TxnFrames::default()));
+        let bridge = if mtls.is_some() || options.transactions {
+            let upstream =
+                bridge::Upstream::of_url(&options.service_url, tls).ok_or_else(|| {
                     Error::config(format!(
-                        "{service}: a client certificate needs pulsar+ssl://host:port"
+                        "{service}: {} needs {}://host:port",
+                        if mtls.is_some() {
+                            "a client certificate"
+                        } else {
+                            "transactions=true"
+                        },
+                        if tls { "pulsar+ssl" } else { "pulsar" }
                     ))
                 })?;
-                let b = bridge::Bridge::start(
-                    upstream,
-                    Arc::new(config.clone()),
-                    cert,
-                    options.operation_timeout.min(HANDSHAKE_TIMEOUT),
-                )?;
-                // A refused certificate is found here, before the crate connects: the crate
-                // would log its own ERROR for it, and onceflow's error would say it again.
-                b.check().await?;
-                (Some(b), Some(config))
-            }
-            _ => (None, None),
+            let present = match &options.auth {
+                config::PulsarAuth::Tls(cert) => {
+                    bridge::Present::ClientCert(cert.cert_file.display().to_string())
+                }
+                _ => bridge::Present::Credentials(
+                    credentials.clone(),
+                    Credentials::describe(&options),
+                ),
+            };
+            let b = bridge::Bridge::start(
+                upstream,
+                tls_config.clone(),
+                present,
+                txn_frames.clone(),
+                options.operation_timeout.min(HANDSHAKE_TIMEOUT),
+            )?;
+            // A refused certificate or credential is found here, before the crate connects:
+            // the crate would log its own ERROR for it, and onceflow's error would say it again.
+            b.check().await?;
+            Some(b)
+        } else {
+            None
         };
         let service_url = match &bridge {
             Some(b) => b.local_url(),
@@ -513,11 +552,7 @@ impl PulsarPlatform {
             }
         };
         let wire = wire::WireConfig {
-            tls: match (&mtls, tls) {
-                (Some(c), _) => Some(Arc::new(c.clone())),
-                (None, true) => Some(Arc::new(auth::tls_config(trusted.as_deref())?)),
-                (None, false) => None,
-            },
+            tls: tls_config,
             credentials: credentials.clone(),
             timeout: options.operation_timeout,
         };
@@ -568,6 +603,7 @@ impl PulsarPlatform {
                 bridge,
                 wire,
                 coordinators: tokio::sync::OnceCell::new(),
+                txn_frames,
             }),
         }))
     }

@@ -52,13 +52,17 @@ impl Drop for TopicProducers {
     }
 }
 
-/// A producer on Pulsar (see the crate docs for the mapping).
+/// A producer on Pulsar (see the crate docs for the mapping). Clones share everything.
+#[derive(Clone)]
 pub struct PulsarProducer {
-    shared: Arc<Shared>,
-    options: PulsarOptions,
-    name: Option<String>,
-    topics: tokio::sync::Mutex<HashMap<String, Arc<TopicProducers>>>,
-    closed: AtomicBool,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) options: Arc<PulsarOptions>,
+    pub(crate) name: Option<String>,
+    topics: Arc<tokio::sync::Mutex<HashMap<String, Arc<TopicProducers>>>>,
+    closed: Arc<AtomicBool>,
+    /// With a transactional id on a `transactions=true` connection: a transaction is open
+    /// (one at a time, as on Kafka).
+    pub(crate) in_txn: Option<Arc<AtomicBool>>,
 }
 
 /// The pulsar crate's producer options for our options.
@@ -96,18 +100,28 @@ impl PulsarProducer {
     pub(crate) fn new(shared: Arc<Shared>, config: ProducerConfig) -> Result<Self> {
         let mut options = shared.options.clone();
         options.apply(&config.options)?;
-        if config.transactional_id.is_some() {
+        let transactional = config.transactional_id.is_some() && options.transactions;
+        if config.transactional_id.is_some() && !options.transactions {
             tracing::debug!(
-                "transactional_id is ignored on Pulsar: the pulsar crate has no transactions"
+                "transactional_id without transactions=true on the pulsar:// URL: this \
+                 producer cannot begin transactions"
             );
         }
-        let name = options.producer_name.clone().or(config.client_id);
+        let name = match &config.transactional_id {
+            // The bridge tells this producer's sends by its name, so it is this producer's
+            // alone: the transactional id and a random suffix. (A name of an earlier process
+            // would also meet broker deduplication's sequence ids of that process, see
+            // `complete`.)
+            Some(id) if transactional => Some(format!("{id}-{:016x}", rand::random::<u64>())),
+            _ => options.producer_name.clone().or(config.client_id),
+        };
         Ok(PulsarProducer {
             shared,
-            options,
+            options: Arc::new(options),
             name,
-            topics: tokio::sync::Mutex::new(HashMap::new()),
-            closed: AtomicBool::new(false),
+            topics: Arc::new(tokio::sync::Mutex::new(HashMap::new())),
+            closed: Arc::new(AtomicBool::new(false)),
+            in_txn: transactional.then(|| Arc::new(AtomicBool::new(false))),
         })
     }
 
@@ -247,6 +261,19 @@ impl PulsarProducer {
             future,
             timestamp,
             stored_from: t.stored_from[partition].clone(),
+        })
+    }
+
+    /// The partition names of `topic` (`persistent://…[-partition-N]`), its producers made.
+    pub(crate) async fn partition_names(&self, topic: &str) -> Result<Vec<String>> {
+        let t = self.topic(topic).await?;
+        let full = self.options.full_topic(topic);
+        Ok(if t.partitioned {
+            (0..t.parts.len())
+                .map(|i| format!("{full}-partition-{i}"))
+                .collect()
+        } else {
+            vec![full]
         })
     }
 
@@ -393,6 +420,26 @@ impl ProducerBackend for PulsarProducer {
     /// them), then waits for the receipts. A run of records for the same topic looks the topic
     /// up once, and a run for the same partition takes its producer's lock once.
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        self.send_all(records).await
+    }
+
+    async fn begin(&self) -> Result<Box<dyn onceflow_core::TransactionBackend>> {
+        crate::transaction::PulsarTransaction::begin(self.clone()).await
+    }
+
+    async fn flush(&self, timeout: Duration) -> Result<()> {
+        self.flush_batches(timeout).await
+    }
+
+    async fn close(&self) -> Result<()> {
+        self.close_all().await
+    }
+}
+
+impl PulsarProducer {
+    /// [`ProducerBackend::send_batch`]: hands every record to its partition's producer first,
+    /// in order (so the crate batches them), then waits for the receipts.
+    pub(crate) async fn send_all(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
         let mut queued = Vec::with_capacity(records.len());
         let mut topic: Option<(String, Arc<TopicProducers>)> = None;
         let mut held: Option<(usize, tokio::sync::OwnedMutexGuard<RawProducer>)> = None;
@@ -429,7 +476,8 @@ impl ProducerBackend for PulsarProducer {
         .await
     }
 
-    async fn flush(&self, timeout: Duration) -> Result<()> {
+    /// Sends what the crate holds in batches, at most `timeout`.
+    pub(crate) async fn flush_batches(&self, timeout: Duration) -> Result<()> {
         if !self.options.batching() {
             return Ok(());
         }
@@ -454,7 +502,7 @@ impl ProducerBackend for PulsarProducer {
         })?
     }
 
-    async fn close(&self) -> Result<()> {
+    async fn close_all(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }

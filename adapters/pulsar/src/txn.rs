@@ -125,6 +125,7 @@ impl Coordinators {
     }
 
     /// The number of coordinators of the cluster.
+    #[cfg(test)]
     pub(crate) fn count(&self) -> u64 {
         self.count
     }

@@ -172,16 +172,20 @@ struct OutputHandler {
 }
 
 /// First line of the result a transactional pipeline stores with a completed key: the origin
-/// (group, topic, partition, offset) of the input that claimed it follows, one per line.
+/// (group, topic, partition, position) of the input that claimed it follows, one per line.
 const ORIGIN_TAG: &str = "onceflow-origin/1";
 
 /// The stored result naming `msg`, read in transaction `tx` of group `group`, as the origin of
-/// its key's completion, for positions that order (offsets: Kafka, `memory://`); `None`
-/// otherwise.
+/// its key's completion. The position is an offset as a bare number (Kafka, `memory://`; the
+/// form stores written before other positions were kept), any other position in its
+/// `Display` form (`pulsar:LEDGER:ENTRY:PARTITION:BATCH`).
 fn origin_of(group: &str, tx: &str, msg: &Message) -> Option<Bytes> {
-    let offset = msg.position.as_offset()?;
+    let position = match msg.position.as_offset() {
+        Some(offset) => offset.to_string(),
+        None => msg.position.to_string(),
+    };
     Some(Bytes::from(format!(
-        "{ORIGIN_TAG}\n{group}\n{}\n{}\n{offset}\n{tx}",
+        "{ORIGIN_TAG}\n{group}\n{}\n{}\n{position}\n{tx}",
         msg.topic, msg.partition
     )))
 }
@@ -190,7 +194,7 @@ fn origin_of(group: &str, tx: &str, msg: &Message) -> Option<Bytes> {
 struct Origin<'a> {
     group: &'a str,
     tp: TopicPartition,
-    offset: i64,
+    position: Position,
     tx: &'a str,
 }
 
@@ -203,12 +207,16 @@ fn parse_origin(result: &[u8]) -> Option<Origin<'_>> {
     let group = lines.next()?;
     let topic = lines.next()?;
     let partition = lines.next()?.parse().ok()?;
-    let offset = lines.next()?.parse().ok()?;
+    let position = lines.next()?;
+    let position = match position.parse::<i64>() {
+        Ok(offset) => Position::Offset(offset),
+        Err(_) => position.parse().ok()?,
+    };
     let tx = lines.next()?;
     Some(Origin {
         group,
         tp: TopicPartition::new(topic, partition),
-        offset,
+        position,
         tx,
     })
 }
@@ -906,16 +914,16 @@ impl TxLoop<'_> {
     async fn redo(&self, msgs: &[Message], outcomes: &[Option<ClaimOutcome>]) -> Result<Vec<bool>> {
         let core = self.core;
         let group = core.consumer.group();
-        let mut candidates: Vec<(usize, TopicPartition, i64, &str)> = Vec::new();
+        let mut candidates: Vec<(usize, TopicPartition, Position, &str)> = Vec::new();
         for (i, (m, o)) in msgs.iter().zip(outcomes).enumerate() {
             if let Some(ClaimOutcome::Duplicate { result: Some(r) }) = o {
                 if let Some(origin) = parse_origin(r) {
                     if origin.group == group
                         && origin.tp.topic == m.topic
                         && origin.tp.partition == m.partition
-                        && m.position.as_offset() == Some(origin.offset)
+                        && m.position == origin.position
                     {
-                        candidates.push((i, origin.tp, origin.offset, origin.tx));
+                        candidates.push((i, origin.tp, origin.position, origin.tx));
                     }
                 }
             }
@@ -937,13 +945,17 @@ impl TxLoop<'_> {
             .into_iter()
             .map(|c| (c.partition, c.next))
             .collect();
-        // Kept: inputs whose position the group has not committed (next to read ≤ offset).
-        candidates.retain(|(_, tp, offset, _)| {
+        // Kept: inputs whose position the group has not committed (next to read ≤ position).
+        candidates.retain(|(_, tp, position, _)| {
             committed
                 .get(tp)
                 .and_then(|p| p.as_ref())
-                .and_then(Position::as_offset)
-                .is_none_or(|next| next <= *offset)
+                .is_none_or(|next| {
+                    !matches!(
+                        next.partial_cmp(position),
+                        Some(std::cmp::Ordering::Greater)
+                    )
+                })
         });
         if candidates.is_empty() {
             return Ok(redo);
@@ -1214,5 +1226,43 @@ mod tests {
         set_output_ids(None, &mut none);
         assert_eq!(none[0].idempotency_key, None);
         set_output_ids(Some("k".to_string()), &mut []);
+    }
+
+    #[test]
+    fn origins_keep_any_position_and_read_the_old_offset_form() {
+        let mut m = Message {
+            topic: "in".into(),
+            partition: 2,
+            position: Position::Offset(7),
+            key: None,
+            payload: Bytes::from_static(b"v"),
+            headers: Default::default(),
+            timestamp: None,
+            delivery_count: 1,
+        };
+        let kafka = origin_of("g", "tx-1", &m).unwrap();
+        assert_eq!(
+            &kafka[..],
+            b"onceflow-origin/1\ng\nin\n2\n7\ntx-1".as_slice()
+        );
+        let o = parse_origin(&kafka).unwrap();
+        assert_eq!(
+            (o.group, o.position, o.tx),
+            ("g", Position::Offset(7), "tx-1")
+        );
+        m.position = Position::MessageId {
+            ledger: 12,
+            entry: 3,
+            partition: 2,
+            batch: -1,
+        };
+        let pulsar = origin_of("g", "tx-2", &m).unwrap();
+        let o = parse_origin(&pulsar).unwrap();
+        assert_eq!(
+            o.position, m.position,
+            "a Pulsar message id is kept, not dropped"
+        );
+        assert_eq!(o.tp, TopicPartition::new("in", 2));
+        assert!(parse_origin(b"onceflow-origin/1\ng\nin\n2\nnot-a-position\ntx").is_none());
     }
 }

@@ -1,0 +1,330 @@
+//! Pulsar transactions (PIP-31) for onceflow's transactional producer: `begin` opens one at a
+//! transaction coordinator (`txn.rs`), sends go out through the pulsar crate's producers with
+//! the transaction's id put on them by the loopback bridge ([`crate::bridge::TxnFrames`]),
+//! `commit_offsets` acknowledges the consumed messages inside it, `commit` / `abort` end it.
+//!
+//! - Before the first send to a topic, every partition of it is registered with the
+//!   coordinator (`ADD_PARTITION_TO_TXN`), so the commit or abort marker reaches each; before
+//!   the first acknowledgement on a subscription, the subscription (`ADD_SUBSCRIPTION_TO_TXN`).
+//! - `commit` first waits for every send's receipt and every acknowledgement's answer: a send
+//!   or acknowledgement the broker refused (`TransactionConflict`: the message was
+//!   acknowledged in another transaction, or the cursor moved past it) aborts the transaction
+//!   and is returned as `Aborted`. A commit whose coordinator answer was lost is `Timeout` with
+//!   the outcome unknown (see `txn.rs`).
+//! - Dropping an open transaction aborts it (in the background); the coordinator would abort it
+//!   at its timeout anyway (`transaction_timeout_ms`).
+//! - After an abort, the acknowledgements it made are void: the consumer forgets what it
+//!   believed committed, so the pipeline's rewind reads the subscription's cursor from the
+//!   broker and gets the inputs again.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+use async_trait::async_trait;
+use onceflow_core::{
+    Delivery, Error, ErrorKind, GroupMetadata, Position, Record, Result, TopicPartition,
+    TransactionBackend,
+};
+
+use crate::bridge::TxnFrames;
+use crate::consumer::PulsarConsumer;
+use crate::producer::PulsarProducer;
+use crate::txn::{Coordinators, TxnEnd, TxnId};
+
+/// An open Pulsar transaction of a [`PulsarProducer`].
+pub(crate) struct PulsarTransaction {
+    producer: PulsarProducer,
+    tcs: Arc<Coordinators>,
+    frames: Arc<TxnFrames>,
+    id: TxnId,
+    /// Topics whose partitions are registered.
+    topics: HashSet<String>,
+    /// Subscriptions (partition, subscription) registered.
+    subscriptions: HashSet<(String, String)>,
+    /// Message ids acknowledged in the transaction (by the consumers below).
+    acked: u64,
+    /// Consumers that acknowledged in it, and their partitions, told on abort.
+    consumers: Vec<(Weak<PulsarConsumer>, Vec<TopicPartition>)>,
+    ended: bool,
+}
+
+impl PulsarTransaction {
+    /// Opens a transaction for `producer`: `Unsupported` without `transactions=true` on the
+    /// URL or on a cluster without transaction coordinators, `Config` while another
+    /// transaction of this producer is open.
+    pub(crate) async fn begin(producer: PulsarProducer) -> Result<Box<dyn TransactionBackend>> {
+        let Some(frames) = producer.shared.txn_frames.clone() else {
+            return Err(Error::unsupported(
+                "Pulsar transactions need transactions=true on the pulsar:// URL (Java's \
+                 enableTransaction)",
+            ));
+        };
+        let (Some(in_txn), Some(name)) = (producer.in_txn.clone(), producer.name.clone()) else {
+            return Err(Error::config(
+                "this producer has no transactional id: set ProducerConfig::transactional_id",
+            ));
+        };
+        if in_txn.swap(true, Ordering::AcqRel) {
+            return Err(Error::config(
+                "this producer has a transaction open already: commit or abort it first",
+            ));
+        }
+        let opened = async {
+            let tcs = producer.shared.coordinators().await?;
+            let id = tcs.new_txn(producer.options.transaction_timeout).await?;
+            Ok::<_, Error>((tcs, id))
+        }
+        .await;
+        let (tcs, id) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                in_txn.store(false, Ordering::Release);
+                return Err(e);
+            }
+        };
+        frames.bind_producer(&name, id);
+        tracing::debug!(txn = %id, producer = %name, "Pulsar transaction opened");
+        Ok(Box::new(PulsarTransaction {
+            producer,
+            tcs,
+            frames,
+            id,
+            topics: HashSet::new(),
+            subscriptions: HashSet::new(),
+            acked: 0,
+            consumers: Vec::new(),
+            ended: false,
+        }))
+    }
+
+    /// Registers the partitions of the topics of `records` not registered yet.
+    async fn register_topics(&mut self, records: &[Record]) -> Result<()> {
+        let mut new: Vec<String> = Vec::new();
+        for r in records {
+            if !self.topics.contains(&r.topic) && !new.contains(&r.topic) {
+                new.push(r.topic.clone());
+            }
+        }
+        if new.is_empty() {
+            return Ok(());
+        }
+        let mut partitions = Vec::new();
+        for t in &new {
+            crate::config::check_topic(t)?;
+            partitions.extend(self.producer.partition_names(t).await?);
+        }
+        self.tcs.add_partitions(self.id, &partitions).await?;
+        self.topics.extend(new);
+        Ok(())
+    }
+
+    /// Ends the transaction at the coordinator, unbinds it from the bridge and lets the
+    /// producer begin the next one.
+    async fn end(&mut self, end: TxnEnd) -> Result<()> {
+        let r = self.tcs.end(self.id, end).await;
+        self.finish();
+        r
+    }
+
+    fn finish(&mut self) {
+        if !self.ended {
+            self.ended = true;
+            self.frames.end(self.id);
+            if let Some(f) = &self.producer.in_txn {
+                f.store(false, Ordering::Release);
+            }
+        }
+    }
+
+    /// The acknowledgements of this transaction are void: each consumer forgets what it
+    /// believed committed on those partitions.
+    fn void_acks(&self) {
+        for (c, acked) in &self.consumers {
+            if let Some(c) = c.upgrade() {
+                c.txn_aborted(acked);
+            }
+        }
+    }
+
+    /// Before an abort: waits (at most the operation timeout) until the acknowledgements made
+    /// in the transaction were answered. One the broker takes after the coordinator ended the
+    /// transaction would open it again at the subscription (its pending-ack state) and hold
+    /// the message until the broker's low-water mark catches up; those that have not left
+    /// the bridge when the transaction ends are dropped instead ([`TxnFrames::end`]).
+    async fn acks_passed(&self) {
+        if self.acked > 0 {
+            let timeout = self.producer.options.operation_timeout;
+            if let Err(e) = self
+                .frames
+                .acks_answered(self.id, self.acked, timeout)
+                .await
+            {
+                tracing::debug!(txn = %self.id, error = %e, "aborting with acknowledgements unanswered");
+            }
+        }
+    }
+
+    /// Waits for every acknowledgement's answer; aborts on a refusal.
+    async fn settle_acks(&mut self) -> Result<()> {
+        let timeout = self.producer.options.operation_timeout;
+        match self
+            .frames
+            .acks_answered(self.id, self.acked, timeout)
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let _ = self.end(TxnEnd::Abort).await;
+                self.void_acks();
+                Err(Error::new(
+                    ErrorKind::Aborted,
+                    format!(
+                        "Pulsar transaction {} was aborted: {}",
+                        self.id,
+                        e.message()
+                    ),
+                )
+                .retriable(true))
+            }
+        }
+    }
+}
+
+impl Drop for PulsarTransaction {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        let tcs = self.tcs.clone();
+        let frames = self.frames.clone();
+        let (id, acked) = (self.id, self.acked);
+        let timeout = self.producer.options.operation_timeout;
+        let consumers = std::mem::take(&mut self.consumers);
+        let in_txn = self.producer.in_txn.clone();
+        self.ended = true;
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            // As `abort`, in the background: the acknowledgements answered, the coordinator's
+            // abort, the bridge unbound, the consumers told; then the producer may begin again.
+            rt.spawn(async move {
+                if acked > 0 {
+                    let _ = frames.acks_answered(id, acked, timeout).await;
+                }
+                let r = tcs.end(id, TxnEnd::Abort).await;
+                frames.end(id);
+                for (c, acked) in &consumers {
+                    if let Some(c) = c.upgrade() {
+                        c.txn_aborted(acked);
+                    }
+                }
+                if let Some(f) = in_txn {
+                    f.store(false, std::sync::atomic::Ordering::Release);
+                }
+                if let Err(e) = r {
+                    tracing::debug!(txn = %id, error = %e, "aborting a dropped Pulsar transaction");
+                }
+            });
+        } else {
+            // No runtime to abort on: the coordinator aborts it at its timeout.
+            self.frames.end(id);
+            if let Some(f) = &self.producer.in_txn {
+                f.store(false, Ordering::Release);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl TransactionBackend for PulsarTransaction {
+    async fn send(&mut self, record: Record) -> Result<Delivery> {
+        self.send_batch(vec![record])
+            .await
+            .pop()
+            .expect("one result per record")
+    }
+
+    async fn send_batch(&mut self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        if let Err(e) = self.register_topics(&records).await {
+            return records
+                .iter()
+                .map(|_| {
+                    Err(Error::new(e.kind(), e.message().to_string()).retriable(e.is_retriable()))
+                })
+                .collect();
+        }
+        self.producer.send_all(records).await
+    }
+
+    /// Acknowledges, inside the transaction, every message the consumer of `group` delivered
+    /// up to each position (as its `commit` would; `group` must come from a Pulsar consumer of
+    /// this connection).
+    async fn commit_offsets(
+        &mut self,
+        group: &GroupMetadata,
+        positions: &[(TopicPartition, Position)],
+    ) -> Result<()> {
+        let consumer = group
+            .native
+            .as_ref()
+            .and_then(|n| n.clone().downcast::<crate::consumer::TxnAcks>().ok())
+            .and_then(|a| a.consumer.upgrade())
+            .ok_or_else(|| {
+                Error::config(format!(
+                    "commit_offsets on a Pulsar transaction needs the group metadata of a \
+                     Pulsar consumer (group '{}')",
+                    group.group
+                ))
+            })?;
+        let subscriptions = consumer.txn_subscriptions(positions)?;
+        let new: Vec<(String, String)> = subscriptions
+            .iter()
+            .filter(|s| !self.subscriptions.contains(*s))
+            .cloned()
+            .collect();
+        if !new.is_empty() {
+            self.tcs.add_subscriptions(self.id, &new).await?;
+            self.subscriptions.extend(new);
+        }
+        let (frames, id) = (self.frames.clone(), self.id);
+        let parts: Vec<TopicPartition> = positions.iter().map(|(tp, _)| tp.clone()).collect();
+        self.consumers.push((Arc::downgrade(&consumer), parts));
+        self.acked += consumer.txn_ack(positions, &mut |topic, sub, ids| {
+            frames.expect_acks(id, topic, sub, ids)
+        })?;
+        Ok(())
+    }
+
+    async fn commit(mut self: Box<Self>) -> Result<()> {
+        // Receipts: the sends were awaited in `send_batch`; the crate's batches are sent now.
+        if let Err(e) = self
+            .producer
+            .flush_batches(self.producer.options.operation_timeout)
+            .await
+        {
+            let _ = self.end(TxnEnd::Abort).await;
+            self.void_acks();
+            return Err(e);
+        }
+        self.settle_acks().await?;
+        let id = self.id;
+        match self.end(TxnEnd::Commit).await {
+            Ok(()) => {
+                tracing::debug!(txn = %id, "Pulsar transaction committed");
+                Ok(())
+            }
+            Err(e) => {
+                if !e.outcome_unknown() {
+                    self.void_acks();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn abort(mut self: Box<Self>) -> Result<()> {
+        self.acks_passed().await;
+        let r = self.end(TxnEnd::Abort).await;
+        self.void_acks();
+        r
+    }
+}

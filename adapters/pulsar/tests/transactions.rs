@@ -1,0 +1,305 @@
+//! Pulsar transactions (PIP-31, issue #27) on a real Pulsar standalone with
+//! `transactionCoordinatorEnabled=true` (`tests/brokers/up.sh pulsar`, which prints
+//! `ONCEFLOW_PULSAR_URL` and `ONCEFLOW_PULSAR_ADMIN_URL`). Without the URLs every test is
+//! skipped with that reason; `ONCEFLOW_REQUIRE_BROKERS=1` (set by `make test`) makes a missing
+//! broker a failure.
+//!
+//! - `committed_sends_are_read_and_aborted_ones_never`: what a transaction sent is read once
+//!   it commits; what an aborted one sent is never delivered, also to a plain consumer.
+//! - `acks_of_an_aborted_transaction_are_void`: inputs acknowledged in an aborted transaction
+//!   come again to the group; acknowledged in a committed one, never.
+//! - `a_transaction_past_its_timeout_is_aborted`: the coordinator aborts a transaction left
+//!   open past `transaction_timeout_ms`; its commit is `Aborted`, its sends never delivered.
+
+use std::time::{Duration, Instant};
+
+use onceflow_core::{
+    Client, Consumer, ConsumerConfig, ErrorKind, Message, ProducerConfig, Record, StartFrom,
+    TopicPartition,
+};
+
+fn require(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            assert!(
+                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+                "ONCEFLOW_REQUIRE_BROKERS=1 but {var} is not set (tests/brokers/up.sh pulsar)"
+            );
+            eprintln!("transactions: SKIPPED: {var} is not set (tests/brokers/up.sh pulsar)");
+            None
+        }
+    }
+}
+
+/// The broker's URL with transactions on.
+fn url() -> Option<String> {
+    let service = require("ONCEFLOW_PULSAR_URL")?;
+    let admin = require("ONCEFLOW_PULSAR_ADMIN_URL")?;
+    Some(format!("{service}?admin={admin}&transactions=true"))
+}
+
+fn name(prefix: &str) -> String {
+    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+fn text(m: &Message) -> String {
+    String::from_utf8_lossy(&m.payload).into_owned()
+}
+
+/// Reads `topic` as a new group from the earliest message until `last` was read (at most
+/// 60 s); returns the payloads read, in order.
+async fn read_until(client: &Client, topic: &str, last: &str) -> Vec<String> {
+    let c = client
+        .consumer(ConsumerConfig::new(name("reader"), [topic]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut out = Vec::new();
+    while !out.iter().any(|t| t == last) {
+        assert!(
+            Instant::now() < deadline,
+            "{last} not read within 60 s: {out:?}"
+        );
+        out.extend(
+            c.poll(100, Duration::from_millis(200))
+                .await
+                .unwrap()
+                .iter()
+                .map(text),
+        );
+    }
+    c.close().await.unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_sends_are_read_and_aborted_ones_never() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    assert!(client.capabilities().transactions);
+    let topic = name("txn-out");
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-producer")))
+        .await
+        .unwrap();
+
+    let mut t = producer.begin().await.unwrap();
+    for r in t
+        .send_batch(
+            (0..10)
+                .map(|i| Record::new(&topic, format!("a{i}")))
+                .collect(),
+        )
+        .await
+    {
+        r.unwrap();
+    }
+    // One transaction at a time per producer, as on Kafka.
+    let Err(second) = producer.begin().await else {
+        panic!("a transaction is open");
+    };
+    assert_eq!(second.kind(), ErrorKind::Config, "{second}");
+    t.commit().await.unwrap();
+
+    let mut t = producer.begin().await.unwrap();
+    for i in 0..10 {
+        t.send(Record::new(&topic, format!("x{i}"))).await.unwrap();
+    }
+    t.abort().await.unwrap();
+
+    // Dropped without commit: aborted as well.
+    let mut t = producer.begin().await.unwrap();
+    t.send(Record::new(&topic, "dropped")).await.unwrap();
+    drop(t);
+    // The background abort of the dropped one has to end before the next begins.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut t = loop {
+        match producer.begin().await {
+            Ok(t) => break t,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("begin after a drop: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    for i in 0..10 {
+        t.send(Record::new(&topic, format!("b{i}"))).await.unwrap();
+    }
+    t.commit().await.unwrap();
+    // Plain sends after the transactions, to know where to stop reading.
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(&topic, "end")).await.unwrap();
+
+    let read = read_until(&client, &topic, "end").await;
+    let expected: Vec<String> = (0..10)
+        .map(|i| format!("a{i}"))
+        .chain((0..10).map(|i| format!("b{i}")))
+        .chain(["end".to_string()])
+        .collect();
+    assert_eq!(
+        read, expected,
+        "committed once each, in order; aborted never"
+    );
+
+    // A client without transactions reads the same (the broker filters aborted messages).
+    let service = require("ONCEFLOW_PULSAR_URL").unwrap();
+    let admin = require("ONCEFLOW_PULSAR_ADMIN_URL").unwrap();
+    let plain_client = Client::new(
+        onceflow_pulsar::connect(&format!("{service}?admin={admin}"))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(read_until(&plain_client, &topic, "end").await, expected);
+    producer.close().await.unwrap();
+}
+
+async fn poll_n(c: &Consumer, n: usize) -> Vec<Message> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} within 60 s: {:?}",
+            out.len(),
+            out.iter().map(text).collect::<Vec<_>>()
+        );
+        out.extend(
+            c.poll(n - out.len(), Duration::from_millis(200))
+                .await
+                .unwrap(),
+        );
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_of_an_aborted_transaction_are_void() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let input = name("txn-in");
+    let output = name("txn-out");
+    let group = name("txn-group");
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    for i in 0..10 {
+        plain
+            .send(Record::new(&input, format!("in{i}")))
+            .await
+            .unwrap();
+    }
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-pipeline")))
+        .await
+        .unwrap();
+    // The group's committed position, else the earliest message (the default start).
+    let consume = || client.consumer(ConsumerConfig::new(&group, [input.as_str()]));
+
+    // Round 1: outputs sent and inputs acknowledged in a transaction that is aborted.
+    let c = consume().await.unwrap();
+    let msgs = poll_n(&c, 10).await;
+    assert_eq!(
+        msgs.iter().map(text).collect::<Vec<_>>(),
+        (0..10).map(|i| format!("in{i}")).collect::<Vec<_>>()
+    );
+    let last = msgs.last().unwrap();
+    let positions = vec![(
+        TopicPartition::new(&input, last.partition),
+        last.position.clone(),
+    )];
+    let mut t = producer.begin().await.unwrap();
+    for m in &msgs {
+        t.send(Record::new(&output, format!("out-{}", text(m))))
+            .await
+            .unwrap();
+    }
+    t.commit_offsets(&c.group_metadata().unwrap(), &positions)
+        .await
+        .unwrap();
+    t.abort().await.unwrap();
+    // The member that read them gets them again, in order (on a failover subscription the
+    // broker dispatches them again only once asked to: the consumer's rewind).
+    let again = poll_n(&c, 10).await;
+    assert_eq!(
+        again.iter().map(text).collect::<Vec<_>>(),
+        (0..10).map(|i| format!("in{i}")).collect::<Vec<_>>(),
+        "acknowledged in an aborted transaction: delivered again to the same member"
+    );
+    c.close().await.unwrap();
+
+    // Round 2: the group gets every input again; this time the transaction commits.
+    let c = consume().await.unwrap();
+    let again = poll_n(&c, 10).await;
+    assert_eq!(
+        again.iter().map(text).collect::<Vec<_>>(),
+        (0..10).map(|i| format!("in{i}")).collect::<Vec<_>>(),
+        "acknowledged in an aborted transaction: delivered again"
+    );
+    let last = again.last().unwrap();
+    let positions = vec![(
+        TopicPartition::new(&input, last.partition),
+        last.position.clone(),
+    )];
+    let mut t = producer.begin().await.unwrap();
+    for m in &again {
+        t.send(Record::new(&output, format!("out-{}", text(m))))
+            .await
+            .unwrap();
+    }
+    t.commit_offsets(&c.group_metadata().unwrap(), &positions)
+        .await
+        .unwrap();
+    t.commit().await.unwrap();
+    c.close().await.unwrap();
+
+    // Round 3: nothing of the inputs comes again, only what is written after.
+    plain.send(Record::new(&input, "in-after")).await.unwrap();
+    let c = consume().await.unwrap();
+    let next = poll_n(&c, 1).await;
+    assert_eq!(
+        text(&next[0]),
+        "in-after",
+        "acknowledged in a committed transaction: never again"
+    );
+    c.close().await.unwrap();
+
+    // The output holds round 2's outputs once each, none of round 1's.
+    plain.send(Record::new(&output, "end")).await.unwrap();
+    let read = read_until(&client, &output, "end").await;
+    let expected: Vec<String> = (0..10)
+        .map(|i| format!("out-in{i}"))
+        .chain(["end".to_string()])
+        .collect();
+    assert_eq!(read, expected);
+    producer.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_past_its_timeout_is_aborted() {
+    let Some(url) = url() else { return };
+    let client = Client::new(
+        onceflow_pulsar::connect(&format!("{url}&transaction_timeout_ms=1000"))
+            .await
+            .unwrap(),
+    );
+    let topic = name("txn-timeout");
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-slow")))
+        .await
+        .unwrap();
+    let mut t = producer.begin().await.unwrap();
+    t.send(Record::new(&topic, "late")).await.unwrap();
+    // Past the timeout the coordinator's timeout tracker aborts it (the tracker ticks well
+    // within a second on the test broker; txn.rs's unit test watches it happen through the
+    // admin API); a commit then finds it no longer open.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let e = t.commit().await.expect_err("timed out");
+    assert_eq!(e.kind(), ErrorKind::Aborted, "{e}");
+
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(&topic, "end")).await.unwrap();
+    assert_eq!(
+        read_until(&client, &topic, "end").await,
+        vec!["end".to_string()]
+    );
+}
