@@ -71,7 +71,30 @@ set +a
 # packages' tests, on the wheel and addon they build. Each writes its cells to
 # target/scenarios/<language>.txt, cleared here so a cell of an earlier run never counts.
 rm -rf "${CARGO_TARGET_DIR:-target}/scenarios"
-phase rust bash -c 'set -o pipefail; cargo test --all-targets --no-fail-fast 2>&1 | tee target/test-output.log'
+# Two lanes once everything is built: the cluster fault tests (mostly waiting on killed and
+# restarted brokers of their own clusters) beside all other test binaries, which run one after
+# another as cargo runs them; the others are told not to run the cluster tests again
+# (ONCEFLOW_CLUSTER_TESTS=elsewhere). The cluster lane's output follows the main lane's.
+cluster_tests=(--test faults_kafka_cluster --test faults_jetstream_cluster)
+lanes() {
+    if ! cargo test --all-targets --no-run >target/test-build.log 2>&1; then
+        tail -n 60 target/test-build.log
+        return 1
+    fi
+    (
+        set -o pipefail
+        cargo test -p onceflow-conformance "${cluster_tests[@]}" --no-fail-fast \
+            >target/test-output-clusters.log 2>&1
+    ) &
+    local cluster_lane=$! rc=0 cluster_rc=0
+    ONCEFLOW_CLUSTER_TESTS=elsewhere cargo test --all-targets --no-fail-fast 2>&1 |
+        tee target/test-output.log || rc=$?
+    wait "$cluster_lane" || cluster_rc=$?
+    log "cluster lane (${cluster_tests[*]}): exit $cluster_rc"
+    cat target/test-output-clusters.log
+    ((rc == 0 && cluster_rc == 0))
+}
+phase rust lanes
 if ((${#clusters_started[@]})); then
     tests/brokers/down.sh "${clusters_started[@]}" || true
 fi

@@ -221,6 +221,18 @@ pub fn env_harness(
     }
 }
 
+/// Whether the cluster fault tests (`faults_*_cluster.rs`) run elsewhere in this run:
+/// `tests/run-all.sh` runs them in a lane of their own, beside the other test binaries, and
+/// sets `ONCEFLOW_CLUSTER_TESTS=elsewhere` for the rest so they do not run twice. Says so
+/// for `test` when it does.
+pub fn cluster_tests_elsewhere(test: &str) -> bool {
+    let elsewhere = std::env::var("ONCEFLOW_CLUSTER_TESTS").as_deref() == Ok("elsewhere");
+    if elsewhere {
+        eprintln!("{test}: runs in the cluster lane of tests/run-all.sh (ONCEFLOW_CLUSTER_TESTS=elsewhere)");
+    }
+    elsewhere
+}
+
 /// The broker URL in the environment variable `var`, or the reason to skip (naming the
 /// `tests/brokers/up.sh` service to start). With `ONCEFLOW_REQUIRE_BROKERS=1` (set by
 /// `make test`) a missing URL panics instead: a missing broker fails the run.

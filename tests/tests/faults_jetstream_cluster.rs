@@ -138,6 +138,9 @@ async fn place_leader(platform: &JetStreamPlatform, stream: &str, to_client: boo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_stream_leader_mid_publish_loses_and_duplicates_nothing() {
     const TEST: &str = "killing_the_stream_leader_mid_publish_loses_and_duplicates_nothing";
+    if onceflow_conformance::harness::cluster_tests_elsewhere(TEST) {
+        return;
+    }
     let url = match broker_url("ONCEFLOW_NATS_CLUSTER_URL", "nats-cluster") {
         Ok(u) => u,
         Err(reason) => {

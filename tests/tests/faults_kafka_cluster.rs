@@ -148,6 +148,9 @@ fn soak_faults(base: &[Fault]) -> Vec<Fault> {
 }
 
 fn cluster_url(test: &str) -> Option<String> {
+    if onceflow_conformance::harness::cluster_tests_elsewhere(test) {
+        return None;
+    }
     match broker_url("ONCEFLOW_KAFKA_CLUSTER_URL", "kafka-cluster") {
         Ok(u) => Some(u),
         Err(reason) => {
