@@ -122,6 +122,23 @@ pub trait Harness: Send + Sync {
         true
     }
 
+    /// Whether a producer that takes a transactional id fences an older producer with the same
+    /// id, so the older one's open transaction cannot commit (Kafka's producer epochs,
+    /// KIP-98; Pulsar has no such thing: a member that lost a partition is stopped there by
+    /// the partition check at commit and by conflicting acknowledgements). Only asked where
+    /// the platform has transactions.
+    fn transactional_id_fencing(&self) -> bool {
+        true
+    }
+
+    /// Whether the group removes a member that stops polling for its session timeout while
+    /// still connected (Kafka's session and poll timeouts; Pulsar's failover subscription
+    /// moves a partition only when its active consumer disconnects). Only asked where the
+    /// platform has transactions.
+    fn session_timeout_removal(&self) -> bool {
+        true
+    }
+
     /// A reason to skip every case (no broker configured, for example); `None` runs them.
     fn skip_all(&self) -> Option<String> {
         None
@@ -139,6 +156,8 @@ pub struct PlatformHarness {
     platform: Arc<dyn PlatformBackend>,
     timings: Timings,
     read_uncommitted: bool,
+    transactional_id_fencing: bool,
+    session_timeout_removal: bool,
     forbid_skips: bool,
     skip_all: Option<String>,
 }
@@ -150,6 +169,8 @@ impl PlatformHarness {
             platform,
             timings,
             read_uncommitted: true,
+            transactional_id_fencing: true,
+            session_timeout_removal: true,
             forbid_skips: false,
             skip_all: None,
         }
@@ -165,6 +186,20 @@ impl PlatformHarness {
     /// records on this platform.
     pub fn without_read_uncommitted(mut self) -> Self {
         self.read_uncommitted = false;
+        self
+    }
+
+    /// Declares that a transactional id does not fence an older producer with the same id
+    /// here (see [`Harness::transactional_id_fencing`]).
+    pub fn without_transactional_id_fencing(mut self) -> Self {
+        self.transactional_id_fencing = false;
+        self
+    }
+
+    /// Declares that a connected member that stops polling keeps its partitions here (see
+    /// [`Harness::session_timeout_removal`]).
+    pub fn without_session_timeout_removal(mut self) -> Self {
+        self.session_timeout_removal = false;
         self
     }
 
@@ -187,6 +222,14 @@ impl Harness for PlatformHarness {
 
     fn read_uncommitted(&self) -> bool {
         self.read_uncommitted
+    }
+
+    fn transactional_id_fencing(&self) -> bool {
+        self.transactional_id_fencing
+    }
+
+    fn session_timeout_removal(&self) -> bool {
+        self.session_timeout_removal
     }
 
     fn skip_all(&self) -> Option<String> {

@@ -253,6 +253,26 @@ pub struct PulsarConsumer {
     rotate: AtomicUsize,
 }
 
+/// Messages of one partition a transaction acknowledged up to `key` (see
+/// [`PulsarConsumer::txn_ack`]).
+pub(crate) struct TxnTaken {
+    tp: TopicPartition,
+    key: PosKey,
+    taken: Vec<(PosKey, MessageIdData)>,
+}
+
+/// After a commit up to `key`: the committed position, and the next one where known locally
+/// (the first message still pending).
+fn note_committed(st: &mut PartState, key: PosKey, index: i32) {
+    st.committed = Some(st.committed.map_or(key, |c| c.max(key)));
+    st.committed_next = st.pending.keys().next().map(|k| Position::MessageId {
+        ledger: k.0,
+        entry: k.1,
+        partition: index,
+        batch: k.2,
+    });
+}
+
 /// What a Pulsar consumer's [`GroupMetadata::native`] holds: the consumer, through which a
 /// transaction of the same connection acknowledges (`PulsarTransaction::commit_offsets`).
 pub(crate) struct TxnAcks {
@@ -505,7 +525,7 @@ impl PulsarConsumer {
                 .map(|l| l.on_revoked(&lost))
                 .unwrap_or_default();
             if !commits.is_empty() {
-                if let Err(e) = self.commit_inner(&commits, &mut |_, _, _| {}) {
+                if let Err(e) = self.commit_inner(&commits, &mut |_, _, _| {}, None) {
                     tracing::warn!(error = %e, group = %self.group, "commit on revocation failed");
                 }
             }
@@ -648,6 +668,7 @@ impl PulsarConsumer {
         &self,
         positions: &[(TopicPartition, Position)],
         before_send: &mut dyn FnMut(&TopicPartition, &str, &[MessageIdData]),
+        mut in_txn: Option<&mut Vec<TxnTaken>>,
     ) -> Result<u64> {
         let mut sent = 0;
         for (tp, pos) in positions {
@@ -668,17 +689,23 @@ impl PulsarConsumer {
                     .pending
                     .split_off(&(key.0, key.1, key.2.saturating_add(1)));
                 let taken = std::mem::replace(&mut st.pending, rest);
-                for k in taken.keys() {
-                    st.deliveries.remove(k);
+                match in_txn.as_deref_mut() {
+                    // Committed once the transaction commits (`txn_settled`).
+                    Some(list) => list.push(TxnTaken {
+                        tp: tp.clone(),
+                        key,
+                        taken: taken.iter().map(|(k, id)| (*k, id.clone())).collect(),
+                    }),
+                    None => {
+                        for k in taken.keys() {
+                            st.deliveries.remove(k);
+                        }
+                    }
                 }
                 let acks = self.settle(&mut st, taken.into_values());
-                st.committed = Some(st.committed.map_or(key, |c| c.max(key)));
-                st.committed_next = st.pending.keys().next().map(|k| Position::MessageId {
-                    ledger: k.0,
-                    entry: k.1,
-                    partition: part.index,
-                    batch: k.2,
-                });
+                if in_txn.is_none() {
+                    note_committed(&mut st, key, part.index);
+                }
                 acks
             };
             if ids.is_empty() {
@@ -724,26 +751,91 @@ impl PulsarConsumer {
     /// Acknowledges inside a transaction: as `commit`, with `expect(topic, subscription, ids)`
     /// told each partition's message ids before they go (the bridge then puts the
     /// transaction's id on their acknowledgements). Returns how many message ids.
+    /// What this member believes committed changes only with [`PulsarConsumer::txn_settled`];
+    /// `taken` gets what the acknowledgements cover.
     pub(crate) fn txn_ack(
         &self,
         positions: &[(TopicPartition, Position)],
         expect: &mut dyn FnMut(&str, &str, &[MessageIdData]),
+        taken: &mut Vec<TxnTaken>,
     ) -> Result<u64> {
         self.check_open()?;
         let group = self.group.clone();
-        self.commit_inner(positions, &mut |_, topic, ids| expect(topic, &group, ids))
+        self.commit_inner(
+            positions,
+            &mut |_, topic, ids| expect(topic, &group, ids),
+            Some(taken),
+        )
     }
 
-    /// A transaction that acknowledged on these partitions was aborted: those
-    /// acknowledgements are void. What this member believed committed there is forgotten and
-    /// read from the broker's cursor again. (The broker itself dispatches the messages again
-    /// to the member that acknowledged them, as unacknowledged ones.)
-    pub(crate) fn txn_aborted(&self, partitions: &[TopicPartition]) {
-        for tp in partitions {
-            if let Ok(part) = self.part(tp) {
-                let mut st = part.state.lock();
-                st.committed = None;
-                st.committed_next = None;
+    /// Before a transaction that acknowledged `taken` commits: `Fenced` when one of those
+    /// partitions is no longer this member's (failover: the broker's active consumer of the
+    /// partition, read now from the topic stats, is another member), as Kafka refuses the
+    /// offsets of a member the group removed. Shared and key_shared members read every
+    /// partition; there the acknowledgements themselves conflict (`TransactionConflict`).
+    pub(crate) async fn txn_check_active(&self, taken: &[TxnTaken]) -> Result<()> {
+        for t in taken {
+            let part = self.part(&t.tp)?;
+            if !part.state.lock().assigned {
+                return Err(self.moved(&t.tp, None));
+            }
+        }
+        if self.sub_type != SubscriptionType::Failover {
+            return Ok(());
+        }
+        for (topic, path, shape) in &self.topics {
+            if !taken.iter().any(|t| &t.tp.topic == topic) {
+                continue;
+            }
+            let stats = self
+                .shared
+                .rest
+                .subscription_stats(path, *shape, &self.group)
+                .await?;
+            for t in taken.iter().filter(|t| &t.tp.topic == topic) {
+                let active = stats
+                    .get(t.tp.partition as usize)
+                    .and_then(|s| s.as_ref())
+                    .and_then(|s| s.active_consumer.clone());
+                if active.as_deref() != Some(self.member.as_str()) {
+                    return Err(self.moved(&t.tp, active));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn moved(&self, tp: &TopicPartition, to: Option<String>) -> Error {
+        Error::new(
+            ErrorKind::Fenced,
+            format!(
+                "{tp} is no longer read by this member of group '{}' (its active consumer is \
+                 {}): the transaction may not commit positions there",
+                self.group,
+                to.as_deref().unwrap_or("another member")
+            ),
+        )
+    }
+
+    /// The transaction that acknowledged `taken` ended: committed, what this member believes
+    /// committed moves past them (as a plain `commit` does at once); aborted, its
+    /// acknowledgements are void and the messages are pending again: this member still holds
+    /// them, a later commit acknowledges them, and the broker's redelivery of them (it puts an
+    /// aborted transaction's acknowledged messages back as unacknowledged) is not delivered
+    /// twice.
+    pub(crate) fn txn_settled(&self, taken: &[TxnTaken], committed: bool) {
+        for t in taken {
+            let Ok(part) = self.part(&t.tp) else { continue };
+            let mut st = part.state.lock();
+            if committed {
+                for (k, _) in &t.taken {
+                    st.deliveries.remove(k);
+                }
+                note_committed(&mut st, t.key, part.index);
+            } else if st.assigned {
+                for (k, id) in &t.taken {
+                    st.pending.entry(*k).or_insert_with(|| id.clone());
+                }
             }
         }
     }
@@ -1233,7 +1325,8 @@ impl ConsumerBackend for PulsarConsumer {
     /// messages again (at-least-once; the dedup store skips them).
     async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
         self.check_open()?;
-        self.commit_inner(positions, &mut |_, _, _| {}).map(drop)
+        self.commit_inner(positions, &mut |_, _, _| {}, None)
+            .map(drop)
     }
 
     async fn committed(

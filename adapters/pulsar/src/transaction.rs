@@ -28,7 +28,7 @@ use onceflow_core::{
 };
 
 use crate::bridge::TxnFrames;
-use crate::consumer::PulsarConsumer;
+use crate::consumer::{PulsarConsumer, TxnTaken};
 use crate::producer::PulsarProducer;
 use crate::txn::{Coordinators, TxnEnd, TxnId};
 
@@ -44,8 +44,8 @@ pub(crate) struct PulsarTransaction {
     subscriptions: HashSet<(String, String)>,
     /// Message ids acknowledged in the transaction (by the consumers below).
     acked: u64,
-    /// Consumers that acknowledged in it, and their partitions, told on abort.
-    consumers: Vec<(Weak<PulsarConsumer>, Vec<TopicPartition>)>,
+    /// Consumers that acknowledged in it, and what, told when it ends.
+    consumers: Vec<(Weak<PulsarConsumer>, Vec<TxnTaken>)>,
     ended: bool,
 }
 
@@ -137,14 +137,10 @@ impl PulsarTransaction {
         }
     }
 
-    /// The acknowledgements of this transaction are void: each consumer forgets what it
-    /// believed committed on those partitions.
+    /// The acknowledgements of this transaction are void: each consumer holds the messages
+    /// again.
     fn void_acks(&self) {
-        for (c, acked) in &self.consumers {
-            if let Some(c) = c.upgrade() {
-                c.txn_aborted(acked);
-            }
-        }
+        settle(&self.consumers, false);
     }
 
     /// Before an abort: waits (at most the operation timeout) until the acknowledgements made
@@ -191,6 +187,15 @@ impl PulsarTransaction {
     }
 }
 
+/// Tells each consumer how the transaction its acknowledgements were in ended.
+fn settle(consumers: &[(Weak<PulsarConsumer>, Vec<TxnTaken>)], committed: bool) {
+    for (c, taken) in consumers {
+        if let Some(c) = c.upgrade() {
+            c.txn_settled(taken, committed);
+        }
+    }
+}
+
 impl Drop for PulsarTransaction {
     fn drop(&mut self) {
         if self.ended {
@@ -212,11 +217,7 @@ impl Drop for PulsarTransaction {
                 }
                 let r = tcs.end(id, TxnEnd::Abort).await;
                 frames.end(id);
-                for (c, acked) in &consumers {
-                    if let Some(c) = c.upgrade() {
-                        c.txn_aborted(acked);
-                    }
-                }
+                settle(&consumers, false);
                 if let Some(f) = in_txn {
                     f.store(false, std::sync::atomic::Ordering::Release);
                 }
@@ -286,11 +287,14 @@ impl TransactionBackend for PulsarTransaction {
             self.subscriptions.extend(new);
         }
         let (frames, id) = (self.frames.clone(), self.id);
-        let parts: Vec<TopicPartition> = positions.iter().map(|(tp, _)| tp.clone()).collect();
-        self.consumers.push((Arc::downgrade(&consumer), parts));
-        self.acked += consumer.txn_ack(positions, &mut |topic, sub, ids| {
-            frames.expect_acks(id, topic, sub, ids)
-        })?;
+        let mut taken = Vec::new();
+        let sent = consumer.txn_ack(
+            positions,
+            &mut |topic, sub, ids| frames.expect_acks(id, topic, sub, ids),
+            &mut taken,
+        );
+        self.consumers.push((Arc::downgrade(&consumer), taken));
+        self.acked += sent?;
         Ok(())
     }
 
@@ -306,9 +310,19 @@ impl TransactionBackend for PulsarTransaction {
             return Err(e);
         }
         self.settle_acks().await?;
+        // A member that lost a partition it acknowledged on commits nothing.
+        for (c, taken) in &self.consumers {
+            let Some(c) = c.upgrade() else { continue };
+            if let Err(e) = c.txn_check_active(taken).await {
+                let _ = self.end(TxnEnd::Abort).await;
+                self.void_acks();
+                return Err(e);
+            }
+        }
         let id = self.id;
         match self.end(TxnEnd::Commit).await {
             Ok(()) => {
+                settle(&self.consumers, true);
                 tracing::debug!(txn = %id, "Pulsar transaction committed");
                 Ok(())
             }

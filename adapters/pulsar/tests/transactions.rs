@@ -10,12 +10,14 @@
 //!   come again to the group; acknowledged in a committed one, never.
 //! - `a_transaction_past_its_timeout_is_aborted`: the coordinator aborts a transaction left
 //!   open past `transaction_timeout_ms`; its commit is `Aborted`, its sends never delivered.
+//! - `a_member_that_lost_the_partition_cannot_commit`: the failover partition moved to another
+//!   member before the commit: `Fenced`, nothing of it read, the inputs go to the new member.
 
 use std::time::{Duration, Instant};
 
 use onceflow_core::{
     Client, Consumer, ConsumerConfig, ErrorKind, Message, ProducerConfig, Record, StartFrom,
-    TopicPartition,
+    TopicPartition, TopicSpec,
 };
 
 fn require(var: &str) -> Option<String> {
@@ -217,13 +219,12 @@ async fn acks_of_an_aborted_transaction_are_void() {
         .await
         .unwrap();
     t.abort().await.unwrap();
-    // The member that read them gets them again, in order (on a failover subscription the
-    // broker dispatches them again only once asked to: the consumer's rewind).
-    let again = poll_n(&c, 10).await;
+    // Nothing is committed; the member still holds the inputs (as after an aborted Kafka
+    // transaction, it reads them again only after a seek, as the pipeline does).
     assert_eq!(
-        again.iter().map(text).collect::<Vec<_>>(),
-        (0..10).map(|i| format!("in{i}")).collect::<Vec<_>>(),
-        "acknowledged in an aborted transaction: delivered again to the same member"
+        c.committed(&[positions[0].0.clone()]).await.unwrap()[0].next,
+        None,
+        "an aborted transaction commits no positions"
     );
     c.close().await.unwrap();
 
@@ -233,7 +234,7 @@ async fn acks_of_an_aborted_transaction_are_void() {
     assert_eq!(
         again.iter().map(text).collect::<Vec<_>>(),
         (0..10).map(|i| format!("in{i}")).collect::<Vec<_>>(),
-        "acknowledged in an aborted transaction: delivered again"
+        "acknowledged in an aborted transaction: delivered again to the group"
     );
     let last = again.last().unwrap();
     let positions = vec![(
@@ -302,4 +303,80 @@ async fn a_transaction_past_its_timeout_is_aborted() {
         read_until(&client, &topic, "end").await,
         vec!["end".to_string()]
     );
+}
+
+/// A member whose partition moved to another member cannot commit the positions it
+/// acknowledged there in a transaction: the commit is `Fenced`, the transaction aborted,
+/// nothing it wrote is read. (Failover on a partitioned topic: partition `i` goes to the
+/// member at `i % members` in the members sorted by name, so a second member named before the
+/// first takes partition 0.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_lost_the_partition_cannot_commit() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let input = name("txn-moved-in");
+    let output = name("txn-moved-out");
+    let group = name("txn-moved");
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(input.clone(), 2))
+        .await
+        .unwrap();
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    for i in 0..3 {
+        plain
+            .send(Record::new(&input, format!("in{i}")).partition(0))
+            .await
+            .unwrap();
+    }
+    let old = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]).client_id("member-b"))
+        .await
+        .unwrap();
+    let got = poll_n(&old, 3).await;
+    let last = got.last().unwrap();
+    let tp = TopicPartition::new(&input, 0);
+    assert_eq!(last.topic_partition(), tp);
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-moved")))
+        .await
+        .unwrap();
+    let mut t = producer.begin().await.unwrap();
+    t.send(Record::new(&output, "from-the-old-member"))
+        .await
+        .unwrap();
+    t.commit_offsets(
+        &old.group_metadata().unwrap(),
+        &[(tp.clone(), last.position.clone())],
+    )
+    .await
+    .unwrap();
+    // A member named before the first joins: partition 0 becomes its.
+    let heir = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]).client_id("member-a"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !heir.assignment().contains(&tp) {
+        assert!(Instant::now() < deadline, "partition 0 never moved");
+        heir.poll(10, Duration::from_millis(200)).await.unwrap();
+    }
+    let e = t.commit().await.expect_err("the partition moved");
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    plain.send(Record::new(&output, "end")).await.unwrap();
+    assert_eq!(
+        read_until(&client, &output, "end").await,
+        vec!["end".to_string()],
+        "the fenced transaction's output is never read"
+    );
+    // The heir gets the inputs: none was acknowledged.
+    let again = poll_n(&heir, 3).await;
+    assert_eq!(
+        again.iter().map(text).collect::<Vec<_>>(),
+        vec!["in0", "in1", "in2"]
+    );
+    heir.close().await.unwrap();
+    old.close().await.unwrap();
 }
