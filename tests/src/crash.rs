@@ -142,6 +142,17 @@ impl onceflow_core::Transform for Effectful {
 /// The child's body: runs the idempotent pipeline (consumer `options` added to its config)
 /// until the group has committed every input, printing `@@started` and `@@finished`.
 pub async fn run_child(spec: &CrashSpec, client: Client, options: &[(&str, &str)]) {
+    run_child_in(spec, client, options, PipelineMode::Idempotent).await
+}
+
+/// [`run_child`] with the pipeline in `mode`; `Transactional` gives the producer a
+/// transactional id of the spec's group (the same in every child, as a restarted process has).
+pub async fn run_child_in(
+    spec: &CrashSpec,
+    client: Client,
+    options: &[(&str, &str)],
+    mode: PipelineMode,
+) {
     let store: Arc<dyn DedupStore> = Arc::new(
         EmbeddedStore::open(&spec.store_path, Duration::from_secs(3600))
             .await
@@ -154,10 +165,13 @@ pub async fn run_child(spec: &CrashSpec, client: Client, options: &[(&str, &str)
         config = config.option(*k, *v);
     }
     let consumer = client.consumer(config).await.expect("consumer");
-    let producer = client
-        .producer(ProducerConfig::new())
-        .await
-        .expect("producer");
+    let producer_config = match mode {
+        PipelineMode::Transactional => {
+            ProducerConfig::new().transactional_id(format!("{}-tx", spec.group))
+        }
+        _ => ProducerConfig::new(),
+    };
+    let producer = client.producer(producer_config).await.expect("producer");
     let config = PipelineConfig {
         engine: EngineConfig {
             worker_id: MEMBER.to_string(),
@@ -167,7 +181,7 @@ pub async fn run_child(spec: &CrashSpec, client: Client, options: &[(&str, &str)
             batch_size: 32,
             ..EngineConfig::default()
         },
-        mode: PipelineMode::Idempotent,
+        mode,
         ..PipelineConfig::default()
     };
     let pipeline = Pipeline::with_config(

@@ -7,6 +7,11 @@
 //! lost, and the side effect of every input, applied through the embedded dedup store shared by
 //! all the runs, is recorded exactly once. The raw repeats are counted and printed.
 //!
+//! With transactions (`transactions=true`, PIP-31, issue #27) the pipeline writes its outputs
+//! and acknowledges its inputs in Pulsar transactions: after the same kills the output topic,
+//! read **without** a dedup store, holds every input's output exactly once
+//! (`transactional_pipeline_survives_sigkill_at_random_points`).
+//!
 //! Runs when `ONCEFLOW_PULSAR_URL` is set (`tests/brokers/up.sh pulsar`, which also sets
 //! `ONCEFLOW_PULSAR_ADMIN_URL`); `ONCEFLOW_REQUIRE_BROKERS=1` (set by `make test`) turns a
 //! missing broker into a failure.
@@ -15,11 +20,11 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use onceflow_conformance::crash::{
-    check_side_effects, kill_and_finish, run_child, CrashSpec, INPUTS,
+    check_side_effects, kill_and_finish, run_child_in, CrashSpec, INPUTS,
 };
 use onceflow_conformance::interop::url_or_skip;
 use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, MemoryStore};
-use onceflow_core::{Client, ConsumerConfig, DedupStoreExt, StartFrom};
+use onceflow_core::{Client, ConsumerConfig, DedupStoreExt, PipelineMode, StartFrom};
 
 /// The broker URL with the admin URL (`ONCEFLOW_PULSAR_ADMIN_URL`) added.
 fn url() -> Option<String> {
@@ -43,7 +48,12 @@ async fn crash_child() {
         return; // Only a child started by `pipeline_survives_sigkill_at_random_points` runs.
     };
     let client = Client::new(onceflow_pulsar::connect(&spec.url).await.expect("connect"));
-    run_child(&spec, client, &[]).await;
+    let mode = if spec.url.contains("transactions=true") {
+        PipelineMode::Transactional
+    } else {
+        PipelineMode::Idempotent
+    };
+    run_child_in(&spec, client, &[], mode).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,6 +135,70 @@ async fn pipeline_survives_sigkill_at_random_points() {
             .collect::<Vec<_>>()
     );
 
+    check_side_effects(&spec.store_path).await;
+    spec.clean_up(&client).await;
+}
+
+/// The transactional pipeline SIGKILLed at random points (`ONCEFLOW_CRASH_KILLS`, at least
+/// 20): the output topic, read by a plain consumer with no dedup store, holds the output of
+/// every input exactly once; aborted and unfinished transactions' outputs are never read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_pipeline_survives_sigkill_at_random_points() {
+    let Some(url) = url() else { return };
+    // A killed child's open transaction holds its inputs (acknowledged in it) and the output
+    // topic's readers (its sends) until the coordinator aborts it at its timeout: 10 s here
+    // instead of the default minute.
+    let url = format!("{url}&transactions=true&transaction_timeout_ms=10000");
+    let platform = onceflow_pulsar::connect(&url).await.unwrap();
+    let client = Client::new(platform.clone());
+    let spec = CrashSpec::new(&url);
+    let (output, group) = (spec.output.clone(), spec.group.clone());
+    kill_and_finish(&spec, &client, |_| {}).await;
+
+    let reader = client
+        .consumer(
+            ConsumerConfig::new(format!("{group}-check"), [output.clone()])
+                .start(StartFrom::Earliest),
+        )
+        .await
+        .unwrap();
+    let mut raw: HashMap<String, u32> = HashMap::new();
+    let mut quiet_since = Instant::now();
+    let read_started = Instant::now();
+    while quiet_since.elapsed() < Duration::from_secs(3) || raw.len() < INPUTS {
+        assert!(
+            read_started.elapsed() < Duration::from_secs(120),
+            "reading the output took too long: {} distinct outputs of {INPUTS}",
+            raw.len()
+        );
+        let got = reader.poll(500, Duration::from_millis(250)).await.unwrap();
+        if got.is_empty() {
+            continue;
+        }
+        quiet_since = Instant::now();
+        for m in &got {
+            let id = m
+                .headers
+                .get_str(onceflow_core::IDEMPOTENCY_KEY_HEADER)
+                .expect("every output has an idempotency key")
+                .to_string();
+            *raw.entry(id).or_default() += 1;
+        }
+    }
+    reader.close().await.unwrap();
+    let total: u32 = raw.values().sum();
+    eprintln!(
+        "crash_pipeline (transactions): output topic holds {total} messages, {} distinct",
+        raw.len()
+    );
+    for i in 0..INPUTS {
+        assert_eq!(
+            raw.get(&format!("in-{i}:0")).copied(),
+            Some(1),
+            "output of in-{i} exactly once, with no dedup store on read"
+        );
+    }
+    assert_eq!(total as usize, INPUTS, "nothing else in the output topic");
     check_side_effects(&spec.store_path).await;
     spec.clean_up(&client).await;
 }
