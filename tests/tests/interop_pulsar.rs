@@ -8,6 +8,9 @@
 //!   `tests/interop/pulsar_read_properties.py` intact (payload, partition key, event time,
 //!   properties with their names' case, the injected `traceparent`).
 //!
+//! - `pulsar_client_reads_committed_transactions_only`: what onceflow sends in Pulsar
+//!   transactions (`transactions=true`) reaches pulsar-client once committed, never aborted.
+//!
 //! pulsar-client is installed once by `tests/interop/pulsar-env.sh` into
 //! `~/.cache/onceflow/venv-pulsar-interop`. Runs when `ONCEFLOW_PULSAR_URL` is set; without it
 //! each test says it skipped, and with `ONCEFLOW_REQUIRE_BROKERS=1` (`make test`) that is a
@@ -188,4 +191,51 @@ async fn onceflow_messages_reach_pulsar_client() {
         let tp = h.get("traceparent").expect("traceparent");
         assert!(tp.starts_with(&format!("00-{trace_id}-")), "{tp}");
     }
+}
+
+/// onceflow's Pulsar transactions (`transactions=true`, issue #27) as another client sees them:
+/// pulsar-client reads what committed transactions sent, in order, and never what an aborted
+/// one sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulsar_client_reads_committed_transactions_only() {
+    let Some(url) = url("pulsar_client_reads_committed_transactions_only") else {
+        return;
+    };
+    let client = Client::new(
+        onceflow_pulsar::connect(&format!("{}&transactions=true", onceflow_url(&url)))
+            .await
+            .unwrap(),
+    );
+    let t = topic(&client).await;
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("interop-tx")))
+        .await
+        .unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    for i in 0..3 {
+        tx.send(Record::new(t.clone(), format!("c{i}")))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    for i in 0..3 {
+        tx.send(Record::new(t.clone(), format!("x{i}")))
+            .await
+            .unwrap();
+    }
+    tx.abort().await.unwrap();
+    let mut tx = producer.begin().await.unwrap();
+    tx.send(Record::new(t.clone(), "c3")).await.unwrap();
+    tx.commit().await.unwrap();
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(t.clone(), "end")).await.unwrap();
+
+    let out = run_py(
+        ENV,
+        "pulsar_read_properties.py",
+        &[&service_url(&url), &t, "5"],
+    );
+    let payloads: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix("MSG ")).collect();
+    assert_eq!(payloads, ["c0", "c1", "c2", "c3", "end"], "{out}");
 }
