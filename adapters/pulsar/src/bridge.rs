@@ -1359,11 +1359,13 @@ impl rustls::client::danger::ServerCertVerifier for Lenient {
 }
 
 /// The commands the bridge reads and rewrites for transactions ([`TxnFrames`]).
-const TXN_TYPES: [i32; 6] = [
+const TXN_TYPES: [i32; 8] = [
     Type::Producer as i32,
     Type::ProducerSuccess as i32,
     Type::Subscribe as i32,
     Type::Send as i32,
+    Type::SendReceipt as i32,
+    Type::SendError as i32,
     Type::Ack as i32,
     Type::AckResponse as i32,
 ];
@@ -1376,7 +1378,10 @@ const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
 /// `txnid_least_bits`) and the checksum made again: the broker's transaction buffer takes the
 /// message by the command's id, but its dispatchers tell an aborted transaction's messages
 /// by the id in the stored metadata, as Java's client writes both.
-fn with_txn_metadata(rest: &[u8], txn: TxnId) -> std::io::Result<Vec<u8>> {
+///
+/// With `shift`, the metadata's sequence id moves by it too (see [`TxnFrames`]'s resumed
+/// sequence ids).
+fn with_txn_metadata(rest: &[u8], txn: Option<TxnId>, shift: u64) -> std::io::Result<Vec<u8>> {
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
     if rest.len() < 10 || rest[..2] != [0x0e, 0x01] {
         return Err(bad("a SEND without a checksummed payload"));
@@ -1388,8 +1393,14 @@ fn with_txn_metadata(rest: &[u8], txn: TxnId) -> std::io::Result<Vec<u8>> {
     let payload = &rest[10 + size..];
     let mut m =
         proto::MessageMetadata::decode(metadata).map_err(|_| bad("undecodable MessageMetadata"))?;
-    m.txnid_most_bits = Some(txn.most_bits);
-    m.txnid_least_bits = Some(txn.least_bits);
+    if let Some(txn) = txn {
+        m.txnid_most_bits = Some(txn.most_bits);
+        m.txnid_least_bits = Some(txn.least_bits);
+    }
+    m.sequence_id = m.sequence_id.wrapping_add(shift);
+    if let Some(h) = m.highest_sequence_id.as_mut() {
+        *h = h.wrapping_add(shift);
+    }
     let len = m.encoded_len();
     let mut out = Vec::with_capacity(10 + len + payload.len());
     out.extend_from_slice(&[0x0e, 0x01, 0, 0, 0, 0]);
@@ -1468,10 +1479,23 @@ struct TxnState {
 /// (`ACK_RESPONSE`, which the crate would not expect), the bridge counts the answers, and the
 /// transaction is committed only once every acknowledgement it sent was answered without
 /// error ([`TxnFrames::acks_answered`]). Payloads and every other frame pass byte for byte.
+///
+/// **Resumed sequence ids** (PIP-6 broker deduplication): the pulsar crate starts every
+/// producer's sequence ids at 0 and ignores the last one the broker stored for the producer's
+/// name (`PRODUCER_SUCCESS`'s `last_sequence_id`), so a named producer of a restarted process
+/// had its first messages dropped as duplicates. The bridge moves a named producer's sequence
+/// ids past that one: it adds `last_sequence_id + 1`, taken at the crate producer's first
+/// `PRODUCER_SUCCESS` and kept across its reconnects (so the crate's resends keep their ids),
+/// to the `SEND`s (command and stored metadata) and takes it off the `SEND_RECEIPT`s and
+/// `SEND_ERROR`s the crate matches them by.
 #[derive(Default)]
 pub(crate) struct TxnFrames {
     state: Mutex<TxnState>,
     answered: Notify,
+    /// (producer name, producer id) → what its sequence ids are moved by.
+    shifts: Mutex<HashMap<(String, u64), u64>>,
+    /// Transactions are on (`transactions=true`): producers are made transactional.
+    transactions: bool,
 }
 
 impl std::fmt::Debug for TxnFrames {
@@ -1485,6 +1509,14 @@ impl std::fmt::Debug for TxnFrames {
 }
 
 impl TxnFrames {
+    /// The frames of a connection, with transactions or only resumed sequence ids.
+    pub(crate) fn new(transactions: bool) -> TxnFrames {
+        TxnFrames {
+            transactions,
+            ..TxnFrames::default()
+        }
+    }
+
     /// The `SEND`s of the producers named `name` (one per partition) belong to `txn` from
     /// now on, until [`TxnFrames::end`].
     pub(crate) fn bind_producer(&self, name: &str, txn: TxnId) {
@@ -1574,6 +1606,15 @@ impl TxnFrames {
         st.awaiting.retain(|_, (t, _)| *t != txn);
     }
 
+    /// What the sequence ids of producer `id` named `name` move by (0: not at all).
+    fn shift(&self, name: &str, id: u64) -> u64 {
+        self.shifts
+            .lock()
+            .get(&(name.to_string(), id))
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// Reads (and for `SEND` and `ACK` in a transaction, rewrites) a frame of [`TXN_TYPES`].
     fn rewrite(
         &self,
@@ -1594,14 +1635,13 @@ impl TxnFrames {
                 if let Some(p) = c.producer.as_mut() {
                     {
                         let mut conn = conn.lock();
-                        match &p.producer_name {
-                            Some(name) => {
-                                conn.producers.insert(p.producer_id, name.clone());
-                            }
-                            None => {
-                                conn.creating.insert(p.request_id, p.producer_id);
-                            }
+                        if let Some(name) = &p.producer_name {
+                            conn.producers.insert(p.producer_id, name.clone());
                         }
+                        conn.creating.insert(p.request_id, p.producer_id);
+                    }
+                    if !self.transactions {
+                        return Ok(None);
                     }
                     // As Java's client with `enableTransaction` creates every producer: the
                     // broker takes transactional sends only from producers made so.
@@ -1616,12 +1656,24 @@ impl TxnFrames {
                     return Ok(None);
                 }
                 if let Some(send) = c.send.as_mut() {
-                    let name = conn.lock().producers.get(&send.producer_id).cloned();
-                    let txn = name.and_then(|n| self.state.lock().producers.get(&n).copied());
-                    let Some(txn) = txn else { return Ok(None) };
-                    send.txnid_most_bits = Some(txn.most_bits);
-                    send.txnid_least_bits = Some(txn.least_bits);
-                    return Ok(Some(encode_frame(&c, &with_txn_metadata(rest, txn)?)));
+                    let Some(name) = conn.lock().producers.get(&send.producer_id).cloned() else {
+                        return Ok(None);
+                    };
+                    let txn = self.state.lock().producers.get(&name).copied();
+                    let shift = self.shift(&name, send.producer_id);
+                    if txn.is_none() && shift == 0 {
+                        return Ok(None);
+                    }
+                    if let Some(txn) = txn {
+                        send.txnid_most_bits = Some(txn.most_bits);
+                        send.txnid_least_bits = Some(txn.least_bits);
+                    }
+                    send.sequence_id = send.sequence_id.wrapping_add(shift);
+                    if let Some(h) = send.highest_sequence_id.as_mut() {
+                        *h = h.wrapping_add(shift);
+                    }
+                    let rest = with_txn_metadata(rest, txn, shift)?;
+                    return Ok(Some(encode_frame(&c, &rest)));
                 }
                 if let Some(ack) = c.ack.as_mut() {
                     let Some((topic, sub)) = conn.lock().consumers.get(&ack.consumer_id).cloned()
@@ -1664,8 +1716,41 @@ impl TxnFrames {
                     let mut conn = conn.lock();
                     if let Some(producer_id) = conn.creating.remove(&ok.request_id) {
                         conn.producers.insert(producer_id, ok.producer_name.clone());
+                        if let Some(last) = ok.last_sequence_id.filter(|l| *l >= 0) {
+                            // The first answer of this crate producer decides; a reconnect's
+                            // (which counts our own sends) does not move it again.
+                            self.shifts
+                                .lock()
+                                .entry((ok.producer_name.clone(), producer_id))
+                                .or_insert(last as u64 + 1);
+                        }
                     }
                     return Ok(None);
+                }
+                let (receipt, error) = (c.send_receipt.as_mut(), c.send_error.as_mut());
+                if receipt.is_some() || error.is_some() {
+                    let producer_id = receipt
+                        .as_ref()
+                        .map(|r| r.producer_id)
+                        .or(error.as_ref().map(|e| e.producer_id))
+                        .unwrap_or_default();
+                    let Some(name) = conn.lock().producers.get(&producer_id).cloned() else {
+                        return Ok(None);
+                    };
+                    let shift = self.shift(&name, producer_id);
+                    if shift == 0 {
+                        return Ok(None);
+                    }
+                    if let Some(r) = receipt {
+                        r.sequence_id = r.sequence_id.wrapping_sub(shift);
+                        if let Some(h) = r.highest_sequence_id.as_mut() {
+                            *h = h.wrapping_sub(shift);
+                        }
+                    }
+                    if let Some(e) = error {
+                        e.sequence_id = e.sequence_id.wrapping_sub(shift);
+                    }
+                    return Ok(Some(encode_frame(&c, rest)));
                 }
                 if let Some(r) = &c.ack_response {
                     let Some(id) = r.request_id.filter(|id| *id > TXN_ACK_REQUEST_IDS) else {
@@ -2154,7 +2239,7 @@ mod tests {
 
     #[test]
     fn transactions_go_on_sends_and_expected_acks_and_late_acks_are_dropped() {
-        let frames = TxnFrames::default();
+        let frames = TxnFrames::new(true);
         let conn = Mutex::new(ConnFrames::default());
         let txn = TxnId {
             most_bits: 1,

@@ -132,9 +132,14 @@
 //!   still acknowledges it, with message id `(-1,-1)`. The pulsar crate starts every producer's
 //!   sequence ids at 0 and does not take the broker's last sequence id, so a producer whose
 //!   name was used before (a restarted process) has its first messages silently dropped
-//!   (the `pulsar_dedup` test shows it with the raw crate). onceflow turns such a receipt into
-//!   a `Platform` error naming the producer instead of a delivery, never a silent success, and
-//!   does not rely on broker dedup: `Capabilities::idempotent_producer` is false. Within one
+//!   (the `pulsar_dedup` test shows it with the raw crate). With `producer_name` on the URL
+//!   (or `transactions=true`) the crate's connections go through onceflow's loopback bridge,
+//!   which moves each named producer's sequence ids past the broker's last one for the name
+//!   (`PRODUCER_SUCCESS`'s `last_sequence_id`, as Java's client resumes): a restarted named
+//!   producer loses and duplicates nothing. Otherwise (a name from `ProducerConfig` on a
+//!   connection without the bridge) onceflow turns such a receipt into a `Platform` error
+//!   naming the producer instead of a delivery, never a silent success. onceflow does not rely
+//!   on broker dedup: `Capabilities::idempotent_producer` is false. Within one
 //!   producer's life, the crate's resends after a reconnect keep their sequence ids, so a
 //!   broker with dedup on stores them once, and its (-1,-1) answer to a resend of a message
 //!   it stored is a delivery with `Delivery::duplicate` set: certain for a broker-assigned
@@ -438,10 +443,11 @@ impl PulsarPlatform {
             (None, true) => Some(Arc::new(auth::tls_config(trusted.as_deref())?)),
             (None, false) => None,
         };
-        let txn_frames = options
-            .transactions
-            .then(|| Arc::new(bridge::TxnFrames::default()));
-        let bridge = if mtls.is_some() || options.transactions {
+        // The bridge also moves named producers' sequence ids past what the broker stored
+        // (see bridge.rs, `TxnFrames`): with transactions, and with a producer name.
+        let frames_on = options.transactions || options.producer_name.is_some();
+        let txn_frames = frames_on.then(|| Arc::new(bridge::TxnFrames::new(options.transactions)));
+        let bridge = if mtls.is_some() || frames_on {
             let upstream =
                 bridge::Upstream::of_url(&options.service_url, tls).ok_or_else(|| {
                     Error::config(format!(
@@ -449,7 +455,7 @@ impl PulsarPlatform {
                         if mtls.is_some() {
                             "a client certificate"
                         } else {
-                            "transactions=true"
+                            "transactions=true or producer_name"
                         },
                         if tls { "pulsar+ssl" } else { "pulsar" }
                     ))

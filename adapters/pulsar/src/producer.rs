@@ -320,8 +320,11 @@ impl PulsarProducer {
         let id = receipt.message_id.unwrap_or_default();
         let partition_index = if f.partitioned { f.partition } else { -1 };
         if id.ledger_id == u64::MAX || id.entry_id == u64::MAX {
-            let ours =
-                self.name.is_none() || f.stored_from.load(Ordering::Acquire) < receipt.sequence_id;
+            // Through the bridge a named producer's sequence ids start past the broker's last
+            // one for the name, so a duplicate answer is to a resend of our own.
+            let ours = self.name.is_none()
+                || self.shared.txn_frames.is_some()
+                || f.stored_from.load(Ordering::Acquire) < receipt.sequence_id;
             if ours {
                 tracing::debug!(
                     topic = %topic,

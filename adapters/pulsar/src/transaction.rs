@@ -54,7 +54,12 @@ impl PulsarTransaction {
     /// URL or on a cluster without transaction coordinators, `Config` while another
     /// transaction of this producer is open.
     pub(crate) async fn begin(producer: PulsarProducer) -> Result<Box<dyn TransactionBackend>> {
-        let Some(frames) = producer.shared.txn_frames.clone() else {
+        let Some(frames) = producer
+            .shared
+            .txn_frames
+            .clone()
+            .filter(|_| producer.options.transactions)
+        else {
             return Err(Error::unsupported(
                 "Pulsar transactions need transactions=true on the pulsar:// URL (Java's \
                  enableTransaction)",

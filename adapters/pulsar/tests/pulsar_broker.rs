@@ -7,6 +7,10 @@
 //!   producer restarted through the pulsar crate: the new producer's sequence ids start at 0
 //!   again, and the broker acknowledges its messages with message id (-1,-1) without storing
 //!   them. onceflow reports those sends as errors, never as deliveries.
+//! - `a_named_producer_resumes_after_the_brokers_last_sequence_id`: with `producer_name` on
+//!   the URL (or `transactions=true`) onceflow's bridge moves the crate's sequence ids past
+//!   the broker's last one for the name: 20 restarts of the named producer lose and duplicate
+//!   nothing with broker dedup on (issue #27).
 //! - `key_shared_keeps_order_per_key_while_members_join_and_leave`.
 //! - `dead_letter_after_max_redeliveries` (shared subscription).
 //! - `nack_waits_for_the_redelivery_delay` (shared subscription).
@@ -60,6 +64,48 @@ async fn drain(c: &Consumer, n: usize, wait: Duration) -> Vec<onceflow_core::Mes
         out.extend(c.poll(100, Duration::from_millis(200)).await.unwrap());
     }
     out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_producer_resumes_after_the_brokers_last_sequence_id() {
+    let Some(url) = url() else { return };
+    let topic = name("resume");
+    let producer_name = name("resumed-producer");
+    let named_url = format!("{url}&producer_name={producer_name}");
+    let mut expected = Vec::new();
+    for life in 0..20 {
+        // A new process each time: a new connection, a new crate producer from sequence 0.
+        let client = Client::new(onceflow_pulsar::connect(&named_url).await.unwrap());
+        let producer = client.producer(ProducerConfig::new()).await.unwrap();
+        for i in 0..2 {
+            let v = format!("life{life}-{i}");
+            let d = producer
+                .send(Record::new(topic.clone(), v.clone()))
+                .await
+                .unwrap_or_else(|e| panic!("{v}: {e}"));
+            assert!(
+                !d.duplicate,
+                "{v} is stored, not taken for an earlier life's"
+            );
+            expected.push(v);
+        }
+        producer.close().await.unwrap();
+    }
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let c = client
+        .consumer(ConsumerConfig::new(name("g"), [topic.clone()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let got = drain(&c, expected.len(), Duration::from_secs(30)).await;
+    let payloads: Vec<String> = got
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    assert_eq!(
+        payloads, expected,
+        "every life's records, once each, in order"
+    );
+    c.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
