@@ -118,8 +118,10 @@
 //!   outage; without a heartbeat that takes 5 s past the expiry (async-nats' batch timeout).
 //!   Measured: a consumer reads again 0.45 s after a restart with `idle_heartbeat_ms=100`,
 //!   5.4 s without; a hung server (SIGSTOP) is noticed after 0.5 s with a 5 s expiry.
-//! - **commit** double-acks ([`AckSync`][ack]) every delivered, not nacked message of the
-//!   partition up to the position: the server confirms each ack. The server confirms an ack
+//! - **commit** acks every delivered, not nacked message of the partition up to the position,
+//!   and the server confirms them with one double ack ([`AckSync`][ack]) of the last, sent
+//!   behind the others on the same connection (acks are handled in the order sent; after a
+//!   reconnection in between, or a failure, each is confirmed on its own). The server confirms an ack
 //!   however late it is (nats-server 2.14 answers an ack of an expired or redelivered
 //!   delivery like a timely one, and it counts), so onceflow reports lateness itself: a
 //!   commit of a partition whose owner entry in the group bucket no longer names this

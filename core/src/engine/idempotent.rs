@@ -563,7 +563,10 @@ impl Core {
         // messages in one batch, and committing the last would leave the newer ones unacked.
         if let Some(highest) = Position::highest(msgs[..finished_upto].iter().map(|m| &m.position))
         {
-            self.tracker.finish(tp, generation, highest.clone());
+            // Counted in messages: `commit_every` is a message count (it counted chunks, so a
+            // batch consumer committed only every `commit_interval`, issue 24).
+            self.tracker
+                .finish(tp, generation, highest.clone(), finished_upto as u64);
         }
         match stop {
             Some(e) => Err(e),

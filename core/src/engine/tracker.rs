@@ -58,9 +58,16 @@ impl Tracker {
         *self.inner.lock().generations.entry(tp.clone()).or_default() += 1;
     }
 
-    /// Marks `position` finished in `tp`, unless work of `generation` has been fenced. Returns
-    /// whether it was recorded.
-    pub(crate) fn finish(&self, tp: &TopicPartition, generation: u64, position: Position) -> bool {
+    /// Marks `position` finished in `tp`, with `messages` messages finished up to it (they count
+    /// toward [`EngineConfig::commit_every`](crate::engine::EngineConfig::commit_every)), unless
+    /// work of `generation` has been fenced. Returns whether it was recorded.
+    pub(crate) fn finish(
+        &self,
+        tp: &TopicPartition,
+        generation: u64,
+        position: Position,
+        messages: u64,
+    ) -> bool {
         let mut g = self.inner.lock();
         if *g.generations.get(tp).unwrap_or(&0) != generation {
             return false;
@@ -75,7 +82,7 @@ impl Tracker {
         } else {
             p.dirty = true;
         }
-        p.pending += 1;
+        p.pending += messages;
         true
     }
 
@@ -200,21 +207,23 @@ mod tests {
     fn commits_in_order_and_recommits_a_redelivered_older_message() {
         let t = Tracker::new(Metrics::new("memory", "g"));
         let tp = TopicPartition::new("t", 0);
-        assert!(t.finish(&tp, 0, Position::Sequence(5)));
+        // Two chunks, of 3 and 2 messages: 5 messages toward `commit_every`.
+        assert!(t.finish(&tp, 0, Position::Sequence(3), 3));
+        assert!(t.finish(&tp, 0, Position::Sequence(5), 2));
         let (u, n) = t.uncommitted();
         assert_eq!(
             (u.clone(), n),
-            (vec![(tp.clone(), Position::Sequence(5))], 1)
+            (vec![(tp.clone(), Position::Sequence(5))], 5)
         );
         t.committed(&u);
         assert!(t.uncommitted().0.is_empty());
         // A nacked message redelivered after a later one was committed: commit again.
-        assert!(t.finish(&tp, 0, Position::Sequence(3)));
+        assert!(t.finish(&tp, 0, Position::Sequence(3), 1));
         assert_eq!(t.uncommitted().0, vec![(tp.clone(), Position::Sequence(5))]);
         t.committed(&[(tp.clone(), Position::Sequence(5))]);
         assert!(t.uncommitted().0.is_empty());
         // Fenced work is not recorded.
         t.bump(&tp);
-        assert!(!t.finish(&tp, 0, Position::Sequence(9)));
+        assert!(!t.finish(&tp, 0, Position::Sequence(9), 1));
     }
 }
