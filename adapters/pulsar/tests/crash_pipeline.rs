@@ -23,8 +23,7 @@ use onceflow_conformance::crash::{
     check_side_effects, kill_and_finish, run_child_in, CrashSpec, INPUTS,
 };
 use onceflow_conformance::interop::url_or_skip;
-use onceflow_core::dedup::{ClaimOutcome, ClaimRequest, MemoryStore};
-use onceflow_core::{Client, ConsumerConfig, DedupStoreExt, PipelineMode, StartFrom};
+use onceflow_core::{Client, ConsumerConfig, PipelineMode, StartFrom};
 
 /// The broker URL with the admin URL (`ONCEFLOW_PULSAR_ADMIN_URL`) added.
 fn url() -> Option<String> {
@@ -65,60 +64,16 @@ async fn pipeline_survives_sigkill_at_random_points() {
     let (output, group) = (spec.output.clone(), spec.group.clone());
     kill_and_finish(&spec, &client, |_| {}).await;
 
-    // The output topic, read from the start by a new group and through a dedup store keyed by
-    // the outputs' idempotency keys (`{input key}:0`): every input once, nothing else.
-    let reader = client
-        .consumer(
-            ConsumerConfig::new(format!("{group}-check"), [output.clone()])
-                .start(StartFrom::Earliest),
-        )
-        .await
-        .unwrap();
-    let seen = MemoryStore::new(Duration::from_secs(3600), 1_000_000);
-    let mut raw: HashMap<String, u32> = HashMap::new();
-    let (mut firsts, mut repeats) = (0usize, 0usize);
-    let mut quiet_since = Instant::now();
-    let read_started = Instant::now();
-    while quiet_since.elapsed() < Duration::from_secs(3) || firsts < INPUTS {
-        assert!(
-            read_started.elapsed() < Duration::from_secs(120),
-            "reading the output took too long: {firsts} distinct outputs of {INPUTS}"
-        );
-        let got = reader.poll(500, Duration::from_millis(250)).await.unwrap();
-        if got.is_empty() {
-            continue;
-        }
-        quiet_since = Instant::now();
-        for m in &got {
-            let id = m
-                .headers
-                .get_str(onceflow_core::IDEMPOTENCY_KEY_HEADER)
-                .expect("every output has an idempotency key")
-                .to_string();
-            *raw.entry(id.clone()).or_default() += 1;
-            match seen
-                .claim_one(ClaimRequest {
-                    key: id.clone(),
-                    owner: "checker".into(),
-                    lease: Duration::from_secs(60),
-                    fingerprint: None,
-                })
-                .await
-                .unwrap()
-            {
-                ClaimOutcome::Claimed { token } => {
-                    seen.complete_one(&id, token, None).await.unwrap();
-                    firsts += 1;
-                }
-                _ => repeats += 1,
-            }
-        }
-    }
-    reader.close().await.unwrap();
+    // The output topic, read from the start by a new group and counted by the outputs'
+    // idempotency keys (`{input key}:0`), as a reader deduplicating by them keeps each once:
+    // every input once, nothing else.
+    let raw = read_output(&client, &output, &group).await;
+    let total: u32 = raw.values().sum();
     eprintln!(
-        "crash_pipeline: output topic holds {} messages: {firsts} distinct, {repeats} repeats \
-         (dropped by the dedup store on read)",
-        firsts + repeats
+        "crash_pipeline: output topic holds {total} messages: {} distinct, {} repeats \
+         (dropped by a dedup store on read)",
+        raw.len(),
+        total as usize - raw.len()
     );
     for i in 0..INPUTS {
         assert!(
@@ -127,7 +82,7 @@ async fn pipeline_survives_sigkill_at_random_points() {
         );
     }
     assert_eq!(
-        firsts,
+        raw.len(),
         INPUTS,
         "no other outputs: {:?}",
         raw.keys()
@@ -155,9 +110,31 @@ async fn transactional_pipeline_survives_sigkill_at_random_points() {
     let (output, group) = (spec.output.clone(), spec.group.clone());
     kill_and_finish(&spec, &client, |_| {}).await;
 
+    let raw = read_output(&client, &output, &group).await;
+    let total: u32 = raw.values().sum();
+    eprintln!(
+        "crash_pipeline (transactions): output topic holds {total} messages, {} distinct",
+        raw.len()
+    );
+    for i in 0..INPUTS {
+        assert_eq!(
+            raw.get(&format!("in-{i}:0")).copied(),
+            Some(1),
+            "output of in-{i} exactly once, with no dedup store on read"
+        );
+    }
+    assert_eq!(total as usize, INPUTS, "nothing else in the output topic");
+    check_side_effects(&spec.store_path).await;
+    spec.clean_up(&client).await;
+}
+
+/// The output topic read from the start by a new group: how often each idempotency key
+/// (`{input key}:0`) is in it. Reads until every input's output came and 3 s passed quietly
+/// (at most 120 s).
+async fn read_output(client: &Client, output: &str, group: &str) -> HashMap<String, u32> {
     let reader = client
         .consumer(
-            ConsumerConfig::new(format!("{group}-check"), [output.clone()])
+            ConsumerConfig::new(format!("{group}-check"), [output.to_string()])
                 .start(StartFrom::Earliest),
         )
         .await
@@ -186,19 +163,5 @@ async fn transactional_pipeline_survives_sigkill_at_random_points() {
         }
     }
     reader.close().await.unwrap();
-    let total: u32 = raw.values().sum();
-    eprintln!(
-        "crash_pipeline (transactions): output topic holds {total} messages, {} distinct",
-        raw.len()
-    );
-    for i in 0..INPUTS {
-        assert_eq!(
-            raw.get(&format!("in-{i}:0")).copied(),
-            Some(1),
-            "output of in-{i} exactly once, with no dedup store on read"
-        );
-    }
-    assert_eq!(total as usize, INPUTS, "nothing else in the output topic");
-    check_side_effects(&spec.store_path).await;
-    spec.clean_up(&client).await;
+    raw
 }
