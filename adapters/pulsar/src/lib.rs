@@ -123,8 +123,14 @@
 //!   transaction's messages. Differences from Kafka: a transactional id does not fence an
 //!   older producer with the same id (Pulsar has no producer epochs; a member that lost a
 //!   partition is stopped by its acknowledgements, which conflict with the new member's), and
-//!   after an abort the acknowledged messages come again to the member, which must read them
-//!   again (the pipeline rewinds). Without `transactions=true`, `begin()` is `Unsupported`
+//!   after an abort the acknowledged messages are held by the member again (a later commit
+//!   covers them; the pipeline rewinds and reads them again). By subscription type: on
+//!   failover (the default) and exclusive one member reads a partition, and a commit whose
+//!   partition moved meanwhile is `Fenced` (checked against the broker's active consumer);
+//!   on shared and key_shared every member may receive a message again after a redelivery,
+//!   and the second transaction to acknowledge it is refused by the broker
+//!   (`TransactionConflict`) and aborted (`Aborted`): either way each input's outputs commit
+//!   once. Without `transactions=true`, `begin()` is `Unsupported`
 //!   and pipelines run **effectively-once**: the dedup store decides whether a message's side
 //!   effects ran, and readers of the output skip repeated idempotency keys.
 //! - **Broker deduplication and named producers** (PIP-6, `brokerDeduplicationEnabled`): the
