@@ -26,10 +26,12 @@ use bytes::Bytes;
 use onceflow_conformance::fault_proxy::{Action, Direction, FaultProxy};
 use onceflow_conformance::faults::{report, soak_minutes, Tally};
 use onceflow_conformance::harness::random_suffix;
-use onceflow_core::dedup::{KeyState, SharedDedupStore};
+use onceflow_core::dedup::{
+    ClaimOutcome, ClaimRequest, Completion, DedupStore, FencingToken, KeyState, SharedDedupStore,
+};
 use onceflow_core::{
-    BoxError, Client, ConsumerConfig, EngineConfig, Handler, IdempotentConsumer, Message,
-    ProducerConfig, Record, StartFrom,
+    BoxError, Client, ConsumerConfig, EngineConfig, ErrorKind, Handler, IdempotentConsumer,
+    Message, ProducerConfig, Record, StartFrom,
 };
 
 const HANG_GUARD: Duration = Duration::from_secs(600);
@@ -198,6 +200,56 @@ enum Fault {
     ClaimInFlight,
     /// Every store connection reset.
     Reset,
+    /// The store's network goes silent: connections stay open, no answer comes back, until
+    /// the store has timed out one operation (its `op_timeout`).
+    BlackHole,
+}
+
+/// Operations of the store under test that ended in an [`ErrorKind::Timeout`].
+static STORE_TIMEOUTS: AtomicUsize = AtomicUsize::new(0);
+
+/// A store that counts its [`ErrorKind::Timeout`] failures in [`STORE_TIMEOUTS`].
+struct CountingTimeouts(SharedDedupStore);
+
+impl CountingTimeouts {
+    fn seen<T>(r: onceflow_core::Result<T>) -> onceflow_core::Result<T> {
+        if let Err(e) = &r {
+            if e.kind() == ErrorKind::Timeout {
+                STORE_TIMEOUTS.fetch_add(1, Ordering::SeqCst);
+                eprintln!("store timeout: {e}");
+            }
+        }
+        r
+    }
+}
+
+#[async_trait]
+impl DedupStore for CountingTimeouts {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn window(&self) -> Duration {
+        self.0.window()
+    }
+    async fn claim(&self, r: &[ClaimRequest]) -> onceflow_core::Result<Vec<ClaimOutcome>> {
+        Self::seen(self.0.claim(r).await)
+    }
+    async fn renew(
+        &self,
+        c: &[(String, FencingToken)],
+        lease: Duration,
+    ) -> onceflow_core::Result<Vec<bool>> {
+        Self::seen(self.0.renew(c, lease).await)
+    }
+    async fn complete(&self, c: &[Completion]) -> onceflow_core::Result<Vec<bool>> {
+        Self::seen(self.0.complete(c).await)
+    }
+    async fn release(&self, c: &[(String, FencingToken)]) -> onceflow_core::Result<Vec<bool>> {
+        Self::seen(self.0.release(c).await)
+    }
+    async fn get(&self, k: &[String]) -> onceflow_core::Result<Vec<Option<KeyState>>> {
+        Self::seen(self.0.get(k).await)
+    }
 }
 
 /// Runs the consumer over `server` through a fault proxy while `base` is injected (in a loop
@@ -384,6 +436,24 @@ async fn run(
         match fault {
             Fault::Restart => server.restart().await,
             Fault::Reset => proxy.cut_all(),
+            Fault::BlackHole => {
+                let before = STORE_TIMEOUTS.load(Ordering::SeqCst);
+                let since = tokio::time::Instant::now();
+                proxy.always(
+                    Direction::ToClient,
+                    |_| true,
+                    Action::Delay(Duration::from_secs(3600)),
+                );
+                while STORE_TIMEOUTS.load(Ordering::SeqCst) == before {
+                    // A hang guard, 60 times the store's op_timeout (2 s).
+                    assert!(
+                        since.elapsed() < Duration::from_secs(120),
+                        "the store's network was silent for 120 s and no operation timed out"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                proxy.clear();
+            }
             Fault::ClaimInFlight => {
                 // A chunk to the server holding the worker's id is a claim (claims alone carry
                 // the owner): the next chunk back, its answer, is never delivered.
@@ -518,6 +588,18 @@ fn open_postgres(
     })
 }
 
+/// [`open_postgres`] with `op_timeout=2` (seconds), counting its timeouts.
+fn open_postgres_op_timeout_2(
+    url: String,
+    window: Duration,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = SharedDedupStore> + Send>> {
+    Box::pin(async move {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let store = open_postgres(format!("{url}{sep}op_timeout=2"), window).await;
+        Arc::new(CountingTimeouts(store)) as SharedDedupStore
+    })
+}
+
 fn enabled(test: &str, tool: &str) -> bool {
     let found = std::process::Command::new("bash")
         .arg("-c")
@@ -610,4 +692,34 @@ async fn redis_store_restarted_while_loading_its_dataset_run_does_not_end() {
     .await
     .expect("hung");
     assert_eq!(ended, 0, "no run ends while Redis loads its dataset");
+}
+
+/// PostgreSQL behind a network that goes silent (connections open, nothing answered): the
+/// store times its operation out (`op_timeout`), closes the connection and the consumer goes
+/// on, instead of waiting for as long as the kernel keeps the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_silent_network_times_out_and_run_goes_on() {
+    const TEST: &str = "postgres_store_silent_network_times_out_and_run_goes_on";
+    if !enabled(TEST, "initdb") {
+        return;
+    }
+    let server = PrivateServer::start(
+        "postgres",
+        "ONCEFLOW_POSTGRES_PORT",
+        "ONCEFLOW_POSTGRES_URL",
+    )
+    .await;
+    let ended = tokio::time::timeout(
+        HANG_GUARD,
+        run(
+            TEST,
+            &server,
+            open_postgres_op_timeout_2,
+            &[Fault::BlackHole, Fault::BlackHole],
+            true,
+        ),
+    )
+    .await
+    .expect("hung");
+    assert_eq!(ended, 0, "no run ends on a store timeout: it is waited out");
 }
