@@ -332,7 +332,17 @@ pub(crate) fn redis_error(shown: &str, what: &str, e: redis::RedisError) -> Erro
             .retriable(true)
             .with_source(e);
     }
-    let msg = format!("Redis store '{shown}': {what}: {e}");
+    // A TLS client on a plaintext port: the server takes the ClientHello for a command and
+    // answers nothing a TLS client can read, so the handshake times out or fails to parse.
+    let hint = if shown.starts_with("rediss://")
+        && what == "cannot connect"
+        && (e.is_timeout() || e.is_io_error())
+    {
+        " (no TLS handshake answer: if this port serves plaintext Redis, use redis://)"
+    } else {
+        ""
+    };
+    let msg = format!("Redis store '{shown}': {what}: {e}{hint}");
     let err = if e.is_timeout() {
         Error::new(ErrorKind::Timeout, msg).with_outcome_unknown()
     } else if e.is_connection_refusal() || e.is_io_error() || e.is_connection_dropped() {
