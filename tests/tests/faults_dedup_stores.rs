@@ -723,3 +723,42 @@ async fn postgres_store_silent_network_times_out_and_run_goes_on() {
     .expect("hung");
     assert_eq!(ended, 0, "no run ends on a store timeout: it is waited out");
 }
+
+/// A PostgreSQL server whose network is silent when the store connects (the fault proxy holds
+/// new connections unanswered): the error names the connect timeout in words, not the pool
+/// library's "Timeout occurred while creating a new object".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_silent_at_connect_names_the_connect_timeout() {
+    let Ok(url) = std::env::var("ONCEFLOW_POSTGRES_URL") else {
+        assert!(
+            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+            "ONCEFLOW_POSTGRES_URL is not set"
+        );
+        eprintln!("SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
+        return;
+    };
+    let parsed = url::Url::parse(&url).unwrap();
+    let upstream = format!(
+        "{}:{}",
+        parsed.host_str().unwrap(),
+        parsed.port().unwrap_or(5432)
+    );
+    let proxy = FaultProxy::start_raw("127.0.0.1:0", &upstream)
+        .await
+        .unwrap();
+    proxy.isolate();
+    let mut through = parsed.clone();
+    through.set_host(Some("127.0.0.1")).unwrap();
+    through.set_port(Some(proxy.addr().port())).unwrap();
+    through
+        .query_pairs_mut()
+        .append_pair("connect_timeout", "1");
+    let e = onceflow_postgres::PostgresStore::open(through.as_str(), Duration::from_secs(60))
+        .await
+        .expect_err("a silent server");
+    assert!(
+        e.message().contains("connect timeout") && e.is_retriable(),
+        "unclear: {e}"
+    );
+    assert!(!e.message().contains("new object"), "pool words: {e}");
+}

@@ -357,6 +357,23 @@ fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
 fn pool_error(shown: &str, login: &str, e: deadpool_postgres::PoolError) -> Error {
     match e {
         deadpool_postgres::PoolError::Backend(e) => login_error(shown, login, "cannot connect", e),
+        // deadpool's own words ("Timeout occurred while creating a new object") name none of
+        // the store's settings.
+        deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Create) => {
+            Error::dedup_store(format!(
+                "PostgreSQL store '{shown}': cannot connect: the server did not complete a new \
+                 connection within the connect timeout (URL option connect_timeout=SECONDS, \
+                 default 5 s): it is down, the address is wrong, or the network is silent"
+            ))
+            .retriable(true)
+        }
+        deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait) => {
+            Error::dedup_store(format!(
+                "PostgreSQL store '{shown}': every pooled connection stayed busy for 60 s: \
+                 raise pool_size= in the URL, or the server is slow to answer"
+            ))
+            .retriable(true)
+        }
         other => Error::dedup_store(format!(
             "PostgreSQL store '{shown}': cannot get a connection: {other}"
         ))
