@@ -527,14 +527,17 @@ const ASSIGNMENT_GRACE: Duration = Duration::from_secs(10);
 /// The shortest idle wait before a command's first message.
 const FIRST_FETCH: Duration = Duration::from_secs(3);
 
+/// Positions to commit: each partition's last message handled.
+type Positions = Vec<(onceflow::TopicPartition, onceflow::Position)>;
+
 /// Polls until `max` messages, `idle` without one, or an interrupt; returns how many were
 /// read and, if a signal ended the loop, its exit status (what was handed to `each` stays
-/// handled).
+/// handled). When `each` returns positions, they are committed before the next poll.
 async fn read_loop(
     consumer: &Consumer,
     max: Option<u64>,
     idle: Option<Duration>,
-    mut each: impl FnMut(&[Message]) -> Result<()>,
+    mut each: impl FnMut(&[Message]) -> Result<Option<Positions>>,
 ) -> Result<(u64, Option<u8>)> {
     let mut n = 0u64;
     let started = Instant::now();
@@ -572,7 +575,9 @@ async fn read_loop(
         }
         last = Instant::now();
         n += batch.len() as u64;
-        each(&batch)?;
+        if let Some(done) = each(&batch)? {
+            consumer.commit(&done).await?;
+        }
     }
     Ok((n, None))
 }
@@ -614,11 +619,15 @@ pub async fn consume(a: ConsumeArgs) -> Result<ExitCode> {
                     None => to_commit.push((tp, m.position.clone())),
                 }
             }
-            Ok(())
+            // Written out before committed, batch by batch: a crash or SIGKILL prints again
+            // at most this batch, never what an earlier batch printed.
+            out.flush().map_err(stdout_failed)?;
+            Ok(Some(to_commit.clone()))
         },
     )
     .await;
-    // Commit what was printed (also after Ctrl-C), then leave the group.
+    // Commit what was printed (also after Ctrl-C: each batch is committed once written, this
+    // is the last one's, again), then leave the group.
     if !to_commit.is_empty() {
         consumer.commit(&to_commit).await?;
     }
@@ -670,7 +679,8 @@ pub async fn tail(a: TailArgs) -> Result<ExitCode> {
         for m in batch {
             print_message(&mut out, m, a.json)?;
         }
-        out.flush().map_err(stdout_failed)
+        out.flush().map_err(stdout_failed)?;
+        Ok(None)
     })
     .await?;
     consumer.close().await?;
@@ -773,7 +783,7 @@ pub async fn replay(a: ReplayArgs) -> Result<ExitCode> {
                     None => print_message(&mut out, m, a.json)?,
                 }
             }
-            Ok(())
+            Ok(None)
         },
     )
     .await?;

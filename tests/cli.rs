@@ -1361,3 +1361,92 @@ fn lag_reads_a_jetstream_groups_durables() {
         "{read:?}"
     );
 }
+
+/// `consume` killed with SIGKILL mid-stream: the next run starts after what the first printed,
+/// but for at most one batch (500 messages), since each batch is committed once written.
+#[test]
+fn consume_killed_mid_stream_reprints_at_most_one_batch() {
+    use std::io::BufRead;
+    let Some(url) = kafka_url() else {
+        return;
+    };
+    const TOTAL: usize = 5000;
+    const BATCH: usize = 500;
+    let topic = format!("cli-kill-{:08x}", rand::random::<u32>());
+    let group = format!("{topic}-g");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = new_topic(&url, &topic, 1).await;
+        let producer = client
+            .producer(onceflow::ProducerConfig::new())
+            .await
+            .unwrap();
+        let records = (0..TOTAL)
+            .map(|i| onceflow::Record::new(topic.clone(), format!("m{i}").into_bytes()))
+            .collect();
+        for r in producer.send_batch(records).await {
+            r.unwrap();
+        }
+    });
+    let args = [
+        "consume",
+        "--url",
+        &url,
+        "-t",
+        &topic,
+        "-g",
+        &group,
+        "--idle-ms",
+        "3000",
+    ];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(args)
+        .env_remove("ONCEFLOW_URL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run the onceflow binary");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut first: Vec<String> = Vec::new();
+    // Past the first batch, then SIGKILL (`Child::kill` on Unix).
+    while first.len() < 2 * BATCH {
+        match lines.next() {
+            Some(l) => first.push(l.unwrap()),
+            None => break,
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Everything it printed before it died.
+    first.extend(lines.map_while(|l| l.ok()));
+    // The killed member holds its partition until its session times out: run again until
+    // this one is given it (each run waits 10 s for an assignment).
+    let mut out = onceflow(&args);
+    for _ in 0..12 {
+        if !text(&out.stderr).contains("no partition of") {
+            break;
+        }
+        out = onceflow(&args);
+    }
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let second: Vec<String> = text(&out.stdout).lines().map(str::to_string).collect();
+    let seen: std::collections::HashSet<&String> = first.iter().chain(&second).collect();
+    assert_eq!(
+        seen.len(),
+        TOTAL,
+        "every message printed by one run or the other (first run {}, second {}; stderr {})",
+        first.len(),
+        second.len(),
+        text(&out.stderr)
+    );
+    let again = first.len() + second.len() - TOTAL;
+    eprintln!(
+        "consume killed after printing {}; the next run printed {}: {again} printed twice",
+        first.len(),
+        second.len()
+    );
+    assert!(
+        again <= BATCH,
+        "{again} messages printed again after a SIGKILL: at most one batch ({BATCH}) expected"
+    );
+}

@@ -26,10 +26,12 @@ use bytes::Bytes;
 use onceflow_conformance::fault_proxy::{Action, Direction, FaultProxy};
 use onceflow_conformance::faults::{report, soak_minutes, Tally};
 use onceflow_conformance::harness::random_suffix;
-use onceflow_core::dedup::{KeyState, SharedDedupStore};
+use onceflow_core::dedup::{
+    ClaimOutcome, ClaimRequest, Completion, DedupStore, FencingToken, KeyState, SharedDedupStore,
+};
 use onceflow_core::{
-    BoxError, Client, ConsumerConfig, EngineConfig, Handler, IdempotentConsumer, Message,
-    ProducerConfig, Record, StartFrom,
+    BoxError, Client, ConsumerConfig, EngineConfig, ErrorKind, Handler, IdempotentConsumer,
+    Message, ProducerConfig, Record, StartFrom,
 };
 
 const HANG_GUARD: Duration = Duration::from_secs(600);
@@ -144,6 +146,11 @@ struct Checked {
     /// The same store, reached directly (not through the proxy): what it holds now.
     direct: SharedDedupStore,
     namespace: String,
+    /// Whether a handler waits for the store to answer its check (else it skips the check
+    /// while the store cannot answer, counted in `unchecked`): a handler that waits holds the
+    /// consumer off its store for as long as the store cannot serve.
+    wait_for_store: bool,
+    unchecked: AtomicUsize,
 }
 
 impl Checked {
@@ -153,6 +160,10 @@ impl Checked {
         for _ in 0..600 {
             match self.direct.get(std::slice::from_ref(&k)).await {
                 Ok(v) => return matches!(v.first(), Some(Some(KeyState::Completed { .. }))),
+                Err(_) if !self.wait_for_store => {
+                    self.unchecked.fetch_add(1, Ordering::SeqCst);
+                    return false;
+                }
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
@@ -189,9 +200,68 @@ enum Fault {
     ClaimInFlight,
     /// Every store connection reset.
     Reset,
+    /// The store's network goes silent: connections stay open, no answer comes back, until
+    /// the store has timed out one operation (its `op_timeout`).
+    BlackHole,
 }
 
-async fn run(test: &str, server: &PrivateServer, open: Opener) {
+/// Operations of the store under test that ended in an [`ErrorKind::Timeout`].
+static STORE_TIMEOUTS: AtomicUsize = AtomicUsize::new(0);
+
+/// A store that counts its [`ErrorKind::Timeout`] failures in [`STORE_TIMEOUTS`].
+struct CountingTimeouts(SharedDedupStore);
+
+impl CountingTimeouts {
+    fn seen<T>(r: onceflow_core::Result<T>) -> onceflow_core::Result<T> {
+        if let Err(e) = &r {
+            if e.kind() == ErrorKind::Timeout {
+                STORE_TIMEOUTS.fetch_add(1, Ordering::SeqCst);
+                eprintln!("store timeout: {e}");
+            }
+        }
+        r
+    }
+}
+
+#[async_trait]
+impl DedupStore for CountingTimeouts {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn window(&self) -> Duration {
+        self.0.window()
+    }
+    async fn claim(&self, r: &[ClaimRequest]) -> onceflow_core::Result<Vec<ClaimOutcome>> {
+        Self::seen(self.0.claim(r).await)
+    }
+    async fn renew(
+        &self,
+        c: &[(String, FencingToken)],
+        lease: Duration,
+    ) -> onceflow_core::Result<Vec<bool>> {
+        Self::seen(self.0.renew(c, lease).await)
+    }
+    async fn complete(&self, c: &[Completion]) -> onceflow_core::Result<Vec<bool>> {
+        Self::seen(self.0.complete(c).await)
+    }
+    async fn release(&self, c: &[(String, FencingToken)]) -> onceflow_core::Result<Vec<bool>> {
+        Self::seen(self.0.release(c).await)
+    }
+    async fn get(&self, k: &[String]) -> onceflow_core::Result<Vec<Option<KeyState>>> {
+        Self::seen(self.0.get(k).await)
+    }
+}
+
+/// Runs the consumer over `server` through a fault proxy while `base` is injected (in a loop
+/// with random picks under a soak); asserts every key handled once and none early; returns
+/// how many runs ended in an error (and were started again).
+async fn run(
+    test: &str,
+    server: &PrivateServer,
+    open: Opener,
+    base: &[Fault],
+    wait_for_store: bool,
+) -> usize {
     let started = tokio::time::Instant::now();
     let proxy = FaultProxy::start_raw("127.0.0.1:0", &server.upstream())
         .await
@@ -204,12 +274,6 @@ async fn run(test: &str, server: &PrivateServer, open: Opener) {
     let store = open(through, window).await;
     let direct = open(server.url.clone(), window).await;
 
-    let base: &[Fault] = &[
-        Fault::Restart,
-        Fault::ClaimInFlight,
-        Fault::Reset,
-        Fault::ClaimInFlight,
-    ];
     let faults: Vec<Fault> = match soak_minutes() {
         0 => base.to_vec(),
         m => {
@@ -259,6 +323,8 @@ async fn run(test: &str, server: &PrivateServer, open: Opener) {
         ledger: ledger.clone(),
         direct: direct.clone(),
         namespace: group.clone(),
+        wait_for_store,
+        unchecked: AtomicUsize::new(0),
     });
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let restarts = Arc::new(AtomicUsize::new(0));
@@ -370,6 +436,24 @@ async fn run(test: &str, server: &PrivateServer, open: Opener) {
         match fault {
             Fault::Restart => server.restart().await,
             Fault::Reset => proxy.cut_all(),
+            Fault::BlackHole => {
+                let before = STORE_TIMEOUTS.load(Ordering::SeqCst);
+                let since = tokio::time::Instant::now();
+                proxy.always(
+                    Direction::ToClient,
+                    |_| true,
+                    Action::Delay(Duration::from_secs(3600)),
+                );
+                while STORE_TIMEOUTS.load(Ordering::SeqCst) == before {
+                    // A hang guard, 60 times the store's op_timeout (2 s).
+                    assert!(
+                        since.elapsed() < Duration::from_secs(120),
+                        "the store's network was silent for 120 s and no operation timed out"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                proxy.clear();
+            }
             Fault::ClaimInFlight => {
                 // A chunk to the server holding the worker's id is a claim (claims alone carry
                 // the owner): the next chunk back, its answer, is never delivered.
@@ -449,11 +533,12 @@ async fn run(test: &str, server: &PrivateServer, open: Opener) {
          {rerun} handler runs again for a key whose completion was never confirmed, \
          {ran_for_completed} runs for a key already completed, {early} keys completed before \
          their handler finished, {incomplete} not completed at the end, {} failures on \
-         purpose, {} s",
+         purpose, {} handler runs not checked against the store (it could not answer), {} s",
         keys.div_ceil(3),
         faults.len(),
         restarts.load(Ordering::SeqCst),
         ledger.failed_on_purpose.load(Ordering::SeqCst),
+        handler.unchecked.load(Ordering::SeqCst),
         started.elapsed().as_secs()
     );
     assert_eq!(
@@ -461,7 +546,16 @@ async fn run(test: &str, server: &PrivateServer, open: Opener) {
         Tally::default(),
         "every key handled once, none early"
     );
+    restarts.load(Ordering::SeqCst)
 }
+
+/// Every fault.
+const ALL_FAULTS: &[Fault] = &[
+    Fault::Restart,
+    Fault::ClaimInFlight,
+    Fault::Reset,
+    Fault::ClaimInFlight,
+];
 
 type Opener = fn(
     String,
@@ -494,6 +588,18 @@ fn open_postgres(
     })
 }
 
+/// [`open_postgres`] with `op_timeout=2` (seconds), counting its timeouts.
+fn open_postgres_op_timeout_2(
+    url: String,
+    window: Duration,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = SharedDedupStore> + Send>> {
+    Box::pin(async move {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let store = open_postgres(format!("{url}{sep}op_timeout=2"), window).await;
+        Arc::new(CountingTimeouts(store)) as SharedDedupStore
+    })
+}
+
 fn enabled(test: &str, tool: &str) -> bool {
     let found = std::process::Command::new("bash")
         .arg("-c")
@@ -518,7 +624,7 @@ async fn redis_store_faults_lose_nothing_and_run_no_completed_key_again() {
         return;
     }
     let server = PrivateServer::start("redis", "ONCEFLOW_REDIS_PORT", "ONCEFLOW_REDIS_URL").await;
-    tokio::time::timeout(HANG_GUARD, run(TEST, &server, open_redis))
+    tokio::time::timeout(HANG_GUARD, run(TEST, &server, open_redis, ALL_FAULTS, true))
         .await
         .expect("hung");
 }
@@ -536,7 +642,123 @@ async fn postgres_store_faults_lose_nothing_and_run_no_completed_key_again() {
         "ONCEFLOW_POSTGRES_URL",
     )
     .await;
-    tokio::time::timeout(HANG_GUARD, run(TEST, &server, open_postgres))
+    tokio::time::timeout(
+        HANG_GUARD,
+        run(TEST, &server, open_postgres, ALL_FAULTS, true),
+    )
+    .await
+    .expect("hung");
+}
+
+/// Redis restarted on a dataset that takes it seconds to load: while it loads it answers
+/// `LOADING` to every command (<https://redis.io/docs/latest/develop/reference/protocol-spec/#simple-errors>),
+/// which the consumer must wait out like an unreachable server, not end its run on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_restarted_while_loading_its_dataset_run_does_not_end() {
+    const TEST: &str = "redis_store_restarted_while_loading_its_dataset_run_does_not_end";
+    if !enabled(TEST, "redis-cli") {
+        return;
+    }
+    let server = PrivateServer::start("redis", "ONCEFLOW_REDIS_PORT", "ONCEFLOW_REDIS_URL").await;
+    // A million 64-byte values in the append-only file: about 2 s of LOADING on this machine.
+    let fill = "for i = 1, 1000000 do redis.call('SET', 'fill:' .. i, string.rep('x', 64)) end \
+                return redis.call('DBSIZE')";
+    let port = server.port.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &port, "eval", fill, "0"])
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("run redis-cli");
+    let size = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        size.trim().parse::<u64>().unwrap_or(0) >= 1_000_000,
+        "the fill did not take: {size} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ended = tokio::time::timeout(
+        HANG_GUARD,
+        run(
+            TEST,
+            &server,
+            open_redis,
+            &[Fault::Restart, Fault::Restart],
+            // Handlers go on while Redis loads, so the consumer meets LOADING.
+            false,
+        ),
+    )
+    .await
+    .expect("hung");
+    assert_eq!(ended, 0, "no run ends while Redis loads its dataset");
+}
+
+/// PostgreSQL behind a network that goes silent (connections open, nothing answered): the
+/// store times its operation out (`op_timeout`), closes the connection and the consumer goes
+/// on, instead of waiting for as long as the kernel keeps the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_silent_network_times_out_and_run_goes_on() {
+    const TEST: &str = "postgres_store_silent_network_times_out_and_run_goes_on";
+    if !enabled(TEST, "initdb") {
+        return;
+    }
+    let server = PrivateServer::start(
+        "postgres",
+        "ONCEFLOW_POSTGRES_PORT",
+        "ONCEFLOW_POSTGRES_URL",
+    )
+    .await;
+    let ended = tokio::time::timeout(
+        HANG_GUARD,
+        run(
+            TEST,
+            &server,
+            open_postgres_op_timeout_2,
+            &[Fault::BlackHole, Fault::BlackHole],
+            true,
+        ),
+    )
+    .await
+    .expect("hung");
+    assert_eq!(ended, 0, "no run ends on a store timeout: it is waited out");
+}
+
+/// A PostgreSQL server whose network is silent when the store connects (the fault proxy holds
+/// new connections unanswered): the error names the connect timeout in words, not the pool
+/// library's "Timeout occurred while creating a new object".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_silent_at_connect_names_the_connect_timeout() {
+    let Ok(url) = std::env::var("ONCEFLOW_POSTGRES_URL") else {
+        assert!(
+            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+            "ONCEFLOW_POSTGRES_URL is not set"
+        );
+        eprintln!("SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
+        return;
+    };
+    let parsed = url::Url::parse(&url).unwrap();
+    let upstream = format!(
+        "{}:{}",
+        parsed.host_str().unwrap(),
+        parsed.port().unwrap_or(5432)
+    );
+    let proxy = FaultProxy::start_raw("127.0.0.1:0", &upstream)
         .await
-        .expect("hung");
+        .unwrap();
+    proxy.isolate();
+    let mut through = parsed.clone();
+    through.set_host(Some("127.0.0.1")).unwrap();
+    through.set_port(Some(proxy.addr().port())).unwrap();
+    through
+        .query_pairs_mut()
+        .append_pair("connect_timeout", "1");
+    let e = onceflow_postgres::PostgresStore::open(through.as_str(), Duration::from_secs(60))
+        .await
+        .expect_err("a silent server");
+    assert!(
+        e.message().contains("connect timeout") && e.is_retriable(),
+        "unclear: {e}"
+    );
+    assert!(!e.message().contains("new object"), "pool words: {e}");
 }

@@ -66,8 +66,11 @@
 //! indexes.) An older onceflow refuses a version-3 schema as written by a newer one.
 //!
 //! ## URLs
-//! `postgres://user:password@host:port/database[?schema=S&pool_size=N&sslmode=M&sslrootcert=PATH]`
-//! (also `postgresql://`); other query options are passed to the PostgreSQL client
+//! `postgres://user:password@host:port/database[?schema=S&pool_size=N&op_timeout=SECONDS&sslmode=M&sslrootcert=PATH]`
+//! (also `postgresql://`). `op_timeout` (default 30 s) bounds the wait for the server's answer
+//! to each operation on an open connection: past it the connection is closed and the operation
+//! fails with a retriable [`ErrorKind::Timeout`], outcome unknown, logged at WARN with the
+//! server's URL (password `***`). Other query options are passed to the PostgreSQL client
 //! (`connect_timeout`, `application_name`, `options`, `hostaddr`, `channel_binding`, …).
 //! Errors name the URL with its password replaced by `***`. PostgreSQL 12 or later: the store's
 //! sessions plan every execution for its own arrays (`plan_cache_mode=force_custom_plan`, sent
@@ -160,7 +163,17 @@ pub struct PostgresOptions {
     pub pool_size: usize,
     /// Longest wait for a connection (default 5 s).
     pub connect_timeout: Duration,
+    /// Longest wait for the server's answer to one operation of the store (a claim, renewal,
+    /// completion, release, get or purge chunk) on an open connection (default
+    /// [`DEFAULT_OP_TIMEOUT`]; URL option `op_timeout=SECONDS`, a positive number). Past it the
+    /// connection is closed and the operation fails with a retriable [`ErrorKind::Timeout`]
+    /// whose outcome is unknown (it may have been applied), logged at WARN: a network that
+    /// goes silent does not stall the consumer for as long as the kernel keeps the socket.
+    pub op_timeout: Duration,
 }
+
+/// The default [`PostgresOptions::op_timeout`]: 30 s.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl PostgresOptions {
     /// Options with the given window and the defaults otherwise.
@@ -170,6 +183,7 @@ impl PostgresOptions {
             schema: DEFAULT_SCHEMA.to_string(),
             pool_size: DEFAULT_POOL_SIZE,
             connect_timeout: Duration::from_secs(5),
+            op_timeout: DEFAULT_OP_TIMEOUT,
         }
     }
 }
@@ -184,6 +198,8 @@ pub(crate) struct Db {
     /// Where the password came from and the sslmode, for the errors of a refused connection
     /// (never the password).
     pub(crate) login: Arc<str>,
+    /// [`PostgresOptions::op_timeout`].
+    pub(crate) op_timeout: Duration,
 }
 
 impl Db {
@@ -196,6 +212,55 @@ impl Db {
             .get()
             .await
             .map_err(|e| pool_error(&self.shown, &self.login, e))
+    }
+
+    /// Runs `f` on `client` within the operation timeout. Past it, closes the connection
+    /// (taken out of the pool: its answer may still come, or never), logs a WARN line naming
+    /// the server and returns a retriable [`ErrorKind::Timeout`] with outcome unknown.
+    pub(crate) async fn timed<T, F>(
+        &self,
+        what: &str,
+        client: deadpool_postgres::Object,
+        f: F,
+    ) -> Result<(
+        deadpool_postgres::Object,
+        std::result::Result<T, tokio_postgres::Error>,
+    )>
+    where
+        F: for<'c> FnOnce(
+            &'c mut deadpool_postgres::Object,
+        ) -> std::pin::Pin<
+            Box<
+                dyn std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>
+                    + Send
+                    + 'c,
+            >,
+        >,
+    {
+        let mut client = client;
+        match tokio::time::timeout(self.op_timeout, f(&mut client)).await {
+            Ok(r) => Ok((client, r)),
+            Err(_) => {
+                drop(deadpool_postgres::Object::take(client));
+                tracing::warn!(
+                    server = %self.shown,
+                    operation = what,
+                    op_timeout = ?self.op_timeout,
+                    "PostgreSQL dedup store: no answer within op_timeout; connection closed, \
+                     retrying on a new one"
+                );
+                let msg = format!(
+                    "PostgreSQL store '{}': {what}: no answer from the server within \
+                     op_timeout={} s (the network or the server may be down); the operation \
+                     may or may not have been applied",
+                    self.shown,
+                    self.op_timeout.as_secs_f64()
+                );
+                Err(Error::new(ErrorKind::Timeout, msg)
+                    .with_outcome_unknown()
+                    .retriable(true))
+            }
+        }
     }
 
     /// `schema.table`.
@@ -292,6 +357,23 @@ fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
 fn pool_error(shown: &str, login: &str, e: deadpool_postgres::PoolError) -> Error {
     match e {
         deadpool_postgres::PoolError::Backend(e) => login_error(shown, login, "cannot connect", e),
+        // deadpool's own words ("Timeout occurred while creating a new object") name none of
+        // the store's settings.
+        deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Create) => {
+            Error::dedup_store(format!(
+                "PostgreSQL store '{shown}': cannot connect: the server did not complete a new \
+                 connection within the connect timeout (URL option connect_timeout=SECONDS, \
+                 default 5 s): it is down, the address is wrong, or the network is silent"
+            ))
+            .retriable(true)
+        }
+        deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait) => {
+            Error::dedup_store(format!(
+                "PostgreSQL store '{shown}': every pooled connection stayed busy for 60 s: \
+                 raise pool_size= in the URL, or the server is slow to answer"
+            ))
+            .retriable(true)
+        }
         other => Error::dedup_store(format!(
             "PostgreSQL store '{shown}': cannot get a connection: {other}"
         ))
@@ -343,12 +425,25 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
     }
     let mut schema = options.schema.clone();
     let mut pool_size = options.pool_size;
+    let mut op_timeout = options.op_timeout;
     let mut rest = Vec::new();
     let mut pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
     let tls_options = tls::Options::take(&mut pairs);
     for (k, v) in pairs {
         match &*k {
             "schema" => schema = v,
+            "op_timeout" => {
+                op_timeout = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|n| n.is_finite() && *n > 0.0)
+                    .and_then(|n| Duration::try_from_secs_f64(n).ok())
+                    .ok_or_else(|| {
+                        Error::config(format!(
+                            "op_timeout '{v}' in '{shown}' is not a positive number of seconds"
+                        ))
+                    })?
+            }
             "pool_size" => {
                 pool_size = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
                     Error::config(format!(
@@ -415,6 +510,7 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
         shown: shown.into(),
         schema: format!("\"{schema}\"").into(),
         login: login.into(),
+        op_timeout,
     };
     migrate(&db).await?;
     Ok(db)
@@ -883,7 +979,9 @@ impl PostgresStore {
         let mut tries = 0;
         loop {
             tries += 1;
-            match f(&mut client).await {
+            let (back, r) = self.db.timed(what, client, &f).await?;
+            client = back;
+            match r {
                 Ok(v) => return Ok(v),
                 Err(e) if is_race(&e) && tries < MAX_TRIES => {
                     tokio::time::sleep(Duration::from_millis(rand::random::<u64>() % 20)).await;
@@ -895,13 +993,17 @@ impl PostgresStore {
 }
 
 async fn purge_all(db: &Db, sql: &str) -> Result<u64> {
-    let client = db.client().await?;
+    let mut client = db.client().await?;
     let mut total = 0;
     loop {
-        let n = client
-            .execute(sql, &[])
-            .await
-            .map_err(|e| db.error("purge failed", e))?;
+        let (back, n) = db
+            .timed("purge failed", client, |client| {
+                let sql = sql.to_string();
+                Box::pin(async move { client.execute(&sql, &[]).await })
+            })
+            .await?;
+        client = back;
+        let n = n.map_err(|e| db.error("purge failed", e))?;
         total += n;
         if n < PURGE_CHUNK as u64 {
             return Ok(total);
@@ -1046,14 +1148,18 @@ impl DedupStore for PostgresStore {
             return Ok(Vec::new());
         }
         let client = self.db.client().await?;
-        let st = client
-            .prepare_cached(&self.sql.get)
-            .await
-            .map_err(|e| self.db.error("get failed", e))?;
-        let rows = client
-            .query(&st, &[&keys])
-            .await
-            .map_err(|e| self.db.error("get failed", e))?;
+        let sql = self.sql.clone();
+        let asked = keys.to_vec();
+        let (_client, rows) = self
+            .db
+            .timed("get failed", client, move |client| {
+                Box::pin(async move {
+                    let st = client.prepare_cached(&sql.get).await?;
+                    client.query(&st, &[&asked]).await
+                })
+            })
+            .await?;
+        let rows = rows.map_err(|e| self.db.error("get failed", e))?;
         let found: std::collections::HashMap<String, (Row, i64)> = rows
             .iter()
             .map(|r| {
@@ -1165,6 +1271,8 @@ mod tests {
             "mysql://u@127.0.0.1:1/db",
             "postgres://u:pw@127.0.0.1:1/db?schema=bad-name",
             "postgres://u:pw@127.0.0.1:1/db?pool_size=0",
+            "postgres://u:pw@127.0.0.1:1/db?op_timeout=0",
+            "postgres://u:pw@127.0.0.1:1/db?op_timeout=soon",
         ] {
             let e = PostgresStore::open(url, Duration::from_secs(1))
                 .await

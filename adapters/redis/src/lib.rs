@@ -325,7 +325,24 @@ pub(crate) fn redis_error(shown: &str, what: &str, e: redis::RedisError) -> Erro
     if let Some(auth) = tls::auth_error(shown, what, &e) {
         return auth.with_source(e);
     }
-    let msg = format!("Redis store '{shown}': {what}: {e}");
+    if let Some(why) = transient_server_state(&e) {
+        // A server answering but not serving yet (a restart loading its dataset, a failover
+        // under way): the store is the thing that failed, for a while; retriable.
+        return Error::dedup_store(format!("Redis store '{shown}': {what}: {why}; retrying"))
+            .retriable(true)
+            .with_source(e);
+    }
+    // A TLS client on a plaintext port: the server takes the ClientHello for a command and
+    // answers nothing a TLS client can read, so the handshake times out or fails to parse.
+    let hint = if shown.starts_with("rediss://")
+        && what == "cannot connect"
+        && (e.is_timeout() || e.is_io_error())
+    {
+        " (no TLS handshake answer: if this port serves plaintext Redis, use redis://)"
+    } else {
+        ""
+    };
+    let msg = format!("Redis store '{shown}': {what}: {e}{hint}");
     let err = if e.is_timeout() {
         Error::new(ErrorKind::Timeout, msg).with_outcome_unknown()
     } else if e.is_connection_refusal() || e.is_io_error() || e.is_connection_dropped() {
@@ -335,6 +352,28 @@ pub(crate) fn redis_error(shown: &str, what: &str, e: redis::RedisError) -> Erro
         Error::dedup_store(msg)
     };
     err.with_source(e)
+}
+
+/// The server's answer when it is up but cannot serve for a while, in the user's words with the
+/// server's error code; `None` for any other error. Redis answers `LOADING` while it loads its
+/// dataset after a restart, and `MASTERDOWN`, `READONLY`, `TRYAGAIN` or `CLUSTERDOWN` while a
+/// failover is under way (<https://redis.io/docs/latest/develop/reference/protocol-spec/#simple-errors>,
+/// `replica-serve-stale-data`, Redis Cluster specification): each ends when the server is ready.
+fn transient_server_state(e: &redis::RedisError) -> Option<&'static str> {
+    Some(match e.kind() {
+        redis::ErrorKind::BusyLoadingError => {
+            "the server is loading its dataset after a restart (LOADING)"
+        }
+        redis::ErrorKind::MasterDown => {
+            "the server is a replica that lost its primary (MASTERDOWN)"
+        }
+        redis::ErrorKind::ReadOnly => {
+            "the server is a read-only replica, a failover may be under way (READONLY)"
+        }
+        redis::ErrorKind::TryAgain => "the server asks to try again (TRYAGAIN)",
+        redis::ErrorKind::ClusterDown => "the cluster is down (CLUSTERDOWN)",
+        _ => return None,
+    })
 }
 
 /// A dedup store on Redis. Cheap to clone (clones share the connection).
@@ -365,7 +404,8 @@ impl RedisStore {
     /// a certificate file that cannot be read; [`ErrorKind::Unsupported`] for a server older
     /// than Redis 7.0 or one that is not standalone (Redis Cluster, Sentinel);
     /// [`ErrorKind::Auth`] when the server refuses the credentials or a TLS certificate (ours
-    /// or its own); [`ErrorKind::DedupStore`] (retriable) when the server cannot be reached.
+    /// or its own); [`ErrorKind::DedupStore`] (retriable) when the server cannot be reached or
+    /// is loading its dataset (`LOADING`).
     /// Every message names the URL without its password.
     pub async fn open(url: &str, window: Duration) -> Result<Self> {
         Self::open_with(url, RedisOptions::new(window)).await

@@ -155,3 +155,22 @@ async fn core_openers_name_redis_urls_without_the_password() {
         .unwrap();
     check(&e, ErrorKind::Config, "redis://u:***@127.0.0.1:1");
 }
+
+/// `rediss://` to a plaintext port: the TLS handshake gets no answer it can read; the error
+/// says that the port may be plaintext Redis and names `redis://`.
+#[tokio::test]
+async fn tls_to_a_plaintext_port_says_so() {
+    let Some(base) = common::base("bad_input") else {
+        return;
+    };
+    let mut u = url::Url::parse(&base).unwrap();
+    u.set_scheme("rediss").unwrap();
+    let tls = u.to_string();
+    let e = RedisStore::open(&tls, Duration::from_secs(60))
+        .await
+        .expect_err(&tls);
+    assert!(
+        e.message().contains("plaintext Redis, use redis://"),
+        "no hint in: {e}"
+    );
+}
