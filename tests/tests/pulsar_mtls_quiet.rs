@@ -159,14 +159,14 @@ async fn an_mtls_run_ends_without_an_error_line() {
     drop(dropped);
     drop(producer);
     drop(client);
-    logged(mark, "Pulsar mTLS bridge: stopped").await;
+    logged(mark, "Pulsar bridge: stopped").await;
     // What the crate would log after the bridge stopped has come by now.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let lines = logs::captured()[mark..].to_string();
     assert!(errors(&lines).is_empty(), "{:#?}", errors(&lines));
     let stopped = lines
         .lines()
-        .find(|l| l.contains("Pulsar mTLS bridge: stopped"))
+        .find(|l| l.contains("Pulsar bridge: stopped"))
         .unwrap();
     eprintln!("{stopped}");
     assert!(
@@ -197,6 +197,6 @@ async fn a_refused_client_certificate_is_said_once() {
     assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
     assert!(e.message().contains(&env.broker()), "{e}");
     // The bridge stops once nothing goes through it any more.
-    let lines = logged(mark, "Pulsar mTLS bridge: stopped").await;
+    let lines = logged(mark, "Pulsar bridge: stopped").await;
     assert!(errors(&lines).is_empty(), "{:#?}", errors(&lines));
 }
