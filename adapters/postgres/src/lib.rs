@@ -202,6 +202,13 @@ pub(crate) struct Db {
     pub(crate) op_timeout: Duration,
 }
 
+/// A query run on a pooled connection, borrowing it (what `timed` and `with_retry` run).
+type PgFuture<'c, T> = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>> + Send + 'c,
+    >,
+>;
+
 impl Db {
     pub(crate) fn error(&self, what: &str, e: tokio_postgres::Error) -> Error {
         pg_error(&self.shown, what, e)
@@ -227,15 +234,7 @@ impl Db {
         std::result::Result<T, tokio_postgres::Error>,
     )>
     where
-        F: for<'c> FnOnce(
-            &'c mut deadpool_postgres::Object,
-        ) -> std::pin::Pin<
-            Box<
-                dyn std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>
-                    + Send
-                    + 'c,
-            >,
-        >,
+        F: for<'c> FnOnce(&'c mut deadpool_postgres::Object) -> PgFuture<'c, T>,
     {
         let mut client = client;
         match tokio::time::timeout(self.op_timeout, f(&mut client)).await {
@@ -965,15 +964,7 @@ impl PostgresStore {
     /// race (never for other errors).
     async fn with_retry<T, F>(&self, what: &str, f: F) -> Result<T>
     where
-        F: for<'c> Fn(
-            &'c mut deadpool_postgres::Object,
-        ) -> std::pin::Pin<
-            Box<
-                dyn std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>
-                    + Send
-                    + 'c,
-            >,
-        >,
+        F: for<'c> Fn(&'c mut deadpool_postgres::Object) -> PgFuture<'c, T>,
     {
         let mut client = self.db.client().await?;
         let mut tries = 0;

@@ -162,7 +162,9 @@ pub(crate) enum Present {
 impl Present {
     /// The auth method and data to present, read anew (a rotated token file, a refreshed
     /// OAuth2 token).
-    async fn auth(&self) -> std::result::Result<(Option<String>, Option<Vec<u8>>), String> {
+    pub(crate) async fn auth(
+        &self,
+    ) -> std::result::Result<(Option<String>, Option<Vec<u8>>), String> {
         match self {
             Present::ClientCert(_) => Ok((Some("tls".to_string()), None)),
             Present::Credentials(c, _) => Ok(match c.connect_data().await? {
@@ -173,7 +175,7 @@ impl Present {
     }
 
     /// What is presented, for messages: `the client certificate PATH`, `the token`, ….
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Present::ClientCert(file) => format!("the client certificate {file}"),
             Present::Credentials(_, what) => what.clone(),
@@ -600,9 +602,7 @@ fn refuse_local(inner: &Inner, peer: SocketAddr, why: &str) {
 }
 
 /// The byte stream to a broker: TCP, or TLS over TCP.
-trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
-type UpstreamStream = Box<dyn Io>;
+type UpstreamStream = Box<dyn crate::wire::Io>;
 
 /// A connection to a broker, split.
 type UpstreamRead = tokio::io::ReadHalf<UpstreamStream>;
@@ -626,7 +626,7 @@ async fn send_connect(
     }
     .await
     {
-        return Err(refused_after_handshake(inner, server, &e));
+        return Err(refused_after_handshake(&inner.present, server, &e));
     }
     let mut ubuf = BytesMut::with_capacity(READ_CHUNK);
     let answer = tokio::time::timeout(
@@ -644,7 +644,7 @@ async fn send_connect(
                 inner.present.describe()
             ),
         )),
-        Ok(Err(e)) => Err(refused_after_handshake(inner, server, &e)),
+        Ok(Err(e)) => Err(refused_after_handshake(&inner.present, server, &e)),
         Err(_) => Err(Error::new(
             ErrorKind::Timeout,
             format!(
@@ -763,7 +763,7 @@ async fn connect_upstream(
     })?;
     match tokio::time::timeout(inner.connect_timeout, tls.connect(name, tcp)).await {
         Ok(Ok(s)) => Ok(Box::new(s)),
-        Ok(Err(e)) => Err((refused_after_handshake(inner, &server, &e), false)),
+        Ok(Err(e)) => Err((refused_after_handshake(&inner.present, &server, &e), false)),
         Err(_) => Err((
             Error::new(
                 ErrorKind::Timeout,
@@ -780,19 +780,29 @@ async fn connect_upstream(
 /// The error of a failed TLS handshake, or of the first read or write after it: a refused
 /// server certificate or an alert from the server (it refused our client certificate) is
 /// `Auth`, the rest `Connect`.
-fn refused_after_handshake(inner: &Inner, server: &str, e: &std::io::Error) -> Error {
+/// (Also for onceflow's own broker connections, `wire.rs`.)
+pub(crate) fn refused_after_handshake(
+    present: &Present,
+    server: &str,
+    e: &std::io::Error,
+) -> Error {
     match crate::auth::rustls_error(e) {
         Some(
             r @ (rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented),
         ) => crate::auth::certificate_error("Pulsar", server, r),
         Some(rustls::Error::AlertReceived(alert)) => Error::new(
             ErrorKind::Auth,
-            format!(
-                "Pulsar at {server} refused the TLS connection with {} (TLS alert \
-                 {alert:?}): is it signed by a CA the broker trusts (its \
-                 tlsTrustCertsFilePath), still valid, and made for client authentication?",
-                inner.present.describe()
-            ),
+            match present {
+                Present::ClientCert(_) => format!(
+                    "Pulsar at {server} refused the TLS connection with {} (TLS alert \
+                     {alert:?}): is it signed by a CA the broker trusts (its \
+                     tlsTrustCertsFilePath), still valid, and made for client authentication?",
+                    present.describe()
+                ),
+                Present::Credentials(..) => {
+                    format!("Pulsar at {server} refused the TLS connection (TLS alert {alert:?})")
+                }
+            },
         ),
         _ => Error::new(
             ErrorKind::Connect,
@@ -948,7 +958,7 @@ async fn rewrite(
         return Ok(None);
     };
     if let Some(txn) = &inner.txn {
-        if TXN_TYPES.contains(&t) {
+        if txn.reads(t) {
             return txn.rewrite(conn, dir, cmd, rest);
         }
     }
@@ -1362,13 +1372,16 @@ impl rustls::client::danger::ServerCertVerifier for Lenient {
 const TXN_TYPES: [i32; 8] = [
     Type::Producer as i32,
     Type::ProducerSuccess as i32,
-    Type::Subscribe as i32,
     Type::Send as i32,
     Type::SendReceipt as i32,
     Type::SendError as i32,
+    Type::Subscribe as i32,
     Type::Ack as i32,
     Type::AckResponse as i32,
 ];
+/// Of [`TXN_TYPES`], those the resumed sequence ids alone need (without transactions the
+/// consumers' frames are not decoded).
+const SEQUENCE_TYPES: &[i32] = TXN_TYPES.split_at(5).0;
 
 /// CRC-32C (Castagnoli), the checksum of a message's metadata and payload.
 const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
@@ -1492,8 +1505,9 @@ struct TxnState {
 pub(crate) struct TxnFrames {
     state: Mutex<TxnState>,
     answered: Notify,
-    /// (producer name, producer id) → what its sequence ids are moved by.
-    shifts: Mutex<HashMap<(String, u64), u64>>,
+    /// Producer id → what its sequence ids are moved by (the crate numbers producers once
+    /// per process, and a crate producer keeps its id across reconnects).
+    shifts: Mutex<HashMap<u64, u64>>,
     /// Transactions are on (`transactions=true`): producers are made transactional.
     transactions: bool,
 }
@@ -1606,13 +1620,19 @@ impl TxnFrames {
         st.awaiting.retain(|_, (t, _)| *t != txn);
     }
 
-    /// What the sequence ids of producer `id` named `name` move by (0: not at all).
-    fn shift(&self, name: &str, id: u64) -> u64 {
-        self.shifts
-            .lock()
-            .get(&(name.to_string(), id))
-            .copied()
-            .unwrap_or(0)
+    /// Whether frames of type `t` are read here: [`TXN_TYPES`] with transactions, else
+    /// [`SEQUENCE_TYPES`].
+    fn reads(&self, t: i32) -> bool {
+        if self.transactions {
+            TXN_TYPES.contains(&t)
+        } else {
+            SEQUENCE_TYPES.contains(&t)
+        }
+    }
+
+    /// What the sequence ids of producer `id` move by (0: not at all).
+    fn shift(&self, id: u64) -> u64 {
+        self.shifts.lock().get(&id).copied().unwrap_or(0)
     }
 
     /// Reads (and for `SEND` and `ACK` in a transaction, rewrites) a frame of [`TXN_TYPES`].
@@ -1656,11 +1676,11 @@ impl TxnFrames {
                     return Ok(None);
                 }
                 if let Some(send) = c.send.as_mut() {
-                    let Some(name) = conn.lock().producers.get(&send.producer_id).cloned() else {
-                        return Ok(None);
+                    let txn = match conn.lock().producers.get(&send.producer_id) {
+                        Some(name) => self.state.lock().producers.get(name).copied(),
+                        None => return Ok(None),
                     };
-                    let txn = self.state.lock().producers.get(&name).copied();
-                    let shift = self.shift(&name, send.producer_id);
+                    let shift = self.shift(send.producer_id);
                     if txn.is_none() && shift == 0 {
                         return Ok(None);
                     }
@@ -1721,7 +1741,7 @@ impl TxnFrames {
                             // (which counts our own sends) does not move it again.
                             self.shifts
                                 .lock()
-                                .entry((ok.producer_name.clone(), producer_id))
+                                .entry(producer_id)
                                 .or_insert(last as u64 + 1);
                         }
                     }
@@ -1734,10 +1754,7 @@ impl TxnFrames {
                         .map(|r| r.producer_id)
                         .or(error.as_ref().map(|e| e.producer_id))
                         .unwrap_or_default();
-                    let Some(name) = conn.lock().producers.get(&producer_id).cloned() else {
-                        return Ok(None);
-                    };
-                    let shift = self.shift(&name, producer_id);
+                    let shift = self.shift(producer_id);
                     if shift == 0 {
                         return Ok(None);
                     }

@@ -494,24 +494,13 @@ impl PulsarConsumer {
         let Ok(_guard) = self.rebalancing.try_lock() else {
             return Ok(());
         };
-        let mut active: HashMap<TopicPartition, bool> = HashMap::new();
-        for (topic, path, shape) in &self.topics {
-            let stats = self
-                .shared
-                .rest
-                .subscription_stats(path, *shape, &self.group)
-                .await?;
-            for (i, s) in stats.into_iter().enumerate() {
-                let mine = s
-                    .and_then(|s| s.active_consumer)
-                    .is_some_and(|a| a == self.member);
-                active.insert(TopicPartition::new(topic.clone(), i as i32), mine);
-            }
-        }
+        let active = self.active_consumers(|_| true).await?;
         let mut gained = Vec::new();
         let mut lost = Vec::new();
         for p in &self.parts {
-            let now = active.get(&p.tp).copied().unwrap_or(false);
+            let now = active
+                .get(&p.tp)
+                .is_some_and(|a| a.as_deref() == Some(self.member.as_str()));
             let was = p.state.lock().assigned;
             if now && !was {
                 gained.push(p.tp.clone());
@@ -783,26 +772,39 @@ impl PulsarConsumer {
         if self.sub_type != SubscriptionType::Failover {
             return Ok(());
         }
-        for (topic, path, shape) in &self.topics {
-            if !taken.iter().any(|t| &t.tp.topic == topic) {
-                continue;
+        let active = self
+            .active_consumers(|topic| taken.iter().any(|t| t.tp.topic == topic))
+            .await?;
+        for t in taken {
+            let now = active.get(&t.tp).cloned().flatten();
+            if now.as_deref() != Some(self.member.as_str()) {
+                return Err(self.moved(&t.tp, now));
             }
+        }
+        Ok(())
+    }
+
+    /// The broker's active consumer (failover) of each partition of the topics `wanted`
+    /// picks, from the topic stats (`activeConsumerName`); `None` where it names none.
+    async fn active_consumers(
+        &self,
+        wanted: impl Fn(&str) -> bool,
+    ) -> Result<HashMap<TopicPartition, Option<String>>> {
+        let mut active = HashMap::new();
+        for (topic, path, shape) in self.topics.iter().filter(|(t, ..)| wanted(t)) {
             let stats = self
                 .shared
                 .rest
                 .subscription_stats(path, *shape, &self.group)
                 .await?;
-            for t in taken.iter().filter(|t| &t.tp.topic == topic) {
-                let active = stats
-                    .get(t.tp.partition as usize)
-                    .and_then(|s| s.as_ref())
-                    .and_then(|s| s.active_consumer.clone());
-                if active.as_deref() != Some(self.member.as_str()) {
-                    return Err(self.moved(&t.tp, active));
-                }
+            for (i, s) in stats.into_iter().enumerate() {
+                active.insert(
+                    TopicPartition::new(topic.clone(), i as i32),
+                    s.and_then(|s| s.active_consumer),
+                );
             }
         }
-        Ok(())
+        Ok(active)
     }
 
     fn moved(&self, tp: &TopicPartition, to: Option<String>) -> Error {

@@ -456,6 +456,13 @@ impl PulsarPlatform {
         // (see bridge.rs, `TxnFrames`): with transactions, and with a producer name.
         let frames_on = options.transactions || options.producer_name.is_some();
         let txn_frames = frames_on.then(|| Arc::new(bridge::TxnFrames::new(options.transactions)));
+        // What the bridge and onceflow's own connections present to the brokers.
+        let present = match &options.auth {
+            config::PulsarAuth::Tls(cert) => {
+                bridge::Present::ClientCert(cert.cert_file.display().to_string())
+            }
+            _ => bridge::Present::Credentials(credentials.clone(), Credentials::describe(&options)),
+        };
         let bridge = if mtls.is_some() || frames_on {
             let upstream =
                 bridge::Upstream::of_url(&options.service_url, tls).ok_or_else(|| {
@@ -469,19 +476,10 @@ impl PulsarPlatform {
                         if tls { "pulsar+ssl" } else { "pulsar" }
                     ))
                 })?;
-            let present = match &options.auth {
-                config::PulsarAuth::Tls(cert) => {
-                    bridge::Present::ClientCert(cert.cert_file.display().to_string())
-                }
-                _ => bridge::Present::Credentials(
-                    credentials.clone(),
-                    Credentials::describe(&options),
-                ),
-            };
             let b = bridge::Bridge::start(
                 upstream,
                 tls_config.clone(),
-                present,
+                present.clone(),
                 txn_frames.clone(),
                 options.operation_timeout.min(HANDSHAKE_TIMEOUT),
             )?;
@@ -568,7 +566,7 @@ impl PulsarPlatform {
         };
         let wire = wire::WireConfig {
             tls: tls_config,
-            credentials: credentials.clone(),
+            present,
             timeout: options.operation_timeout,
         };
         let rest = Rest::new(

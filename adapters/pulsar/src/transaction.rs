@@ -18,7 +18,7 @@
 //!   broker and gets the inputs again.
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
 use async_trait::async_trait;
@@ -135,10 +135,21 @@ impl PulsarTransaction {
     fn finish(&mut self) {
         if !self.ended {
             self.ended = true;
-            self.frames.end(self.id);
-            if let Some(f) = &self.producer.in_txn {
-                f.store(false, Ordering::Release);
-            }
+            release(&self.frames, self.id, self.producer.in_txn.as_deref());
+        }
+    }
+
+    /// What aborting needs, taken out of the transaction (which counts as ended from now on).
+    fn take_abort(&mut self) -> Abort {
+        self.ended = true;
+        Abort {
+            tcs: self.tcs.clone(),
+            frames: self.frames.clone(),
+            id: self.id,
+            acked: self.acked,
+            timeout: self.producer.options.operation_timeout,
+            consumers: std::mem::take(&mut self.consumers),
+            in_txn: self.producer.in_txn.clone(),
         }
     }
 
@@ -146,24 +157,6 @@ impl PulsarTransaction {
     /// again.
     fn void_acks(&self) {
         settle(&self.consumers, false);
-    }
-
-    /// Before an abort: waits (at most the operation timeout) until the acknowledgements made
-    /// in the transaction were answered. One the broker takes after the coordinator ended the
-    /// transaction would open it again at the subscription (its pending-ack state) and hold
-    /// the message until the broker's low-water mark catches up; those that have not left
-    /// the bridge when the transaction ends are dropped instead ([`TxnFrames::end`]).
-    async fn acks_passed(&self) {
-        if self.acked > 0 {
-            let timeout = self.producer.options.operation_timeout;
-            if let Err(e) = self
-                .frames
-                .acks_answered(self.id, self.acked, timeout)
-                .await
-            {
-                tracing::debug!(txn = %self.id, error = %e, "aborting with acknowledgements unanswered");
-            }
-        }
     }
 
     /// Waits for every acknowledgement's answer; aborts on a refusal.
@@ -201,41 +194,73 @@ fn settle(consumers: &[(Weak<PulsarConsumer>, Vec<TxnTaken>)], committed: bool) 
     }
 }
 
+/// The bridge forgets transaction `id` and the producer may begin the next one.
+fn release(frames: &TxnFrames, id: TxnId, in_txn: Option<&AtomicBool>) {
+    frames.end(id);
+    if let Some(f) = in_txn {
+        f.store(false, Ordering::Release);
+    }
+}
+
+/// An abort, with what it needs owned: run by `abort`, and in the background for a dropped
+/// transaction.
+struct Abort {
+    tcs: Arc<Coordinators>,
+    frames: Arc<TxnFrames>,
+    id: TxnId,
+    acked: u64,
+    timeout: std::time::Duration,
+    consumers: Vec<(Weak<PulsarConsumer>, Vec<TxnTaken>)>,
+    in_txn: Option<Arc<AtomicBool>>,
+}
+
+impl Abort {
+    /// Waits (at most the operation timeout) until the acknowledgements made in the
+    /// transaction were answered, then aborts it at the coordinator, unbinds it and tells the
+    /// consumers their acknowledgements are void. An acknowledgement the broker took after
+    /// the coordinator ended the transaction would open it again at the subscription (its
+    /// pending-ack state) and hold the message until the broker's low-water mark catches up;
+    /// those that have not left the bridge when the transaction ends are dropped instead
+    /// ([`TxnFrames::end`]).
+    async fn run(self) -> Result<()> {
+        if self.acked > 0 {
+            if let Err(e) = self
+                .frames
+                .acks_answered(self.id, self.acked, self.timeout)
+                .await
+            {
+                tracing::debug!(txn = %self.id, error = %e, "aborting with acknowledgements unanswered");
+            }
+        }
+        let r = self.tcs.end(self.id, TxnEnd::Abort).await;
+        self.release();
+        settle(&self.consumers, false);
+        r
+    }
+
+    fn release(&self) {
+        release(&self.frames, self.id, self.in_txn.as_deref());
+    }
+}
+
 impl Drop for PulsarTransaction {
     fn drop(&mut self) {
         if self.ended {
             return;
         }
-        let tcs = self.tcs.clone();
-        let frames = self.frames.clone();
-        let (id, acked) = (self.id, self.acked);
-        let timeout = self.producer.options.operation_timeout;
-        let consumers = std::mem::take(&mut self.consumers);
-        let in_txn = self.producer.in_txn.clone();
-        self.ended = true;
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            // As `abort`, in the background: the acknowledgements answered, the coordinator's
-            // abort, the bridge unbound, the consumers told; then the producer may begin again.
-            rt.spawn(async move {
-                if acked > 0 {
-                    let _ = frames.acks_answered(id, acked, timeout).await;
-                }
-                let r = tcs.end(id, TxnEnd::Abort).await;
-                frames.end(id);
-                settle(&consumers, false);
-                if let Some(f) = in_txn {
-                    f.store(false, std::sync::atomic::Ordering::Release);
-                }
-                if let Err(e) = r {
-                    tracing::debug!(txn = %id, error = %e, "aborting a dropped Pulsar transaction");
-                }
-            });
-        } else {
-            // No runtime to abort on: the coordinator aborts it at its timeout.
-            self.frames.end(id);
-            if let Some(f) = &self.producer.in_txn {
-                f.store(false, Ordering::Release);
+        let abort = self.take_abort();
+        match tokio::runtime::Handle::try_current() {
+            // As `abort`, in the background; then the producer may begin again.
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let id = abort.id;
+                    if let Err(e) = abort.run().await {
+                        tracing::debug!(txn = %id, error = %e, "aborting a dropped Pulsar transaction");
+                    }
+                });
             }
+            // No runtime to abort on: the coordinator aborts it at its timeout.
+            Err(_) => abort.release(),
         }
     }
 }
@@ -341,9 +366,6 @@ impl TransactionBackend for PulsarTransaction {
     }
 
     async fn abort(mut self: Box<Self>) -> Result<()> {
-        self.acks_passed().await;
-        let r = self.end(TxnEnd::Abort).await;
-        self.void_acks();
-        r
+        self.take_abort().run().await
     }
 }

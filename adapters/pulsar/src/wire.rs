@@ -27,10 +27,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::codec::Framed;
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::Credentials;
+use crate::bridge::Present;
 
 /// The byte stream under a [`Wire`]: TCP or TLS over TCP.
-trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+pub(crate) trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
 /// How [`Wire`]s connect: TLS, credential and timeouts of one `pulsar://` connection.
@@ -39,7 +39,7 @@ pub(crate) struct WireConfig {
     /// TLS towards the brokers (`pulsar+ssl://`), with the client certificate if any.
     pub(crate) tls: Option<Arc<rustls::ClientConfig>>,
     /// What `CONNECT` presents.
-    pub(crate) credentials: Credentials,
+    pub(crate) present: Present,
     /// Connecting, the handshake and each request, at most.
     pub(crate) timeout: Duration,
 }
@@ -76,12 +76,7 @@ impl BrokerAddr {
     /// The first broker of a `pulsar://` / `pulsar+ssl://` URL (6650 / 6651 by default).
     pub(crate) fn of_url(url: &str) -> Option<BrokerAddr> {
         let tls = url.starts_with("pulsar+ssl://");
-        let rest = url
-            .strip_prefix("pulsar://")
-            .or_else(|| url.strip_prefix("pulsar+ssl://"))?;
-        let authority = rest.split(['/', '?']).next()?;
-        let authority = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-        let first = authority.split(',').next()?.trim();
+        let first = *crate::service_hosts(url).first()?;
         let (host, port) = match first.strip_prefix('[') {
             Some(v6) => {
                 let (h, rest) = v6.split_once(']')?;
@@ -420,20 +415,11 @@ async fn open(config: &WireConfig, addr: &BrokerAddr) -> Result<Box<dyn Io>> {
         .await
     {
         Ok(s) => Ok(Box::new(s)),
-        Err(e) => Err(match crate::auth::rustls_error(&e) {
-            Some(
-                r @ (rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented),
-            ) => crate::auth::certificate_error("Pulsar", &server, r),
-            Some(rustls::Error::AlertReceived(alert)) => Error::new(
-                ErrorKind::Auth,
-                format!("Pulsar at {server} refused the TLS connection (TLS alert {alert:?})"),
-            ),
-            _ => Error::new(
-                ErrorKind::Connect,
-                format!("Pulsar at {server}: the TLS handshake failed: {e}"),
-            )
-            .retriable(true),
-        }),
+        Err(e) => {
+            let e = crate::bridge::refused_after_handshake(&config.present, &server, &e);
+            let retriable = e.kind() == ErrorKind::Connect;
+            Err(e.retriable(retriable))
+        }
     }
 }
 
@@ -442,17 +428,12 @@ async fn connect_credential(
     config: &WireConfig,
     server: &str,
 ) -> Result<(Option<String>, Option<Vec<u8>>)> {
-    if matches!(config.credentials, Credentials::ClientCert) {
-        return Ok((Some("tls".to_string()), None));
-    }
-    match config.credentials.connect_data().await {
-        Ok(Some((m, d))) => Ok((Some(m), Some(d))),
-        Ok(None) => Ok((None, None)),
-        Err(e) => Err(Error::new(
+    config.present.auth().await.map_err(|e| {
+        Error::new(
             ErrorKind::Auth,
             format!("Pulsar at {server}: no credential to present: {e}"),
-        )),
-    }
+        )
+    })
 }
 
 /// `AUTH_RESPONSE` to a broker's `AUTH_CHALLENGE`, with the credential read again.

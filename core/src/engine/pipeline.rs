@@ -179,15 +179,15 @@ const ORIGIN_TAG: &str = "onceflow-origin/1";
 /// its key's completion. The position is an offset as a bare number (Kafka, `memory://`; the
 /// form stores written before other positions were kept), any other position in its
 /// `Display` form (`pulsar:LEDGER:ENTRY:PARTITION:BATCH`).
-fn origin_of(group: &str, tx: &str, msg: &Message) -> Option<Bytes> {
+fn origin_of(group: &str, tx: &str, msg: &Message) -> Bytes {
     let position = match msg.position.as_offset() {
         Some(offset) => offset.to_string(),
         None => msg.position.to_string(),
     };
-    Some(Bytes::from(format!(
+    Bytes::from(format!(
         "{ORIGIN_TAG}\n{group}\n{}\n{}\n{position}\n{tx}",
         msg.topic, msg.partition
-    )))
+    ))
 }
 
 /// A completion's origin, as written by [`origin_of`].
@@ -669,7 +669,7 @@ impl TxLoop<'_> {
                         st.claims.push(Completion {
                             key: k,
                             token,
-                            result: origin_of(core.consumer.group(), &tx, msg),
+                            result: Some(origin_of(core.consumer.group(), &tx, msg)),
                         });
                         if !self.process(&mut st, msg, key.as_deref()).await? {
                             return Ok(());
@@ -1240,7 +1240,7 @@ mod tests {
             timestamp: None,
             delivery_count: 1,
         };
-        let kafka = origin_of("g", "tx-1", &m).unwrap();
+        let kafka = origin_of("g", "tx-1", &m);
         assert_eq!(
             &kafka[..],
             b"onceflow-origin/1\ng\nin\n2\n7\ntx-1".as_slice()
@@ -1256,7 +1256,7 @@ mod tests {
             partition: 2,
             batch: -1,
         };
-        let pulsar = origin_of("g", "tx-2", &m).unwrap();
+        let pulsar = origin_of("g", "tx-2", &m);
         let o = parse_origin(&pulsar).unwrap();
         assert_eq!(
             o.position, m.position,
