@@ -201,7 +201,8 @@ enum Fault {
     /// Every store connection reset.
     Reset,
     /// The store's network goes silent: connections stay open, no answer comes back, until
-    /// the store has timed out one operation (its `op_timeout`).
+    /// the store has timed out one operation (its `op_timeout` on an open connection, or the
+    /// connect timeout on a new one).
     BlackHole,
 }
 
@@ -757,7 +758,9 @@ async fn postgres_store_silent_at_connect_names_the_connect_timeout() {
         .await
         .expect_err("a silent server");
     assert!(
-        e.message().contains("connect timeout") && e.is_retriable(),
+        e.message().contains("connect timeout")
+            && e.is_retriable()
+            && e.kind() == ErrorKind::Timeout,
         "unclear: {e}"
     );
     assert!(!e.message().contains("new object"), "pool words: {e}");

@@ -358,12 +358,18 @@ fn pool_error(shown: &str, login: &str, e: deadpool_postgres::PoolError) -> Erro
         deadpool_postgres::PoolError::Backend(e) => login_error(shown, login, "cannot connect", e),
         // deadpool's own words ("Timeout occurred while creating a new object") name none of
         // the store's settings.
+        // A timeout (retriable): nothing was sent on the new connection, so the operation
+        // was not applied.
         deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Create) => {
-            Error::dedup_store(format!(
-                "PostgreSQL store '{shown}': cannot connect: the server did not complete a new \
-                 connection within the connect timeout (URL option connect_timeout=SECONDS, \
-                 default 5 s): it is down, the address is wrong, or the network is silent"
-            ))
+            Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "PostgreSQL store '{shown}': cannot connect: the server did not complete a \
+                     new connection within the connect timeout (URL option \
+                     connect_timeout=SECONDS, default 5 s): it is down, the address is wrong, \
+                     or the network is silent"
+                ),
+            )
             .retriable(true)
         }
         deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait) => {
