@@ -389,6 +389,25 @@ pub trait ConsumerBackend: Send + Sync {
     /// returned are discarded.
     async fn seek(&self, partition: &TopicPartition, to: &StartFrom) -> Result<()>;
 
+    /// Gives out again, in order and from the group's committed position, every message of
+    /// `partitions` that [`poll`](Self::poll) returned and no commit covered (the inputs of an
+    /// aborted transaction), without moving the committed position or undoing any
+    /// acknowledgement. Returns the partitions it did this for;
+    /// [`Consumer::rewind_uncommitted`](crate::Consumer::rewind_uncommitted) seeks the others
+    /// to their committed position.
+    ///
+    /// Default: none. A seek to the committed position is exact where the group commits one
+    /// position per partition (Kafka, Kinesis); it is not where single messages past the
+    /// committed position can be acknowledged (Pulsar: a seek resets the subscription's
+    /// cursor, which makes acknowledged messages past it unacknowledged again).
+    async fn redeliver_uncommitted(
+        &self,
+        partitions: &[TopicPartition],
+    ) -> Result<Vec<TopicPartition>> {
+        let _ = partitions;
+        Ok(Vec::new())
+    }
+
     /// Stops fetching from these partitions.
     async fn pause(&self, partitions: &[TopicPartition]) -> Result<()>;
 

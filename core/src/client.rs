@@ -656,6 +656,48 @@ impl Consumer {
         self.inner.seek(partition, to).await
     }
 
+    /// After an aborted transaction: gives out again, in order and from the group's committed
+    /// position, every message of `partitions` that [`Consumer::poll`] returned and no commit
+    /// covered, without undoing any acknowledgement. Where the platform has a redelivery that
+    /// keeps acknowledgements (Pulsar) it is used; elsewhere each partition is sought to its
+    /// [`Consumer::committed`] position (exact where the group commits one position per
+    /// partition, as Kafka and Kinesis do). On Pulsar a seek would be wrong: it resets the
+    /// subscription's cursor and makes messages that a committed transaction acknowledged past
+    /// the committed position unacknowledged again, so they would be processed twice. The
+    /// [`Pipeline`](crate::Pipeline) does this after every aborted transaction.
+    ///
+    /// Returns the partitions on which the group has committed nothing: they are left as they
+    /// are, for the caller to seek (the pipeline seeks them to the transaction's first input).
+    ///
+    /// # Errors
+    /// `Closed` when the consumer is closed; the platform's error when the committed positions
+    /// cannot be read or a seek fails.
+    pub async fn rewind_uncommitted(
+        &self,
+        partitions: &[TopicPartition],
+    ) -> Result<Vec<TopicPartition>> {
+        if partitions.is_empty() {
+            return Ok(Vec::new());
+        }
+        let redelivered = self.inner.redeliver_uncommitted(partitions).await?;
+        let rest: Vec<TopicPartition> = partitions
+            .iter()
+            .filter(|tp| !redelivered.contains(tp))
+            .cloned()
+            .collect();
+        let mut uncommitted = Vec::new();
+        if rest.is_empty() {
+            return Ok(uncommitted);
+        }
+        for (tp, next) in self.inner.committed(&rest).await? {
+            match next {
+                Some(p) => self.inner.seek(&tp, &StartFrom::Position(p)).await?,
+                None => uncommitted.push(tp),
+            }
+        }
+        Ok(uncommitted)
+    }
+
     /// Stops fetching from partitions.
     pub async fn pause(&self, partitions: &[TopicPartition]) -> Result<()> {
         self.inner.pause(partitions).await

@@ -197,6 +197,8 @@ pub async fn run_child_in(
     .expect("pipeline");
     println!("\n@@started");
     let done = async move {
+        let waiting = std::time::Instant::now();
+        let mut told = Duration::ZERO;
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
             if consumer.assignment().len() < PARTITIONS as usize {
@@ -205,6 +207,14 @@ pub async fn run_child_in(
             if let Ok(lag) = consumer.lag().await {
                 if lag.len() == PARTITIONS as usize && lag.iter().all(|l| l.messages == 0) {
                     return;
+                }
+                // Where a long run stands, for a run that never ends.
+                if waiting.elapsed() >= told + Duration::from_secs(30) {
+                    told = waiting.elapsed();
+                    eprintln!(
+                        "crash child: {} s, waiting for no lag: {lag:?}",
+                        told.as_secs()
+                    );
                 }
             }
         }
@@ -224,6 +234,9 @@ fn spawn_child(spec: &CrashSpec) -> Child {
 }
 
 /// Waits until the child printed `@@word` (or exited); true if it did.
+/// How long the last, uninterrupted run may take before it counts as hung.
+const FINAL_RUN_GUARD: Duration = Duration::from_secs(600);
+
 fn wait_for(child: &mut Child, lines: &mut impl Iterator<Item = String>, word: &str) -> bool {
     for line in lines.by_ref() {
         if line.trim() == format!("@@{word}") {
@@ -288,12 +301,34 @@ pub async fn kill_and_finish(spec: &CrashSpec, client: &Client, topic: impl Fn(&
             }
         }
     }
-    // The last run goes to the end.
+    // The last run goes to the end, SIGKILLed past a hang guard (its log says where it stood).
     let mut child = spawn_child(spec);
     let stdout = child.stdout.take().unwrap();
+    let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let guard = {
+        let (pid, ended) = (child.id().to_string(), ended.clone());
+        std::thread::spawn(move || {
+            let since = Instant::now();
+            while since.elapsed() < FINAL_RUN_GUARD {
+                if ended.load(std::sync::atomic::Ordering::SeqCst) {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let _ = Command::new("kill").args(["-9", &pid]).status();
+            true
+        })
+    };
     let mut lines = BufReader::new(stdout).lines().map_while(Result::ok);
     let finished = wait_for(&mut child, &mut lines, "finished");
     let status = child.wait().unwrap();
+    ended.store(true, std::sync::atomic::Ordering::SeqCst);
+    let hung = guard.join().unwrap();
+    assert!(
+        !hung,
+        "the final run did not finish within {} s (its last lag is in the log)",
+        FINAL_RUN_GUARD.as_secs()
+    );
     assert!(finished && status.success(), "the final run: {status}");
     eprintln!(
         "crash_pipeline: {killed} SIGKILLs ({finished_early} runs finished first), {:?}",

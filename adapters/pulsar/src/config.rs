@@ -256,7 +256,7 @@ pub struct PulsarOptions {
     /// How the client authenticates: `token`, `token_file`, the `oauth2_*` keys or a client
     /// certificate (`tls_cert_file` + `tls_key_file`), at most one. See [`PulsarAuth`].
     pub auth: PulsarAuth,
-    /// `transactions` (default `false`; experimental, see the crate docs; Java's
+    /// `transactions` (default `false`; see the crate docs, "Transactions"; Java's
     /// `PulsarClientBuilder.enableTransaction`):
     /// producers with a transactional id can `begin` transactions (PIP-31) and the
     /// exactly-once pipeline writes its outputs and acknowledges its inputs in them. The

@@ -138,6 +138,15 @@ struct PartState {
 }
 
 impl PartState {
+    /// Failover / exclusive: the broker is asked (by a negative acknowledgement of the message
+    /// at `key`) to redeliver the partition from its mark-delete position, in order; every
+    /// pending message from `key` on is given out again, and what was fetched before the
+    /// broker rewound is dropped until `key` comes back.
+    fn rewind_to(&mut self, key: PosKey) {
+        drop(self.pending.split_off(&key));
+        self.rewind = Some(self.rewind.map_or(key, |r| r.min(key)));
+    }
+
     fn reset(&mut self) {
         self.pending.clear();
         self.rewind = None;
@@ -164,6 +173,21 @@ struct Part {
     /// Set by the partition task when resubscribing after its crate consumer ended failed
     /// (a retriable `Connect` error); taken by the next `poll`.
     failure: Arc<Mutex<Option<Error>>>,
+}
+
+impl Part {
+    /// `Closed` for this partition (its task has ended with the consumer).
+    fn closed(&self) -> Error {
+        Error::new(
+            ErrorKind::Closed,
+            format!("{}: the consumer is closed", self.tp),
+        )
+    }
+
+    /// Sends a command to the partition task.
+    fn send(&self, cmd: Cmd) -> Result<()> {
+        self.cmd.send(cmd).map_err(|_| self.closed())
+    }
 }
 
 /// What a partition task needs to subscribe again once its crate consumer has ended (the
@@ -702,9 +726,7 @@ impl PulsarConsumer {
             }
             sent += ids.len() as u64;
             before_send(tp, &self.partition_topic(tp, part), &ids);
-            part.cmd.send(Cmd::Ack(ids)).map_err(|_| {
-                Error::new(ErrorKind::Closed, format!("{tp}: the consumer is closed"))
-            })?;
+            part.send(Cmd::Ack(ids))?;
         }
         Ok(sent)
     }
@@ -892,18 +914,8 @@ impl PulsarConsumer {
             }
         };
         let (done, wait) = oneshot::channel();
-        part.cmd.send(Cmd::Seek { id, time, done }).map_err(|_| {
-            Error::new(
-                ErrorKind::Closed,
-                format!("{}: the consumer is closed", part.tp),
-            )
-        })?;
-        wait.await.map_err(|_| {
-            Error::new(
-                ErrorKind::Closed,
-                format!("{}: the consumer is closed", part.tp),
-            )
-        })??;
+        part.send(Cmd::Seek { id, time, done })?;
+        wait.await.map_err(|_| part.closed())??;
         let mut st = part.state.lock();
         {
             let mut rx = part.rx.lock();
@@ -1365,6 +1377,48 @@ impl ConsumerBackend for PulsarConsumer {
         self.seek_part(part, to).await
     }
 
+    /// Negative acknowledgements, at once, of what was delivered and not committed, instead of
+    /// a seek: a seek resets the subscription's cursor, which makes every message past the
+    /// position unacknowledged again, including those a committed transaction acknowledged past
+    /// a hole (a message of an open or aborted transaction); they would be processed twice.
+    /// Failover / exclusive: one, of the earliest such message; the broker then rewinds its
+    /// read position to the mark-delete position and redelivers, in order, every message not
+    /// acknowledged (individual acknowledgements stay). Shared / key_shared: each such message.
+    /// A partition with nothing delivered and uncommitted needs nothing. Every partition of
+    /// this consumer is handled; any other is left to the engine's seek.
+    async fn redeliver_uncommitted(
+        &self,
+        partitions: &[TopicPartition],
+    ) -> Result<Vec<TopicPartition>> {
+        self.check_open()?;
+        let mut handled = Vec::with_capacity(partitions.len());
+        for tp in partitions {
+            let Ok(part) = self.part(tp) else { continue };
+            let nacks: Vec<MessageIdData> = {
+                let mut st = part.state.lock();
+                if self.sub_type.single_active() {
+                    let first = st.pending.first_key_value().map(|(k, id)| (*k, id.clone()));
+                    first
+                        .map(|(key, id)| {
+                            st.rewind_to(key);
+                            id
+                        })
+                        .into_iter()
+                        .collect()
+                } else {
+                    let pending = std::mem::take(&mut st.pending);
+                    st.nacked.extend(pending.keys().copied());
+                    pending.into_values().collect()
+                }
+            };
+            for id in nacks {
+                part.send(Cmd::Nack(id))?;
+            }
+            handled.push(tp.clone());
+        }
+        Ok(handled)
+    }
+
     async fn pause(&self, partitions: &[TopicPartition]) -> Result<()> {
         for tp in partitions {
             self.part(tp)?.state.lock().paused = true;
@@ -1449,12 +1503,7 @@ impl ConsumerBackend for PulsarConsumer {
             };
             if self.sub_type.single_active() {
                 // Everything after it comes again too.
-                let later = st.pending.split_off(&key);
-                drop(later);
-                st.rewind = Some(match st.rewind {
-                    Some(r) => r.min(key),
-                    None => key,
-                });
+                st.rewind_to(key);
             } else {
                 st.nacked.insert(key);
             }

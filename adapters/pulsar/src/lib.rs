@@ -109,10 +109,7 @@
 //!   broker assigns. Batching (`batch_size`, `batch_bytes`, `batch_timeout_ms`) and compression
 //!   (`compression`) are the crate's. `send_batch` hands every record to the crate before
 //!   waiting for receipts, so they share batches.
-//! - **Transactions** (PIP-31, **experimental**: a crash test found one batch of a
-//!   transactional pipeline's outputs written twice in one of six runs, after a rewind reset
-//!   the subscription's cursor; until issue #27 closes, read the output through a dedup store
-//!   as without transactions) with `transactions=true` on the URL (Java's
+//! - **Transactions** (PIP-31) with `transactions=true` on the URL (Java's
 //!   `enableTransaction`; the brokers need `transactionCoordinatorEnabled=true`): a producer
 //!   with a transactional id `begin`s a transaction at a transaction coordinator, its sends and
 //!   the acknowledgements `commit_offsets` makes are inside it, `commit` / `abort` end it
@@ -127,7 +124,10 @@
 //!   older producer with the same id (Pulsar has no producer epochs; a member that lost a
 //!   partition is stopped by its acknowledgements, which conflict with the new member's), and
 //!   after an abort the acknowledged messages are held by the member again (a later commit
-//!   covers them; the pipeline rewinds and reads them again). By subscription type: on
+//!   covers them; the pipeline gets them again through
+//!   `Consumer::rewind_uncommitted`, the broker's redelivery, never a seek: a seek resets
+//!   the subscription's cursor and undoes acknowledgements past its position, also those of
+//!   committed transactions past a message an open transaction holds). By subscription type: on
 //!   failover (the default) and exclusive one member reads a partition, and a commit whose
 //!   partition moved meanwhile is `Fenced` (checked against the broker's active consumer);
 //!   on shared and key_shared every member may receive a message again after a redelivery,

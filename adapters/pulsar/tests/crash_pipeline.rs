@@ -1,17 +1,17 @@
-//! Crash test on a real Pulsar standalone: the idempotent pipeline runs in a child process (this
-//! test binary, re-run with `ONCEFLOW_CRASH_CHILD` set, entering [`crash_child`]) that is
-//! SIGKILLed at random points, at least 20 times (`ONCEFLOW_CRASH_KILLS` for more), then runs to
-//! the end. Pulsar (through the pulsar crate) has no transactions and onceflow does not rely on
-//! broker dedup, so the output topic may hold an output more than once after a crash; read
-//! through a dedup store (by its idempotency key) it holds every input exactly once, nothing
-//! lost, and the side effect of every input, applied through the embedded dedup store shared by
-//! all the runs, is recorded exactly once. The raw repeats are counted and printed.
+//! Crash test on a real Pulsar standalone: the pipeline runs in a child process (this test
+//! binary, re-run with `ONCEFLOW_CRASH_CHILD` set, entering [`crash_child`]) that is SIGKILLed
+//! at random points, at least 20 times (`ONCEFLOW_CRASH_KILLS` for more), then runs to the end.
 //!
-//! With transactions (`transactions=true`, PIP-31, issue #27, experimental) the pipeline writes
-//! its outputs and acknowledges its inputs in Pulsar transactions; after the same kills the
-//! output topic, read **without** a dedup store, should hold every input's output exactly
-//! once (`transactional_pipeline_survives_sigkill_at_random_points`, ignored for now: it found
-//! repeats once, see its docs).
+//! Without transactions (the idempotent pipeline, at-least-once outputs) the output topic may
+//! hold an output more than once after a crash; read through a dedup store (by its idempotency
+//! key) it holds every input exactly once, nothing lost, and the side effect of every input,
+//! applied through the embedded dedup store shared by all the runs, is recorded exactly once.
+//! The raw repeats are counted and printed.
+//!
+//! With transactions (`transactions=true`, PIP-31, issue #27) the pipeline writes its outputs
+//! and acknowledges its inputs in Pulsar transactions; after the same kills the output topic,
+//! read **without** a dedup store, holds every input's output exactly once
+//! (`transactional_pipeline_survives_sigkill_at_random_points`).
 //!
 //! Runs when `ONCEFLOW_PULSAR_URL` is set (`tests/brokers/up.sh pulsar`, which also sets
 //! `ONCEFLOW_PULSAR_ADMIN_URL`); `ONCEFLOW_REQUIRE_BROKERS=1` (set by `make test`) turns a
@@ -47,6 +47,11 @@ async fn crash_child() {
     let Some(spec) = CrashSpec::from_env() else {
         return; // Only a child started by `pipeline_survives_sigkill_at_random_points` runs.
     };
+    // The child's log on the test's stderr, as `RUST_LOG` says (errors only without it).
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
     let client = Client::new(onceflow_pulsar::connect(&spec.url).await.expect("connect"));
     let mode = if spec.url.contains("transactions=true") {
         PipelineMode::Transactional
@@ -99,15 +104,14 @@ async fn pipeline_survives_sigkill_at_random_points() {
 /// 20): the output topic, read by a plain consumer with no dedup store, holds the output of
 /// every input exactly once; aborted and unfinished transactions' outputs are never read.
 ///
-/// Ignored in `make test` for now: in one of six runs (CI, 3ca7ec7) the output held 531
-/// messages for 500 inputs (one batch of 31 outputs twice). The lead (#27): the pipeline's
-/// rewind seeks the subscription to the committed position, and a Pulsar cursor reset makes
-/// every message after it unacknowledged again, individually acknowledged (committed) ones
-/// included; those inputs come again, and where the child that committed them was killed
-/// before writing its commit marker the pipeline redoes them. Run it with
-/// `cargo test -p onceflow-pulsar --test crash_pipeline -- --ignored`.
+/// It found repeats once (531 outputs for 500 inputs): after an aborted transaction the
+/// pipeline sought the subscription back to its committed position, and that cursor reset
+/// made inputs a committed transaction had acknowledged past a hole (inputs held by a killed
+/// child's open transaction) unacknowledged again; where that child was killed before writing
+/// its commit marker they were redone. The pipeline now gets an aborted transaction's inputs
+/// again through the broker's redelivery (`Consumer::rewind_uncommitted`), which keeps
+/// every acknowledgement (#27).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "found repeated outputs once in six runs; Pulsar transactions are experimental (#27)"]
 async fn transactional_pipeline_survives_sigkill_at_random_points() {
     let Some(url) = url() else { return };
     // A killed child's open transaction holds its inputs (acknowledged in it) and the output

@@ -14,7 +14,7 @@ use super::claims::conflict_error;
 use super::idempotent::{drive, Core, RunSummary};
 use super::{dead_letter_record, EngineConfig, Handler, OnFailure};
 use crate::backend::Guarantee;
-use crate::client::{Committed, Consumer, Producer, Transaction};
+use crate::client::{Consumer, Producer, Transaction};
 use crate::dedup::{ClaimOutcome, Completion, DedupStore, DedupStoreExt, FencingToken, KeyState};
 use crate::error::{BoxError, Error, ErrorKind, Result};
 use crate::metrics::{Metric, Metrics};
@@ -1165,8 +1165,9 @@ impl TxLoop<'_> {
         self.rewind(st).await
     }
 
-    /// Seeks every partition of the aborted transaction back to the group's committed position
-    /// (or, where none is committed, to the transaction's first input).
+    /// Gives out again every input of the aborted transaction, from the group's committed
+    /// position ([`Consumer::rewind_uncommitted`](crate::Consumer::rewind_uncommitted)), or,
+    /// where none is committed, from the transaction's first input.
     async fn rewind(&self, st: &mut TxState) -> Result<()> {
         self.drop_prefetch(st).await;
         let consumer = &self.core.consumer;
@@ -1178,19 +1179,10 @@ impl TxLoop<'_> {
             .cloned()
             .collect();
         self.core.tracker.rewind_all();
-        if !tps.is_empty() {
-            let committed = consumer.committed(&tps).await?;
-            for Committed {
-                partition: tp,
-                next: pos,
-            } in committed
-            {
-                let target = match pos {
-                    Some(p) => StartFrom::Position(p),
-                    None => StartFrom::Position(st.first[&tp].clone()),
-                };
-                consumer.seek(&tp, &target).await?;
-            }
+        for tp in consumer.rewind_uncommitted(&tps).await? {
+            consumer
+                .seek(&tp, &StartFrom::Position(st.first[&tp].clone()))
+                .await?;
         }
         st.positions.clear();
         st.first.clear();
