@@ -401,6 +401,18 @@ export declare class Consumer {
    * `timestamp:MS` or a position such as `offset:42` (inclusive).
    */
   seek(topic: string, partition: number, to: string): Promise<void>
+  /**
+   * After an aborted transaction: gives out again, in order and from the group's committed
+   * position, every message of the partitions that `poll()` returned and no commit covered,
+   * without undoing any acknowledgement. On Pulsar this is the broker's redelivery of
+   * unacknowledged messages (a `seek()` to the committed position would reset the
+   * subscription's cursor and make messages a committed transaction acknowledged past it
+   * unacknowledged again, so they would be processed twice); elsewhere each partition is
+   * sought to its committed position. Resolves to the partitions on which the group has
+   * committed nothing, left as they are for the caller to `seek()`; rejects with an
+   * `OnceflowError` of kind `closed` when the consumer is closed.
+   */
+  rewindUncommitted(partitions: Array<TopicPartitionIn>): Promise<Array<TopicPartitionIn>>
   /** Stops fetching from partitions. */
   pause(partitions: Array<TopicPartitionIn>): Promise<void>
   /** Resumes fetching from partitions. */

@@ -622,6 +622,39 @@ impl Consumer {
         .await
     }
 
+    /// After an aborted transaction: gives out again, in order and from the group's committed
+    /// position, every message of the partitions that `poll()` returned and no commit covered,
+    /// without undoing any acknowledgement. On Pulsar this is the broker's redelivery of
+    /// unacknowledged messages (a `seek()` to the committed position would reset the
+    /// subscription's cursor and make messages a committed transaction acknowledged past it
+    /// unacknowledged again, so they would be processed twice); elsewhere each partition is
+    /// sought to its committed position. Resolves to the partitions on which the group has
+    /// committed nothing, left as they are for the caller to `seek()`; rejects with an
+    /// `OnceflowError` of kind `closed` when the consumer is closed.
+    #[napi]
+    pub async fn rewind_uncommitted(
+        &self,
+        partitions: Vec<TopicPartitionIn>,
+    ) -> Result<Vec<TopicPartitionIn>> {
+        let tps = tps(partitions);
+        let c = self.inner.clone();
+        let yielded = self.yielded.clone();
+        on_rt(async move {
+            let left = c.rewind_uncommitted(&tps).await?;
+            for tp in &tps {
+                yielded.forget(tp);
+            }
+            Ok(left
+                .into_iter()
+                .map(|tp| TopicPartitionIn {
+                    topic: tp.topic,
+                    partition: tp.partition,
+                })
+                .collect())
+        })
+        .await
+    }
+
     /// Stops fetching from partitions.
     #[napi]
     pub async fn pause(&self, partitions: Vec<TopicPartitionIn>) -> Result<()> {

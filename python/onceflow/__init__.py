@@ -814,6 +814,24 @@ class Consumer:
         as ``offset:42`` (inclusive)."""
         await self._native.seek(topic, partition, to)
 
+    async def rewind_uncommitted(
+        self, partitions: Sequence[Tuple[str, int]]
+    ) -> List[Tuple[str, int]]:
+        """After an aborted transaction: gives out again, in order and from the group's
+        committed position, every message of the ``(topic, partition)``\ s that ``poll()``
+        returned and no commit covered, without undoing any acknowledgement.
+
+        On Pulsar this is the broker's redelivery of unacknowledged messages; a ``seek()`` to
+        the committed position would be wrong there: it resets the subscription's cursor and
+        makes messages a committed transaction acknowledged past that position
+        unacknowledged again, so they would be processed twice. Elsewhere (Kafka, Kinesis,
+        JetStream, memory) it seeks each partition to its committed position.
+
+        Returns the ``(topic, partition)``\ s on which the group has committed nothing: they
+        are left as they are, for the caller to ``seek()`` (for instance to the transaction's
+        first input). Raises ``ClosedError`` when the consumer is closed."""
+        return [tuple(tp) for tp in await self._native.rewind_uncommitted(list(partitions))]
+
     async def pause(self, partitions: Sequence[Tuple[str, int]]) -> None:
         await self._native.pause(list(partitions))
 

@@ -224,6 +224,12 @@ class Consumer:
     def seek(self, topic: str, partition: int, to: str) -> None:
         _run(self._inner.seek(topic, partition, to))
 
+    def rewind_uncommitted(self, partitions: Sequence[Tuple[str, int]]) -> List[Tuple[str, int]]:
+        """After an aborted transaction, gives out again what was polled and not committed,
+        keeping every acknowledgement; returns the partitions with nothing committed. See
+        ``onceflow.Consumer.rewind_uncommitted``."""
+        return _run(self._inner.rewind_uncommitted(partitions))
+
     def assignment(self) -> List[Tuple[str, int]]:
         return self._inner.assignment()
 

@@ -1052,6 +1052,33 @@ impl Consumer {
         })
     }
 
+    /// After an aborted transaction: gives out again, in order and from the group's committed
+    /// position, every message of the `(topic, partition)`s that `poll` returned and no commit
+    /// covered, without undoing any acknowledgement. Returns the `(topic, partition)`s on which
+    /// the group has committed nothing (left as they are, for the caller to `seek`).
+    fn rewind_uncommitted<'py>(
+        &self,
+        py: Python<'py>,
+        partitions: Vec<(String, i32)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tps: Vec<TopicPartition> = partitions
+            .into_iter()
+            .map(|(t, p)| TopicPartition::new(t, p))
+            .collect();
+        let c = self.inner.clone();
+        let yielded = self.yielded.clone();
+        awaitable(py, async move {
+            let left = c.rewind_uncommitted(&tps).await?;
+            for tp in &tps {
+                yielded.forget(tp);
+            }
+            Ok(left
+                .into_iter()
+                .map(|tp| (tp.topic, tp.partition))
+                .collect::<Vec<_>>())
+        })
+    }
+
     /// Stops fetching from `(topic, partition)`s.
     fn pause<'py>(
         &self,
