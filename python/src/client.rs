@@ -1015,10 +1015,7 @@ impl Consumer {
         py: Python<'py>,
         partitions: Vec<(String, i32)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let tps: Vec<TopicPartition> = partitions
-            .into_iter()
-            .map(|(t, p)| TopicPartition::new(t, p))
-            .collect();
+        let tps = tps(partitions);
         let c = self.inner.clone();
         awaitable(py, async move {
             c.committed(&tps).await.map(|v| {
@@ -1061,10 +1058,7 @@ impl Consumer {
         py: Python<'py>,
         partitions: Vec<(String, i32)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let tps: Vec<TopicPartition> = partitions
-            .into_iter()
-            .map(|(t, p)| TopicPartition::new(t, p))
-            .collect();
+        let tps = tps(partitions);
         let c = self.inner.clone();
         let yielded = self.yielded.clone();
         awaitable(py, async move {
@@ -1085,10 +1079,7 @@ impl Consumer {
         py: Python<'py>,
         partitions: Vec<(String, i32)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let tps: Vec<TopicPartition> = partitions
-            .into_iter()
-            .map(|(t, p)| TopicPartition::new(t, p))
-            .collect();
+        let tps = tps(partitions);
         let c = self.inner.clone();
         awaitable(py, async move { c.pause(&tps).await })
     }
@@ -1099,10 +1090,7 @@ impl Consumer {
         py: Python<'py>,
         partitions: Vec<(String, i32)>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let tps: Vec<TopicPartition> = partitions
-            .into_iter()
-            .map(|(t, p)| TopicPartition::new(t, p))
-            .collect();
+        let tps = tps(partitions);
         let c = self.inner.clone();
         awaitable(py, async move { c.resume(&tps).await })
     }
@@ -1197,4 +1185,12 @@ impl Admin {
         let a = self.inner.clone();
         awaitable(py, async move { a.delete_topic(&name).await })
     }
+}
+
+/// `(topic, partition)` pairs as given from Python.
+fn tps(partitions: Vec<(String, i32)>) -> Vec<TopicPartition> {
+    partitions
+        .into_iter()
+        .map(|(t, p)| TopicPartition::new(t, p))
+        .collect()
 }
