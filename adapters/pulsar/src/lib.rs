@@ -132,8 +132,10 @@
 //!   partition moved meanwhile is `Fenced` (checked against the broker's active consumer);
 //!   on shared and key_shared every member may receive a message again after a redelivery,
 //!   and the second transaction to acknowledge it is refused by the broker
-//!   (`TransactionConflict`) and aborted (`Aborted`): either way each input's outputs commit
-//!   once. Without `transactions=true`, `begin()` is `Unsupported`
+//!   (`TransactionConflict`, whether the first one committed already or is still open) and
+//!   aborted (`Aborted`): either way each input's outputs commit once (shown in
+//!   `tests/transactions.rs` with a member whose connection is cut while it holds the
+//!   message). Without `transactions=true`, `begin()` is `Unsupported`
 //!   and pipelines run **effectively-once**: the dedup store decides whether a message's side
 //!   effects ran, and readers of the output skip repeated idempotency keys.
 //! - **Broker deduplication and named producers** (PIP-6, `brokerDeduplicationEnabled`): the
