@@ -135,7 +135,17 @@
 //!   (`TransactionConflict`, whether the first one committed already or is still open) and
 //!   aborted (`Aborted`): either way each input's outputs commit once (shown in
 //!   `tests/transactions.rs` with a member whose connection is cut while it holds the
-//!   message). Without `transactions=true`, `begin()` is `Unsupported`
+//!   message). **Batches** (with batch-index acknowledgement): a transaction's ack set clears
+//!   only the messages it acknowledges (the broker refuses one that clears a message another
+//!   transaction acknowledged, and a whole-entry acknowledgement of a batch a transaction
+//!   acknowledged part of), so transactions may end inside a batch. Known limitation: when a
+//!   member goes away (or its partition moves) after a transaction acknowledged part of a
+//!   batch, the broker redelivers the entry with an ack set naming what is left, which the
+//!   pulsar crate ignores: the next member gets the acknowledged messages again, and its
+//!   transactions' acknowledgements of that entry are refused (`TransactionConflict`) every
+//!   time, so the group stops at that entry (no output is duplicated; the ignored test
+//!   `a_batch_partly_committed_by_a_member_that_left_commits_its_rest` shows it). Input
+//!   producers without batching avoid it. Without `transactions=true`, `begin()` is `Unsupported`
 //!   and pipelines run **effectively-once**: the dedup store decides whether a message's side
 //!   effects ran, and readers of the output skip repeated idempotency keys.
 //! - **Broker deduplication and named producers** (PIP-6, `brokerDeduplicationEnabled`): the
