@@ -584,6 +584,24 @@ impl PulsarConsumer {
         Ok(())
     }
 
+    /// Whether `f`, a message of a batch, came with its entry marked acknowledged already by
+    /// the broker (see [`crate::bridge::TxnFrames::acknowledged_before`]; read with
+    /// transactions, where the bridge reads the consumers' frames).
+    fn acknowledged_before(&self, part: &Part, f: &Fetched) -> bool {
+        if f.id.batch_size.unwrap_or(0) <= 1 {
+            return false;
+        }
+        let Some(frames) = self
+            .shared
+            .txn_frames
+            .as_ref()
+            .filter(|_| self.options.transactions)
+        else {
+            return false;
+        };
+        frames.acknowledged_before(&|| self.partition_topic(&part.tp, part), &self.group, &f.id)
+    }
+
     /// Decides whether a fetched message goes to the application, and records it.
     fn admit(&self, st: &mut PartState, f: &Fetched) -> Admit {
         if let Some(min) = st.skip_below {
@@ -904,8 +922,8 @@ impl PulsarConsumer {
                 // (the input lost: its output never committed), and on failover / exclusive
                 // the rewind waiting for it dropped everything after it (test
                 // `a_batched_input_acknowledged_in_an_aborted_transaction_comes_again`).
-                // A batch the transaction settled was forgotten then (its entry acknowledged
-                // whole, in the transaction): its other messages are settled still, and must be
+                // A batch the transaction completed was forgotten then (its last
+                // acknowledgement sent): its other messages are settled still, and must be
                 // known as such when the broker redelivers the entry (test
                 // `the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again`).
                 for (k, id) in &t.taken {
@@ -1340,6 +1358,19 @@ impl ConsumerBackend for PulsarConsumer {
                     let mut rx = part.rx.lock();
                     while out.len() < max {
                         let Ok(f) = rx.try_recv() else { break };
+                        if self.acknowledged_before(part, &f) {
+                            // Settled (by whoever acknowledged it), never delivered again; a
+                            // rewind to it is over.
+                            if st.rewind == Some(f.key) {
+                                st.rewind = None;
+                            }
+                            let size = f.id.batch_size.unwrap_or(0) as u32;
+                            st.batches
+                                .entry((f.key.0, f.key.1))
+                                .or_insert_with(|| BatchAcks::new(size))
+                                .settle(f.key.2);
+                            continue;
+                        }
                         match self.admit(&mut st, &f) {
                             Admit::Deliver => {
                                 let n = st.deliveries.entry(f.key).or_insert(0);
