@@ -1369,7 +1369,7 @@ impl rustls::client::danger::ServerCertVerifier for Lenient {
 }
 
 /// The commands the bridge reads and rewrites for transactions ([`TxnFrames`]).
-const TXN_TYPES: [i32; 8] = [
+const TXN_TYPES: [i32; 9] = [
     Type::Producer as i32,
     Type::ProducerSuccess as i32,
     Type::Send as i32,
@@ -1378,6 +1378,7 @@ const TXN_TYPES: [i32; 8] = [
     Type::Subscribe as i32,
     Type::Ack as i32,
     Type::AckResponse as i32,
+    Type::Message as i32,
 ];
 /// Of [`TXN_TYPES`], those the resumed sequence ids alone need (without transactions the
 /// consumers' frames are not decoded).
@@ -1479,7 +1480,15 @@ struct TxnState {
     /// Request ids of acknowledgements awaiting their answer → transaction and message ids.
     awaiting: HashMap<u64, (TxnId, u64)>,
     next_request: u64,
+    /// Batches the broker delivered with an ack set (PIP-54, `CommandMessage.ack_set`: bit i
+    /// clear = message i of the batch is acknowledged already), by (partition topic,
+    /// subscription, ledger, entry). The pulsar crate ignores it and hands the application
+    /// those messages too.
+    delivered_ack_sets: HashMap<(String, String, u64, u64), Vec<i64>>,
 }
+
+/// Most batches delivered with an ack set kept ([`TxnFrames::acknowledged_before`]).
+const MAX_ACK_SETS: usize = 1 << 16;
 
 /// Transactions put on the pulsar crate's frames (PIP-31's transactional send and
 /// acknowledgement; the crate has neither): while a producer name is bound to an open
@@ -1620,6 +1629,31 @@ impl TxnFrames {
         st.awaiting.retain(|_, (t, _)| *t != txn);
     }
 
+    /// Whether the broker delivered message `id` of a batch (on `topic`, a partition's full
+    /// name, for `subscription`) marked as acknowledged already: its bit is clear in the ack
+    /// set the entry last came with (another member, or a transaction of this one,
+    /// acknowledged it before the entry came again). Java's client skips such messages.
+    pub(crate) fn acknowledged_before(
+        &self,
+        topic: &dyn Fn() -> String,
+        subscription: &str,
+        id: &proto::MessageIdData,
+    ) -> bool {
+        let Some(index) = id.batch_index.filter(|i| *i >= 0) else {
+            return false;
+        };
+        let st = self.state.lock();
+        if st.delivered_ack_sets.is_empty() {
+            return false;
+        }
+        let key = (topic(), subscription.to_string(), id.ledger_id, id.entry_id);
+        st.delivered_ack_sets.get(&key).is_some_and(|set| {
+            let i = index as usize;
+            set.get(i / 64)
+                .is_some_and(|w| (*w as u64) & (1 << (i % 64)) == 0)
+        })
+    }
+
     /// Whether frames of type `t` are read here: [`TXN_TYPES`] with transactions, else
     /// [`SEQUENCE_TYPES`].
     fn reads(&self, t: i32) -> bool {
@@ -1732,6 +1766,28 @@ impl TxnFrames {
                 Ok(None)
             }
             Direction::ToClient => {
+                if let Some(m) = &c.message {
+                    // The entry's latest delivery decides: one without an ack set (after a
+                    // seek, say) has nothing acknowledged.
+                    if m.ack_set.is_empty() && self.state.lock().delivered_ack_sets.is_empty() {
+                        return Ok(None);
+                    }
+                    let sub = conn.lock().consumers.get(&m.consumer_id).cloned();
+                    if let Some((topic, sub)) = sub {
+                        let id = &m.message_id;
+                        let key = (topic, sub, id.ledger_id, id.entry_id);
+                        let mut st = self.state.lock();
+                        if m.ack_set.is_empty() {
+                            st.delivered_ack_sets.remove(&key);
+                        } else {
+                            if st.delivered_ack_sets.len() >= MAX_ACK_SETS {
+                                st.delivered_ack_sets.clear();
+                            }
+                            st.delivered_ack_sets.insert(key, m.ack_set.clone());
+                        }
+                    }
+                    return Ok(None);
+                }
                 if let Some(ok) = &c.producer_success {
                     let mut conn = conn.lock();
                     if let Some(producer_id) = conn.creating.remove(&ok.request_id) {

@@ -50,6 +50,15 @@ impl BatchAcks {
         }
     }
 
+    /// A batch of `size` messages, every one settled.
+    fn settled(size: u32) -> Self {
+        let mut b = BatchAcks::new(size);
+        for i in 0..size as i32 {
+            b.settle(i);
+        }
+        b
+    }
+
     fn is_settled(&self, index: i32) -> bool {
         let i = index as usize;
         self.settled
@@ -61,6 +70,14 @@ impl BatchAcks {
         let i = index as usize;
         if let Some(w) = self.settled.get_mut(i / 64) {
             *w |= 1 << (i % 64);
+        }
+    }
+
+    /// `index` is pending again (its acknowledgement was in a transaction that aborted).
+    fn unsettle(&mut self, index: i32) {
+        let i = index as usize;
+        if let Some(w) = self.settled.get_mut(i / 64) {
+            *w &= !(1 << (i % 64));
         }
     }
 
@@ -567,6 +584,24 @@ impl PulsarConsumer {
         Ok(())
     }
 
+    /// Whether `f`, a message of a batch, came with its entry marked acknowledged already by
+    /// the broker (see [`crate::bridge::TxnFrames::acknowledged_before`]; read with
+    /// transactions, where the bridge reads the consumers' frames).
+    fn acknowledged_before(&self, part: &Part, f: &Fetched) -> bool {
+        if f.id.batch_size.unwrap_or(0) <= 1 {
+            return false;
+        }
+        let Some(frames) = self
+            .shared
+            .txn_frames
+            .as_ref()
+            .filter(|_| self.options.transactions)
+        else {
+            return false;
+        };
+        frames.acknowledged_before(&|| self.partition_topic(&part.tp, part), &self.group, &f.id)
+    }
+
     /// Decides whether a fetched message goes to the application, and records it.
     fn admit(&self, st: &mut PartState, f: &Fetched) -> Admit {
         if let Some(min) = st.skip_below {
@@ -628,13 +663,24 @@ impl PulsarConsumer {
     /// with batch-index acknowledgement (PIP-54) the entry's ack set goes out (1 for each
     /// message not settled), and without it nothing does: an acknowledgement without an ack
     /// set would acknowledge the unsettled siblings too.
+    ///
+    /// In a transaction (`txn`) with batch-index acknowledgement, the ack set clears only the
+    /// messages settled by this call, also when it completes the batch: the broker refuses
+    /// (`TransactionConflict`, "already acked before") a transactional ack set that clears a
+    /// message an earlier transaction acknowledged, and a whole-entry acknowledgement of a
+    /// batch part of which a transaction acknowledged ("in pending ack status"), so a
+    /// pipeline whose transactions ended inside a batch stalled there (test
+    /// `transactions_ending_inside_a_batch_commit`).
     fn settle(
         &self,
         st: &mut PartState,
         ids: impl IntoIterator<Item = MessageIdData>,
+        txn: bool,
     ) -> Vec<MessageIdData> {
         let mut out = Vec::new();
         let mut touched: BTreeMap<(u64, u64), MessageIdData> = BTreeMap::new();
+        // With `txn`: the messages of each batch settled by this call.
+        let mut mine: BTreeMap<(u64, u64), BatchAcks> = BTreeMap::new();
         for id in ids {
             let size = id.batch_size.unwrap_or(0);
             let Some(index) = id.batch_index.filter(|i| *i >= 0 && size > 1) else {
@@ -646,13 +692,26 @@ impl PulsarConsumer {
                 .entry(entry)
                 .or_insert_with(|| BatchAcks::new(size as u32))
                 .settle(index);
+            if txn && self.batch_index_ack {
+                mine.entry(entry)
+                    .or_insert_with(|| BatchAcks::new(size as u32))
+                    .settle(index);
+            }
             touched.insert(entry, id);
         }
         for (entry, id) in touched {
             let Some(batch) = st.batches.get(&entry) else {
                 continue;
             };
-            if batch.complete() {
+            if let Some(own) = mine.get(&entry) {
+                if batch.complete() {
+                    st.batches.remove(&entry);
+                }
+                out.push(MessageIdData {
+                    ack_set: own.ack_set(),
+                    ..id
+                });
+            } else if batch.complete() {
                 st.batches.remove(&entry);
                 out.push(MessageIdData {
                     ledger_id: id.ledger_id,
@@ -715,7 +774,7 @@ impl PulsarConsumer {
                         }
                     }
                 }
-                let acks = self.settle(&mut st, taken.into_values());
+                let acks = self.settle(&mut st, taken.into_values(), in_txn.is_some());
                 if in_txn.is_none() {
                     note_committed(&mut st, key, part.index);
                 }
@@ -856,9 +915,31 @@ impl PulsarConsumer {
                     st.deliveries.remove(k);
                 }
                 note_committed(&mut st, t.key, part.index);
-            } else if st.assigned {
+            } else {
+                // Not settled in their batches any more. A settled message of a batch is one
+                // whose acknowledgement is under way, so its redelivery (the pipeline's rewind
+                // after the abort) was skipped and acknowledged again outside any transaction
+                // (the input lost: its output never committed), and on failover / exclusive
+                // the rewind waiting for it dropped everything after it (test
+                // `a_batched_input_acknowledged_in_an_aborted_transaction_comes_again`).
+                // A batch the transaction completed was forgotten then (its last
+                // acknowledgement sent): its other messages are settled still, and must be
+                // known as such when the broker redelivers the entry (test
+                // `the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again`).
                 for (k, id) in &t.taken {
-                    st.pending.entry(*k).or_insert_with(|| id.clone());
+                    let size = id.batch_size.unwrap_or(0);
+                    if k.2 < 0 || size <= 1 {
+                        continue;
+                    }
+                    st.batches
+                        .entry((k.0, k.1))
+                        .or_insert_with(|| BatchAcks::settled(size as u32))
+                        .unsettle(k.2);
+                }
+                if st.assigned {
+                    for (k, id) in &t.taken {
+                        st.pending.entry(*k).or_insert_with(|| id.clone());
+                    }
                 }
             }
         }
@@ -1277,6 +1358,19 @@ impl ConsumerBackend for PulsarConsumer {
                     let mut rx = part.rx.lock();
                     while out.len() < max {
                         let Ok(f) = rx.try_recv() else { break };
+                        if self.acknowledged_before(part, &f) {
+                            // Settled (by whoever acknowledged it), never delivered again; a
+                            // rewind to it is over.
+                            if st.rewind == Some(f.key) {
+                                st.rewind = None;
+                            }
+                            let size = f.id.batch_size.unwrap_or(0) as u32;
+                            st.batches
+                                .entry((f.key.0, f.key.1))
+                                .or_insert_with(|| BatchAcks::new(size))
+                                .settle(f.key.2);
+                            continue;
+                        }
                         match self.admit(&mut st, &f) {
                             Admit::Deliver => {
                                 let n = st.deliveries.entry(f.key).or_insert(0);
@@ -1292,7 +1386,7 @@ impl ConsumerBackend for PulsarConsumer {
                     }
                 }
                 if !skipped.is_empty() {
-                    let acks = self.settle(&mut part.state.lock(), skipped);
+                    let acks = self.settle(&mut part.state.lock(), skipped, false);
                     if !acks.is_empty() {
                         let _ = part.cmd.send(Cmd::Ack(acks));
                     }

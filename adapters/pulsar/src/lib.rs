@@ -132,8 +132,18 @@
 //!   partition moved meanwhile is `Fenced` (checked against the broker's active consumer);
 //!   on shared and key_shared every member may receive a message again after a redelivery,
 //!   and the second transaction to acknowledge it is refused by the broker
-//!   (`TransactionConflict`) and aborted (`Aborted`): either way each input's outputs commit
-//!   once. Without `transactions=true`, `begin()` is `Unsupported`
+//!   (`TransactionConflict`, whether the first one committed already or is still open) and
+//!   aborted (`Aborted`): either way each input's outputs commit once (shown in
+//!   `tests/transactions.rs` with a member whose connection is cut while it holds the
+//!   message). **Batches** (with batch-index acknowledgement): a transaction's ack set clears
+//!   only the messages it acknowledges (the broker refuses one that clears a message another
+//!   transaction acknowledged, and a whole-entry acknowledgement of a batch a transaction
+//!   acknowledged part of), so transactions may end inside a batch. When a member goes away
+//!   (or its partition moves) after a transaction acknowledged part of a batch, the broker
+//!   redelivers the entry with an ack set naming what is left (`CommandMessage.ack_set`),
+//!   which the pulsar crate ignores; the bridge reads it and the consumer drops the messages
+//!   it marks acknowledged, as Java's client does (else the next member got them again and
+//!   the broker refused its transactions at that entry every time). Without `transactions=true`, `begin()` is `Unsupported`
 //!   and pipelines run **effectively-once**: the dedup store decides whether a message's side
 //!   effects ran, and readers of the output skip repeated idempotency keys.
 //! - **Broker deduplication and named producers** (PIP-6, `brokerDeduplicationEnabled`): the
@@ -189,7 +199,8 @@
 //!   is acknowledged once. A message whose batch sibling is nacked or still in progress is
 //!   therefore never acknowledged with it; a batch left partly settled (member closed,
 //!   partition moved) is redelivered whole or, with ack sets, with its settled messages again
-//!   (the crate does not filter them): at-least-once, the dedup store skips them.
+//!   (the crate does not filter them; with `transactions=true` the bridge reads the broker's
+//!   ack set and onceflow drops them): at-least-once, the dedup store skips them.
 //! - **Redeliveries** reach the application, except a message it holds (delivered, neither
 //!   committed nor nacked) and a settled message of a batch whose acknowledgement onceflow
 //!   still holds: after a connection reset the broker redelivers what it has no

@@ -16,12 +16,32 @@
 //!   to the committed position would make them unacknowledged again).
 //! - `a_member_that_lost_the_partition_cannot_commit`: the failover partition moved to another
 //!   member before the commit: `Fenced`, nothing of it read, the inputs go to the new member.
+//! - `inputs_of_a_dead_members_open_transaction_come_after_its_timeout`: the next member gets
+//!   the inputs a dead member's open transaction acknowledged once the coordinator aborted it.
+//! - `shared_an_ack_after_a_committed_one_is_refused`,
+//!   `shared_an_ack_while_another_transaction_holds_it_is_refused` and their `key_shared_`
+//!   twins: a member's connection is cut while it holds an input, the broker redelivers the
+//!   input to another member, which acknowledges it in a transaction; the first member's later
+//!   acknowledgement in its own transaction is refused by the broker (`TransactionConflict`,
+//!   whether the other transaction committed already or is still open), its commit is
+//!   `Aborted`, and the input's output is read once (behind the fault proxy of
+//!   `onceflow_conformance::fault_proxy`: `ONCEFLOW_PULSAR_FAULT_URL`,
+//!   `ONCEFLOW_PULSAR_FAULT_UPSTREAM`).
+//! - `transactions_ending_inside_a_batch_commit`,
+//!   `a_batched_input_acknowledged_in_an_aborted_transaction_comes_again` and
+//!   `the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again`: inputs in one
+//!   batch (batch-index acknowledgement on), transactions ending inside it, committed or
+//!   aborted: each input's output commits once and the pipeline goes on past the batch.
+//! - `a_batch_partly_committed_by_a_member_that_left_commits_its_rest`: of a batch a member
+//!   that left committed part of, the next member gets and commits only the rest (the broker's
+//!   ack set on the redelivered entry, which the pulsar crate ignores, read by the bridge).
 
 use std::time::{Duration, Instant};
 
+use onceflow_conformance::fault_proxy::FaultProxy;
 use onceflow_core::{
-    Client, Consumer, ConsumerConfig, ErrorKind, Message, ProducerConfig, Record, StartFrom,
-    TopicPartition, TopicSpec,
+    Client, Consumer, ConsumerConfig, ErrorKind, Message, Position, ProducerConfig, Record,
+    StartFrom, TopicPartition, TopicSpec,
 };
 
 fn require(var: &str) -> Option<String> {
@@ -530,4 +550,607 @@ async fn inputs_of_a_dead_members_open_transaction_come_after_its_timeout() {
     expected.sort();
     assert_eq!(names, expected, "every input once");
     c.close().await.unwrap();
+}
+
+/// Inputs m, n and o in one batch, each processed in a transaction of its own (the pipeline's
+/// transactions end wherever its interval falls, inside batches too): each commits, each
+/// output is read once, and the entry is acknowledged whole in the end. The second
+/// transaction's acknowledgement was refused (`TransactionConflict`, "already acked before"):
+/// its ack set cleared m as well, which the first had acknowledged; the third's, a whole-entry
+/// acknowledgement, too ("in pending ack status"), and the pipeline stalled at that batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_ending_inside_a_batch_commit() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let input = name("txn-inside-in");
+    let output = name("txn-inside-out");
+    let group = name("txn-inside-group");
+    let batcher = client
+        .producer(
+            ProducerConfig::new()
+                .option("batch_size", "3")
+                .option("batch_timeout_ms", "5000"),
+        )
+        .await
+        .unwrap();
+    let records = ["m", "n", "o"]
+        .iter()
+        .map(|v| Record::new(&input, *v))
+        .collect();
+    for d in batcher.send_batch(records).await {
+        d.unwrap();
+    }
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-inside")))
+        .await
+        .unwrap();
+    let c = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    let got = poll_n(&c, 3).await;
+    assert_eq!(
+        got.iter().map(text).collect::<Vec<_>>(),
+        vec!["m", "n", "o"]
+    );
+    let meta = c.group_metadata().unwrap();
+    for m in &got {
+        let mut t = producer.begin().await.unwrap();
+        t.send(Record::new(&output, format!("out-{}", text(m))))
+            .await
+            .unwrap();
+        t.commit_offsets(&meta, &[(m.topic_partition(), m.position.clone())])
+            .await
+            .unwrap();
+        t.commit()
+            .await
+            .unwrap_or_else(|e| panic!("the transaction of {}: {e}", text(m)));
+    }
+    c.close().await.unwrap();
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(&input, "after")).await.unwrap();
+    let c = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    assert_eq!(
+        text(&poll_n(&c, 1).await[0]),
+        "after",
+        "nothing of the batch again"
+    );
+    c.close().await.unwrap();
+    plain.send(Record::new(&output, "end")).await.unwrap();
+    assert_eq!(
+        read_until(&client, &output, "end").await,
+        vec!["out-m", "out-n", "out-o", "end"]
+    );
+    producer.close().await.unwrap();
+}
+
+/// Inputs m and n in one batch (one ledger entry; the broker has batch-index acknowledgement
+/// on, PIP-54): a transaction acknowledges m and aborts. After the pipeline's rewind both come
+/// again, and a later transaction commits them. m's settled bit in onceflow's batch state
+/// outlived the abort: the redelivered m was taken for a message whose acknowledgement was
+/// still under way, acknowledged again outside any transaction (lost: its output never
+/// committed), and the rewind, waiting for m, dropped n and everything after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_input_acknowledged_in_an_aborted_transaction_comes_again() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let input = name("txn-batch-in");
+    let output = name("txn-batch-out");
+    let group = name("txn-batch-group");
+    let batcher = client
+        .producer(
+            ProducerConfig::new()
+                .option("batch_size", "2")
+                .option("batch_timeout_ms", "5000"),
+        )
+        .await
+        .unwrap();
+    let receipts: Vec<Position> = batcher
+        .send_batch(vec![Record::new(&input, "m"), Record::new(&input, "n")])
+        .await
+        .into_iter()
+        .map(|d| d.unwrap().position)
+        .collect();
+    let entry = |p: &Position| match p {
+        Position::MessageId { ledger, entry, .. } => (*ledger, *entry),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(entry(&receipts[0]), entry(&receipts[1]), "one batch");
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-batch")))
+        .await
+        .unwrap();
+    let c = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    let got = poll_n(&c, 2).await;
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), vec!["m", "n"]);
+    let tp = got[0].topic_partition();
+    let meta = c.group_metadata().unwrap();
+
+    let mut t1 = producer.begin().await.unwrap();
+    t1.send(Record::new(&output, "out-m-aborted"))
+        .await
+        .unwrap();
+    t1.commit_offsets(&meta, &[(tp.clone(), got[0].position.clone())])
+        .await
+        .unwrap();
+    t1.abort().await.unwrap();
+    let left = c
+        .rewind_uncommitted(std::slice::from_ref(&tp))
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "Pulsar redelivers every partition itself");
+    let again = poll_n(&c, 2).await;
+    assert_eq!(
+        again.iter().map(text).collect::<Vec<_>>(),
+        vec!["m", "n"],
+        "the aborted transaction's input and its batch sibling, in order"
+    );
+
+    let mut t2 = producer.begin().await.unwrap();
+    for m in &again {
+        t2.send(Record::new(&output, format!("out-{}", text(m))))
+            .await
+            .unwrap();
+    }
+    t2.commit_offsets(&meta, &[(tp.clone(), again[1].position.clone())])
+        .await
+        .unwrap();
+    t2.commit().await.unwrap();
+    c.close().await.unwrap();
+
+    // Nothing of the batch comes to the group again, only what is written after.
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(&input, "after")).await.unwrap();
+    let c = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    assert_eq!(text(&poll_n(&c, 1).await[0]), "after");
+    c.close().await.unwrap();
+    plain.send(Record::new(&output, "end")).await.unwrap();
+    assert_eq!(
+        read_until(&client, &output, "end").await,
+        vec!["out-m", "out-n", "end"],
+        "each input's output once, none of the aborted transaction's"
+    );
+    producer.close().await.unwrap();
+}
+
+/// Inputs m and n in one batch: transaction T0 commits m (its acknowledgement carries an ack
+/// set, PIP-54), T1 acknowledges n, which settles the batch, and aborts. After the rewind only
+/// n comes again (the broker's redelivery of the entry holds m too), and T2 commits it. The
+/// batch's state was forgotten when T1 settled it: m reached the application again, and every
+/// later transaction's acknowledgement of the entry was refused (`TransactionConflict`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let input = name("txn-rest-in");
+    let output = name("txn-rest-out");
+    let group = name("txn-rest-group");
+    let batcher = client
+        .producer(
+            ProducerConfig::new()
+                .option("batch_size", "2")
+                .option("batch_timeout_ms", "5000"),
+        )
+        .await
+        .unwrap();
+    for d in batcher
+        .send_batch(vec![Record::new(&input, "m"), Record::new(&input, "n")])
+        .await
+    {
+        d.unwrap();
+    }
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-rest")))
+        .await
+        .unwrap();
+    let c = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    let got = poll_n(&c, 2).await;
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), vec!["m", "n"]);
+    let tp = got[0].topic_partition();
+    let meta = c.group_metadata().unwrap();
+    let mut t0 = producer.begin().await.unwrap();
+    t0.send(Record::new(&output, "out-m")).await.unwrap();
+    t0.commit_offsets(&meta, &[(tp.clone(), got[0].position.clone())])
+        .await
+        .unwrap();
+    t0.commit().await.unwrap();
+    let mut t1 = producer.begin().await.unwrap();
+    t1.send(Record::new(&output, "out-n-aborted"))
+        .await
+        .unwrap();
+    t1.commit_offsets(&meta, &[(tp.clone(), got[1].position.clone())])
+        .await
+        .unwrap();
+    t1.abort().await.unwrap();
+    assert!(c
+        .rewind_uncommitted(std::slice::from_ref(&tp))
+        .await
+        .unwrap()
+        .is_empty());
+    let mut again = poll_n(&c, 1).await;
+    again.extend(c.poll(10, Duration::from_millis(500)).await.unwrap());
+    assert_eq!(
+        again.iter().map(text).collect::<Vec<_>>(),
+        vec!["n"],
+        "only the aborted transaction's input"
+    );
+    let mut t2 = producer.begin().await.unwrap();
+    t2.send(Record::new(&output, "out-n")).await.unwrap();
+    t2.commit_offsets(&meta, &[(tp.clone(), again[0].position.clone())])
+        .await
+        .unwrap();
+    t2.commit().await.unwrap();
+    c.close().await.unwrap();
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(&input, "after")).await.unwrap();
+    let c = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    assert_eq!(
+        text(&poll_n(&c, 1).await[0]),
+        "after",
+        "nothing of the batch again"
+    );
+    c.close().await.unwrap();
+    plain.send(Record::new(&output, "end")).await.unwrap();
+    assert_eq!(
+        read_until(&client, &output, "end").await,
+        vec!["out-m", "out-n", "end"]
+    );
+    producer.close().await.unwrap();
+}
+
+/// Inputs m and n in one batch: member A commits m's output and acknowledgement in a
+/// transaction (with an ack set, PIP-54) and goes away; the broker gives the entry to member B
+/// with the ack set of what is left (n). B gets n only, and commits it. The pulsar crate
+/// ignores `CommandMessage.ack_set` and handed B m as well; B's transaction acknowledged m
+/// again and the broker refused it (`TransactionConflict`, "already acked before") in this and
+/// every later attempt: the group was stuck at that entry (no output duplicated). The bridge
+/// now reads the ack set and the consumer drops what it marks acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_partly_committed_by_a_member_that_left_commits_its_rest() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let input = name("txn-half-in");
+    let output = name("txn-half-out");
+    let group = name("txn-half-group");
+    let batcher = client
+        .producer(
+            ProducerConfig::new()
+                .option("batch_size", "2")
+                .option("batch_timeout_ms", "5000"),
+        )
+        .await
+        .unwrap();
+    for d in batcher
+        .send_batch(vec![Record::new(&input, "m"), Record::new(&input, "n")])
+        .await
+    {
+        d.unwrap();
+    }
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(name("txn-half")))
+        .await
+        .unwrap();
+    let a = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    let got = poll_n(&a, 2).await;
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), vec!["m", "n"]);
+    let mut t = producer.begin().await.unwrap();
+    t.send(Record::new(&output, "out-m")).await.unwrap();
+    t.commit_offsets(
+        &a.group_metadata().unwrap(),
+        &[(got[0].topic_partition(), got[0].position.clone())],
+    )
+    .await
+    .unwrap();
+    t.commit().await.unwrap();
+    a.close().await.unwrap();
+
+    let b = client
+        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
+        .await
+        .unwrap();
+    let rest = poll_n(&b, 1).await;
+    let mut rest = rest;
+    // Anything else of the entry comes with it.
+    rest.extend(b.poll(10, Duration::from_millis(500)).await.unwrap());
+    let mut t = producer.begin().await.unwrap();
+    for m in &rest {
+        t.send(Record::new(&output, format!("out-{}", text(m))))
+            .await
+            .unwrap();
+    }
+    let last = rest.last().unwrap();
+    t.commit_offsets(
+        &b.group_metadata().unwrap(),
+        &[(last.topic_partition(), last.position.clone())],
+    )
+    .await
+    .unwrap();
+    let committed = t.commit().await;
+    assert_eq!(
+        rest.iter().map(text).collect::<Vec<_>>(),
+        vec!["n"],
+        "only what the broker has no acknowledgement for (its commit: {committed:?})"
+    );
+    committed.unwrap();
+    // A replay (a seek resets the cursor) gives the whole batch again: the entry comes without
+    // an ack set now, and what the earlier one marked is forgotten.
+    b.seek(&last.topic_partition(), &StartFrom::Earliest)
+        .await
+        .unwrap();
+    let replay = poll_n(&b, 2).await;
+    assert_eq!(
+        replay.iter().map(text).collect::<Vec<_>>(),
+        vec!["m", "n"],
+        "the replayed batch, whole"
+    );
+    b.close().await.unwrap();
+    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(&output, "end")).await.unwrap();
+    assert_eq!(
+        read_until(&client, &output, "end").await,
+        vec!["out-m", "out-n", "end"]
+    );
+}
+
+/// The fault proxy listens on the port the broker advertises for its `fault` listener, so the
+/// tests behind it take turns.
+static PROXY_PORT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A fault proxy on the broker's advertised fault address (`ONCEFLOW_PULSAR_FAULT_URL`, relaying
+/// to `ONCEFLOW_PULSAR_FAULT_UPSTREAM`), and the URL with transactions on that goes through it.
+async fn fault_proxy() -> Option<(FaultProxy, String)> {
+    let service = require("ONCEFLOW_PULSAR_FAULT_URL")?;
+    let upstream = require("ONCEFLOW_PULSAR_FAULT_UPSTREAM")?;
+    let admin = require("ONCEFLOW_PULSAR_ADMIN_URL")?;
+    let listen = service.trim_start_matches("pulsar://").to_string();
+    // A proxy of another test binary may still hold the port for a moment.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let proxy = loop {
+        match FaultProxy::start(&listen, &upstream).await {
+            Ok(p) => break p,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("fault proxy on {listen}: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("fault proxy on {listen}: {e}"),
+        }
+    };
+    Some((proxy, format!("{service}?admin={admin}&transactions=true")))
+}
+
+/// The consumer names of subscription `group` on (non-partitioned) `topic` in the namespace
+/// `public/default`, from the admin REST topic stats.
+async fn subscribers(topic: &str, group: &str) -> Vec<String> {
+    let admin = require("ONCEFLOW_PULSAR_ADMIN_URL").unwrap();
+    let stats: serde_json::Value = reqwest::get(format!(
+        "{admin}/admin/v2/persistent/public/default/{topic}/stats"
+    ))
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    stats["subscriptions"][group]["consumers"]
+        .as_array()
+        .map(|cs| {
+            cs.iter()
+                .filter_map(|c| c["consumerName"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// When the second acknowledgement of a message comes.
+#[derive(Debug, Clone, Copy)]
+enum Second {
+    /// After the first one's transaction committed.
+    AfterCommit,
+    /// While the first one's transaction is open.
+    WhileOpen,
+}
+
+/// How many open transactions hold acknowledgements on subscription `group` of (non-partitioned)
+/// `topic` in `public/default` (`ongoingTxnSize` of the admin REST pending-ack stats); `None`
+/// while the broker has no pending-ack state for it.
+async fn pending_ack_transactions(topic: &str, group: &str) -> Option<u64> {
+    let admin = require("ONCEFLOW_PULSAR_ADMIN_URL").unwrap();
+    let r = reqwest::get(format!(
+        "{admin}/admin/v3/transactions/pendingAckStats/public/default/{topic}/{group}"
+    ))
+    .await
+    .unwrap();
+    if !r.status().is_success() {
+        eprintln!("pending-ack stats: {}", r.status());
+        return None;
+    }
+    let stats: serde_json::Value = r.json().await.unwrap();
+    stats["ongoingTxnSize"].as_u64()
+}
+
+/// Issue #27, shared and key_shared subscriptions: member c1 holds input m (delivered, not yet
+/// acknowledged) when its connection is cut; the broker redelivers m to member c2, which
+/// writes m's output and acknowledges m in transaction T2 (committed, or still open: see
+/// [`Second`]). c1's connection comes back and c1, unaware, writes its own output for m and
+/// acknowledges m in transaction T1: the broker refuses that acknowledgement
+/// (`TransactionConflict`: the subscription's cursor has m deleted, or m is pending in T2),
+/// T1's commit is `Aborted`, T2's (if open) succeeds, and a reader of the output sees m's
+/// output once, T2's. m comes to no member again.
+async fn second_ack_after_a_redelivery_is_refused(sub: &str, second: Second) {
+    let Some(url) = url() else { return };
+    let _turn = PROXY_PORT.lock().await;
+    let Some((proxy, fault_url)) = fault_proxy().await else {
+        return;
+    };
+    let direct = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    // Its own client: c1's connections, and its transactions', go through the proxy.
+    let behind = Client::new(onceflow_pulsar::connect(&fault_url).await.unwrap());
+    let input = name("txn-redelivered-in");
+    let output = name("txn-redelivered-out");
+    let group = name("txn-redelivered");
+    let plain = direct.producer(ProducerConfig::new()).await.unwrap();
+    plain.send(Record::new(&input, "m").key("k")).await.unwrap();
+    let config = |id: &str| {
+        ConsumerConfig::new(&group, [input.as_str()])
+            .client_id(id)
+            .option("subscription_type", sub)
+    };
+    let c1 = behind.consumer(config("c1")).await.unwrap();
+    let got1 = poll_n(&c1, 1).await;
+    assert_eq!(text(&got1[0]), "m", "{sub}");
+    // c2 joins while c1 holds m, then c1's connections are cut and held unanswered: the broker
+    // puts m back and dispatches it to c2, the only member left.
+    let c2 = direct.consumer(config("c2")).await.unwrap();
+    proxy.isolate();
+    let got2 = poll_n(&c2, 1).await;
+    assert_eq!(text(&got2[0]), "m", "{sub}");
+    assert_eq!(
+        got2[0].position, got1[0].position,
+        "{sub}: the same message"
+    );
+    proxy.heal();
+
+    // c2 processes m: its output and its acknowledgement in T2, committed before c1
+    // acknowledges, or still open.
+    let p2 = direct
+        .producer(ProducerConfig::new().transactional_id(name("txn-c2")))
+        .await
+        .unwrap();
+    let mut t2 = p2.begin().await.unwrap();
+    t2.send(Record::new(&output, "out-m-by-c2")).await.unwrap();
+    t2.commit_offsets(
+        &c2.group_metadata().unwrap(),
+        &[(got2[0].topic_partition(), got2[0].position.clone())],
+    )
+    .await
+    .unwrap();
+    let mut t2 = match second {
+        Second::AfterCommit => {
+            t2.commit().await.unwrap();
+            None
+        }
+        Second::WhileOpen => {
+            // T2's acknowledgement is at the broker (pending in T2) before c1's is written.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let ongoing = pending_ack_transactions(&input, &group).await;
+                if ongoing == Some(1) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{sub}: T2's acknowledgement not pending within 60 s ({ongoing:?})"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Some(t2)
+        }
+    };
+
+    // c1 is a member again (the crate reconnected its consumer through the proxy) before it
+    // acknowledges: an acknowledgement written while it was away would be lost, not refused.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let names = subscribers(&input, &group).await;
+        if names.len() == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{sub}: c1 not back within 60 s: {names:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let p1 = behind
+        .producer(ProducerConfig::new().transactional_id(name("txn-c1")))
+        .await
+        .unwrap();
+    let mut t1 = p1.begin().await.unwrap();
+    t1.send(Record::new(&output, "out-m-by-c1")).await.unwrap();
+    t1.commit_offsets(
+        &c1.group_metadata().unwrap(),
+        &[(got1[0].topic_partition(), got1[0].position.clone())],
+    )
+    .await
+    .unwrap();
+    let e = t1
+        .commit()
+        .await
+        .expect_err("m was acknowledged by another transaction already");
+    eprintln!("{sub}, {second:?}: T1's commit: {e}");
+    assert_eq!(e.kind(), ErrorKind::Aborted, "{sub}, {second:?}: {e}");
+    assert!(
+        e.message().contains("TransactionConflict"),
+        "{sub}, {second:?}: the broker refused the acknowledgement: {e}"
+    );
+    if let Some(t2) = t2.take() {
+        t2.commit().await.unwrap();
+    }
+
+    plain.send(Record::new(&output, "end")).await.unwrap();
+    assert_eq!(
+        read_until(&direct, &output, "end").await,
+        vec!["out-m-by-c2".to_string(), "end".to_string()],
+        "{sub}: m's output once, from the committed transaction"
+    );
+    // After the abort the pipeline rewinds (on shared and key_shared: a negative ack of what
+    // the member holds); the broker has m acknowledged and gives it to no member again
+    // (polled for 3 s).
+    let left = c1
+        .rewind_uncommitted(&[got1[0].topic_partition()])
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "{sub}");
+    let quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_secs(3) {
+        for c in [&c1, &c2] {
+            let more = c.poll(10, Duration::from_millis(100)).await.unwrap();
+            assert!(
+                more.is_empty(),
+                "{sub}: delivered again: {:?}",
+                more.iter().map(text).collect::<Vec<_>>()
+            );
+        }
+    }
+    c1.close().await.unwrap();
+    c2.close().await.unwrap();
+    p1.close().await.unwrap();
+    p2.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_an_ack_after_a_committed_one_is_refused() {
+    second_ack_after_a_redelivery_is_refused("shared", Second::AfterCommit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_an_ack_while_another_transaction_holds_it_is_refused() {
+    second_ack_after_a_redelivery_is_refused("shared", Second::WhileOpen).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_shared_an_ack_after_a_committed_one_is_refused() {
+    second_ack_after_a_redelivery_is_refused("key_shared", Second::AfterCommit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_shared_an_ack_while_another_transaction_holds_it_is_refused() {
+    second_ack_after_a_redelivery_is_refused("key_shared", Second::WhileOpen).await;
 }
