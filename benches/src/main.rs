@@ -8,6 +8,7 @@ mod kafka;
 mod kinesis;
 mod m0;
 mod pulsar;
+mod pulsar_txn;
 mod stats;
 mod stores;
 
@@ -29,6 +30,7 @@ fn main() {
             n @ ("n1" | "n2") => jetstream::run(n),
             k @ ("k1" | "k3" | "k4") => kafka::run(k),
             "p1" => pulsar::run(),
+            "p2" => pulsar_txn::run(),
             "ki1" => kinesis::run(),
             other => {
                 eprintln!(
