@@ -16,6 +16,13 @@ mod stores;
 const IDS: &[&str] = &["m0", "d1"];
 
 fn main() {
+    // onceflow's log on stderr when `RUST_LOG` asks for it (a benchmark prints nothing else).
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let ids: Vec<String> = if args.is_empty() {
         IDS.iter().map(|s| s.to_string()).collect()

@@ -1,7 +1,7 @@
 //! Consumers: one pulsar crate consumer per partition of each subscribed topic, all on the
 //! subscription named after the group.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -122,6 +122,9 @@ enum Cmd {
     },
     /// Close within the duration, after the acks queued before.
     Close(Duration, oneshot::Sender<()>),
+    /// While on, keep reading the crate consumer into the task's queue even when the
+    /// application is not polling (see [`PulsarConsumer::draining`]).
+    Drain(bool),
 }
 
 /// Where this member is with one partition.
@@ -945,6 +948,21 @@ impl PulsarConsumer {
         }
     }
 
+    /// While on (counted: each `true` is undone by one `false`), every partition task keeps
+    /// reading from its crate consumer into its own queue although the application is not
+    /// polling. The pulsar crate's consumer engine writes acknowledgements from the same loop
+    /// that hands messages to its bounded stream: a batch larger than the room left there (a
+    /// Java producer's 1000 messages, say) stops that loop until the stream is read, and a
+    /// transaction waiting for its acknowledgements' answers before committing, with the
+    /// application waiting for the commit instead of polling, waited until its timeout and
+    /// aborted (benchmark P2: every transaction past the first batch). A transaction is on for
+    /// as long as it waits for those answers.
+    pub(crate) fn draining(&self, on: bool) {
+        for part in &self.parts {
+            let _ = part.cmd.send(Cmd::Drain(on));
+        }
+    }
+
     /// Seeks one partition (the broker resets the subscription's cursor; every consumer of the
     /// subscription on that partition is disconnected and reconnects).
     async fn seek_part(&self, part: &Part, to: &StartFrom) -> Result<()> {
@@ -1209,7 +1227,10 @@ async fn run_partition(
         failure,
     } = link;
     let mut c = Some(raw);
-    let mut held: Option<Fetched> = None;
+    // Read from the crate consumer, not yet handed to `tx`: one at a time (so the broker's
+    // flow control bounds what is fetched), or more while `draining`.
+    let mut held: VecDeque<Fetched> = VecDeque::new();
+    let mut draining: u32 = 0;
     let mut resubscribing: Option<Subscribing> = None;
     let mut backoff = RESUBSCRIBE_STEP;
     // Acknowledgements asked for while there is no crate consumer.
@@ -1240,8 +1261,9 @@ async fn run_partition(
                         }
                     }
                 }
+                Some(Cmd::Drain(on)) => draining = if on { draining + 1 } else { draining.saturating_sub(1) },
                 Some(Cmd::Seek { id, time, done }) => {
-                    held = None;
+                    held.clear();
                     let r = match c.as_mut() {
                         Some(c) => c
                             .seek(None, id, time, client.clone())
@@ -1268,9 +1290,9 @@ async fn run_partition(
                     return;
                 }
             },
-            permit = tx.reserve(), if held.is_some() => match permit {
+            permit = tx.reserve(), if !held.is_empty() => match permit {
                 Ok(p) => {
-                    if let Some(f) = held.take() {
+                    if let Some(f) = held.pop_front() {
                         p.send(f);
                         notify.notify_one();
                     }
@@ -1301,8 +1323,8 @@ async fn run_partition(
                     }
                 }
             },
-            m = next_of(&mut c), if held.is_none() && c.is_some() => match m {
-                Some(Ok(m)) => held = Some(convert_message(&topic, partition, index, &m)),
+            m = next_of(&mut c), if (held.is_empty() || draining > 0) && c.is_some() => match m {
+                Some(Ok(m)) => held.push_back(convert_message(&topic, partition, index, &m)),
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, %topic, partition, "Pulsar consumer error");
                     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -162,11 +162,13 @@ impl PulsarTransaction {
     /// Waits for every acknowledgement's answer; aborts on a refusal.
     async fn settle_acks(&mut self) -> Result<()> {
         let timeout = self.producer.options.operation_timeout;
-        match self
+        let draining = Draining::new(&self.consumers);
+        let answered = self
             .frames
             .acks_answered(self.id, self.acked, timeout)
-            .await
-        {
+            .await;
+        drop(draining);
+        match answered {
             Ok(()) => Ok(()),
             Err(e) => {
                 let _ = self.end(TxnEnd::Abort).await;
@@ -181,6 +183,29 @@ impl PulsarTransaction {
                 )
                 .retriable(true))
             }
+        }
+    }
+}
+
+/// Keeps the consumers whose messages a transaction acknowledged reading from the broker while
+/// it waits for the acknowledgements' answers (see [`PulsarConsumer::draining`]), until dropped.
+struct Draining(Vec<Arc<PulsarConsumer>>);
+
+impl Draining {
+    fn new(consumers: &[(Weak<PulsarConsumer>, Vec<TxnTaken>)]) -> Self {
+        let on: Vec<Arc<PulsarConsumer>> =
+            consumers.iter().filter_map(|(c, _)| c.upgrade()).collect();
+        for c in &on {
+            c.draining(true);
+        }
+        Draining(on)
+    }
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        for c in &self.0 {
+            c.draining(false);
         }
     }
 }
@@ -224,11 +249,13 @@ impl Abort {
     /// ([`TxnFrames::end`]).
     async fn run(self) -> Result<()> {
         if self.acked > 0 {
-            if let Err(e) = self
+            let draining = Draining::new(&self.consumers);
+            let answered = self
                 .frames
                 .acks_answered(self.id, self.acked, self.timeout)
-                .await
-            {
+                .await;
+            drop(draining);
+            if let Err(e) = answered {
                 tracing::debug!(txn = %self.id, error = %e, "aborting with acknowledgements unanswered");
             }
         }
