@@ -190,6 +190,69 @@ async fn poll_n(c: &Consumer, n: usize) -> Vec<Message> {
     out
 }
 
+/// Sends `values` to `input` as one batch ([`send_one_batch`]); a new member of `group` then
+/// polls them, and they are asserted to come in order. Returns the member and the messages.
+async fn batch_read_by_a_member(
+    client: &Client,
+    input: &str,
+    group: &str,
+    values: &[&str],
+) -> (Consumer, Vec<Message>) {
+    send_one_batch(client, input, values).await;
+    let c = member(client, group, input).await;
+    let got = poll_n(&c, values.len()).await;
+    assert_eq!(texts(&got), values);
+    (c, got)
+}
+
+/// What a test of a pipeline from an input topic to an output topic starts with.
+struct Pipeline {
+    /// A client of the broker (transactions on).
+    client: Client,
+    /// The input topic: `{prefix}-in-…`, a fresh name.
+    input: String,
+    /// The output topic: `{prefix}-out-…`, a fresh name.
+    output: String,
+    /// The subscription that reads the input: `{prefix}-group-…`, a fresh name.
+    group: String,
+    /// The transactional producer of the outputs (transactional id `{producer}-…`).
+    producer: Producer,
+}
+
+impl Pipeline {
+    /// Connects to `url` and names the topics and group after `prefix`; the transactional
+    /// producer's id starts with `producer`.
+    async fn new(url: &str, prefix: &str, producer: &str) -> Pipeline {
+        let client = connect(url).await;
+        Pipeline {
+            input: name(&format!("{prefix}-in")),
+            output: name(&format!("{prefix}-out")),
+            group: name(&format!("{prefix}-group")),
+            producer: txn_producer(&client, producer).await,
+            client,
+        }
+    }
+
+    /// Sends `value` to the input with `plain`; asserts that the first message a new member
+    /// of the group then gets is it (`why` says what that shows: nothing before it comes
+    /// again).
+    async fn assert_next_is(&self, plain: &Producer, value: &str, why: &str) {
+        plain
+            .send(Record::new(&self.input, value.to_string()))
+            .await
+            .unwrap();
+        let c = member(&self.client, &self.group, &self.input).await;
+        assert_eq!(text(&poll_n(&c, 1).await[0]), value, "{why}");
+        c.close().await.unwrap();
+    }
+
+    /// Sends `end` to the output with `plain` and reads the output up to it
+    /// ([`read_to_end`]).
+    async fn read_output(&self, plain: &Producer) -> Vec<String> {
+        read_to_end(&self.client, plain, &self.output).await
+    }
+}
+
 /// Polls `c` until one message comes (at most 60 s), then for 0.5 s more: that message and
 /// whatever else of its entry comes with it.
 async fn poll_one_and_what_follows(c: &Consumer) -> Vec<Message> {
@@ -324,49 +387,26 @@ async fn read_to_end(client: &Client, plain: &Producer, topic: &str) -> Vec<Stri
     read_until(client, topic, "end").await
 }
 
-/// Sends `value` to `input` with `plain`; asserts that the first message a new member of
-/// `group` then gets is it (`why` says what that shows: nothing before it comes again).
-async fn assert_next_is(
-    client: &Client,
-    plain: &Producer,
-    group: &str,
-    input: &str,
-    value: &str,
-    why: &str,
-) {
-    plain
-        .send(Record::new(input, value.to_string()))
-        .await
-        .unwrap();
-    let c = member(client, group, input).await;
-    assert_eq!(text(&poll_n(&c, 1).await[0]), value, "{why}");
-    c.close().await.unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_of_an_aborted_transaction_are_void() {
     let Some(url) = url() else { return };
-    let client = connect(&url).await;
-    let input = name("txn-in");
-    let output = name("txn-out");
-    let group = name("txn-group");
-    let plain = send_inputs(&client, &input, 10).await;
-    let producer = txn_producer(&client, "txn-pipeline").await;
+    let p = Pipeline::new(&url, "txn", "txn-pipeline").await;
+    let plain = send_inputs(&p.client, &p.input, 10).await;
     let inputs: Vec<String> = (0..10).map(|i| format!("in{i}")).collect();
 
     // Round 1: outputs sent and inputs acknowledged in a transaction that is aborted.
     // (A new member starts at the group's committed position, else the earliest message.)
-    let c = member(&client, &group, &input).await;
+    let c = member(&p.client, &p.group, &p.input).await;
     let msgs = poll_n(&c, 10).await;
     assert_eq!(texts(&msgs), inputs);
     let last = msgs.last().unwrap();
     let meta = c.group_metadata().unwrap();
-    let t = begin_processing(&producer, &meta, outputs_of(&output, &msgs), last).await;
+    let t = begin_processing(&p.producer, &meta, outputs_of(&p.output, &msgs), last).await;
     t.abort().await.unwrap();
     // Nothing is committed; the member still holds the inputs (as after an aborted Kafka
     // transaction, it reads them again only after a seek, as the pipeline does).
     assert_eq!(
-        c.committed(&[TopicPartition::new(&input, last.partition)])
+        c.committed(&[TopicPartition::new(&p.input, last.partition)])
             .await
             .unwrap()[0]
             .next,
@@ -376,7 +416,7 @@ async fn acks_of_an_aborted_transaction_are_void() {
     c.close().await.unwrap();
 
     // Round 2: the group gets every input again; this time the transaction commits.
-    let c = member(&client, &group, &input).await;
+    let c = member(&p.client, &p.group, &p.input).await;
     let again = poll_n(&c, 10).await;
     assert_eq!(
         texts(&again),
@@ -385,29 +425,26 @@ async fn acks_of_an_aborted_transaction_are_void() {
     );
     let meta = c.group_metadata().unwrap();
     let last = again.last().unwrap();
-    let t = begin_processing(&producer, &meta, outputs_of(&output, &again), last).await;
+    let t = begin_processing(&p.producer, &meta, outputs_of(&p.output, &again), last).await;
     t.commit().await.unwrap();
     c.close().await.unwrap();
 
     // Round 3: nothing of the inputs comes again, only what is written after.
-    assert_next_is(
-        &client,
+    p.assert_next_is(
         &plain,
-        &group,
-        &input,
         "in-after",
         "acknowledged in a committed transaction: never again",
     )
     .await;
 
     // The output holds round 2's outputs once each, none of round 1's.
-    let read = read_to_end(&client, &plain, &output).await;
+    let read = p.read_output(&plain).await;
     let expected: Vec<String> = (0..10)
         .map(|i| format!("out-in{i}"))
         .chain(["end".to_string()])
         .collect();
     assert_eq!(read, expected);
-    producer.close().await.unwrap();
+    p.producer.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -595,39 +632,25 @@ async fn inputs_of_a_dead_members_open_transaction_come_after_its_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_ending_inside_a_batch_commit() {
     let Some(url) = url() else { return };
-    let client = connect(&url).await;
-    let input = name("txn-inside-in");
-    let output = name("txn-inside-out");
-    let group = name("txn-inside-group");
-    send_one_batch(&client, &input, &["m", "n", "o"]).await;
-    let producer = txn_producer(&client, "txn-inside").await;
-    let c = member(&client, &group, &input).await;
-    let got = poll_n(&c, 3).await;
-    assert_eq!(texts(&got), vec!["m", "n", "o"]);
+    let p = Pipeline::new(&url, "txn-inside", "txn-inside").await;
+    let (c, got) = batch_read_by_a_member(&p.client, &p.input, &p.group, &["m", "n", "o"]).await;
     let meta = c.group_metadata().unwrap();
     for m in &got {
-        let outputs = outputs_of(&output, std::slice::from_ref(m));
-        let t = begin_processing(&producer, &meta, outputs, m).await;
+        let outputs = outputs_of(&p.output, std::slice::from_ref(m));
+        let t = begin_processing(&p.producer, &meta, outputs, m).await;
         t.commit()
             .await
             .unwrap_or_else(|e| panic!("the transaction of {}: {e}", text(m)));
     }
     c.close().await.unwrap();
-    let plain = plain(&client).await;
-    assert_next_is(
-        &client,
-        &plain,
-        &group,
-        &input,
-        "after",
-        "nothing of the batch again",
-    )
-    .await;
+    let plain = plain(&p.client).await;
+    p.assert_next_is(&plain, "after", "nothing of the batch again")
+        .await;
     assert_eq!(
-        read_to_end(&client, &plain, &output).await,
+        p.read_output(&plain).await,
         vec!["out-m", "out-n", "out-o", "end"]
     );
-    producer.close().await.unwrap();
+    p.producer.close().await.unwrap();
 }
 
 /// Inputs m and n in one batch (one ledger entry; the broker has batch-index acknowledgement
@@ -639,25 +662,21 @@ async fn transactions_ending_inside_a_batch_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batched_input_acknowledged_in_an_aborted_transaction_comes_again() {
     let Some(url) = url() else { return };
-    let client = connect(&url).await;
-    let input = name("txn-batch-in");
-    let output = name("txn-batch-out");
-    let group = name("txn-batch-group");
-    let receipts = send_one_batch(&client, &input, &["m", "n"]).await;
+    let p = Pipeline::new(&url, "txn-batch", "txn-batch").await;
+    let receipts = send_one_batch(&p.client, &p.input, &["m", "n"]).await;
     let entry = |p: &Position| match p {
         Position::MessageId { ledger, entry, .. } => (*ledger, *entry),
         other => panic!("{other:?}"),
     };
     assert_eq!(entry(&receipts[0]), entry(&receipts[1]), "one batch");
-    let producer = txn_producer(&client, "txn-batch").await;
-    let c = member(&client, &group, &input).await;
+    let c = member(&p.client, &p.group, &p.input).await;
     let got = poll_n(&c, 2).await;
     assert_eq!(texts(&got), vec!["m", "n"]);
     let tp = got[0].topic_partition();
     let meta = c.group_metadata().unwrap();
 
-    let aborted = vec![Record::new(&output, "out-m-aborted")];
-    let t1 = begin_processing(&producer, &meta, aborted, &got[0]).await;
+    let aborted = vec![Record::new(&p.output, "out-m-aborted")];
+    let t1 = begin_processing(&p.producer, &meta, aborted, &got[0]).await;
     t1.abort().await.unwrap();
     let left = c
         .rewind_uncommitted(std::slice::from_ref(&tp))
@@ -671,27 +690,20 @@ async fn a_batched_input_acknowledged_in_an_aborted_transaction_comes_again() {
         "the aborted transaction's input and its batch sibling, in order"
     );
 
-    let t2 = begin_processing(&producer, &meta, outputs_of(&output, &again), &again[1]).await;
+    let t2 = begin_processing(&p.producer, &meta, outputs_of(&p.output, &again), &again[1]).await;
     t2.commit().await.unwrap();
     c.close().await.unwrap();
 
     // Nothing of the batch comes to the group again, only what is written after.
-    let plain = plain(&client).await;
-    assert_next_is(
-        &client,
-        &plain,
-        &group,
-        &input,
-        "after",
-        "nothing of the batch again",
-    )
-    .await;
+    let plain = plain(&p.client).await;
+    p.assert_next_is(&plain, "after", "nothing of the batch again")
+        .await;
     assert_eq!(
-        read_to_end(&client, &plain, &output).await,
+        p.read_output(&plain).await,
         vec!["out-m", "out-n", "end"],
         "each input's output once, none of the aborted transaction's"
     );
-    producer.close().await.unwrap();
+    p.producer.close().await.unwrap();
 }
 
 /// Inputs m and n in one batch: transaction T0 commits m (its acknowledgement carries an ack
@@ -702,27 +714,20 @@ async fn a_batched_input_acknowledged_in_an_aborted_transaction_comes_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again() {
     let Some(url) = url() else { return };
-    let client = connect(&url).await;
-    let input = name("txn-rest-in");
-    let output = name("txn-rest-out");
-    let group = name("txn-rest-group");
-    send_one_batch(&client, &input, &["m", "n"]).await;
-    let producer = txn_producer(&client, "txn-rest").await;
-    let c = member(&client, &group, &input).await;
-    let got = poll_n(&c, 2).await;
-    assert_eq!(texts(&got), vec!["m", "n"]);
+    let p = Pipeline::new(&url, "txn-rest", "txn-rest").await;
+    let (c, got) = batch_read_by_a_member(&p.client, &p.input, &p.group, &["m", "n"]).await;
     let tp = got[0].topic_partition();
     let meta = c.group_metadata().unwrap();
     let t0 = begin_processing(
-        &producer,
+        &p.producer,
         &meta,
-        vec![Record::new(&output, "out-m")],
+        vec![Record::new(&p.output, "out-m")],
         &got[0],
     )
     .await;
     t0.commit().await.unwrap();
-    let aborted = vec![Record::new(&output, "out-n-aborted")];
-    let t1 = begin_processing(&producer, &meta, aborted, &got[1]).await;
+    let aborted = vec![Record::new(&p.output, "out-n-aborted")];
+    let t1 = begin_processing(&p.producer, &meta, aborted, &got[1]).await;
     t1.abort().await.unwrap();
     assert!(c
         .rewind_uncommitted(std::slice::from_ref(&tp))
@@ -736,29 +741,19 @@ async fn the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again(
         "only the aborted transaction's input"
     );
     let t2 = begin_processing(
-        &producer,
+        &p.producer,
         &meta,
-        vec![Record::new(&output, "out-n")],
+        vec![Record::new(&p.output, "out-n")],
         &again[0],
     )
     .await;
     t2.commit().await.unwrap();
     c.close().await.unwrap();
-    let plain = plain(&client).await;
-    assert_next_is(
-        &client,
-        &plain,
-        &group,
-        &input,
-        "after",
-        "nothing of the batch again",
-    )
-    .await;
-    assert_eq!(
-        read_to_end(&client, &plain, &output).await,
-        vec!["out-m", "out-n", "end"]
-    );
-    producer.close().await.unwrap();
+    let plain = plain(&p.client).await;
+    p.assert_next_is(&plain, "after", "nothing of the batch again")
+        .await;
+    assert_eq!(p.read_output(&plain).await, vec!["out-m", "out-n", "end"]);
+    p.producer.close().await.unwrap();
 }
 
 /// Inputs m and n in one batch: member A commits m's output and acknowledgement in a
@@ -771,31 +766,24 @@ async fn the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_partly_committed_by_a_member_that_left_commits_its_rest() {
     let Some(url) = url() else { return };
-    let client = connect(&url).await;
-    let input = name("txn-half-in");
-    let output = name("txn-half-out");
-    let group = name("txn-half-group");
-    send_one_batch(&client, &input, &["m", "n"]).await;
-    let producer = txn_producer(&client, "txn-half").await;
-    let a = member(&client, &group, &input).await;
-    let got = poll_n(&a, 2).await;
-    assert_eq!(texts(&got), vec!["m", "n"]);
+    let p = Pipeline::new(&url, "txn-half", "txn-half").await;
+    let (a, got) = batch_read_by_a_member(&p.client, &p.input, &p.group, &["m", "n"]).await;
     let meta = a.group_metadata().unwrap();
     let t = begin_processing(
-        &producer,
+        &p.producer,
         &meta,
-        vec![Record::new(&output, "out-m")],
+        vec![Record::new(&p.output, "out-m")],
         &got[0],
     )
     .await;
     t.commit().await.unwrap();
     a.close().await.unwrap();
 
-    let b = member(&client, &group, &input).await;
+    let b = member(&p.client, &p.group, &p.input).await;
     let rest = poll_one_and_what_follows(&b).await;
     let last = rest.last().unwrap();
     let meta = b.group_metadata().unwrap();
-    let t = begin_processing(&producer, &meta, outputs_of(&output, &rest), last).await;
+    let t = begin_processing(&p.producer, &meta, outputs_of(&p.output, &rest), last).await;
     let committed = t.commit().await;
     assert_eq!(
         texts(&rest),
@@ -812,7 +800,7 @@ async fn a_batch_partly_committed_by_a_member_that_left_commits_its_rest() {
     assert_eq!(texts(&replay), vec!["m", "n"], "the replayed batch, whole");
     b.close().await.unwrap();
     assert_eq!(
-        read_to_end(&client, &plain(&client).await, &output).await,
+        p.read_output(&plain(&p.client).await).await,
         vec!["out-m", "out-n", "end"]
     );
 }
@@ -829,17 +817,7 @@ async fn fault_proxy() -> Option<(FaultProxy, String)> {
     let admin = require("ONCEFLOW_PULSAR_ADMIN_URL")?;
     let listen = service.trim_start_matches("pulsar://").to_string();
     // A proxy of another test binary may still hold the port for a moment.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let proxy = loop {
-        match FaultProxy::start(&listen, &upstream).await {
-            Ok(p) => break p,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("fault proxy on {listen}: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("fault proxy on {listen}: {e}"),
-        }
-    };
+    let proxy = FaultProxy::start_when_free(&listen, &upstream, Duration::from_secs(30)).await;
     Some((proxy, format!("{service}?admin={admin}&transactions=true")))
 }
 
