@@ -143,6 +143,24 @@ impl FaultProxy {
         Self::start_with(listen, upstream, Framing::Nats).await
     }
 
+    /// [`FaultProxy::start`] on a fixed address another test, or another test binary, may
+    /// hold for a while (a broker's advertised fault listener): tried again every 200 ms for
+    /// up to `wait`, each failed try logged to stderr. Panics with `listen` and the last error
+    /// once `wait` has passed (for tests only).
+    pub async fn start_when_free(listen: &str, upstream: &str, wait: Duration) -> FaultProxy {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match Self::start(listen, upstream).await {
+                Ok(p) => return p,
+                Err(e) if std::time::Instant::now() < deadline => {
+                    eprintln!("fault proxy on {listen}: {e}; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!("fault proxy on {listen}: {e}"),
+            }
+        }
+    }
+
     async fn start_with(
         listen: &str,
         upstream: &str,

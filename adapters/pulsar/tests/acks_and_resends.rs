@@ -64,17 +64,7 @@ async fn proxy() -> Option<(FaultProxy, String)> {
     let upstream = require("ONCEFLOW_PULSAR_FAULT_UPSTREAM")?;
     let listen = service.trim_start_matches("pulsar://").to_string();
     // The previous test's proxy stops listening once its accept task is dropped.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let proxy = loop {
-        match FaultProxy::start(&listen, &upstream).await {
-            Ok(p) => break p,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("fault proxy on {listen}: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("fault proxy on {listen}: {e}"),
-        }
-    };
+    let proxy = FaultProxy::start_when_free(&listen, &upstream, Duration::from_secs(10)).await;
     Some((proxy, with_admin(&service)?))
 }
 

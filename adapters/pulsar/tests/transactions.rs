@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use onceflow_conformance::fault_proxy::FaultProxy;
 use onceflow_core::{
-    Client, Consumer, ConsumerConfig, ErrorKind, Message, Position, ProducerConfig, Record,
-    StartFrom, TopicPartition, TopicSpec,
+    Client, Consumer, ConsumerConfig, ErrorKind, GroupMetadata, Message, Position, Producer,
+    ProducerConfig, Record, StartFrom, TopicPartition, TopicSpec, Transaction,
 };
 
 fn require(var: &str) -> Option<String> {
@@ -102,13 +102,10 @@ async fn read_until(client: &Client, topic: &str, last: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_sends_are_read_and_aborted_ones_never() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let client = connect(&url).await;
     assert!(client.capabilities().transactions);
     let topic = name("txn-out");
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-producer")))
-        .await
-        .unwrap();
+    let producer = txn_producer(&client, "txn-producer").await;
 
     let mut t = producer.begin().await.unwrap();
     for r in t
@@ -154,11 +151,8 @@ async fn committed_sends_are_read_and_aborted_ones_never() {
         t.send(Record::new(&topic, format!("b{i}"))).await.unwrap();
     }
     t.commit().await.unwrap();
-    // Plain sends after the transactions, to know where to stop reading.
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    plain.send(Record::new(&topic, "end")).await.unwrap();
-
-    let read = read_until(&client, &topic, "end").await;
+    // A plain send after the transactions, to know where to stop reading.
+    let read = read_to_end(&client, &plain(&client).await, &topic).await;
     let expected: Vec<String> = (0..10)
         .map(|i| format!("a{i}"))
         .chain((0..10).map(|i| format!("b{i}")))
@@ -172,11 +166,7 @@ async fn committed_sends_are_read_and_aborted_ones_never() {
     // A client without transactions reads the same (the broker filters aborted messages).
     let service = require("ONCEFLOW_PULSAR_URL").unwrap();
     let admin = require("ONCEFLOW_PULSAR_ADMIN_URL").unwrap();
-    let plain_client = Client::new(
-        onceflow_pulsar::connect(&format!("{service}?admin={admin}"))
-            .await
-            .unwrap(),
-    );
+    let plain_client = connect(&format!("{service}?admin={admin}")).await;
     assert_eq!(read_until(&plain_client, &topic, "end").await, expected);
     producer.close().await.unwrap();
 }
@@ -200,118 +190,269 @@ async fn poll_n(c: &Consumer, n: usize) -> Vec<Message> {
     out
 }
 
+/// Sends `values` to `input` as one batch ([`send_one_batch`]); a new member of `group` then
+/// polls them, and they are asserted to come in order. Returns the member and the messages.
+async fn batch_read_by_a_member(
+    client: &Client,
+    input: &str,
+    group: &str,
+    values: &[&str],
+) -> (Consumer, Vec<Message>) {
+    send_one_batch(client, input, values).await;
+    let c = member(client, group, input).await;
+    let got = poll_n(&c, values.len()).await;
+    assert_eq!(texts(&got), values);
+    (c, got)
+}
+
+/// What a test of a pipeline from an input topic to an output topic starts with.
+struct Pipeline {
+    /// A client of the broker (transactions on).
+    client: Client,
+    /// The input topic: `{prefix}-in-…`, a fresh name.
+    input: String,
+    /// The output topic: `{prefix}-out-…`, a fresh name.
+    output: String,
+    /// The subscription that reads the input: `{prefix}-group-…`, a fresh name.
+    group: String,
+    /// The transactional producer of the outputs (transactional id `{producer}-…`).
+    producer: Producer,
+}
+
+impl Pipeline {
+    /// Connects to `url` and names the topics and group after `prefix`; the transactional
+    /// producer's id starts with `producer`.
+    async fn new(url: &str, prefix: &str, producer: &str) -> Pipeline {
+        let client = connect(url).await;
+        Pipeline {
+            input: name(&format!("{prefix}-in")),
+            output: name(&format!("{prefix}-out")),
+            group: name(&format!("{prefix}-group")),
+            producer: txn_producer(&client, producer).await,
+            client,
+        }
+    }
+
+    /// Sends `value` to the input with `plain`; asserts that the first message a new member
+    /// of the group then gets is it (`why` says what that shows: nothing before it comes
+    /// again).
+    async fn assert_next_is(&self, plain: &Producer, value: &str, why: &str) {
+        plain
+            .send(Record::new(&self.input, value.to_string()))
+            .await
+            .unwrap();
+        let c = member(&self.client, &self.group, &self.input).await;
+        assert_eq!(text(&poll_n(&c, 1).await[0]), value, "{why}");
+        c.close().await.unwrap();
+    }
+
+    /// Sends `end` to the output with `plain` and reads the output up to it
+    /// ([`read_to_end`]).
+    async fn read_output(&self, plain: &Producer) -> Vec<String> {
+        read_to_end(&self.client, plain, &self.output).await
+    }
+}
+
+/// Polls `c` until one message comes (at most 60 s), then for 0.5 s more: that message and
+/// whatever else of its entry comes with it.
+async fn poll_one_and_what_follows(c: &Consumer) -> Vec<Message> {
+    let mut got = poll_n(c, 1).await;
+    got.extend(c.poll(10, Duration::from_millis(500)).await.unwrap());
+    got
+}
+
+/// Polls each of `members` in turn (each poll waiting up to `wait`) for 3 s and asserts that
+/// no message comes; `what` heads the failure message, which lists what came.
+async fn assert_nothing_comes(members: &[&Consumer], wait: Duration, what: &str) {
+    let quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_secs(3) {
+        for c in members {
+            let more = c.poll(10, wait).await.unwrap();
+            assert!(more.is_empty(), "{what}: {:?}", texts(&more));
+        }
+    }
+}
+
+/// A client of `url` (a `pulsar://` URL with its query).
+async fn connect(url: &str) -> Client {
+    Client::new(onceflow_pulsar::connect(url).await.unwrap())
+}
+
+/// A producer outside any transaction.
+async fn plain(client: &Client) -> Producer {
+    client.producer(ProducerConfig::new()).await.unwrap()
+}
+
+/// A transactional producer whose transactional id is a fresh name starting with `prefix`.
+async fn txn_producer(client: &Client, prefix: &str) -> Producer {
+    client
+        .producer(ProducerConfig::new().transactional_id(name(prefix)))
+        .await
+        .unwrap()
+}
+
+/// Sends `in0`..`in{n-1}` to `topic`, one at a time, with a plain producer; returns that
+/// producer.
+async fn send_inputs(client: &Client, topic: &str, n: usize) -> Producer {
+    let plain = plain(client).await;
+    for i in 0..n {
+        plain
+            .send(Record::new(topic, format!("in{i}")))
+            .await
+            .unwrap();
+    }
+    plain
+}
+
+/// Sends `values` to `topic` as one batch (a producer batching exactly that many, waiting up
+/// to 5 s for them); returns their positions, in order.
+async fn send_one_batch(client: &Client, topic: &str, values: &[&str]) -> Vec<Position> {
+    let batcher = client
+        .producer(
+            ProducerConfig::new()
+                .option("batch_size", values.len().to_string())
+                .option("batch_timeout_ms", "5000"),
+        )
+        .await
+        .unwrap();
+    let records = values
+        .iter()
+        .map(|v| Record::new(topic, v.to_string()))
+        .collect();
+    batcher
+        .send_batch(records)
+        .await
+        .into_iter()
+        .map(|d| d.unwrap().position)
+        .collect()
+}
+
+/// A new member of subscription `group` on `topic`, of the default (failover) type, starting
+/// at the group's committed position, else at the earliest message.
+async fn member(client: &Client, group: &str, topic: &str) -> Consumer {
+    client
+        .consumer(ConsumerConfig::new(group, [topic]))
+        .await
+        .unwrap()
+}
+
+/// The payloads of `msgs` as text, in order.
+fn texts(msgs: &[Message]) -> Vec<String> {
+    msgs.iter().map(text).collect()
+}
+
+/// `out-<input>` to `output` for each of `msgs`: the outputs the tests' pipeline writes for
+/// them.
+fn outputs_of(output: &str, msgs: &[Message]) -> Vec<Record> {
+    msgs.iter()
+        .map(|m| Record::new(output, format!("out-{}", text(m))))
+        .collect()
+}
+
+/// The positions list for `commit_offsets` that acknowledges `m` (and, on failover, all
+/// before it on its partition).
+fn upto(m: &Message) -> Vec<(TopicPartition, Position)> {
+    vec![(m.topic_partition(), m.position.clone())]
+}
+
+/// Begins a transaction on `producer` that sends `outputs`, one at a time, and acknowledges
+/// `acked` for the group of `meta`; returns it still open.
+async fn begin_processing(
+    producer: &Producer,
+    meta: &GroupMetadata,
+    outputs: Vec<Record>,
+    acked: &Message,
+) -> Transaction {
+    let mut t = producer.begin().await.unwrap();
+    for out in outputs {
+        t.send(out).await.unwrap();
+    }
+    t.commit_offsets(meta, &upto(acked)).await.unwrap();
+    t
+}
+
+/// [`begin_processing`] without outputs: a transaction that only acknowledges `acked`.
+async fn begin_acknowledging(
+    producer: &Producer,
+    meta: &GroupMetadata,
+    acked: &Message,
+) -> Transaction {
+    begin_processing(producer, meta, Vec::new(), acked).await
+}
+
+/// Sends `end` to `topic` with `plain`, then reads `topic` as a new group up to it
+/// ([`read_until`]).
+async fn read_to_end(client: &Client, plain: &Producer, topic: &str) -> Vec<String> {
+    plain.send(Record::new(topic, "end")).await.unwrap();
+    read_until(client, topic, "end").await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_of_an_aborted_transaction_are_void() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
-    let input = name("txn-in");
-    let output = name("txn-out");
-    let group = name("txn-group");
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    for i in 0..10 {
-        plain
-            .send(Record::new(&input, format!("in{i}")))
-            .await
-            .unwrap();
-    }
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-pipeline")))
-        .await
-        .unwrap();
-    // The group's committed position, else the earliest message (the default start).
-    let consume = || client.consumer(ConsumerConfig::new(&group, [input.as_str()]));
+    let p = Pipeline::new(&url, "txn", "txn-pipeline").await;
+    let plain = send_inputs(&p.client, &p.input, 10).await;
+    let inputs: Vec<String> = (0..10).map(|i| format!("in{i}")).collect();
 
     // Round 1: outputs sent and inputs acknowledged in a transaction that is aborted.
-    let c = consume().await.unwrap();
+    // (A new member starts at the group's committed position, else the earliest message.)
+    let c = member(&p.client, &p.group, &p.input).await;
     let msgs = poll_n(&c, 10).await;
-    assert_eq!(
-        msgs.iter().map(text).collect::<Vec<_>>(),
-        (0..10).map(|i| format!("in{i}")).collect::<Vec<_>>()
-    );
+    assert_eq!(texts(&msgs), inputs);
     let last = msgs.last().unwrap();
-    let positions = vec![(
-        TopicPartition::new(&input, last.partition),
-        last.position.clone(),
-    )];
-    let mut t = producer.begin().await.unwrap();
-    for m in &msgs {
-        t.send(Record::new(&output, format!("out-{}", text(m))))
-            .await
-            .unwrap();
-    }
-    t.commit_offsets(&c.group_metadata().unwrap(), &positions)
-        .await
-        .unwrap();
+    let meta = c.group_metadata().unwrap();
+    let t = begin_processing(&p.producer, &meta, outputs_of(&p.output, &msgs), last).await;
     t.abort().await.unwrap();
     // Nothing is committed; the member still holds the inputs (as after an aborted Kafka
     // transaction, it reads them again only after a seek, as the pipeline does).
     assert_eq!(
-        c.committed(&[positions[0].0.clone()]).await.unwrap()[0].next,
+        c.committed(&[TopicPartition::new(&p.input, last.partition)])
+            .await
+            .unwrap()[0]
+            .next,
         None,
         "an aborted transaction commits no positions"
     );
     c.close().await.unwrap();
 
     // Round 2: the group gets every input again; this time the transaction commits.
-    let c = consume().await.unwrap();
+    let c = member(&p.client, &p.group, &p.input).await;
     let again = poll_n(&c, 10).await;
     assert_eq!(
-        again.iter().map(text).collect::<Vec<_>>(),
-        (0..10).map(|i| format!("in{i}")).collect::<Vec<_>>(),
+        texts(&again),
+        inputs,
         "acknowledged in an aborted transaction: delivered again to the group"
     );
+    let meta = c.group_metadata().unwrap();
     let last = again.last().unwrap();
-    let positions = vec![(
-        TopicPartition::new(&input, last.partition),
-        last.position.clone(),
-    )];
-    let mut t = producer.begin().await.unwrap();
-    for m in &again {
-        t.send(Record::new(&output, format!("out-{}", text(m))))
-            .await
-            .unwrap();
-    }
-    t.commit_offsets(&c.group_metadata().unwrap(), &positions)
-        .await
-        .unwrap();
+    let t = begin_processing(&p.producer, &meta, outputs_of(&p.output, &again), last).await;
     t.commit().await.unwrap();
     c.close().await.unwrap();
 
     // Round 3: nothing of the inputs comes again, only what is written after.
-    plain.send(Record::new(&input, "in-after")).await.unwrap();
-    let c = consume().await.unwrap();
-    let next = poll_n(&c, 1).await;
-    assert_eq!(
-        text(&next[0]),
+    p.assert_next_is(
+        &plain,
         "in-after",
-        "acknowledged in a committed transaction: never again"
-    );
-    c.close().await.unwrap();
+        "acknowledged in a committed transaction: never again",
+    )
+    .await;
 
     // The output holds round 2's outputs once each, none of round 1's.
-    plain.send(Record::new(&output, "end")).await.unwrap();
-    let read = read_until(&client, &output, "end").await;
+    let read = p.read_output(&plain).await;
     let expected: Vec<String> = (0..10)
         .map(|i| format!("out-in{i}"))
         .chain(["end".to_string()])
         .collect();
     assert_eq!(read, expected);
-    producer.close().await.unwrap();
+    p.producer.close().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_past_its_timeout_is_aborted() {
     let Some(url) = url() else { return };
-    let client = Client::new(
-        onceflow_pulsar::connect(&format!("{url}&transaction_timeout_ms=1000"))
-            .await
-            .unwrap(),
-    );
+    let client = connect(&format!("{url}&transaction_timeout_ms=1000")).await;
     let topic = name("txn-timeout");
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-slow")))
-        .await
-        .unwrap();
+    let producer = txn_producer(&client, "txn-slow").await;
     let mut t = producer.begin().await.unwrap();
     t.send(Record::new(&topic, "late")).await.unwrap();
     // Past the timeout the coordinator's timeout tracker aborts it (the tracker ticks well
@@ -321,10 +462,8 @@ async fn a_transaction_past_its_timeout_is_aborted() {
     let e = t.commit().await.expect_err("timed out");
     assert_eq!(e.kind(), ErrorKind::Aborted, "{e}");
 
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    plain.send(Record::new(&topic, "end")).await.unwrap();
     assert_eq!(
-        read_until(&client, &topic, "end").await,
+        read_to_end(&client, &plain(&client).await, &topic).await,
         vec!["end".to_string()]
     );
 }
@@ -337,7 +476,7 @@ async fn a_transaction_past_its_timeout_is_aborted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_that_lost_the_partition_cannot_commit() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let client = connect(&url).await;
     let input = name("txn-moved-in");
     let output = name("txn-moved-out");
     let group = name("txn-moved");
@@ -348,7 +487,7 @@ async fn a_member_that_lost_the_partition_cannot_commit() {
         .create_topic(&TopicSpec::new(input.clone(), 2))
         .await
         .unwrap();
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
+    let plain = plain(&client).await;
     for i in 0..3 {
         plain
             .send(Record::new(&input, format!("in{i}")).partition(0))
@@ -363,20 +502,14 @@ async fn a_member_that_lost_the_partition_cannot_commit() {
     let last = got.last().unwrap();
     let tp = TopicPartition::new(&input, 0);
     assert_eq!(last.topic_partition(), tp);
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-moved")))
-        .await
-        .unwrap();
-    let mut t = producer.begin().await.unwrap();
-    t.send(Record::new(&output, "from-the-old-member"))
-        .await
-        .unwrap();
-    t.commit_offsets(
+    let producer = txn_producer(&client, "txn-moved").await;
+    let t = begin_processing(
+        &producer,
         &old.group_metadata().unwrap(),
-        &[(tp.clone(), last.position.clone())],
+        vec![Record::new(&output, "from-the-old-member")],
+        last,
     )
-    .await
-    .unwrap();
+    .await;
     // A member named before the first joins: partition 0 becomes its.
     let heir = client
         .consumer(ConsumerConfig::new(&group, [input.as_str()]).client_id("member-a"))
@@ -389,18 +522,13 @@ async fn a_member_that_lost_the_partition_cannot_commit() {
     }
     let e = t.commit().await.expect_err("the partition moved");
     assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
-    plain.send(Record::new(&output, "end")).await.unwrap();
     assert_eq!(
-        read_until(&client, &output, "end").await,
+        read_to_end(&client, &plain, &output).await,
         vec!["end".to_string()],
         "the fenced transaction's output is never read"
     );
     // The heir gets the inputs: none was acknowledged.
-    let again = poll_n(&heir, 3).await;
-    assert_eq!(
-        again.iter().map(text).collect::<Vec<_>>(),
-        vec!["in0", "in1", "in2"]
-    );
+    assert_eq!(texts(&poll_n(&heir, 3).await), vec!["in0", "in1", "in2"]);
     heir.close().await.unwrap();
     old.close().await.unwrap();
 }
@@ -414,40 +542,17 @@ async fn a_member_that_lost_the_partition_cannot_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redelivery_after_an_abort_keeps_what_a_later_transaction_committed() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let client = connect(&url).await;
     let input = name("txn-hole-in");
     let group = name("txn-hole-group");
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    for i in 0..10 {
-        plain
-            .send(Record::new(&input, format!("in{i}")))
-            .await
-            .unwrap();
-    }
-    let first = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-first")))
-        .await
-        .unwrap();
-    let second = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-second")))
-        .await
-        .unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
+    let _plain = send_inputs(&client, &input, 10).await;
+    let first = txn_producer(&client, "txn-first").await;
+    let second = txn_producer(&client, "txn-second").await;
+    let c = member(&client, &group, &input).await;
     let msgs = poll_n(&c, 10).await;
-    let upto = |i: usize| {
-        vec![(
-            TopicPartition::new(&input, msgs[i].partition),
-            msgs[i].position.clone(),
-        )]
-    };
     let meta = c.group_metadata().unwrap();
-    let mut t1 = first.begin().await.unwrap();
-    t1.commit_offsets(&meta, &upto(2)).await.unwrap();
-    let mut t2 = second.begin().await.unwrap();
-    t2.commit_offsets(&meta, &upto(5)).await.unwrap();
+    let t1 = begin_acknowledging(&first, &meta, &msgs[2]).await;
+    let t2 = begin_acknowledging(&second, &meta, &msgs[5]).await;
     t2.commit().await.unwrap();
     t1.abort().await.unwrap();
 
@@ -460,28 +565,21 @@ async fn redelivery_after_an_abort_keeps_what_a_later_transaction_committed() {
         .map(|i| format!("in{i}"))
         .collect();
     assert_eq!(
-        again.iter().map(text).collect::<Vec<_>>(),
+        texts(&again),
         expected,
         "the aborted transaction's inputs and the undelivered rest, in order"
     );
-    // Nothing else comes: in3..in5 stay acknowledged (polled for 3 s).
-    let quiet = Instant::now();
-    while quiet.elapsed() < Duration::from_secs(3) {
-        let more = c.poll(10, Duration::from_millis(200)).await.unwrap();
-        assert!(
-            more.is_empty(),
-            "delivered again although committed or still held: {:?}",
-            more.iter().map(text).collect::<Vec<_>>()
-        );
-    }
+    // Nothing else comes: in3..in5 stay acknowledged.
+    assert_nothing_comes(
+        &[&c],
+        Duration::from_millis(200),
+        "delivered again although committed or still held",
+    )
+    .await;
     c.close().await.unwrap();
     // A new member of the group gets the same, from the broker's cursor.
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
-    let fresh = poll_n(&c, 7).await;
-    assert_eq!(fresh.iter().map(text).collect::<Vec<_>>(), expected);
+    let c = member(&client, &group, &input).await;
+    assert_eq!(texts(&poll_n(&c, 7).await), expected);
     c.close().await.unwrap();
     first.close().await.unwrap();
     second.close().await.unwrap();
@@ -493,48 +591,21 @@ async fn redelivery_after_an_abort_keeps_what_a_later_transaction_committed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inputs_of_a_dead_members_open_transaction_come_after_its_timeout() {
     let Some(url) = url() else { return };
-    let client = Client::new(
-        onceflow_pulsar::connect(&format!("{url}&transaction_timeout_ms=5000"))
-            .await
-            .unwrap(),
-    );
+    let client = connect(&format!("{url}&transaction_timeout_ms=5000")).await;
     let input = name("txn-dead-in");
     let group = name("txn-dead-group");
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    for i in 0..10 {
-        plain
-            .send(Record::new(&input, format!("in{i}")))
-            .await
-            .unwrap();
-    }
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-dead")))
-        .await
-        .unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
+    let _plain = send_inputs(&client, &input, 10).await;
+    let producer = txn_producer(&client, "txn-dead").await;
+    let c = member(&client, &group, &input).await;
     let msgs = poll_n(&c, 10).await;
-    let mut t = producer.begin().await.unwrap();
-    t.commit_offsets(
-        &c.group_metadata().unwrap(),
-        &[(
-            TopicPartition::new(&input, msgs[4].partition),
-            msgs[4].position.clone(),
-        )],
-    )
-    .await
-    .unwrap();
+    let meta = c.group_metadata().unwrap();
+    let t = begin_acknowledging(&producer, &meta, &msgs[4]).await;
     // The member dies: its transaction is never ended, its consumer goes away.
     std::mem::forget(t);
     c.close().await.unwrap();
     let opened = Instant::now();
 
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
+    let c = member(&client, &group, &input).await;
     let mut got: Vec<(u128, String)> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     while got.len() < 10 {
@@ -561,70 +632,25 @@ async fn inputs_of_a_dead_members_open_transaction_come_after_its_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_ending_inside_a_batch_commit() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
-    let input = name("txn-inside-in");
-    let output = name("txn-inside-out");
-    let group = name("txn-inside-group");
-    let batcher = client
-        .producer(
-            ProducerConfig::new()
-                .option("batch_size", "3")
-                .option("batch_timeout_ms", "5000"),
-        )
-        .await
-        .unwrap();
-    let records = ["m", "n", "o"]
-        .iter()
-        .map(|v| Record::new(&input, *v))
-        .collect();
-    for d in batcher.send_batch(records).await {
-        d.unwrap();
-    }
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-inside")))
-        .await
-        .unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
-    let got = poll_n(&c, 3).await;
-    assert_eq!(
-        got.iter().map(text).collect::<Vec<_>>(),
-        vec!["m", "n", "o"]
-    );
+    let p = Pipeline::new(&url, "txn-inside", "txn-inside").await;
+    let (c, got) = batch_read_by_a_member(&p.client, &p.input, &p.group, &["m", "n", "o"]).await;
     let meta = c.group_metadata().unwrap();
     for m in &got {
-        let mut t = producer.begin().await.unwrap();
-        t.send(Record::new(&output, format!("out-{}", text(m))))
-            .await
-            .unwrap();
-        t.commit_offsets(&meta, &[(m.topic_partition(), m.position.clone())])
-            .await
-            .unwrap();
+        let outputs = outputs_of(&p.output, std::slice::from_ref(m));
+        let t = begin_processing(&p.producer, &meta, outputs, m).await;
         t.commit()
             .await
             .unwrap_or_else(|e| panic!("the transaction of {}: {e}", text(m)));
     }
     c.close().await.unwrap();
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    plain.send(Record::new(&input, "after")).await.unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
+    let plain = plain(&p.client).await;
+    p.assert_next_is(&plain, "after", "nothing of the batch again")
+        .await;
     assert_eq!(
-        text(&poll_n(&c, 1).await[0]),
-        "after",
-        "nothing of the batch again"
-    );
-    c.close().await.unwrap();
-    plain.send(Record::new(&output, "end")).await.unwrap();
-    assert_eq!(
-        read_until(&client, &output, "end").await,
+        p.read_output(&plain).await,
         vec!["out-m", "out-n", "out-o", "end"]
     );
-    producer.close().await.unwrap();
+    p.producer.close().await.unwrap();
 }
 
 /// Inputs m and n in one batch (one ledger entry; the broker has batch-index acknowledgement
@@ -636,49 +662,21 @@ async fn transactions_ending_inside_a_batch_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batched_input_acknowledged_in_an_aborted_transaction_comes_again() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
-    let input = name("txn-batch-in");
-    let output = name("txn-batch-out");
-    let group = name("txn-batch-group");
-    let batcher = client
-        .producer(
-            ProducerConfig::new()
-                .option("batch_size", "2")
-                .option("batch_timeout_ms", "5000"),
-        )
-        .await
-        .unwrap();
-    let receipts: Vec<Position> = batcher
-        .send_batch(vec![Record::new(&input, "m"), Record::new(&input, "n")])
-        .await
-        .into_iter()
-        .map(|d| d.unwrap().position)
-        .collect();
+    let p = Pipeline::new(&url, "txn-batch", "txn-batch").await;
+    let receipts = send_one_batch(&p.client, &p.input, &["m", "n"]).await;
     let entry = |p: &Position| match p {
         Position::MessageId { ledger, entry, .. } => (*ledger, *entry),
         other => panic!("{other:?}"),
     };
     assert_eq!(entry(&receipts[0]), entry(&receipts[1]), "one batch");
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-batch")))
-        .await
-        .unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
+    let c = member(&p.client, &p.group, &p.input).await;
     let got = poll_n(&c, 2).await;
-    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), vec!["m", "n"]);
+    assert_eq!(texts(&got), vec!["m", "n"]);
     let tp = got[0].topic_partition();
     let meta = c.group_metadata().unwrap();
 
-    let mut t1 = producer.begin().await.unwrap();
-    t1.send(Record::new(&output, "out-m-aborted"))
-        .await
-        .unwrap();
-    t1.commit_offsets(&meta, &[(tp.clone(), got[0].position.clone())])
-        .await
-        .unwrap();
+    let aborted = vec![Record::new(&p.output, "out-m-aborted")];
+    let t1 = begin_processing(&p.producer, &meta, aborted, &got[0]).await;
     t1.abort().await.unwrap();
     let left = c
         .rewind_uncommitted(std::slice::from_ref(&tp))
@@ -687,39 +685,25 @@ async fn a_batched_input_acknowledged_in_an_aborted_transaction_comes_again() {
     assert!(left.is_empty(), "Pulsar redelivers every partition itself");
     let again = poll_n(&c, 2).await;
     assert_eq!(
-        again.iter().map(text).collect::<Vec<_>>(),
+        texts(&again),
         vec!["m", "n"],
         "the aborted transaction's input and its batch sibling, in order"
     );
 
-    let mut t2 = producer.begin().await.unwrap();
-    for m in &again {
-        t2.send(Record::new(&output, format!("out-{}", text(m))))
-            .await
-            .unwrap();
-    }
-    t2.commit_offsets(&meta, &[(tp.clone(), again[1].position.clone())])
-        .await
-        .unwrap();
+    let t2 = begin_processing(&p.producer, &meta, outputs_of(&p.output, &again), &again[1]).await;
     t2.commit().await.unwrap();
     c.close().await.unwrap();
 
     // Nothing of the batch comes to the group again, only what is written after.
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    plain.send(Record::new(&input, "after")).await.unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
-    assert_eq!(text(&poll_n(&c, 1).await[0]), "after");
-    c.close().await.unwrap();
-    plain.send(Record::new(&output, "end")).await.unwrap();
+    let plain = plain(&p.client).await;
+    p.assert_next_is(&plain, "after", "nothing of the batch again")
+        .await;
     assert_eq!(
-        read_until(&client, &output, "end").await,
+        p.read_output(&plain).await,
         vec!["out-m", "out-n", "end"],
         "each input's output once, none of the aborted transaction's"
     );
-    producer.close().await.unwrap();
+    p.producer.close().await.unwrap();
 }
 
 /// Inputs m and n in one batch: transaction T0 commits m (its acknowledgement carries an ack
@@ -730,87 +714,46 @@ async fn a_batched_input_acknowledged_in_an_aborted_transaction_comes_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
-    let input = name("txn-rest-in");
-    let output = name("txn-rest-out");
-    let group = name("txn-rest-group");
-    let batcher = client
-        .producer(
-            ProducerConfig::new()
-                .option("batch_size", "2")
-                .option("batch_timeout_ms", "5000"),
-        )
-        .await
-        .unwrap();
-    for d in batcher
-        .send_batch(vec![Record::new(&input, "m"), Record::new(&input, "n")])
-        .await
-    {
-        d.unwrap();
-    }
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-rest")))
-        .await
-        .unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
-    let got = poll_n(&c, 2).await;
-    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), vec!["m", "n"]);
+    let p = Pipeline::new(&url, "txn-rest", "txn-rest").await;
+    let (c, got) = batch_read_by_a_member(&p.client, &p.input, &p.group, &["m", "n"]).await;
     let tp = got[0].topic_partition();
     let meta = c.group_metadata().unwrap();
-    let mut t0 = producer.begin().await.unwrap();
-    t0.send(Record::new(&output, "out-m")).await.unwrap();
-    t0.commit_offsets(&meta, &[(tp.clone(), got[0].position.clone())])
-        .await
-        .unwrap();
+    let t0 = begin_processing(
+        &p.producer,
+        &meta,
+        vec![Record::new(&p.output, "out-m")],
+        &got[0],
+    )
+    .await;
     t0.commit().await.unwrap();
-    let mut t1 = producer.begin().await.unwrap();
-    t1.send(Record::new(&output, "out-n-aborted"))
-        .await
-        .unwrap();
-    t1.commit_offsets(&meta, &[(tp.clone(), got[1].position.clone())])
-        .await
-        .unwrap();
+    let aborted = vec![Record::new(&p.output, "out-n-aborted")];
+    let t1 = begin_processing(&p.producer, &meta, aborted, &got[1]).await;
     t1.abort().await.unwrap();
     assert!(c
         .rewind_uncommitted(std::slice::from_ref(&tp))
         .await
         .unwrap()
         .is_empty());
-    let mut again = poll_n(&c, 1).await;
-    again.extend(c.poll(10, Duration::from_millis(500)).await.unwrap());
+    let again = poll_one_and_what_follows(&c).await;
     assert_eq!(
-        again.iter().map(text).collect::<Vec<_>>(),
+        texts(&again),
         vec!["n"],
         "only the aborted transaction's input"
     );
-    let mut t2 = producer.begin().await.unwrap();
-    t2.send(Record::new(&output, "out-n")).await.unwrap();
-    t2.commit_offsets(&meta, &[(tp.clone(), again[0].position.clone())])
-        .await
-        .unwrap();
+    let t2 = begin_processing(
+        &p.producer,
+        &meta,
+        vec![Record::new(&p.output, "out-n")],
+        &again[0],
+    )
+    .await;
     t2.commit().await.unwrap();
     c.close().await.unwrap();
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    plain.send(Record::new(&input, "after")).await.unwrap();
-    let c = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
-    assert_eq!(
-        text(&poll_n(&c, 1).await[0]),
-        "after",
-        "nothing of the batch again"
-    );
-    c.close().await.unwrap();
-    plain.send(Record::new(&output, "end")).await.unwrap();
-    assert_eq!(
-        read_until(&client, &output, "end").await,
-        vec!["out-m", "out-n", "end"]
-    );
-    producer.close().await.unwrap();
+    let plain = plain(&p.client).await;
+    p.assert_next_is(&plain, "after", "nothing of the batch again")
+        .await;
+    assert_eq!(p.read_output(&plain).await, vec!["out-m", "out-n", "end"]);
+    p.producer.close().await.unwrap();
 }
 
 /// Inputs m and n in one batch: member A commits m's output and acknowledgement in a
@@ -823,69 +766,27 @@ async fn the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_partly_committed_by_a_member_that_left_commits_its_rest() {
     let Some(url) = url() else { return };
-    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
-    let input = name("txn-half-in");
-    let output = name("txn-half-out");
-    let group = name("txn-half-group");
-    let batcher = client
-        .producer(
-            ProducerConfig::new()
-                .option("batch_size", "2")
-                .option("batch_timeout_ms", "5000"),
-        )
-        .await
-        .unwrap();
-    for d in batcher
-        .send_batch(vec![Record::new(&input, "m"), Record::new(&input, "n")])
-        .await
-    {
-        d.unwrap();
-    }
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(name("txn-half")))
-        .await
-        .unwrap();
-    let a = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
-    let got = poll_n(&a, 2).await;
-    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), vec!["m", "n"]);
-    let mut t = producer.begin().await.unwrap();
-    t.send(Record::new(&output, "out-m")).await.unwrap();
-    t.commit_offsets(
-        &a.group_metadata().unwrap(),
-        &[(got[0].topic_partition(), got[0].position.clone())],
+    let p = Pipeline::new(&url, "txn-half", "txn-half").await;
+    let (a, got) = batch_read_by_a_member(&p.client, &p.input, &p.group, &["m", "n"]).await;
+    let meta = a.group_metadata().unwrap();
+    let t = begin_processing(
+        &p.producer,
+        &meta,
+        vec![Record::new(&p.output, "out-m")],
+        &got[0],
     )
-    .await
-    .unwrap();
+    .await;
     t.commit().await.unwrap();
     a.close().await.unwrap();
 
-    let b = client
-        .consumer(ConsumerConfig::new(&group, [input.as_str()]))
-        .await
-        .unwrap();
-    let rest = poll_n(&b, 1).await;
-    let mut rest = rest;
-    // Anything else of the entry comes with it.
-    rest.extend(b.poll(10, Duration::from_millis(500)).await.unwrap());
-    let mut t = producer.begin().await.unwrap();
-    for m in &rest {
-        t.send(Record::new(&output, format!("out-{}", text(m))))
-            .await
-            .unwrap();
-    }
+    let b = member(&p.client, &p.group, &p.input).await;
+    let rest = poll_one_and_what_follows(&b).await;
     let last = rest.last().unwrap();
-    t.commit_offsets(
-        &b.group_metadata().unwrap(),
-        &[(last.topic_partition(), last.position.clone())],
-    )
-    .await
-    .unwrap();
+    let meta = b.group_metadata().unwrap();
+    let t = begin_processing(&p.producer, &meta, outputs_of(&p.output, &rest), last).await;
     let committed = t.commit().await;
     assert_eq!(
-        rest.iter().map(text).collect::<Vec<_>>(),
+        texts(&rest),
         vec!["n"],
         "only what the broker has no acknowledgement for (its commit: {committed:?})"
     );
@@ -896,16 +797,10 @@ async fn a_batch_partly_committed_by_a_member_that_left_commits_its_rest() {
         .await
         .unwrap();
     let replay = poll_n(&b, 2).await;
-    assert_eq!(
-        replay.iter().map(text).collect::<Vec<_>>(),
-        vec!["m", "n"],
-        "the replayed batch, whole"
-    );
+    assert_eq!(texts(&replay), vec!["m", "n"], "the replayed batch, whole");
     b.close().await.unwrap();
-    let plain = client.producer(ProducerConfig::new()).await.unwrap();
-    plain.send(Record::new(&output, "end")).await.unwrap();
     assert_eq!(
-        read_until(&client, &output, "end").await,
+        p.read_output(&plain(&p.client).await).await,
         vec!["out-m", "out-n", "end"]
     );
 }
@@ -922,17 +817,7 @@ async fn fault_proxy() -> Option<(FaultProxy, String)> {
     let admin = require("ONCEFLOW_PULSAR_ADMIN_URL")?;
     let listen = service.trim_start_matches("pulsar://").to_string();
     // A proxy of another test binary may still hold the port for a moment.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let proxy = loop {
-        match FaultProxy::start(&listen, &upstream).await {
-            Ok(p) => break p,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("fault proxy on {listen}: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("fault proxy on {listen}: {e}"),
-        }
-    };
+    let proxy = FaultProxy::start_when_free(&listen, &upstream, Duration::from_secs(30)).await;
     Some((proxy, format!("{service}?admin={admin}&transactions=true")))
 }
 
@@ -999,13 +884,13 @@ async fn second_ack_after_a_redelivery_is_refused(sub: &str, second: Second) {
     let Some((proxy, fault_url)) = fault_proxy().await else {
         return;
     };
-    let direct = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let direct = connect(&url).await;
     // Its own client: c1's connections, and its transactions', go through the proxy.
-    let behind = Client::new(onceflow_pulsar::connect(&fault_url).await.unwrap());
+    let behind = connect(&fault_url).await;
     let input = name("txn-redelivered-in");
     let output = name("txn-redelivered-out");
     let group = name("txn-redelivered");
-    let plain = direct.producer(ProducerConfig::new()).await.unwrap();
+    let plain = plain(&direct).await;
     plain.send(Record::new(&input, "m").key("k")).await.unwrap();
     let config = |id: &str| {
         ConsumerConfig::new(&group, [input.as_str()])
@@ -1029,18 +914,14 @@ async fn second_ack_after_a_redelivery_is_refused(sub: &str, second: Second) {
 
     // c2 processes m: its output and its acknowledgement in T2, committed before c1
     // acknowledges, or still open.
-    let p2 = direct
-        .producer(ProducerConfig::new().transactional_id(name("txn-c2")))
-        .await
-        .unwrap();
-    let mut t2 = p2.begin().await.unwrap();
-    t2.send(Record::new(&output, "out-m-by-c2")).await.unwrap();
-    t2.commit_offsets(
+    let p2 = txn_producer(&direct, "txn-c2").await;
+    let t2 = begin_processing(
+        &p2,
         &c2.group_metadata().unwrap(),
-        &[(got2[0].topic_partition(), got2[0].position.clone())],
+        vec![Record::new(&output, "out-m-by-c2")],
+        &got2[0],
     )
-    .await
-    .unwrap();
+    .await;
     let mut t2 = match second {
         Second::AfterCommit => {
             t2.commit().await.unwrap();
@@ -1078,18 +959,14 @@ async fn second_ack_after_a_redelivery_is_refused(sub: &str, second: Second) {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let p1 = behind
-        .producer(ProducerConfig::new().transactional_id(name("txn-c1")))
-        .await
-        .unwrap();
-    let mut t1 = p1.begin().await.unwrap();
-    t1.send(Record::new(&output, "out-m-by-c1")).await.unwrap();
-    t1.commit_offsets(
+    let p1 = txn_producer(&behind, "txn-c1").await;
+    let t1 = begin_processing(
+        &p1,
         &c1.group_metadata().unwrap(),
-        &[(got1[0].topic_partition(), got1[0].position.clone())],
+        vec![Record::new(&output, "out-m-by-c1")],
+        &got1[0],
     )
-    .await
-    .unwrap();
+    .await;
     let e = t1
         .commit()
         .await
@@ -1104,9 +981,8 @@ async fn second_ack_after_a_redelivery_is_refused(sub: &str, second: Second) {
         t2.commit().await.unwrap();
     }
 
-    plain.send(Record::new(&output, "end")).await.unwrap();
     assert_eq!(
-        read_until(&direct, &output, "end").await,
+        read_to_end(&direct, &plain, &output).await,
         vec!["out-m-by-c2".to_string(), "end".to_string()],
         "{sub}: m's output once, from the committed transaction"
     );
@@ -1118,17 +994,12 @@ async fn second_ack_after_a_redelivery_is_refused(sub: &str, second: Second) {
         .await
         .unwrap();
     assert!(left.is_empty(), "{sub}");
-    let quiet = Instant::now();
-    while quiet.elapsed() < Duration::from_secs(3) {
-        for c in [&c1, &c2] {
-            let more = c.poll(10, Duration::from_millis(100)).await.unwrap();
-            assert!(
-                more.is_empty(),
-                "{sub}: delivered again: {:?}",
-                more.iter().map(text).collect::<Vec<_>>()
-            );
-        }
-    }
+    assert_nothing_comes(
+        &[&c1, &c2],
+        Duration::from_millis(100),
+        &format!("{sub}: delivered again"),
+    )
+    .await;
     c1.close().await.unwrap();
     c2.close().await.unwrap();
     p1.close().await.unwrap();
