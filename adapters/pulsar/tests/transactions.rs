@@ -653,6 +653,46 @@ async fn transactions_ending_inside_a_batch_commit() {
     p.producer.close().await.unwrap();
 }
 
+/// A batch of 3 000 inputs (one ledger entry, as a Java producer writes them) read by a member
+/// whose receiver queue holds 100: a transaction acknowledging the first 50 commits. The
+/// pulsar crate's consumer engine hands the entry's messages to its bounded stream and writes
+/// acknowledgements from the same loop; with the member not polling while its transaction
+/// waited for the acknowledgements' answers, that loop stood still on the stream, the
+/// acknowledgements were never written, and the commit was aborted after the operation
+/// timeout (30 s): a pipeline on batched input committed nothing past its first batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_commits_while_a_large_batch_waits_to_be_read() {
+    let Some(url) = url() else { return };
+    let p = Pipeline::new(&url, "txn-large", "txn-large").await;
+    let values: Vec<String> = (0..3000).map(|i| format!("in{i}")).collect();
+    let refs: Vec<&str> = values.iter().map(String::as_str).collect();
+    send_one_batch(&p.client, &p.input, &refs).await;
+    let c = p
+        .client
+        .consumer(
+            ConsumerConfig::new(&p.group, [p.input.as_str()]).option("receiver_queue_size", "100"),
+        )
+        .await
+        .unwrap();
+    let got = poll_n(&c, 50).await;
+    assert_eq!(texts(&got), refs[..50]);
+    let meta = c.group_metadata().unwrap();
+    let outputs = outputs_of(&p.output, &got);
+    let t = begin_processing(&p.producer, &meta, outputs, got.last().unwrap()).await;
+    let started = Instant::now();
+    t.commit().await.unwrap_or_else(|e| {
+        panic!(
+            "the transaction acknowledging 50 of 3 000 batched inputs, after {:?}: {e}",
+            started.elapsed()
+        )
+    });
+    c.close().await.unwrap();
+    let plain = plain(&p.client).await;
+    let read = p.read_output(&plain).await;
+    assert_eq!(read.len(), 51, "the 50 outputs and the end marker");
+    p.producer.close().await.unwrap();
+}
+
 /// Inputs m and n in one batch (one ledger entry; the broker has batch-index acknowledgement
 /// on, PIP-54): a transaction acknowledges m and aborts. After the pipeline's rewind both come
 /// again, and a later transaction commits them. m's settled bit in onceflow's batch state
