@@ -111,6 +111,13 @@ const CLOSE_STEP: Duration = Duration::from_secs(1);
 /// asks for the close.
 const CLOSE_DRAIN: Duration = Duration::from_millis(500);
 
+/// How long a failover / exclusive partition waits for the message it asked the broker to
+/// rewind to (dropping what comes after it, fetched before the rewind) before it asks again
+/// from the earliest message dropped meanwhile: that message may have been acknowledged by
+/// another member's transaction since it was delivered here, and the broker never sends it
+/// again (the crash test stalled on it).
+const REWIND_WAIT: Duration = Duration::from_secs(5);
+
 /// Commands to a partition task, which owns the crate consumer.
 enum Cmd {
     Ack(Vec<MessageIdData>),
@@ -138,6 +145,10 @@ struct PartState {
     /// Nacked on a failover / exclusive subscription: the messages after this one that were
     /// fetched before the broker rewound are dropped until it comes again.
     rewind: Option<PosKey>,
+    /// When the broker was last asked to rewind to `rewind`.
+    rewind_asked: Option<std::time::Instant>,
+    /// The earliest message dropped while waiting for `rewind` (see [`REWIND_WAIT`]).
+    rewind_dropped: Option<(PosKey, MessageIdData)>,
     /// Nacked on a shared / key_shared subscription and expected back.
     nacked: BTreeSet<PosKey>,
     /// Batches (by ledger and entry) some of whose messages are settled and which are not yet
@@ -165,11 +176,36 @@ impl PartState {
     fn rewind_to(&mut self, key: PosKey) {
         drop(self.pending.split_off(&key));
         self.rewind = Some(self.rewind.map_or(key, |r| r.min(key)));
+        self.rewind_asked = Some(std::time::Instant::now());
+        self.rewind_dropped = None;
+    }
+
+    /// A rewind that waited [`REWIND_WAIT`] for its message in vain asks again, from the
+    /// earliest message dropped since (it may have been the broker's redelivery): that
+    /// message's id, to negatively acknowledge. `rewind`'s message may never come again:
+    /// another member's transaction acknowledged it after it was delivered here (one killed
+    /// while its commit was under way), or holds it.
+    fn rewind_again(&mut self) -> Option<MessageIdData> {
+        self.rewind?;
+        if self.rewind_asked?.elapsed() < REWIND_WAIT {
+            return None;
+        }
+        let (key, id) = self.rewind_dropped.take()?;
+        self.rewound();
+        self.rewind_to(key);
+        Some(id)
+    }
+
+    /// The rewind is over: `rewind` came back.
+    fn rewound(&mut self) {
+        self.rewind = None;
+        self.rewind_asked = None;
+        self.rewind_dropped = None;
     }
 
     fn reset(&mut self) {
         self.pending.clear();
-        self.rewind = None;
+        self.rewound();
         self.nacked.clear();
         self.batches.clear();
         self.deliveries.clear();
@@ -642,10 +678,16 @@ impl PulsarConsumer {
             if let Some(r) = st.rewind {
                 if f.key > r {
                     // Fetched before the broker rewound: it comes again after `r`.
-                    return Admit::Drop;
+                    if st.rewind_dropped.as_ref().is_none_or(|(k, _)| f.key < *k) {
+                        st.rewind_dropped = Some((f.key, f.id.clone()));
+                    }
+                    return match st.rewind_again() {
+                        Some(id) => Admit::Rewind(id),
+                        None => Admit::Drop,
+                    };
                 }
                 if f.key == r {
-                    st.rewind = None;
+                    st.rewound();
                 }
             }
         } else {
@@ -1049,6 +1091,8 @@ enum Admit {
     Drop,
     /// Before the start of a seek: acknowledged and skipped.
     Skip,
+    /// Not for the application: the broker is asked to rewind again, to this message.
+    Rewind(MessageIdData),
 }
 
 async fn subscribe(
@@ -1377,6 +1421,9 @@ impl ConsumerBackend for PulsarConsumer {
                     if !st.assigned || st.paused {
                         continue;
                     }
+                    if let Some(id) = st.rewind_again() {
+                        let _ = part.cmd.send(Cmd::Nack(id));
+                    }
                     let mut rx = part.rx.lock();
                     while out.len() < max {
                         let Ok(f) = rx.try_recv() else { break };
@@ -1384,7 +1431,7 @@ impl ConsumerBackend for PulsarConsumer {
                             // Settled (by whoever acknowledged it), never delivered again; a
                             // rewind to it is over.
                             if st.rewind == Some(f.key) {
-                                st.rewind = None;
+                                st.rewound();
                             }
                             let size = f.id.batch_size.unwrap_or(0) as u32;
                             st.batches
@@ -1404,6 +1451,9 @@ impl ConsumerBackend for PulsarConsumer {
                             }
                             Admit::Drop => {}
                             Admit::Skip => skipped.push(f.id),
+                            Admit::Rewind(id) => {
+                                let _ = part.cmd.send(Cmd::Nack(id));
+                            }
                         }
                     }
                 }
