@@ -84,7 +84,7 @@ impl Transform for Copy {
     }
 }
 
-/// The three contenders, in the order of [`Round`]'s fields.
+/// The three contenders (`ONCEFLOW_BENCH_P2_SIDES` numbers them 0, 1, 2 in this order).
 const SIDES: [&str; 3] = ["txn-pipeline", "at-least-once-pipeline", "java-txn-loop"];
 
 async fn p2() {
