@@ -165,7 +165,7 @@ pub struct PostgresOptions {
     pub connect_timeout: Duration,
     /// Longest wait for the server's answer to one operation of the store (a claim, renewal,
     /// completion, release, get or purge chunk) on an open connection (default
-    /// [`DEFAULT_OP_TIMEOUT`]; URL option `op_timeout=SECONDS`, a positive number). Past it the
+    /// [`DEFAULT_OP_TIMEOUT`]; URL option `op_timeout=SECONDS`, at least 0.001). Past it the
     /// connection is closed and the operation fails with a retriable [`ErrorKind::Timeout`]
     /// whose outcome is unknown (it may have been applied), logged at WARN: a network that
     /// goes silent does not stall the consumer for as long as the kernel keeps the socket.
@@ -443,9 +443,13 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
                     .ok()
                     .filter(|n| n.is_finite() && *n > 0.0)
                     .and_then(|n| Duration::try_from_secs_f64(n).ok())
+                    // At least 1 ms: a smaller value rounds to nothing, and every operation
+                    // would time out at once, for ever (#28).
+                    .filter(|d| *d >= Duration::from_millis(1))
                     .ok_or_else(|| {
                         Error::config(format!(
-                            "op_timeout '{v}' in '{shown}' is not a positive number of seconds"
+                            "op_timeout '{v}' in '{shown}' is not a number of seconds of at \
+                             least 0.001"
                         ))
                     })?
             }
