@@ -1274,6 +1274,9 @@ mod tests {
             "postgres://u:pw@127.0.0.1:1/db?pool_size=0",
             "postgres://u:pw@127.0.0.1:1/db?op_timeout=0",
             "postgres://u:pw@127.0.0.1:1/db?op_timeout=soon",
+            // Positive, but rounds to a zero Duration: every operation would time out at once
+            // (retriable, so the consumer retries for ever) (#28).
+            "postgres://u:pw@127.0.0.1:1/db?op_timeout=1e-12",
         ] {
             let e = PostgresStore::open(url, Duration::from_secs(1))
                 .await
