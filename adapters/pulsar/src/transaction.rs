@@ -162,13 +162,7 @@ impl PulsarTransaction {
     /// Waits for every acknowledgement's answer; aborts on a refusal.
     async fn settle_acks(&mut self) -> Result<()> {
         let timeout = self.producer.options.operation_timeout;
-        let draining = Draining::new(&self.consumers);
-        let answered = self
-            .frames
-            .acks_answered(self.id, self.acked, timeout)
-            .await;
-        drop(draining);
-        match answered {
+        match acks_answered(&self.frames, &self.consumers, self.id, self.acked, timeout).await {
             Ok(()) => Ok(()),
             Err(e) => {
                 let _ = self.end(TxnEnd::Abort).await;
@@ -220,6 +214,20 @@ fn settle(consumers: &[(Weak<PulsarConsumer>, Vec<TxnTaken>)], committed: bool) 
 }
 
 /// The bridge forgets transaction `id` and the producer may begin the next one.
+/// Waits for the answers to the `acked` acknowledgements of transaction `id`
+/// ([`TxnFrames::acks_answered`]), the consumers that made them reading from the broker
+/// meanwhile ([`Draining`]).
+async fn acks_answered(
+    frames: &TxnFrames,
+    consumers: &[(Weak<PulsarConsumer>, Vec<TxnTaken>)],
+    id: TxnId,
+    acked: u64,
+    timeout: std::time::Duration,
+) -> Result<()> {
+    let _draining = Draining::new(consumers);
+    frames.acks_answered(id, acked, timeout).await
+}
+
 fn release(frames: &TxnFrames, id: TxnId, in_txn: Option<&AtomicBool>) {
     frames.end(id);
     if let Some(f) = in_txn {
@@ -249,13 +257,15 @@ impl Abort {
     /// ([`TxnFrames::end`]).
     async fn run(self) -> Result<()> {
         if self.acked > 0 {
-            let draining = Draining::new(&self.consumers);
-            let answered = self
-                .frames
-                .acks_answered(self.id, self.acked, self.timeout)
-                .await;
-            drop(draining);
-            if let Err(e) = answered {
+            if let Err(e) = acks_answered(
+                &self.frames,
+                &self.consumers,
+                self.id,
+                self.acked,
+                self.timeout,
+            )
+            .await
+            {
                 tracing::debug!(txn = %self.id, error = %e, "aborting with acknowledgements unanswered");
             }
         }
