@@ -71,7 +71,9 @@
 //! to each operation on an open connection: past it the connection is closed and the operation
 //! fails with a retriable [`ErrorKind::Timeout`], outcome unknown, logged at WARN with the
 //! server's URL (password `***`). Other query options are passed to the PostgreSQL client
-//! (`connect_timeout`, `application_name`, `options`, `hostaddr`, `channel_binding`, …).
+//! (`application_name`, `options`, `hostaddr`, `channel_binding`, …). `connect_timeout=SECONDS`
+//! (default 5) bounds the whole of a new connection (TCP, TLS, authentication); 0 waits
+//! indefinitely, as in libpq.
 //! Errors name the URL with its password replaced by `***`. PostgreSQL 12 or later: the store's
 //! sessions plan every execution for its own arrays (`plan_cache_mode=force_custom_plan`, sent
 //! at connection start; PostgreSQL's cached generic plans for these statements scan the whole
@@ -161,7 +163,12 @@ pub struct PostgresOptions {
     pub schema: String,
     /// Pooled connections (default [`DEFAULT_POOL_SIZE`]; URL option `pool_size=`).
     pub pool_size: usize,
-    /// Longest wait for a connection (default 5 s).
+    /// Longest wait for a new connection to be ready, from the TCP connect through TLS and
+    /// authentication (default 5 s; URL option `connect_timeout=SECONDS`, a number). Zero
+    /// waits indefinitely, as libpq's `connect_timeout=0` (and negative values) do
+    /// ([libpq connection parameters](https://www.postgresql.org/docs/current/libpq-connect.html#LIBPQ-CONNECT-CONNECT-TIMEOUT)).
+    /// Past it the operation that needed the connection fails with a retriable
+    /// [`ErrorKind::Timeout`] naming the value; nothing was sent on that connection.
     pub connect_timeout: Duration,
     /// Longest wait for the server's answer to one operation of the store (a claim, renewal,
     /// completion, release, get or purge chunk) on an open connection (default
@@ -200,6 +207,8 @@ pub(crate) struct Db {
     pub(crate) login: Arc<str>,
     /// [`PostgresOptions::op_timeout`].
     pub(crate) op_timeout: Duration,
+    /// The connect timeout in effect (`None`: wait indefinitely), for errors.
+    pub(crate) connect_timeout: Option<Duration>,
 }
 
 /// A query run on a pooled connection, borrowing it (what `timed` and `with_retry` run).
@@ -218,7 +227,7 @@ impl Db {
         self.pool
             .get()
             .await
-            .map_err(|e| pool_error(&self.shown, &self.login, e))
+            .map_err(|e| pool_error(&self.shown, &self.login, self.connect_timeout, e))
     }
 
     /// Runs `f` on `client` within the operation timeout. Past it, closes the connection
@@ -353,7 +362,12 @@ fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-fn pool_error(shown: &str, login: &str, e: deadpool_postgres::PoolError) -> Error {
+fn pool_error(
+    shown: &str,
+    login: &str,
+    connect_timeout: Option<Duration>,
+    e: deadpool_postgres::PoolError,
+) -> Error {
     match e {
         deadpool_postgres::PoolError::Backend(e) => login_error(shown, login, "cannot connect", e),
         // deadpool's own words ("Timeout occurred while creating a new object") name none of
@@ -365,9 +379,10 @@ fn pool_error(shown: &str, login: &str, e: deadpool_postgres::PoolError) -> Erro
                 ErrorKind::Timeout,
                 format!(
                     "PostgreSQL store '{shown}': cannot connect: the server did not complete a \
-                     new connection within the connect timeout (URL option \
-                     connect_timeout=SECONDS, default 5 s): it is down, the address is wrong, \
-                     or the network is silent"
+                     new connection within the connect timeout of {} s (URL option \
+                     connect_timeout=SECONDS, default 5): it is down, the address is wrong, \
+                     or the network is silent",
+                    connect_timeout.map_or(0.0, |d| d.as_secs_f64())
                 ),
             )
             .retriable(true)
@@ -431,6 +446,7 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
     let mut schema = options.schema.clone();
     let mut pool_size = options.pool_size;
     let mut op_timeout = options.op_timeout;
+    let mut connect_timeout = options.connect_timeout;
     let mut rest = Vec::new();
     let mut pairs: Vec<(String, String)> = parsed.query_pairs().into_owned().collect();
     let tls_options = tls::Options::take(&mut pairs);
@@ -450,6 +466,23 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
                         Error::config(format!(
                             "op_timeout '{v}' in '{shown}' is not a number of seconds of at \
                              least 0.001"
+                        ))
+                    })?
+            }
+            // Taken here, not by the PostgreSQL client: it reads whole seconds only, turns 0
+            // and negative values into "no timeout" that the pool's own create timeout then
+            // overrode, and its error names neither the option nor the value (#28).
+            "connect_timeout" => {
+                connect_timeout = v
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|n| n.is_finite())
+                    .map(|n| Duration::try_from_secs_f64(n.max(0.0)).unwrap_or(Duration::ZERO))
+                    .ok_or_else(|| {
+                        Error::config(format!(
+                            "connect_timeout '{v}' in '{shown}' is not a number of seconds: \
+                             expected e.g. connect_timeout=5 (0 waits indefinitely, as libpq)"
                         ))
                     })?
             }
@@ -480,13 +513,14 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
     } else {
         parsed.query_pairs_mut().clear().extend_pairs(rest);
     }
-    let mut config: tokio_postgres::Config = parsed.as_str().parse().map_err(|e| {
-        Error::config(format!(
-            "PostgreSQL store URL '{shown}' is not valid for the PostgreSQL client: {e}"
-        ))
-    })?;
-    if config.get_connect_timeout().is_none() {
-        config.connect_timeout(options.connect_timeout);
+    let mut config: tokio_postgres::Config = parsed
+        .as_str()
+        .parse()
+        .map_err(|e| client_refused(&parsed, &shown, e))?;
+    // A fraction of a millisecond rounds to nothing: read as "wait indefinitely" like 0.
+    let connect_timeout = Some(connect_timeout).filter(|d| *d >= Duration::from_millis(1));
+    if let Some(timeout) = connect_timeout {
+        config.connect_timeout(timeout);
     }
     if config.get_application_name().is_none() {
         config.application_name("onceflow");
@@ -506,7 +540,10 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
     let pool = Pool::builder(manager)
         .max_size(pool_size)
         .runtime(Runtime::Tokio1)
-        .create_timeout(Some(options.connect_timeout + Duration::from_secs(1)))
+        // The client's own connect timeout covers the TCP connect only; this one covers the
+        // whole of a new connection (TLS, authentication, session start), a little later so
+        // that a refused TCP connect still reports the client's own words.
+        .create_timeout(connect_timeout.map(|d| d + Duration::from_millis(250)))
         .wait_timeout(Some(Duration::from_secs(60)))
         .build()
         .map_err(|e| {
@@ -520,9 +557,43 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
         schema: format!("\"{schema}\"").into(),
         login: login.into(),
         op_timeout,
+        connect_timeout,
     };
     migrate(&db).await?;
     Ok(db)
+}
+
+/// The error for a URL the PostgreSQL client refuses: names the first query option it refuses
+/// alone (with its value, never a password's), else the client's words.
+fn client_refused(parsed: &url::Url, shown: &str, e: tokio_postgres::Error) -> Error {
+    let mut bare = parsed.clone();
+    bare.set_query(None);
+    let refused = parsed.query_pairs().find(|(k, v)| {
+        let mut one = bare.clone();
+        one.query_pairs_mut().append_pair(k, v);
+        one.as_str().parse::<tokio_postgres::Config>().is_err()
+    });
+    match refused {
+        Some((k, v)) => {
+            // The value as the redacted URL shows it: secret keys' values are `***`, URLs
+            // inside values lose their user info.
+            let v = url::Url::parse(shown)
+                .ok()
+                .and_then(|u| {
+                    u.query_pairs()
+                        .find(|(key, _)| *key == k)
+                        .map(|(_, v)| v.into_owned())
+                })
+                .unwrap_or_else(|| "***".into());
+            Error::config(format!(
+                "PostgreSQL store URL '{shown}': option {k}='{v}' is refused by the PostgreSQL \
+                 client ({e}): see libpq's connection parameters for the values it takes"
+            ))
+        }
+        None => Error::config(format!(
+            "PostgreSQL store URL '{shown}' is not valid for the PostgreSQL client: {e}"
+        )),
+    }
 }
 
 /// Migrations, in order; migration `i` brings the schema to version `i + 1`.
@@ -1283,6 +1354,37 @@ mod tests {
                 .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Config, "{url}: {e}");
             assert!(!e.message().contains("pw@"), "{url}: {e}");
+        }
+    }
+
+    /// A bad value of an option the PostgreSQL client reads is named with its value, not
+    /// only "invalid connection string" (#28).
+    #[tokio::test]
+    async fn a_refused_option_is_named_with_its_value() {
+        for (url, named) in [
+            (
+                "postgres://u:pw@127.0.0.1:1/db?connect_timeout=abc",
+                "connect_timeout 'abc'",
+            ),
+            (
+                "postgres://u:pw@127.0.0.1:1/db?connect_timeout=",
+                "connect_timeout ''",
+            ),
+            (
+                "postgres://u:pw@127.0.0.1:1/db?application_name=x&keepalives_idle=soon",
+                "keepalives_idle='soon'",
+            ),
+            (
+                "postgres://u@127.0.0.1:1/db?password=pw&target_session_attrs=any-old",
+                "target_session_attrs='any-old'",
+            ),
+        ] {
+            let e = PostgresStore::open(url, Duration::from_secs(1))
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Config, "{url}: {e}");
+            assert!(e.message().contains(named), "{url}: {e}");
+            assert!(!e.message().contains("pw"), "{url}: {e}");
         }
     }
 }
