@@ -574,7 +574,7 @@ fn client_refused(parsed: &url::Url, shown: &str, e: tokio_postgres::Error) -> E
         one.as_str().parse::<tokio_postgres::Config>().is_err()
     });
     match refused {
-        Some((k, v)) => {
+        Some((k, _)) => {
             // The value as the redacted URL shows it: secret keys' values are `***`, URLs
             // inside values lose their user info.
             let v = url::Url::parse(shown)
