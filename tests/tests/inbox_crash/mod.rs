@@ -246,7 +246,7 @@ fn sqlite(path: &Path) -> rusqlite::Connection {
 
 /// The inbox a child runs, with its handler.
 enum ChildInbox {
-    Postgres(Inbox, OneRow, PostgresStore),
+    Postgres(Box<Inbox>, OneRow, PostgresStore),
     Embedded(EmbeddedInbox, Arc<OneRowSqlite>, PathBuf),
 }
 
@@ -328,7 +328,7 @@ pub async fn child(connect: Connect, spec: &str) {
             let handler = OneRow {
                 table: table.to_string(),
             };
-            ChildInbox::Postgres(store.inbox(consumer, config), handler, store)
+            ChildInbox::Postgres(Box::new(store.inbox(consumer, config)), handler, store)
         }
         _ => {
             let store = EmbeddedStore::open(location, WINDOW).await.expect("store");
