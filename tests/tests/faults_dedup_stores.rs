@@ -695,6 +695,40 @@ async fn redis_store_restarted_while_loading_its_dataset_run_does_not_end() {
     assert_eq!(ended, 0, "no run ends while Redis loads its dataset");
 }
 
+/// A Redis server that is a replica (`REPLICAOF`, its primary unreachable: `role:slave`, every
+/// write `READONLY`): opening a dedup or checkpoint store on it is a Config error naming the
+/// role, not a store that retries `READONLY` for ever (#28).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_refuses_a_replica_at_open() {
+    const TEST: &str = "redis_store_refuses_a_replica_at_open";
+    if !enabled(TEST, "redis-cli") {
+        return;
+    }
+    let server = PrivateServer::start("redis", "ONCEFLOW_REDIS_PORT", "ONCEFLOW_REDIS_URL").await;
+    let port = server.port.to_string();
+    let primary = free_port().to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &port, "replicaof", "127.0.0.1", &primary])
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("run redis-cli");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "OK");
+    let dedup = onceflow_redis::RedisStore::open(&server.url, Duration::from_secs(60))
+        .await
+        .expect_err("a replica");
+    let checkpoint = onceflow_redis::RedisCheckpointStore::open(&server.url)
+        .await
+        .expect_err("a replica");
+    for e in [dedup, checkpoint] {
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(!e.is_retriable(), "{e}");
+        assert!(e.message().contains("replica"), "{e}");
+    }
+}
+
 /// PostgreSQL behind a network that goes silent (connections open, nothing answered): the
 /// store times its operation out (`op_timeout`), closes the connection and the consumer goes
 /// on, instead of waiting for as long as the kernel keeps the socket.

@@ -222,8 +222,38 @@ impl Conn {
                 conn.shown
             )));
         }
+        conn.refuse_replica().await?;
         conn.load_scripts().await?;
         Ok((conn, options))
+    }
+
+    /// A [`ErrorKind::Config`] error when the server is a replica (`INFO replication` says
+    /// `role:slave`): every write there fails with `READONLY`, which at run time is a
+    /// failover to wait out, so a store opened on a replica would retry for ever; and a
+    /// replica made writable (`replica-read-only no`) keeps writes only until its next resync
+    /// (<https://redis.io/docs/latest/operate/oss_and_stack/management/replication/#read-only-replica>).
+    async fn refuse_replica(&self) -> Result<()> {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| redis_error(&self.shown, "INFO replication failed", e))?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        if field("role") == Some("slave") {
+            return Err(Error::config(format!(
+                "Redis store URL '{}': the server is a replica of {}:{} (INFO replication \
+                 role:slave); the store writes every claim and completion: give it the \
+                 primary's URL",
+                self.shown,
+                field("master_host").unwrap_or("?"),
+                field("master_port").unwrap_or("?"),
+            )));
+        }
+        Ok(())
     }
 
     async fn load_scripts(&self) -> Result<()> {
@@ -400,8 +430,8 @@ impl RedisStore {
     /// the [crate docs](crate#tls-and-credentials); optional `?prefix=P`), remembering
     /// completed keys for `window`.
     ///
-    /// Errors: [`ErrorKind::Config`] for a malformed URL, an unknown option, a zero window or
-    /// a certificate file that cannot be read; [`ErrorKind::Unsupported`] for a server older
+    /// Errors: [`ErrorKind::Config`] for a malformed URL, an unknown option, a zero window, a
+    /// certificate file that cannot be read or a server that is a replica (`role:slave`); [`ErrorKind::Unsupported`] for a server older
     /// than Redis 7.0 or one that is not standalone (Redis Cluster, Sentinel);
     /// [`ErrorKind::Auth`] when the server refuses the credentials or a TLS certificate (ours
     /// or its own); [`ErrorKind::DedupStore`] (retriable) when the server cannot be reached or
