@@ -263,28 +263,40 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         );
     }
     let producer = client.producer(ProducerConfig::new()).await?;
+    // Lines are read on their own task, so that deliveries are reported while the next line
+    // is awaited (`tail -f log | onceflow produce`), and what has already come in is sent
+    // together, up to CHUNK records per enqueue and IN_FLIGHT chunks awaiting their
+    // acknowledgements: a piped file is not sent one round trip per line.
+    const CHUNK: usize = 512;
+    const IN_FLIGHT: usize = 8;
+    let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(2 * CHUNK);
     let mut input = Payloads::new(a.messages.clone());
-    // Each line of standard input is sent as it is read (`tail -f log | onceflow produce`).
+    tokio::spawn(async move {
+        loop {
+            let next = input.next().await.transpose();
+            let end = !matches!(next, Some(Ok(_)));
+            if let Some(line) = next {
+                if lines_tx.send(line).await.is_err() {
+                    return;
+                }
+            }
+            if end {
+                return;
+            }
+        }
+    });
     // With an idempotency key, one message is read ahead, to know whether there are several
     // (each then gets its own `-N` suffix).
     let mut ahead = std::collections::VecDeque::new();
     if a.idempotency_key.is_some() {
         for _ in 0..2 {
-            if let Some(p) = input.next().await? {
-                ahead.push_back(p);
+            if let Some(p) = lines.recv().await {
+                ahead.push_back(p?);
             }
         }
     }
     let many = ahead.len() > 1;
-    let mut out = std::io::stdout().lock();
-    let mut failed = 0;
-    let mut bad_input = false;
-    for i in 0usize.. {
-        let next = match ahead.pop_front() {
-            Some(p) => Some(p),
-            None => input.next().await?,
-        };
-        let Some(p) = next else { break };
+    let record = |i: usize, p: Vec<u8>| {
         let mut r = Record::new(a.topic.clone(), p);
         if let Some(k) = &a.key {
             r = r.key(k.clone().into_bytes());
@@ -299,28 +311,98 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
                 id.clone()
             });
         }
-        match producer.send(r).await {
-            Ok(d) => {
-                let _ = writeln!(
-                    out,
-                    "{}[{}] {}{}",
-                    d.topic,
-                    d.partition,
-                    d.position,
-                    if d.duplicate { " (duplicate)" } else { "" }
-                );
+        r
+    };
+    let mut out = std::io::stdout().lock();
+    let mut failed = 0;
+    let mut bad_input = false;
+    let mut report = |first: usize, results: Vec<Result<onceflow::Delivery>>| {
+        for (i, result) in (first..).zip(results) {
+            match result {
+                Ok(d) => {
+                    let _ = writeln!(
+                        out,
+                        "{}[{}] {}{}",
+                        d.topic,
+                        d.partition,
+                        d.position,
+                        if d.duplicate { " (duplicate)" } else { "" }
+                    );
+                }
+                Err(e) => {
+                    failed += 1;
+                    warn_line!(
+                        "onceflow: message {i} not sent: {}: {}\n  error kind: {} ({})",
+                        e.kind().describe(),
+                        e.message(),
+                        e.kind().code(),
+                        e.kind().describe()
+                    );
+                    bad_input |= e.kind() == ErrorKind::Config;
+                }
             }
-            Err(e) => {
-                failed += 1;
-                warn_line!(
-                    "onceflow: message {i} not sent: {}: {}\n  error kind: {} ({})",
-                    e.kind().describe(),
-                    e.message(),
-                    e.kind().code(),
-                    e.kind().describe()
-                );
-                bad_input |= e.kind() == ErrorKind::Config;
+        }
+    };
+    let mut sent = 0usize;
+    let mut in_flight: std::collections::VecDeque<(usize, onceflow::backend::DeliveriesFuture)> =
+        std::collections::VecDeque::new();
+    let mut input_open = true;
+    while input_open || !in_flight.is_empty() {
+        let chunk = if !ahead.is_empty() {
+            Some(ahead.drain(..).map(Ok).collect::<Vec<_>>())
+        } else {
+            tokio::select! {
+                biased;
+                results = async { in_flight.front_mut().expect("not empty").1.as_mut().await },
+                    if !in_flight.is_empty() =>
+                {
+                    let (first, _) = in_flight.pop_front().expect("not empty");
+                    report(first, results);
+                    None
+                }
+                line = lines.recv(), if input_open && in_flight.len() < IN_FLIGHT => {
+                    match line {
+                        None => {
+                            input_open = false;
+                            None
+                        }
+                        Some(line) => {
+                            let mut chunk = vec![line];
+                            while chunk.len() < CHUNK {
+                                match lines.try_recv() {
+                                    Ok(line) => chunk.push(line),
+                                    Err(_) => break,
+                                }
+                            }
+                            Some(chunk)
+                        }
+                    }
+                }
             }
+        };
+        let Some(chunk) = chunk else { continue };
+        let mut records = Vec::with_capacity(chunk.len());
+        let mut read_error = None;
+        for line in chunk {
+            match line {
+                Ok(p) => records.push(record(sent + records.len(), p)),
+                Err(e) => {
+                    read_error = Some(e);
+                    break;
+                }
+            }
+        }
+        let n = records.len();
+        if n > 0 {
+            in_flight.push_back((sent, producer.enqueue_batch(records).await));
+            sent += n;
+        }
+        if let Some(e) = read_error {
+            // What was read before the error is still sent and reported.
+            while let Some((first, deliveries)) = in_flight.pop_front() {
+                report(first, deliveries.await);
+            }
+            return Err(e);
         }
     }
     producer.flush(Duration::from_secs(30)).await?;
