@@ -347,6 +347,11 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
     let mut in_flight: std::collections::VecDeque<(usize, onceflow::backend::DeliveriesFuture)> =
         std::collections::VecDeque::new();
     let mut input_open = true;
+    // A signal stops the reading; what was read is still sent and reported (a second signal
+    // exits at once).
+    let stop = interrupted();
+    tokio::pin!(stop);
+    let mut stopped = None;
     while input_open || !in_flight.is_empty() {
         let chunk = if !ahead.is_empty() {
             Some(ahead.drain(..).map(Ok).collect::<Vec<_>>())
@@ -358,6 +363,17 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
                 {
                     let (first, _) = in_flight.pop_front().expect("not empty");
                     report(first, results);
+                    None
+                }
+                code = &mut stop, if stopped.is_none() => {
+                    stopped = Some(code);
+                    input_open = false;
+                    if !in_flight.is_empty() {
+                        warn_line!(
+                            "onceflow: interrupted: waiting for the acknowledgements of the \
+                             messages already sent (again to stop at once)"
+                        );
+                    }
                     None
                 }
                 line = lines.recv(), if input_open && in_flight.len() < IN_FLIGHT => {
@@ -406,6 +422,12 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         }
     }
     producer.flush(Duration::from_secs(30)).await?;
+    if let (Some(code), 0) = (stopped, failed) {
+        // The reader of standard input may still wait for a line it cannot be cancelled out
+        // of: do not make the runtime's shutdown wait for it.
+        let _ = out.flush();
+        std::process::exit(i32::from(code));
+    }
     // Like every other command: bad input exits 2, any other failure 1.
     Ok(match failed {
         0 => ExitCode::SUCCESS,
