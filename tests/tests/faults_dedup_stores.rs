@@ -801,3 +801,141 @@ async fn postgres_store_silent_at_connect_names_the_connect_timeout() {
     );
     assert!(!e.message().contains("new object"), "pool words: {e}");
 }
+
+/// The transactional inbox's handler for the silent-network test: records nothing of its own.
+struct NoteHandled(AtomicUsize);
+
+#[async_trait]
+impl onceflow_postgres::InboxHandler for NoteHandled {
+    async fn handle(
+        &self,
+        _: &mut onceflow_postgres::tokio_postgres::Transaction<'_>,
+        _: &Message,
+    ) -> Result<(), BoxError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// The PostgreSQL checkpoint store (Kinesis lease table) and the transactional inbox behind a
+/// network that goes silent on open connections: each of their operations ends with a
+/// retriable Timeout within the URL's `op_timeout` instead of waiting for as long as the kernel
+/// keeps the socket (before, only the dedup store was bounded, #28); once the network is back
+/// they work on new connections and the inbox handles its message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_checkpoint_store_and_inbox_time_out_on_a_silent_network() {
+    use onceflow_core::checkpoint::{CheckpointStore, NewLease};
+    let Ok(url) = std::env::var("ONCEFLOW_POSTGRES_URL") else {
+        assert!(
+            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+            "ONCEFLOW_POSTGRES_URL is not set"
+        );
+        eprintln!("SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
+        return;
+    };
+    let parsed = url::Url::parse(&url).unwrap();
+    let upstream = format!(
+        "{}:{}",
+        parsed.host_str().unwrap(),
+        parsed.port().unwrap_or(5432)
+    );
+    let proxy = FaultProxy::start_raw("127.0.0.1:0", &upstream)
+        .await
+        .unwrap();
+    let mut through = parsed.clone();
+    through.set_host(Some("127.0.0.1")).unwrap();
+    through.set_port(Some(proxy.addr().port())).unwrap();
+    through
+        .query_pairs_mut()
+        .append_pair("schema", &format!("silent_{}", random_suffix()))
+        .append_pair("op_timeout", "1");
+    let silence = || {
+        proxy.always(
+            Direction::ToClient,
+            |_| true,
+            Action::Delay(Duration::from_secs(3600)),
+        )
+    };
+    let timed_out = |what: &str, r: onceflow_core::Result<()>| {
+        let e = r.expect_err(what);
+        assert!(
+            e.kind() == ErrorKind::Timeout
+                && e.is_retriable()
+                && e.message().contains("op_timeout"),
+            "{what}: {e}"
+        );
+    };
+
+    let leases = onceflow_postgres::PostgresCheckpointStore::open(through.as_str())
+        .await
+        .unwrap();
+    let lease = |key: &str| NewLease {
+        key: key.into(),
+        checkpoint: None,
+        parents: Vec::new(),
+    };
+    leases.create("g", &[lease("shard-0")]).await.unwrap();
+    silence();
+    tokio::time::timeout(HANG_GUARD, async {
+        timed_out("list", leases.list("g").await.map(drop));
+        timed_out("get", leases.get("g", &["shard-0".into()]).await.map(drop));
+        timed_out(
+            "create",
+            leases.create("g", &[lease("shard-1")]).await.map(drop),
+        );
+        timed_out(
+            "delete",
+            leases.delete("g", &["shard-1".into()]).await.map(drop),
+        );
+    })
+    .await
+    .expect("a checkpoint store operation hung on a silent network");
+    proxy.clear();
+    assert_eq!(leases.list("g").await.unwrap().len(), 1, "works again");
+
+    let store = onceflow_postgres::PostgresStore::open(through.as_str(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let client = Client::new(
+        onceflow_memory::connect(&format!("memory://silent-inbox-{}", random_suffix())).unwrap(),
+    );
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    producer
+        .send(Record::new("orders", "o1").idempotency_key("k1"))
+        .await
+        .unwrap();
+    let consumer = client
+        .consumer(ConsumerConfig::new("g", ["orders"]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let config = onceflow_postgres::InboxConfig {
+        max_attempts: 1,
+        ..onceflow_postgres::InboxConfig::default()
+    };
+    let mut inbox = store.inbox(consumer, config);
+    let positions = inbox.positions_reader();
+    let handler = NoteHandled(AtomicUsize::new(0));
+    silence();
+    tokio::time::timeout(HANG_GUARD, async {
+        timed_out("positions", positions.read().await.map(drop));
+        timed_out("step", inbox.step(&handler).await.map(drop));
+    })
+    .await
+    .expect("an inbox operation hung on a silent network");
+    proxy.clear();
+    // A failed step ends that inbox's run; its message comes again on the next start.
+    drop(inbox);
+    let consumer = client
+        .consumer(ConsumerConfig::new("g", ["orders"]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let mut inbox = store.inbox(consumer, onceflow_postgres::InboxConfig::default());
+    for _ in 0..20 {
+        if inbox.summary().handled == 1 {
+            break;
+        }
+        inbox.step(&handler).await.unwrap();
+    }
+    assert_eq!(inbox.summary().handled, 1, "{:?}", inbox.summary());
+    assert_eq!(positions.read().await.unwrap().len(), 1);
+}

@@ -152,15 +152,22 @@ impl PostgresCheckpointStore {
         let mut keys: Vec<String> = ops.iter().map(|(k, _)| k.clone()).collect();
         keys.sort();
         keys.dedup();
+        const WHAT: &str = "checkpoint store update failed";
         let mut client = self.db.client().await?;
         let mut tries = 0;
         loop {
             tries += 1;
-            match self.locked_once(&mut client, group, &keys, &ops).await {
+            let Some(r) = (self.db)
+                .within(self.locked_once(&mut client, group, &keys, &ops))
+                .await
+            else {
+                return Err(self.db.timed_out(WHAT, client));
+            };
+            match r {
                 Err(e) if crate::is_race(&e) && tries < crate::MAX_TRIES => {
                     tokio::time::sleep(Duration::from_millis(rand::random::<u64>() % 20)).await;
                 }
-                r => return r.map_err(|e| self.db.error("checkpoint store update failed", e)),
+                r => return r.map_err(|e| self.db.error(WHAT, e)),
             }
         }
     }
@@ -283,17 +290,16 @@ impl CheckpointStore for PostgresCheckpointStore {
 
     async fn list(&self, group: &str) -> Result<Vec<Lease>> {
         checkpoint::validate(group, [], [])?;
+        const WHAT: &str = "checkpoint list failed";
         let client = self.db.client().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "{} WHERE grp = $1 ORDER BY key COLLATE \"C\"",
-                    self.select()
-                ),
-                &[&group],
-            )
-            .await
-            .map_err(|e| self.db.error("checkpoint list failed", e))?;
+        let sql = format!(
+            "{} WHERE grp = $1 ORDER BY key COLLATE \"C\"",
+            self.select()
+        );
+        let Some(rows) = self.db.within(client.query(&sql, &[&group])).await else {
+            return Err(self.db.timed_out(WHAT, client));
+        };
+        let rows = rows.map_err(|e| self.db.error(WHAT, e))?;
         Ok(rows
             .iter()
             .map(|r| {
@@ -314,14 +320,13 @@ impl CheckpointStore for PostgresCheckpointStore {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
+        const WHAT: &str = "checkpoint get failed";
         let client = self.db.client().await?;
-        let rows = client
-            .query(
-                &format!("{} WHERE grp = $1 AND key = ANY($2::text[])", self.select()),
-                &[&group, &keys],
-            )
-            .await
-            .map_err(|e| self.db.error("checkpoint get failed", e))?;
+        let sql = format!("{} WHERE grp = $1 AND key = ANY($2::text[])", self.select());
+        let Some(rows) = self.db.within(client.query(&sql, &[&group, &keys])).await else {
+            return Err(self.db.timed_out(WHAT, client));
+        };
+        let rows = rows.map_err(|e| self.db.error(WHAT, e))?;
         let (state, now) = Self::rows(&rows);
         Ok(keys
             .iter()
@@ -334,32 +339,32 @@ impl CheckpointStore for PostgresCheckpointStore {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
+        const WHAT: &str = "checkpoint create failed";
         let mut client = self.db.client().await?;
-        let tx = client
-            .transaction()
-            .await
-            .map_err(|e| self.db.error("checkpoint create failed", e))?;
-        let mut created = std::collections::HashSet::new();
-        // One statement per row: a row's parents are an array, which unnest would flatten.
-        for l in leases {
-            let n = tx
-                .execute(
-                    &format!(
-                        "INSERT INTO {} (grp, key, owner, counter, lease_until, checkpoint, parents) \
-                         VALUES ($1, $2, NULL, 0, 0, $3, $4) ON CONFLICT (grp, key) DO NOTHING",
-                        self.t()
-                    ),
-                    &[&group, &l.key, &l.checkpoint, &l.parents],
-                )
-                .await
-                .map_err(|e| self.db.error("checkpoint create failed", e))?;
-            if n == 1 {
-                created.insert(l.key.clone());
+        let sql = format!(
+            "INSERT INTO {} (grp, key, owner, counter, lease_until, checkpoint, parents) \
+             VALUES ($1, $2, NULL, 0, 0, $3, $4) ON CONFLICT (grp, key) DO NOTHING",
+            self.t()
+        );
+        let insert = async {
+            let tx = client.transaction().await?;
+            let mut created = std::collections::HashSet::new();
+            // One statement per row: a row's parents are an array, which unnest would flatten.
+            for l in leases {
+                let n = tx
+                    .execute(&sql, &[&group, &l.key, &l.checkpoint, &l.parents])
+                    .await?;
+                if n == 1 {
+                    created.insert(l.key.clone());
+                }
             }
-        }
-        tx.commit()
-            .await
-            .map_err(|e| self.db.error("checkpoint create failed", e))?;
+            tx.commit().await?;
+            Ok::<_, tokio_postgres::Error>(created)
+        };
+        let Some(created) = self.db.within(insert).await else {
+            return Err(self.db.timed_out(WHAT, client));
+        };
+        let created = created.map_err(|e| self.db.error(WHAT, e))?;
         Ok(first_hits(leases.iter().map(|l| l.key.clone()), &created))
     }
 
@@ -452,17 +457,16 @@ impl CheckpointStore for PostgresCheckpointStore {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
+        const WHAT: &str = "checkpoint delete failed";
         let client = self.db.client().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "DELETE FROM {} WHERE grp = $1 AND key = ANY($2::text[]) RETURNING key",
-                    self.t()
-                ),
-                &[&group, &keys],
-            )
-            .await
-            .map_err(|e| self.db.error("checkpoint delete failed", e))?;
+        let sql = format!(
+            "DELETE FROM {} WHERE grp = $1 AND key = ANY($2::text[]) RETURNING key",
+            self.t()
+        );
+        let Some(rows) = self.db.within(client.query(&sql, &[&group, &keys])).await else {
+            return Err(self.db.timed_out(WHAT, client));
+        };
+        let rows = rows.map_err(|e| self.db.error(WHAT, e))?;
         let hit = rows.iter().map(|r| r.get::<_, String>(0)).collect();
         Ok(first_hits(keys.iter().cloned(), &hit))
     }

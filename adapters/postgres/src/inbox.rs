@@ -182,18 +182,17 @@ impl InboxPositions {
     /// and partition. Errors: [`onceflow_core::ErrorKind::DedupStore`] when the database
     /// cannot be reached or a stored position does not parse.
     pub async fn read(&self) -> Result<Vec<(TopicPartition, Position)>> {
+        const WHAT: &str = "cannot read inbox positions";
         let client = self.db.client().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT topic, partition, position FROM {} WHERE consumer_group = $1 \
-                     ORDER BY topic, partition",
-                    self.db.t("inbox_position")
-                ),
-                &[&self.namespace],
-            )
-            .await
-            .map_err(|e| self.db.error("cannot read inbox positions", e))?;
+        let sql = format!(
+            "SELECT topic, partition, position FROM {} WHERE consumer_group = $1 \
+             ORDER BY topic, partition",
+            self.db.t("inbox_position")
+        );
+        let Some(rows) = self.db.within(client.query(&sql, &[&self.namespace])).await else {
+            return Err(self.db.timed_out(WHAT, client));
+        };
+        let rows = rows.map_err(|e| self.db.error(WHAT, e))?;
         rows.iter()
             .map(|r| {
                 let tp = TopicPartition::new(r.get::<_, String>(0), r.get::<_, i32>(1));
@@ -225,19 +224,19 @@ impl<H: InboxHandler + ?Sized> InboxDatabase for PgInboxDb<'_, H> {
         let client = self.db.client().await?;
         let topics: Vec<&str> = partitions.iter().map(|tp| tp.topic.as_str()).collect();
         let parts: Vec<i32> = partitions.iter().map(|tp| tp.partition).collect();
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT p.topic, p.partition, p.position FROM {} AS p \
-                     JOIN unnest($2::text[], $3::int[]) AS u(topic, partition) \
-                     ON p.topic = u.topic AND p.partition = u.partition \
-                     WHERE p.consumer_group = $1",
-                    self.db.t("inbox_position")
-                ),
-                &[&namespace, &topics, &parts],
-            )
-            .await
-            .map_err(|e| self.db.error("cannot read inbox positions", e))?;
+        const WHAT: &str = "cannot read inbox positions";
+        let sql = format!(
+            "SELECT p.topic, p.partition, p.position FROM {} AS p \
+             JOIN unnest($2::text[], $3::int[]) AS u(topic, partition) \
+             ON p.topic = u.topic AND p.partition = u.partition \
+             WHERE p.consumer_group = $1",
+            self.db.t("inbox_position")
+        );
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&namespace, &topics, &parts];
+        let Some(rows) = self.db.within(client.query(&sql, &params)).await else {
+            return Err(self.db.timed_out(WHAT, client));
+        };
+        let rows = rows.map_err(|e| self.db.error(WHAT, e))?;
         rows.iter()
             .map(|r| {
                 let tp = TopicPartition::new(r.get::<_, String>(0), r.get::<_, i32>(1));
@@ -246,7 +245,10 @@ impl<H: InboxHandler + ?Sized> InboxDatabase for PgInboxDb<'_, H> {
             .collect()
     }
 
-    /// One transaction: key, handler, position, commit.
+    /// One transaction: key, handler, position, commit. Each of the store's own statements
+    /// waits at most the store's `op_timeout` for its answer (then the connection is closed
+    /// and the transaction, never committed or of unknown outcome, fails with a retriable
+    /// Timeout); the handler's statements are the handler's to bound.
     async fn transact(
         &self,
         namespace: &str,
@@ -254,30 +256,53 @@ impl<H: InboxHandler + ?Sized> InboxDatabase for PgInboxDb<'_, H> {
         m: &Message,
     ) -> Result<InboxOutcome> {
         let mut client = self.db.client().await?;
-        let mut tx = client
-            .transaction()
-            .await
-            .map_err(|e| self.db.error("inbox: cannot begin", e))?;
+        match self.transact_on(&mut client, namespace, key, m).await? {
+            Ok(outcome) => Ok(outcome),
+            Err(what) => Err(self.db.timed_out(what, client)),
+        }
+    }
+}
+
+impl<H: InboxHandler + ?Sized> PgInboxDb<'_, H> {
+    /// [`InboxDatabase::transact`] on `client`; `Ok(Err(what))` when the statement `what` had
+    /// no answer within the operation timeout.
+    async fn transact_on(
+        &self,
+        client: &mut deadpool_postgres::Object,
+        namespace: &str,
+        key: Option<&str>,
+        m: &Message,
+    ) -> Result<std::result::Result<InboxOutcome, &'static str>> {
+        /// The statement's answer within the operation timeout, its error mapped; past the
+        /// timeout, returns `Ok(Err(what))` from the enclosing function.
+        macro_rules! bounded {
+            ($what:expr, $op:expr) => {
+                match self.db.within($op).await {
+                    Some(r) => r.map_err(|e| self.db.error($what, e)),
+                    None => return Ok(Err($what)),
+                }
+            };
+        }
+        let mut tx = bounded!("inbox: cannot begin", client.transaction())?;
         let window = crate::ms(self.window);
         let fresh = match key {
             Some(key) => {
                 let d = self.db.t("dedup");
                 let now = crate::NOW_MS;
-                tx.query_opt(
-                    &format!(
-                        "INSERT INTO {d} AS d (key, token, state, expires_at) \
-                         VALUES ($1, 1, 2, {now} + $2) \
-                         ON CONFLICT (key) DO UPDATE SET token = d.token + 1, state = 2, \
-                         owner = NULL, lease_until = NULL, expires_at = excluded.expires_at, \
-                         done_until = NULL, \
-                         fingerprint = NULL, result = NULL \
-                         WHERE NOT (d.state = 2 AND COALESCE(d.done_until, d.expires_at) > {now}) \
-                         RETURNING d.token"
-                    ),
-                    &[&key, &window],
-                )
-                .await
-                .map_err(|e| self.db.error("inbox: cannot record the key", e))?
+                let sql = format!(
+                    "INSERT INTO {d} AS d (key, token, state, expires_at) \
+                     VALUES ($1, 1, 2, {now} + $2) \
+                     ON CONFLICT (key) DO UPDATE SET token = d.token + 1, state = 2, \
+                     owner = NULL, lease_until = NULL, expires_at = excluded.expires_at, \
+                     done_until = NULL, \
+                     fingerprint = NULL, result = NULL \
+                     WHERE NOT (d.state = 2 AND COALESCE(d.done_until, d.expires_at) > {now}) \
+                     RETURNING d.token"
+                );
+                bounded!(
+                    "inbox: cannot record the key",
+                    tx.query_opt(&sql, &[&key, &window])
+                )?
                 .is_some()
             }
             None => true,
@@ -287,25 +312,23 @@ impl<H: InboxHandler + ?Sized> InboxDatabase for PgInboxDb<'_, H> {
                 .await
                 .map_err(|e| e.context(format!("inbox '{namespace}'")))?;
         }
-        tx.execute(
-            &format!(
-                "INSERT INTO {} (consumer_group, topic, partition, position) \
-                 VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (consumer_group, topic, partition) \
-                 DO UPDATE SET position = excluded.position, updated_at = now()",
-                self.db.t("inbox_position")
-            ),
-            &[&namespace, &m.topic, &m.partition, &m.position.to_string()],
-        )
-        .await
-        .map_err(|e| self.db.error("inbox: cannot record the position", e))?;
-        tx.commit()
-            .await
-            .map_err(|e| self.db.error("inbox: commit failed", e))?;
-        Ok(if fresh {
+        let sql = format!(
+            "INSERT INTO {} (consumer_group, topic, partition, position) \
+             VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (consumer_group, topic, partition) \
+             DO UPDATE SET position = excluded.position, updated_at = now()",
+            self.db.t("inbox_position")
+        );
+        let position = m.position.to_string();
+        bounded!(
+            "inbox: cannot record the position",
+            tx.execute(&sql, &[&namespace, &m.topic, &m.partition, &position])
+        )?;
+        bounded!("inbox: commit failed", tx.commit())?;
+        Ok(Ok(if fresh {
             InboxOutcome::Handled
         } else {
             InboxOutcome::Duplicate
-        })
+        }))
     }
 }

@@ -68,7 +68,9 @@
 //! ## URLs
 //! `postgres://user:password@host:port/database[?schema=S&pool_size=N&op_timeout=SECONDS&sslmode=M&sslrootcert=PATH]`
 //! (also `postgresql://`). `op_timeout` (default 30 s) bounds the wait for the server's answer
-//! to each operation on an open connection: past it the connection is closed and the operation
+//! to each operation on an open connection (of the dedup store, the checkpoint store and the
+//! inbox's own statements; the statements an inbox handler runs are its own to bound, e.g. with
+//! `SET LOCAL statement_timeout`): past it the connection is closed and the operation
 //! fails with a retriable [`ErrorKind::Timeout`], outcome unknown, logged at WARN with the
 //! server's URL (password `***`). Other query options are passed to the PostgreSQL client
 //! (`application_name`, `options`, `hostaddr`, `channel_binding`, …). `connect_timeout=SECONDS`
@@ -246,29 +248,40 @@ impl Db {
         F: for<'c> FnOnce(&'c mut deadpool_postgres::Object) -> PgFuture<'c, T>,
     {
         let mut client = client;
-        match tokio::time::timeout(self.op_timeout, f(&mut client)).await {
-            Ok(r) => Ok((client, r)),
-            Err(_) => {
-                drop(deadpool_postgres::Object::take(client));
-                tracing::warn!(
-                    server = %self.shown,
-                    operation = what,
-                    op_timeout = ?self.op_timeout,
-                    "PostgreSQL dedup store: no answer within op_timeout; connection closed, \
-                     retrying on a new one"
-                );
-                let msg = format!(
-                    "PostgreSQL store '{}': {what}: no answer from the server within \
-                     op_timeout={} s (the network or the server may be down); the operation \
-                     may or may not have been applied",
-                    self.shown,
-                    self.op_timeout.as_secs_f64()
-                );
-                Err(Error::new(ErrorKind::Timeout, msg)
-                    .with_outcome_unknown()
-                    .retriable(true))
-            }
+        match self.within(f(&mut client)).await {
+            Some(r) => Ok((client, r)),
+            None => Err(self.timed_out(what, client)),
         }
+    }
+
+    /// `op`'s answer within the operation timeout, `None` past it (then give the connection
+    /// `op` used to [`Db::timed_out`]).
+    pub(crate) async fn within<T>(&self, op: impl std::future::Future<Output = T>) -> Option<T> {
+        tokio::time::timeout(self.op_timeout, op).await.ok()
+    }
+
+    /// The end of an operation that had no answer within the operation timeout: closes its
+    /// connection (taken out of the pool: its answer may still come, or never), logs a WARN
+    /// line naming the server, and returns a retriable [`ErrorKind::Timeout`] with outcome
+    /// unknown.
+    pub(crate) fn timed_out(&self, what: &str, client: deadpool_postgres::Object) -> Error {
+        drop(deadpool_postgres::Object::take(client));
+        tracing::warn!(
+            server = %self.shown,
+            operation = what,
+            op_timeout = ?self.op_timeout,
+            "PostgreSQL store: no answer within op_timeout; connection closed"
+        );
+        let msg = format!(
+            "PostgreSQL store '{}': {what}: no answer from the server within op_timeout={} s \
+             (the network or the server may be down); the operation may or may not have been \
+             applied",
+            self.shown,
+            self.op_timeout.as_secs_f64()
+        );
+        Error::new(ErrorKind::Timeout, msg)
+            .with_outcome_unknown()
+            .retriable(true)
     }
 
     /// `schema.table`.
