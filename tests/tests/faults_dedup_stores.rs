@@ -759,32 +759,40 @@ async fn postgres_store_silent_network_times_out_and_run_goes_on() {
     assert_eq!(ended, 0, "no run ends on a store timeout: it is waited out");
 }
 
-/// A PostgreSQL server whose network is silent when the store connects (the fault proxy holds
-/// new connections unanswered): the error names the connect timeout in words, not the pool
-/// library's "Timeout occurred while creating a new object".
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_store_silent_at_connect_names_the_connect_timeout() {
+/// A raw fault proxy in front of the shared PostgreSQL server (`ONCEFLOW_POSTGRES_URL`) and
+/// that URL pointed at the proxy; `None` (said on stderr) without the server.
+async fn shared_postgres_through_a_proxy() -> Option<(FaultProxy, url::Url)> {
     let Ok(url) = std::env::var("ONCEFLOW_POSTGRES_URL") else {
         assert!(
             std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
             "ONCEFLOW_POSTGRES_URL is not set"
         );
         eprintln!("SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
-        return;
+        return None;
     };
-    let parsed = url::Url::parse(&url).unwrap();
+    let mut through = url::Url::parse(&url).unwrap();
     let upstream = format!(
         "{}:{}",
-        parsed.host_str().unwrap(),
-        parsed.port().unwrap_or(5432)
+        through.host_str().unwrap(),
+        through.port().unwrap_or(5432)
     );
     let proxy = FaultProxy::start_raw("127.0.0.1:0", &upstream)
         .await
         .unwrap();
-    proxy.isolate();
-    let mut through = parsed.clone();
     through.set_host(Some("127.0.0.1")).unwrap();
     through.set_port(Some(proxy.addr().port())).unwrap();
+    Some((proxy, through))
+}
+
+/// A PostgreSQL server whose network is silent when the store connects (the fault proxy holds
+/// new connections unanswered): the error names the connect timeout in words, not the pool
+/// library's "Timeout occurred while creating a new object".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_silent_at_connect_names_the_connect_timeout() {
+    let Some((proxy, mut through)) = shared_postgres_through_a_proxy().await else {
+        return;
+    };
+    proxy.isolate();
     through
         .query_pairs_mut()
         .append_pair("connect_timeout", "1");
@@ -825,26 +833,9 @@ impl onceflow_postgres::InboxHandler for NoteHandled {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_checkpoint_store_and_inbox_time_out_on_a_silent_network() {
     use onceflow_core::checkpoint::{CheckpointStore, NewLease};
-    let Ok(url) = std::env::var("ONCEFLOW_POSTGRES_URL") else {
-        assert!(
-            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-            "ONCEFLOW_POSTGRES_URL is not set"
-        );
-        eprintln!("SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
+    let Some((proxy, mut through)) = shared_postgres_through_a_proxy().await else {
         return;
     };
-    let parsed = url::Url::parse(&url).unwrap();
-    let upstream = format!(
-        "{}:{}",
-        parsed.host_str().unwrap(),
-        parsed.port().unwrap_or(5432)
-    );
-    let proxy = FaultProxy::start_raw("127.0.0.1:0", &upstream)
-        .await
-        .unwrap();
-    let mut through = parsed.clone();
-    through.set_host(Some("127.0.0.1")).unwrap();
-    through.set_port(Some(proxy.addr().port())).unwrap();
     through
         .query_pairs_mut()
         .append_pair("schema", &format!("silent_{}", random_suffix()))
