@@ -401,19 +401,25 @@ fn a_replay_into_its_own_topic_is_refused() {
     );
 }
 
-/// `produce` sends each line of standard input as it is read (`tail -f log | onceflow produce`
-/// sent nothing until the end of input), and a line need not be UTF-8.
-#[test]
-fn produce_sends_each_line_of_standard_input_as_it_comes() {
-    use std::io::{BufRead, BufReader, Write};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
-        .args(["produce", "--url", "memory://stream", "-t", "logs"])
+/// `onceflow args…` started with its standard input, output and error piped (and without the
+/// caller's ONCEFLOW_URL).
+fn spawn_piped(args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(args)
         .env_remove("ONCEFLOW_URL")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// `produce` sends each line of standard input as it is read (`tail -f log | onceflow produce`
+/// sent nothing until the end of input), and a line need not be UTF-8.
+#[test]
+fn produce_sends_each_line_of_standard_input_as_it_comes() {
+    use std::io::{BufRead, BufReader, Write};
+    let mut child = spawn_piped(&["produce", "--url", "memory://stream", "-t", "logs"]);
     let mut stdin = child.stdin.take().unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     stdin.write_all(b"first\n").unwrap();
@@ -1468,14 +1474,7 @@ fn produce_sends_a_piped_file_whole_in_order() {
             continue;
         };
         let topic = format!("cli-piped-{:08x}", rand::random::<u32>());
-        let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
-            .args(["produce", "--url", &url, "-t", &topic])
-            .env_remove("ONCEFLOW_URL")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_piped(&["produce", "--url", &url, "-t", &topic]);
         let mut stdin = child.stdin.take().unwrap();
         let writer = std::thread::spawn(move || {
             let mut text = String::new();
