@@ -71,6 +71,12 @@ set +a
 # packages' tests, on the wheel and addon they build. Each writes its cells to
 # target/scenarios/<language>.txt, cleared here so a cell of an earlier run never counts.
 rm -rf "${CARGO_TARGET_DIR:-target}/scenarios"
+# Every fault test's `FAULTS <test> injected=N lost=L duplicated=D` line, printed after the
+# Rust tests (cargo keeps a passing test's output to itself).
+faults_dir=${CARGO_TARGET_DIR:-target}
+[[ $faults_dir == /* ]] || faults_dir="$PWD/$faults_dir"
+export ONCEFLOW_FAULTS_FILE="$faults_dir/faults.txt"
+rm -f "$ONCEFLOW_FAULTS_FILE"
 # Two lanes once everything is built: the cluster fault tests (mostly waiting on killed and
 # restarted brokers of their own clusters) beside all other test binaries, which run one after
 # another as cargo runs them; the others are told not to run the cluster tests again
@@ -92,6 +98,8 @@ lanes() {
     wait "$cluster_lane" || cluster_rc=$?
     log "cluster lane (${cluster_tests[*]}): exit $cluster_rc"
     cat target/test-output-clusters.log
+    log "fault tests' figures:"
+    cat "$ONCEFLOW_FAULTS_FILE" 2>/dev/null || log "no FAULTS line was written"
     ((rc == 0 && cluster_rc == 0))
 }
 phase rust lanes

@@ -108,12 +108,27 @@ impl Tally {
     }
 }
 
-/// Prints the line `FAULTS <test> injected=N lost=L duplicated=D` (what a reader greps for).
+/// Prints the line `FAULTS <test> injected=N lost=L duplicated=D` (what a reader greps for),
+/// and appends it to the file `ONCEFLOW_FAULTS_FILE` names, if set: the test harness keeps a
+/// passing test's output to itself, so `tests/run-all.sh` collects the lines there and prints
+/// them after the Rust tests.
 pub fn report(test: &str, injected: usize, t: Tally) {
-    println!(
+    let line = format!(
         "FAULTS {test} injected={injected} lost={} duplicated={}",
         t.lost, t.duplicated
     );
+    println!("{line}");
+    if let Some(path) = std::env::var_os("ONCEFLOW_FAULTS_FILE") {
+        use std::io::Write as _;
+        let appended = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = appended {
+            eprintln!("cannot append to {}: {e}", path.to_string_lossy());
+        }
+    }
 }
 
 /// Kafka's FindCoordinator key types.
