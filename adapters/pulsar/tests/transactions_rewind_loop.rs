@@ -121,7 +121,7 @@ async fn every_input_once_through_a_loop_that_aborts_some_transactions() {
         t.commit_offsets(&c.group_metadata().unwrap(), &positions)
             .await
             .unwrap();
-        let done = if transactions % 3 == 0 {
+        let done = if transactions.is_multiple_of(3) {
             t.abort().await.unwrap();
             false
         } else {
