@@ -355,6 +355,7 @@ async fn h7_failing_transform_without_store_writes_each_output_once() {
         inputs,
         store: None,
     };
+    eprintln!("h7: input {} output {}", spec.input, spec.output);
     let (calls, failures) = tokio::time::timeout(
         Duration::from_secs(300),
         run_pipeline(&spec, client.clone(), true, "solo"),
