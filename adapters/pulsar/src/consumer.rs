@@ -1569,15 +1569,21 @@ impl ConsumerBackend for PulsarConsumer {
     /// read position to the mark-delete position and redelivers, in order, every message not
     /// acknowledged (individual acknowledgements stay). Shared / key_shared: each such message.
     /// A partition with nothing delivered and uncommitted needs nothing. Every partition of
-    /// this consumer is handled; any other is left to the engine's seek.
+    /// this consumer is handled.
+    ///
+    /// Errors: `Closed` once closed; `Fenced` for a partition this member does not read
+    /// (checked for all before any is rewound).
     async fn redeliver_uncommitted(
         &self,
         partitions: &[TopicPartition],
     ) -> Result<Vec<TopicPartition>> {
         self.check_open()?;
+        for tp in partitions {
+            self.part(tp)?;
+        }
         let mut handled = Vec::with_capacity(partitions.len());
         for tp in partitions {
-            let Ok(part) = self.part(tp) else { continue };
+            let part = self.part(tp)?;
             let nacks: Vec<MessageIdData> = {
                 let mut st = part.state.lock();
                 if self.sub_type.single_active() {
