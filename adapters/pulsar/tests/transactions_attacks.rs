@@ -3,7 +3,8 @@
 //! `ONCEFLOW_PULSAR_URL` / `ONCEFLOW_PULSAR_ADMIN_URL`. The long harness tests are ignored (run
 //! them by hand: `cargo test -p onceflow-pulsar --test transactions_attacks -- --ignored
 //! --nocapture`, knobs below); `h7_rewind_uncommitted_refuses_partitions_it_does_not_read` runs
-//! always (fails today: bad partitions are returned as "nothing committed"). The pipeline runs with transactions and
+//! always (it failed before #27's fix: bad partitions came back as "nothing committed"). The
+//! pipeline runs with transactions and
 //! **no dedup store**, so nothing but the transactions keeps an output from being written
 //! twice; the output topic is read by a plain consumer and every input's output must be there
 //! exactly once.
