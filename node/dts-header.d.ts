@@ -71,7 +71,12 @@ export interface Producer {
    * batch's error when the platform refused it (none of it was written).
    */
   sendAtomic(records: RecordInit[]): Promise<Delivery[]>
-  /** Runs `fn(tx)` in a transaction: commits when it resolves, aborts and rethrows when it throws. */
+  /**
+   * Runs `fn(tx)` in a transaction: commits when it resolves, aborts and rethrows when it throws.
+   * After an abort (or a failed commit), call
+   * `consumer.rewindUncommitted(consumer.assignment())` before reading on: the transaction's
+   * inputs come again only through that call (a `Pipeline` does it itself).
+   */
   transaction<T>(fn: (tx: Transaction) => Promise<T>): Promise<T>
 }
 

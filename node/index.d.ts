@@ -71,7 +71,12 @@ export interface Producer {
    * batch's error when the platform refused it (none of it was written).
    */
   sendAtomic(records: RecordInit[]): Promise<Delivery[]>
-  /** Runs `fn(tx)` in a transaction: commits when it resolves, aborts and rethrows when it throws. */
+  /**
+   * Runs `fn(tx)` in a transaction: commits when it resolves, aborts and rethrows when it throws.
+   * After an abort (or a failed commit), call
+   * `consumer.rewindUncommitted(consumer.assignment())` before reading on: the transaction's
+   * inputs come again only through that call (a `Pipeline` does it itself).
+   */
   transaction<T>(fn: (tx: Transaction) => Promise<T>): Promise<T>
 }
 
@@ -409,8 +414,16 @@ export declare class Consumer {
    * subscription's cursor and make messages a committed transaction acknowledged past it
    * unacknowledged again, so they would be processed twice); elsewhere each partition is
    * sought to its committed position. Resolves to the partitions on which the group has
-   * committed nothing, left as they are for the caller to `seek()`; rejects with an
-   * `OnceflowError` of kind `closed` when the consumer is closed.
+   * committed nothing, left as they are for the caller to `seek()`. A transactional loop
+   * calls it after every `abort()` (and after a failed `commit()`) before reading on,
+   * usually with `assignment()`.
+   *
+   * Every partition must be assigned to this consumer now; nothing is done unless all are.
+   * Rejects with an `OnceflowError` of kind `config` for a partition that is not an
+   * integer (1.5, '0'), a negative one, an empty topic or a topic this consumer does not
+   * read, of kind `fenced` for a partition not assigned to it now (moved to another member,
+   * or one the topic does not have), each naming the value, and of kind `closed` once the
+   * consumer is closed, also for an empty array.
    */
   rewindUncommitted(partitions: Array<TopicPartitionIn>): Promise<Array<TopicPartitionIn>>
   /** Stops fetching from partitions. */
@@ -540,7 +553,11 @@ export declare class Producer {
   close(): Promise<void>
 }
 
-/** An open transaction; `commit()` or `abort()` ends it. */
+/**
+ * An open transaction; `commit()` or `abort()` ends it. After `abort()` (or a `commit()`
+ * that rejected), call `consumer.rewindUncommitted(consumer.assignment())` before reading on,
+ * so that the transaction's inputs are given out again.
+ */
 export declare class Transaction {
   /** Sends a record inside the transaction. */
   _send(record: RecordIn): Promise<Delivery>
@@ -554,7 +571,11 @@ export declare class Transaction {
   _commitOffsets(consumer: Consumer, positions?: Array<PositionIn> | undefined | null, batch?: number | undefined | null, handedOut?: number | undefined | null): Promise<void>
   /** Commits the transaction. */
   commit(): Promise<void>
-  /** Aborts the transaction; a no-op once finished. */
+  /**
+   * Aborts the transaction; a no-op once finished. Then call
+   * `consumer.rewindUncommitted(consumer.assignment())` before reading on, so that the
+   * transaction's inputs are given out again.
+   */
   abort(): Promise<void>
 }
 

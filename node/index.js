@@ -457,6 +457,38 @@ Consumer.prototype[Symbol.asyncIterator] = function () {
 Consumer.prototype.commit = async function (positions) {
   return this._commit(explicitPositions(positions), this._batch ?? 0, this._handedOut ?? null)
 }
+/**
+ * `partitions` as `[{topic, partition}]`, checked before the native call: a partition that
+ * is not an integer (1.5 would be truncated to 1 on the way in) or outside 32 bits, a topic
+ * that is not a string, or anything but an array is a config error naming the value.
+ */
+function topicPartitions(what, partitions) {
+  if (!Array.isArray(partitions)) {
+    const got = partitions === null ? 'null' : typeof partitions
+    throw configError(`${what}: expected an array of {topic, partition}, got ${got}`)
+  }
+  return partitions.map((tp, i) => {
+    if (tp === null || typeof tp !== 'object' || Array.isArray(tp)) {
+      const got = tp === null ? 'null' : Array.isArray(tp) ? 'an array' : typeof tp
+      throw configError(`${what}[${i}]: expected {topic: string, partition: number}, got ${got}`)
+    }
+    if (typeof tp.topic !== 'string') {
+      throw configError(`${what}[${i}].topic: expected a string, got ${tp.topic === null ? 'null' : typeof tp.topic}`)
+    }
+    const p = tp.partition
+    if (typeof p !== 'number' || !Number.isInteger(p) || p < -2147483648 || p > 2147483647) {
+      const shown = typeof p === 'number' ? String(p) : `${p === null ? 'null' : typeof p} ${JSON.stringify(p) ?? String(p)}`.slice(0, 80)
+      throw configError(
+        `${what}[${i}].partition: ${shown} (topic ${JSON.stringify(tp.topic).slice(0, 80)}): expected an integer partition number from 0 to 2147483647`
+      )
+    }
+    return { topic: tp.topic, partition: p }
+  })
+}
+const nativeRewindUncommitted = Consumer.prototype.rewindUncommitted
+Consumer.prototype.rewindUncommitted = async function (partitions) {
+  return nativeRewindUncommitted.call(this, topicPartitions('partitions', partitions))
+}
 const nativeClose = Consumer.prototype.close
 Consumer.prototype.close = function () {
   this._closed = true

@@ -92,11 +92,14 @@ impl Client {
         }
         config.start.validate()?;
         let group = config.group.clone();
+        let topics = config.topics.clone();
         let inner = self.backend.consumer(config).await?;
         Ok(Consumer {
             inner,
             system: self.backend.name(),
             group,
+            topics: Arc::new(topics),
+            closed: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 
@@ -559,6 +562,10 @@ pub struct Consumer {
     inner: Arc<dyn ConsumerBackend>,
     system: &'static str,
     group: String,
+    /// The topics it subscribed to (for the errors of `rewind_uncommitted`).
+    topics: Arc<Vec<String>>,
+    /// Set by [`Consumer::close`] (shared by the clones).
+    closed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -664,18 +671,29 @@ impl Consumer {
     /// partition, as Kafka and Kinesis do). On Pulsar a seek would be wrong: it resets the
     /// subscription's cursor and makes messages that a committed transaction acknowledged past
     /// the committed position unacknowledged again, so they would be processed twice. The
-    /// [`Pipeline`](crate::Pipeline) does this after every aborted transaction.
+    /// [`Pipeline`](crate::Pipeline) does this after every aborted transaction; a hand-written
+    /// transactional loop must do it after each [`Transaction::abort`] (or failed
+    /// [`Transaction::commit`]) before it polls again, usually with [`Consumer::assignment`].
+    ///
+    /// `partitions` must be partitions assigned to this member now (a subset of
+    /// [`Consumer::assignment`]); nothing is done unless every one is.
     ///
     /// Returns the partitions on which the group has committed nothing: they are left as they
     /// are, for the caller to seek (the pipeline seeks them to the transaction's first input).
     ///
     /// # Errors
-    /// `Closed` when the consumer is closed; the platform's error when the committed positions
-    /// cannot be read or a seek fails.
+    /// - [`ErrorKind::Closed`] when the consumer is closed (also for an empty list).
+    /// - [`ErrorKind::Config`] for a partition with an empty topic name or a negative number,
+    ///   or of a topic this consumer did not subscribe to, naming it.
+    /// - [`ErrorKind::Fenced`] for a partition of a subscribed topic that is not assigned to
+    ///   this member now (moved to another member, or a number the topic does not have),
+    ///   naming it and the assignment.
+    /// - The platform's error when the committed positions cannot be read or a seek fails.
     pub async fn rewind_uncommitted(
         &self,
         partitions: &[TopicPartition],
     ) -> Result<Vec<TopicPartition>> {
+        self.check_rewindable(partitions)?;
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
@@ -696,6 +714,71 @@ impl Consumer {
             }
         }
         Ok(uncommitted)
+    }
+
+    /// `rewind_uncommitted`'s checks, before anything is done: open, and every partition
+    /// assigned to this member.
+    fn check_rewindable(&self, partitions: &[TopicPartition]) -> Result<()> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                format!(
+                    "rewind_uncommitted: the consumer of group '{}' is closed",
+                    self.group
+                ),
+            ));
+        }
+        if partitions.is_empty() {
+            return Ok(());
+        }
+        let assigned = self.inner.assignment();
+        for tp in partitions {
+            if tp.topic.is_empty() {
+                return Err(Error::config(format!(
+                    "rewind_uncommitted: partition {} has an empty topic name: expected one of \
+                     the topics this consumer subscribed to ({})",
+                    tp.partition,
+                    self.topics.join(", ")
+                )));
+            }
+            if tp.partition < 0 {
+                return Err(Error::config(format!(
+                    "rewind_uncommitted: partition {} of topic '{}': expected a partition \
+                     number of 0 or more",
+                    tp.partition, tp.topic
+                )));
+            }
+            if assigned.contains(tp) {
+                continue;
+            }
+            let list = if assigned.is_empty() {
+                "none".to_string()
+            } else {
+                assigned
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            if !self.topics.contains(&tp.topic) && !assigned.iter().any(|a| a.topic == tp.topic) {
+                return Err(Error::config(format!(
+                    "rewind_uncommitted: topic '{}' is not read by this consumer: expected \
+                     one of the topics it subscribed to ({})",
+                    tp.topic,
+                    self.topics.join(", ")
+                )));
+            }
+            return Err(Error::new(
+                ErrorKind::Fenced,
+                format!(
+                    "rewind_uncommitted: {tp} is not assigned to this member of group '{}': \
+                     expected one of its partitions now ({list}); a partition moved to another \
+                     member, or one the topic does not have, is never assigned here",
+                    self.group
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Stops fetching from partitions.
@@ -730,6 +813,8 @@ impl Consumer {
 
     /// Leaves the group and releases the consumer (does not commit).
     pub async fn close(&self) -> Result<()> {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         self.inner.close().await
     }
 }

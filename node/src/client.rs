@@ -377,7 +377,9 @@ fn finished() -> Error {
     Error::new(ErrorKind::Closed, "transaction already finished")
 }
 
-/// An open transaction; `commit()` or `abort()` ends it.
+/// An open transaction; `commit()` or `abort()` ends it. After `abort()` (or a `commit()`
+/// that rejected), call `consumer.rewindUncommitted(consumer.assignment())` before reading on,
+/// so that the transaction's inputs are given out again.
 #[napi]
 pub struct Transaction {
     inner: TxSlot,
@@ -448,7 +450,9 @@ impl Transaction {
         on_rt(async move { tx.lock().await.take().ok_or_else(finished)?.commit().await }).await
     }
 
-    /// Aborts the transaction; a no-op once finished.
+    /// Aborts the transaction; a no-op once finished. Then call
+    /// `consumer.rewindUncommitted(consumer.assignment())` before reading on, so that the
+    /// transaction's inputs are given out again.
     #[napi]
     pub async fn abort(&self) -> Result<()> {
         let tx = self.inner.clone();
@@ -629,8 +633,16 @@ impl Consumer {
     /// subscription's cursor and make messages a committed transaction acknowledged past it
     /// unacknowledged again, so they would be processed twice); elsewhere each partition is
     /// sought to its committed position. Resolves to the partitions on which the group has
-    /// committed nothing, left as they are for the caller to `seek()`; rejects with an
-    /// `OnceflowError` of kind `closed` when the consumer is closed.
+    /// committed nothing, left as they are for the caller to `seek()`. A transactional loop
+    /// calls it after every `abort()` (and after a failed `commit()`) before reading on,
+    /// usually with `assignment()`.
+    ///
+    /// Every partition must be assigned to this consumer now; nothing is done unless all are.
+    /// Rejects with an `OnceflowError` of kind `config` for a partition that is not an
+    /// integer (1.5, '0'), a negative one, an empty topic or a topic this consumer does not
+    /// read, of kind `fenced` for a partition not assigned to it now (moved to another member,
+    /// or one the topic does not have), each naming the value, and of kind `closed` once the
+    /// consumer is closed, also for an empty array.
     #[napi]
     pub async fn rewind_uncommitted(
         &self,

@@ -132,6 +132,38 @@ for (const p of platforms()) {
     await producer.close()
   })
 
+  test(`${p.name}: rewindUncommitted refuses what this consumer does not read`, async () => {
+    // Each of these used to come back as a partition "with nothing committed", and 1.5 was
+    // truncated to 1 on the way in (issue #27).
+    const client = await onceflow.connect(p.url())
+    const t = await topic(client, 2)
+    const producer = await client.producer()
+    await producer.sendBatch(Array.from({ length: 4 }, (_, i) => ({ topic: t, key: `k${i}`, payload: `m${i}` })))
+    const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
+    assert.equal((await collect(consumer, 4)).length, 4)
+    const refused = async (partitions, kind, named) =>
+      assert.rejects(consumer.rewindUncommitted(partitions), (e) => {
+        assert.ok(e instanceof onceflow.OnceflowError, `${e}`)
+        assert.equal(e.kind, kind, e.message)
+        assert.ok(e.message.includes(named), `'${e.message}' names '${named}'`)
+        return true
+      })
+    await refused([{ topic: t, partition: 1.5 }], 'config', 'partitions[0].partition: 1.5')
+    await refused([{ topic: t, partition: '0' }], 'config', 'partitions[0].partition: string "0"')
+    await refused([{ topic: t, partition: 2 ** 32 }], 'config', '4294967296')
+    await refused([{ topic: 7, partition: 0 }], 'config', 'partitions[0].topic')
+    await refused({ topic: t, partition: 0 }, 'config', 'partitions: expected an array')
+    await refused([{ topic: t, partition: 7 }], 'fenced', `${t}[7]`)
+    await refused([{ topic: t, partition: -1 }], 'config', 'partition -1')
+    await refused([{ topic: 'nope-topic', partition: 0 }], 'config', 'nope-topic')
+    await refused([{ topic: '', partition: 0 }], 'config', 'empty topic name')
+    assert.ok(Array.isArray(await consumer.rewindUncommitted(consumer.assignment())))
+    await consumer.close()
+    await refused([], 'closed', 'closed')
+    await refused([{ topic: t, partition: 0 }], 'closed', 'closed')
+    await producer.close()
+  })
+
   test(`${p.name}: sendBatch in one call, seek back`, async () => {
     const client = await onceflow.connect(p.url())
     const t = await topic(client)

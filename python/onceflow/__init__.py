@@ -461,7 +461,12 @@ class Producer:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator["Transaction"]:
         """``async with producer.transaction() as tx:`` commits on normal exit, aborts when
-        the block raises. Needs a producer made with a ``transactional_id``."""
+        the block raises. Needs a producer made with a ``transactional_id``.
+
+        After an abort (the block raised, or the commit failed), call
+        ``consumer.rewind_uncommitted(consumer.assignment())`` before reading on: the
+        transaction's inputs were acknowledged only inside it, and they come again only
+        through that call (``Pipeline`` does it itself)."""
         tx = Transaction(await self._native.begin(), self.platform)
         try:
             yield tx
@@ -649,9 +654,55 @@ def _positions(messages: Iterable[Any]) -> List[Tuple[str, int, str]]:
     return [(t, p, pos) for (t, p), pos in last.items()]
 
 
+_I32_MAX = 2**31 - 1
+
+
+def _topic_partitions(partitions: Any, name: str) -> List[Tuple[str, int]]:
+    """``partitions`` as a list of ``(topic, partition)``; ``TypeError`` naming ``name`` and
+    the value for anything else (a bare pair, a string, a float partition, ...), and
+    ``ConfigError`` for a partition number outside 32 bits."""
+    if isinstance(partitions, (str, bytes, dict)) or not isinstance(partitions, Iterable):
+        raise TypeError(
+            f"{name}: expected a list of (topic, partition) pairs, e.g. [('orders', 0)], "
+            f"got {type(partitions).__name__} {_shown(partitions)}"
+        )
+    items = list(partitions)
+    if len(items) == 2 and isinstance(items[0], str) and isinstance(items[1], int):
+        raise TypeError(
+            f"{name}: expected a list of (topic, partition) pairs, got one pair "
+            f"{_shown(tuple(items))}: write [{_shown(tuple(items))}]"
+        )
+    out: List[Tuple[str, int]] = []
+    for i, tp in enumerate(items):
+        if not isinstance(tp, (tuple, list)) or len(tp) != 2:
+            raise TypeError(
+                f"{name}[{i}]: expected a (topic, partition) pair, e.g. ('orders', 0), got "
+                f"{type(tp).__name__} {_shown(tp)}"
+            )
+        t, p = tp
+        if not isinstance(t, str):
+            raise TypeError(f"{name}[{i}]: topic {_shown(t)}: expected a str, got {type(t).__name__}")
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(
+                f"{name}[{i}]: partition {_shown(p)} of topic {_shown(t)}: expected an int, got "
+                f"{type(p).__name__}"
+            )
+        if not -_I32_MAX - 1 <= p <= _I32_MAX:
+            raise ConfigError(
+                f"{name}[{i}]: partition {p} of topic {_shown(t)}: expected 0 to {_I32_MAX}"
+            )
+        out.append((t, p))
+    return out
+
+
 class Transaction:
     """An open transaction: ``send``, ``send_batch``, ``commit_offsets``, then ``commit`` or
-    ``abort`` (``Producer.transaction()`` does the last two)."""
+    ``abort`` (``Producer.transaction()`` does the last two).
+
+    After ``abort()`` (or a ``commit()`` that raised), call
+    ``consumer.rewind_uncommitted(consumer.assignment())`` before reading on, so that the
+    inputs whose offsets the transaction carried are given out again; reading on without it
+    skips them (Kafka, JetStream) or leaves them unacknowledged (Pulsar)."""
 
     def __init__(self, native: _native.Transaction, platform: str):
         self._native = native
@@ -692,6 +743,9 @@ class Transaction:
         await self._native.commit()
 
     async def abort(self) -> None:
+        """Aborts: nothing sent in the transaction becomes visible and its ``commit_offsets``
+        are void. Then call ``consumer.rewind_uncommitted(consumer.assignment())`` before
+        reading on, so that the transaction's inputs are given out again."""
         self.finished = True
         await self._native.abort()
 
@@ -819,7 +873,9 @@ class Consumer:
     ) -> List[Tuple[str, int]]:
         """After an aborted transaction: gives out again, in order and from the group's
         committed position, every message of the ``(topic, partition)``\ s that ``poll()``
-        returned and no commit covered, without undoing any acknowledgement.
+        returned and no commit covered, without undoing any acknowledgement. A hand-written
+        transactional loop calls it after every ``Transaction.abort()`` (and after a failed
+        ``commit()``) before it reads on, usually with ``consumer.assignment()``.
 
         On Pulsar this is the broker's redelivery of unacknowledged messages; a ``seek()`` to
         the committed position would be wrong there: it resets the subscription's cursor and
@@ -827,10 +883,19 @@ class Consumer:
         unacknowledged again, so they would be processed twice. Elsewhere (Kafka, Kinesis,
         JetStream, memory) it seeks each partition to its committed position.
 
+        ``partitions`` is a sequence of ``(topic, partition)`` pairs (``str``, ``int``), each
+        assigned to this consumer now; nothing is done unless every one is.
+
         Returns the ``(topic, partition)``\ s on which the group has committed nothing: they
         are left as they are, for the caller to ``seek()`` (for instance to the transaction's
-        first input). Raises ``ClosedError`` when the consumer is closed."""
-        return [tuple(tp) for tp in await self._native.rewind_uncommitted(list(partitions))]
+        first input).
+
+        Raises ``TypeError`` naming ``partitions`` for a value of another shape or type;
+        ``ConfigError`` for an empty topic, a negative partition or a topic this consumer does
+        not read; ``FencedError`` for a partition not assigned to it now (moved to another
+        member, or one the topic does not have); ``ClosedError`` once the consumer is closed,
+        also for an empty list."""
+        return [tuple(tp) for tp in await self._native.rewind_uncommitted(_topic_partitions(partitions, "partitions"))]
 
     async def pause(self, partitions: Sequence[Tuple[str, int]]) -> None:
         await self._native.pause(list(partitions))

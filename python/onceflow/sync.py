@@ -148,6 +148,9 @@ class Producer:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator["Transaction"]:
+        """``with producer.transaction() as tx:`` commits on normal exit, aborts when the
+        block raises. After an abort (or a failed commit), call
+        ``consumer.rewind_uncommitted(consumer.assignment())`` before reading on."""
         tx = Transaction(_run(self._inner.begin()))
         try:
             yield tx
@@ -166,6 +169,10 @@ class Producer:
 
 
 class Transaction:
+    """An open transaction (see ``onceflow.Transaction``). After ``abort()`` (or a
+    ``commit()`` that raised), call ``consumer.rewind_uncommitted(consumer.assignment())``
+    before reading on, so that the transaction's inputs are given out again."""
+
     def __init__(self, inner: _AsyncTransaction):
         self._inner = inner
 
@@ -182,6 +189,8 @@ class Transaction:
         _run(self._inner.commit())
 
     def abort(self) -> None:
+        """Aborts; then call ``consumer.rewind_uncommitted(consumer.assignment())`` before
+        reading on."""
         _run(self._inner.abort())
 
 
@@ -226,8 +235,10 @@ class Consumer:
 
     def rewind_uncommitted(self, partitions: Sequence[Tuple[str, int]]) -> List[Tuple[str, int]]:
         """After an aborted transaction, gives out again what was polled and not committed,
-        keeping every acknowledgement; returns the partitions with nothing committed. See
-        ``onceflow.Consumer.rewind_uncommitted``."""
+        keeping every acknowledgement; returns the partitions with nothing committed. Call it
+        after every ``Transaction.abort()`` before reading on. ``TypeError`` naming
+        ``partitions`` for a value of another type; see
+        ``onceflow.Consumer.rewind_uncommitted`` for the rest."""
         return _run(self._inner.rewind_uncommitted(partitions))
 
     def assignment(self) -> List[Tuple[str, int]]:

@@ -136,6 +136,57 @@ async def test_rewind_uncommitted_gives_out_again_what_was_not_committed(platfor
     await consumer.close()
 
 
+async def test_rewind_uncommitted_refuses_what_this_consumer_does_not_read(platform):
+    # Each of these used to come back as a partition "with nothing committed" (issue #27).
+    topic = await platform.topic(2)
+    producer = await platform.client.producer()
+    await producer.send_batch([onceflow.Record(topic, f"m{i}".encode(), key=f"k{i}".encode()) for i in range(4)])
+    consumer = await platform.consumer(topic)
+    await drain(consumer, 4)
+    with pytest.raises(onceflow.FencedError, match=rf"{topic}\[7\]"):
+        await consumer.rewind_uncommitted([(topic, 7)])
+    with pytest.raises(onceflow.ConfigError, match="partition -1"):
+        await consumer.rewind_uncommitted([(topic, -1)])
+    with pytest.raises(onceflow.ConfigError, match="nope-topic"):
+        await consumer.rewind_uncommitted([("nope-topic", 0)])
+    with pytest.raises(onceflow.ConfigError, match="empty topic name"):
+        await consumer.rewind_uncommitted([("", 0)])
+    for bad, named in [
+        (5, "partitions"),
+        ("orders", "partitions"),
+        ((topic, 0), "partitions"),
+        ([(topic, 1.5)], r"partitions\[0\]: partition 1\.5"),
+        ([(topic, "0")], r"partitions\[0\]: partition '0'"),
+        ([(0, topic)], r"partitions\[0\]: topic 0"),
+        ([topic], r"partitions\[0\]"),
+    ]:
+        with pytest.raises(TypeError, match=named):
+            await consumer.rewind_uncommitted(bad)
+    with pytest.raises(onceflow.ConfigError, match="partitions\\[0\\]: partition 4294967296"):
+        await consumer.rewind_uncommitted([(topic, 2**32)])
+    assert await consumer.rewind_uncommitted(consumer.assignment()) is not None
+    await consumer.close()
+    with pytest.raises(onceflow.ClosedError):
+        await consumer.rewind_uncommitted([])
+    with pytest.raises(onceflow.ClosedError):
+        await consumer.rewind_uncommitted([(topic, 0)])
+    await producer.close()
+
+
+def test_sync_rewind_uncommitted_names_a_bad_argument():
+    from onceflow import sync
+
+    client = sync.connect(f"memory://{unique('sync')}")
+    topic = unique("py-topic")
+    producer = client.producer()
+    producer.send(topic, b"x")
+    consumer = client.consumer(unique("py-group"), [topic], start="earliest")
+    with pytest.raises(TypeError, match="partitions"):
+        consumer.rewind_uncommitted(None)
+    consumer.close()
+    producer.close()
+
+
 async def test_str_payloads_and_dict_headers_are_accepted(memory):
     topic = await memory.topic()
     producer = await memory.client.producer()

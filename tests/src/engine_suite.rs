@@ -11,7 +11,8 @@
 //! `shutdown_drains_and_commits`, `keyless_messages_write_no_dedup_record_and_are_counted`,
 //! `require_key_dead_letters_a_keyless_message`,
 //! `conflicting_payload_does_not_stop_consumer_or_pipeline`, `requeued_job_runs_once_more`,
-//! `requeued_input_is_transformed_once_more`.
+//! `requeued_input_is_transformed_once_more`,
+//! `rewind_uncommitted_refuses_partitions_it_does_not_read`.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -56,6 +57,7 @@ macro_rules! engine_suite {
             conflicting_payload_does_not_stop_consumer_or_pipeline,
             requeued_job_runs_once_more,
             requeued_input_is_transformed_once_more,
+            rewind_uncommitted_refuses_partitions_it_does_not_read,
         );
     };
     (@cases ($harness:expr) $($case:ident),* $(,)?) => {
@@ -1469,5 +1471,83 @@ pub async fn requeued_input_is_transformed_once_more(h: &dyn Harness) -> CaseRes
         ids == ["job-1:0", "job-1#requeue-1:0"],
         format!("one output per generation with its own id, got {ids:?}"),
     )?;
+    Ok(Outcome::Passed)
+}
+
+/// `Consumer::rewind_uncommitted` refuses, before doing anything, partitions this member does
+/// not read: a number the topic does not have (`Fenced`: not assigned here), -1, an empty topic
+/// name and a topic it did not subscribe to (`Config`), each error naming the value; its own
+/// assignment is accepted; once closed, even the empty list is `Closed` (issue #27: each of
+/// these used to come back as a partition "with nothing committed", and `[]` after close as
+/// `Ok`).
+pub async fn rewind_uncommitted_refuses_partitions_it_does_not_read(h: &dyn Harness) -> CaseResult {
+    use onceflow_core::TopicPartition as Tp;
+    let client = Client::new(h.platform());
+    let topic = h.topic(2).await?;
+    produce(&client, keyed(&topic, 6)).await?;
+    let c = client
+        .consumer(consumer_config(h, &h.group(), &topic))
+        .await?;
+    let mut got = Vec::new();
+    let deadline = Instant::now() + h.timings().wait;
+    while got.len() < 6 && Instant::now() < deadline {
+        got.extend(c.poll(100, h.timings().poll).await?);
+    }
+    check(got.len() == 6, format!("6 inputs read, got {}", got.len()))?;
+    let other = format!("{topic}-not-subscribed");
+    for (tp, kind, named) in [
+        (
+            Tp::new(topic.clone(), 7),
+            ErrorKind::Fenced,
+            format!("{topic}[7]"),
+        ),
+        (
+            Tp::new(topic.clone(), -1),
+            ErrorKind::Config,
+            "-1".to_string(),
+        ),
+        (Tp::new(other.clone(), 0), ErrorKind::Config, other.clone()),
+        (
+            Tp::new("", 0),
+            ErrorKind::Config,
+            "empty topic name".to_string(),
+        ),
+    ] {
+        match c.rewind_uncommitted(std::slice::from_ref(&tp)).await {
+            Ok(left) => {
+                return Err(Error::new(
+                    ErrorKind::Platform,
+                    format!("rewind_uncommitted([{tp}]) accepted, returned {left:?}"),
+                ))
+            }
+            Err(e) => check(
+                e.kind() == kind && e.message().contains(&named),
+                format!("rewind_uncommitted([{tp}]): expected {kind:?} naming '{named}', got {e}"),
+            )?,
+        }
+    }
+    // One bad partition among good ones: refused as a whole.
+    let mut mixed = c.assignment();
+    mixed.push(Tp::new(topic.clone(), 7));
+    check(
+        c.rewind_uncommitted(&mixed).await.is_err(),
+        "a list with one partition not assigned is refused",
+    )?;
+    c.rewind_uncommitted(&c.assignment()).await?;
+    c.rewind_uncommitted(&[]).await?;
+    c.close().await?;
+    for list in [Vec::new(), vec![Tp::new(topic.clone(), 0)]] {
+        match c.rewind_uncommitted(&list).await {
+            Err(e) if e.kind() == ErrorKind::Closed => {}
+            other => {
+                return Err(Error::new(
+                    ErrorKind::Platform,
+                    format!(
+                        "rewind_uncommitted({list:?}) after close: expected Closed, got {other:?}"
+                    ),
+                ))
+            }
+        }
+    }
     Ok(Outcome::Passed)
 }

@@ -166,6 +166,12 @@ struct PartState {
     committed_next: Option<Position>,
     /// Last committed position.
     committed: Option<PosKey>,
+    /// Messages acknowledged by committed transactions (the most recent, at most twice the
+    /// receiver queue, at least 1000). Those acknowledgements were answered before the commit,
+    /// so the broker has them: a copy of such a message can only come from a redelivery the
+    /// broker started before the commit took effect (a rewind right after a commit), and is
+    /// not given out again.
+    txn_acked: BTreeSet<PosKey>,
 }
 
 impl PartState {
@@ -211,6 +217,7 @@ impl PartState {
         self.deliveries.clear();
         self.committed_next = None;
         self.committed = None;
+        self.txn_acked.clear();
     }
 }
 
@@ -675,6 +682,12 @@ impl PulsarConsumer {
             };
         }
         if self.sub_type.single_active() {
+            // Acknowledged by a committed transaction: given out again, a transaction would
+            // acknowledge it twice (the broker refuses: "already acked before") and a rewind
+            // would then wait for it forever (the broker never redelivers it).
+            if st.txn_acked.contains(&f.key) {
+                return Admit::Drop;
+            }
             if let Some(r) = st.rewind {
                 if f.key > r {
                     // Fetched before the broker rewound: it comes again after `r`.
@@ -958,6 +971,11 @@ impl PulsarConsumer {
             if committed {
                 for (k, _) in &t.taken {
                     st.deliveries.remove(k);
+                    st.txn_acked.insert(*k);
+                }
+                let keep = (self.options.receiver_queue_size as usize * 2).max(1000);
+                while st.txn_acked.len() > keep {
+                    st.txn_acked.pop_first();
                 }
                 note_committed(&mut st, t.key, part.index);
             } else {
@@ -1551,15 +1569,21 @@ impl ConsumerBackend for PulsarConsumer {
     /// read position to the mark-delete position and redelivers, in order, every message not
     /// acknowledged (individual acknowledgements stay). Shared / key_shared: each such message.
     /// A partition with nothing delivered and uncommitted needs nothing. Every partition of
-    /// this consumer is handled; any other is left to the engine's seek.
+    /// this consumer is handled.
+    ///
+    /// Errors: `Closed` once closed; `Fenced` for a partition this member does not read
+    /// (checked for all before any is rewound).
     async fn redeliver_uncommitted(
         &self,
         partitions: &[TopicPartition],
     ) -> Result<Vec<TopicPartition>> {
         self.check_open()?;
+        for tp in partitions {
+            self.part(tp)?;
+        }
         let mut handled = Vec::with_capacity(partitions.len());
         for tp in partitions {
-            let Ok(part) = self.part(tp) else { continue };
+            let part = self.part(tp)?;
             let nacks: Vec<MessageIdData> = {
                 let mut st = part.state.lock();
                 if self.sub_type.single_active() {

@@ -416,6 +416,7 @@ impl Pipeline {
                 config: &self.config,
                 state: tokio::sync::Mutex::new(TxState::default()),
                 incarnation: rand::random(),
+                read_ahead: !core.consumer.capabilities().per_message_nack,
             };
             tx.run(shutdown).await?
         } else {
@@ -514,6 +515,9 @@ struct TxLoop<'a> {
     state: tokio::sync::Mutex<TxState>,
     /// Names this run's transactions in the dedup store (with `TxState::tx_seq`).
     incarnation: u64,
+    /// Poll the next batch while one is processed: only where the consumer gives messages
+    /// out in position order (see [`TxLoop::step`]).
+    read_ahead: bool,
 }
 
 impl TxLoop<'_> {
@@ -593,10 +597,20 @@ impl TxLoop<'_> {
             // The next batch is read while this one is processed; the poll is joined before
             // this step ends ([`TxLoop::join_prefetch`]), so no poll runs while a transaction
             // commits, and a rewind drops its batch ([`TxLoop::drop_prefetch`]).
-            let next = core.clone();
-            st.prefetch = Some(Prefetch::Running(tokio::spawn(
-                async move { next.poll().await },
-            )));
+            //
+            // Not where the consumer gives single messages out again behind newer ones
+            // (`per_message_nack`: Pulsar shared / key_shared, JetStream): a transaction
+            // acknowledges, per partition, every message given out up to the highest position
+            // it processed, so a redelivered input at a lower position in the batch read
+            // ahead was acknowledged with it, unprocessed, and lost for good when the
+            // transaction that then processed it aborted (test
+            // `a_redelivered_input_polled_ahead_is_not_acknowledged_by_the_commit_before_it`).
+            if self.read_ahead {
+                let next = core.clone();
+                st.prefetch = Some(Prefetch::Running(tokio::spawn(
+                    async move { next.poll().await },
+                )));
+            }
             core.metrics.add(Metric::Consumed, msgs.len() as u64);
             if st.tx.is_none() {
                 st.tx = Some(self.producer.begin().await?);
