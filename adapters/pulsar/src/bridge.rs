@@ -1553,10 +1553,13 @@ const MAX_ACK_SETS: usize = 1 << 16;
 /// Transactions put on the pulsar crate's frames (PIP-31's transactional send and
 /// acknowledgement; the crate has neither): while a producer name is bound to an open
 /// transaction, the bridge writes its id (`txnid_most_bits` / `txnid_least_bits`) into that
-/// producer's `SEND`s (command and stored metadata) on their way to the broker; the `ACK`s
-/// of the messages a transaction acknowledges ([`TxnFrames::expect_acks`], told before the
-/// consumer sends them) get its id too, whenever they pass (the crate consumer writes them
-/// asynchronously), and once the transaction ended without them they are dropped.
+/// producer's `SEND`s (command and stored metadata) on their way to the broker. The messages
+/// a transaction acknowledges ([`TxnFrames::expect_acks`], told before the consumer sends
+/// their `ACK`s) are acknowledged in it by an `ACK` the bridge writes itself on the
+/// subscribed consumer's connection, the crate's own `ACK`s of them being dropped as they
+/// pass; where that consumer is not known, the crate's `ACK`s get the transaction's id
+/// whenever they pass (the crate consumer writes them asynchronously), and once the
+/// transaction ended without them they are dropped.
 /// A transactional `ACK` also gets a request id of the bridge's: the broker answers it
 /// (`ACK_RESPONSE`, which the crate would not expect), the bridge counts the answers, and the
 /// transaction is committed only once every acknowledgement it sent was answered without
