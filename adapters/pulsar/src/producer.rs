@@ -426,6 +426,15 @@ impl ProducerBackend for PulsarProducer {
         self.send_all(records).await
     }
 
+    /// Hands the records over as `send_batch` does and returns their receipts as a future
+    /// (see [`PulsarProducer::enqueue_all`]), so the caller goes on while they are in flight.
+    async fn enqueue_batch(
+        &self,
+        records: Vec<Record>,
+    ) -> onceflow_core::backend::DeliveriesFuture {
+        self.enqueue_all(records).await
+    }
+
     async fn begin(&self) -> Result<Box<dyn onceflow_core::TransactionBackend>> {
         crate::transaction::PulsarTransaction::begin(self.clone()).await
     }
@@ -443,6 +452,15 @@ impl PulsarProducer {
     /// [`ProducerBackend::send_batch`]: hands every record to its partition's producer first,
     /// in order (so the crate batches them), then waits for the receipts.
     pub(crate) async fn send_all(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        let queued = self.hand_over_all(records).await;
+        self.receipts(queued).await
+    }
+
+    /// Hands every record to its partition's producer, in order (so the crate batches them),
+    /// without waiting for receipts: what [`PulsarProducer::receipts`] then waits for. A run of
+    /// records for the same topic looks the topic up once, and a run for the same partition
+    /// takes its producer's lock once.
+    async fn hand_over_all(&self, records: Vec<Record>) -> Vec<Result<InFlight>> {
         let mut queued = Vec::with_capacity(records.len());
         let mut topic: Option<(String, Arc<TopicProducers>)> = None;
         let mut held: Option<(usize, tokio::sync::OwnedMutexGuard<RawProducer>)> = None;
@@ -469,7 +487,11 @@ impl PulsarProducer {
             .await;
             queued.push(q);
         }
-        drop(held);
+        queued
+    }
+
+    /// The deliveries of records handed over by [`PulsarProducer::hand_over_all`], in order.
+    async fn receipts(&self, queued: Vec<Result<InFlight>>) -> Vec<Result<Delivery>> {
         futures::future::join_all(queued.into_iter().map(|q| async move {
             match q {
                 Ok(f) => self.complete(f).await,
@@ -477,6 +499,26 @@ impl PulsarProducer {
             }
         }))
         .await
+    }
+
+    /// Hands `records` over as [`PulsarProducer::send_all`] does and returns their deliveries
+    /// as a future that owns what it needs, so the caller can go on while they are in flight.
+    /// With batching, the future first sends what the crate still holds in batches (so a
+    /// caller awaiting it does not wait for `batch_timeout_ms`, or for ever without one), then
+    /// waits for the receipts.
+    pub(crate) async fn enqueue_all(
+        &self,
+        records: Vec<Record>,
+    ) -> onceflow_core::backend::DeliveriesFuture {
+        let queued = self.hand_over_all(records).await;
+        let this = self.clone();
+        Box::pin(async move {
+            if this.options.batching() && queued.iter().any(|q| q.is_ok()) {
+                // A failed flush shows in the receipts it concerns.
+                let _ = this.flush_batches(this.options.operation_timeout).await;
+            }
+            this.receipts(queued).await
+        })
     }
 
     /// Sends what the crate holds in batches, at most `timeout`.

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
 use async_trait::async_trait;
+use onceflow_core::backend::DeliveriesFuture;
 use onceflow_core::{
     Delivery, Error, ErrorKind, GroupMetadata, Position, Record, Result, TopicPartition,
     TransactionBackend,
@@ -323,6 +324,24 @@ impl TransactionBackend for PulsarTransaction {
         self.producer.send_all(records).await
     }
 
+    /// Hands the records to the crate's producers and returns their receipts as a future, so
+    /// the pipeline reads and transforms its next batch while these are in flight (the
+    /// default, [`TransactionBackend::send_batch`], waited for every receipt of a batch before
+    /// the next one was read). `commit` sends what is still batched and waits for every
+    /// receipt anyway.
+    async fn enqueue_batch(&mut self, records: Vec<Record>) -> DeliveriesFuture {
+        if let Err(e) = self.register_topics(&records).await {
+            let failed = records
+                .iter()
+                .map(|_| {
+                    Err(Error::new(e.kind(), e.message().to_string()).retriable(e.is_retriable()))
+                })
+                .collect();
+            return Box::pin(std::future::ready(failed));
+        }
+        self.producer.enqueue_all(records).await
+    }
+
     /// Acknowledges, inside the transaction, every message the consumer of `group` delivered
     /// up to each position (as its `commit` would; `group` must come from a Pulsar consumer of
     /// this connection).
@@ -366,7 +385,8 @@ impl TransactionBackend for PulsarTransaction {
     }
 
     async fn commit(mut self: Box<Self>) -> Result<()> {
-        // Receipts: the sends were awaited in `send_batch`; the crate's batches are sent now.
+        // Receipts: the sends were awaited in `send_batch`, or their futures from
+        // `enqueue_batch` before this call (its contract); the crate's batches are sent now.
         if let Err(e) = self
             .producer
             .flush_batches(self.producer.options.operation_timeout)
