@@ -427,7 +427,7 @@ impl ProducerBackend for PulsarProducer {
     }
 
     /// Hands the records over as `send_batch` does and returns their receipts as a future
-    /// (see [`PulsarProducer::enqueue_all`]), so the caller goes on while they are in flight.
+    /// (see `PulsarProducer::enqueue_all`), so the caller goes on while they are in flight.
     async fn enqueue_batch(
         &self,
         records: Vec<Record>,
