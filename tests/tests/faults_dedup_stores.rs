@@ -801,3 +801,49 @@ async fn postgres_store_silent_at_connect_names_the_connect_timeout() {
     );
     assert!(!e.message().contains("new object"), "pool words: {e}");
 }
+
+/// `connect_timeout=0.0001` (a tenth of a millisecond, positive) against a PostgreSQL server
+/// whose network is silent: the user asked for a very short bound, so the open must end (a
+/// Config error for a value below what the store can honour, as `op_timeout` below 1 ms is, or
+/// a Timeout). A break-it pass found it read as "wait indefinitely" (0's meaning in libpq):
+/// the open never ends. The outer guard only detects that hang (#28).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_connect_timeout_below_a_millisecond_does_not_wait_for_ever() {
+    let Ok(url) = std::env::var("ONCEFLOW_POSTGRES_URL") else {
+        assert!(
+            std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
+            "ONCEFLOW_POSTGRES_URL is not set"
+        );
+        eprintln!("SKIPPED: ONCEFLOW_POSTGRES_URL is not set");
+        return;
+    };
+    let parsed = url::Url::parse(&url).unwrap();
+    let upstream = format!(
+        "{}:{}",
+        parsed.host_str().unwrap(),
+        parsed.port().unwrap_or(5432)
+    );
+    let proxy = FaultProxy::start_raw("127.0.0.1:0", &upstream)
+        .await
+        .unwrap();
+    proxy.isolate();
+    let mut through = parsed.clone();
+    through.set_host(Some("127.0.0.1")).unwrap();
+    through.set_port(Some(proxy.addr().port())).unwrap();
+    through
+        .query_pairs_mut()
+        .append_pair("connect_timeout", "0.0001");
+    let opened = tokio::time::timeout(
+        // Far above any connect bound the store applies (its default is 5 s).
+        Duration::from_secs(120),
+        onceflow_postgres::PostgresStore::open(through.as_str(), Duration::from_secs(60)),
+    )
+    .await
+    .expect("connect_timeout=0.0001 waited indefinitely on a silent server, as 0 would");
+    let e = opened.expect_err("a silent server");
+    assert!(
+        matches!(e.kind(), ErrorKind::Config | ErrorKind::Timeout),
+        "unexpected: {e}"
+    );
+    assert!(e.message().contains("connect_timeout"), "unnamed: {e}");
+}
