@@ -1563,3 +1563,102 @@ fn produce_does_not_report_a_message_of_unknown_outcome_as_not_sent() {
         out.status.code()
     );
 }
+
+/// `onceflow produce` on a JetStream server that dies mid-stream (a private nats-server,
+/// `tests/brokers/nats/up.sh` in a run directory and on a port of this test's own, SIGKILLed
+/// once deliveries are printed), then standard input ends: the command must end by itself,
+/// with a non-zero exit and the unsent lines named on stderr. A break-it pass saw it print
+/// nothing more and never end (10 min), and the first SIGTERM not end it either (the signal
+/// waits for the chunk in flight, which never completes): only a second signal did (#28).
+/// The guard below only detects that hang.
+#[test]
+fn produce_ends_when_its_jetstream_server_dies_mid_stream() {
+    use std::io::{BufRead as _, Write as _};
+    // Where the shared brokers run, nats/up.sh can start one of this test's own.
+    if secured_env("ONCEFLOW_NATS_URL", "nats").is_none() {
+        return;
+    }
+    let run_dir = tempfile::tempdir().unwrap();
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string()
+    };
+    let (port, monitor) = (free(), free());
+    let brokers = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/brokers");
+    let script = |args: &[&str]| {
+        Command::new("bash")
+            .args(args)
+            .env("ONCEFLOW_RUN_DIR", run_dir.path())
+            .env("ONCEFLOW_NATS_PORT", &port)
+            .env("ONCEFLOW_NATS_MONITOR_PORT", &monitor)
+            .output()
+            .unwrap()
+    };
+    let up = script(&[brokers.join("nats/up.sh").to_str().unwrap()]);
+    assert!(up.status.success(), "{}", text(&up.stderr));
+    struct Down<F: Fn()>(F);
+    impl<F: Fn()> Drop for Down<F> {
+        fn drop(&mut self) {
+            (self.0)()
+        }
+    }
+    let _down = Down(|| {
+        script(&[brokers.join("down.sh").to_str().unwrap(), "nats"]);
+    });
+    let url = format!("nats://127.0.0.1:{port}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["produce", "--url", &url, "-t", "dies"])
+        .env_remove("ONCEFLOW_URL")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the onceflow binary");
+    let mut stdin = child.stdin.take().unwrap();
+    let feeder = std::thread::spawn(move || {
+        // Lines until the command stops reading (or 2 000 000 of them), then the end.
+        for i in 0..2_000_000u32 {
+            if writeln!(stdin, "{i}").is_err() {
+                return;
+            }
+        }
+    });
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    for _ in 0..1000 {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "no deliveries");
+    }
+    let pid = std::fs::read_to_string(run_dir.path().join("nats.pid")).unwrap();
+    let killed = Command::new("kill")
+        .args(["-KILL", pid.trim()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let drain = std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+    let since = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if since.elapsed() > Duration::from_secs(300) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("onceflow produce did not end in 300 s after its server died");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let _ = drain.join();
+    let _ = feeder.join();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "a dead server is a failure: {err}");
+    assert!(
+        err.contains("onceflow: message "),
+        "unsent lines named: {err}"
+    );
+}
