@@ -331,8 +331,15 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
                 }
                 Err(e) => {
                     failed += 1;
+                    // A timed-out send may have been written (the acknowledgement was lost or
+                    // late): saying "not sent" would have the user send it again (#28).
+                    let what = if e.outcome_unknown() {
+                        "outcome unknown (it may have been written)"
+                    } else {
+                        "not sent"
+                    };
                     warn_line!(
-                        "onceflow: message {i} not sent: {}: {}\n  error kind: {} ({})",
+                        "onceflow: message {i} {what}: {}: {}\n  error kind: {} ({})",
                         e.kind().describe(),
                         e.message(),
                         e.kind().code(),

@@ -930,3 +930,32 @@ async fn postgres_checkpoint_store_and_inbox_time_out_on_a_silent_network() {
     assert_eq!(inbox.summary().handled, 1, "{:?}", inbox.summary());
     assert_eq!(positions.read().await.unwrap().len(), 1);
 }
+
+/// `connect_timeout=0.0001` (a tenth of a millisecond, positive) against a PostgreSQL server
+/// whose network is silent: the user asked for a very short bound, so the open must end (a
+/// Config error for a value below what the store can honour, as `op_timeout` below 1 ms is, or
+/// a Timeout). A break-it pass found it read as "wait indefinitely" (0's meaning in libpq):
+/// the open never ends. The outer guard only detects that hang (#28).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_connect_timeout_below_a_millisecond_does_not_wait_for_ever() {
+    let Some((proxy, mut through)) = shared_postgres_through_a_proxy().await else {
+        return;
+    };
+    proxy.isolate();
+    through
+        .query_pairs_mut()
+        .append_pair("connect_timeout", "0.0001");
+    let opened = tokio::time::timeout(
+        // Far above any connect bound the store applies (its default is 5 s).
+        Duration::from_secs(120),
+        onceflow_postgres::PostgresStore::open(through.as_str(), Duration::from_secs(60)),
+    )
+    .await
+    .expect("connect_timeout=0.0001 waited indefinitely on a silent server, as 0 would");
+    let e = opened.expect_err("a silent server");
+    assert!(
+        matches!(e.kind(), ErrorKind::Config | ErrorKind::Timeout),
+        "unexpected: {e}"
+    );
+    assert!(e.message().contains("connect_timeout"), "unnamed: {e}");
+}

@@ -74,8 +74,8 @@
 //! fails with a retriable [`ErrorKind::Timeout`], outcome unknown, logged at WARN with the
 //! server's URL (password `***`). Other query options are passed to the PostgreSQL client
 //! (`application_name`, `options`, `hostaddr`, `channel_binding`, …). `connect_timeout=SECONDS`
-//! (default 5) bounds the whole of a new connection (TCP, TLS, authentication); 0 waits
-//! indefinitely, as in libpq.
+//! (default 5, at least 0.001) bounds the whole of a new connection (TCP, TLS,
+//! authentication); 0 or less waits indefinitely, as in libpq.
 //! Errors name the URL with its password replaced by `***`. PostgreSQL 12 or later: the store's
 //! sessions plan every execution for its own arrays (`plan_cache_mode=force_custom_plan`, sent
 //! at connection start; PostgreSQL's cached generic plans for these statements scan the whole
@@ -166,8 +166,9 @@ pub struct PostgresOptions {
     /// Pooled connections (default [`DEFAULT_POOL_SIZE`]; URL option `pool_size=`).
     pub pool_size: usize,
     /// Longest wait for a new connection to be ready, from the TCP connect through TLS and
-    /// authentication (default 5 s; URL option `connect_timeout=SECONDS`, a number). Zero
-    /// waits indefinitely, as libpq's `connect_timeout=0` (and negative values) do
+    /// authentication (default 5 s; URL option `connect_timeout=SECONDS`, a number: 0 or
+    /// less, else at least 0.001). Zero waits indefinitely, as libpq's `connect_timeout=0`
+    /// (and negative values) do; a non-zero value below 1 ms is 1 ms
     /// ([libpq connection parameters](https://www.postgresql.org/docs/current/libpq-connect.html#LIBPQ-CONNECT-CONNECT-TIMEOUT)).
     /// Past it the operation that needed the connection fails with a retriable
     /// [`ErrorKind::Timeout`] naming the value; nothing was sent on that connection.
@@ -490,12 +491,15 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
                     .trim()
                     .parse::<f64>()
                     .ok()
-                    .filter(|n| n.is_finite())
+                    // A positive value below 1 ms would round to nothing, which reads as "wait
+                    // indefinitely": the opposite of the short bound asked for (#28).
+                    .filter(|n| n.is_finite() && (*n <= 0.0 || *n >= 0.001))
                     .map(|n| Duration::try_from_secs_f64(n.max(0.0)).unwrap_or(Duration::ZERO))
                     .ok_or_else(|| {
                         Error::config(format!(
                             "connect_timeout '{v}' in '{shown}' is not a number of seconds: \
-                             expected e.g. connect_timeout=5 (0 waits indefinitely, as libpq)"
+                             expected e.g. connect_timeout=5, at least 0.001 (0 or less waits \
+                             indefinitely, as libpq)"
                         ))
                     })?
             }
@@ -530,8 +534,10 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
         .as_str()
         .parse()
         .map_err(|e| client_refused(&parsed, &shown, e))?;
-    // A fraction of a millisecond rounds to nothing: read as "wait indefinitely" like 0.
-    let connect_timeout = Some(connect_timeout).filter(|d| *d >= Duration::from_millis(1));
+    // Zero waits indefinitely (libpq); a non-zero value below 1 ms (only through
+    // `PostgresOptions`: the URL's is refused above) is 1 ms, not "indefinitely" (#28).
+    let connect_timeout =
+        (!connect_timeout.is_zero()).then(|| connect_timeout.max(Duration::from_millis(1)));
     if let Some(timeout) = connect_timeout {
         config.connect_timeout(timeout);
     }
@@ -1382,6 +1388,14 @@ mod tests {
             (
                 "postgres://u:pw@127.0.0.1:1/db?connect_timeout=",
                 "connect_timeout ''",
+            ),
+            (
+                "postgres://u:pw@127.0.0.1:1/db?connect_timeout=0.0001",
+                "connect_timeout '0.0001'",
+            ),
+            (
+                "postgres://u:pw@127.0.0.1:1/db?connect_timeout=1e-12",
+                "connect_timeout '1e-12'",
             ),
             (
                 "postgres://u:pw@127.0.0.1:1/db?application_name=x&keepalives_idle=soon",
