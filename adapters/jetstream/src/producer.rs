@@ -235,11 +235,57 @@ impl JetStreamProducer {
     }
 
     async fn start(&self, p: &mut Prepared) -> Result<PublishAckFuture> {
-        let message = Self::message(p)?;
-        self.js
-            .send_publish(p.subject.clone(), message)
+        self.start_by(p, tokio::time::Instant::now() + self.timeout)
             .await
-            .map_err(|e| publish_err(&p.subject, e))
+    }
+
+    /// [`Self::start`], queued by `deadline` (a batch's records share one).
+    async fn start_by(
+        &self,
+        p: &mut Prepared,
+        deadline: tokio::time::Instant,
+    ) -> Result<PublishAckFuture> {
+        let message = Self::message(p)?;
+        self.queued(
+            &p.subject,
+            deadline,
+            self.js.send_publish(p.subject.clone(), message),
+        )
+        .await
+    }
+
+    /// `send_publish` (`publish`) by `deadline` (the publish timeout from now, or from the
+    /// start of a batch: a connection that takes nothing fails a whole batch within one
+    /// timeout, not one timeout per record). It waits for an ack permit and
+    /// for room in the connection's command channel, both before anything is queued; while the
+    /// client is disconnected (the server died, it reconnects for ever) that room never comes,
+    /// and a send waited for good: `onceflow produce` hung after its server was killed (#28).
+    /// Past the timeout nothing was queued: a retriable [`ErrorKind::Timeout`] whose outcome
+    /// is known (not written), retried like an ack timeout.
+    async fn queued(
+        &self,
+        subject: &str,
+        deadline: tokio::time::Instant,
+        publish: impl Future<
+            Output = std::result::Result<
+                PublishAckFuture,
+                async_nats::jetstream::context::PublishError,
+            >,
+        >,
+    ) -> Result<PublishAckFuture> {
+        match tokio::time::timeout_at(deadline, publish).await {
+            Ok(r) => r.map_err(|e| publish_err(subject, e)),
+            Err(_) => Err(Error::new(
+                ErrorKind::Timeout,
+                format!(
+                    "publishing to '{subject}': the connection to the NATS server took no \
+                     publish within {:?} (disconnected and reconnecting, or too many acks \
+                     pending); nothing was sent",
+                    self.timeout
+                ),
+            )
+            .retriable(true)),
+        }
     }
 
     fn ack_err(&self, p: &Prepared, e: async_nats::jetstream::context::PublishError) -> Error {
@@ -297,28 +343,22 @@ impl JetStreamProducer {
         e
     }
 
-    /// Publishes and waits for the ack; a timeout is retried with the same `Nats-Msg-Id`.
-    /// `first`: the result of a first attempt made already (`send_batch`).
-    async fn publish(
-        &self,
-        mut p: Prepared,
-        first: Option<Result<PublishAck>>,
-    ) -> Result<Delivery> {
-        let result = match first {
-            Some(r) => r,
-            None => self.attempt(&mut p).await,
-        };
-        self.finish(p, result).await
-    }
-
-    /// [`Self::publish`] of a record not attempted yet, for `send`: the attempt is written out
+    /// Publishes a record not attempted yet and waits for its ack (a timeout is retried with
+    /// the same `Nats-Msg-Id`), for `send`: the attempt is written out
     /// in this one future (no `start` / `wait` futures nested in it, which keep copies of
     /// their arguments), since every send's future is boxed and moved once.
     async fn publish_one(&self, mut p: Prepared) -> Result<Delivery> {
         let result = match Self::message(&mut p) {
-            Ok(message) => match self.js.send_publish(p.subject.clone(), message).await {
+            Ok(message) => match self
+                .queued(
+                    &p.subject,
+                    tokio::time::Instant::now() + self.timeout,
+                    self.js.send_publish(p.subject.clone(), message),
+                )
+                .await
+            {
                 Ok(ack) => ack.await.map_err(|e| self.ack_err(&p, e)),
-                Err(e) => Err(publish_err(&p.subject, e)),
+                Err(e) => Err(e),
             },
             Err(e) => Err(e),
         };
@@ -475,28 +515,49 @@ impl ProducerBackend for JetStreamProducer {
     /// Publishes every record before waiting for the first ack (async publish, bounded by
     /// async-nats' in-flight ack limit); a timed-out one is retried with its `Nats-Msg-Id`.
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
-        let mut started: Vec<Result<(Prepared, Option<PublishAckFuture>)>> =
+        let mut started: Vec<Result<(Prepared, PublishAckFuture)>> =
             Vec::with_capacity(records.len());
+        let deadline = tokio::time::Instant::now() + self.timeout;
         for r in records {
             let s = match self.prepare(r).await {
-                Ok(mut p) => match self.start(&mut p).await {
-                    Ok(f) => Ok((p, Some(f))),
+                Ok(mut p) => match self.start_by(&mut p, deadline).await {
+                    Ok(f) => Ok((p, f)),
                     Err(e) => Err(e),
                 },
                 Err(e) => Err(e),
             };
             started.push(s);
         }
+        // The acks in order (all in flight together); the timed-out ones are retried after,
+        // all at once: retried one after another, a batch whose acks were lost (the server
+        // died) took (retries + 1) publish timeouts per record.
         let mut out = Vec::with_capacity(started.len());
-        for s in started {
+        let mut retry = Vec::new();
+        for (i, s) in started.into_iter().enumerate() {
             out.push(match s {
-                Ok((p, Some(f))) => {
+                Ok((p, f)) => {
                     let first = self.wait(&p, f).await;
-                    self.publish(p, Some(first)).await
+                    match self.outcome(p, first) {
+                        Outcome::Done(done) => done,
+                        Outcome::Retry(p) => {
+                            retry.push((i, p));
+                            continue;
+                        }
+                        Outcome::Recheck(p, e) => Err(self.recheck(&p, e).await),
+                    }
                 }
-                Ok((p, None)) => self.publish(p, None).await,
                 Err(e) => Err(e),
             });
+        }
+        let retried = futures::future::join_all(
+            retry
+                .into_iter()
+                .map(|(i, p)| async move { (i, self.retry(p).await) }),
+        )
+        .await;
+        // `out` lacks the retried records: put each back at its place, in order.
+        for (i, r) in retried {
+            out.insert(i, r);
         }
         out
     }
