@@ -316,7 +316,12 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     let mut failed = 0;
     let mut bad_input = false;
-    let mut report = |first: usize, results: Vec<Result<onceflow::Delivery>>| {
+    // A send that failed for another reason than its record (after the producer's own
+    // retries: the broker is gone, the network is cut) stops the reading; what was sent is
+    // still reported. Reading on would fail every later line the same way, one publish
+    // timeout after another, for as long as the input lasts (#28).
+    let mut platform_failed = false;
+    let mut report = |first: usize, results: Vec<Result<onceflow::Delivery>>| -> bool {
         for (i, result) in (first..).zip(results) {
             match result {
                 Ok(d) => {
@@ -346,9 +351,11 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
                         e.kind().describe()
                     );
                     bad_input |= e.kind() == ErrorKind::Config;
+                    platform_failed |= e.kind() != ErrorKind::Config;
                 }
             }
         }
+        platform_failed
     };
     let mut sent = 0usize;
     let mut in_flight: std::collections::VecDeque<(usize, onceflow::backend::DeliveriesFuture)> =
@@ -369,17 +376,20 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
                     if !in_flight.is_empty() =>
                 {
                     let (first, _) = in_flight.pop_front().expect("not empty");
-                    report(first, results);
+                    if report(first, results) && input_open {
+                        input_open = false;
+                        warn_line!(
+                            "onceflow: stopped reading after a failed send: messages from {sent} \
+                             on were not sent"
+                        );
+                    }
                     None
                 }
                 code = &mut stop, if stopped.is_none() => {
                     stopped = Some(code);
                     input_open = false;
                     if !in_flight.is_empty() {
-                        warn_line!(
-                            "onceflow: interrupted: waiting for the acknowledgements of the \
-                             messages already sent (again to stop at once)"
-                        );
+                        say_interrupted_while_sending();
                     }
                     None
                 }
@@ -417,7 +427,21 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         }
         let n = records.len();
         if n > 0 {
-            in_flight.push_back((sent, producer.enqueue_batch(records).await));
+            // Platforms other than Kafka send the chunk before `enqueue_batch` returns: a
+            // signal meanwhile is said at once, and the chunk still ends and is reported.
+            let enqueue = producer.enqueue_batch(records);
+            tokio::pin!(enqueue);
+            let deliveries = loop {
+                tokio::select! {
+                    deliveries = &mut enqueue => break deliveries,
+                    code = &mut stop, if stopped.is_none() => {
+                        stopped = Some(code);
+                        input_open = false;
+                        say_interrupted_while_sending();
+                    }
+                }
+            };
+            in_flight.push_back((sent, deliveries));
             sent += n;
         }
         if let Some(e) = read_error {
@@ -441,6 +465,14 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
         _ if bad_input => ExitCode::from(2),
         _ => ExitCode::from(1),
     })
+}
+
+/// What `produce` says when a signal comes while messages it sent await their acknowledgements.
+fn say_interrupted_while_sending() {
+    warn_line!(
+        "onceflow: interrupted: waiting for the acknowledgements of the messages already sent \
+         (again to stop at once)"
+    );
 }
 
 /// What `produce` sends: its arguments, or each line of standard input as it is read (without
