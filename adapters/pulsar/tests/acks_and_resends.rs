@@ -23,6 +23,9 @@ use onceflow_core::{
     Client, Consumer, ConsumerConfig, ErrorKind, Message, ProducerConfig, Record, StartFrom,
 };
 
+mod common;
+use common::{name, require};
+
 /// Pulsar command types (PulsarApi.proto, `BaseCommand.Type`).
 const ACK: i32 = 10;
 const SEND_RECEIPT: i32 = 7;
@@ -30,23 +33,6 @@ const SEND_RECEIPT: i32 = 7;
 /// The fault proxy listens on the port the broker advertises for its `fault` listener, so the
 /// tests that use it take turns.
 static PROXY_PORT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn require(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {var} is not set (tests/brokers/up.sh pulsar)"
-            );
-            eprintln!(
-                "acks_and_resends: SKIPPED: {var} is not set (start a broker with \
-                 tests/brokers/up.sh pulsar)"
-            );
-            None
-        }
-    }
-}
 
 fn with_admin(service: &str) -> Option<String> {
     let admin = require("ONCEFLOW_PULSAR_ADMIN_URL")?;
@@ -66,10 +52,6 @@ async fn proxy() -> Option<(FaultProxy, String)> {
     // The previous test's proxy stops listening once its accept task is dropped.
     let proxy = FaultProxy::start_when_free(&listen, &upstream, Duration::from_secs(10)).await;
     Some((proxy, with_admin(&service)?))
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
 async fn client(url: &str) -> Client {

@@ -13,21 +13,8 @@ use std::time::{Duration, Instant};
 use onceflow_conformance::fault_proxy::FaultProxy;
 use onceflow_core::{Client, ConsumerConfig, ErrorKind, ProducerConfig, Record, StartFrom};
 
-fn require(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {var} is not set (tests/brokers/up.sh pulsar)"
-            );
-            eprintln!(
-                "outage: SKIPPED: {var} is not set (start a broker with tests/brokers/up.sh pulsar)"
-            );
-            None
-        }
-    }
-}
+mod common;
+use common::{name, require};
 
 /// A fault proxy on `listen` relaying to `upstream`; retried while the port is still taken.
 async fn start_proxy(listen: &str, upstream: &str) -> FaultProxy {
@@ -42,10 +29,6 @@ async fn start_proxy(listen: &str, upstream: &str) -> FaultProxy {
             Err(e) => panic!("fault proxy on {listen}: {e}"),
         }
     }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
 /// What both outage tests start from: the fault proxy on the broker's `fault` listener, a

@@ -29,6 +29,9 @@ use onceflow_core::{
 };
 use pulsar::message::proto::command_subscribe::SubType;
 
+mod common;
+use common::name;
+
 fn url() -> Option<String> {
     match std::env::var("ONCEFLOW_PULSAR_URL") {
         Ok(u) if !u.is_empty() => {
@@ -51,10 +54,6 @@ fn url() -> Option<String> {
             None
         }
     }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
 async fn drain(c: &Consumer, n: usize, wait: Duration) -> Vec<onceflow_core::Message> {

@@ -60,6 +60,9 @@ use onceflow_core::{
     TopicSpec,
 };
 
+mod common;
+use common::name;
+
 /// Upper bound on how long a refused connection may take.
 const FAIL_FAST: Duration = Duration::from_secs(15);
 
@@ -127,10 +130,6 @@ fn read(path: &str) -> String {
         .unwrap_or_else(|e| panic!("{path}: {e}"))
         .trim()
         .to_string()
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
 fn enc(s: &str) -> String {

@@ -27,28 +27,11 @@ use onceflow_core::{
     Client, ConsumerConfig, Position, ProducerConfig, Record, StartFrom, TopicPartition, TopicSpec,
 };
 
+mod common;
+use common::{name, require};
+
 const INPUTS: usize = 300;
 const PARTITIONS: u32 = 2;
-
-fn require(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {var} is not set (tests/brokers/up.sh pulsar)"
-            );
-            eprintln!(
-                "transactions_rewind_loop: SKIPPED: {var} is not set (tests/brokers/up.sh pulsar)"
-            );
-            None
-        }
-    }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_input_once_through_a_loop_that_aborts_some_transactions() {

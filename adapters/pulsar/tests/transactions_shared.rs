@@ -25,27 +25,10 @@ use onceflow_core::{
     PipelineMode, ProducerConfig, Record, StartFrom, TopicSpec, Transform,
 };
 
+mod common;
+use common::{name, require};
+
 const INPUTS: usize = 10;
-
-fn require(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {var} is not set (tests/brokers/up.sh pulsar)"
-            );
-            eprintln!(
-                "transactions_shared: SKIPPED: {var} is not set (tests/brokers/up.sh pulsar)"
-            );
-            None
-        }
-    }
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
-}
 
 /// `v{i}` → `out-v{i}`; `v0` fails its first two calls (each aborts the transaction).
 struct FailsV0Twice {
