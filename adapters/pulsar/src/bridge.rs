@@ -2476,6 +2476,22 @@ mod tests {
         assert!(frame_size(b"\xff\xff\xff\xff", MAX_FRAME).is_err());
     }
 
+    /// The broker's AckResponse frame to consumer `consumer_id`'s request `request`.
+    fn ack_response(consumer_id: u64, request: u64) -> Vec<u8> {
+        frame_of(
+            proto::BaseCommand {
+                r#type: Type::AckResponse as i32,
+                ack_response: Some(proto::CommandAckResponse {
+                    consumer_id,
+                    request_id: Some(request),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &[],
+        )
+    }
+
     fn frame_of(c: proto::BaseCommand, rest: &[u8]) -> Vec<u8> {
         encode_frame(&c, rest)
     }
@@ -2623,18 +2639,7 @@ mod tests {
             .unwrap()
             .is_none());
         // The broker's answer is counted and never reaches the crate.
-        let answer = frame_of(
-            proto::BaseCommand {
-                r#type: Type::AckResponse as i32,
-                ack_response: Some(proto::CommandAckResponse {
-                    consumer_id: 5,
-                    request_id: Some(request),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            &[],
-        );
+        let answer = ack_response(5, request);
         let out = frames
             .rewrite(
                 &conn,
@@ -2747,18 +2752,7 @@ mod tests {
         );
 
         // The answer counts for the transaction.
-        let answer = frame_of(
-            proto::BaseCommand {
-                r#type: Type::AckResponse as i32,
-                ack_response: Some(proto::CommandAckResponse {
-                    consumer_id: 5,
-                    request_id: Some(request),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            &[],
-        );
+        let answer = ack_response(5, request);
         assert!(pass(Direction::ToClient, &answer).unwrap().is_empty());
         frames
             .acks_answered(txn, 2, Duration::from_secs(1))
