@@ -452,7 +452,11 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
             return Err(e);
         }
     }
-    producer.flush(Duration::from_secs(30)).await?;
+    // Every message sent has its report by now; the flush is what the producer may still
+    // hold besides. After a failure of the platform itself it could only wait its timeout.
+    if !platform_failed {
+        producer.flush(Duration::from_secs(30)).await?;
+    }
     if let (Some(code), 0) = (stopped, failed) {
         // The reader of standard input may still wait for a line it cannot be cancelled out
         // of: do not make the runtime's shutdown wait for it.

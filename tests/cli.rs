@@ -1571,13 +1571,9 @@ fn produce_does_not_report_a_message_of_unknown_outcome_as_not_sent() {
 /// waits for the chunk in flight, which never completes): only a second signal did (#28).
 /// The guard below only detects that hang.
 ///
-/// Still failing here (#28, open). Found and fixed: a batch's ack futures each started their
-/// publish timeout only when awaited, one after another (512 records: 43 min); by hand
-/// (`seq 1 2000000 | onceflow produce`, the server SIGKILLed after 1 s or 4 s) the command now
-/// ends in 51-54 s, exit 1, the unsent lines named. This test still reached its guard twice:
-/// not understood yet. Run by hand: `cargo test --test cli -- --ignored produce_ends_when`.
+/// The cause: a batch's ack futures each started their publish timeout only when awaited, one
+/// after another (512 records: 43 min).
 #[test]
-#[ignore = "open defect (#28): produce never ends after its JetStream server dies"]
 fn produce_ends_when_its_jetstream_server_dies_mid_stream() {
     use std::io::{BufRead as _, Write as _};
     // Where the shared brokers run, nats/up.sh can start one of this test's own.
@@ -1624,6 +1620,14 @@ fn produce_ends_when_its_jetstream_server_dies_mid_stream() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("run the onceflow binary");
+    // Standard error is read as it comes: the command names each unsent line there, more
+    // than a pipe holds.
+    let mut stderr = child.stderr.take().unwrap();
+    let errors = std::thread::spawn(move || {
+        let mut err = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut err);
+        err
+    });
     let mut stdin = child.stdin.take().unwrap();
     let feeder = std::thread::spawn(move || {
         // Lines until the command stops reading (or 2 000 000 of them), then the end.
@@ -1660,8 +1664,7 @@ fn produce_ends_when_its_jetstream_server_dies_mid_stream() {
     };
     let _ = drain.join();
     let _ = feeder.join();
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    let err = errors.join().unwrap();
     assert!(!status.success(), "a dead server is a failure: {err}");
     assert!(
         err.contains("onceflow: message "),
