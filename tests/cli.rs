@@ -1523,15 +1523,17 @@ fn produce_does_not_report_a_message_of_unknown_outcome_as_not_sent() {
     let topic = format!("cli-unknown-{:08x}", rand::random::<u32>());
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(new_topic(&url, &topic, 1));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
-        .args(["produce", "--url", &url, "-t", &topic])
-        .args(["-o", "publish_timeout_ms=1", "-o", "publish_retries=0"])
-        .env_remove("ONCEFLOW_URL")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run the onceflow binary");
+    let mut child = spawn_piped(&[
+        "produce",
+        "--url",
+        &url,
+        "-t",
+        &topic,
+        "-o",
+        "publish_timeout_ms=1",
+        "-o",
+        "publish_retries=0",
+    ]);
     let mut stdin = child.stdin.take().unwrap();
     let input: String = (1..=3000).map(|i| format!("{i}\n")).collect();
     stdin.write_all(input.as_bytes()).unwrap();
@@ -1612,14 +1614,7 @@ fn produce_ends_when_its_jetstream_server_dies_mid_stream() {
         script(&[brokers.join("down.sh").to_str().unwrap(), "nats"]);
     });
     let url = format!("nats://127.0.0.1:{port}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_onceflow"))
-        .args(["produce", "--url", &url, "-t", "dies"])
-        .env_remove("ONCEFLOW_URL")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run the onceflow binary");
+    let mut child = spawn_piped(&["produce", "--url", &url, "-t", "dies"]);
     // Standard error is read as it comes: the command names each unsent line there, more
     // than a pipe holds.
     let mut stderr = child.stderr.take().unwrap();

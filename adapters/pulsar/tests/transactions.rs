@@ -44,29 +44,14 @@ use onceflow_core::{
     ProducerConfig, Record, StartFrom, TopicPartition, TopicSpec, Transaction,
 };
 
-fn require(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ => {
-            assert!(
-                std::env::var("ONCEFLOW_REQUIRE_BROKERS").as_deref() != Ok("1"),
-                "ONCEFLOW_REQUIRE_BROKERS=1 but {var} is not set (tests/brokers/up.sh pulsar)"
-            );
-            eprintln!("transactions: SKIPPED: {var} is not set (tests/brokers/up.sh pulsar)");
-            None
-        }
-    }
-}
+mod common;
+use common::{name, require};
 
 /// The broker's URL with transactions on.
 fn url() -> Option<String> {
     let service = require("ONCEFLOW_PULSAR_URL")?;
     let admin = require("ONCEFLOW_PULSAR_ADMIN_URL")?;
     Some(format!("{service}?admin={admin}&transactions=true"))
-}
-
-fn name(prefix: &str) -> String {
-    format!("{prefix}-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
 fn text(m: &Message) -> String {
