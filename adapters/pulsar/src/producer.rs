@@ -171,6 +171,11 @@ impl PulsarProducer {
         Ok(t)
     }
 
+    /// `close` was called.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     fn check(&self, record: &Record) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::new(ErrorKind::Closed, "the producer is closed"));
@@ -414,8 +419,16 @@ impl ProducerBackend for PulsarProducer {
         self.shared.capabilities(&self.options)
     }
 
+    /// Hands the record over and waits for its receipt. With batching and no
+    /// `batch_timeout_ms`, the crate would hold a lone record until its batch is full, so the
+    /// batches are sent first; with a `batch_timeout_ms`, records sent concurrently share a
+    /// batch and a receipt comes at the latest that long after the batch's first record.
     async fn send(&self, record: Record) -> Result<Delivery> {
         let f = self.enqueue(record).await?;
+        if self.options.batching() && self.options.batch_timeout.is_none() {
+            // A failed flush shows in the receipt.
+            let _ = self.flush_batches(self.options.operation_timeout).await;
+        }
         self.complete(f).await
     }
 
@@ -451,9 +464,10 @@ impl ProducerBackend for PulsarProducer {
 impl PulsarProducer {
     /// [`ProducerBackend::send_batch`]: hands every record to its partition's producer first,
     /// in order (so the crate batches them), then waits for the receipts.
+    /// With batching, what the crate still holds in batches is sent before the receipts are
+    /// awaited (else they would come only after `batch_timeout_ms`, or never without one).
     pub(crate) async fn send_all(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
-        let queued = self.hand_over_all(records).await;
-        self.receipts(queued).await
+        self.enqueue_all(records).await.await
     }
 
     /// Hands every record to its partition's producer, in order (so the crate batches them),

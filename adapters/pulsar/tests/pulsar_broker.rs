@@ -17,6 +17,10 @@
 //! - `small_polls_with_commits_drain_a_backlog_deeper_than_the_receiver_queue` and
 //!   `a_new_member_starts_after_the_last_commit_of_a_closed_one`: acks and close behind the
 //!   crate's consumer engine.
+//! - `a_batching_producer_without_a_batch_timeout_answers_send_and_send_batch`: with
+//!   `batch_size` and no `batch_timeout_ms` the crate holds a record until its batch is full;
+//!   a `send` or `send_batch` awaiting its receipts sends the batch first instead of waiting
+//!   for ever.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -541,4 +545,44 @@ async fn a_new_member_starts_after_the_last_commit_of_a_closed_one() {
             "receiver queue {queue}, {upto} of {n} committed: the new member's first messages"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batching_producer_without_a_batch_timeout_answers_send_and_send_batch() {
+    let Some(url) = url() else { return };
+    let client = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
+    let topic = name("batch-no-timeout");
+    let producer = client
+        .producer(ProducerConfig::new().option("batch_size", "100"))
+        .await
+        .unwrap();
+    let within = Duration::from_secs(30);
+    tokio::time::timeout(within, producer.send(Record::new(&topic, "one")))
+        .await
+        .expect("send of a lone record to a batching producer returned within 30 s")
+        .unwrap();
+    let batch = tokio::time::timeout(
+        within,
+        producer.send_batch(vec![
+            Record::new(&topic, "two"),
+            Record::new(&topic, "three"),
+        ]),
+    )
+    .await
+    .expect("send_batch of 2 records to a 100-record batching producer returned within 30 s");
+    for r in batch {
+        r.unwrap();
+    }
+    let c = client
+        .consumer(ConsumerConfig::new(name("g"), [topic.as_str()]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let read: Vec<String> = drain(&c, 3, Duration::from_secs(30))
+        .await
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    assert_eq!(read, ["one", "two", "three"]);
+    producer.close().await.unwrap();
+    c.close().await.unwrap();
 }
