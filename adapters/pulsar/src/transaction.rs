@@ -66,6 +66,9 @@ impl PulsarTransaction {
                  enableTransaction)",
             ));
         };
+        if producer.is_closed() {
+            return Err(Error::new(ErrorKind::Closed, "the producer is closed"));
+        }
         let (Some(in_txn), Some(name)) = (producer.in_txn.clone(), producer.name.clone()) else {
             return Err(Error::config(
                 "this producer has no transactional id: set ProducerConfig::transactional_id",

@@ -32,6 +32,10 @@
 //!   `the_rest_of_a_batch_acknowledged_in_an_aborted_transaction_comes_again`: inputs in one
 //!   batch (batch-index acknowledgement on), transactions ending inside it, committed or
 //!   aborted: each input's output commits once and the pipeline goes on past the batch.
+//! - `a_closed_producer_begins_no_transaction`: `begin` after `close` is `Closed`, and no
+//!   transaction is opened at the coordinator.
+//! - `a_batching_transactional_producer_answers_send`: with `batch_size` and no
+//!   `batch_timeout_ms`, a transaction's `send` returns (the batch is sent first) and commits.
 //! - `a_batch_partly_committed_by_a_member_that_left_commits_its_rest`: of a batch a member
 //!   that left committed part of, the next member gets and commits only the rest (the broker's
 //!   ack set on the redelivered entry, which the pulsar crate ignores, read by the bridge).
@@ -1080,4 +1084,48 @@ async fn key_shared_an_ack_after_a_committed_one_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_shared_an_ack_while_another_transaction_holds_it_is_refused() {
     second_ack_after_a_redelivery_is_refused("key_shared", Second::WhileOpen).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_producer_begins_no_transaction() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let producer = txn_producer(&client, "closed-txn").await;
+    producer.close().await.unwrap();
+    let Err(e) = producer.begin().await else {
+        panic!("begin on a closed producer opened a transaction");
+    };
+    assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batching_transactional_producer_answers_send() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let topic = name("txn-batching");
+    let producer = client
+        .producer(
+            ProducerConfig::new()
+                .transactional_id(name("txn-batching"))
+                .option("batch_size", "100"),
+        )
+        .await
+        .unwrap();
+    let mut t = producer.begin().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), t.send(Record::new(&topic, "t0")))
+        .await
+        .expect("a transaction's send to a batching producer returned within 30 s")
+        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        t.send_batch(vec![Record::new(&topic, "t1")]),
+    )
+    .await
+    .expect("a transaction's send_batch to a batching producer returned within 30 s")
+    .pop()
+    .unwrap()
+    .unwrap();
+    t.commit().await.unwrap();
+    assert_eq!(read_until(&client, &topic, "t1").await, ["t0", "t1"]);
+    producer.close().await.unwrap();
 }
