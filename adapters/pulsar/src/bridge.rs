@@ -1458,8 +1458,44 @@ fn with_txn_metadata(rest: &[u8], txn: Option<TxnId>, shift: u64) -> std::io::Re
     Ok(out)
 }
 
-/// Most acknowledgements of ended transactions kept to be dropped ([`TxnFrames::end`]).
+/// Most acknowledgements of ended transactions kept to be dropped ([`TxnFrames::end`]), and
+/// most of the crate's copies of the bridge's own acknowledgements kept to be dropped
+/// ([`TxnFrames::expect_acks`]).
 const MAX_VOID_ACKS: usize = 1 << 20;
+
+/// A map of at most [`MAX_VOID_ACKS`] entries: past the bound its least recently used entry
+/// goes. Its entries wait for `ACK`s a crate consumer closed before writing them never sends,
+/// so it needs a bound; emptying it whole would let the `ACK`s still on their way pass as
+/// plain acknowledgements (of an aborted transaction: made permanent, the input lost).
+struct Bounded<K: std::hash::Hash + Eq, V> {
+    map: lru::LruCache<K, V>,
+    max: usize,
+}
+
+impl<K: std::hash::Hash + Eq, V> Default for Bounded<K, V> {
+    fn default() -> Self {
+        Bounded::new(MAX_VOID_ACKS)
+    }
+}
+
+impl<K: std::hash::Hash + Eq, V> Bounded<K, V> {
+    fn new(max: usize) -> Self {
+        // Unbounded to the crate (a bounded LruCache allocates its whole capacity at once);
+        // `put` keeps the bound.
+        Bounded {
+            map: lru::LruCache::unbounded(),
+            max,
+        }
+    }
+
+    /// Inserts or replaces `k`, then drops the least recently used entries past the bound.
+    fn put(&mut self, k: K, v: V) {
+        self.map.put(k, v);
+        while self.map.len() > self.max {
+            self.map.pop_lru();
+        }
+    }
+}
 
 fn ack_key(topic: &str, subscription: &str, id: &proto::MessageIdData) -> AckKey {
     (
@@ -1526,13 +1562,13 @@ struct TxnState {
     expected: HashMap<AckKey, TxnId>,
     /// Messages of transactions that ended before their `ACK` passed: dropped when it does
     /// (an aborted transaction's acknowledgement must not become a plain one).
-    void: HashMap<AckKey, TxnId>,
+    void: Bounded<AckKey, TxnId>,
     /// Messages (with the ack set asked for) whose transactional acknowledgement the bridge
     /// sent itself ([`TxnFrames::expect_acks`]) → how many of the crate's own `ACK`s of them
     /// are still to be dropped when they pass. The ack set is part of the key so that another
     /// acknowledgement of the same message id (a plain one of other messages of its batch)
     /// is never taken for the crate's copy.
-    injected: HashMap<(AckKey, Vec<i64>), u32>,
+    injected: Bounded<(AckKey, Vec<i64>), u32>,
     /// (partition topic, subscription) → the crate consumers subscribed to it, from their
     /// `SUBSCRIBE` until their `CLOSE_CONSUMER` or the end of their connection.
     subscribed: HashMap<(String, String), Vec<Subscribed>>,
@@ -1686,14 +1722,10 @@ impl TxnFrames {
         let n = ids.len() as u64;
         st.awaiting.insert(request, (txn, n));
         st.acks.entry(txn).or_default().sent += n;
-        // Bounded: a consumer closed before writing its own ACKs never sends them.
-        if st.injected.len() > MAX_VOID_ACKS {
-            st.injected.clear();
-        }
         for id in ids {
-            *st.injected
-                .entry((ack_key(&key.0, &key.1, id), id.ack_set.clone()))
-                .or_default() += 1;
+            let k = (ack_key(&key.0, &key.1, id), id.ack_set.clone());
+            let n = st.injected.map.get(&k).copied().unwrap_or(0);
+            st.injected.put(k, n + 1);
         }
         true
     }
@@ -1755,11 +1787,7 @@ impl TxnFrames {
             .collect();
         for k in late {
             st.expected.remove(&k);
-            st.void.insert(k, txn);
-        }
-        // Bounded: a consumer closed before writing them never sends them.
-        if st.void.len() > MAX_VOID_ACKS {
-            st.void.clear();
+            st.void.put(k, txn);
         }
         st.acks.remove(&txn);
         st.awaiting.retain(|_, (t, _)| *t != txn);
@@ -1906,19 +1934,19 @@ impl TxnFrames {
                         .iter()
                         .map(|id| ack_key(&topic, &sub, id))
                         .collect();
-                    if !st.injected.is_empty() {
+                    if !st.injected.map.is_empty() {
                         let copies: Vec<(AckKey, Vec<i64>)> = keys
                             .iter()
                             .zip(&ack.message_id)
                             .map(|(k, id)| (k.clone(), id.ack_set.clone()))
                             .collect();
-                        if !copies.is_empty() && copies.iter().all(|k| st.injected.contains_key(k))
+                        if !copies.is_empty() && copies.iter().all(|k| st.injected.map.contains(k))
                         {
                             for k in &copies {
-                                if let Some(n) = st.injected.get_mut(k) {
+                                if let Some(n) = st.injected.map.get_mut(k) {
                                     *n -= 1;
                                     if *n == 0 {
-                                        st.injected.remove(k);
+                                        st.injected.map.pop(k);
                                     }
                                 }
                             }
@@ -1926,9 +1954,9 @@ impl TxnFrames {
                             return Ok(Some(Vec::new()));
                         }
                     }
-                    if !keys.is_empty() && keys.iter().all(|k| st.void.contains_key(k)) {
+                    if !keys.is_empty() && keys.iter().all(|k| st.void.map.contains(k)) {
                         for k in &keys {
-                            st.void.remove(k);
+                            st.void.map.pop(k);
                         }
                         // Of a transaction that ended without it: never a plain ack.
                         return Ok(Some(Vec::new()));
@@ -2044,6 +2072,22 @@ impl TxnFrames {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bounded_map_drops_its_oldest_entry_never_the_whole_map() {
+        let mut m: Bounded<u32, u32> = Bounded::new(3);
+        for k in 0..3 {
+            m.put(k, k);
+        }
+        // 0 is read (as the crate's copy of an ACK passing): 1 is now the oldest.
+        assert_eq!(m.map.get(&0), Some(&0));
+        m.put(3, 3);
+        assert_eq!(m.map.len(), 3);
+        assert!(!m.map.contains(&1), "the least recently used entry goes");
+        for k in [0, 2, 3] {
+            assert!(m.map.contains(&k), "{k} kept");
+        }
+    }
 
     fn connect_frame(method: Option<&str>, data: Option<Vec<u8>>) -> Vec<u8> {
         encode_frame(
