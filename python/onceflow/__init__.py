@@ -732,7 +732,13 @@ class Transaction:
         """Commits ``consumer``'s positions with the transaction: of ``messages`` (processed
         ``Message``s or their ``(topic, partition, position)``, the last per partition), or of
         every message the consumer has yielded so far. A ``Committed`` (the next position to
-        read, from ``Consumer.committed()``) raises ``ConfigError``, as for ``commit()``."""
+        read, from ``Consumer.committed()``) raises ``ConfigError``, as for ``commit()``; a
+        ``consumer`` that is not a ``Consumer`` raises ``TypeError``."""
+        if not isinstance(consumer, Consumer):
+            raise TypeError(
+                f"commit_offsets(consumer=...): expected the Consumer whose messages the "
+                f"transaction commits, got {type(consumer).__name__} {consumer!r:.60}"
+            )
         if messages is None:
             await self._native.commit_offsets(consumer._native, None, consumer._batch, consumer._handed_out)
         else:

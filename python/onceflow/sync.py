@@ -183,6 +183,14 @@ class Transaction:
         return _run(self._inner.send_batch(records))
 
     def commit_offsets(self, consumer: "Consumer", messages: Optional[Iterable[Any]] = None) -> None:
+        """Commits ``consumer``'s positions with the transaction (see the asyncio
+        ``Transaction.commit_offsets``); a ``consumer`` that is not a ``onceflow.sync.Consumer``
+        raises ``TypeError``."""
+        if not isinstance(consumer, Consumer):
+            raise TypeError(
+                f"commit_offsets(consumer=...): expected the onceflow.sync.Consumer whose "
+                f"messages the transaction commits, got {type(consumer).__name__} {consumer!r:.60}"
+            )
         _run(self._inner.commit_offsets(consumer._inner, messages))
 
     def commit(self) -> None:

@@ -85,3 +85,21 @@ async def test_jetstream_has_no_transactions(platform):
     with pytest.raises(onceflow.UnsupportedError):
         async with producer.transaction():
             pass
+
+
+async def test_commit_offsets_names_a_consumer_that_is_not_one(memory):
+    producer = await memory.client.producer(transactional_id=unique("py-tx"))
+    async with producer.transaction() as tx:
+        with pytest.raises(TypeError, match=r"commit_offsets\(consumer=...\).*got str 'orders'"):
+            await tx.commit_offsets("orders")
+        await tx.abort()
+
+
+def test_sync_commit_offsets_names_a_consumer_that_is_not_one():
+    import onceflow.sync
+
+    producer = onceflow.sync.connect("memory://").producer(transactional_id=unique("py-tx"))
+    with producer.transaction() as tx:
+        with pytest.raises(TypeError, match=r"onceflow\.sync\.Consumer.*got str 'orders'"):
+            tx.commit_offsets("orders")
+        tx.abort()
