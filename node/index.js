@@ -281,6 +281,10 @@ Transaction.prototype.sendBatch = function (records) {
 }
 /** Commits `consumer`'s positions with the transaction: the given messages/positions, or what it yielded last. */
 Transaction.prototype.commitOffsets = async function (consumer, positions) {
+  if (!(consumer instanceof Consumer)) {
+    const got = consumer === null ? 'null' : typeof consumer === 'object' ? (consumer.constructor?.name ?? 'object') : `${typeof consumer} ${JSON.stringify(consumer)?.slice(0, 60)}`
+    throw new TypeError(`commitOffsets(consumer, ...): expected the Consumer whose messages the transaction commits, got ${got}`)
+  }
   return this._commitOffsets(consumer, explicitPositions(positions), consumer._batch ?? 0, consumer._handedOut ?? null)
 }
 

@@ -205,6 +205,21 @@ test('errors: OnceflowError with code, retriable and message naming the value', 
   assert.ok(codes.includes('ONCEFLOW_FENCED'))
 })
 
+test('transaction commitOffsets names a consumer that is not one', async () => {
+  const client = await onceflow.connect(`memory://${unique('e')}`)
+  const producer = await client.producer({ transactionalId: unique('tx') })
+  await assert.rejects(
+    producer.transaction(async (tx) => {
+      await tx.commitOffsets('orders')
+    }),
+    (e) => {
+      assert.ok(e instanceof TypeError, String(e))
+      assert.match(e.message, /commitOffsets\(consumer, \.\.\.\): expected the Consumer .* got string "orders"/)
+      return true
+    },
+  )
+})
+
 test('the event loop keeps running while a poll waits', async () => {
   const client = await onceflow.connect(`memory://${unique('loop')}`)
   const consumer = await client.consumer('g', ['empty'])
