@@ -72,6 +72,7 @@ impl Client {
             inner,
             platform: self.backend.clone(),
             transactional,
+            closed: Default::default(),
         })
     }
 
@@ -117,6 +118,8 @@ pub struct Producer {
     inner: Arc<dyn ProducerBackend>,
     platform: Arc<dyn PlatformBackend>,
     transactional: bool,
+    /// [`Producer::close`] was called (on this producer or a clone).
+    closed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Producer {
@@ -169,6 +172,7 @@ impl Producer {
     /// Errors: [`ErrorKind::Config`] for an empty topic, a record over the platform's size limit
     /// (naming the size and the limit) or an invalid header; the platform's errors otherwise.
     pub async fn send(&self, mut record: Record) -> Result<Delivery> {
+        self.refuse_if_closed()?;
         let cx = self.prepare(&mut record)?;
         let result = self.inner.send(record).await;
         if let Some(cx) = &cx {
@@ -180,6 +184,9 @@ impl Producer {
     /// Sends records pipelined; one result per record, in order. A record that fails validation
     /// gets its error without stopping the others.
     pub async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
+        if self.is_closed() {
+            return records.iter().map(|_| Err(closed_error())).collect();
+        }
         let (valid, prep) = prepare_batch(self.platform.as_ref(), records);
         let sent = self.inner.send_batch(valid).await;
         merge_results(prep, sent)
@@ -193,6 +200,11 @@ impl Producer {
     /// until the future is first polled, and leave at once from then. A record that fails
     /// validation gets its error in its slot.
     pub async fn enqueue_batch(&self, records: Vec<Record>) -> crate::backend::DeliveriesFuture {
+        if self.is_closed() {
+            let refused: Vec<Result<Delivery>> =
+                records.iter().map(|_| Err(closed_error())).collect();
+            return Box::pin(async move { refused });
+        }
         let (valid, prep) = prepare_batch(self.platform.as_ref(), records);
         let sent = self.inner.enqueue_batch(valid).await;
         Box::pin(async move { merge_results(prep, sent.await) })
@@ -200,6 +212,7 @@ impl Producer {
 
     /// Writes all records or none (platforms with [`Capabilities::atomic_batch`]).
     pub async fn send_atomic(&self, mut records: Vec<Record>) -> Result<Vec<Delivery>> {
+        self.refuse_if_closed()?;
         let mut spans = Vec::new();
         for r in records.iter_mut() {
             spans.extend(self.prepare(r)?);
@@ -212,8 +225,10 @@ impl Producer {
     }
 
     /// Starts a transaction. Needs a producer created with a transactional id on a platform
-    /// with transactions; otherwise [`ErrorKind::Unsupported`] or [`ErrorKind::Config`].
+    /// with transactions; otherwise [`ErrorKind::Unsupported`] or [`ErrorKind::Config`];
+    /// [`ErrorKind::Closed`] after [`Producer::close`].
     pub async fn begin(&self) -> Result<Transaction> {
+        self.refuse_if_closed()?;
         if !self.capabilities().transactions {
             return Err(Error::unsupported(format!(
                 "transactions are not supported on {}",
@@ -249,10 +264,31 @@ impl Producer {
         self.inner.flush(timeout).await
     }
 
-    /// Flushes and releases the producer.
+    /// Flushes and releases the producer. From then on `send`, `send_batch`,
+    /// `enqueue_batch`, `send_atomic` and `begin` (of this producer and its clones) are
+    /// [`ErrorKind::Closed`]; a second `close` is a no-op.
     pub async fn close(&self) -> Result<()> {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         self.inner.close().await
     }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// [`ErrorKind::Closed`] once [`Producer::close`] was called.
+    fn refuse_if_closed(&self) -> Result<()> {
+        if self.is_closed() {
+            return Err(closed_error());
+        }
+        Ok(())
+    }
+}
+
+/// What a closed producer's operations fail with.
+fn closed_error() -> Error {
+    Error::new(ErrorKind::Closed, "the producer is closed")
 }
 
 /// What [`prepare_batch`] set aside: the records that failed validation and the send spans

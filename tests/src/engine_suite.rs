@@ -12,7 +12,8 @@
 //! `require_key_dead_letters_a_keyless_message`,
 //! `conflicting_payload_does_not_stop_consumer_or_pipeline`, `requeued_job_runs_once_more`,
 //! `requeued_input_is_transformed_once_more`,
-//! `rewind_uncommitted_refuses_partitions_it_does_not_read`.
+//! `rewind_uncommitted_refuses_partitions_it_does_not_read`,
+//! `closed_producer_refuses_sends_and_transactions`.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -58,6 +59,7 @@ macro_rules! engine_suite {
             requeued_job_runs_once_more,
             requeued_input_is_transformed_once_more,
             rewind_uncommitted_refuses_partitions_it_does_not_read,
+            closed_producer_refuses_sends_and_transactions,
         );
     };
     (@cases ($harness:expr) $($case:ident),* $(,)?) => {
@@ -1548,6 +1550,53 @@ pub async fn rewind_uncommitted_refuses_partitions_it_does_not_read(h: &dyn Harn
                 ))
             }
         }
+    }
+    Ok(Outcome::Passed)
+}
+
+/// After `close`, the producer's `send`, `send_batch` (each record), `enqueue_batch`,
+/// `send_atomic` and `begin` are `Closed` on every platform (a transactional producer opens no
+/// transaction), also through a clone; a second `close` is a no-op.
+pub async fn closed_producer_refuses_sends_and_transactions(h: &dyn Harness) -> CaseResult {
+    let client = Client::new(h.platform());
+    let topic = h.topic(1).await?;
+    let p = client.producer(ProducerConfig::new()).await?;
+    p.send(Record::new(&topic, "before")).await?;
+    let clone = p.clone();
+    p.close().await?;
+    let closed = |what: &str, r: &Result<onceflow_core::Delivery>| {
+        check(
+            matches!(r, Err(e) if e.kind() == ErrorKind::Closed),
+            format!("{what} after close: Closed, got {r:?}"),
+        )
+    };
+    closed("send", &clone.send(Record::new(&topic, "after")).await)?;
+    let sent = p
+        .send_batch(vec![Record::new(&topic, "a"), Record::new(&topic, "b")])
+        .await;
+    check(sent.len() == 2, format!("2 results, got {}", sent.len()))?;
+    for r in &sent {
+        closed("send_batch", r)?;
+    }
+    let queued = p.enqueue_batch(vec![Record::new(&topic, "c")]).await.await;
+    check(queued.len() == 1, format!("1 result, got {}", queued.len()))?;
+    closed("enqueue_batch", &queued[0])?;
+    let atomic = p.send_atomic(vec![Record::new(&topic, "d")]).await;
+    check(
+        matches!(&atomic, Err(e) if e.kind() == ErrorKind::Closed),
+        format!("send_atomic after close: Closed, got {atomic:?}"),
+    )?;
+    p.close().await?;
+    if client.capabilities().transactions {
+        let tp = client
+            .producer(ProducerConfig::new().transactional_id(h.transactional_id()))
+            .await?;
+        tp.close().await?;
+        let begun = tp.begin().await;
+        check(
+            matches!(&begun, Err(e) if e.kind() == ErrorKind::Closed),
+            format!("begin after close: Closed, got {:?}", begun.as_ref().err()),
+        )?;
     }
     Ok(Outcome::Passed)
 }
