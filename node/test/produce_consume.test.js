@@ -360,3 +360,16 @@ test('supportedSchemes() lists the URL schemes compiled in, and connect refuses 
     (e) => e instanceof onceflow.OnceflowError && e.kind === 'config' && e.message.includes('nope')
   )
 })
+
+for (const p of platforms()) test(`${p.name}: a closed producer refuses sends`, async () => {
+  // Kafka and JetStream went on sending after close().
+  const client = await onceflow.connect(p.url())
+  const t = await topic(client)
+  const producer = await client.producer()
+  await producer.send({ topic: t, payload: 'before' })
+  await producer.close()
+  await assert.rejects(producer.send({ topic: t, payload: 'after' }), { code: 'ONCEFLOW_CLOSED' })
+  const rs = await producer.sendBatch([{ topic: t, payload: 'a' }, { topic: t, payload: 'b' }])
+  assert.equal(rs.length, 2)
+  for (const r of rs) assert.equal(r.code, 'ONCEFLOW_CLOSED', String(r))
+})

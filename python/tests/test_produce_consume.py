@@ -247,3 +247,18 @@ async def test_a_cancelled_poll_leaves_the_consumer_and_loop_working(memory):
     await producer.send(topic, b"after")
     got = await drain(consumer, 1)
     assert [m.payload for m in got] == [b"after"]
+
+
+async def test_a_closed_producer_refuses_sends(platform):
+    """After close(), send and send_batch raise ClosedError on every platform (Kafka and
+    JetStream went on sending before)."""
+    topic = await platform.topic()
+    producer = await platform.client.producer()
+    await producer.send(topic, b"before")
+    await producer.close()
+    with pytest.raises(onceflow.ClosedError):
+        await producer.send(topic, b"after")
+    with pytest.raises(onceflow.SendError) as e:
+        await producer.send_batch([onceflow.Record(topic, b"a"), onceflow.Record(topic, b"b")])
+    results = e.value.results
+    assert len(results) == 2 and all(isinstance(r, onceflow.ClosedError) for r in results), results
