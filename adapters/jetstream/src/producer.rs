@@ -65,6 +65,9 @@ struct Prepared {
     /// Whether the record's message carries headers at all (a plain `PUB` when not).
     has_headers: bool,
     msg_id: MsgId,
+    /// An attempt went to the connection and its ack never came: the record may be stored,
+    /// whatever a later attempt's failure says.
+    maybe_written: bool,
 }
 
 impl Prepared {
@@ -97,6 +100,14 @@ enum Outcome {
     Retry(Prepared),
     /// Nobody answered the publish: the stream is gone or JetStream is not answering yet.
     Recheck(Prepared, Error),
+}
+
+/// A `send_batch` under way: its publishes awaiting their acks (by index in the batch, oldest
+/// first), the records to publish again, and when it started or last received an ack.
+struct Batch {
+    inflight: std::collections::VecDeque<(usize, Prepared, PublishAckFuture)>,
+    retry: Vec<(usize, Prepared)>,
+    progress: tokio::time::Instant,
 }
 
 fn random_id() -> String {
@@ -218,6 +229,7 @@ impl JetStreamProducer {
             headers: None,
             has_headers: false,
             msg_id,
+            maybe_written: false,
         };
         let headers = record_headers(&p.record, p.msg_id())?;
         p.has_headers = !headers.is_empty();
@@ -340,9 +352,26 @@ impl JetStreamProducer {
         e.kind() == ErrorKind::Timeout && p.msg_id().is_some() && attempt < self.retries
     }
 
+    /// The error a send ends with. After an attempt whose ack never came, a later attempt's
+    /// known outcome (nothing queued, refused) does not make the record unsent: the error
+    /// says its outcome is unknown.
     fn failed(&self, p: &Prepared, e: Error) -> Error {
         if e.kind() == ErrorKind::NotFound {
             self.shared.forget_topic(&p.record.topic);
+        }
+        if p.maybe_written && !e.outcome_unknown() {
+            let retriable = e.is_retriable();
+            return Error::new(
+                e.kind(),
+                format!(
+                    "{}; an earlier attempt went to the server and its ack never came: the \
+                     record may have been written",
+                    e.message()
+                ),
+            )
+            .with_source(e)
+            .retriable(retriable)
+            .with_outcome_unknown();
         }
         e
     }
@@ -454,12 +483,36 @@ impl JetStreamProducer {
     }
 
     /// What a first attempt's result comes to.
-    fn outcome(&self, p: Prepared, result: Result<PublishAck>) -> Outcome {
+    fn outcome(&self, mut p: Prepared, result: Result<PublishAck>) -> Outcome {
         match result {
             Ok(ack) => Outcome::Done(Ok(Self::delivery(p, ack, 1))),
-            Err(e) if self.retriable(&p, &e, 0) => Outcome::Retry(p),
+            Err(e) if self.retriable(&p, &e, 0) => {
+                p.maybe_written |= e.outcome_unknown();
+                Outcome::Retry(p)
+            }
             Err(e) if e.kind() == ErrorKind::NotFound => Outcome::Recheck(p, e),
             Err(e) => Outcome::Done(Err(self.failed(&p, e))),
+        }
+    }
+
+    /// Waits for the oldest ack of `batch` in flight, by one publish timeout after the
+    /// batch's last progress, and puts its result in `out` (or the record in the retries).
+    async fn settle_oldest(&self, batch: &mut Batch, out: &mut [Option<Result<Delivery>>]) {
+        let Some((i, p, f)) = batch.inflight.pop_front() else {
+            return;
+        };
+        let by = batch.progress + self.timeout;
+        let first = match tokio::time::timeout_at(by, self.wait(&p, f)).await {
+            Ok(r) => r,
+            Err(_) => Err(self.no_ack(&p)),
+        };
+        if first.is_ok() {
+            batch.progress = tokio::time::Instant::now();
+        }
+        match self.outcome(p, first) {
+            Outcome::Done(done) => out[i] = Some(done),
+            Outcome::Retry(p) => batch.retry.push((i, p)),
+            Outcome::Recheck(p, e) => out[i] = Some(Err(self.recheck(&p, e).await)),
         }
     }
 
@@ -473,7 +526,9 @@ impl JetStreamProducer {
             self.send_retries.add(1);
             match self.attempt(&mut p).await {
                 Ok(ack) => return Ok(Self::delivery(p, ack, attempt + 1)),
-                Err(e) if self.retriable(&p, &e, attempt) => {}
+                Err(e) if self.retriable(&p, &e, attempt) => {
+                    p.maybe_written |= e.outcome_unknown();
+                }
                 Err(e) if e.kind() == ErrorKind::NotFound => return Err(self.recheck(&p, e).await),
                 Err(e) => return Err(self.failed(&p, e)),
             }
@@ -516,61 +571,77 @@ impl ProducerBackend for JetStreamProducer {
         }
     }
 
-    /// Publishes every record before waiting for the first ack (async publish, bounded by
-    /// async-nats' in-flight ack limit); a timed-out one is retried with its `Nats-Msg-Id`.
+    /// Publishes the records before waiting for their acks (async publish); a timed-out one
+    /// is retried with its `Nats-Msg-Id`.
+    ///
+    /// A publish holds one of the connection's ack permits (async-nats' `max_ack_inflight`,
+    /// 5 000) until its ack is awaited, so a batch that published everything first waited for
+    /// a permit only its own acks could give back: past the 5 000th record every publish
+    /// failed after one publish timeout, on a healthy server. When no permit (or no room in
+    /// the connection's command channel) is free at once, the batch now takes its oldest ack
+    /// first, which frees one.
+    ///
+    /// Deadlines follow the server's progress: each ack received gives the batch one more
+    /// publish timeout (a publish taken by the connection does not: a frozen server's socket
+    /// still takes some). So a server that stops answering fails the whole batch within one
+    /// timeout (a timer per record took 43 min for 512 records), while a large batch on a
+    /// healthy server takes as long as it needs.
     async fn send_batch(&self, records: Vec<Record>) -> Vec<Result<Delivery>> {
-        let mut started: Vec<Result<(Prepared, PublishAckFuture)>> =
-            Vec::with_capacity(records.len());
-        let deadline = tokio::time::Instant::now() + self.timeout;
-        for r in records {
-            let s = match self.prepare(r).await {
-                Ok(mut p) => match self.start_by(&mut p, deadline).await {
-                    Ok(f) => Ok((p, f)),
-                    Err(e) => Err(e),
-                },
-                Err(e) => Err(e),
-            };
-            started.push(s);
-        }
-        // The acks in order (all in flight together); the timed-out ones are retried after,
-        // all at once: retried one after another, a batch whose acks were lost (the server
-        // died) took (retries + 1) publish timeouts per record.
-        // One publish timeout for the batch's acks, from now: an ack future starts its own
-        // timer only when first awaited, so awaited one after another each waited its full
-        // timeout once the acks stopped coming (the server died): 512 records took 43 min.
-        let acks_by = tokio::time::Instant::now() + self.timeout;
-        let mut out = Vec::with_capacity(started.len());
-        let mut retry = Vec::new();
-        for (i, s) in started.into_iter().enumerate() {
-            out.push(match s {
-                Ok((p, f)) => {
-                    let first = match tokio::time::timeout_at(acks_by, self.wait(&p, f)).await {
-                        Ok(r) => r,
-                        Err(_) => Err(self.no_ack(&p)),
-                    };
-                    match self.outcome(p, first) {
-                        Outcome::Done(done) => done,
-                        Outcome::Retry(p) => {
-                            retry.push((i, p));
-                            continue;
-                        }
-                        Outcome::Recheck(p, e) => Err(self.recheck(&p, e).await),
-                    }
+        use futures::FutureExt;
+        let mut out: Vec<Option<Result<Delivery>>> = Vec::with_capacity(records.len());
+        out.resize_with(records.len(), || None);
+        let mut batch = Batch {
+            inflight: std::collections::VecDeque::new(),
+            retry: Vec::new(),
+            progress: tokio::time::Instant::now(),
+        };
+        for (i, r) in records.into_iter().enumerate() {
+            let mut p = match self.prepare(r).await {
+                Ok(p) => p,
+                Err(e) => {
+                    out[i] = Some(Err(e));
+                    continue;
                 }
-                Err(e) => Err(e),
-            });
+            };
+            let started = loop {
+                let message = match Self::message(&mut p) {
+                    Ok(m) => m,
+                    Err(e) => break Err(e),
+                };
+                let publish = self.js.send_publish(p.subject.clone(), message);
+                if batch.inflight.is_empty() {
+                    let by = batch.progress + self.timeout;
+                    break self.queued(&p.subject, by, publish).await;
+                }
+                match publish.now_or_never() {
+                    Some(r) => break r.map_err(|e| publish_err(&p.subject, e)),
+                    // Nothing was queued (both waits of `send_publish` come first); its headers
+                    // went with it and `message` builds them again.
+                    None => self.settle_oldest(&mut batch, &mut out).await,
+                }
+            };
+            match started {
+                Ok(f) => batch.inflight.push_back((i, p, f)),
+                Err(e) => out[i] = Some(Err(self.failed(&p, e))),
+            }
         }
+        while !batch.inflight.is_empty() {
+            self.settle_oldest(&mut batch, &mut out).await;
+        }
+        // The timed-out ones are retried all at once: retried one after another, a batch whose
+        // acks were lost (the server died) took (retries + 1) publish timeouts per record.
         let retried = futures::future::join_all(
-            retry
+            std::mem::take(&mut batch.retry)
                 .into_iter()
                 .map(|(i, p)| async move { (i, self.retry(p).await) }),
         )
         .await;
-        // `out` lacks the retried records: put each back at its place, in order.
         for (i, r) in retried {
-            out.insert(i, r);
+            out[i] = Some(r);
         }
-        out
+        out.into_iter()
+            .map(|r| r.expect("every record of the batch has its result"))
+            .collect()
     }
 
     /// Atomic batch publish (ADR-50): every record but the last is published with
@@ -694,6 +765,7 @@ mod tests {
             headers: None,
             has_headers: false,
             msg_id,
+            maybe_written: false,
         };
         let h = record_headers(&p.record, p.msg_id()).unwrap();
         p.has_headers = !h.is_empty();

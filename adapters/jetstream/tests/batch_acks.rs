@@ -1,0 +1,193 @@
+//! The JetStream producer's batches under faults (#28, found by a break-it pass on 4d093d9
+//! and 00e6f68): a batch larger than async-nats' ack limit, producer options out of range,
+//! and a frozen server's lost acks reported with their true outcome.
+//! Runs when `ONCEFLOW_NATS_URL` is set (the private-server tests need the harness' binary).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use onceflow_core::{Client, ConsumerConfig, PlatformBackend, ProducerConfig, Record};
+
+mod common;
+use common::{name, platform, take, topic, PrivateServer};
+
+async fn stored(p: &onceflow_jetstream::JetStreamPlatform, t: &str) -> u64 {
+    let d = p.admin().await.unwrap().describe_topic(t).await.unwrap();
+    d.options["messages"].parse().unwrap()
+}
+
+/// A healthy server, one `send_batch` of 10 000 records (more than async-nats' 5 000 acks
+/// pending per connection): every record is delivered. Seen on 300c0ce: the records past the
+/// 5 000th wait for an ack permit that only the batch's own (not yet awaited) acks give back,
+/// so after one publish timeout each fails "took no publish within 5s ... nothing was sent".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_larger_than_the_ack_limit_is_delivered_on_a_healthy_server() {
+    let test = "a_batch_larger_than_the_ack_limit_is_delivered_on_a_healthy_server";
+    let Some(p) = platform(test).await else {
+        return;
+    };
+    let t = topic(&p, "bk28-big", 1).await;
+    let client = Client::new(p.clone());
+    let producer = client.producer(ProducerConfig::default()).await.unwrap();
+    let n = 10_000;
+    let records: Vec<Record> = (0..n)
+        .map(|i| Record::new(t.clone(), format!("m{i}")).idempotency_key(format!("k-{i}")))
+        .collect();
+    let started = Instant::now();
+    let results = producer.send_batch(records).await;
+    let took = started.elapsed();
+    let failed: Vec<(usize, String)> = results
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e.to_string())))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {n} records of a healthy server's batch failed in {took:?}; first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!(stored(&p, &t).await, n as u64);
+}
+
+/// `publish_timeout_ms` among a producer's options (not the URL, which checks it): a value the
+/// URL refuses must not panic the send (`Instant + Duration` overflows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_publish_timeout_out_of_range_is_refused_not_a_panic() {
+    let test = "a_producer_publish_timeout_out_of_range_is_refused_not_a_panic";
+    let Some(p) = platform(test).await else {
+        return;
+    };
+    let t = topic(&p, "bk28-timeout", 1).await;
+    for value in [u64::MAX.to_string(), "0".to_string()] {
+        let client = Client::new(p.clone());
+        let mut config = ProducerConfig::default();
+        config
+            .options
+            .insert("publish_timeout_ms".into(), value.clone());
+        let producer = match client.producer(config).await {
+            // Refused as the URL refuses it: fine.
+            Err(e) => {
+                assert!(e.to_string().contains("publish_timeout_ms"), "{e}");
+                continue;
+            }
+            Ok(producer) => producer,
+        };
+        let t2 = t.clone();
+        let outcome = tokio::spawn(async move {
+            let batch = producer
+                .send_batch(vec![Record::new(t2.clone(), "b").idempotency_key("b")])
+                .await;
+            let one = producer
+                .send(Record::new(t2, "s").idempotency_key("s"))
+                .await;
+            (batch, one)
+        })
+        .await;
+        let (batch, one) = match outcome {
+            Ok(r) => r,
+            Err(e) => panic!("publish_timeout_ms={value}: the send panicked: {e}"),
+        };
+        // Accepted: then it must work like any timeout (the server is healthy).
+        assert!(
+            batch[0].is_ok(),
+            "publish_timeout_ms={value}: {:?}",
+            batch[0]
+        );
+        assert!(one.is_ok(), "publish_timeout_ms={value}: {one:?}");
+    }
+}
+
+/// A frozen server (SIGSTOP: connections open, nothing answered) under a batch whose records
+/// fill the socket: a record whose first publish went to the connection may be stored once
+/// the server runs again, so its error must say its outcome is unknown, never "nothing was
+/// sent". Checked after SIGCONT against what the stream holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_servers_batch_reports_no_stored_record_as_not_sent() {
+    let test = "a_frozen_servers_batch_reports_no_stored_record_as_not_sent";
+    if platform(test).await.is_none() {
+        return;
+    }
+    let Some(mut server) = PrivateServer::new(test) else {
+        return;
+    };
+    server.start(true).await;
+    let url = format!("{}?publish_timeout_ms=1000&publish_retries=2", server.url());
+    let p = onceflow_jetstream::connect(&url).await.unwrap();
+    let t = topic(&p, "bk28-frozen", 1).await;
+    let client = Client::new(p.clone());
+    let producer = client.producer(ProducerConfig::default()).await.unwrap();
+    producer
+        .send(Record::new(t.clone(), "first").idempotency_key("first"))
+        .await
+        .unwrap();
+    // 2 000 records of 16 KiB: 32 MiB, more than loopback's socket buffers hold.
+    let n = 2000;
+    let body = "x".repeat(16 * 1024);
+    let records: Vec<Record> = (0..n)
+        .map(|i| Record::new(t.clone(), format!("m{i}:{body}")).idempotency_key(format!("k-{i}")))
+        .collect();
+    server.freeze(true);
+    let started = Instant::now();
+    let results = producer.send_batch(records).await;
+    let took = started.elapsed();
+    server.freeze(false);
+    // Let the server read what was buffered for it, then read the stream.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    common::reconnected(&p).await;
+    let held = stored(&p, &t).await as usize;
+    let c = p
+        .consumer(ConsumerConfig::new(name("g"), [t.clone()]))
+        .await
+        .unwrap();
+    let got = take(c.as_ref(), held).await;
+    c.close().await.unwrap();
+    let mut in_stream: HashMap<String, usize> = HashMap::new();
+    for m in &got {
+        let body = String::from_utf8_lossy(&m.payload);
+        let id = body.split(':').next().unwrap().to_string();
+        *in_stream.entry(id).or_default() += 1;
+    }
+    let mut ok = 0;
+    let mut unknown = 0;
+    let mut not_sent = Vec::new();
+    let mut not_sent_but_stored = Vec::new();
+    let mut ok_but_absent = Vec::new();
+    for (i, r) in results.iter().enumerate() {
+        let id = format!("m{i}");
+        match r {
+            Ok(_) => {
+                ok += 1;
+                if !in_stream.contains_key(&id) {
+                    ok_but_absent.push(i);
+                }
+            }
+            Err(e) if e.outcome_unknown() => unknown += 1,
+            Err(e) => {
+                not_sent.push(i);
+                if in_stream.contains_key(&id) {
+                    not_sent_but_stored.push((i, e.to_string()));
+                }
+            }
+        }
+    }
+    let dups = in_stream.values().filter(|&&c| c > 1).count();
+    eprintln!(
+        "{test}: send_batch took {took:?}; ok={ok} outcome_unknown={unknown} not_sent={} \
+         stream={} (distinct {}), duplicated={dups}",
+        not_sent.len(),
+        got.len(),
+        in_stream.len()
+    );
+    assert!(
+        ok_but_absent.is_empty(),
+        "reported delivered, not in the stream: {ok_but_absent:?}"
+    );
+    assert_eq!(dups, 0, "records stored twice");
+    assert!(
+        not_sent_but_stored.is_empty(),
+        "{} records reported with a known outcome (not sent) are in the stream; first: {:?}",
+        not_sent_but_stored.len(),
+        not_sent_but_stored.first()
+    );
+}
