@@ -687,21 +687,39 @@ impl ProducerBackend for JetStreamProducer {
         }
         // The first message carries a reply subject: the server answers it only with an error
         // (an unknown stream, atomic publish disabled), which the commit ack reports too.
+        // One publish timeout for queueing the whole batch, as for `send_batch`: while the
+        // client is disconnected or its command channel is full, a publish waits for room
+        // without bound (58 s on a frozen server, until the client's pings gave up).
+        let deadline = tokio::time::Instant::now() + self.timeout;
         for p in &mut prepared[..n - 1] {
             let headers = p.headers.take().unwrap_or_default();
-            client
-                .publish_with_headers(p.subject.clone(), headers, p.record.payload.clone())
-                .await
-                .map_err(|e| {
+            let publish =
+                client.publish_with_headers(p.subject.clone(), headers, p.record.payload.clone());
+            match tokio::time::timeout_at(deadline, publish).await {
+                Ok(r) => r.map_err(|e| {
                     Error::new(
                         ErrorKind::Connect,
                         format!("publishing atomic batch {batch_id} to '{}': {e}", p.subject),
                     )
                     .with_source(e)
-                })?;
+                })?,
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "publishing atomic batch {batch_id} to '{}': the connection to the \
+                             NATS server took no publish within {:?} (disconnected and \
+                             reconnecting, or too many acks pending); the batch was not \
+                             committed, so none of its {n} records is stored",
+                            p.subject, self.timeout
+                        ),
+                    )
+                    .retriable(true))
+                }
+            }
         }
         let last = &mut prepared[n - 1];
-        let ack = match self.start(last).await {
+        let ack = match self.start_by(last, deadline).await {
             Ok(f) => self.wait(last, f).await,
             Err(e) => Err(e),
         }
