@@ -487,13 +487,19 @@ pub(crate) async fn connect(url: &str, options: &PostgresOptions) -> Result<Db> 
             // and negative values into "no timeout" that the pool's own create timeout then
             // overrode, and its error names neither the option nor the value (#28).
             "connect_timeout" => {
-                connect_timeout = v
-                    .trim()
+                let t = v.trim();
+                // Written as more than 0 (a nonzero digit before any exponent, no minus): a
+                // value that underflows to 0.0 (`1e-400`) is still a positive one.
+                let positive = !t.starts_with('-')
+                    && t.split(['e', 'E'])
+                        .next()
+                        .is_some_and(|m| m.bytes().any(|b| (b'1'..=b'9').contains(&b)));
+                connect_timeout = t
                     .parse::<f64>()
                     .ok()
                     // A positive value below 1 ms would round to nothing, which reads as "wait
                     // indefinitely": the opposite of the short bound asked for (#28).
-                    .filter(|n| n.is_finite() && (*n <= 0.0 || *n >= 0.001))
+                    .filter(|n| n.is_finite() && if positive { *n >= 0.001 } else { *n <= 0.0 })
                     .map(|n| Duration::try_from_secs_f64(n.max(0.0)).unwrap_or(Duration::ZERO))
                     .ok_or_else(|| {
                         Error::config(format!(
@@ -1396,6 +1402,11 @@ mod tests {
             (
                 "postgres://u:pw@127.0.0.1:1/db?connect_timeout=1e-12",
                 "connect_timeout '1e-12'",
+            ),
+            // Positive, but 0.0 as an f64: not "wait indefinitely" (break-it bk28).
+            (
+                "postgres://u:pw@127.0.0.1:1/db?connect_timeout=1e-400",
+                "connect_timeout '1e-400'",
             ),
             (
                 "postgres://u:pw@127.0.0.1:1/db?application_name=x&keepalives_idle=soon",
