@@ -331,7 +331,16 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
                         d.topic,
                         d.partition,
                         d.position,
-                        if d.duplicate { " (duplicate)" } else { "" }
+                        match (d.duplicate, d.attempts) {
+                            (false, _) => "",
+                            (true, 1) => " (duplicate)",
+                            // The copy the platform holds may be this send's own earlier
+                            // attempt, whose acknowledgement was lost (#28).
+                            (true, _) => {
+                                " (already stored: by an earlier attempt of this send, or an \
+                                 earlier send of its key)"
+                            }
+                        }
                     );
                 }
                 Err(e) => {

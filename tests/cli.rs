@@ -1565,6 +1565,59 @@ fn produce_does_not_report_a_message_of_unknown_outcome_as_not_sent() {
     );
 }
 
+/// `onceflow produce --idempotency-key` with a publish timeout of 1 ms: acknowledgements come
+/// late, each such line is sent again with its `Nats-Msg-Id`, and the server answers the retry
+/// as a duplicate of the first attempt it stored. A break-it pass saw such lines printed as
+/// `(duplicate)` though the key was new (each line is in the stream once): after a retry the
+/// line now says the copy may be this send's own earlier attempt (#28).
+#[test]
+fn produce_does_not_call_its_own_retried_line_a_duplicate() {
+    use std::io::Write as _;
+    let Some(url) = secured_env("ONCEFLOW_NATS_URL", "nats") else {
+        return;
+    };
+    let topic = format!("cli-retried-{:08x}", rand::random::<u32>());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(new_topic(&url, &topic, 1));
+    let mut child = spawn_piped(&[
+        "produce",
+        "--url",
+        &url,
+        "-t",
+        &topic,
+        "--idempotency-key",
+        &topic,
+        "-o",
+        "publish_timeout_ms=1",
+        "-o",
+        "publish_retries=20",
+    ]);
+    let mut stdin = child.stdin.take().unwrap();
+    let input: String = (1..=3000).map(|i| format!("{i}\n")).collect();
+    stdin.write_all(input.as_bytes()).unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let stdout = text(&out.stdout);
+    let retried = stdout
+        .lines()
+        .filter(|l| l.contains("already stored"))
+        .count();
+    let called_duplicate: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("(duplicate)"))
+        .collect();
+    eprintln!(
+        "{retried} lines retried after a late acknowledgement, exit {:?}",
+        out.status.code()
+    );
+    assert!(
+        called_duplicate.is_empty(),
+        "new keys printed as duplicates ({} lines), first: {}",
+        called_duplicate.len(),
+        called_duplicate[0]
+    );
+}
+
 /// `onceflow produce` on a JetStream server that dies mid-stream (a private nats-server,
 /// `tests/brokers/nats/up.sh` in a run directory and on a port of this test's own, SIGKILLed
 /// once deliveries are printed), then standard input ends: the command must end by itself,

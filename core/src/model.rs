@@ -586,7 +586,10 @@ pub struct Delivery {
     /// Timestamp assigned, ms since the epoch, if known.
     pub timestamp: Option<TimestampMs>,
     /// The platform recognised this record as a duplicate of one already written (JetStream
-    /// `duplicate` publish ack); the position is the original one.
+    /// `duplicate` publish ack); the position is the original one. With `attempts` above 1 and
+    /// an idempotency key, the copy already written may be this send's own earlier attempt
+    /// whose acknowledgement was lost (onceflow cannot tell it from an earlier send of the
+    /// key); for a record without a key it always is, and `duplicate` is false.
     pub duplicate: bool,
     /// How many times onceflow sent the record before this acknowledgement: `1` when the
     /// first attempt was acknowledged, `n` after `n - 1` resends. Each resend is also counted
