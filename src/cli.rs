@@ -461,6 +461,10 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
             return Err(e);
         }
     }
+    if stopped.is_some() {
+        // Lines read but not handed over, and those never read, are nowhere else named.
+        warn_line!("onceflow: interrupted: stopped reading; messages from {sent} on were not sent");
+    }
     // Every message sent has its report by now; the flush is what the producer may still
     // hold besides. After a failure of the platform itself it could only wait its timeout.
     if !platform_failed {

@@ -1565,6 +1565,44 @@ fn produce_does_not_report_a_message_of_unknown_outcome_as_not_sent() {
     );
 }
 
+/// `onceflow produce` interrupted (SIGINT) while its input is still open: every message sent
+/// before is reported, and stderr names where it stopped, as after a failed send. A break-it
+/// pass saw it say nothing of the lines it had read and not sent (#28).
+#[test]
+fn produce_interrupted_names_the_first_message_not_sent() {
+    use std::io::{BufRead as _, Write as _};
+    let Some(url) = secured_env("ONCEFLOW_NATS_URL", "nats") else {
+        return;
+    };
+    let topic = format!("cli-sigint-{:08x}", rand::random::<u32>());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(new_topic(&url, &topic, 1));
+    let mut child = spawn_piped(&["produce", "--url", &url, "-t", &topic]);
+    let mut stdin = child.stdin.take().unwrap();
+    let input: String = (1..=10).map(|i| format!("{i}\n")).collect();
+    stdin.write_all(input.as_bytes()).unwrap();
+    stdin.flush().unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    for _ in 0..10 {
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert!(line.contains(&topic), "{line}");
+    }
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = child.wait_with_output().unwrap();
+    drop(stdin);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("interrupted: stopped reading; messages from 10 on were not sent"),
+        "{stderr}"
+    );
+}
+
 /// `onceflow produce --idempotency-key` with a publish timeout of 1 ms: acknowledgements come
 /// late, each such line is sent again with its `Nats-Msg-Id`, and the server answers the retry
 /// as a duplicate of the first attempt it stored. A break-it pass saw such lines printed as
