@@ -14,7 +14,11 @@
 //! input, default 3), `H7_FAIL_PCT` (percent of transform calls that fail, default 0),
 //! `H7_TX_TIMEOUT_MS` (default 10000), `H7_SUB` (subscription type, default failover),
 //! `H7_TWO=1` (a second child runs next to each killed one: failover join and leave),
-//! `H7_STORE=1` (give the pipeline a dedup store, as the crash test does).
+//! `H7_STORE=1` (give the pipeline a dedup store, as the crash test does), `H7_IN_BATCH=N`
+//! (inputs written in Pulsar batches of up to N, with a 50 ms batch timeout), `H7_INPUT_TOPIC`
+//! (inputs written beforehand by another client), `H7_ALO=1` (the pipeline without
+//! transactions, in idempotent mode, to compare; with `H7_STORE=1` it may repeat outputs but
+//! must lose none), `H7_COUNT_S` (how long the output is read, default 180).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -44,8 +48,10 @@ fn base_url() -> Option<String> {
     let admin = std::env::var("ONCEFLOW_PULSAR_ADMIN_URL").ok()?;
     let tx_timeout: u64 = env_or("H7_TX_TIMEOUT_MS", 10_000);
     let sub: String = env_or("H7_SUB", "failover".to_string());
+    // `H7_ALO=1`: the at-least-once pipeline (no transactions; idempotent mode), to compare.
+    let txns = std::env::var("H7_ALO").as_deref() != Ok("1");
     Some(format!(
-        "{service}?admin={admin}&transactions=true&transaction_timeout_ms={tx_timeout}&subscription_type={sub}"
+        "{service}?admin={admin}&transactions={txns}&transaction_timeout_ms={tx_timeout}&subscription_type={sub}"
     ))
 }
 
@@ -101,7 +107,11 @@ fn pipeline_config() -> PipelineConfig {
             max_backoff: Duration::from_millis(50),
             ..EngineConfig::default()
         },
-        mode: PipelineMode::Transactional,
+        mode: if std::env::var("H7_ALO").as_deref() == Ok("1") {
+            PipelineMode::Idempotent
+        } else {
+            PipelineMode::Transactional
+        },
         ..PipelineConfig::default()
     }
 }
@@ -261,10 +271,15 @@ async fn setup(client: &Client, parts: u32, inputs: usize) -> (String, String) {
         .await
         .unwrap();
     // `H7_IN_BATCH=N`: the inputs are written in Pulsar batches of up to N messages (one
-    // ledger entry each), as a Java producer writes them by default.
+    // ledger entry each), as a Java producer writes them by default. Unlike Java's, the
+    // crate's batches carry no key of their own (its batch metadata has no partition_key), so
+    // on key_shared the broker hashes every batch of a partition alike and one member gets
+    // them all; `H7_INPUT_TOPIC` with batches from another client (keyed by their first
+    // message) spreads them. Without the batch timeout the crate holds each partition's last,
+    // partial batch, and the setup never ends (500 of 600 inputs written, seen).
     let batch: u32 = env_or("H7_IN_BATCH", 0);
     let producer = if batch > 1 {
-        let url = format!("{}&batch_size={batch}", base_url().unwrap());
+        let url = format!("{}&batch_size={batch}&batch_timeout_ms=50", base_url().unwrap());
         let c = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
         c.producer(ProducerConfig::new()).await.unwrap()
     } else {
@@ -405,6 +420,7 @@ async fn h7_killed_pipeline_without_store_writes_each_output_once() {
         inputs,
         store,
     };
+    eprintln!("h7: input {} output {} group {}", spec.input, spec.output, spec.group);
     let started = Instant::now();
     let mut killed = 0;
     while killed < kills {
