@@ -279,7 +279,10 @@ async fn setup(client: &Client, parts: u32, inputs: usize) -> (String, String) {
     // partial batch, and the setup never ends (500 of 600 inputs written, seen).
     let batch: u32 = env_or("H7_IN_BATCH", 0);
     let producer = if batch > 1 {
-        let url = format!("{}&batch_size={batch}&batch_timeout_ms=50", base_url().unwrap());
+        let url = format!(
+            "{}&batch_size={batch}&batch_timeout_ms=50",
+            base_url().unwrap()
+        );
         let c = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
         c.producer(ProducerConfig::new()).await.unwrap()
     } else {
@@ -420,7 +423,10 @@ async fn h7_killed_pipeline_without_store_writes_each_output_once() {
         inputs,
         store,
     };
-    eprintln!("h7: input {} output {} group {}", spec.input, spec.output, spec.group);
+    eprintln!(
+        "h7: input {} output {} group {}",
+        spec.input, spec.output, spec.group
+    );
     let started = Instant::now();
     let mut killed = 0;
     while killed < kills {
