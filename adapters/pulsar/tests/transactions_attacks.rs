@@ -279,10 +279,12 @@ async fn setup(client: &Client, parts: u32, inputs: usize) -> (String, String) {
     // partial batch, and the setup never ends (500 of 600 inputs written, seen).
     let batch: u32 = env_or("H7_IN_BATCH", 0);
     let producer = if batch > 1 {
-        let url = format!(
-            "{}&batch_size={batch}&batch_timeout_ms=50",
-            base_url().unwrap()
-        );
+        // `H7_IN_BATCH_TIMEOUT_MS` (default 50; 0: none, to try the producer's own flush).
+        let timeout: u64 = env_or("H7_IN_BATCH_TIMEOUT_MS", 50);
+        let mut url = format!("{}&batch_size={batch}", base_url().unwrap());
+        if timeout > 0 {
+            url.push_str(&format!("&batch_timeout_ms={timeout}"));
+        }
         let c = Client::new(onceflow_pulsar::connect(&url).await.unwrap());
         c.producer(ProducerConfig::new()).await.unwrap()
     } else {
