@@ -245,7 +245,23 @@ def _with_trace(records: List[Record], trace_headers) -> List[Record]:
 
 
 def _as_records(records: Iterable[Union[Record, tuple]]) -> List[Record]:
-    return [r if isinstance(r, Record) else Record(*r) for r in records]
+    """Records from ``records``: ``Record``s or ``(topic, payload, ...)`` tuples; one ``Record``
+    alone (a transform's single output) is a list of one. Anything else raises ``TypeError``
+    naming it."""
+    if isinstance(records, Record):
+        return [records]
+    out = []
+    for r in records:
+        if isinstance(r, Record):
+            out.append(r)
+        elif isinstance(r, (tuple, list)):
+            out.append(Record(*r))
+        else:
+            raise TypeError(
+                f"expected a list of Records (or (topic, payload, ...) tuples), got an item "
+                f"{type(r).__name__} {r!r:.60}"
+            )
+    return out
 
 
 async def connect(url: str, options: Optional[_Options] = None) -> "Client":

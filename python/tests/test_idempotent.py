@@ -163,6 +163,37 @@ async def test_pipeline_transforms_into_the_output_topic(platform):
     assert isinstance(await pipeline.mechanism(), str)
 
 
+async def test_a_transform_may_return_one_record(memory):
+    """A transform returning one Record (not a list) writes it: it was taken as a sequence of
+    its fields and failed every input, retried for ever (break-it #27)."""
+    source, sink = await memory.topic(), await memory.topic()
+    producer = await memory.client.producer()
+    await producer.send_batch([onceflow.Record(source, f"in{i}".encode(), idempotency_key=f"in-{i}") for i in range(3)])
+    pipeline = onceflow.Pipeline(
+        await memory.consumer(source),
+        await memory.client.producer(transactional_id=unique("py-tx")),
+        lambda m: onceflow.Record(sink, m.payload.upper()),
+        "memory://",
+        poll_timeout=0.1,
+    )
+    task = asyncio.create_task(pipeline.run())
+    reader = await memory.consumer(sink)
+    got = []
+    try:
+        while len(got) < 3:
+            got.extend(await reader.poll(10, 0.5))
+            assert not task.done(), task
+    finally:
+        pipeline.stop()
+    await asyncio.wait_for(task, 30)
+    assert sorted(m.payload for m in got) == [b"IN0", b"IN1", b"IN2"]
+
+
+def test_records_of_another_type_are_named():
+    with pytest.raises(TypeError, match=r"expected a list of Records .* got an item str 'oops'"):
+        onceflow._as_records(["oops"])
+
+
 async def test_batch_handler_runs_once_per_key_with_each_store(platform, store_url):
     topic = await platform.topic()
     producer = await platform.client.producer()
