@@ -237,7 +237,7 @@ impl Producer {
         }
         if !self.transactional {
             return Err(Error::config(
-                "this producer has no transactional id: set ProducerConfig::transactional_id",
+                "this producer has no transactional id: create the producer with a transactional id to use transactions",
             ));
         }
         Ok(Transaction {

@@ -73,9 +73,11 @@ async def test_consume_transform_produce_commits_positions_in_the_transaction(tx
 
 async def test_transaction_without_transactional_id_is_a_config_error(memory):
     producer = await memory.client.producer()
-    with pytest.raises(onceflow.ConfigError):
+    with pytest.raises(onceflow.ConfigError) as e:
         async with producer.transaction():
             pass
+    # In the user's words: no Rust type (it said "set ProducerConfig::transactional_id").
+    assert "transactional id" in str(e.value) and "ProducerConfig" not in str(e.value), e.value
 
 
 async def test_jetstream_has_no_transactions(platform):

@@ -679,8 +679,8 @@ impl ProducerBackend for KafkaProducer {
     async fn begin(&self) -> Result<Box<dyn TransactionBackend>> {
         let Some(id) = self.shared.transactional_id.clone() else {
             return Err(Error::config(
-                "begin() on a producer without transactional id: expected \
-                 ProducerConfig::transactional_id",
+                "begin() on a producer without a transactional id: create the producer with a \
+                 transactional id to use transactions",
             ));
         };
         if self.shared.state.lock().open {

@@ -208,8 +208,8 @@ impl ProducerBackend for MemoryProducer {
         let inner = &self.inner;
         let Some(txid) = &inner.transactional_id else {
             return Err(Error::config(format!(
-                "producer '{}' has no transactional_id: set ProducerConfig::transactional_id to \
-                 use transactions",
+                "producer '{}' has no transactional id: create the producer with a transactional \
+                 id to use transactions",
                 inner.client_id
             )));
         };

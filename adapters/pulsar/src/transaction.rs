@@ -71,7 +71,7 @@ impl PulsarTransaction {
         }
         let (Some(in_txn), Some(name)) = (producer.in_txn.clone(), producer.name.clone()) else {
             return Err(Error::config(
-                "this producer has no transactional id: set ProducerConfig::transactional_id",
+                "this producer has no transactional id: create the producer with a transactional id to use transactions",
             ));
         };
         if in_txn.swap(true, Ordering::AcqRel) {

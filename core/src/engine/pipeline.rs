@@ -320,7 +320,9 @@ impl Pipeline {
             PipelineMode::Transactional => {
                 if !producer.capabilities().transactions {
                     return Err(Error::unsupported(format!(
-                        "transactional pipeline: {} has no transactions",
+                        "transactional pipeline: this {} producer has no transactions (Kafka \
+                         has them; Pulsar with transactions=true on its URL; JetStream and \
+                         Kinesis have none: use the idempotent mode)",
                         producer.platform()
                     )));
                 }
