@@ -1507,6 +1507,22 @@ fn produce_sends_a_piped_file_whole_in_order() {
     }
 }
 
+/// `onceflow produce --url url -t topic extra…` (a new one-partition topic) fed the lines
+/// `1`..`3000` on standard input, closed; its output once it ended.
+fn produce_3000_lines(url: &str, topic: &str, extra: &[&str]) -> std::process::Output {
+    use std::io::Write as _;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(new_topic(url, topic, 1));
+    let mut args = vec!["produce", "--url", url, "-t", topic];
+    args.extend_from_slice(extra);
+    let mut child = spawn_piped(&args);
+    let mut stdin = child.stdin.take().unwrap();
+    let input: String = (1..=3000).map(|i| format!("{i}\n")).collect();
+    stdin.write_all(input.as_bytes()).unwrap();
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
 /// `onceflow produce` on JetStream with a publish timeout so short that some acks come after it
 /// (`publish_timeout_ms=1`, `publish_retries=0`): a send that timed out has an unknown outcome
 /// (the server may have stored it: `Error::outcome_unknown`), so the command must not report
@@ -1516,29 +1532,15 @@ fn produce_sends_a_piped_file_whole_in_order() {
 /// (#28). Checked: no line reported "not sent" is in the stream.
 #[test]
 fn produce_does_not_report_a_message_of_unknown_outcome_as_not_sent() {
-    use std::io::Write as _;
     let Some(url) = secured_env("ONCEFLOW_NATS_URL", "nats") else {
         return;
     };
     let topic = format!("cli-unknown-{:08x}", rand::random::<u32>());
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(new_topic(&url, &topic, 1));
-    let mut child = spawn_piped(&[
-        "produce",
-        "--url",
+    let out = produce_3000_lines(
         &url,
-        "-t",
         &topic,
-        "-o",
-        "publish_timeout_ms=1",
-        "-o",
-        "publish_retries=0",
-    ]);
-    let mut stdin = child.stdin.take().unwrap();
-    let input: String = (1..=3000).map(|i| format!("{i}\n")).collect();
-    stdin.write_all(input.as_bytes()).unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().unwrap();
+        &["-o", "publish_timeout_ms=1", "-o", "publish_retries=0"],
+    );
     let err = text(&out.stderr);
     let stored = payloads(&consume(&url, &topic, &format!("{topic}-g"), &[]));
     let mut not_sent = 0;
@@ -1610,31 +1612,22 @@ fn produce_interrupted_names_the_first_message_not_sent() {
 /// line now says the copy may be this send's own earlier attempt (#28).
 #[test]
 fn produce_does_not_call_its_own_retried_line_a_duplicate() {
-    use std::io::Write as _;
     let Some(url) = secured_env("ONCEFLOW_NATS_URL", "nats") else {
         return;
     };
     let topic = format!("cli-retried-{:08x}", rand::random::<u32>());
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(new_topic(&url, &topic, 1));
-    let mut child = spawn_piped(&[
-        "produce",
-        "--url",
+    let out = produce_3000_lines(
         &url,
-        "-t",
         &topic,
-        "--idempotency-key",
-        &topic,
-        "-o",
-        "publish_timeout_ms=1",
-        "-o",
-        "publish_retries=20",
-    ]);
-    let mut stdin = child.stdin.take().unwrap();
-    let input: String = (1..=3000).map(|i| format!("{i}\n")).collect();
-    stdin.write_all(input.as_bytes()).unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().unwrap();
+        &[
+            "--idempotency-key",
+            &topic,
+            "-o",
+            "publish_timeout_ms=1",
+            "-o",
+            "publish_retries=20",
+        ],
+    );
     let stdout = text(&out.stdout);
     let retried = stdout
         .lines()

@@ -138,6 +138,23 @@ async def test_on_failure_stop_raises_handler_error_with_the_python_cause(memory
     assert isinstance(cause, KeyError) and cause.args == ("missing customer",)
 
 
+async def _run_pipeline(platform, source, sink, transform, n=3):
+    """Runs a Pipeline from ``source`` to ``sink`` (memory dedup store) until ``n`` outputs are
+    read; returns the pipeline, the outputs and its run summary."""
+    out_producer = await platform.client.producer(transactional_id=unique("py-tx"))
+    pipeline = onceflow.Pipeline(await platform.consumer(source), out_producer, transform, "memory://", poll_timeout=0.1)
+    task = asyncio.create_task(pipeline.run())
+    reader = await platform.consumer(sink)
+    got = []
+    try:
+        while len(got) < n:
+            got.extend(await reader.poll(10, 0.5))
+            assert not task.done(), task
+    finally:
+        pipeline.stop()
+    return pipeline, got, await asyncio.wait_for(task, 30)
+
+
 async def test_pipeline_transforms_into_the_output_topic(platform):
     source, sink = await platform.topic(), await platform.topic()
     producer = await platform.client.producer()
@@ -146,18 +163,7 @@ async def test_pipeline_transforms_into_the_output_topic(platform):
     async def transform(m):
         return [onceflow.Record(sink, m.payload.upper())]
 
-    out_producer = await platform.client.producer(transactional_id=unique("py-tx"))
-    pipeline = onceflow.Pipeline(await platform.consumer(source), out_producer, transform, "memory://", poll_timeout=0.1)
-    task = asyncio.create_task(pipeline.run())
-    reader = await platform.consumer(sink)
-    got = []
-    try:
-        while len(got) < 3:
-            got.extend(await reader.poll(10, 0.5))
-            assert not task.done(), task
-    finally:
-        pipeline.stop()
-    summary = await asyncio.wait_for(task, 30)
+    pipeline, got, summary = await _run_pipeline(platform, source, sink, transform)
     assert sorted(m.payload for m in got) == [b"IN0", b"IN1", b"IN2"]
     assert summary["guarantee"] in ("exactly-once", "effectively-once", "at-least-once")
     assert isinstance(await pipeline.mechanism(), str)
@@ -169,23 +175,7 @@ async def test_a_transform_may_return_one_record(memory):
     source, sink = await memory.topic(), await memory.topic()
     producer = await memory.client.producer()
     await producer.send_batch([onceflow.Record(source, f"in{i}".encode(), idempotency_key=f"in-{i}") for i in range(3)])
-    pipeline = onceflow.Pipeline(
-        await memory.consumer(source),
-        await memory.client.producer(transactional_id=unique("py-tx")),
-        lambda m: onceflow.Record(sink, m.payload.upper()),
-        "memory://",
-        poll_timeout=0.1,
-    )
-    task = asyncio.create_task(pipeline.run())
-    reader = await memory.consumer(sink)
-    got = []
-    try:
-        while len(got) < 3:
-            got.extend(await reader.poll(10, 0.5))
-            assert not task.done(), task
-    finally:
-        pipeline.stop()
-    await asyncio.wait_for(task, 30)
+    _, got, _ = await _run_pipeline(memory, source, sink, lambda m: onceflow.Record(sink, m.payload.upper()))
     assert sorted(m.payload for m in got) == [b"IN0", b"IN1", b"IN2"]
 
 

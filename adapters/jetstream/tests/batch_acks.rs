@@ -201,7 +201,38 @@ async fn a_frozen_servers_batch_reports_no_stored_record_as_not_sent() {
 /// queued by the publish timeout. The pipeline sends a transform's outputs this way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_atomic_batch_on_a_frozen_server_ends_within_its_publish_timeout() {
-    let test = "an_atomic_batch_on_a_frozen_server_ends_within_its_publish_timeout";
+    atomic_batch_after_a_full_connection(
+        "an_atomic_batch_on_a_frozen_server_ends_within_its_publish_timeout",
+        Stop::Freeze,
+    )
+    .await;
+}
+
+/// The same on a server that died (SIGKILL, not restarted): the client reconnects without end
+/// and its command channel, once full, takes nothing. `send_atomic` must still fail within
+/// about a publish timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_atomic_batch_on_a_dead_server_ends_within_its_publish_timeout() {
+    atomic_batch_after_a_full_connection(
+        "an_atomic_batch_on_a_dead_server_ends_within_its_publish_timeout",
+        Stop::Kill,
+    )
+    .await;
+}
+
+/// How the private server stops answering.
+#[derive(Clone, Copy, Debug)]
+enum Stop {
+    /// SIGSTOP (connections stay open), SIGCONT after the atomic batch.
+    Freeze,
+    /// SIGKILL, not restarted.
+    Kill,
+}
+
+/// A private server that stops answering (`stop`) after an atomic batch went through; a batch
+/// of 3 000 records of 16 KiB fills the socket and the connection's command channel; then an
+/// atomic batch of two must fail within about the publish timeout of 1 s.
+async fn atomic_batch_after_a_full_connection(test: &str, stop: Stop) {
     if platform(test).await.is_none() {
         return;
     }
@@ -213,8 +244,7 @@ async fn an_atomic_batch_on_a_frozen_server_ends_within_its_publish_timeout() {
     let p = onceflow_jetstream::connect(&url).await.unwrap();
     let t = topic(&p, "bk28-atomic", 1).await;
     let client = Client::new(p.clone());
-    let producer = std::sync::Arc::new(client.producer(ProducerConfig::default()).await.unwrap());
-    // Atomic batches work on this stream while the server runs.
+    let producer = client.producer(ProducerConfig::default()).await.unwrap();
     let two = |tag: &str| {
         (0..2)
             .map(|i| {
@@ -222,9 +252,12 @@ async fn an_atomic_batch_on_a_frozen_server_ends_within_its_publish_timeout() {
             })
             .collect::<Vec<_>>()
     };
+    // Atomic batches work on this stream while the server runs.
     producer.send_atomic(two("ok")).await.unwrap();
-    server.freeze(true);
-    // 3 000 records of 16 KiB fill the socket and the connection's command channel.
+    match stop {
+        Stop::Freeze => server.freeze(true),
+        Stop::Kill => server.kill(),
+    }
     let body = "x".repeat(16 * 1024);
     let fill: Vec<Record> = (0..3000)
         .map(|i| Record::new(t.clone(), format!("f{i}:{body}")).idempotency_key(format!("f{i}")))
@@ -235,73 +268,23 @@ async fn an_atomic_batch_on_a_frozen_server_ends_within_its_publish_timeout() {
         .iter()
         .filter(|r| r.is_err())
         .count();
-    eprintln!("{test}: {failed} of 3000 filler records failed (frozen server)");
+    eprintln!("{test}: {failed} of 3000 filler records failed ({stop:?})");
     let started = Instant::now();
     let atomic =
         tokio::time::timeout(Duration::from_secs(60), producer.send_atomic(two("at"))).await;
     let took = started.elapsed();
-    server.freeze(false);
-    let result = atomic.unwrap_or_else(|_| {
-        panic!("send_atomic on a frozen server did not end in 60 s (publish timeout 1 s)")
-    });
-    assert!(
-        result.is_err(),
-        "a frozen server acknowledged an atomic batch: {result:?}"
-    );
-    assert!(
-        took < Duration::from_secs(15),
-        "send_atomic took {took:?} (publish timeout 1 s)"
-    );
-}
-
-/// The same on a server that died (SIGKILL, not restarted): the client reconnects without end
-/// and its command channel, once full, takes nothing. `send_atomic` must still fail within
-/// about a publish timeout.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_atomic_batch_on_a_dead_server_ends_within_its_publish_timeout() {
-    let test = "an_atomic_batch_on_a_dead_server_ends_within_its_publish_timeout";
-    if platform(test).await.is_none() {
-        return;
+    if let Stop::Freeze = stop {
+        server.freeze(false);
     }
-    let Some(mut server) = PrivateServer::new(test) else {
-        return;
-    };
-    server.start(true).await;
-    let url = format!("{}?publish_timeout_ms=1000&publish_retries=0", server.url());
-    let p = onceflow_jetstream::connect(&url).await.unwrap();
-    let t = topic(&p, "bk28-atomic-dead", 1).await;
-    let client = Client::new(p.clone());
-    let producer = client.producer(ProducerConfig::default()).await.unwrap();
-    producer
-        .send(Record::new(t.clone(), "first").idempotency_key("first"))
-        .await
-        .unwrap();
-    server.kill();
-    let fill: Vec<Record> = (0..3000)
-        .map(|i| Record::new(t.clone(), format!("f{i}")).idempotency_key(format!("f{i}")))
-        .collect();
-    let failed = producer
-        .send_batch(fill)
-        .await
-        .iter()
-        .filter(|r| r.is_err())
-        .count();
-    eprintln!("{test}: {failed} of 3000 filler records failed (dead server)");
-    let records = (0..2)
-        .map(|i| Record::new(t.clone(), format!("at{i}")).idempotency_key(format!("at{i}")))
-        .collect::<Vec<_>>();
-    let started = Instant::now();
-    let atomic = tokio::time::timeout(Duration::from_secs(60), producer.send_atomic(records)).await;
-    let took = started.elapsed();
     let result = atomic.unwrap_or_else(|_| {
-        panic!("send_atomic on a dead server did not end in 60 s (publish timeout 1 s)")
+        panic!("send_atomic ({stop:?}) did not end in 60 s (publish timeout 1 s)")
     });
     assert!(
         result.is_err(),
-        "a dead server acknowledged an atomic batch: {result:?}"
+        "a stopped server ({stop:?}) acknowledged an atomic batch: {result:?}"
     );
     assert!(
         took < Duration::from_secs(15),
-        "send_atomic took {took:?} (publish timeout 1 s)"
+        "send_atomic ({stop:?}) took {took:?} (publish timeout 1 s)"
     );
 }
