@@ -622,6 +622,9 @@ impl ProducerBackend for JetStreamProducer {
             };
             match started {
                 Ok(f) => batch.inflight.push_back((i, p, f)),
+                // Nothing was queued within the deadline (disconnected, a full connection):
+                // retried with the timed-out ones, as `send` retries it.
+                Err(e) if self.retriable(&p, &e, 0) => batch.retry.push((i, p)),
                 Err(e) => out[i] = Some(Err(self.failed(&p, e))),
             }
         }

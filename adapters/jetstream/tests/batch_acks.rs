@@ -288,3 +288,56 @@ async fn atomic_batch_after_a_full_connection(test: &str, stop: Stop) {
         "send_atomic ({stop:?}) took {took:?} (publish timeout 1 s)"
     );
 }
+
+/// A batch whose server freezes for 2 s mid-batch, with `publish_retries=3` and a publish
+/// timeout of 1 s: the records the connection took nothing of in time are retried as `send`
+/// retries them, and go through once the server runs again. A break-it pass saw 10 137 of
+/// 20 000 fail "nothing was sent" half a second after the server was back: `send_batch` retried
+/// only the records whose ack was lost (#28).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_over_a_short_freeze_retries_what_it_could_not_queue() {
+    let test = "a_batch_over_a_short_freeze_retries_what_it_could_not_queue";
+    if platform(test).await.is_none() {
+        return;
+    }
+    let Some(mut server) = PrivateServer::new(test) else {
+        return;
+    };
+    server.start(true).await;
+    let url = format!("{}?publish_timeout_ms=1000&publish_retries=3", server.url());
+    let p = onceflow_jetstream::connect(&url).await.unwrap();
+    let t = topic(&p, "bk37-freeze", 1).await;
+    let client = Client::new(p.clone());
+    let producer = client.producer(ProducerConfig::default()).await.unwrap();
+    let n = 20_000;
+    let body = "x".repeat(1000);
+    let records: Vec<Record> = (0..n)
+        .map(|i| Record::new(t.clone(), format!("m{i}:{body}")).idempotency_key(format!("k-{i}")))
+        .collect();
+    let batch = tokio::spawn(async move { producer.send_batch(records).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.freeze(true);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.freeze(false);
+    let results = batch.await.unwrap();
+    let not_sent: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .filter(|e| !e.outcome_unknown())
+        .map(|e| e.to_string())
+        .collect();
+    let unknown = results
+        .iter()
+        .filter(|r| r.as_ref().is_err_and(|e| e.outcome_unknown()))
+        .count();
+    eprintln!(
+        "{test}: {} of {n} not sent, {unknown} outcome unknown",
+        not_sent.len()
+    );
+    assert!(
+        not_sent.is_empty(),
+        "{} of {n} records failed 'not sent' over a 2 s freeze with 3 retries; first: {}",
+        not_sent.len(),
+        not_sent[0]
+    );
+}
