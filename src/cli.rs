@@ -122,6 +122,8 @@ pub struct ProduceArgs {
     idempotency_key: Option<String>,
     /// Messages to send; without any, one message per line of standard input (any bytes but
     /// the line end), each sent as it is read (with --idempotency-key, one line is read ahead).
+    /// Messages are numbered from 0 (the first line is message 0) in what is reported on
+    /// standard error and in the `-N` suffix.
     messages: Vec<String>,
 }
 
