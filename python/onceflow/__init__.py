@@ -666,6 +666,11 @@ def _positions(messages: Iterable[Any]) -> List[Tuple[str, int, str]]:
             raise TypeError(
                 f"position: expected a Message or a (topic, partition, position) tuple, got {type(m).__name__}"
             )
+        if not isinstance(t, str) or isinstance(p, bool) or not isinstance(p, int) or not isinstance(pos, str):
+            raise TypeError(
+                f"position {_shown(m)}: expected (topic: str, partition: int, position: str), e.g. "
+                f"('orders', 0, 'offset:42')"
+            )
         last[(t, p)] = pos
     return [(t, p, pos) for (t, p), pos in last.items()]
 

@@ -105,3 +105,17 @@ def test_sync_commit_offsets_names_a_consumer_that_is_not_one():
         with pytest.raises(TypeError, match=r"onceflow\.sync\.Consumer.*got str 'orders'"):
             tx.commit_offsets("orders")
         tx.abort()
+
+
+async def test_commit_offsets_names_a_partition_of_the_wrong_type(memory):
+    """A partition 1.5 or 'x' (or a position that is not a string) raises a TypeError naming
+    the tuple; it was a bare "'float' object cannot be interpreted as an integer"."""
+    topic = await memory.topic()
+    consumer = await memory.consumer(topic)
+    producer = await memory.client.producer(transactional_id=unique("py-tx"))
+    async with producer.transaction() as tx:
+        for bad in [(topic, 1.5, "offset:0"), (topic, "x", "offset:0"), (topic, True, "offset:0"), (topic, 0, 42)]:
+            with pytest.raises(TypeError, match=r"expected \(topic: str, partition: int, position: str\)") as e:
+                await tx.commit_offsets(consumer, [bad])
+            assert repr(bad[1]) in str(e.value) or repr(bad[2]) in str(e.value), e.value
+        await tx.abort()
