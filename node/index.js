@@ -392,9 +392,17 @@ function explicitPositions(arg) {
           "'next' would skip the message at it"
       )
     }
-    if (p === null || typeof p !== 'object' || typeof p.topic !== 'string' || typeof p.partition !== 'number' || typeof p.position !== 'string') {
-      const got = p === null ? 'null' : Array.isArray(p) ? 'an array' : typeof p !== 'object' ? typeof p : `an object with keys ${Object.keys(p).join(', ').slice(0, 80)}`
-      throw configError(`position: expected a message or {topic: string, partition: number, position: string}, got ${got}`)
+    if (p === null || typeof p !== 'object' || typeof p.topic !== 'string' || !Number.isInteger(p.partition) || typeof p.position !== 'string') {
+      const shown = (v) => (typeof v === 'string' ? JSON.stringify(v).slice(0, 80) : String(v))
+      const got =
+        p === null
+          ? 'null'
+          : Array.isArray(p)
+            ? 'an array'
+            : typeof p !== 'object'
+              ? typeof p
+              : `{topic: ${shown(p.topic)}, partition: ${shown(p.partition)}, position: ${shown(p.position)}}`
+      throw configError(`position: expected a message or {topic: string, partition: integer, position: string}, got ${got}`)
     }
     return { topic: p.topic, partition: p.partition, position: p.position }
   })

@@ -37,13 +37,16 @@ for (const p of platforms()) {
       )
     }
     for (const [wrong, shape] of [
-      [{ topic: t, partition: 0, committed: got[2].position }, 'an object with keys topic, partition, committed'],
+      [{ topic: t, partition: 0, committed: got[2].position }, `{topic: ${JSON.stringify(t)}, partition: 0, position: undefined}`],
       [[t, 0, got[1].position], 'an array'],
       ['offset:1', 'string'],
+      // A partition that is not a whole number was truncated (1.5 committed partition 1).
+      [{ topic: t, partition: 1.5, position: got[1].position }, `{topic: ${JSON.stringify(t)}, partition: 1.5, position: ${JSON.stringify(got[1].position)}}`],
+      [{ topic: t, partition: 'x', position: got[1].position }, `{topic: ${JSON.stringify(t)}, partition: "x", position: ${JSON.stringify(got[1].position)}}`],
     ]) {
       await assert.rejects(
         consumer.commit([wrong]),
-        (e) => e.kind === 'config' && e.message === `position: expected a message or {topic: string, partition: number, position: string}, got ${shape}`
+        (e) => e.kind === 'config' && e.message === `position: expected a message or {topic: string, partition: integer, position: string}, got ${shape}`
       )
     }
     // The refusals committed nothing: the group still resumes at m2.
