@@ -171,15 +171,16 @@ impl PulsarProducer {
         Ok(t)
     }
 
-    /// `close` was called.
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
-
-    fn check(&self, record: &Record) -> Result<()> {
+    /// `Closed` once `close` was called.
+    pub(crate) fn refuse_if_closed(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::new(ErrorKind::Closed, "the producer is closed"));
         }
+        Ok(())
+    }
+
+    fn check(&self, record: &Record) -> Result<()> {
+        self.refuse_if_closed()?;
         let max = self.shared.max_record_bytes(&self.options);
         let size = record.size_bytes();
         if size > max {
@@ -288,7 +289,13 @@ impl PulsarProducer {
         let t = self.topic(&record.topic).await?;
         let (partition, msg) = self.message_of(&t, &mut record)?;
         let mut p = t.parts[partition].lock().await;
-        self.hand_over(&mut p, &t, record, partition, msg).await
+        let f = self.hand_over(&mut p, &t, record, partition, msg).await?;
+        if self.options.batching() && self.options.batch_timeout.is_none() {
+            // Without a batch timeout the crate would hold a lone record until its batch is
+            // full: this partition's batch goes now (a failed send shows in the receipt).
+            let _ = tokio::time::timeout(self.options.operation_timeout, p.send_batch()).await;
+        }
+        Ok(f)
     }
 
     /// Waits for the receipt of a send.
@@ -420,15 +427,12 @@ impl ProducerBackend for PulsarProducer {
     }
 
     /// Hands the record over and waits for its receipt. With batching and no
-    /// `batch_timeout_ms`, the crate would hold a lone record until its batch is full, so the
-    /// batches are sent first; with a `batch_timeout_ms`, records sent concurrently share a
-    /// batch and a receipt comes at the latest that long after the batch's first record.
+    /// `batch_timeout_ms`, the crate would hold a lone record until its batch is full, so its
+    /// partition's batch is sent first (`enqueue`); with a `batch_timeout_ms`, records sent
+    /// concurrently share a batch and a receipt comes at the latest that long after the
+    /// batch's first record.
     async fn send(&self, record: Record) -> Result<Delivery> {
         let f = self.enqueue(record).await?;
-        if self.options.batching() && self.options.batch_timeout.is_none() {
-            // A failed flush shows in the receipt.
-            let _ = self.flush_batches(self.options.operation_timeout).await;
-        }
         self.complete(f).await
     }
 

@@ -66,9 +66,7 @@ impl PulsarTransaction {
                  enableTransaction)",
             ));
         };
-        if producer.is_closed() {
-            return Err(Error::new(ErrorKind::Closed, "the producer is closed"));
-        }
+        producer.refuse_if_closed()?;
         let (Some(in_txn), Some(name)) = (producer.in_txn.clone(), producer.name.clone()) else {
             return Err(Error::config(
                 "this producer has no transactional id: create the producer with a transactional id to use transactions",
