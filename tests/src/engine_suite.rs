@@ -58,6 +58,7 @@ macro_rules! engine_suite {
             conflicting_payload_does_not_stop_consumer_or_pipeline,
             requeued_job_runs_once_more,
             requeued_input_is_transformed_once_more,
+            a_failing_input_costs_only_its_own_redelivery,
             rewind_uncommitted_refuses_partitions_it_does_not_read,
             closed_producer_refuses_sends_and_transactions,
         );
@@ -699,10 +700,6 @@ async fn run_pipeline(
     crash_after: Option<u64>,
     expected_inputs: usize,
 ) -> Result<(Guarantee, bool, Metrics)> {
-    let consumer = client.consumer(consumer_config(h, group, input)).await?;
-    let producer = client
-        .producer(ProducerConfig::new().transactional_id(tx_id.to_string()))
-        .await?;
     let crash = Arc::new(tokio::sync::Notify::new());
     let echo = Echo {
         out: output.to_string(),
@@ -717,13 +714,38 @@ async fn run_pipeline(
         transaction_interval: Duration::from_millis(50),
         ..PipelineConfig::default()
     };
-    let pipeline = Pipeline::with_config(
-        consumer.clone(),
-        producer,
-        Some(store),
-        Arc::new(echo),
-        config,
-    )?;
+    let (guarantee, crashed, metrics) = tokio::select! {
+        r = run_pipeline_with(h, client, group, tx_id, input, store, Arc::new(echo), config, expected_inputs) => {
+            let (guarantee, metrics) = r?;
+            (guarantee, false, metrics)
+        }
+        // Dropped mid-transaction, as a crash would: its guarantee and counters are not read.
+        _ = crash.notified() => (Guarantee::AtLeastOnce, true, Metrics::new("crashed", group)),
+    };
+    Ok((guarantee, crashed, metrics))
+}
+
+/// Runs a pipeline of `transform` from `input` with `config` until it has handled at least
+/// `expected_inputs` and the group has committed up to the end of every partition (or the
+/// harness's wait is over); its guarantee and metrics.
+#[allow(clippy::too_many_arguments)] // test plumbing
+async fn run_pipeline_with(
+    h: &dyn Harness,
+    client: &Client,
+    group: &str,
+    tx_id: &str,
+    input: &str,
+    store: Arc<dyn DedupStore>,
+    transform: Arc<dyn Transform>,
+    config: PipelineConfig,
+    expected_inputs: usize,
+) -> Result<(Guarantee, Metrics)> {
+    let consumer = client.consumer(consumer_config(h, group, input)).await?;
+    let producer = client
+        .producer(ProducerConfig::new().transactional_id(tx_id.to_string()))
+        .await?;
+    let pipeline =
+        Pipeline::with_config(consumer.clone(), producer, Some(store), transform, config)?;
     let guarantee = pipeline.guarantee();
     let metrics = pipeline.metrics();
     let m2 = metrics.clone();
@@ -752,11 +774,8 @@ async fn run_pipeline(
             }
         }
     };
-    let crashed = tokio::select! {
-        r = pipeline.run_until(done) => { r?; false }
-        _ = crash.notified() => true,
-    };
-    Ok((guarantee, crashed, metrics))
+    pipeline.run_until(done).await?;
+    Ok((guarantee, metrics))
 }
 
 /// A pipeline writes one output per distinct input, even with duplicate sends of inputs, and
@@ -1411,6 +1430,106 @@ pub async fn requeued_job_runs_once_more(h: &dyn Harness) -> CaseResult {
         )?;
     }
     nothing_left(h, &client, &group, &topic).await?;
+    Ok(Outcome::Passed)
+}
+
+/// Fails the first attempt at every `every`-th input (`v{i}` with `i % every == every - 1`),
+/// echoes the rest; counts its calls.
+struct FailsOnceEvery {
+    out: String,
+    every: usize,
+    calls: Arc<AtomicU64>,
+    failed: Mutex<std::collections::HashSet<usize>>,
+}
+
+#[async_trait]
+impl Transform for FailsOnceEvery {
+    async fn transform(&self, m: &Message) -> std::result::Result<Vec<Record>, BoxError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let i: usize = std::str::from_utf8(&m.payload)?
+            .trim_start_matches('v')
+            .parse()?;
+        if i % self.every == self.every - 1 && self.failed.lock().unwrap().insert(i) {
+            return Err(format!("input {i} fails its first attempt").into());
+        }
+        Ok(vec![Record::new(self.out.clone(), m.payload.clone())])
+    }
+}
+
+/// An input whose transform fails for good (`max_attempts=1`, redelivered) costs its own
+/// redelivery, not the work done before it: a transactional pipeline commits the inputs
+/// before the failing one and reads again from it. (It aborted the whole transaction: every
+/// input of it was transformed again, and with a transform failing now and then no
+/// transaction of a backlog committed, #27.) Every input's output once.
+pub async fn a_failing_input_costs_only_its_own_redelivery(h: &dyn Harness) -> CaseResult {
+    const N: usize = 200;
+    const EVERY: usize = 20;
+    let client = Client::new(h.platform());
+    let input = h.topic(1).await?;
+    let output = h.topic(1).await?;
+    let recs: Vec<Record> = (0..N)
+        .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
+        .collect();
+    produce(&client, recs).await?;
+    let calls = Arc::new(AtomicU64::new(0));
+    let transform = FailsOnceEvery {
+        out: output.clone(),
+        every: EVERY,
+        calls: calls.clone(),
+        failed: Mutex::default(),
+    };
+    let group = h.group();
+    let config = PipelineConfig {
+        engine: EngineConfig {
+            worker_id: format!("{group}-worker"),
+            max_attempts: 1,
+            ..fast_engine(h)
+        },
+        // Long enough that the backlog's inputs share a transaction or two.
+        transaction_interval: Duration::from_secs(1),
+        ..PipelineConfig::default()
+    };
+    let (_, metrics) = run_pipeline_with(
+        h,
+        &client,
+        &group,
+        &h.transactional_id(),
+        &input,
+        store(),
+        Arc::new(transform),
+        config,
+        N,
+    )
+    .await?;
+    let out = read_all(h, &client, &output, N).await?;
+    let mut payloads: Vec<String> = out
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    payloads.sort();
+    let mut want: Vec<String> = (0..N).map(|i| format!("v{i}")).collect();
+    want.sort();
+    check(
+        payloads == want,
+        format!(
+            "{N} outputs once each, got {} ({:?})",
+            payloads.len(),
+            metrics.snapshot()
+        ),
+    )?;
+    // Each input transformed once, the failing ones once more: N + N/EVERY calls. Aborting the
+    // whole transaction at each failure transformed the inputs before it again (about
+    // N + EVERY * (1 + 2 + .. + N/EVERY) = 1300 calls here).
+    let calls = calls.load(Ordering::SeqCst) as usize;
+    let bound = N + N / EVERY + N / 4;
+    check(
+        calls <= bound,
+        format!(
+            "{calls} transform calls for {N} inputs of which {} fail once: at most {bound} expected ({:?})",
+            N / EVERY,
+            metrics.snapshot()
+        ),
+    )?;
     Ok(Outcome::Passed)
 }
 

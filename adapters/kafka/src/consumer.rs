@@ -157,6 +157,11 @@ impl Progress {
         }
     }
 
+    /// The next offset this member committed in `tp` since it was assigned, if any.
+    fn known_committed(&self, tp: &TopicPartition) -> Option<i64> {
+        self.parts.lock().get(tp)?.committed
+    }
+
     /// The offsets to commit for "last finished" positions.
     fn commit_offsets(
         &self,
@@ -804,6 +809,7 @@ impl ConsumerBackend for KafkaConsumer {
         let timeout = self.timeout;
         let group = self.group.clone();
         let oc = self.offsets.clone().expect("set until drop");
+        let progress = self.progress().clone();
         let committed: Vec<(TopicPartition, Option<Position>)> = self
             .blocking("committed", move |_| {
                 let r = oc.committed_offsets(tpl_of(&tps), timeout).map_err(|e| {
@@ -812,13 +818,20 @@ impl ConsumerBackend for KafkaConsumer {
                 Ok(tps
                     .into_iter()
                     .map(|tp| {
-                        let p = match r
+                        let fetched = match r
                             .find_partition(&tp.topic, tp.partition)
                             .map(|e| e.offset())
                         {
-                            Some(Offset::Offset(o)) if o >= 0 => Some(Position::Offset(o)),
+                            Some(Offset::Offset(o)) if o >= 0 => Some(o),
                             _ => None,
                         };
+                        // A transaction this member committed is committed, although the
+                        // group coordinator may serve the offsets before it until the
+                        // transaction's markers are written (this reader does not wait for
+                        // them, see `offsets`): a rewind right after such a commit sought back
+                        // before it and processed its inputs again.
+                        let known = progress.known_committed(&tp);
+                        let p = fetched.max(known).map(Position::Offset);
                         (tp, p)
                     })
                     .collect())

@@ -509,6 +509,21 @@ impl Prefetch {
     }
 }
 
+/// An input of a batch being processed: `msgs[i]`, in the run of one partition's inputs that
+/// starts at `msgs[run_start]`.
+#[derive(Clone, Copy)]
+struct At<'m> {
+    msgs: &'m [Message],
+    i: usize,
+    run_start: usize,
+}
+
+impl<'m> At<'m> {
+    fn msg(&self) -> &'m Message {
+        &self.msgs[self.i]
+    }
+}
+
 struct TxLoop<'a> {
     core: &'a Arc<Core>,
     producer: &'a Producer,
@@ -638,9 +653,21 @@ impl TxLoop<'_> {
             }
             let outcomes = claims.outcomes;
             let redo = self.redo(&msgs, &outcomes).await?;
+            // Where the run of one partition's inputs that `msgs[i]` belongs to starts.
+            let mut run_start = 0;
             for (i, (((msg, key), mut outcome), redo)) in
                 msgs.iter().zip(&keys).zip(outcomes).zip(redo).enumerate()
             {
+                if i > 0
+                    && (msgs[i - 1].partition != msg.partition || msgs[i - 1].topic != msg.topic)
+                {
+                    run_start = i;
+                }
+                let at = At {
+                    msgs: &msgs,
+                    i,
+                    run_start,
+                };
                 if redo {
                     // This very input was completed by a transaction that did not commit (a
                     // crash or an abort after the completion): not a duplicate.
@@ -675,7 +702,7 @@ impl TxLoop<'_> {
                             conflict_error(key.as_deref().unwrap_or_default(), msg, stored, given);
                         // Routed like a transform that failed for good; never a stop by itself.
                         tracing::warn!(error = %err, "payload conflicts with its key's fingerprint; routed by on_failure");
-                        if !self.give_up(&mut st, msg, err, 1, None, false).await? {
+                        if !self.give_up(&mut st, at, err, 1, None, false).await? {
                             return Ok(());
                         }
                     }
@@ -687,7 +714,7 @@ impl TxLoop<'_> {
                             token,
                             result: Some(origin_of(core.consumer.group(), &tx, msg)),
                         });
-                        if !self.process(&mut st, msg, key.as_deref()).await? {
+                        if !self.process(&mut st, at, key.as_deref()).await? {
                             return Ok(());
                         }
                     }
@@ -695,7 +722,7 @@ impl TxLoop<'_> {
                     None if key.is_none() && cfg.require_key => {
                         let err = super::missing_key_error(&cfg.key, msg);
                         tracing::warn!(error = %err, "keyless message refused; routed by on_failure");
-                        if !self.give_up(&mut st, msg, err, 1, None, false).await? {
+                        if !self.give_up(&mut st, at, err, 1, None, false).await? {
                             return Ok(());
                         }
                     }
@@ -703,7 +730,7 @@ impl TxLoop<'_> {
                         if key.is_none() && core.store.is_some() {
                             core.metrics.add(Metric::Keyless, 1);
                         }
-                        if !self.process(&mut st, msg, key.as_deref()).await? {
+                        if !self.process(&mut st, at, key.as_deref()).await? {
                             return Ok(());
                         }
                     }
@@ -715,10 +742,6 @@ impl TxLoop<'_> {
                     .get(i + 1)
                     .is_none_or(|next| next.partition != msg.partition || next.topic != msg.topic);
                 if run_ends {
-                    let run_start = msgs[..i]
-                        .iter()
-                        .rposition(|m| m.partition != msg.partition || m.topic != msg.topic)
-                        .map_or(0, |j| j + 1);
                     let highest =
                         Position::highest(msgs[run_start..=i].iter().map(|m| &m.position))
                             .expect("a run has its last input");
@@ -782,8 +805,9 @@ impl TxLoop<'_> {
 
     /// Transforms `msg` and sends its outputs in the open transaction. `Ok(false)` when the
     /// transaction was aborted (the batch is abandoned and re-read).
-    async fn process(&self, st: &mut TxState, msg: &Message, key: Option<&str>) -> Result<bool> {
+    async fn process(&self, st: &mut TxState, at: At<'_>, key: Option<&str>) -> Result<bool> {
         let core = self.core;
+        let msg = at.msg();
         // Built on the first failure only: the backoff's builder was a per-input cost.
         let mut delays = None;
         let mut attempt = 1u32;
@@ -804,7 +828,7 @@ impl TxLoop<'_> {
                         }
                         _ => {
                             let _ = key;
-                            return self.give_up(st, msg, e, attempt, cx, true).await;
+                            return self.give_up(st, at, e, attempt, cx, true).await;
                         }
                     }
                 }
@@ -825,19 +849,21 @@ impl TxLoop<'_> {
     /// `msg` failed for good with `e` after `attempts` (a transform, a payload conflicting with
     /// its key's fingerprint, a keyless message refused by `require_key`): dead-lettered in the
     /// transaction when a dead-letter topic is set (`Ok(true)`: go on with the batch);
-    /// otherwise the transaction is aborted and rewound, and then an error with
-    /// [`OnFailure::Stop`], or a wait of the redelivery delay and `Ok(false)` (the batch is
-    /// read again).
+    /// otherwise the transaction commits the inputs finished before `msg` (see
+    /// [`TxLoop::commit_before`]; where it cannot, it is aborted) and the consumer is rewound
+    /// to `msg`, and then an error with [`OnFailure::Stop`], or a wait of the redelivery delay
+    /// and `Ok(false)` (the rest of the batch, from `msg` on, is read again).
     async fn give_up(
         &self,
         st: &mut TxState,
-        msg: &Message,
+        at: At<'_>,
         e: Error,
         attempts: u32,
         cx: Option<opentelemetry::Context>,
         claimed: bool,
     ) -> Result<bool> {
         let core = self.core;
+        let msg = at.msg();
         if self.dead_letter(st, msg, &e, attempts, cx).await? {
             // Finished by the dead-letter record in this transaction; free the key (if `msg`
             // claimed it: a conflicting copy did not) so a later replay of the message runs
@@ -850,7 +876,7 @@ impl TxLoop<'_> {
             }
             return Ok(true);
         }
-        self.abort_and_rewind(st, "input failed").await?;
+        self.commit_before(st, at, claimed).await?;
         if core.config.on_failure == OnFailure::Stop {
             return Err(e.context(format!(
                 "{} {} after {attempts} attempt(s)",
@@ -1031,9 +1057,15 @@ impl TxLoop<'_> {
     }
 
     async fn commit(&self, st: &mut TxState) -> Result<()> {
+        self.commit_tx(st).await.map(drop)
+    }
+
+    /// Commits the open transaction: `Ok(true)` when it committed (or none was open);
+    /// `Ok(false)` when it was aborted and the consumer rewound to the committed positions.
+    async fn commit_tx(&self, st: &mut TxState) -> Result<bool> {
         let core = self.core;
         if !self.flush(st).await? || !self.settle(st).await? {
-            return Ok(());
+            return Ok(false);
         }
         // No poll may run from here to the end of the commit, and a revocation that a poll
         // served while the transaction was open aborts it: its inputs may be another member's
@@ -1041,7 +1073,7 @@ impl TxLoop<'_> {
         self.join_prefetch(st).await;
         if st.tx.is_some() && core.tracker.take_revoked_flag() {
             self.abort_and_rewind(st, "partitions revoked").await?;
-            return Ok(());
+            return Ok(false);
         }
         // The keys are completed before the transaction commits, each with the position of
         // the input that claimed it: a crash between the two leaves keys completed by a
@@ -1062,12 +1094,12 @@ impl TxLoop<'_> {
                     core.metrics.add(Metric::Fenced, refused as u64);
                     self.abort_and_rewind(st, "claims taken over before the commit")
                         .await?;
-                    return Ok(());
+                    return Ok(false);
                 }
             }
         }
         let Some(mut tx) = st.tx.take() else {
-            return Ok(());
+            return Ok(true);
         };
         let positions: Vec<(TopicPartition, Position)> = st
             .positions
@@ -1100,7 +1132,7 @@ impl TxLoop<'_> {
                 st.first.clear();
                 st.inputs = 0;
                 st.started = None;
-                Ok(())
+                Ok(true)
             }
             Err(e) => {
                 core.metrics.add(Metric::TransactionAborted, 1);
@@ -1123,7 +1155,7 @@ impl TxLoop<'_> {
                     Err(e)
                 } else if e.is_retriable() || e.outcome_unknown() || e.kind() == ErrorKind::Aborted
                 {
-                    Ok(())
+                    Ok(false)
                 } else {
                     Err(e)
                 }
@@ -1163,6 +1195,62 @@ impl TxLoop<'_> {
             }
         }
         st.claims.clear();
+    }
+
+    /// `at.msg()` failed for good: commits what the open transaction finished before it (the
+    /// inputs of earlier batches and of this batch before `msg`, their outputs and positions)
+    /// and rewinds the consumer to `msg`, so that one failing input costs its own redelivery,
+    /// not the work of the whole transaction. (Aborting it all made a transform failing now
+    /// and then, with `max_attempts=1`, redo every transaction of a backlog: none of a few
+    /// hundred inputs committed, #27.) `claimed`: `msg` holds its key's claim, released here,
+    /// not completed.
+    ///
+    /// A commit acknowledges, per partition, every input given out up to the position it
+    /// commits; where an input not finished (`msg`, or one after it in the batch: single
+    /// redeliveries come behind newer inputs on Pulsar shared / key_shared) sits at or below
+    /// that position, the transaction is aborted instead and everything re-read.
+    async fn commit_before(&self, st: &mut TxState, at: At<'_>, claimed: bool) -> Result<()> {
+        let core = self.core;
+        let msg = at.msg();
+        if claimed {
+            if let Some(k) = core.store_key(msg) {
+                if let Some(i) = st.claims.iter().position(|c| c.key == k) {
+                    let c = st.claims.remove(i);
+                    if let Some(store) = &core.store {
+                        if let Err(e) = store.release_one(&c.key, c.token).await {
+                            tracing::warn!(error = %e, "releasing a failed input's claim failed; it expires with its lease");
+                        }
+                    }
+                }
+            }
+        }
+        let done = &at.msgs[at.run_start..at.i];
+        if let Some(highest) = Position::highest(done.iter().map(|m| &m.position)) {
+            match st.positions.entry(msg.topic_partition()) {
+                Entry::Occupied(mut e) => e.get_mut().raise_to(highest),
+                Entry::Vacant(e) => {
+                    e.insert(highest.clone());
+                }
+            }
+        }
+        let safe = st.inputs > 0
+            && at.msgs[at.i..].iter().all(|m| {
+                st.positions
+                    .get(&m.topic_partition())
+                    .is_none_or(|p| p.partial_cmp(&m.position) == Some(std::cmp::Ordering::Less))
+            });
+        if !safe {
+            return self.abort_and_rewind(st, "input failed").await;
+        }
+        // The rewind after the commit seeks back every partition this transaction read, the
+        // whole batch's included (the commit forgets them).
+        let first = st.first.clone();
+        tracing::debug!(at = %msg.position, "input failed; committing the inputs before it");
+        if self.commit_tx(st).await? {
+            st.first = first;
+            self.rewind(st).await?;
+        }
+        Ok(())
     }
 
     async fn abort_and_rewind(&self, st: &mut TxState, why: &str) -> Result<()> {
