@@ -800,6 +800,7 @@ impl PulsarConsumer {
         before_send: &mut dyn FnMut(&TopicPartition, &str, &[MessageIdData]),
         mut in_txn: Option<&mut Vec<TxnTaken>>,
     ) -> Result<u64> {
+        self.check_positions(positions)?;
         let mut sent = 0;
         for (tp, pos) in positions {
             let part = self.part(tp)?;
@@ -855,6 +856,7 @@ impl PulsarConsumer {
         &self,
         positions: &[(TopicPartition, Position)],
     ) -> Result<Vec<(String, String)>> {
+        self.check_positions(positions)?;
         let mut out = Vec::new();
         for (tp, _) in positions {
             let part = self.part(tp)?;
@@ -864,6 +866,31 @@ impl PulsarConsumer {
             }
         }
         Ok(out)
+    }
+
+    /// Refuses, before anything is acknowledged, positions that are not Pulsar positions
+    /// (`Config`), of partitions this member does not read (`Fenced`), or of a message of
+    /// another partition than the one they are given for (`Config`): ledger and entry ids are
+    /// per partition, so such a position acknowledged, within the named partition, either
+    /// nothing or every message delivered there up to an unrelated id, processed or not.
+    fn check_positions(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
+        for (tp, pos) in positions {
+            let part = self.part(tp)?;
+            pos_key(pos)?;
+            if let Position::MessageId { partition, .. } = pos {
+                if *partition != part.index {
+                    let of = if *partition < 0 {
+                        "a non-partitioned topic".to_string()
+                    } else {
+                        format!("partition {partition}")
+                    };
+                    return Err(Error::config(format!(
+                        "position {pos} is a message of {of}, not of {tp}: commit each partition with a position it delivered"
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The full topic name of a partition (`persistent://…[-partition-N]`).

@@ -1129,3 +1129,69 @@ async fn a_batching_transactional_producer_answers_send() {
     assert_eq!(read_until(&client, &topic, "t1").await, ["t0", "t1"]);
     producer.close().await.unwrap();
 }
+
+/// A position given for another partition than its message's is refused, in a transaction and
+/// in a plain commit, before anything is acknowledged: ledger and entry ids are per partition,
+/// so such a position acknowledged within the named partition either nothing or every message
+/// delivered there up to an unrelated id (#27 break-it: `commit_offsets` accepted it and
+/// acknowledged nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_position_of_another_partition_is_refused() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let input = name("txn-wrong-part-in");
+    let group = name("txn-wrong-part");
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(input.clone(), 2))
+        .await
+        .unwrap();
+    let plain = plain(&client).await;
+    for p in 0..2 {
+        for i in 0..3 {
+            plain
+                .send(Record::new(&input, format!("p{p}-in{i}")).partition(p))
+                .await
+                .unwrap();
+        }
+    }
+    let c = member(&client, &group, &input).await;
+    let got = poll_n(&c, 6).await;
+    let last_of = |p: i32| got.iter().rev().find(|m| m.partition == p).unwrap().clone();
+    let (m0, m1) = (last_of(0), last_of(1));
+    let (tp0, tp1) = (m0.topic_partition(), m1.topic_partition());
+    let swapped = vec![
+        (tp0.clone(), m0.position.clone()),
+        (tp1, m0.position.clone()),
+    ];
+    let producer = txn_producer(&client, "txn-wrong-part").await;
+    let mut t = producer.begin().await.unwrap();
+    let e = t
+        .commit_offsets(&c.group_metadata().unwrap(), &swapped)
+        .await
+        .expect_err("a partition-0 position for partition 1");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(
+        e.to_string().contains(&m0.position.to_string()) && e.to_string().contains("partition 0"),
+        "names the position and its partition: {e}"
+    );
+    t.abort().await.unwrap();
+    let e = c
+        .commit(&[(tp0, m1.position.clone())])
+        .await
+        .expect_err("a partition-1 position for partition 0");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    c.close().await.unwrap();
+    // Nothing was acknowledged: the next member gets all six again.
+    let next = member(&client, &group, &input).await;
+    let mut again = texts(&poll_n(&next, 6).await);
+    again.sort();
+    assert_eq!(
+        again,
+        ["p0-in0", "p0-in1", "p0-in2", "p1-in0", "p1-in1", "p1-in2"]
+    );
+    assert_nothing_comes(&[&next], Duration::from_millis(200), "only the six inputs").await;
+    next.close().await.unwrap();
+}
