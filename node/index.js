@@ -489,7 +489,7 @@ function topicPartitions(what, partitions) {
     }
     const p = tp.partition
     if (typeof p !== 'number' || !Number.isInteger(p) || p < -2147483648 || p > 2147483647) {
-      const shown = typeof p === 'number' ? String(p) : `${p === null ? 'null' : typeof p} ${JSON.stringify(p) ?? String(p)}`.slice(0, 80)
+      const shown = p === undefined ? 'missing' : typeof p === 'number' ? String(p) : `${p === null ? 'null' : typeof p} ${JSON.stringify(p) ?? String(p)}`.slice(0, 80)
       throw configError(
         `${what}[${i}].partition: ${shown} (topic ${JSON.stringify(tp.topic).slice(0, 80)}): expected an integer partition number from 0 to 2147483647`
       )

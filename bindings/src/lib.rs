@@ -130,6 +130,24 @@ pub fn error_kind(kind: ErrorKind) -> ErrorKindInfo {
     }
 }
 
+/// `message` in `language`'s words: core names the operation that failed in front of its
+/// messages as Rust and Python spell it (`rewind_uncommitted: …`, `commit_offsets: …`); for
+/// Node that name is spelled as its users call it (`rewindUncommitted: …`).
+pub fn error_message(language: settings::Language, message: &str) -> std::borrow::Cow<'_, str> {
+    let Some((op, rest)) = message.split_once(": ") else {
+        return message.into();
+    };
+    let snake = op.contains('_') && op.chars().all(|c| c.is_ascii_lowercase() || c == '_');
+    if !snake {
+        return message.into();
+    }
+    let spelled = language.spell(op, false);
+    if spelled == op {
+        return message.into();
+    }
+    format!("{spelled}: {rest}").into()
+}
+
 /// Every error kind, in [`ErrorKind::ALL`] order.
 pub fn error_kinds() -> Vec<ErrorKindInfo> {
     ErrorKind::ALL.iter().map(|k| error_kind(*k)).collect()
@@ -138,6 +156,25 @@ pub fn error_kinds() -> Vec<ErrorKindInfo> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_messages_name_the_operation_as_the_language_spells_it() {
+        use settings::Language;
+        let m = "rewind_uncommitted: topic 'x' is not read by this consumer";
+        assert_eq!(
+            error_message(Language::Node, m),
+            "rewindUncommitted: topic 'x' is not read by this consumer"
+        );
+        assert_eq!(error_message(Language::Python, m), m);
+        for kept in [
+            "commit: partition -1 of topic 't'",
+            "position pulsar:1:2:0:-1 is a message of partition 0: commit_offsets later",
+            "no operation here",
+            "Snake_Case: not an operation",
+        ] {
+            assert_eq!(error_message(Language::Node, kept), kept);
+        }
+    }
 
     #[test]
     fn every_kind_has_its_own_class() {

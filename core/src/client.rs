@@ -543,12 +543,21 @@ impl Transaction {
 
     /// Commits the consumer's positions (for each partition, the last processed message) with
     /// the transaction (Kafka `send_offsets_to_transaction`, KIP-447).
+    ///
+    /// Errors: [`crate::ErrorKind::Config`], before anything is sent, for a partition with an
+    /// empty topic name or a negative number; [`crate::ErrorKind::Closed`] once the transaction
+    /// has ended; the platform's errors otherwise ([`crate::ErrorKind::Fenced`] for a partition
+    /// the group's member does not own).
     pub async fn commit_offsets(
         &mut self,
         group: &GroupMetadata,
         positions: &[(TopicPartition, Position)],
     ) -> Result<()> {
-        self.inner()?.commit_offsets(group, positions).await
+        let inner = self.inner()?;
+        for (tp, _) in positions {
+            check_partition_name("commit_offsets", tp)?;
+        }
+        inner.commit_offsets(group, positions).await
     }
 
     /// Commits the transaction.
@@ -575,6 +584,23 @@ impl Transaction {
             None => Ok(()),
         }
     }
+}
+
+/// A `Config` error from `op` for a partition with an empty topic name or a negative number.
+fn check_partition_name(op: &str, tp: &TopicPartition) -> Result<()> {
+    if tp.topic.is_empty() {
+        return Err(Error::config(format!(
+            "{op}: partition {} has an empty topic name: expected a topic name",
+            tp.partition
+        )));
+    }
+    if tp.partition < 0 {
+        return Err(Error::config(format!(
+            "{op}: partition {} of topic '{}': expected a partition number of 0 or more",
+            tp.partition, tp.topic
+        )));
+    }
+    Ok(())
 }
 
 /// A consumer group's committed position in one partition ([`Consumer::committed`]).
@@ -651,8 +677,22 @@ impl Consumer {
     /// Of several positions given for one partition the highest is committed, whatever their
     /// order in `positions` (as Kafka users list a batch's messages).
     ///
-    /// Errors: [`crate::ErrorKind::Fenced`] for a partition no longer assigned to this member.
+    /// Errors: [`crate::ErrorKind::Config`], before anything is committed, for a partition
+    /// with an empty topic name, a negative number, or of a topic this consumer does not read;
+    /// [`crate::ErrorKind::Fenced`] for a partition no longer assigned to this member (or one
+    /// the topic does not have).
     pub async fn commit(&self, positions: &[(TopicPartition, Position)]) -> Result<()> {
+        if positions
+            .iter()
+            .any(|(tp, _)| !self.topics.contains(&tp.topic))
+        {
+            let assigned = self.inner.assignment();
+            self.check_read("commit", positions.iter().map(|(tp, _)| tp), &assigned)?;
+        } else {
+            for (tp, _) in positions {
+                check_partition_name("commit", tp)?;
+            }
+        }
         let mut highest: Vec<(TopicPartition, Position)> = Vec::with_capacity(positions.len());
         for (tp, pos) in positions {
             match highest.iter_mut().find(|(t, _)| t == tp) {
@@ -768,22 +808,8 @@ impl Consumer {
             return Ok(());
         }
         let assigned = self.inner.assignment();
+        self.check_read("rewind_uncommitted", partitions.iter(), &assigned)?;
         for tp in partitions {
-            if tp.topic.is_empty() {
-                return Err(Error::config(format!(
-                    "rewind_uncommitted: partition {} has an empty topic name: expected one of \
-                     the topics this consumer subscribed to ({})",
-                    tp.partition,
-                    self.topics.join(", ")
-                )));
-            }
-            if tp.partition < 0 {
-                return Err(Error::config(format!(
-                    "rewind_uncommitted: partition {} of topic '{}': expected a partition \
-                     number of 0 or more",
-                    tp.partition, tp.topic
-                )));
-            }
             if assigned.contains(tp) {
                 continue;
             }
@@ -796,14 +822,6 @@ impl Consumer {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
-            if !self.topics.contains(&tp.topic) && !assigned.iter().any(|a| a.topic == tp.topic) {
-                return Err(Error::config(format!(
-                    "rewind_uncommitted: topic '{}' is not read by this consumer: expected \
-                     one of the topics it subscribed to ({})",
-                    tp.topic,
-                    self.topics.join(", ")
-                )));
-            }
             return Err(Error::new(
                 ErrorKind::Fenced,
                 format!(
@@ -813,6 +831,31 @@ impl Consumer {
                     self.group
                 ),
             ));
+        }
+        Ok(())
+    }
+
+    /// `op`'s checks of the partitions it is given, before anything is done: each names a
+    /// topic this consumer reads (one it subscribed to, or of a partition in `assigned`) and a
+    /// partition number of 0 or more; a `Config` error naming the first that does not. (A
+    /// partition of such a name that is not assigned now is the platform's to refuse:
+    /// `Fenced`.)
+    fn check_read<'a>(
+        &self,
+        op: &str,
+        partitions: impl Iterator<Item = &'a TopicPartition>,
+        assigned: &[TopicPartition],
+    ) -> Result<()> {
+        for tp in partitions {
+            check_partition_name(op, tp)?;
+            if !self.topics.contains(&tp.topic) && !assigned.iter().any(|a| a.topic == tp.topic) {
+                return Err(Error::config(format!(
+                    "{op}: topic '{}' is not read by this consumer: expected one of the topics \
+                     it subscribed to ({})",
+                    tp.topic,
+                    self.topics.join(", ")
+                )));
+            }
         }
         Ok(())
     }

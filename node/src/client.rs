@@ -683,7 +683,9 @@ impl Consumer {
         on_rt(async move { c.resume(&tps).await }).await
     }
 
-    /// Partitions assigned to this member now.
+    /// Partitions assigned to this member now, as `[{topic, partition}]`. Empty until a
+    /// `poll()` has joined the group (the group assigns partitions while the consumer polls,
+    /// as Kafka's `assignment()`), and after a rebalance took them all away.
     #[napi]
     pub fn assignment(&self) -> Vec<TopicPartitionIn> {
         self.inner

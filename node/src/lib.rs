@@ -38,7 +38,10 @@ pub(crate) fn error_json(e: &Error) -> String {
         "kind": info.name,
         "code": info.code,
         "name": info.class,
-        "message": e.message(),
+        "message": onceflow_bindings::error_message(
+            onceflow_bindings::settings::Language::Node,
+            e.message(),
+        ),
         "retriable": e.is_retriable(),
         "outcomeUnknown": e.outcome_unknown(),
         "causes": causes,

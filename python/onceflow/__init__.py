@@ -931,6 +931,11 @@ class Consumer:
         await self._native.resume(list(partitions))
 
     def assignment(self) -> List[Tuple[str, int]]:
+        """Partitions assigned to this member now, as ``[(topic, partition)]``.
+
+        Empty until a ``poll()`` has joined the group (the group assigns partitions while the
+        consumer polls, as Kafka's ``assignment()``), and after a rebalance took them all away.
+        """
         return self._native.assignment()
 
     async def lag(self) -> List[Lag]:

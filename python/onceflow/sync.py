@@ -250,6 +250,8 @@ class Consumer:
         return _run(self._inner.rewind_uncommitted(partitions))
 
     def assignment(self) -> List[Tuple[str, int]]:
+        """Partitions assigned to this member now; empty until a ``poll()`` has joined the
+        group (see :meth:`onceflow.Consumer.assignment`)."""
         return self._inner.assignment()
 
     def lag(self) -> List[Lag]:
