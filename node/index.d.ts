@@ -430,7 +430,11 @@ export declare class Consumer {
   pause(partitions: Array<TopicPartitionIn>): Promise<void>
   /** Resumes fetching from partitions. */
   resume(partitions: Array<TopicPartitionIn>): Promise<void>
-  /** Partitions assigned to this member now. */
+  /**
+   * Partitions assigned to this member now, as `[{topic, partition}]`. Empty until a
+   * `poll()` has joined the group (the group assigns partitions while the consumer polls,
+   * as Kafka's `assignment()`), and after a rebalance took them all away.
+   */
   assignment(): Array<TopicPartitionIn>
   /** Lag per assigned partition. */
   lag(): Promise<Array<Lag>>

@@ -140,7 +140,8 @@ for (const p of platforms()) {
     const producer = await client.producer()
     await producer.sendBatch(Array.from({ length: 4 }, (_, i) => ({ topic: t, key: `k${i}`, payload: `m${i}` })))
     const consumer = await client.consumer(unique('g'), [t], { start: 'earliest' })
-    assert.equal((await collect(consumer, 4)).length, 4)
+    const polled = await collect(consumer, 4)
+    assert.equal(polled.length, 4)
     const refused = async (partitions, kind, named) =>
       assert.rejects(consumer.rewindUncommitted(partitions), (e) => {
         assert.ok(e instanceof onceflow.OnceflowError, `${e}`)
@@ -157,6 +158,27 @@ for (const p of platforms()) {
     await refused([{ topic: t, partition: -1 }], 'config', 'partition -1')
     await refused([{ topic: 'nope-topic', partition: 0 }], 'config', 'nope-topic')
     await refused([{ topic: '', partition: 0 }], 'config', 'empty topic name')
+    // Named as Node calls it (not rewind_uncommitted), and a missing partition as missing.
+    await refused([{ topic: 'nope-topic', partition: 0 }], 'config', 'rewindUncommitted: topic')
+    await refused([{ topic: t }], 'config', 'partitions[0].partition: missing')
+    // commit and a transaction's commitOffsets refuse the same names the same way.
+    const committed = async (call, kind, named) =>
+      assert.rejects(call, (e) => {
+        assert.ok(e instanceof onceflow.OnceflowError, `${e}`)
+        assert.equal(e.kind, kind, e.message)
+        assert.ok(e.message.includes(named), `'${e.message}' names '${named}'`)
+        return true
+      })
+    const m0 = polled[0]
+    await committed(consumer.commit({ topic: t, partition: -1, position: m0.position }), 'config', 'commit: partition -1')
+    await committed(consumer.commit({ topic: 'nope-topic', partition: 0, position: m0.position }), 'config', 'nope-topic')
+    if (client.capabilities().transactions) {
+      const tp = await client.producer({ transactionalId: unique('tx') })
+      const tx = await tp.begin()
+      await committed(tx.commitOffsets(consumer, { topic: t, partition: -1, position: m0.position }), 'config', 'commitOffsets: partition -1')
+      await tx.abort()
+      await tp.close()
+    }
     assert.ok(Array.isArray(await consumer.rewindUncommitted(consumer.assignment())))
     await consumer.close()
     await refused([], 'closed', 'closed')

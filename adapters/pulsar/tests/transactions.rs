@@ -272,6 +272,39 @@ async fn plain(client: &Client) -> Producer {
     client.producer(ProducerConfig::new()).await.unwrap()
 }
 
+/// Creates `topic` with 2 partitions and sends `n` inputs to each of `partitions` with a plain
+/// producer: `in0`.. (`{prefix}{p}-in0`.. when `prefix` is not empty); returns that producer.
+async fn two_partitions_with(
+    client: &Client,
+    topic: &str,
+    partitions: &[i32],
+    prefix: &str,
+    n: usize,
+) -> Producer {
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(topic.to_string(), 2))
+        .await
+        .unwrap();
+    let plain = plain(client).await;
+    for &p in partitions {
+        for i in 0..n {
+            let text = if prefix.is_empty() {
+                format!("in{i}")
+            } else {
+                format!("{prefix}{p}-in{i}")
+            };
+            plain
+                .send(Record::new(topic, text).partition(p))
+                .await
+                .unwrap();
+        }
+    }
+    plain
+}
+
 /// A transactional producer whose transactional id is a fresh name starting with `prefix`.
 async fn txn_producer(client: &Client, prefix: &str) -> Producer {
     client
@@ -469,20 +502,7 @@ async fn a_member_that_lost_the_partition_cannot_commit() {
     let input = name("txn-moved-in");
     let output = name("txn-moved-out");
     let group = name("txn-moved");
-    client
-        .admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(input.clone(), 2))
-        .await
-        .unwrap();
-    let plain = plain(&client).await;
-    for i in 0..3 {
-        plain
-            .send(Record::new(&input, format!("in{i}")).partition(0))
-            .await
-            .unwrap();
-    }
+    let plain = two_partitions_with(&client, &input, &[0], "", 3).await;
     let old = client
         .consumer(ConsumerConfig::new(&group, [input.as_str()]).client_id("member-b"))
         .await
@@ -1141,22 +1161,7 @@ async fn a_position_of_another_partition_is_refused() {
     let client = connect(&url).await;
     let input = name("txn-wrong-part-in");
     let group = name("txn-wrong-part");
-    client
-        .admin()
-        .await
-        .unwrap()
-        .create_topic(&TopicSpec::new(input.clone(), 2))
-        .await
-        .unwrap();
-    let plain = plain(&client).await;
-    for p in 0..2 {
-        for i in 0..3 {
-            plain
-                .send(Record::new(&input, format!("p{p}-in{i}")).partition(p))
-                .await
-                .unwrap();
-        }
-    }
+    let plain = two_partitions_with(&client, &input, &[0, 1], "p", 3).await;
     let c = member(&client, &group, &input).await;
     let got = poll_n(&c, 6).await;
     let last_of = |p: i32| got.iter().rev().find(|m| m.partition == p).unwrap().clone();
