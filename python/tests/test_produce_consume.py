@@ -142,7 +142,19 @@ async def test_rewind_uncommitted_refuses_what_this_consumer_does_not_read(platf
     producer = await platform.client.producer()
     await producer.send_batch([onceflow.Record(topic, f"m{i}".encode(), key=f"k{i}".encode()) for i in range(4)])
     consumer = await platform.consumer(topic)
-    await drain(consumer, 4)
+    got = await drain(consumer, 4)
+    # commit and a transaction's commit_offsets refuse the same names the same way.
+    with pytest.raises(onceflow.ConfigError, match="commit: partition -1"):
+        await consumer.commit([(topic, -1, got[0].position)])
+    with pytest.raises(onceflow.ConfigError, match="commit: topic 'nope-topic'"):
+        await consumer.commit([("nope-topic", 0, got[0].position)])
+    if platform.client.capabilities()["transactions"]:
+        tx_producer = await platform.client.producer(transactional_id=f"tx-{topic}")
+        tx = await tx_producer.begin()
+        with pytest.raises(onceflow.ConfigError, match="commit_offsets: partition -1"):
+            await tx.commit_offsets(consumer, [(topic, -1, got[0].position)])
+        await tx.abort()
+        await tx_producer.close()
     with pytest.raises(onceflow.FencedError, match=rf"{topic}\[7\]"):
         await consumer.rewind_uncommitted([(topic, 7)])
     with pytest.raises(onceflow.ConfigError, match="partition -1"):
