@@ -1161,7 +1161,7 @@ async fn a_position_of_another_partition_is_refused() {
     let client = connect(&url).await;
     let input = name("txn-wrong-part-in");
     let group = name("txn-wrong-part");
-    let plain = two_partitions_with(&client, &input, &[0, 1], "p", 3).await;
+    let _inputs_sent_by = two_partitions_with(&client, &input, &[0, 1], "p", 3).await;
     let c = member(&client, &group, &input).await;
     let got = poll_n(&c, 6).await;
     let last_of = |p: i32| got.iter().rev().find(|m| m.partition == p).unwrap().clone();
