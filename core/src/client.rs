@@ -846,9 +846,15 @@ impl Consumer {
         partitions: impl Iterator<Item = &'a TopicPartition>,
         assigned: &[TopicPartition],
     ) -> Result<()> {
+        // A subscription to a pattern (librdkafka reads a topic starting with `^` as a regular
+        // expression) reads topics not named here: those are the platform's to judge.
+        let patterns = self.topics.iter().any(|t| t.starts_with('^'));
         for tp in partitions {
             check_partition_name(op, tp)?;
-            if !self.topics.contains(&tp.topic) && !assigned.iter().any(|a| a.topic == tp.topic) {
+            if !patterns
+                && !self.topics.contains(&tp.topic)
+                && !assigned.iter().any(|a| a.topic == tp.topic)
+            {
                 return Err(Error::config(format!(
                     "{op}: topic '{}' is not read by this consumer: expected one of the topics \
                      it subscribed to ({})",
