@@ -969,6 +969,9 @@ async fn rewrite(
     let Some(t) = command_type(cmd) else {
         return Ok(None);
     };
+    if tracing::enabled!(target: "onceflow_pulsar::frames", tracing::Level::DEBUG) {
+        trace_frame(conn, dir, t, cmd);
+    }
     if let Some(txn) = &inner.txn {
         if txn.reads(t) {
             return txn.rewrite(conn, dir, cmd, rest);
@@ -1007,6 +1010,86 @@ async fn rewrite(
         }
         _ => Ok(None),
     }
+}
+
+/// A message id as `ledger:entry[:batch index/batch size][ ack set]`, for [`trace_frame`].
+fn show_id(id: &proto::MessageIdData) -> String {
+    let mut s = format!("{}:{}", id.ledger_id, id.entry_id);
+    if let Some(i) = id.batch_index.filter(|i| *i >= 0) {
+        s.push_str(&format!(":{i}/{}", id.batch_size.unwrap_or(0)));
+    }
+    if !id.ack_set.is_empty() {
+        s.push_str(&format!(" set={:x?}", id.ack_set));
+    }
+    s
+}
+
+/// Logs (target `onceflow_pulsar::frames`, debug) the consumer frames that decide what a
+/// subscription delivers: `SUBSCRIBE`, `FLOW`, `MESSAGE`, `ACK`, `ACK_RESPONSE`,
+/// `REDELIVER_UNACKNOWLEDGED_MESSAGES`, `CLOSE_CONSUMER`, with the connection's number.
+fn trace_frame(conn: &Mutex<ConnFrames>, dir: Direction, t: i32, cmd: &[u8]) {
+    const TRACED: [i32; 7] = [
+        Type::Subscribe as i32,
+        Type::Flow as i32,
+        Type::Message as i32,
+        Type::Ack as i32,
+        Type::AckResponse as i32,
+        Type::RedeliverUnacknowledgedMessages as i32,
+        Type::CloseConsumer as i32,
+    ];
+    if !TRACED.contains(&t) {
+        return;
+    }
+    let Ok(c) = proto::BaseCommand::decode(cmd) else {
+        return;
+    };
+    let id = conn.lock().id;
+    let ids = |v: &[proto::MessageIdData]| v.iter().map(show_id).collect::<Vec<_>>().join(",");
+    let what = if let Some(s) = &c.subscribe {
+        format!(
+            "SUBSCRIBE consumer={} topic={} sub={} name={:?}",
+            s.consumer_id, s.topic, s.subscription, s.consumer_name
+        )
+    } else if let Some(f) = &c.flow {
+        format!(
+            "FLOW consumer={} permits={}",
+            f.consumer_id, f.message_permits
+        )
+    } else if let Some(m) = &c.message {
+        format!(
+            "MESSAGE consumer={} id={} redelivery={:?} ack_set={:x?}",
+            m.consumer_id,
+            show_id(&m.message_id),
+            m.redelivery_count,
+            m.ack_set
+        )
+    } else if let Some(a) = &c.ack {
+        format!(
+            "ACK consumer={} type={} ids=[{}] txn={:?}/{:?} request={:?}",
+            a.consumer_id,
+            a.ack_type,
+            ids(&a.message_id),
+            a.txnid_most_bits,
+            a.txnid_least_bits,
+            a.request_id
+        )
+    } else if let Some(r) = &c.ack_response {
+        format!(
+            "ACK_RESPONSE consumer={} request={:?} error={:?} {:?}",
+            r.consumer_id, r.request_id, r.error, r.message
+        )
+    } else if let Some(r) = &c.redeliver_unacknowledged_messages {
+        format!(
+            "REDELIVER consumer={} ids=[{}]",
+            r.consumer_id,
+            ids(&r.message_ids)
+        )
+    } else if let Some(cl) = &c.close_consumer {
+        format!("CLOSE_CONSUMER consumer={}", cl.consumer_id)
+    } else {
+        return;
+    };
+    tracing::debug!(target: "onceflow_pulsar::frames", conn = id, ?dir, "{what}");
 }
 
 /// Points a lookup answer at the bridge: `brokerServiceUrl` becomes the bridge listener of

@@ -1129,6 +1129,7 @@ impl PulsarConsumer {
     }
 }
 
+#[derive(Debug)]
 enum Admit {
     /// Give it to the application.
     Deliver,
@@ -1473,6 +1474,12 @@ impl ConsumerBackend for PulsarConsumer {
                     while out.len() < max {
                         let Ok(f) = rx.try_recv() else { break };
                         if self.acknowledged_before(part, &f) {
+                            tracing::debug!(
+                                target: "onceflow_pulsar::frames",
+                                tp = %part.tp,
+                                key = ?f.key,
+                                "poll: acknowledged before, skipped"
+                            );
                             // Settled (by whoever acknowledged it), never delivered again; a
                             // rewind to it is over.
                             if st.rewind == Some(f.key) {
@@ -1485,7 +1492,15 @@ impl ConsumerBackend for PulsarConsumer {
                                 .settle(f.key.2);
                             continue;
                         }
-                        match self.admit(&mut st, &f) {
+                        let verdict = self.admit(&mut st, &f);
+                        tracing::debug!(
+                            target: "onceflow_pulsar::frames",
+                            tp = %part.tp,
+                            key = ?f.key,
+                            verdict = ?verdict,
+                            "poll: admit"
+                        );
+                        match verdict {
                             Admit::Deliver => {
                                 let n = st.deliveries.entry(f.key).or_insert(0);
                                 *n += 1;
