@@ -969,6 +969,9 @@ async fn rewrite(
     let Some(t) = command_type(cmd) else {
         return Ok(None);
     };
+    if tracing::enabled!(target: "onceflow_pulsar::frames", tracing::Level::DEBUG) {
+        trace_frame(conn, dir, t, cmd);
+    }
     if let Some(txn) = &inner.txn {
         if txn.reads(t) {
             return txn.rewrite(conn, dir, cmd, rest);
@@ -1007,6 +1010,86 @@ async fn rewrite(
         }
         _ => Ok(None),
     }
+}
+
+/// A message id as `ledger:entry[:batch index/batch size][ ack set]`, for [`trace_frame`].
+fn show_id(id: &proto::MessageIdData) -> String {
+    let mut s = format!("{}:{}", id.ledger_id, id.entry_id);
+    if let Some(i) = id.batch_index.filter(|i| *i >= 0) {
+        s.push_str(&format!(":{i}/{}", id.batch_size.unwrap_or(0)));
+    }
+    if !id.ack_set.is_empty() {
+        s.push_str(&format!(" set={:x?}", id.ack_set));
+    }
+    s
+}
+
+/// Logs (target `onceflow_pulsar::frames`, debug) the consumer frames that decide what a
+/// subscription delivers: `SUBSCRIBE`, `FLOW`, `MESSAGE`, `ACK`, `ACK_RESPONSE`,
+/// `REDELIVER_UNACKNOWLEDGED_MESSAGES`, `CLOSE_CONSUMER`, with the connection's number.
+fn trace_frame(conn: &Mutex<ConnFrames>, dir: Direction, t: i32, cmd: &[u8]) {
+    const TRACED: [i32; 7] = [
+        Type::Subscribe as i32,
+        Type::Flow as i32,
+        Type::Message as i32,
+        Type::Ack as i32,
+        Type::AckResponse as i32,
+        Type::RedeliverUnacknowledgedMessages as i32,
+        Type::CloseConsumer as i32,
+    ];
+    if !TRACED.contains(&t) {
+        return;
+    }
+    let Ok(c) = proto::BaseCommand::decode(cmd) else {
+        return;
+    };
+    let id = conn.lock().id;
+    let ids = |v: &[proto::MessageIdData]| v.iter().map(show_id).collect::<Vec<_>>().join(",");
+    let what = if let Some(s) = &c.subscribe {
+        format!(
+            "SUBSCRIBE consumer={} topic={} sub={} name={:?}",
+            s.consumer_id, s.topic, s.subscription, s.consumer_name
+        )
+    } else if let Some(f) = &c.flow {
+        format!(
+            "FLOW consumer={} permits={}",
+            f.consumer_id, f.message_permits
+        )
+    } else if let Some(m) = &c.message {
+        format!(
+            "MESSAGE consumer={} id={} redelivery={:?} ack_set={:x?}",
+            m.consumer_id,
+            show_id(&m.message_id),
+            m.redelivery_count,
+            m.ack_set
+        )
+    } else if let Some(a) = &c.ack {
+        format!(
+            "ACK consumer={} type={} ids=[{}] txn={:?}/{:?} request={:?}",
+            a.consumer_id,
+            a.ack_type,
+            ids(&a.message_id),
+            a.txnid_most_bits,
+            a.txnid_least_bits,
+            a.request_id
+        )
+    } else if let Some(r) = &c.ack_response {
+        format!(
+            "ACK_RESPONSE consumer={} request={:?} error={:?} {:?}",
+            r.consumer_id, r.request_id, r.error, r.message
+        )
+    } else if let Some(r) = &c.redeliver_unacknowledged_messages {
+        format!(
+            "REDELIVER consumer={} ids=[{}]",
+            r.consumer_id,
+            ids(&r.message_ids)
+        )
+    } else if let Some(cl) = &c.close_consumer {
+        format!("CLOSE_CONSUMER consumer={}", cl.consumer_id)
+    } else {
+        return;
+    };
+    tracing::debug!(target: "onceflow_pulsar::frames", conn = id, ?dir, "{what}");
 }
 
 /// Points a lookup answer at the bridge: `brokerServiceUrl` becomes the bridge listener of
@@ -1650,8 +1733,8 @@ impl TxnFrames {
     ///
     /// Where exactly one crate consumer of this process is subscribed to that subscription
     /// and topic, the bridge sends the transactional acknowledgement itself, now, as one
-    /// `ACK` of all these message ids on that consumer's connection and with its consumer id,
-    /// and drops the crate's own `ACK`s of them when they pass. The crate's consumer engine
+    /// `ACK` per message id (see [`TxnFrames::inject_acks`]) on that consumer's connection and
+    /// with its consumer id, and drops the crate's own `ACK`s of them when they pass. The crate's consumer engine
     /// handles an acknowledgement only after every message the broker pushed before it was
     /// taken from it: behind a prefetched batch of 1000 messages that was ~40 ms per commit
     /// (P2). Otherwise (no such consumer, or several: which one holds the messages is not
@@ -1679,6 +1762,18 @@ impl TxnFrames {
     /// Sends `ids`' acknowledgement in `txn` on the connection of the one crate consumer
     /// subscribed to `subscription` on `topic` (see [`TxnFrames::expect_acks`]); `false`
     /// when there is not exactly one (or its connection is gone).
+    ///
+    /// One `ACK` command per message id, each with its own request id: the broker (Pulsar
+    /// 4.2, `Consumer.individualAckWithTransaction`) takes every message id of a command out
+    /// of the consumer's pending acknowledgements also when its pending-ack handle refuses
+    /// the command (`TransactionConflict` for one of them: "already acked before", "in
+    /// pending ack status"), none of them acknowledged, and then ignores their
+    /// `REDELIVER_UNACKNOWLEDGED_MESSAGES` (it redelivers only what is pending on the
+    /// consumer): the batches named with a refused one never came again while the member
+    /// stayed (#27, key_shared, a failing transform: ~1 run in 4 stalled). Alone in its
+    /// command, an accepted acknowledgement is held by the transaction, and the abort that
+    /// follows the refusal redelivers it (the broker redelivers an aborted transaction's
+    /// acknowledged messages whatever the consumer holds).
     fn inject_acks(
         &self,
         st: &mut TxnState,
@@ -1698,31 +1793,51 @@ impl TxnFrames {
             }
             return false;
         };
-        let request = TXN_ACK_REQUEST_IDS + st.next_request + 1;
-        let frame = encode_frame(
-            &proto::BaseCommand {
-                r#type: Type::Ack as i32,
-                ack: Some(proto::CommandAck {
-                    consumer_id: sub.consumer_id,
-                    ack_type: proto::command_ack::AckType::Individual as i32,
-                    message_id: ids.to_vec(),
-                    txnid_most_bits: Some(txn.most_bits),
-                    txnid_least_bits: Some(txn.least_bits),
-                    request_id: Some(request),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            &[],
-        );
-        if sub.inject.send(frame).is_err() {
+        let first = st.next_request + 1;
+        let frames: Vec<Vec<u8>> = ids
+            .iter()
+            .zip(first..)
+            .map(|(id, n)| {
+                encode_frame(
+                    &proto::BaseCommand {
+                        r#type: Type::Ack as i32,
+                        ack: Some(proto::CommandAck {
+                            consumer_id: sub.consumer_id,
+                            ack_type: proto::command_ack::AckType::Individual as i32,
+                            message_id: vec![id.clone()],
+                            txnid_most_bits: Some(txn.most_bits),
+                            txnid_least_bits: Some(txn.least_bits),
+                            request_id: Some(TXN_ACK_REQUEST_IDS + n),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    },
+                    &[],
+                )
+            })
+            .collect();
+        let inject = sub.inject.clone();
+        let mut sent = 0u64;
+        for frame in frames {
+            if inject.send(frame).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        if sent == 0 {
             return false;
         }
-        st.next_request += 1;
-        let n = ids.len() as u64;
-        st.awaiting.insert(request, (txn, n));
-        st.acks.entry(txn).or_default().sent += n;
-        for id in ids {
+        // A connection gone after some were written: those are answered (or the transaction
+        // times out waiting), the rest go by the crate's `ACK`s (`expected`).
+        for n in first..first + sent {
+            st.awaiting.insert(TXN_ACK_REQUEST_IDS + n, (txn, 1));
+        }
+        st.next_request += sent;
+        st.acks.entry(txn).or_default().sent += sent;
+        for id in &ids[sent as usize..] {
+            st.expected.insert(ack_key(topic, subscription, id), txn);
+        }
+        for id in &ids[..sent as usize] {
             let k = (ack_key(&key.0, &key.1, id), id.ack_set.clone());
             let n = st.injected.map.get(&k).copied().unwrap_or(0);
             st.injected.put(k, n + 1);
@@ -2769,16 +2884,22 @@ mod tests {
             )
         };
 
-        // One ACK of both message ids, in the transaction, on the consumer's connection.
+        // One ACK per message id (a refused command loses the broker every message id in
+        // it), in the transaction, on the consumer's connection, each with its request id.
         frames.expect_acks(txn, topic, "g", &[id(0, vec![6]), id(1, vec![])]);
-        let sent = rx.try_recv().expect("an ACK written by the bridge");
-        let a = decode(&sent).0.ack.unwrap();
-        assert_eq!(a.consumer_id, 5);
-        assert_eq!((a.txnid_most_bits, a.txnid_least_bits), (Some(2), Some(9)));
-        assert_eq!(a.message_id, vec![id(0, vec![6]), id(1, vec![])]);
-        let request = a.request_id.unwrap();
-        assert!(request > TXN_ACK_REQUEST_IDS);
-        assert!(rx.try_recv().is_err(), "one ACK");
+        let mut requests = Vec::new();
+        for want in [id(0, vec![6]), id(1, vec![])] {
+            let sent = rx.try_recv().expect("an ACK written by the bridge");
+            let a = decode(&sent).0.ack.unwrap();
+            assert_eq!(a.consumer_id, 5);
+            assert_eq!((a.txnid_most_bits, a.txnid_least_bits), (Some(2), Some(9)));
+            assert_eq!(a.message_id, vec![want]);
+            let request = a.request_id.unwrap();
+            assert!(request > TXN_ACK_REQUEST_IDS);
+            assert!(!requests.contains(&request));
+            requests.push(request);
+        }
+        assert!(rx.try_recv().is_err(), "two ACKs");
 
         // The crate's own ACKs of them are dropped as they pass; any other passes as it is,
         // also one of the same message id with another ack set.
@@ -2795,8 +2916,14 @@ mod tests {
             "only as many copies as were sent are dropped"
         );
 
-        // The answer counts for the transaction.
-        let answer = ack_response(5, request);
+        // The answers count for the transaction: both are awaited.
+        let answer = ack_response(5, requests[0]);
+        assert!(pass(Direction::ToClient, &answer).unwrap().is_empty());
+        assert!(frames
+            .acks_answered(txn, 2, Duration::from_millis(50))
+            .await
+            .is_err());
+        let answer = ack_response(5, requests[1]);
         assert!(pass(Direction::ToClient, &answer).unwrap().is_empty());
         frames
             .acks_answered(txn, 2, Duration::from_secs(1))

@@ -681,13 +681,17 @@ impl PulsarConsumer {
                 Admit::Drop
             };
         }
+        // Acknowledged by a committed transaction (a copy from a redelivery asked for before the
+        // commit; a batch's is known as such by `batches` only until the batch is complete):
+        // given out again, it would be processed twice and the next transaction would
+        // acknowledge it again, which the broker refuses ("already acked before"), aborting
+        // that transaction. On failover / exclusive a rewind would then wait for it forever
+        // (the broker never redelivers it); on shared / key_shared the broker also forgot the
+        // other batches that refused acknowledgement named (see `TxnFrames::inject_acks`).
+        if st.txn_acked.contains(&f.key) {
+            return Admit::Drop;
+        }
         if self.sub_type.single_active() {
-            // Acknowledged by a committed transaction: given out again, a transaction would
-            // acknowledge it twice (the broker refuses: "already acked before") and a rewind
-            // would then wait for it forever (the broker never redelivers it).
-            if st.txn_acked.contains(&f.key) {
-                return Admit::Drop;
-            }
             if let Some(r) = st.rewind {
                 if f.key > r {
                     // Fetched before the broker rewound: it comes again after `r`.
@@ -1129,6 +1133,7 @@ impl PulsarConsumer {
     }
 }
 
+#[derive(Debug)]
 enum Admit {
     /// Give it to the application.
     Deliver,
@@ -1473,6 +1478,12 @@ impl ConsumerBackend for PulsarConsumer {
                     while out.len() < max {
                         let Ok(f) = rx.try_recv() else { break };
                         if self.acknowledged_before(part, &f) {
+                            tracing::debug!(
+                                target: "onceflow_pulsar::frames",
+                                tp = %part.tp,
+                                key = ?f.key,
+                                "poll: acknowledged before, skipped"
+                            );
                             // Settled (by whoever acknowledged it), never delivered again; a
                             // rewind to it is over.
                             if st.rewind == Some(f.key) {
@@ -1485,7 +1496,15 @@ impl ConsumerBackend for PulsarConsumer {
                                 .settle(f.key.2);
                             continue;
                         }
-                        match self.admit(&mut st, &f) {
+                        let verdict = self.admit(&mut st, &f);
+                        tracing::debug!(
+                            target: "onceflow_pulsar::frames",
+                            tp = %part.tp,
+                            key = ?f.key,
+                            verdict = ?verdict,
+                            "poll: admit"
+                        );
+                        match verdict {
                             Admit::Deliver => {
                                 let n = st.deliveries.entry(f.key).or_insert(0);
                                 *n += 1;
