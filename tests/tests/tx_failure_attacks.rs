@@ -267,6 +267,9 @@ async fn attack(h: &dyn Harness) {
                     Some(Ok(_)) => {}
                     Some(Err(e)) => {
                         if stop && e.to_string().contains("injected transform failure") {
+                            if knob("TA_VERBOSE", 0u8) == 1 {
+                                eprintln!("slot {slot} run {n}: stopped: {m:?}");
+                            }
                             totals.stops.fetch_add(1, Ordering::Relaxed);
                         } else {
                             totals.errors.fetch_add(1, Ordering::Relaxed);
