@@ -132,13 +132,18 @@ pub fn error_kind(kind: ErrorKind) -> ErrorKindInfo {
 
 /// `message` in `language`'s words: core names the operation that failed in front of its
 /// messages as Rust and Python spell it (`rewind_uncommitted: …`, `commit_offsets: …`); for
-/// Node that name is spelled as its users call it (`rewindUncommitted: …`).
+/// Node that name is spelled as its users call it (`rewindUncommitted: …`). Only the API's
+/// operations are renamed: other messages may start with a name the user wrote as it is in
+/// every language (a URL option, `tls_trust_certs: …`) or a platform's own call
+/// (`commit_transaction: …`).
 pub fn error_message(language: settings::Language, message: &str) -> std::borrow::Cow<'_, str> {
+    /// The operations of the API whose snake_case names core puts in front of its messages
+    /// (`Consumer::rewind_uncommitted`, `Transaction::commit_offsets`).
+    const OPERATIONS: &[&str] = &["commit_offsets", "rewind_uncommitted"];
     let Some((op, rest)) = message.split_once(": ") else {
         return message.into();
     };
-    let snake = op.contains('_') && op.chars().all(|c| c.is_ascii_lowercase() || c == '_');
-    if !snake {
+    if !OPERATIONS.contains(&op) {
         return message.into();
     }
     let spelled = language.spell(op, false);
@@ -166,11 +171,18 @@ mod tests {
             "rewindUncommitted: topic 'x' is not read by this consumer"
         );
         assert_eq!(error_message(Language::Python, m), m);
+        assert_eq!(
+            error_message(Language::Node, "commit_offsets: partition -1 of topic 't'"),
+            "commitOffsets: partition -1 of topic 't'"
+        );
         for kept in [
             "commit: partition -1 of topic 't'",
             "position pulsar:1:2:0:-1 is a message of partition 0: commit_offsets later",
             "no operation here",
             "Snake_Case: not an operation",
+            // A URL option, written snake_case in Node's URLs too, and librdkafka's call.
+            "tls_trust_certs: cannot read '/nope.pem': No such file or directory",
+            "commit_transaction: no answer within 10s",
         ] {
             assert_eq!(error_message(Language::Node, kept), kept);
         }

@@ -142,3 +142,26 @@ test('Pulsar mTLS with a client certificate as options: round trip; a rogue cert
   const keyLines = require('node:fs').readFileSync(keyFile, 'utf8').split('\n').filter((l) => l && !l.startsWith('-----'))
   assert.ok(!keyLines.some((l) => shown.includes(l)), shown)
 })
+
+test('a bad tls_trust_certs file is named as the option is written, not in camelCase', { skip: skipPulsar }, async () => {
+  const fs = require('node:fs')
+  const os = require('node:os')
+  const path = require('node:path')
+  const bad = path.join(os.tmpdir(), `onceflow-bad-ca-${process.pid}.pem`)
+  // Base64, so read as PEM, but no certificate: rustls refuses it ('tls_trust_certs: invalid
+  // peer certificate: BadEncoding'), which Node's errors once spelled 'tlsTrustCerts: …'.
+  fs.writeFileSync(bad, '-----BEGIN CERTIFICATE-----\nAAAAAAAA\n-----END CERTIFICATE-----\n')
+  try {
+    await assert.rejects(
+      onceflow.connect(pulsarUrl, { admin: process.env.ONCEFLOW_PULSAR_TLS_ADMIN_URL, tls_trust_certs: bad }),
+      (e) => {
+        assert.equal(e.kind, 'config', e.message)
+        assert.match(e.message, /^tls_trust_certs: /)
+        assert.doesNotMatch(e.message, /tlsTrustCerts/)
+        return true
+      },
+    )
+  } finally {
+    fs.rmSync(bad, { force: true })
+  }
+})

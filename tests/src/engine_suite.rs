@@ -59,6 +59,7 @@ macro_rules! engine_suite {
             requeued_job_runs_once_more,
             requeued_input_is_transformed_once_more,
             a_failing_input_costs_only_its_own_redelivery,
+            a_stopped_pipeline_leaves_no_claim_of_its_batch_behind,
             rewind_uncommitted_refuses_partitions_it_does_not_read,
             closed_producer_refuses_sends_and_transactions,
         );
@@ -1529,6 +1530,89 @@ pub async fn a_failing_input_costs_only_its_own_redelivery(h: &dyn Harness) -> C
             N / EVERY,
             metrics.snapshot()
         ),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// A pipeline stopped by an input that failed for good (`on_failure=stop`) leaves no claim of
+/// its batch behind: the inputs after the failing one were claimed with the batch, never
+/// processed, and are released, so the next run (a restarted process: another worker id)
+/// reads them at once instead of waiting out their lease (h2 break-it of #27: each restart
+/// waited the lease, 30 s by default, and its own claims then expired and were fenced).
+pub async fn a_stopped_pipeline_leaves_no_claim_of_its_batch_behind(h: &dyn Harness) -> CaseResult {
+    const N: usize = 20;
+    const EVERY: usize = 10;
+    const LEASE: Duration = Duration::from_secs(120);
+    let client = Client::new(h.platform());
+    let input = h.topic(1).await?;
+    let output = h.topic(1).await?;
+    let recs: Vec<Record> = (0..N)
+        .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
+        .collect();
+    produce(&client, recs).await?;
+    let calls = Arc::new(AtomicU64::new(0));
+    // Inputs 9 and 19 fail once: the first run stops at 9 with 10..19 claimed.
+    let transform: Arc<dyn Transform> = Arc::new(FailsOnceEvery {
+        out: output.clone(),
+        every: EVERY,
+        calls: calls.clone(),
+        failed: Mutex::default(),
+    });
+    let group = h.group();
+    let tx_id = h.transactional_id();
+    let store = store();
+    let started = Instant::now();
+    let mut stops = 0;
+    for run in 0..(N / EVERY + 2) {
+        let config = PipelineConfig {
+            engine: EngineConfig {
+                worker_id: format!("{group}-worker-{run}"),
+                max_attempts: 1,
+                on_failure: OnFailure::Stop,
+                batch_size: N,
+                lease: LEASE,
+                ..fast_engine(h)
+            },
+            transaction_interval: Duration::from_millis(200),
+            ..PipelineConfig::default()
+        };
+        match run_pipeline_with(
+            h,
+            &client,
+            &group,
+            &tx_id,
+            &input,
+            store.clone(),
+            transform.clone(),
+            config,
+            1,
+        )
+        .await
+        {
+            Ok(_) => break,
+            Err(e) if e.to_string().contains("fails its first attempt") => stops += 1,
+            Err(e) => return Err(e),
+        }
+    }
+    let took = started.elapsed();
+    let out = read_all(h, &client, &output, N).await?;
+    let mut payloads: Vec<String> = out
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    payloads.sort();
+    let mut want: Vec<String> = (0..N).map(|i| format!("v{i}")).collect();
+    want.sort();
+    check(
+        payloads == want,
+        format!(
+            "{N} outputs once each after {stops} stop(s) in {took:?}, got {} ({payloads:?})",
+            payloads.len()
+        ),
+    )?;
+    check(
+        took < LEASE / 2,
+        format!("{took:?} for {N} inputs and {stops} stop(s): the restarts waited for claims"),
     )?;
     Ok(Outcome::Passed)
 }

@@ -52,8 +52,13 @@ struct Seen {
     /// librdkafka's application position right after the deliveries above (the offset after the
     /// last record or control record it served), since the last seek.
     position: Option<i64>,
-    /// The next offset this member last committed (plainly or in a transaction).
+    /// The highest next offset known committed in the partition since it was assigned: by
+    /// this member (plainly or in a transaction) or read from the group.
     committed: Option<i64>,
+    /// The next offset of this member's latest commit of the partition since it was assigned
+    /// (plainly or in a transaction), which may be lower than `committed`: a commit back to an
+    /// earlier offset, to read from there again.
+    own: Option<i64>,
 }
 
 impl Progress {
@@ -148,7 +153,7 @@ impl Progress {
             .collect()
     }
 
-    /// Records offsets committed (next offsets).
+    /// Records offsets known committed (next offsets), read from the group.
     pub(crate) fn committed(&self, offsets: impl IntoIterator<Item = (TopicPartition, i64)>) {
         let mut parts = self.parts.lock();
         for (tp, next) in offsets {
@@ -157,9 +162,21 @@ impl Progress {
         }
     }
 
-    /// The next offset this member committed in `tp` since it was assigned, if any.
+    /// Records offsets this member committed (next offsets), plainly or in a transaction.
+    pub(crate) fn committed_here(&self, offsets: impl IntoIterator<Item = (TopicPartition, i64)>) {
+        let mut parts = self.parts.lock();
+        for (tp, next) in offsets {
+            let seen = parts.entry(tp).or_default();
+            seen.committed = Some(seen.committed.map_or(next, |c| c.max(next)));
+            seen.own = Some(next);
+        }
+    }
+
+    /// The next offset of this member's latest commit in `tp` since it was assigned, if any
+    /// (not the highest it ever committed: a commit back to an earlier offset is the one that
+    /// holds).
     fn known_committed(&self, tp: &TopicPartition) -> Option<i64> {
-        self.parts.lock().get(tp)?.committed
+        self.parts.lock().get(tp)?.own
     }
 
     /// The offsets to commit for "last finished" positions.
@@ -700,7 +717,7 @@ impl KafkaConsumer {
                 .map_err(|e| errors::map(e, format_args!("commit of group '{group}'")))
         })
         .await?;
-        self.progress().committed(offsets);
+        self.progress().committed_here(offsets);
         Ok(())
     }
 }

@@ -970,7 +970,7 @@ impl TransactionBackend for KafkaTransaction {
         let e = match res {
             Ok(Ok(())) => {
                 for (progress, offsets) in sent {
-                    progress.committed(offsets);
+                    progress.committed_here(offsets);
                 }
                 return Ok(());
             }

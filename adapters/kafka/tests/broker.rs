@@ -562,3 +562,82 @@ async fn a_record_over_the_topic_limit_names_it() {
         "{e}"
     );
 }
+
+/// A member that commits a partition back to an earlier offset (to replay it) reads that
+/// offset back from `committed()`, and `rewind_uncommitted` takes it there: what this member
+/// committed in a transaction counts until the coordinator serves it (#27), but not over a
+/// later commit of its own (h2 break-it: `committed()` kept the highest offset this member
+/// ever committed, 9 after a commit back to 3, and the rewind skipped the replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_back_to_an_earlier_offset_is_what_committed_reports() {
+    use onceflow_core::{Position, StartFrom};
+    let Some(p) = platform("a_commit_back_to_an_earlier_offset_is_what_committed_reports") else {
+        return;
+    };
+    let input = topic(&p, 1).await;
+    let client = Client::new(p.clone());
+    let plain = client.producer(ProducerConfig::default()).await.unwrap();
+    for i in 0..10 {
+        plain
+            .send(Record::new(input.clone(), format!("in-{i}")))
+            .await
+            .unwrap();
+    }
+    let consumer = client
+        .consumer(
+            ConsumerConfig::new(name("kafka-commit-back"), [input.clone()])
+                .start(StartFrom::Earliest),
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while got.len() < 10 && std::time::Instant::now() < deadline {
+        got.extend(
+            consumer
+                .poll(100, Duration::from_millis(500))
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(got.len(), 10);
+    let tp = got[0].topic_partition();
+    consumer
+        .commit(&[(tp.clone(), got[8].position.clone())])
+        .await
+        .unwrap();
+    let c = consumer.committed(std::slice::from_ref(&tp)).await.unwrap();
+    assert_eq!(c[0].next, Some(Position::Offset(9)));
+    // Back to offset 3: the messages from 3 on are to be read again.
+    consumer
+        .commit(&[(tp.clone(), got[2].position.clone())])
+        .await
+        .unwrap();
+    let c = consumer.committed(std::slice::from_ref(&tp)).await.unwrap();
+    assert_eq!(
+        c[0].next,
+        Some(Position::Offset(3)),
+        "committed() after a commit back to offset 2"
+    );
+    let uncommitted = consumer
+        .rewind_uncommitted(std::slice::from_ref(&tp))
+        .await
+        .unwrap();
+    assert!(uncommitted.is_empty());
+    let mut again = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while again.is_empty() && std::time::Instant::now() < deadline {
+        again.extend(
+            consumer
+                .poll(100, Duration::from_millis(500))
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(
+        again.first().map(|m| m.position.clone()),
+        Some(Position::Offset(3)),
+        "the rewind goes back to the committed offset 3"
+    );
+    consumer.close().await.unwrap();
+}

@@ -4,6 +4,7 @@
 //! - `sigkill_at_random_points_keeps_exactly_once`: the pipeline process is SIGKILLed at random
 //!   points while input keeps arriving (20 kills; `ONCEFLOW_CRASH_KILLS=100` for the long run)
 //!   and restarted each time; a read_committed reader of B then sees every input exactly once.
+//!   `ONCEFLOW_CRASH_FAIL_PCT=N`: the transform also fails N % of its calls (`max_attempts=1`).
 //! - `second_process_joins_and_first_leaves_exactly_once`: a second pipeline process joins the
 //!   group mid-stream, then the first leaves; B holds every input exactly once.
 //! - `removed_worker_cannot_commit_its_open_transaction`: a worker that stops polling while its
@@ -100,12 +101,15 @@ impl ChildSpec {
     }
 }
 
-/// Output of input `id`: `out-{id}`.
-struct Tag(String);
+/// Output of input `id`: `out-{id}`; fails `.1` % of the calls (`ONCEFLOW_CRASH_FAIL_PCT`).
+struct Tag(String, u64);
 
 #[async_trait]
 impl Transform for Tag {
     async fn transform(&self, m: &Message) -> Result<Vec<Record>, BoxError> {
+        if self.1 > 0 && rand::rng().random_range(0..100) < self.1 {
+            return Err("eos child: injected transform failure".into());
+        }
         let mut out = Vec::with_capacity(m.payload.len() + 4);
         out.extend_from_slice(b"out-");
         out.extend_from_slice(&m.payload);
@@ -151,12 +155,24 @@ async fn child_main(spec: ChildSpec) -> i32 {
         let producer = client
             .producer(ProducerConfig::new().transactional_id(spec.transactional_id.clone()))
             .await?;
+        // `ONCEFLOW_CRASH_FAIL_PCT`: the transform fails that percent of its calls, with
+        // `max_attempts=1` (each failure commits the inputs before it and reads on from the
+        // failing one, #27).
+        let fail_pct: u64 = std::env::var("ONCEFLOW_CRASH_FAIL_PCT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let mut config = PipelineConfig::default();
+        if fail_pct > 0 {
+            config.engine.max_attempts = 1;
+            config.engine.redelivery_delay = Duration::from_millis(20);
+        }
         let pipeline = Pipeline::with_config(
             consumer,
             producer,
             None,
-            Arc::new(Tag(spec.output.clone())),
-            PipelineConfig::default(),
+            Arc::new(Tag(spec.output.clone(), fail_pct)),
+            config,
         )?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         std::thread::spawn(move || {
@@ -416,7 +432,21 @@ async fn sigkill_at_random_points_keeps_exactly_once() {
         instance: name("eos-crash-worker"),
         session_ms: 0,
     };
-    let feeder = Feeder::start(&client, &input, 50, Duration::from_millis(25));
+    // `ONCEFLOW_CRASH_FEED`: inputs written every 25 ms (50); `ONCEFLOW_CRASH_FINAL_S`: how
+    // long the final run has to write the outputs left (120 s).
+    let env = |var: &str, default: u64| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let feeder = Feeder::start(
+        &client,
+        &input,
+        env("ONCEFLOW_CRASH_FEED", 50),
+        Duration::from_millis(25),
+    );
+    let final_run = Duration::from_secs(env("ONCEFLOW_CRASH_FINAL_S", 120));
     let started = Instant::now();
     let mut progress = Vec::new();
     for _ in 0..kills {
@@ -431,7 +461,7 @@ async fn sigkill_at_random_points_keeps_exactly_once() {
     let before_final = committed_inputs(&url, &spec.group, &input, 4).await;
     let kill_phase = started.elapsed();
     let mut last = Worker::start(&spec);
-    let seen = read_outputs(&client, &output, n, Duration::from_secs(120)).await;
+    let seen = read_outputs(&client, &output, n, final_run).await;
     last.sigkill();
     eprintln!(
         "crash test: {kills} SIGKILLs in {kill_phase:?}; {n} inputs; committed inputs after each \
@@ -508,7 +538,7 @@ impl Transform for Stall {
         if !self.stalled.swap(true, Ordering::AcqRel) {
             tokio::time::sleep(self.stall).await;
         }
-        Tag(self.output.clone()).transform(m).await
+        Tag(self.output.clone(), 0).transform(m).await
     }
 }
 
@@ -583,7 +613,7 @@ async fn removed_worker_cannot_commit_its_open_transaction() {
         assert!(Instant::now() < deadline, "the zombie never read its input");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let heir = pipeline(&name("eos-heir-tx"), Arc::new(Tag(output.clone()))).await;
+    let heir = pipeline(&name("eos-heir-tx"), Arc::new(Tag(output.clone(), 0))).await;
     let (stop_heir, heir_stopped) = tokio::sync::oneshot::channel::<()>();
     let heir_run = tokio::spawn(heir.run_until(async {
         let _ = heir_stopped.await;

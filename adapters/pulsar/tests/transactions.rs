@@ -1200,3 +1200,72 @@ async fn a_position_of_another_partition_is_refused() {
     assert_nothing_comes(&[&next], Duration::from_millis(200), "only the six inputs").await;
     next.close().await.unwrap();
 }
+
+/// h2 break-it of the partition check (#27): positions of a non-partitioned topic (partition
+/// index -1 in the message id, partition 0 in its `TopicPartition`) commit, plainly and in a
+/// transaction, as they are delivered and as their text form parses back; a partitioned
+/// topic's partition-0 position given for the non-partitioned topic, and a non-partitioned
+/// position given for a partitioned topic's partition 0, are refused as `Config` before
+/// anything is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_partitioned_positions_commit_and_foreign_ones_are_refused() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let flat = name("txn-flat-in");
+    client
+        .admin()
+        .await
+        .unwrap()
+        .create_topic(&TopicSpec::new(flat.clone(), 1))
+        .await
+        .unwrap();
+    let _plain = send_inputs(&client, &flat, 4).await;
+    let parted = name("txn-flat-parted");
+    let _p2 = two_partitions_with(&client, &parted, &[0], "p", 1).await;
+    let group = name("txn-flat");
+    let c = member(&client, &group, &flat).await;
+    let got = poll_n(&c, 4).await;
+    let tp = got[0].topic_partition();
+    assert_eq!(tp.partition, 0);
+    let cp = member(&client, &group, &parted).await;
+    let gp = poll_n(&cp, 1).await;
+    let tpp = gp[0].topic_partition();
+    // Its own positions, as delivered and parsed back from their text.
+    c.commit(&[(tp.clone(), got[0].position.clone())])
+        .await
+        .unwrap();
+    let parsed: Position = got[1].position.to_string().parse().unwrap();
+    c.commit(&[(tp.clone(), parsed)]).await.unwrap();
+    // Foreign ones.
+    let e = c
+        .commit(&[(tp.clone(), gp[0].position.clone())])
+        .await
+        .expect_err("a partitioned topic's position for a non-partitioned one");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    let e = cp
+        .commit(&[(tpp.clone(), got[2].position.clone())])
+        .await
+        .expect_err("a non-partitioned topic's position for partition 0");
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.to_string().contains("non-partitioned"), "{e}");
+    // In a transaction: its own position commits.
+    let producer = txn_producer(&client, "txn-flat").await;
+    let mut t = producer.begin().await.unwrap();
+    t.commit_offsets(
+        &c.group_metadata().unwrap(),
+        &[(tp.clone(), got[2].position.clone())],
+    )
+    .await
+    .unwrap();
+    t.commit().await.unwrap();
+    c.close().await.unwrap();
+    cp.close().await.unwrap();
+    // in3 alone comes again on the flat topic, and p0-in0 on the partitioned one.
+    let next = member(&client, &group, &flat).await;
+    assert_eq!(texts(&poll_n(&next, 1).await), ["in3"]);
+    assert_nothing_comes(&[&next], Duration::from_millis(300), "only in3").await;
+    next.close().await.unwrap();
+    let nextp = member(&client, &group, &parted).await;
+    assert_eq!(texts(&poll_n(&nextp, 1).await), ["p0-in0"]);
+    nextp.close().await.unwrap();
+}
