@@ -1434,6 +1434,25 @@ pub async fn requeued_job_runs_once_more(h: &dyn Harness) -> CaseResult {
     Ok(Outcome::Passed)
 }
 
+/// The payloads read from `output` (at least `n` awaited, then the harness's quiet time),
+/// sorted, and the `n` expected ones `v0`..`v{n-1}`, sorted alike.
+async fn outputs_of_v(
+    h: &dyn Harness,
+    client: &Client,
+    output: &str,
+    n: usize,
+) -> Result<(Vec<String>, Vec<String>)> {
+    let out = read_all(h, client, output, n).await?;
+    let mut payloads: Vec<String> = out
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect();
+    payloads.sort();
+    let mut want: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
+    want.sort();
+    Ok((payloads, want))
+}
+
 /// Fails the first attempt at every `every`-th input (`v{i}` with `i % every == every - 1`),
 /// echoes the rest; counts its calls.
 struct FailsOnceEvery {
@@ -1502,14 +1521,7 @@ pub async fn a_failing_input_costs_only_its_own_redelivery(h: &dyn Harness) -> C
         N,
     )
     .await?;
-    let out = read_all(h, &client, &output, N).await?;
-    let mut payloads: Vec<String> = out
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
-        .collect();
-    payloads.sort();
-    let mut want: Vec<String> = (0..N).map(|i| format!("v{i}")).collect();
-    want.sort();
+    let (payloads, want) = outputs_of_v(h, &client, &output, N).await?;
     check(
         payloads == want,
         format!(
@@ -1595,14 +1607,7 @@ pub async fn a_stopped_pipeline_leaves_no_claim_of_its_batch_behind(h: &dyn Harn
         }
     }
     let took = started.elapsed();
-    let out = read_all(h, &client, &output, N).await?;
-    let mut payloads: Vec<String> = out
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
-        .collect();
-    payloads.sort();
-    let mut want: Vec<String> = (0..N).map(|i| format!("v{i}")).collect();
-    want.sort();
+    let (payloads, want) = outputs_of_v(h, &client, &output, N).await?;
     check(
         payloads == want,
         format!(
