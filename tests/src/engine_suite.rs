@@ -108,6 +108,13 @@ fn record(topic: &str, key: &str, payload: &str) -> Record {
         )
 }
 
+/// `n` records `k0..k{n-1}` with payloads `v0..v{n-1}`, each keyed by its idempotency key.
+fn keyed_v(topic: &str, n: usize) -> Vec<Record> {
+    (0..n)
+        .map(|i| record(topic, &format!("k{i}"), &format!("v{i}")))
+        .collect()
+}
+
 /// `n` records `k0..k{n-1}` with payload `x`, each keyed by its idempotency key.
 fn keyed(topic: &str, n: usize) -> Vec<Record> {
     (0..n)
@@ -785,10 +792,8 @@ pub async fn pipeline_outputs_each_input_once(h: &dyn Harness) -> CaseResult {
     let client = Client::new(h.platform());
     let input = h.topic(2).await?;
     let output = h.topic(2).await?;
-    let mut recs: Vec<Record> = (0..40)
-        .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
-        .collect();
-    recs.extend((0..10).map(|i| record(&input, &format!("k{i}"), &format!("v{i}"))));
+    let mut recs = keyed_v(&input, 40);
+    recs.extend(keyed_v(&input, 10));
     produce(&client, recs).await?;
     let (guarantee, _, metrics) = run_pipeline(
         h,
@@ -850,13 +855,7 @@ pub async fn pipeline_restart_after_crash(h: &dyn Harness) -> CaseResult {
     }
     let input = h.topic(2).await?;
     let output = h.topic(2).await?;
-    produce(
-        &client,
-        (0..60)
-            .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
-            .collect(),
-    )
-    .await?;
+    produce(&client, keyed_v(&input, 60)).await?;
     let group = h.group();
     let tx_id = h.transactional_id();
     let store = store();
@@ -1487,10 +1486,7 @@ pub async fn a_failing_input_costs_only_its_own_redelivery(h: &dyn Harness) -> C
     let client = Client::new(h.platform());
     let input = h.topic(1).await?;
     let output = h.topic(1).await?;
-    let recs: Vec<Record> = (0..N)
-        .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
-        .collect();
-    produce(&client, recs).await?;
+    produce(&client, keyed_v(&input, N)).await?;
     let calls = Arc::new(AtomicU64::new(0));
     let transform = FailsOnceEvery {
         out: output.clone(),
@@ -1558,10 +1554,7 @@ pub async fn a_stopped_pipeline_leaves_no_claim_of_its_batch_behind(h: &dyn Harn
     let client = Client::new(h.platform());
     let input = h.topic(1).await?;
     let output = h.topic(1).await?;
-    let recs: Vec<Record> = (0..N)
-        .map(|i| record(&input, &format!("k{i}"), &format!("v{i}")))
-        .collect();
-    produce(&client, recs).await?;
+    produce(&client, keyed_v(&input, N)).await?;
     let calls = Arc::new(AtomicU64::new(0));
     // Inputs 9 and 19 fail once: the first run stops at 9 with 10..19 claimed.
     let transform: Arc<dyn Transform> = Arc::new(FailsOnceEvery {

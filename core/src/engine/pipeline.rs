@@ -919,11 +919,8 @@ impl TxLoop<'_> {
             // Finished by the dead-letter record in this transaction; free the key (if `msg`
             // claimed it: a conflicting copy did not) so a later replay of the message runs
             // again.
-            if let (Some(store), Some(k), true) = (&core.store, core.store_key(msg), claimed) {
-                if let Some(i) = st.claims.iter().position(|c| c.key == k) {
-                    let c = st.claims.remove(i);
-                    store.release_one(&c.key, c.token).await?;
-                }
+            if claimed {
+                self.release_claim_of(st, msg).await?;
             }
             return Ok(true);
         }
@@ -1261,18 +1258,10 @@ impl TxLoop<'_> {
     /// redeliveries come behind newer inputs on Pulsar shared / key_shared) sits at or below
     /// that position, the transaction is aborted instead and everything re-read.
     async fn commit_before(&self, st: &mut TxState, at: At<'_>, claimed: bool) -> Result<()> {
-        let core = self.core;
         let msg = at.msg();
         if claimed {
-            if let Some(k) = core.store_key(msg) {
-                if let Some(i) = st.claims.iter().position(|c| c.key == k) {
-                    let c = st.claims.remove(i);
-                    if let Some(store) = &core.store {
-                        if let Err(e) = store.release_one(&c.key, c.token).await {
-                            tracing::warn!(error = %e, "releasing a failed input's claim failed; it expires with its lease");
-                        }
-                    }
-                }
+            if let Err(e) = self.release_claim_of(st, msg).await {
+                tracing::warn!(error = %e, "releasing a failed input's claim failed; it expires with its lease");
             }
         }
         let done = &at.msgs[at.run_start..at.i];
@@ -1336,6 +1325,19 @@ impl TxLoop<'_> {
         if let Err(e) = store.release(&claims).await {
             tracing::warn!(error = %e, "releasing the claims of inputs not reached failed; they expire with their lease");
         }
+    }
+
+    /// Takes `msg`'s claim out of the open transaction's claims and releases it in the store
+    /// (not completed: the input is not finished), if the transaction holds one.
+    async fn release_claim_of(&self, st: &mut TxState, msg: &Message) -> Result<()> {
+        let (Some(store), Some(k)) = (&self.core.store, self.core.store_key(msg)) else {
+            return Ok(());
+        };
+        if let Some(i) = st.claims.iter().position(|c| c.key == k) {
+            let c = st.claims.remove(i);
+            store.release_one(&c.key, c.token).await?;
+        }
+        Ok(())
     }
 
     async fn abort_and_rewind(&self, st: &mut TxState, why: &str) -> Result<()> {
