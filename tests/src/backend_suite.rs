@@ -1,6 +1,7 @@
 //! The backend conformance suite: written once against the backend traits, run for every
 //! platform adapter through a [`Harness`] and the [`backend_suite!`](crate::backend_suite!)
-//! macro, which expands to one `#[tokio::test]` per case:
+//! macro, which expands to one test per case, each on its own multi-thread tokio runtime
+//! ([`run_on_runtime`]):
 //!
 //! ```ignore
 //! // tests/backend_memory.rs
@@ -85,9 +86,42 @@ where
     }
 }
 
-/// Expands to one `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]` per case of the
-/// backend suite, each evaluating `$harness` (an expression giving a [`Harness`]; it may
-/// `.await`) afresh.
+/// How long a case's runtime may take to shut down after the case ended: its blocking tasks
+/// (a Kafka consumer leaving its group on drop, a file store flushing) must be done by then.
+pub const SHUTDOWN_LIMIT: Duration = Duration::from_secs(120);
+
+/// Runs `case` to completion on a fresh multi-thread tokio runtime (two workers, all drivers),
+/// then shuts the runtime down waiting at most [`SHUTDOWN_LIMIT`] for its blocking tasks.
+///
+/// `#[tokio::test]` drops its runtime, which waits for every blocking task without limit: a
+/// close that never ends (seen once: rdkafka's consumer drop waiting for its group to be left)
+/// then hung the whole test binary past CI's limit. Here it fails the case, naming it.
+///
+/// # Panics
+/// With the case's own panic (resumed after the shutdown), or when the shutdown took the whole
+/// [`SHUTDOWN_LIMIT`].
+pub fn run_on_runtime(name: &str, case: impl Future<Output = ()>) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the case");
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(case)));
+    let started = std::time::Instant::now();
+    rt.shutdown_timeout(SHUTDOWN_LIMIT);
+    if let Err(panic) = ran {
+        std::panic::resume_unwind(panic);
+    }
+    assert!(
+        started.elapsed() < SHUTDOWN_LIMIT,
+        "case {name}: its runtime still had blocking work running {SHUTDOWN_LIMIT:?} after the \
+         case ended (a close or drop that never finished)"
+    );
+}
+
+/// Expands to one `#[test]` per case of the backend suite, run by [`run_on_runtime`] on a
+/// multi-thread runtime with two workers, each evaluating `$harness` (an expression giving a
+/// [`Harness`]; it may `.await`) afresh.
 #[macro_export]
 macro_rules! backend_suite {
     ($harness:expr) => {
@@ -121,15 +155,17 @@ macro_rules! backend_suite {
     };
     (@cases ($harness:expr) $($case:ident),* $(,)?) => {
         $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                let harness = $harness;
-                $crate::backend_suite::run_case(
-                    &harness,
-                    stringify!($case),
-                    $crate::backend_suite::$case(&harness),
-                )
-                .await;
+            #[test]
+            fn $case() {
+                $crate::backend_suite::run_on_runtime(stringify!($case), async {
+                    let harness = $harness;
+                    $crate::backend_suite::run_case(
+                        &harness,
+                        stringify!($case),
+                        $crate::backend_suite::$case(&harness),
+                    )
+                    .await;
+                });
             }
         )*
     };

@@ -1,7 +1,7 @@
 //! The engine conformance suite: the idempotent consumer and the pipeline, run over a platform
 //! backend through the same [`Harness`] as the backend suite, so the engine's guarantees are
 //! proven on every platform, not only in process. [`engine_suite!`](crate::engine_suite!)
-//! expands to one `#[tokio::test]` per case.
+//! expands to one test per case, run by [`run_on_runtime`](crate::backend_suite::run_on_runtime).
 //!
 //! Cases: `idempotent_consumer_skips_duplicates`, `failing_handler_is_retried_not_lost`,
 //! `exhausted_retries_redeliver_in_order`, `dead_letter_after_retries`,
@@ -35,7 +35,8 @@ use tokio::time::Instant;
 use crate::backend_suite::{CaseResult, Outcome};
 use crate::harness::Harness;
 
-/// Expands to one `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]` per engine case.
+/// Expands to one `#[test]` per engine case, each on its own runtime through
+/// [`run_on_runtime`](crate::backend_suite::run_on_runtime).
 #[macro_export]
 macro_rules! engine_suite {
     ($harness:expr) => {
@@ -66,15 +67,17 @@ macro_rules! engine_suite {
     };
     (@cases ($harness:expr) $($case:ident),* $(,)?) => {
         $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                let harness = $harness;
-                $crate::backend_suite::run_case(
-                    &harness,
-                    concat!("engine::", stringify!($case)),
-                    $crate::engine_suite::$case(&harness),
-                )
-                .await;
+            #[test]
+            fn $case() {
+                $crate::backend_suite::run_on_runtime(concat!("engine::", stringify!($case)), async {
+                    let harness = $harness;
+                    $crate::backend_suite::run_case(
+                        &harness,
+                        concat!("engine::", stringify!($case)),
+                        $crate::engine_suite::$case(&harness),
+                    )
+                    .await;
+                });
             }
         )*
     };

@@ -988,13 +988,60 @@ impl ConsumerBackend for KafkaConsumer {
     }
 }
 
+/// How long dropping a consumer waits for librdkafka's close (leave the group, serve the last
+/// revocation) before it stops waiting; see [`close_bounded`].
+const CLOSE_WAIT: Duration = Duration::from_secs(30);
+
 impl Drop for KafkaConsumer {
     fn drop(&mut self) {
         // librdkafka's consumer close blocks until the group is left: not on the executor.
         let n = self.native.take();
         let o = self.offsets.take();
-        if let Ok(h) = tokio::runtime::Handle::try_current() {
-            h.spawn_blocking(move || drop((n, o)));
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn_blocking(move || close_bounded(n, o, CLOSE_WAIT));
+            }
+            Err(_) => close_bounded(n, o, CLOSE_WAIT),
         }
+    }
+}
+
+/// Drops the consumer's librdkafka handles on a thread of their own and waits for that at most
+/// `limit`.
+///
+/// rdkafka's `BaseConsumer` drop closes the consumer and polls until librdkafka reports it
+/// closed, without a deadline. Once (a member removed from its group by its session timeout,
+/// then dropped) that loop never ended, and since the drop ran on the runtime's blocking pool,
+/// the runtime's shutdown waited for it for ever. A close that ends in time is waited for as
+/// before, so a process that exits still leaves its group at once; one that does not is left to
+/// finish on its own thread, with a warning, and the broker removes the member after
+/// `session.timeout.ms`.
+fn close_bounded(
+    native: Option<Arc<BaseConsumer<Ctx>>>,
+    offsets: Option<Arc<BaseConsumer>>,
+    limit: Duration,
+) {
+    if native.is_none() && offsets.is_none() {
+        return;
+    }
+    let group = native.as_ref().map(|n| n.context().group.clone());
+    let (done, closed) = std::sync::mpsc::sync_channel::<()>(1);
+    let closer = std::thread::Builder::new()
+        .name("onceflow-kafka-close".into())
+        .spawn(move || {
+            drop((native, offsets));
+            let _ = done.send(());
+        });
+    if let Err(e) = closer {
+        tracing::warn!(error = %e, "kafka: cannot start a thread to close the consumer; it is left open");
+        return;
+    }
+    if closed.recv_timeout(limit).is_err() {
+        tracing::warn!(
+            group = group.as_deref().unwrap_or(""),
+            waited_s = limit.as_secs(),
+            "kafka: the consumer did not finish leaving its group in time; not waiting for it \
+             longer (the broker removes the member after session.timeout.ms)"
+        );
     }
 }

@@ -641,3 +641,74 @@ async fn a_commit_back_to_an_earlier_offset_is_what_committed_reports() {
     );
     consumer.close().await.unwrap();
 }
+
+/// Blocks every revocation until released: a close that cannot finish while it is held.
+struct HeldRevocation(Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
+
+impl onceflow_core::RebalanceListener for HeldRevocation {
+    fn on_assigned(&self, _: &[onceflow_core::TopicPartition]) {}
+    fn on_revoked(
+        &self,
+        _: &[onceflow_core::TopicPartition],
+    ) -> Vec<(onceflow_core::TopicPartition, onceflow_core::Position)> {
+        let (held, released) = &*self.0;
+        let mut h = held.lock().unwrap();
+        while *h {
+            h = released.wait(h).unwrap();
+        }
+        Vec::new()
+    }
+    fn on_lost(&self, _: &[onceflow_core::TopicPartition]) {}
+}
+
+/// A consumer dropped while its close cannot finish (its last revocation is held) does not keep
+/// the runtime from shutting down: the drop waits for the close a bounded time, then leaves it
+/// to its own thread. Before, the runtime's shutdown waited for it for ever (a CI run hung on
+/// such a close in `tx_removed_member_cannot_commit_offsets`).
+#[test]
+fn a_close_that_never_ends_does_not_hold_the_runtime() {
+    use onceflow_core::{PlatformBackend, StartFrom};
+    let Some(p) = platform("a_close_that_never_ends_does_not_hold_the_runtime") else {
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let hold = Arc::new((std::sync::Mutex::new(true), std::sync::Condvar::new()));
+    rt.block_on(async {
+        let input = topic(&p, 1).await;
+        let producer = p.producer(ProducerConfig::default()).await.unwrap();
+        producer
+            .send(Record::new(input.clone(), "one"))
+            .await
+            .unwrap();
+        let consumer = p
+            .consumer(
+                ConsumerConfig::new(name("kafka-held-close"), [input.clone()])
+                    .start(StartFrom::Earliest),
+            )
+            .await
+            .unwrap();
+        consumer.set_rebalance_listener(Arc::new(HeldRevocation(hold.clone())));
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut got = Vec::new();
+        while got.is_empty() && std::time::Instant::now() < deadline {
+            got = consumer.poll(10, Duration::from_millis(500)).await.unwrap();
+        }
+        assert_eq!(got.len(), 1, "the consumer read its partition");
+        drop(consumer);
+    });
+    let limit = Duration::from_secs(120);
+    let started = std::time::Instant::now();
+    rt.shutdown_timeout(limit);
+    let took = started.elapsed();
+    // Let the held close finish on its thread.
+    *hold.0.lock().unwrap() = false;
+    hold.1.notify_all();
+    assert!(
+        took < Duration::from_secs(60),
+        "the runtime's shutdown waited {took:?} for the consumer's close (limit {limit:?})"
+    );
+}
