@@ -1641,6 +1641,16 @@ type AckKey = (String, String, u64, u64, i32);
 struct TxnState {
     /// Producer name → the open transaction its `SEND`s belong to.
     producers: HashMap<String, TxnId>,
+    /// Producer name → messages handed to its crate producers, and messages of its `SEND`s
+    /// that passed, while it was bound to its current transaction ([`TxnFrames::handed`],
+    /// [`TxnFrames::sends_passed`]).
+    sends: HashMap<String, SendCount>,
+    /// Producer name → a transaction that ended before all its `SEND`s passed
+    /// ([`TxnFrames::sends_passed`] timed out), and how many messages of it are still to
+    /// pass, until when: they are stamped with it when they do (the broker never delivers
+    /// them), not sent without a transaction or in the name's next one. The crate fails a
+    /// message not answered within its operation timeout, after which none of them can come.
+    late: HashMap<String, (TxnId, u64, std::time::Instant)>,
     /// Messages a transaction acknowledges whose `ACK` has not passed yet → the transaction.
     expected: HashMap<AckKey, TxnId>,
     /// Messages of transactions that ended before their `ACK` passed: dropped when it does
@@ -1664,6 +1674,13 @@ struct TxnState {
     /// subscription, ledger, entry). The pulsar crate ignores it and hands the application
     /// those messages too.
     delivered_ack_sets: HashMap<(String, String, u64, u64), Vec<i64>>,
+}
+
+/// What a producer bound to a transaction handed to the crate and what passed the bridge.
+#[derive(Debug, Default, Clone, Copy)]
+struct SendCount {
+    handed: u64,
+    passed: u64,
 }
 
 /// Most batches delivered with an ack set kept ([`TxnFrames::acknowledged_before`]).
@@ -1696,6 +1713,8 @@ const MAX_ACK_SETS: usize = 1 << 16;
 pub(crate) struct TxnFrames {
     state: Mutex<TxnState>,
     answered: Notify,
+    /// Woken when a bound producer's `SEND` passes ([`TxnFrames::sends_passed`]).
+    passed: Notify,
     /// Producer id → what its sequence ids are moved by (the crate numbers producers once
     /// per process, and a crate producer keeps its id across reconnects).
     shifts: Mutex<HashMap<u64, u64>>,
@@ -1725,7 +1744,45 @@ impl TxnFrames {
     /// The `SEND`s of the producers named `name` (one per partition) belong to `txn` from
     /// now on, until [`TxnFrames::end`].
     pub(crate) fn bind_producer(&self, name: &str, txn: TxnId) {
-        self.state.lock().producers.insert(name.to_string(), txn);
+        let mut st = self.state.lock();
+        st.producers.insert(name.to_string(), txn);
+        st.sends.insert(name.to_string(), SendCount::default());
+    }
+
+    /// A producer named `name` handed one message to the crate: counted while the name is
+    /// bound to a transaction, so that the transaction ends only once its `SEND`s passed.
+    pub(crate) fn handed(&self, name: &str) {
+        let mut st = self.state.lock();
+        if st.producers.contains_key(name) {
+            st.sends.entry(name.to_string()).or_default().handed += 1;
+        }
+    }
+
+    /// Waits, at most `timeout`, until every message the producers named `name` handed to the
+    /// crate since their binding to the current transaction passed the bridge in a `SEND`
+    /// (stamped with that transaction). Returns whether they all did.
+    ///
+    /// A transaction's `SEND`s are stamped as they pass, and the crate writes them
+    /// asynchronously (a batching producer holds them up to `batch_timeout_ms`): one passing
+    /// after the transaction ended went out without a transaction, read by everyone, or in the
+    /// producer's next transaction. So a transaction waits for this before the coordinator
+    /// ends it, and stays bound meanwhile.
+    pub(crate) async fn sends_passed(&self, name: &str, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let passed = self.passed.notified();
+            tokio::pin!(passed);
+            passed.as_mut().enable();
+            {
+                let st = self.state.lock();
+                if st.sends.get(name).is_none_or(|c| c.passed >= c.handed) {
+                    return true;
+                }
+            }
+            if tokio::time::timeout_at(deadline, passed).await.is_err() {
+                return false;
+            }
+        }
     }
 
     /// The `ACK`s of these messages of `subscription` on `topic` (a partition's full name)
@@ -1891,9 +1948,26 @@ impl TxnFrames {
 
     /// `txn` ended: its producer is unbound, the `ACK`s it still expected are dropped when
     /// they pass, its counts are forgotten.
-    pub(crate) fn end(&self, txn: TxnId) {
+    ///
+    /// Messages its producers handed to the crate that have not passed yet
+    /// ([`TxnFrames::sends_passed`] timed out) still get `txn` when they pass within `late_for`.
+    pub(crate) fn end(&self, txn: TxnId, late_for: Duration) {
         let mut st = self.state.lock();
-        st.producers.retain(|_, t| *t != txn);
+        let unbound: Vec<String> = st
+            .producers
+            .iter()
+            .filter(|(_, t)| **t == txn)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in unbound {
+            st.producers.remove(&n);
+            if let Some(c) = st.sends.remove(&n) {
+                if c.passed < c.handed {
+                    let until = std::time::Instant::now() + late_for;
+                    st.late.insert(n, (txn, c.handed - c.passed, until));
+                }
+            }
+        }
         let late: Vec<AckKey> = st
             .expected
             .iter()
@@ -2020,7 +2094,36 @@ impl TxnFrames {
                 }
                 if let Some(send) = c.send.as_mut() {
                     let txn = match conn.lock().producers.get(&send.producer_id) {
-                        Some(name) => self.state.lock().producers.get(name).copied(),
+                        Some(name) => {
+                            let n = send.num_messages.unwrap_or(1).max(1) as u64;
+                            let mut st = self.state.lock();
+                            // The crate writes a producer's `SEND`s in the order the messages
+                            // were handed to it: an ended transaction's late ones come first.
+                            if st
+                                .late
+                                .get(name)
+                                .is_some_and(|l| l.2 < std::time::Instant::now())
+                            {
+                                st.late.remove(name);
+                            }
+                            if let Some((txn, left, _)) = st.late.get_mut(name) {
+                                let txn = *txn;
+                                *left = left.saturating_sub(n);
+                                if *left == 0 {
+                                    st.late.remove(name);
+                                }
+                                Some(txn)
+                            } else {
+                                let txn = st.producers.get(name).copied();
+                                if txn.is_some() {
+                                    if let Some(c) = st.sends.get_mut(name) {
+                                        c.passed += n;
+                                    }
+                                    self.passed.notify_waiters();
+                                }
+                                txn
+                            }
+                        }
                         None => return Ok(None),
                     };
                     let shift = self.shift(send.producer_id);
@@ -2671,6 +2774,105 @@ mod tests {
         out
     }
 
+    /// A transaction's `SEND`s that pass after it ended (the wait for them timed out) carry
+    /// it all the same, also once the producer is bound to its next transaction, whose own
+    /// `SEND`s come after them; a batched `SEND` counts its messages.
+    #[tokio::test]
+    async fn sends_of_an_ended_transaction_keep_it() {
+        let frames = TxnFrames::new(true);
+        let conn = Mutex::new(ConnFrames::default());
+        let (t1, t2) = (
+            TxnId {
+                most_bits: 1,
+                least_bits: 1,
+            },
+            TxnId {
+                most_bits: 1,
+                least_bits: 2,
+            },
+        );
+        let producer = frame_of(
+            proto::BaseCommand {
+                r#type: Type::Producer as i32,
+                producer: Some(proto::CommandProducer {
+                    topic: "persistent://public/default/t".into(),
+                    producer_id: 3,
+                    request_id: 1,
+                    producer_name: Some("p".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &[],
+        );
+        frames
+            .rewrite(
+                &conn,
+                Direction::ToBroker,
+                split_frame(&producer).unwrap().0,
+                &[],
+            )
+            .unwrap();
+        let send = |seq: u64, n: Option<i32>| {
+            let meta = proto::MessageMetadata {
+                producer_name: "p".into(),
+                sequence_id: seq,
+                publish_time: 1,
+                ..Default::default()
+            };
+            frame_of(
+                proto::BaseCommand {
+                    r#type: Type::Send as i32,
+                    send: Some(proto::CommandSend {
+                        producer_id: 3,
+                        sequence_id: seq,
+                        num_messages: n,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                &payload_part(&meta, b"x"),
+            )
+        };
+        let txn_of = |f: &[u8]| {
+            let (cmd, rest) = split_frame(f).unwrap();
+            frames
+                .rewrite(&conn, Direction::ToBroker, cmd, rest)
+                .unwrap()
+                .map(|out| {
+                    let s = decode(&out).0.send.unwrap();
+                    (s.txnid_most_bits.unwrap(), s.txnid_least_bits.unwrap())
+                })
+        };
+        frames.bind_producer("p", t1);
+        for _ in 0..4 {
+            frames.handed("p");
+        }
+        assert_eq!(txn_of(&send(0, None)), Some((1, 1)));
+        assert!(
+            !frames.sends_passed("p", Duration::from_millis(20)).await,
+            "3 of 4 messages have not passed"
+        );
+        frames.end(t1, Duration::from_secs(60));
+        frames.bind_producer("p", t2);
+        frames.handed("p");
+        // Two of the three late ones in one batch, then the third, then the next one's own.
+        assert_eq!(txn_of(&send(1, Some(2))), Some((1, 1)));
+        assert_eq!(txn_of(&send(3, None)), Some((1, 1)));
+        assert!(!frames.sends_passed("p", Duration::from_millis(20)).await);
+        assert_eq!(txn_of(&send(4, None)), Some((1, 2)));
+        assert!(frames.sends_passed("p", Duration::from_millis(20)).await);
+        frames.end(t2, Duration::from_secs(60));
+        assert_eq!(txn_of(&send(5, None)), None, "unbound, plain");
+
+        // Late ones past their limit (the crate failed them by then) are not waited for.
+        frames.bind_producer("p", t1);
+        frames.handed("p");
+        frames.end(t1, Duration::ZERO);
+        frames.bind_producer("p", t2);
+        assert_eq!(txn_of(&send(6, None)), Some((1, 2)));
+    }
+
     #[test]
     fn transactions_go_on_sends_and_expected_acks_and_late_acks_are_dropped() {
         let frames = TxnFrames::new(true);
@@ -2810,7 +3012,7 @@ mod tests {
             .unwrap();
         assert!(out.is_empty());
         // The transaction ends before message 1's ack passed: it is dropped when it does.
-        frames.end(txn);
+        frames.end(txn, Duration::from_secs(30));
         let a1 = ack(1);
         let out = frames
             .rewrite(&conn, Direction::ToBroker, split_frame(&a1).unwrap().0, &[])

@@ -260,6 +260,11 @@ impl PulsarProducer {
                 e,
             )
         })?;
+        if let (Some(frames), Some(name), Some(_)) =
+            (&self.shared.txn_frames, &self.name, &self.in_txn)
+        {
+            frames.handed(name);
+        }
         Ok(InFlight {
             topic: record.topic,
             partition: partition as i32,

@@ -129,6 +129,13 @@ impl PulsarTransaction {
     /// Ends the transaction at the coordinator, unbinds it from the bridge and lets the
     /// producer begin the next one.
     async fn end(&mut self, end: TxnEnd) -> Result<()> {
+        drain_sends(
+            &self.producer,
+            &self.frames,
+            self.id,
+            self.producer.options.operation_timeout,
+        )
+        .await;
         let r = self.tcs.end(self.id, end).await;
         self.finish();
         r
@@ -137,7 +144,12 @@ impl PulsarTransaction {
     fn finish(&mut self) {
         if !self.ended {
             self.ended = true;
-            release(&self.frames, self.id, self.producer.in_txn.as_deref());
+            release(
+                &self.frames,
+                self.id,
+                self.producer.in_txn.as_deref(),
+                self.producer.options.operation_timeout,
+            );
         }
     }
 
@@ -145,6 +157,7 @@ impl PulsarTransaction {
     fn take_abort(&mut self) -> Abort {
         self.ended = true;
         Abort {
+            producer: self.producer.clone(),
             tcs: self.tcs.clone(),
             frames: self.frames.clone(),
             id: self.id,
@@ -230,8 +243,40 @@ async fn acks_answered(
     frames.acks_answered(id, acked, timeout).await
 }
 
-fn release(frames: &TxnFrames, id: TxnId, in_txn: Option<&AtomicBool>) {
-    frames.end(id);
+/// Sends what `producer` still holds in batches and waits (at most `timeout`) until every
+/// message it handed to the crate in transaction `id` passed the bridge, stamped with `id`
+/// ([`TxnFrames::sends_passed`]): called before the coordinator ends the transaction, so that
+/// none of its records goes out after, outside any transaction or in the producer's next one.
+async fn drain_sends(
+    producer: &PulsarProducer,
+    frames: &TxnFrames,
+    id: TxnId,
+    timeout: std::time::Duration,
+) {
+    if let Err(e) = producer.flush_batches(timeout).await {
+        tracing::debug!(txn = %id, error = %e, "flushing the batches of an ending transaction");
+    }
+    let Some(name) = producer.name.as_deref() else {
+        return;
+    };
+    if !frames.sends_passed(name, timeout).await {
+        tracing::warn!(
+            txn = %id,
+            producer = name,
+            waited_ms = timeout.as_millis() as u64,
+            "Pulsar transaction ends with records of it not yet written to the broker; those \
+             written later are sent in it all the same, so the broker never delivers them"
+        );
+    }
+}
+
+fn release(
+    frames: &TxnFrames,
+    id: TxnId,
+    in_txn: Option<&AtomicBool>,
+    late_for: std::time::Duration,
+) {
+    frames.end(id, late_for);
     if let Some(f) = in_txn {
         f.store(false, Ordering::Release);
     }
@@ -240,6 +285,7 @@ fn release(frames: &TxnFrames, id: TxnId, in_txn: Option<&AtomicBool>) {
 /// An abort, with what it needs owned: run by `abort`, and in the background for a dropped
 /// transaction.
 struct Abort {
+    producer: PulsarProducer,
     tcs: Arc<Coordinators>,
     frames: Arc<TxnFrames>,
     id: TxnId,
@@ -271,6 +317,7 @@ impl Abort {
                 tracing::debug!(txn = %self.id, error = %e, "aborting with acknowledgements unanswered");
             }
         }
+        drain_sends(&self.producer, &self.frames, self.id, self.timeout).await;
         let r = self.tcs.end(self.id, TxnEnd::Abort).await;
         self.release();
         settle(&self.consumers, false);
@@ -278,7 +325,7 @@ impl Abort {
     }
 
     fn release(&self) {
-        release(&self.frames, self.id, self.in_txn.as_deref());
+        release(&self.frames, self.id, self.in_txn.as_deref(), self.timeout);
     }
 }
 

@@ -1269,3 +1269,64 @@ async fn non_partitioned_positions_commit_and_foreign_ones_are_refused() {
     assert_eq!(texts(&poll_n(&nextp, 1).await), ["p0-in0"]);
     nextp.close().await.unwrap();
 }
+
+/// Records a transaction handed to a batching producer that were still batched when it was
+/// aborted or dropped are never read: not on their own when the batch times out, and not as
+/// part of the next transaction, whose records the same batch would have carried. Before, the
+/// bridge stamped a `SEND` with the transaction its producer was bound to when the frame
+/// passed: a batch sent after the abort went out without a transaction (read by everyone), or
+/// in the next one (committed with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_still_batched_when_a_transaction_ends_are_never_read() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let topic = name("txn-late-batch");
+    let producer = client
+        .producer(
+            ProducerConfig::new()
+                .transactional_id(name("txn-late-batch"))
+                .option("batch_size", "1000")
+                .option("batch_timeout_ms", "3000"),
+        )
+        .await
+        .unwrap();
+    let batch = |prefix: &str| -> Vec<Record> {
+        (0..10)
+            .map(|i| Record::new(&topic, format!("{prefix}{i}")))
+            .collect()
+    };
+    // Aborted with its records batched, their receipts never awaited; nothing begins after it
+    // until the batch's timeout has passed.
+    let mut t = producer.begin().await.unwrap();
+    drop(t.enqueue_batch(batch("aborted")).await);
+    t.abort().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Dropped with its records batched; the next transaction begins as soon as it may and
+    // commits records of its own.
+    let mut t = producer.begin().await.unwrap();
+    drop(t.enqueue_batch(batch("dropped")).await);
+    drop(t);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut t = loop {
+        match producer.begin().await {
+            Ok(t) => break t,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("begin after a drop: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    for r in t.send_batch(batch("committed")).await {
+        r.unwrap();
+    }
+    t.commit().await.unwrap();
+    let read = read_to_end(&client, &plain(&client).await, &topic).await;
+    let expected: Vec<String> = batch("committed")
+        .iter()
+        .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+        .chain(["end".to_string()])
+        .collect();
+    assert_eq!(read, expected, "only the committed transaction's records");
+    producer.close().await.unwrap();
+}
