@@ -120,7 +120,11 @@
 //!   (command and stored metadata) and acknowledgements and reads the broker's answers to the
 //!   latter (`bridge.rs`, [`Capabilities::transactions`] is then true). The pipeline then
 //!   writes its outputs and acknowledges its inputs atomically; readers never see an aborted
-//!   transaction's messages. Differences from Kafka: a transactional id does not fence an
+//!   transaction's messages. `commit` and `abort` (and the background abort of a dropped
+//!   transaction) first send what the producer still batches and wait, at most
+//!   `operation_timeout_ms`, until every record handed over in the transaction has left for the
+//!   broker with its id; one written later still carries it, so it is never delivered, neither
+//!   outside a transaction nor in the producer's next one. Differences from Kafka: a transactional id does not fence an
 //!   older producer with the same id (Pulsar has no producer epochs; a member that lost a
 //!   partition is stopped by its acknowledgements, which conflict with the new member's), and
 //!   after an abort the acknowledged messages are held by the member again (a later commit
