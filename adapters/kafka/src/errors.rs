@@ -108,20 +108,23 @@ pub(crate) fn map(err: KafkaError, what: impl std::fmt::Display) -> Error {
             // The value is never shown (a mistyped `sasl.pasword` is still a secret), nor is
             // the native error, whose text repeats it.
             let desc = if onceflow_core::is_secret_key(key) {
-                String::new()
+                " (value not shown)".to_string()
             } else {
                 format!(": {desc}")
             };
             return Error::new(
                 ErrorKind::Config,
                 format!(
-                    "{what}: librdkafka refused property '{key}' (value not shown){desc} (URL \
+                    "{what}: librdkafka refused property '{key}'{desc} (URL \
                      query parameters and options are librdkafka properties: \
                      https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md)"
                 ),
             );
         }
-        KafkaError::ClientCreation(_) => Error::new(ErrorKind::Config, message),
+        KafkaError::ClientCreation(reason) => Error::new(
+            ErrorKind::Config,
+            format!("{what}: librdkafka cannot make a client of these settings: {reason}"),
+        ),
         KafkaError::Canceled => Error::new(ErrorKind::Closed, message),
         other => match other.rdkafka_error_code() {
             // onceflow checks what librdkafka checks before a record is sent, so a size refusal

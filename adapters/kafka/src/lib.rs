@@ -343,18 +343,29 @@ impl KafkaPlatform {
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .collect();
-        onceflow_core::net::check_reachable("Kafka", &servers, onceflow_core::net::REACH_TIMEOUT)
-            .await?;
         let mut native = self.config.client_config(&BTreeMap::new());
         native.set("allow.auto.create.topics", "false");
         let timeout = CHECK_TIMEOUT.min(self.config.timeout);
-        let servers = onceflow_core::redact_credentials(&self.config.bootstrap_servers);
+        let redacted = onceflow_core::redact_credentials(&self.config.bootstrap_servers);
+        // The client first: a property librdkafka refuses (an unknown name, a bad value, an
+        // unsupported SASL mechanism) is a Config error whether or not a broker is up.
+        let c = {
+            let servers = redacted.clone();
+            tokio::task::spawn_blocking(move || {
+                native
+                    .create_with_context::<_, rdkafka::consumer::BaseConsumer<CheckContext>>(
+                        CheckContext::default(),
+                    )
+                    .map_err(|e| errors::map(e, format_args!("Kafka client for {servers}")))
+            })
+            .await
+            .map_err(|e| errors::join(e, "Kafka connection check"))??
+        };
+        onceflow_core::net::check_reachable("Kafka", &servers, onceflow_core::net::REACH_TIMEOUT)
+            .await?;
+        let servers = redacted;
         tokio::task::spawn_blocking(move || {
-            use rdkafka::consumer::{BaseConsumer, Consumer};
-            let context = CheckContext::default();
-            let c: BaseConsumer<CheckContext> = native
-                .create_with_context(context)
-                .map_err(|e| errors::map(e, format_args!("Kafka client for {servers}")))?;
+            use rdkafka::consumer::Consumer;
             let deadline = std::time::Instant::now() + timeout;
             loop {
                 // Short rounds, so a refusal reported by the error callback ends the wait.
