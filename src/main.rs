@@ -120,10 +120,13 @@ fn partition_count(s: &str) -> Result<u32, String> {
 /// `RUST_LOG=onceflow=debug`, syntax of `tracing_subscriber::EnvFilter`); the default is
 /// warnings and errors, except the pulsar crate's "Retry #N -> connecting …" lines, which it logs
 /// at WARN for every connection attempt including the first (a failure that matters reaches
-/// the user as onceflow's error). An invalid `RUST_LOG` is reported and the default kept.
+/// the user as onceflow's error), and the AWS SDK's "failed to load region from IMDS" off EC2
+/// (onceflow's error says what to set). An invalid `RUST_LOG` is reported and the default kept.
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
-    const DEFAULT_LOG: &str = "warn,pulsar::retry_op=error";
+    // The AWS SDK warns, with its internal types, each time instance metadata (IMDS) has no
+    // region for it, which is every run off EC2: onceflow's own error says what to set.
+    const DEFAULT_LOG: &str = "warn,pulsar::retry_op=error,aws_config::imds=error";
     let filter = match std::env::var("RUST_LOG") {
         Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
             warn_line!(

@@ -226,7 +226,12 @@ pub fn parse_url(url: &str) -> Result<KinesisOptions> {
             _ => Err(bad("true or false")),
         };
         match &*k {
-            "region" => o.region = Some(v.to_string()).filter(|r| !r.is_empty()),
+            "region" => {
+                if v.is_empty() || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                    return Err(bad("an AWS region name such as us-east-1"));
+                }
+                o.region = Some(v.to_string());
+            }
             "tls" => tls = Some(boolean(&v)?),
             "endpoint" => endpoint = Some(parse_endpoint(&v, &shown)?),
             "dummy_credentials" => o.dummy_credentials = Some(boolean(&v)?),
@@ -583,6 +588,9 @@ mod tests {
             "kinesis://?role_arn=arn:aws:iam::1:role/a&external_id=pw-SECRET%20x",
             "kinesis://?role_arn=arn:aws:iam::1:role/a&role_duration_s=60",
             "kinesis://?external_id=pw-SECRET",
+            // An empty region was ignored (the SDK then asked instance metadata for one).
+            "kinesis://?region=",
+            "kinesis://?region=eu%20west",
         ] {
             let e = parse_url(bad).unwrap_err();
             assert_eq!(e.kind(), onceflow_core::ErrorKind::Config, "{bad}");

@@ -749,7 +749,15 @@ pub fn parse_url(url: &str) -> Result<PulsarOptions> {
         None => (rest, None),
     };
     let host = host.trim_end_matches('/');
-    if host.is_empty() || host.contains(',') || host.contains('@') {
+    if host.contains('@') {
+        return Err(Error::config(format!(
+            "'{shown_url}' has credentials before the host (user:password@), which a Pulsar URL \
+             does not take: expected {scheme}://host:port, with the credentials as token=, \
+             token_file=, oauth2_issuer_url= and oauth2_credentials_file=, or tls_cert_file= \
+             and tls_key_file="
+        )));
+    }
+    if host.is_empty() || host.contains(',') {
         return Err(Error::config(format!(
             "'{shown_url}' must name one broker: expected {scheme}://host:port"
         )));
@@ -798,6 +806,9 @@ mod tests {
         );
         let e = parse_url("pulsar://h:1?bogus=1").unwrap_err();
         assert!(e.message().contains("bogus"));
+        let e = parse_url("pulsar://u:pw-SECRET@h:1?bogus=1").unwrap_err();
+        assert!(e.message().contains("token="), "{e}");
+        assert!(!e.message().contains("pw-SECRET"), "{e}");
         assert!(parse_url("kafka://h:1").is_err());
         assert!(parse_url("pulsar://h:1?subscription_type=nope").is_err());
         assert!(parse_url("pulsar://h:1?dead_letter=dlq").is_err());
