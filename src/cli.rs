@@ -466,6 +466,9 @@ pub async fn produce(a: ProduceArgs) -> Result<ExitCode> {
     if stopped.is_some() {
         // Lines read but not handed over, and those never read, are nowhere else named.
         warn_line!("onceflow: interrupted: stopped reading; messages from {sent} on were not sent");
+    } else if sent == 0 && failed == 0 {
+        // Each message sent is reported on a line of its own: with none, say so.
+        warn_line!("onceflow: standard input had no lines: nothing was sent");
     }
     // Every message sent has its report by now; the flush is what the producer may still
     // hold besides. After a failure of the platform itself it could only wait its timeout.

@@ -1750,3 +1750,19 @@ fn produce_ends_when_its_jetstream_server_dies_mid_stream() {
         "unsent lines named: {err}"
     );
 }
+
+/// `onceflow produce` with nothing on standard input says that nothing was sent (each message
+/// sent is reported on a line of its own, so before it said nothing at all) and succeeds.
+#[test]
+fn produce_with_empty_standard_input_says_nothing_was_sent() {
+    let mut child = spawn_piped(&["produce", "--url", "memory://empty-stdin", "-t", "t"]);
+    drop(child.stdin.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).is_empty(), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("standard input had no lines: nothing was sent"),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -761,8 +761,9 @@ impl FromStr for StartFrom {
                         .map_err(|_| {
                             Error::config(format!(
                                 "start '{}': expected committed, committed-or-latest, earliest, \
-                                 latest, timestamp:MS or a position (offset:N, seq:N, \
-                                 kinesis:DIGITS, pulsar:LEDGER:ENTRY:PARTITION:BATCH)",
+                                 latest, ts:MS (or timestamp:MS, milliseconds since the epoch) \
+                                 or a position (offset:N, seq:N, kinesis:DIGITS, \
+                                 pulsar:LEDGER:ENTRY:PARTITION:BATCH)",
                                 crate::shown(text)
                             ))
                         })?
