@@ -255,6 +255,36 @@ impl Names {
     }
 }
 
+/// What the demo's temporary store directories are called: this, the demo's process id, `-`
+/// and a random part.
+const STORE_DIR_PREFIX: &str = "onceflow-demo-";
+
+/// Removes the store directories in `tmp` that demos left behind when they were killed
+/// (SIGKILL runs no destructor; each held about 50 MB): those whose process id names no live
+/// process. Where `/proc` is not there to ask, nothing is removed.
+fn remove_stale_store_dirs(tmp: &std::path::Path) {
+    if !std::path::Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(STORE_DIR_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// The dedup store's URL: `--dedup`, else a file in a new temporary directory (removed when the
 /// returned `TempDir` drops). With `--dedup` none is made, so an unusable TMPDIR does not
 /// matter then.
@@ -262,8 +292,9 @@ fn store_url(a: &DemoArgs) -> Result<(Option<tempfile::TempDir>, String)> {
     if let Some(u) = &a.dedup {
         return Ok((None, u.clone()));
     }
+    remove_stale_store_dirs(&std::env::temp_dir());
     let tmp = tempfile::Builder::new()
-        .prefix("onceflow-demo-")
+        .prefix(&format!("{STORE_DIR_PREFIX}{}-", std::process::id()))
         .tempdir()
         .map_err(|e| {
             Error::config(format!(

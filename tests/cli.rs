@@ -1766,3 +1766,46 @@ fn produce_with_empty_standard_input_says_nothing_was_sent() {
         text(&out.stderr)
     );
 }
+
+/// A demo removes the store directories that killed demos left in the temporary directory
+/// (SIGKILL runs no destructor; each held about 50 MB), and only those: a directory of a live
+/// process stays, and so does its own until it ends.
+#[test]
+fn the_demo_removes_store_directories_of_killed_demos() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut gone = Command::new("true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    let stale = tmp.path().join(format!("onceflow-demo-{dead}-abc"));
+    let live = tmp
+        .path()
+        .join(format!("onceflow-demo-{}-def", std::process::id()));
+    let other = tmp.path().join("onceflow-demo-notapid");
+    for d in [&stale, &live, &other] {
+        std::fs::create_dir(d).unwrap();
+        std::fs::write(d.join("dedup.db"), b"x").unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
+        .args(["demo", "--messages", "100"])
+        .env_remove("ONCEFLOW_URL")
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!stale.exists(), "the killed demo's directory was left");
+    assert!(live.exists(), "a live process's directory was removed");
+    assert!(
+        other.exists(),
+        "a directory not named by a demo was removed"
+    );
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        left.len(),
+        2,
+        "the demo's own directory is removed at its end: {left:?}"
+    );
+}
