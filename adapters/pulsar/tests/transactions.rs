@@ -1330,3 +1330,175 @@ async fn records_still_batched_when_a_transaction_ends_are_never_read() {
     assert_eq!(read, expected, "only the committed transaction's records");
     producer.close().await.unwrap();
 }
+
+/// `END_TXN_RESPONSE` in the binary protocol (PulsarApi.proto).
+const END_TXN_RESPONSE: i32 = 57;
+
+/// The coordinator's answer to a commit is lost with its connection (the fault proxy cuts it):
+/// the commit is retried on a new connection and reports success or an unknown outcome, never
+/// a failure; `settle_transactions` then returns once the outcome is final. The transaction did
+/// commit (its `END_TXN` reached the coordinator): its outputs are read once, its inputs come
+/// neither to the member that acknowledged them nor to a new one, and the producer goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_answer_is_lost_is_settled_as_committed() {
+    use onceflow_conformance::fault_proxy::{pulsar_command_type, Action, Direction};
+    let Some(url) = url() else { return };
+    let _turn = PROXY_PORT.lock().await;
+    let Some((proxy, fault_url)) = fault_proxy().await else {
+        return;
+    };
+    let direct = connect(&url).await;
+    let behind = connect(&format!("{fault_url}&operation_timeout_ms=5000")).await;
+    let p = Pipeline::new(&url, "txn-lost-answer", "txn-lost-answer").await;
+    let plain = send_inputs(&direct, &p.input, 10).await;
+    let c = member(&behind, &p.group, &p.input).await;
+    let got = poll_n(&c, 10).await;
+    assert_eq!(texts(&got).len(), 10);
+    let producer = txn_producer(&behind, "txn-lost-answer").await;
+    let t = begin_processing(
+        &producer,
+        &c.group_metadata().unwrap(),
+        outputs_of(&p.output, &got),
+        &got[9],
+    )
+    .await;
+    proxy.once(
+        Direction::ToClient,
+        |f| pulsar_command_type(f) == Some(END_TXN_RESPONSE),
+        Action::Cut,
+    );
+    let committed = t.commit().await;
+    assert_eq!(proxy.fired(), 1, "the commit's answer was cut");
+    if let Err(e) = &committed {
+        assert!(
+            e.outcome_unknown(),
+            "a commit whose answer was lost is not a failure: {e} ({:?})",
+            e.kind()
+        );
+    }
+    producer.settle_transactions().await.unwrap();
+    assert_nothing_comes(
+        &[&c],
+        Duration::from_secs(3),
+        "inputs of the committed transaction",
+    )
+    .await;
+    c.close().await.unwrap();
+    // The producer goes on.
+    let mut t = producer.begin().await.unwrap();
+    t.send(Record::new(&p.output, "after")).await.unwrap();
+    t.commit().await.unwrap();
+    let mut expected: Vec<String> = (0..10).map(|i| format!("out-in{i}")).collect();
+    expected.extend(["after".to_string(), "end".to_string()]);
+    assert_eq!(
+        read_to_end(&direct, &plain, &p.output).await,
+        expected,
+        "outputs once"
+    );
+    p.assert_next_is(
+        &plain,
+        "next",
+        "the acknowledged inputs are not given to a new member",
+    )
+    .await;
+}
+
+/// Outputs `out-<input>` to the topic it names.
+struct Out(String);
+
+#[async_trait::async_trait]
+impl onceflow_core::Transform for Out {
+    async fn transform(
+        &self,
+        m: &Message,
+    ) -> std::result::Result<Vec<Record>, onceflow_core::BoxError> {
+        Ok(vec![Record::new(&self.0, format!("out-{}", text(m)))])
+    }
+}
+
+/// The engine's transactional pipeline, its commits' answers cut by the fault proxy (the first
+/// two of each round): whatever the commit reported (an unknown outcome, settled before work is
+/// redone), every input's output is read once, without a dedup store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_whose_commit_answers_are_lost_writes_each_output_once() {
+    use onceflow_conformance::fault_proxy::{pulsar_command_type, Action, Direction};
+    use onceflow_core::{EngineConfig, Pipeline as EnginePipeline, PipelineConfig};
+    let Some(url) = url() else { return };
+    let _turn = PROXY_PORT.lock().await;
+    let Some((proxy, fault_url)) = fault_proxy().await else {
+        return;
+    };
+    let direct = connect(&url).await;
+    let behind = connect(&format!("{fault_url}&operation_timeout_ms=5000")).await;
+    const INPUTS: usize = 60;
+    for round in 0..3 {
+        let input = name("txn-lost-answers-in");
+        let output = name("txn-lost-answers-out");
+        let group = name("txn-lost-answers");
+        let plain = send_inputs(&direct, &input, INPUTS).await;
+        proxy.clear();
+        let fired = proxy.fired();
+        for _ in 0..2 {
+            proxy.once(
+                Direction::ToClient,
+                |f| pulsar_command_type(f) == Some(END_TXN_RESPONSE),
+                Action::Cut,
+            );
+        }
+        let p = EnginePipeline::with_config(
+            member(&behind, &group, &input).await,
+            txn_producer(&behind, "txn-lost-answers").await,
+            None,
+            std::sync::Arc::new(Out(output.clone())),
+            PipelineConfig {
+                engine: EngineConfig {
+                    commit_interval: Duration::from_millis(100),
+                    batch_size: 5 + round * 3,
+                    ..Default::default()
+                },
+                max_transaction_inputs: 10 + round * 7,
+                transaction_interval: Duration::from_millis(100),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let m = p.metrics();
+        let started = Instant::now();
+        // Until every input was processed (some twice, if the pipeline redid work) and two
+        // seconds passed without a transaction ending.
+        p.run_until(async {
+            let mut ended = (0, Instant::now());
+            while Instant::now() < started + Duration::from_secs(60) {
+                let s = m.snapshot();
+                let now = s.transactions_committed + s.transactions_aborted;
+                if now != ended.0 {
+                    ended = (now, Instant::now());
+                }
+                if s.processed >= INPUTS as u64 && ended.1.elapsed() > Duration::from_secs(2) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await
+        .unwrap();
+        eprintln!(
+            "round {round}: {:?} after {:?}",
+            m.snapshot(),
+            started.elapsed()
+        );
+        assert_eq!(proxy.fired(), fired + 2, "round {round}: two answers cut");
+        let read = read_to_end(&direct, &plain, &output).await;
+        let mut got = read.clone();
+        got.pop();
+        got.sort();
+        let mut expected: Vec<String> = (0..INPUTS).map(|i| format!("out-in{i}")).collect();
+        expected.sort();
+        assert_eq!(
+            got,
+            expected,
+            "round {round}: each output once ({:?})",
+            m.snapshot()
+        );
+    }
+}
