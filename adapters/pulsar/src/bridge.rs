@@ -1953,14 +1953,15 @@ impl TxnFrames {
     /// ([`TxnFrames::sends_passed`] timed out) still get `txn` when they pass within `late_for`.
     pub(crate) fn end(&self, txn: TxnId, late_for: Duration) {
         let mut st = self.state.lock();
-        let unbound: Vec<String> = st
-            .producers
-            .iter()
-            .filter(|(_, t)| **t == txn)
-            .map(|(n, _)| n.clone())
-            .collect();
+        let mut unbound = Vec::new();
+        st.producers.retain(|n, t| {
+            let keep = *t != txn;
+            if !keep {
+                unbound.push(n.clone());
+            }
+            keep
+        });
         for n in unbound {
-            st.producers.remove(&n);
             if let Some(c) = st.sends.remove(&n) {
                 if c.passed < c.handed {
                     let until = std::time::Instant::now() + late_for;

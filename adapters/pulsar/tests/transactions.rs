@@ -125,17 +125,7 @@ async fn committed_sends_are_read_and_aborted_ones_never() {
     t.send(Record::new(&topic, "dropped")).await.unwrap();
     drop(t);
     // The background abort of the dropped one has to end before the next begins.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut t = loop {
-        match producer.begin().await {
-            Ok(t) => break t,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("begin after a drop: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("{e}"),
-        }
-    };
+    let mut t = begin_after_a_drop(&producer).await;
     for i in 0..10 {
         t.send(Record::new(&topic, format!("b{i}"))).await.unwrap();
     }
@@ -258,6 +248,22 @@ async fn assert_nothing_comes(members: &[&Consumer], wait: Duration, what: &str)
         for c in members {
             let more = c.poll(10, wait).await.unwrap();
             assert!(more.is_empty(), "{what}: {:?}", texts(&more));
+        }
+    }
+}
+
+/// `producer.begin()` once the background abort of a transaction dropped just before has
+/// ended (at most 10 s).
+async fn begin_after_a_drop(producer: &Producer) -> Transaction {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match producer.begin().await {
+            Ok(t) => return t,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("begin after a drop: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
         }
     }
 }
@@ -1306,17 +1312,7 @@ async fn records_still_batched_when_a_transaction_ends_are_never_read() {
     let mut t = producer.begin().await.unwrap();
     drop(t.enqueue_batch(batch("dropped")).await);
     drop(t);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut t = loop {
-        match producer.begin().await {
-            Ok(t) => break t,
-            Err(e) if Instant::now() < deadline => {
-                eprintln!("begin after a drop: {e}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("{e}"),
-        }
-    };
+    let mut t = begin_after_a_drop(&producer).await;
     for r in t.send_batch(batch("committed")).await {
         r.unwrap();
     }
