@@ -1650,7 +1650,11 @@ struct TxnState {
     /// pass, until when: they are stamped with it when they do (the broker never delivers
     /// them), not sent without a transaction or in the name's next one. The crate fails a
     /// message not answered within its operation timeout, after which none of them can come.
-    late: HashMap<String, (TxnId, u64, std::time::Instant)>,
+    ///
+    /// Messages handed outside any transaction that had not passed when the name was bound
+    /// ([`TxnFrames::bind_producer`]: `begin`'s wait for them timed out) are queued the same
+    /// way with no transaction: they pass plain, not in the transaction that began after them.
+    late: HashMap<String, std::collections::VecDeque<(Option<TxnId>, u64, std::time::Instant)>>,
     /// Messages a transaction acknowledges whose `ACK` has not passed yet → the transaction.
     expected: HashMap<AckKey, TxnId>,
     /// Messages of transactions that ended before their `ACK` passed: dropped when it does
@@ -1743,19 +1747,50 @@ impl TxnFrames {
 
     /// The `SEND`s of the producers named `name` (one per partition) belong to `txn` from
     /// now on, until [`TxnFrames::end`].
-    pub(crate) fn bind_producer(&self, name: &str, txn: TxnId) {
+    ///
+    /// Messages the name handed to the crate outside a transaction that have not passed yet
+    /// (`begin` flushes the crate's batches and waits for them first, at most `late_for`) are
+    /// not the transaction's: they still pass without one, within `late_for`.
+    pub(crate) fn bind_producer(&self, name: &str, txn: TxnId, late_for: Duration) {
         let mut st = self.state.lock();
         st.producers.insert(name.to_string(), txn);
-        st.sends.insert(name.to_string(), SendCount::default());
+        if let Some(c) = st.sends.insert(name.to_string(), SendCount::default()) {
+            if c.passed < c.handed {
+                let until = std::time::Instant::now() + late_for;
+                st.late.entry(name.to_string()).or_default().push_back((
+                    None,
+                    c.handed - c.passed,
+                    until,
+                ));
+            }
+        }
     }
 
-    /// A producer named `name` handed one message to the crate: counted while the name is
-    /// bound to a transaction, so that the transaction ends only once its `SEND`s passed.
-    pub(crate) fn handed(&self, name: &str) {
+    /// The transactional producer named `name` exists: the messages it hands to the crate
+    /// ([`TxnFrames::handed`]) and those of its `SEND`s that pass are counted from now on,
+    /// until [`TxnFrames::forget_producer`].
+    pub(crate) fn register_producer(&self, name: &str) {
+        self.state.lock().sends.entry(name.to_string()).or_default();
+    }
+
+    /// The transactional producer named `name` is closed: its counts are forgotten.
+    pub(crate) fn forget_producer(&self, name: &str) {
         let mut st = self.state.lock();
-        if st.producers.contains_key(name) {
-            st.sends.entry(name.to_string()).or_default().handed += 1;
+        if !st.producers.contains_key(name) {
+            st.sends.remove(name);
         }
+    }
+
+    /// A producer named `name` handed one message to the crate: counted, so that a
+    /// transaction ends only once its `SEND`s passed, and begins only once the `SEND`s handed
+    /// before it (outside any transaction) passed.
+    pub(crate) fn handed(&self, name: &str) {
+        self.state
+            .lock()
+            .sends
+            .entry(name.to_string())
+            .or_default()
+            .handed += 1;
     }
 
     /// Waits, at most `timeout`, until every message the producers named `name` handed to the
@@ -1961,10 +1996,15 @@ impl TxnFrames {
             .collect();
         for n in unbound {
             st.producers.remove(&n);
-            if let Some(c) = st.sends.remove(&n) {
+            // Counted on from zero: what the name hands outside a transaction from now on.
+            if let Some(c) = st.sends.get_mut(&n).map(std::mem::take) {
                 if c.passed < c.handed {
                     let until = std::time::Instant::now() + late_for;
-                    st.late.insert(n, (txn, c.handed - c.passed, until));
+                    st.late.entry(n).or_default().push_back((
+                        Some(txn),
+                        c.handed - c.passed,
+                        until,
+                    ));
                 }
             }
         }
@@ -2099,29 +2139,32 @@ impl TxnFrames {
                             let mut st = self.state.lock();
                             // The crate writes a producer's `SEND`s in the order the messages
                             // were handed to it: an ended transaction's late ones come first.
-                            if st
-                                .late
-                                .get(name)
-                                .is_some_and(|l| l.2 < std::time::Instant::now())
-                            {
-                                st.late.remove(name);
-                            }
-                            if let Some((txn, left, _)) = st.late.get_mut(name) {
-                                let txn = *txn;
-                                *left = left.saturating_sub(n);
-                                if *left == 0 {
-                                    st.late.remove(name);
+                            // Messages handed outside a transaction before the name was
+                            // bound pass plain.
+                            let now = std::time::Instant::now();
+                            let late = st.late.get_mut(name).and_then(|q| {
+                                while q.front().is_some_and(|l| l.2 < now) {
+                                    q.pop_front();
+                                }
+                                let front = q.front_mut()?;
+                                let txn = front.0;
+                                front.1 = front.1.saturating_sub(n);
+                                if front.1 == 0 {
+                                    q.pop_front();
                                 }
                                 Some(txn)
-                            } else {
-                                let txn = st.producers.get(name).copied();
-                                if txn.is_some() {
-                                    if let Some(c) = st.sends.get_mut(name) {
-                                        c.passed += n;
-                                    }
-                                    self.passed.notify_waiters();
-                                }
+                            });
+                            if st.late.get(name).is_some_and(|q| q.is_empty()) {
+                                st.late.remove(name);
+                            }
+                            if let Some(txn) = late {
                                 txn
+                            } else {
+                                if let Some(c) = st.sends.get_mut(name) {
+                                    c.passed += n;
+                                }
+                                self.passed.notify_waiters();
+                                st.producers.get(name).copied()
                             }
                         }
                         None => return Ok(None),
@@ -2844,7 +2887,7 @@ mod tests {
                     (s.txnid_most_bits.unwrap(), s.txnid_least_bits.unwrap())
                 })
         };
-        frames.bind_producer("p", t1);
+        frames.bind_producer("p", t1, Duration::from_secs(60));
         for _ in 0..4 {
             frames.handed("p");
         }
@@ -2854,7 +2897,7 @@ mod tests {
             "3 of 4 messages have not passed"
         );
         frames.end(t1, Duration::from_secs(60));
-        frames.bind_producer("p", t2);
+        frames.bind_producer("p", t2, Duration::from_secs(60));
         frames.handed("p");
         // Two of the three late ones in one batch, then the third, then the next one's own.
         assert_eq!(txn_of(&send(1, Some(2))), Some((1, 1)));
@@ -2866,10 +2909,10 @@ mod tests {
         assert_eq!(txn_of(&send(5, None)), None, "unbound, plain");
 
         // Late ones past their limit (the crate failed them by then) are not waited for.
-        frames.bind_producer("p", t1);
+        frames.bind_producer("p", t1, Duration::from_secs(60));
         frames.handed("p");
         frames.end(t1, Duration::ZERO);
-        frames.bind_producer("p", t2);
+        frames.bind_producer("p", t2, Duration::from_secs(60));
         assert_eq!(txn_of(&send(6, None)), Some((1, 2)));
     }
 
@@ -2948,7 +2991,7 @@ mod tests {
             .rewrite(&conn, Direction::ToBroker, cmd, r)
             .unwrap()
             .is_none());
-        frames.bind_producer("p", txn);
+        frames.bind_producer("p", txn, Duration::from_secs(60));
         let out = frames
             .rewrite(&conn, Direction::ToBroker, cmd, r)
             .unwrap()

@@ -115,6 +115,9 @@ impl PulsarProducer {
             Some(id) if transactional => Some(format!("{id}-{:016x}", rand::random::<u64>())),
             _ => options.producer_name.clone().or(config.client_id),
         };
+        if let (true, Some(frames), Some(n)) = (transactional, &shared.txn_frames, &name) {
+            frames.register_producer(n);
+        }
         Ok(PulsarProducer {
             shared,
             options: Arc::new(options),
@@ -573,6 +576,11 @@ impl PulsarProducer {
     async fn close_all(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
+        }
+        if let (Some(frames), Some(name), Some(_)) =
+            (&self.shared.txn_frames, &self.name, &self.in_txn)
+        {
+            frames.forget_producer(name);
         }
         let topics: Vec<Arc<TopicProducers>> =
             self.topics.lock().await.drain().map(|(_, t)| t).collect();

@@ -77,6 +77,21 @@ impl PulsarTransaction {
                 "this producer has a transaction open already: commit or abort it first",
             ));
         }
+        // Records handed to the crate before this transaction are not part of it: what the
+        // crate still holds in batches goes now (a batch is one `SEND`, stamped as a whole),
+        // and the transaction's own records are stamped only once those have passed the
+        // bridge; any still missing then pass plain ([`TxnFrames::bind_producer`]).
+        let timeout = producer.options.operation_timeout;
+        if let Err(e) = producer.flush_batches(timeout).await {
+            tracing::debug!(error = %e, "flushing the batches of a beginning transaction");
+        }
+        if !frames.sends_passed(&name, timeout).await {
+            tracing::warn!(
+                producer = %name,
+                "Pulsar transaction begins with records sent before it not yet written to the \
+                 broker; they are written without it"
+            );
+        }
         let opened = async {
             let tcs = producer.shared.coordinators().await?;
             let id = tcs.new_txn(producer.options.transaction_timeout).await?;
@@ -90,7 +105,7 @@ impl PulsarTransaction {
                 return Err(e);
             }
         };
-        frames.bind_producer(&name, id);
+        frames.bind_producer(&name, id, timeout);
         tracing::debug!(txn = %id, producer = %name, "Pulsar transaction opened");
         Ok(Box::new(PulsarTransaction {
             producer,
