@@ -1988,6 +1988,59 @@ impl TxnFrames {
     /// ([`TxnFrames::sends_passed`] timed out) still get `txn` when they pass within `late_for`.
     pub(crate) fn end(&self, txn: TxnId, late_for: Duration) {
         let mut st = self.state.lock();
+        Self::unbind_locked(&mut st, txn, late_for);
+        let late: Vec<AckKey> = st
+            .expected
+            .iter()
+            .filter(|(_, t)| **t == txn)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in late {
+            st.expected.remove(&k);
+            st.void.put(k, txn);
+        }
+        st.acks.remove(&txn);
+        st.awaiting.retain(|_, (t, _)| *t != txn);
+    }
+
+    /// The producer names bound to `txn` are unbound now (a dropped transaction, whose abort
+    /// runs in the background): what they hand to the crate from now on is sent without it,
+    /// and their messages of `txn` not passed yet still get it when they pass (within
+    /// `late_for`, before the later ones: [`TxnFrames::late_passed`]). Its acknowledgements
+    /// are left to [`TxnFrames::end`].
+    pub(crate) fn unbind(&self, txn: TxnId, late_for: Duration) {
+        Self::unbind_locked(&mut self.state.lock(), txn, late_for);
+    }
+
+    /// Whether messages of an ended transaction of the producer named `name` are still to
+    /// pass ([`TxnFrames::unbind`]).
+    pub(crate) fn late_pending(&self, name: &str) -> bool {
+        let now = std::time::Instant::now();
+        self.state
+            .lock()
+            .late
+            .get(name)
+            .is_some_and(|q| q.iter().any(|l| l.0.is_some() && l.1 > 0 && l.2 >= now))
+    }
+
+    /// Waits, at most `timeout`, until no message of an ended transaction of the producer
+    /// named `name` is still to pass. Returns whether none is.
+    pub(crate) async fn late_passed(&self, name: &str, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let passed = self.passed.notified();
+            tokio::pin!(passed);
+            passed.as_mut().enable();
+            if !self.late_pending(name) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, passed).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    fn unbind_locked(st: &mut TxnState, txn: TxnId, late_for: Duration) {
         let unbound: Vec<String> = st
             .producers
             .iter()
@@ -2008,18 +2061,6 @@ impl TxnFrames {
                 }
             }
         }
-        let late: Vec<AckKey> = st
-            .expected
-            .iter()
-            .filter(|(_, t)| **t == txn)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in late {
-            st.expected.remove(&k);
-            st.void.put(k, txn);
-        }
-        st.acks.remove(&txn);
-        st.awaiting.retain(|_, (t, _)| *t != txn);
     }
 
     /// Whether the broker delivered message `id` of a batch (on `topic`, a partition's full
@@ -2158,6 +2199,7 @@ impl TxnFrames {
                                 st.late.remove(name);
                             }
                             if let Some(txn) = late {
+                                self.passed.notify_waiters();
                                 txn
                             } else {
                                 if let Some(c) = st.sends.get_mut(name) {

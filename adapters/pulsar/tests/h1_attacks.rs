@@ -203,3 +203,145 @@ async fn plain_records_batched_before_begin_stay_plain() {
     );
     producer.close().await.unwrap();
 }
+
+/// Reads every message of `topics` (each gets a plain `end` first) from the earliest, as a
+/// new group, until every `end` was read.
+async fn read_all_ends(client: &Client, topics: &[String]) -> Vec<String> {
+    let p = plain(client).await;
+    for t in topics {
+        for part in 0..2 {
+            p.send(Record::new(t, "end").partition(part)).await.unwrap();
+        }
+    }
+    let c = client
+        .consumer(
+            ConsumerConfig::new(name("reader"), topics.iter().map(String::as_str))
+                .start(StartFrom::Earliest),
+        )
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut out: Vec<String> = Vec::new();
+    while out.iter().filter(|t| *t == "end").count() < topics.len() * 2 {
+        assert!(Instant::now() < deadline, "ends not read: {}", out.len());
+        out.extend(
+            c.poll(500, Duration::from_millis(200))
+                .await
+                .unwrap()
+                .iter()
+                .map(|m| String::from_utf8_lossy(&m.payload).into_owned()),
+        );
+    }
+    out.retain(|t| t != "end");
+    out
+}
+
+/// Many batching transactional producers on one client, each running transactions over two
+/// topics of two partitions that commit, abort or are dropped (then the next begins at once),
+/// their `enqueue_batch` receipts dropped unawaited, with plain sends between: exactly the
+/// committed and plain records are read, once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batching_producers_commit_abort_drop() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let admin = client.admin().await.unwrap();
+    let topics: Vec<String> = (0..2).map(|_| name("h1-many")).collect();
+    for t in &topics {
+        admin
+            .create_topic(&onceflow_core::TopicSpec::new(t.clone(), 2))
+            .await
+            .unwrap();
+    }
+    let producers = 4;
+    let rounds = 12;
+    let mut tasks = Vec::new();
+    for p in 0..producers {
+        let client = client.clone();
+        let topics = topics.clone();
+        tasks.push(tokio::spawn(async move {
+            let producer = client
+                .producer(
+                    ProducerConfig::new()
+                        .transactional_id(name(&format!("h1-many-{p}")))
+                        .option("batch_size", "100")
+                        .option("batch_timeout_ms", if p % 2 == 0 { "2000" } else { "5" }),
+                )
+                .await
+                .unwrap();
+            let mut expected = Vec::new();
+            for r in 0..rounds {
+                let t = loop {
+                    match producer.begin().await {
+                        Ok(t) => break t,
+                        Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                    }
+                };
+                let mut t = t;
+                let records: Vec<Record> = (0..8)
+                    .map(|i| {
+                        Record::new(&topics[i % 2], format!("p{p}-r{r}-{i}"))
+                            .partition((i / 2 % 2) as i32)
+                    })
+                    .collect();
+                let texts: Vec<String> = (0..8).map(|i| format!("p{p}-r{r}-{i}")).collect();
+                let half = records.len() / 2;
+                let mut records = records;
+                let second = records.split_off(half);
+                drop(t.enqueue_batch(records).await);
+                let f = t.enqueue_batch(second).await;
+                match r % 3 {
+                    0 => {
+                        drop(f);
+                        t.commit().await.unwrap();
+                        expected.extend(texts);
+                    }
+                    1 => {
+                        drop(f);
+                        t.abort().await.unwrap();
+                    }
+                    _ => {
+                        drop(f);
+                        drop(t);
+                    }
+                }
+                // A plain record between transactions, its receipt not awaited before the
+                // next begin.
+                let text = format!("p{p}-r{r}-plain");
+                let f = producer
+                    .enqueue_batch(vec![Record::new(&topics[0], text.clone()).partition(1)])
+                    .await;
+                tokio::spawn(async move {
+                    for r in f.await {
+                        r.unwrap();
+                    }
+                });
+                expected.push(text);
+            }
+            // The last transaction (maybe dropped) is settled before the reader's `end`s.
+            let t = loop {
+                match producer.begin().await {
+                    Ok(t) => break t,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                }
+            };
+            t.commit().await.unwrap();
+            producer.close().await.unwrap();
+            expected
+        }));
+    }
+    let mut expected = Vec::new();
+    for t in tasks {
+        expected.extend(t.await.unwrap());
+    }
+    let mut read = read_all_ends(&client, &topics).await;
+    read.sort();
+    expected.sort();
+    let extra: Vec<&String> = read.iter().filter(|r| !expected.contains(r)).collect();
+    let missing: Vec<&String> = expected.iter().filter(|e| !read.contains(e)).collect();
+    assert!(
+        read == expected,
+        "read {} expected {}; extra {extra:?}; missing {missing:?}",
+        read.len(),
+        expected.len()
+    );
+}
