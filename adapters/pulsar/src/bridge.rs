@@ -1655,6 +1655,12 @@ struct TxnState {
     /// ([`TxnFrames::bind_producer`]: `begin`'s wait for them timed out) are queued the same
     /// way with no transaction: they pass plain, not in the transaction that began after them.
     late: HashMap<String, std::collections::VecDeque<(Option<TxnId>, u64, std::time::Instant)>>,
+    /// Crate producer id → the crate's sequence id of each of its `SEND`s that passed and has
+    /// no receipt yet → the transaction it was stamped with (`None`: none). The crate resends
+    /// the `SEND`s without a receipt after a reconnect, with their sequence ids: a resend
+    /// carries what its first copy carried (its transaction may have ended meanwhile, and the
+    /// producer may be bound to the next one), and is not counted as passed again.
+    stamped: HashMap<u64, std::collections::BTreeMap<u64, Option<TxnId>>>,
     /// Messages a transaction acknowledges whose `ACK` has not passed yet → the transaction.
     expected: HashMap<AckKey, TxnId>,
     /// Messages of transactions that ended before their `ACK` passed: dropped when it does
@@ -1686,6 +1692,10 @@ struct SendCount {
     handed: u64,
     passed: u64,
 }
+
+/// Most `SEND`s of one crate producer awaiting their receipt whose stamp is kept
+/// ([`TxnState::stamped`]).
+const MAX_STAMPED: usize = 1 << 16;
 
 /// Most batches delivered with an ack set kept ([`TxnFrames::acknowledged_before`]).
 const MAX_ACK_SETS: usize = 1 << 16;
@@ -2012,6 +2022,40 @@ impl TxnFrames {
         Self::unbind_locked(&mut self.state.lock(), txn, late_for);
     }
 
+    /// The transaction a producer's `SEND` of `n` messages named `name` goes in, the first
+    /// time it passes: the crate writes a producer's `SEND`s in the order the messages were
+    /// handed to it, so an ended transaction's late ones come first (and messages handed
+    /// outside a transaction before the name was bound pass plain), then the transaction the
+    /// name is bound to.
+    fn first_send_txn(&self, st: &mut TxnState, name: &str, n: u64) -> Option<TxnId> {
+        let now = std::time::Instant::now();
+        let late = st.late.get_mut(name).and_then(|q| {
+            while q.front().is_some_and(|l| l.2 < now) {
+                q.pop_front();
+            }
+            let front = q.front_mut()?;
+            let txn = front.0;
+            front.1 = front.1.saturating_sub(n);
+            if front.1 == 0 {
+                q.pop_front();
+            }
+            Some(txn)
+        });
+        if st.late.get(name).is_some_and(|q| q.is_empty()) {
+            st.late.remove(name);
+        }
+        if let Some(txn) = late {
+            self.passed.notify_waiters();
+            txn
+        } else {
+            if let Some(c) = st.sends.get_mut(name) {
+                c.passed += n;
+            }
+            self.passed.notify_waiters();
+            st.producers.get(name).copied()
+        }
+    }
+
     /// Whether messages of an ended transaction of the producer named `name` are still to
     /// pass ([`TxnFrames::unbind`]).
     pub(crate) fn late_pending(&self, name: &str) -> bool {
@@ -2178,35 +2222,23 @@ impl TxnFrames {
                         Some(name) => {
                             let n = send.num_messages.unwrap_or(1).max(1) as u64;
                             let mut st = self.state.lock();
-                            // The crate writes a producer's `SEND`s in the order the messages
-                            // were handed to it: an ended transaction's late ones come first.
-                            // Messages handed outside a transaction before the name was
-                            // bound pass plain.
-                            let now = std::time::Instant::now();
-                            let late = st.late.get_mut(name).and_then(|q| {
-                                while q.front().is_some_and(|l| l.2 < now) {
-                                    q.pop_front();
+                            let resent = st
+                                .stamped
+                                .get(&send.producer_id)
+                                .and_then(|m| m.get(&send.sequence_id))
+                                .copied();
+                            match resent {
+                                // A resend after a reconnect: as its first copy.
+                                Some(first) => first,
+                                None => {
+                                    let txn = self.first_send_txn(&mut st, name, n);
+                                    let m = st.stamped.entry(send.producer_id).or_default();
+                                    if m.len() >= MAX_STAMPED {
+                                        m.pop_first();
+                                    }
+                                    m.insert(send.sequence_id, txn);
+                                    txn
                                 }
-                                let front = q.front_mut()?;
-                                let txn = front.0;
-                                front.1 = front.1.saturating_sub(n);
-                                if front.1 == 0 {
-                                    q.pop_front();
-                                }
-                                Some(txn)
-                            });
-                            if st.late.get(name).is_some_and(|q| q.is_empty()) {
-                                st.late.remove(name);
-                            }
-                            if let Some(txn) = late {
-                                self.passed.notify_waiters();
-                                txn
-                            } else {
-                                if let Some(c) = st.sends.get_mut(name) {
-                                    c.passed += n;
-                                }
-                                self.passed.notify_waiters();
-                                st.producers.get(name).copied()
                             }
                         }
                         None => return Ok(None),
@@ -2328,6 +2360,26 @@ impl TxnFrames {
                         .or(error.as_ref().map(|e| e.producer_id))
                         .unwrap_or_default();
                     let shift = self.shift(producer_id);
+                    {
+                        // Answered: the crate resends it no more.
+                        let mut st = self.state.lock();
+                        if let Some(m) = st.stamped.get_mut(&producer_id) {
+                            match (&receipt, &error) {
+                                (Some(r), _) => {
+                                    let rest =
+                                        m.split_off(&(r.sequence_id.wrapping_sub(shift) + 1));
+                                    *m = rest;
+                                }
+                                (None, Some(e)) => {
+                                    m.remove(&e.sequence_id.wrapping_sub(shift));
+                                }
+                                (None, None) => {}
+                            }
+                            if m.is_empty() {
+                                st.stamped.remove(&producer_id);
+                            }
+                        }
+                    }
                     if shift == 0 {
                         return Ok(None);
                     }
@@ -3034,6 +3086,20 @@ mod tests {
             .unwrap()
             .is_none());
         frames.bind_producer("p", txn, Duration::from_secs(60));
+        // The next message (a resend of the first would carry what the first carried).
+        let send = frame_of(
+            proto::BaseCommand {
+                r#type: Type::Send as i32,
+                send: Some(proto::CommandSend {
+                    producer_id: 3,
+                    sequence_id: 1,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &rest,
+        );
+        let (cmd, r) = split_frame(&send).unwrap();
         let out = frames
             .rewrite(&conn, Direction::ToBroker, cmd, r)
             .unwrap()
@@ -3107,11 +3173,31 @@ mod tests {
             out.is_empty(),
             "an aborted transaction's ack never becomes a plain one"
         );
-        // And the producer is unbound.
+        // And the producer is unbound: its next message passes as it is, and a resend of the
+        // one stamped above keeps the transaction.
+        let send = frame_of(
+            proto::BaseCommand {
+                r#type: Type::Send as i32,
+                send: Some(proto::CommandSend {
+                    producer_id: 3,
+                    sequence_id: 2,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &rest,
+        );
+        let (cmd2, r2) = split_frame(&send).unwrap();
         assert!(frames
-            .rewrite(&conn, Direction::ToBroker, cmd, r)
+            .rewrite(&conn, Direction::ToBroker, cmd2, r2)
             .unwrap()
             .is_none());
+        let out = frames
+            .rewrite(&conn, Direction::ToBroker, cmd, r)
+            .unwrap()
+            .unwrap();
+        let s = decode(&out).0.send.unwrap();
+        assert_eq!((s.txnid_most_bits, s.txnid_least_bits), (Some(1), Some(7)));
     }
 
     #[tokio::test]

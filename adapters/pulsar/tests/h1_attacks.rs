@@ -95,9 +95,16 @@ async fn resent_after_cut(end: End) {
     t.commit().await.unwrap();
 
     // The next SEND is lost with its connection; the crate's producer comes back slowly.
+    // The last of the three SENDs: all three passed the bridge, so the transaction's wait
+    // for its SENDs is over at once.
+    let sends = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = sends.clone();
     proxy.once(
         Direction::ToBroker,
-        |f| pulsar_command_type(f) == Some(SEND),
+        move |f| {
+            pulsar_command_type(f) == Some(SEND)
+                && seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 2
+        },
         Action::Cut,
     );
     proxy.always(
