@@ -1650,7 +1650,17 @@ struct TxnState {
     /// pass, until when: they are stamped with it when they do (the broker never delivers
     /// them), not sent without a transaction or in the name's next one. The crate fails a
     /// message not answered within its operation timeout, after which none of them can come.
-    late: HashMap<String, (TxnId, u64, std::time::Instant)>,
+    ///
+    /// Messages handed outside any transaction that had not passed when the name was bound
+    /// ([`TxnFrames::bind_producer`]: `begin`'s wait for them timed out) are queued the same
+    /// way with no transaction: they pass plain, not in the transaction that began after them.
+    late: HashMap<String, std::collections::VecDeque<(Option<TxnId>, u64, std::time::Instant)>>,
+    /// Crate producer id → the crate's sequence id of each of its `SEND`s that passed and has
+    /// no receipt yet → the transaction it was stamped with (`None`: none). The crate resends
+    /// the `SEND`s without a receipt after a reconnect, with their sequence ids: a resend
+    /// carries what its first copy carried (its transaction may have ended meanwhile, and the
+    /// producer may be bound to the next one), and is not counted as passed again.
+    stamped: HashMap<u64, std::collections::BTreeMap<u64, Option<TxnId>>>,
     /// Messages a transaction acknowledges whose `ACK` has not passed yet → the transaction.
     expected: HashMap<AckKey, TxnId>,
     /// Messages of transactions that ended before their `ACK` passed: dropped when it does
@@ -1682,6 +1692,10 @@ struct SendCount {
     handed: u64,
     passed: u64,
 }
+
+/// Most `SEND`s of one crate producer awaiting their receipt whose stamp is kept
+/// ([`TxnState::stamped`]).
+const MAX_STAMPED: usize = 1 << 16;
 
 /// Most batches delivered with an ack set kept ([`TxnFrames::acknowledged_before`]).
 const MAX_ACK_SETS: usize = 1 << 16;
@@ -1743,19 +1757,50 @@ impl TxnFrames {
 
     /// The `SEND`s of the producers named `name` (one per partition) belong to `txn` from
     /// now on, until [`TxnFrames::end`].
-    pub(crate) fn bind_producer(&self, name: &str, txn: TxnId) {
+    ///
+    /// Messages the name handed to the crate outside a transaction that have not passed yet
+    /// (`begin` flushes the crate's batches and waits for them first, at most `late_for`) are
+    /// not the transaction's: they still pass without one, within `late_for`.
+    pub(crate) fn bind_producer(&self, name: &str, txn: TxnId, late_for: Duration) {
         let mut st = self.state.lock();
         st.producers.insert(name.to_string(), txn);
-        st.sends.insert(name.to_string(), SendCount::default());
+        if let Some(c) = st.sends.insert(name.to_string(), SendCount::default()) {
+            if c.passed < c.handed {
+                let until = std::time::Instant::now() + late_for;
+                st.late.entry(name.to_string()).or_default().push_back((
+                    None,
+                    c.handed - c.passed,
+                    until,
+                ));
+            }
+        }
     }
 
-    /// A producer named `name` handed one message to the crate: counted while the name is
-    /// bound to a transaction, so that the transaction ends only once its `SEND`s passed.
-    pub(crate) fn handed(&self, name: &str) {
+    /// The transactional producer named `name` exists: the messages it hands to the crate
+    /// ([`TxnFrames::handed`]) and those of its `SEND`s that pass are counted from now on,
+    /// until [`TxnFrames::forget_producer`].
+    pub(crate) fn register_producer(&self, name: &str) {
+        self.state.lock().sends.entry(name.to_string()).or_default();
+    }
+
+    /// The transactional producer named `name` is closed: its counts are forgotten.
+    pub(crate) fn forget_producer(&self, name: &str) {
         let mut st = self.state.lock();
-        if st.producers.contains_key(name) {
-            st.sends.entry(name.to_string()).or_default().handed += 1;
+        if !st.producers.contains_key(name) {
+            st.sends.remove(name);
         }
+    }
+
+    /// A producer named `name` handed one message to the crate: counted, so that a
+    /// transaction ends only once its `SEND`s passed, and begins only once the `SEND`s handed
+    /// before it (outside any transaction) passed.
+    pub(crate) fn handed(&self, name: &str) {
+        self.state
+            .lock()
+            .sends
+            .entry(name.to_string())
+            .or_default()
+            .handed += 1;
     }
 
     /// Waits, at most `timeout`, until every message the producers named `name` handed to the
@@ -1953,22 +1998,7 @@ impl TxnFrames {
     /// ([`TxnFrames::sends_passed`] timed out) still get `txn` when they pass within `late_for`.
     pub(crate) fn end(&self, txn: TxnId, late_for: Duration) {
         let mut st = self.state.lock();
-        let mut unbound = Vec::new();
-        st.producers.retain(|n, t| {
-            let keep = *t != txn;
-            if !keep {
-                unbound.push(n.clone());
-            }
-            keep
-        });
-        for n in unbound {
-            if let Some(c) = st.sends.remove(&n) {
-                if c.passed < c.handed {
-                    let until = std::time::Instant::now() + late_for;
-                    st.late.insert(n, (txn, c.handed - c.passed, until));
-                }
-            }
-        }
+        Self::unbind_locked(&mut st, txn, late_for);
         let late: Vec<AckKey> = st
             .expected
             .iter()
@@ -1981,6 +2011,101 @@ impl TxnFrames {
         }
         st.acks.remove(&txn);
         st.awaiting.retain(|_, (t, _)| *t != txn);
+    }
+
+    /// The producer names bound to `txn` are unbound now (a dropped transaction, whose abort
+    /// runs in the background): what they hand to the crate from now on is sent without it,
+    /// and their messages of `txn` not passed yet still get it when they pass (within
+    /// `late_for`, before the later ones: [`TxnFrames::late_passed`]). Its acknowledgements
+    /// are left to [`TxnFrames::end`].
+    pub(crate) fn unbind(&self, txn: TxnId, late_for: Duration) {
+        Self::unbind_locked(&mut self.state.lock(), txn, late_for);
+    }
+
+    /// The transaction a producer's `SEND` of `n` messages named `name` goes in, the first
+    /// time it passes: the crate writes a producer's `SEND`s in the order the messages were
+    /// handed to it, so an ended transaction's late ones come first (and messages handed
+    /// outside a transaction before the name was bound pass plain), then the transaction the
+    /// name is bound to.
+    fn first_send_txn(&self, st: &mut TxnState, name: &str, n: u64) -> Option<TxnId> {
+        let now = std::time::Instant::now();
+        let late = st.late.get_mut(name).and_then(|q| {
+            while q.front().is_some_and(|l| l.2 < now) {
+                q.pop_front();
+            }
+            let front = q.front_mut()?;
+            let txn = front.0;
+            front.1 = front.1.saturating_sub(n);
+            if front.1 == 0 {
+                q.pop_front();
+            }
+            Some(txn)
+        });
+        if st.late.get(name).is_some_and(|q| q.is_empty()) {
+            st.late.remove(name);
+        }
+        if let Some(txn) = late {
+            self.passed.notify_waiters();
+            txn
+        } else {
+            if let Some(c) = st.sends.get_mut(name) {
+                c.passed += n;
+            }
+            self.passed.notify_waiters();
+            st.producers.get(name).copied()
+        }
+    }
+
+    /// Whether messages of an ended transaction of the producer named `name` are still to
+    /// pass ([`TxnFrames::unbind`]).
+    pub(crate) fn late_pending(&self, name: &str) -> bool {
+        let now = std::time::Instant::now();
+        self.state
+            .lock()
+            .late
+            .get(name)
+            .is_some_and(|q| q.iter().any(|l| l.0.is_some() && l.1 > 0 && l.2 >= now))
+    }
+
+    /// Waits, at most `timeout`, until no message of an ended transaction of the producer
+    /// named `name` is still to pass. Returns whether none is.
+    pub(crate) async fn late_passed(&self, name: &str, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let passed = self.passed.notified();
+            tokio::pin!(passed);
+            passed.as_mut().enable();
+            if !self.late_pending(name) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, passed).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    fn unbind_locked(st: &mut TxnState, txn: TxnId, late_for: Duration) {
+        let mut unbound = Vec::new();
+        st.producers.retain(|n, t| {
+            let keep = *t != txn;
+            if !keep {
+                unbound.push(n.clone());
+            }
+            keep
+        });
+        for n in unbound {
+            // Counted on from zero: what the name hands outside a transaction from now on.
+            if let Some(c) = st.sends.get_mut(&n).map(std::mem::take) {
+                if c.passed < c.handed {
+                    let until = std::time::Instant::now() + late_for;
+                    st.late.entry(n).or_default().push_back((
+                        Some(txn),
+                        c.handed - c.passed,
+                        until,
+                    ));
+                }
+            }
+        }
     }
 
     /// Whether the broker delivered message `id` of a batch (on `topic`, a partition's full
@@ -2098,31 +2223,23 @@ impl TxnFrames {
                         Some(name) => {
                             let n = send.num_messages.unwrap_or(1).max(1) as u64;
                             let mut st = self.state.lock();
-                            // The crate writes a producer's `SEND`s in the order the messages
-                            // were handed to it: an ended transaction's late ones come first.
-                            if st
-                                .late
-                                .get(name)
-                                .is_some_and(|l| l.2 < std::time::Instant::now())
-                            {
-                                st.late.remove(name);
-                            }
-                            if let Some((txn, left, _)) = st.late.get_mut(name) {
-                                let txn = *txn;
-                                *left = left.saturating_sub(n);
-                                if *left == 0 {
-                                    st.late.remove(name);
-                                }
-                                Some(txn)
-                            } else {
-                                let txn = st.producers.get(name).copied();
-                                if txn.is_some() {
-                                    if let Some(c) = st.sends.get_mut(name) {
-                                        c.passed += n;
+                            let resent = st
+                                .stamped
+                                .get(&send.producer_id)
+                                .and_then(|m| m.get(&send.sequence_id))
+                                .copied();
+                            match resent {
+                                // A resend after a reconnect: as its first copy.
+                                Some(first) => first,
+                                None => {
+                                    let txn = self.first_send_txn(&mut st, name, n);
+                                    let m = st.stamped.entry(send.producer_id).or_default();
+                                    if m.len() >= MAX_STAMPED {
+                                        m.pop_first();
                                     }
-                                    self.passed.notify_waiters();
+                                    m.insert(send.sequence_id, txn);
+                                    txn
                                 }
-                                txn
                             }
                         }
                         None => return Ok(None),
@@ -2244,6 +2361,26 @@ impl TxnFrames {
                         .or(error.as_ref().map(|e| e.producer_id))
                         .unwrap_or_default();
                     let shift = self.shift(producer_id);
+                    {
+                        // Answered: the crate resends it no more.
+                        let mut st = self.state.lock();
+                        if let Some(m) = st.stamped.get_mut(&producer_id) {
+                            match (&receipt, &error) {
+                                (Some(r), _) => {
+                                    let rest =
+                                        m.split_off(&(r.sequence_id.wrapping_sub(shift) + 1));
+                                    *m = rest;
+                                }
+                                (None, Some(e)) => {
+                                    m.remove(&e.sequence_id.wrapping_sub(shift));
+                                }
+                                (None, None) => {}
+                            }
+                            if m.is_empty() {
+                                st.stamped.remove(&producer_id);
+                            }
+                        }
+                    }
                     if shift == 0 {
                         return Ok(None);
                     }
@@ -2845,7 +2982,7 @@ mod tests {
                     (s.txnid_most_bits.unwrap(), s.txnid_least_bits.unwrap())
                 })
         };
-        frames.bind_producer("p", t1);
+        frames.bind_producer("p", t1, Duration::from_secs(60));
         for _ in 0..4 {
             frames.handed("p");
         }
@@ -2855,7 +2992,7 @@ mod tests {
             "3 of 4 messages have not passed"
         );
         frames.end(t1, Duration::from_secs(60));
-        frames.bind_producer("p", t2);
+        frames.bind_producer("p", t2, Duration::from_secs(60));
         frames.handed("p");
         // Two of the three late ones in one batch, then the third, then the next one's own.
         assert_eq!(txn_of(&send(1, Some(2))), Some((1, 1)));
@@ -2867,10 +3004,10 @@ mod tests {
         assert_eq!(txn_of(&send(5, None)), None, "unbound, plain");
 
         // Late ones past their limit (the crate failed them by then) are not waited for.
-        frames.bind_producer("p", t1);
+        frames.bind_producer("p", t1, Duration::from_secs(60));
         frames.handed("p");
         frames.end(t1, Duration::ZERO);
-        frames.bind_producer("p", t2);
+        frames.bind_producer("p", t2, Duration::from_secs(60));
         assert_eq!(txn_of(&send(6, None)), Some((1, 2)));
     }
 
@@ -2949,7 +3086,21 @@ mod tests {
             .rewrite(&conn, Direction::ToBroker, cmd, r)
             .unwrap()
             .is_none());
-        frames.bind_producer("p", txn);
+        frames.bind_producer("p", txn, Duration::from_secs(60));
+        // The next message (a resend of the first would carry what the first carried).
+        let send = frame_of(
+            proto::BaseCommand {
+                r#type: Type::Send as i32,
+                send: Some(proto::CommandSend {
+                    producer_id: 3,
+                    sequence_id: 1,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &rest,
+        );
+        let (cmd, r) = split_frame(&send).unwrap();
         let out = frames
             .rewrite(&conn, Direction::ToBroker, cmd, r)
             .unwrap()
@@ -3023,11 +3174,31 @@ mod tests {
             out.is_empty(),
             "an aborted transaction's ack never becomes a plain one"
         );
-        // And the producer is unbound.
+        // And the producer is unbound: its next message passes as it is, and a resend of the
+        // one stamped above keeps the transaction.
+        let send = frame_of(
+            proto::BaseCommand {
+                r#type: Type::Send as i32,
+                send: Some(proto::CommandSend {
+                    producer_id: 3,
+                    sequence_id: 2,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            &rest,
+        );
+        let (cmd2, r2) = split_frame(&send).unwrap();
         assert!(frames
-            .rewrite(&conn, Direction::ToBroker, cmd, r)
+            .rewrite(&conn, Direction::ToBroker, cmd2, r2)
             .unwrap()
             .is_none());
+        let out = frames
+            .rewrite(&conn, Direction::ToBroker, cmd, r)
+            .unwrap()
+            .unwrap();
+        let s = decode(&out).0.send.unwrap();
+        assert_eq!((s.txnid_most_bits, s.txnid_least_bits), (Some(1), Some(7)));
     }
 
     #[tokio::test]

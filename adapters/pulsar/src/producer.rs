@@ -115,6 +115,9 @@ impl PulsarProducer {
             Some(id) if transactional => Some(format!("{id}-{:016x}", rand::random::<u64>())),
             _ => options.producer_name.clone().or(config.client_id),
         };
+        if let (true, Some(frames), Some(n)) = (transactional, &shared.txn_frames, &name) {
+            frames.register_producer(n);
+        }
         Ok(PulsarProducer {
             shared,
             options: Arc::new(options),
@@ -275,6 +278,25 @@ impl PulsarProducer {
         })
     }
 
+    /// Records of a dropped transaction still in the crate's batches would share a `SEND`
+    /// (stamped with that transaction as a whole) with the records handed now: those go
+    /// first, and this waits (at most the operation timeout) until they passed the bridge.
+    async fn after_dropped_transaction(&self) {
+        let (Some(frames), Some(name), Some(_)) =
+            (&self.shared.txn_frames, &self.name, &self.in_txn)
+        else {
+            return;
+        };
+        if !frames.late_pending(name) {
+            return;
+        }
+        let timeout = self.options.operation_timeout;
+        if let Err(e) = self.flush_batches(timeout).await {
+            tracing::debug!(error = %e, "flushing the batches of a dropped transaction");
+        }
+        frames.late_passed(name, timeout).await;
+    }
+
     /// The partition names of `topic` (`persistent://…[-partition-N]`), its producers made.
     pub(crate) async fn partition_names(&self, topic: &str) -> Result<Vec<String>> {
         let t = self.topic(topic).await?;
@@ -290,6 +312,7 @@ impl PulsarProducer {
 
     /// Hands one record to its partition's producer.
     async fn enqueue(&self, mut record: Record) -> Result<InFlight> {
+        self.after_dropped_transaction().await;
         self.check(&record)?;
         let t = self.topic(&record.topic).await?;
         let (partition, msg) = self.message_of(&t, &mut record)?;
@@ -484,6 +507,7 @@ impl PulsarProducer {
     /// records for the same topic looks the topic up once, and a run for the same partition
     /// takes its producer's lock once.
     async fn hand_over_all(&self, records: Vec<Record>) -> Vec<Result<InFlight>> {
+        self.after_dropped_transaction().await;
         let mut queued = Vec::with_capacity(records.len());
         let mut topic: Option<(String, Arc<TopicProducers>)> = None;
         let mut held: Option<(usize, tokio::sync::OwnedMutexGuard<RawProducer>)> = None;
@@ -573,6 +597,11 @@ impl PulsarProducer {
     async fn close_all(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
+        }
+        if let (Some(frames), Some(name), Some(_)) =
+            (&self.shared.txn_frames, &self.name, &self.in_txn)
+        {
+            frames.forget_producer(name);
         }
         let topics: Vec<Arc<TopicProducers>> =
             self.topics.lock().await.drain().map(|(_, t)| t).collect();

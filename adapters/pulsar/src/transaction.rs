@@ -77,6 +77,21 @@ impl PulsarTransaction {
                 "this producer has a transaction open already: commit or abort it first",
             ));
         }
+        // Records handed to the crate before this transaction are not part of it: what the
+        // crate still holds in batches goes now (a batch is one `SEND`, stamped as a whole),
+        // and the transaction's own records are stamped only once those have passed the
+        // bridge; any still missing then pass plain ([`TxnFrames::bind_producer`]).
+        let timeout = producer.options.operation_timeout;
+        if let Err(e) = producer.flush_batches(timeout).await {
+            tracing::debug!(error = %e, "flushing the batches of a beginning transaction");
+        }
+        if !frames.sends_passed(&name, timeout).await {
+            tracing::warn!(
+                producer = %name,
+                "Pulsar transaction begins with records sent before it not yet written to the \
+                 broker; they are written without it"
+            );
+        }
         let opened = async {
             let tcs = producer.shared.coordinators().await?;
             let id = tcs.new_txn(producer.options.transaction_timeout).await?;
@@ -90,7 +105,7 @@ impl PulsarTransaction {
                 return Err(e);
             }
         };
-        frames.bind_producer(&name, id);
+        frames.bind_producer(&name, id, timeout);
         tracing::debug!(txn = %id, producer = %name, "Pulsar transaction opened");
         Ok(Box::new(PulsarTransaction {
             producer,
@@ -154,9 +169,10 @@ impl PulsarTransaction {
     }
 
     /// What aborting needs, taken out of the transaction (which counts as ended from now on).
-    fn take_abort(&mut self) -> Abort {
+    fn take_abort(&mut self, dropped: bool) -> Abort {
         self.ended = true;
         Abort {
+            dropped,
             producer: self.producer.clone(),
             tcs: self.tcs.clone(),
             frames: self.frames.clone(),
@@ -285,6 +301,9 @@ fn release(
 /// An abort, with what it needs owned: run by `abort`, and in the background for a dropped
 /// transaction.
 struct Abort {
+    /// The transaction was dropped: its producer was unbound at once
+    /// ([`TxnFrames::unbind`]), so that what it sends from then on goes without it.
+    dropped: bool,
     producer: PulsarProducer,
     tcs: Arc<Coordinators>,
     frames: Arc<TxnFrames>,
@@ -317,7 +336,20 @@ impl Abort {
                 tracing::debug!(txn = %self.id, error = %e, "aborting with acknowledgements unanswered");
             }
         }
-        drain_sends(&self.producer, &self.frames, self.id, self.timeout).await;
+        if self.dropped {
+            // Its records not passed yet are stamped with it when they pass, ahead of the
+            // producer's later ones: they go now, and the coordinator ends it after them.
+            if let Err(e) = self.producer.flush_batches(self.timeout).await {
+                tracing::debug!(txn = %self.id, error = %e, "flushing the batches of a dropped transaction");
+            }
+            if let Some(name) = self.producer.name.as_deref() {
+                if !self.frames.late_passed(name, self.timeout).await {
+                    tracing::warn!(txn = %self.id, producer = name, "dropped Pulsar transaction aborted with records of it not yet written to the broker");
+                }
+            }
+        } else {
+            drain_sends(&self.producer, &self.frames, self.id, self.timeout).await;
+        }
         let r = self.tcs.end(self.id, TxnEnd::Abort).await;
         self.release();
         settle(&self.consumers, false);
@@ -334,7 +366,10 @@ impl Drop for PulsarTransaction {
         if self.ended {
             return;
         }
-        let abort = self.take_abort();
+        // What the producer sends from now on is not part of this transaction.
+        self.frames
+            .unbind(self.id, self.producer.options.operation_timeout);
+        let abort = self.take_abort(true);
         match tokio::runtime::Handle::try_current() {
             // As `abort`, in the background; then the producer may begin again.
             Ok(rt) => {
@@ -471,6 +506,6 @@ impl TransactionBackend for PulsarTransaction {
     }
 
     async fn abort(mut self: Box<Self>) -> Result<()> {
-        self.take_abort().run().await
+        self.take_abort(false).run().await
     }
 }

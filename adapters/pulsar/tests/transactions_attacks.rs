@@ -18,7 +18,9 @@
 //! (inputs written in Pulsar batches of up to N, with a 50 ms batch timeout), `H7_INPUT_TOPIC`
 //! (inputs written beforehand by another client), `H7_ALO=1` (the pipeline without
 //! transactions, in idempotent mode, to compare; with `H7_STORE=1` it may repeat outputs but
-//! must lose none), `H7_COUNT_S` (how long the output is read, default 180).
+//! must lose none), `H7_COUNT_S` (how long the output is read, default 180), `H7_URL_EXTRA`
+//! (more options on the URL, e.g. `batch_size=50&batch_timeout_ms=20` for batching output
+//! producers).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -50,8 +52,13 @@ fn base_url() -> Option<String> {
     let sub: String = env_or("H7_SUB", "failover".to_string());
     // `H7_ALO=1`: the at-least-once pipeline (no transactions; idempotent mode), to compare.
     let txns = std::env::var("H7_ALO").as_deref() != Ok("1");
+    // `H7_URL_EXTRA`: more `key=value&…` options on the URL (`batch_size=50&batch_timeout_ms=20`:
+    // the pipeline's output producers batch).
+    let extra = std::env::var("H7_URL_EXTRA")
+        .map(|e| format!("&{e}"))
+        .unwrap_or_default();
     Some(format!(
-        "{service}?admin={admin}&transactions={txns}&transaction_timeout_ms={tx_timeout}&subscription_type={sub}"
+        "{service}?admin={admin}&transactions={txns}&transaction_timeout_ms={tx_timeout}&subscription_type={sub}{extra}"
     ))
 }
 
