@@ -124,7 +124,11 @@
 //!   transaction) first send what the producer still batches and wait, at most
 //!   `operation_timeout_ms`, until every record handed over in the transaction has left for the
 //!   broker with its id; one written later still carries it, so it is never delivered, neither
-//!   outside a transaction nor in the producer's next one. Differences from Kafka: a transactional id does not fence an
+//!   outside a transaction nor in the producer's next one. While a transaction is open, every
+//!   send of its producer is part of it (sends from other tasks too, as on Kafka); records sent
+//!   outside one, before `begin` or after the transaction ended or was dropped, are never part
+//!   of it (`begin` first waits for the earlier ones to leave; a resend after a reconnect keeps
+//!   the transaction its first copy had). Differences from Kafka: a transactional id does not fence an
 //!   older producer with the same id (Pulsar has no producer epochs; a member that lost a
 //!   partition is stopped by its acknowledgements, which conflict with the new member's), and
 //!   after an abort the acknowledged messages are held by the member again (a later commit
