@@ -50,6 +50,25 @@ pub(crate) struct PulsarTransaction {
     ended: bool,
 }
 
+/// Clears a producer's "in a transaction" flag when dropped, unless [`Opening::done`]: a
+/// `begin` that did not make its transaction.
+struct Opening(Option<Arc<AtomicBool>>);
+
+impl Opening {
+    /// The transaction is made: the flag stays set until it ends.
+    fn done(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f.store(false, Ordering::Release);
+        }
+    }
+}
+
 impl PulsarTransaction {
     /// Opens a transaction for `producer`: `Unsupported` without `transactions=true` on the
     /// URL or on a cluster without transaction coordinators, `Config` while another
@@ -77,6 +96,9 @@ impl PulsarTransaction {
                 "this producer has a transaction open already: commit or abort it first",
             ));
         }
+        // Until the transaction is made: a begin that fails, or is cancelled (dropped at an
+        // await), leaves the producer free to begin again.
+        let opening = Opening(Some(in_txn.clone()));
         // Records handed to the crate before this transaction are not part of it: what the
         // crate still holds in batches goes now (a batch is one `SEND`, stamped as a whole),
         // and the transaction's own records are stamped only once those have passed the
@@ -98,14 +120,9 @@ impl PulsarTransaction {
             Ok::<_, Error>((tcs, id))
         }
         .await;
-        let (tcs, id) = match opened {
-            Ok(x) => x,
-            Err(e) => {
-                in_txn.store(false, Ordering::Release);
-                return Err(e);
-            }
-        };
+        let (tcs, id) = opened?;
         frames.bind_producer(&name, id, timeout);
+        opening.done();
         tracing::debug!(txn = %id, producer = %name, "Pulsar transaction opened");
         Ok(Box::new(PulsarTransaction {
             producer,

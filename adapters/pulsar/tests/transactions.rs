@@ -1498,3 +1498,28 @@ async fn a_pipeline_whose_commit_answers_are_lost_writes_each_output_once() {
         );
     }
 }
+
+/// A `begin` cancelled while it waits for the coordinator (its future dropped by a timeout)
+/// leaves the producer free to begin again; before, the producer said "a transaction open
+/// already" for ever (h1 break-it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_begin_leaves_the_producer_free_to_begin() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let producer = txn_producer(&client, "txn-cancelled-begin").await;
+    // Warm: the coordinators are known, so the cancelled begin waits on NEW_TXN itself.
+    producer.begin().await.unwrap().abort().await.unwrap();
+    let cancelled = tokio::time::timeout(Duration::from_micros(1), producer.begin()).await;
+    assert!(
+        cancelled.is_err(),
+        "the begin was cancelled before it ended"
+    );
+    let mut t = producer.begin().await.unwrap();
+    let topic = name("txn-cancelled-begin");
+    t.send(Record::new(&topic, "after")).await.unwrap();
+    t.commit().await.unwrap();
+    assert_eq!(
+        read_to_end(&client, &plain(&client).await, &topic).await,
+        ["after", "end"]
+    );
+}
