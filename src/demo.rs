@@ -255,57 +255,94 @@ impl Names {
     }
 }
 
-/// What the demo's temporary store directories are called: this, the demo's process id, `-`
-/// and a random part.
+/// What the demo's temporary store directories are called: this and a random part.
 const STORE_DIR_PREFIX: &str = "onceflow-demo-";
 
+/// The file in a store directory whose exclusive lock its demo holds while it runs. The
+/// operating system releases the lock when the process ends, however it ends (SIGKILL too), and
+/// a lock is seen from every PID namespace sharing the directory, unlike a process id.
+const OWNER_LOCK: &str = "owner.lock";
+
+/// How old a store directory without an owner lock (made by a demo before there was one, or
+/// being made this instant) must be before it is taken for a leftover.
+const UNLOCKED_LEFTOVER_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// Removes the store directories in `tmp` that demos left behind when they were killed
-/// (SIGKILL runs no destructor; each held about 50 MB): those whose process id names no live
-/// process. Where `/proc` is not there to ask, nothing is removed.
+/// (SIGKILL runs no destructor; each held about 50 MB): those whose owner lock nobody holds,
+/// and those without one that are more than an hour old.
 fn remove_stale_store_dirs(tmp: &std::path::Path) {
-    if !std::path::Path::new("/proc/self").exists() {
-        return;
-    }
     let Ok(entries) = std::fs::read_dir(tmp) else {
         return;
     };
     for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
+        let ours = e
+            .file_name()
             .to_str()
-            .and_then(|n| n.strip_prefix(STORE_DIR_PREFIX))
-            .and_then(|rest| rest.split_once('-'))
-            .and_then(|(pid, _)| pid.parse::<u32>().ok())
-        else {
+            .is_some_and(|n| n.starts_with(STORE_DIR_PREFIX));
+        if !ours || !e.file_type().is_ok_and(|t| t.is_dir()) {
             continue;
+        }
+        let path = e.path();
+        let stale = match std::fs::File::open(path.join(OWNER_LOCK)) {
+            // Taken only when its demo has ended; released again as `lock` drops.
+            Ok(lock) => lock.try_lock().is_ok(),
+            Err(_) => e
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > UNLOCKED_LEFTOVER_AGE)),
         };
-        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_dir_all(e.path());
+        if stale {
+            let _ = std::fs::remove_dir_all(&path);
         }
     }
 }
 
+/// A store directory of this demo: removed when dropped; its owner lock held until then.
+struct StoreDir {
+    _lock: std::fs::File,
+    _dir: tempfile::TempDir,
+}
+
+/// Makes a store directory in `tmp` and takes its owner lock. The lock file is locked under
+/// another name and then renamed, so no other demo ever finds `owner.lock` unlocked while this
+/// one runs.
+fn new_store_dir(tmp: &std::path::Path) -> std::io::Result<(StoreDir, std::path::PathBuf)> {
+    let dir = tempfile::Builder::new()
+        .prefix(STORE_DIR_PREFIX)
+        .tempdir_in(tmp)?;
+    let locking = dir.path().join(format!("{OWNER_LOCK}.new"));
+    let lock = std::fs::File::create(&locking)?;
+    lock.try_lock().map_err(std::io::Error::from)?;
+    std::fs::rename(&locking, dir.path().join(OWNER_LOCK))?;
+    let path = dir.path().to_path_buf();
+    Ok((
+        StoreDir {
+            _lock: lock,
+            _dir: dir,
+        },
+        path,
+    ))
+}
+
 /// The dedup store's URL: `--dedup`, else a file in a new temporary directory (removed when the
-/// returned `TempDir` drops). With `--dedup` none is made, so an unusable TMPDIR does not
+/// returned [`StoreDir`] drops). With `--dedup` none is made, so an unusable TMPDIR does not
 /// matter then.
-fn store_url(a: &DemoArgs) -> Result<(Option<tempfile::TempDir>, String)> {
+fn store_url(a: &DemoArgs) -> Result<(Option<StoreDir>, String)> {
     if let Some(u) = &a.dedup {
         return Ok((None, u.clone()));
     }
-    remove_stale_store_dirs(&std::env::temp_dir());
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!("{STORE_DIR_PREFIX}{}-", std::process::id()))
-        .tempdir()
-        .map_err(|e| {
-            Error::config(format!(
-                "cannot create a temporary directory for the demo's dedup store in '{}': \
-                 expected a writable TMPDIR, or give --dedup",
-                std::env::temp_dir().display()
-            ))
-            .with_source(e)
-        })?;
-    let url = tmp.path().join("dedup.db").display().to_string();
-    Ok((Some(tmp), url))
+    let tmp = std::env::temp_dir();
+    remove_stale_store_dirs(&tmp);
+    let (dir, path) = new_store_dir(&tmp).map_err(|e| {
+        Error::config(format!(
+            "cannot create a temporary directory for the demo's dedup store in '{}': expected \
+             a writable TMPDIR, or give --dedup",
+            tmp.display()
+        ))
+        .with_source(e)
+    })?;
+    let url = path.join("dedup.db").display().to_string();
+    Ok((Some(dir), url))
 }
 
 /// Creates the input and output topics with `partitions` partitions each.

@@ -1768,23 +1768,31 @@ fn produce_with_empty_standard_input_says_nothing_was_sent() {
 }
 
 /// A demo removes the store directories that killed demos left in the temporary directory
-/// (SIGKILL runs no destructor; each held about 50 MB), and only those: a directory of a live
-/// process stays, and so does its own until it ends.
+/// (SIGKILL runs no destructor; each held about 50 MB), and only those: a directory whose owner
+/// lock a live process holds stays (in any PID namespace: the lock, not a process id, tells),
+/// so does a fresh one without a lock; one without a lock older than an hour (left by a demo
+/// before the lock existed) goes; the demo's own is removed at its end.
 #[test]
 fn the_demo_removes_store_directories_of_killed_demos() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut gone = Command::new("true").spawn().unwrap();
-    let dead = gone.id();
-    gone.wait().unwrap();
-    let stale = tmp.path().join(format!("onceflow-demo-{dead}-abc"));
-    let live = tmp
-        .path()
-        .join(format!("onceflow-demo-{}-def", std::process::id()));
-    let other = tmp.path().join("onceflow-demo-notapid");
-    for d in [&stale, &live, &other] {
-        std::fs::create_dir(d).unwrap();
+    let dir = |name: &str| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir(&d).unwrap();
         std::fs::write(d.join("dedup.db"), b"x").unwrap();
-    }
+        d
+    };
+    let killed = dir("onceflow-demo-killed");
+    std::fs::File::create(killed.join("owner.lock")).unwrap();
+    let live = dir("onceflow-demo-live");
+    let held = std::fs::File::create(live.join("owner.lock")).unwrap();
+    held.try_lock().unwrap();
+    let fresh = dir("onceflow-demo-fresh");
+    let old = dir("onceflow-demo-old");
+    std::fs::File::open(&old)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(7200))
+        .unwrap();
+    let other = dir("not-a-demo");
     let out = Command::new(env!("CARGO_BIN_EXE_onceflow"))
         .args(["demo", "--messages", "100"])
         .env_remove("ONCEFLOW_URL")
@@ -1792,20 +1800,27 @@ fn the_demo_removes_store_directories_of_killed_demos() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(!stale.exists(), "the killed demo's directory was left");
-    assert!(live.exists(), "a live process's directory was removed");
+    assert!(!killed.exists(), "the killed demo's directory was left");
+    assert!(!old.exists(), "an old directory without a lock was left");
+    assert!(live.exists(), "a live demo's directory was removed");
+    assert!(
+        fresh.exists(),
+        "a fresh directory without a lock was removed"
+    );
     assert!(
         other.exists(),
         "a directory not named by a demo was removed"
     );
-    let left: Vec<_> = std::fs::read_dir(tmp.path())
+    let mut left: Vec<_> = std::fs::read_dir(tmp.path())
         .unwrap()
         .flatten()
-        .map(|e| e.file_name())
+        .map(|e| e.file_name().into_string().unwrap())
         .collect();
+    left.sort();
     assert_eq!(
-        left.len(),
-        2,
-        "the demo's own directory is removed at its end: {left:?}"
+        left,
+        ["not-a-demo", "onceflow-demo-fresh", "onceflow-demo-live"],
+        "the demo's own directory is removed at its end"
     );
+    drop(held);
 }
