@@ -748,12 +748,11 @@ impl FromStr for StartFrom {
                 {
                     match ms.parse::<i64>() {
                         Ok(ms) if ms >= 0 => StartFrom::Timestamp(ms),
-                        _ => {
-                            return Err(Error::config(format!(
-                                "start '{}': expected timestamp:MILLISECONDS_SINCE_EPOCH (>= 0)",
-                                crate::shown(text)
-                            )))
-                        }
+                        _ => return Err(Error::config(format!(
+                            "start '{}': expected ts:MS (or timestamp:MS), MS a whole number of \
+                                 milliseconds since the epoch, from 0",
+                            crate::shown(text)
+                        ))),
                     }
                 } else {
                     text.parse::<Position>()

@@ -609,7 +609,8 @@ impl PulsarOptions {
                      batch_index_ack, refresh_ms, metadata.KEY, tls_trust_certs, \
                      tls_cert_file, tls_key_file, tls_hostname_verification, \
                      tls_allow_insecure_connection, token, token_file, oauth2_issuer_url, \
-                     oauth2_credentials_file, oauth2_audience, oauth2_scope",
+                     oauth2_credentials_file, oauth2_audience, oauth2_scope, transactions, \
+                     transaction_timeout_ms",
                     onceflow_core::shown(other)
                 )));
             }
