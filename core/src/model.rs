@@ -748,11 +748,13 @@ impl FromStr for StartFrom {
                 {
                     match ms.parse::<i64>() {
                         Ok(ms) if ms >= 0 => StartFrom::Timestamp(ms),
-                        _ => return Err(Error::config(format!(
-                            "start '{}': expected ts:MS (or timestamp:MS), MS a whole number of \
-                                 milliseconds since the epoch, from 0",
-                            crate::shown(text)
-                        ))),
+                        _ => {
+                            let shown = crate::shown(text);
+                            return Err(Error::config(format!(
+                                "start '{shown}': expected ts:MS (or timestamp:MS), MS a whole \
+                                 number of milliseconds since the epoch, from 0"
+                            )));
+                        }
                     }
                 } else {
                     text.parse::<Position>()
