@@ -336,7 +336,7 @@ fn a_start_timestamp_before_the_epoch_is_bad_input() {
             "{args:?}: {stderr}"
         );
         assert!(
-            stderr.contains("-1") && stderr.contains(">= 0") && !stderr.contains("missing"),
+            stderr.contains("-1") && stderr.contains("from 0") && !stderr.contains("missing"),
             "{args:?}: {stderr}"
         );
     }
