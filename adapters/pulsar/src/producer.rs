@@ -263,9 +263,7 @@ impl PulsarProducer {
                 e,
             )
         })?;
-        if let (Some(frames), Some(name), Some(_)) =
-            (&self.shared.txn_frames, &self.name, &self.in_txn)
-        {
+        if let Some((frames, name)) = self.txn_frames() {
             frames.handed(name);
         }
         Ok(InFlight {
@@ -278,13 +276,20 @@ impl PulsarProducer {
         })
     }
 
+    /// The bridge's transaction frames and this producer's name, for a transactional producer
+    /// (a transactional id on a `transactions=true` connection); `None` otherwise.
+    fn txn_frames(&self) -> Option<(&crate::bridge::TxnFrames, &str)> {
+        match (&self.shared.txn_frames, &self.name, &self.in_txn) {
+            (Some(f), Some(n), Some(_)) => Some((f, n.as_str())),
+            _ => None,
+        }
+    }
+
     /// Records of a dropped transaction still in the crate's batches would share a `SEND`
     /// (stamped with that transaction as a whole) with the records handed now: those go
     /// first, and this waits (at most the operation timeout) until they passed the bridge.
     async fn after_dropped_transaction(&self) {
-        let (Some(frames), Some(name), Some(_)) =
-            (&self.shared.txn_frames, &self.name, &self.in_txn)
-        else {
+        let Some((frames, name)) = self.txn_frames() else {
             return;
         };
         if !frames.late_pending(name) {
@@ -598,9 +603,7 @@ impl PulsarProducer {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        if let (Some(frames), Some(name), Some(_)) =
-            (&self.shared.txn_frames, &self.name, &self.in_txn)
-        {
+        if let Some((frames, name)) = self.txn_frames() {
             frames.forget_producer(name);
         }
         let topics: Vec<Arc<TopicProducers>> =
