@@ -115,8 +115,13 @@ enum Fault {
     CutOff(Target, Duration),
 }
 
-/// One network-fault test at a time: the proxies listen on the ports the brokers advertise.
-static PROXY_PORTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// One test at a time on the cluster. The tests share its three brokers: two kill tests at once
+/// could take down two brokers together (below `min.insync.replicas`), or the same one twice,
+/// both restarting it; a kill under a network-fault test moves the coordinators it aims at. And
+/// the proxies listen on the ports the brokers advertise, which only one test can hold. libtest
+/// runs as many tests at once as the machine has cores (two in CI), so this is held for each
+/// test's whole run.
+static CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// One fault proxy per broker, in node order (node 1 first), and the URL that reaches the
 /// cluster through them.
@@ -170,6 +175,7 @@ async fn killing_the_input_leader_and_the_transaction_coordinator_loses_and_dupl
     let Some(url) = cluster_url(TEST) else {
         return;
     };
+    let _turn = CLUSTER.lock().await;
     let base = [Target::InputLeader, Target::TransactionCoordinator];
     // A soak run: the two again and again, about three a minute.
     let kills: Vec<Target> = match soak_minutes() {
@@ -191,7 +197,7 @@ async fn latency_with_jitter_on_every_broker_loses_and_duplicates_nothing() {
     let Some(url) = cluster_url(TEST) else {
         return;
     };
-    let _turn = PROXY_PORTS.lock().await;
+    let _turn = CLUSTER.lock().await;
     let (proxies, fault_url) = proxies().await;
     let faults = soak_faults(&[Fault::Latency(Duration::from_secs(60))]);
     tokio::time::timeout(
@@ -212,7 +218,7 @@ async fn resets_and_a_broker_cut_off_lose_and_duplicate_nothing() {
     let Some(url) = cluster_url(TEST) else {
         return;
     };
-    let _turn = PROXY_PORTS.lock().await;
+    let _turn = CLUSTER.lock().await;
     let (proxies, fault_url) = proxies().await;
     let faults = soak_faults(&[
         Fault::Reset,
@@ -243,6 +249,7 @@ async fn killing_the_group_coordinator_loses_and_duplicates_nothing() {
     let Some(url) = cluster_url(TEST) else {
         return;
     };
+    let _turn = CLUSTER.lock().await;
     tokio::time::timeout(
         HANG_GUARD,
         run(TEST, &url, &[Fault::Kill(Target::GroupCoordinator)], None),
@@ -298,6 +305,11 @@ async fn run(test: &str, url: &str, kills: &[Fault], proxies: Option<(&[FaultPro
         .unwrap()
         .to_string();
     let nodes = ClusterNodes::new("ONCEFLOW_KAFKA_CLUSTER_NODE", "kafka-cluster");
+    // Every node up (a no-op when it runs): an earlier test that failed between a kill and its
+    // restart must not leave this one a broker short.
+    for n in 1..=3 {
+        nodes.start(n).await;
+    }
     let inputs = 2000 * (kills.len() + 1);
 
     let c = Client::new(onceflow_kafka::connect(url).expect("Kafka URL"));
