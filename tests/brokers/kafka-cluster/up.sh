@@ -22,9 +22,18 @@ all_answer() {
     done
 }
 
+env_lines() {
+    emit_env kafka-cluster "ONCEFLOW_KAFKA_CLUSTER_URL=kafka://$(bootstrap)" \
+        "ONCEFLOW_KAFKA_CLUSTER_NODE=$HERE/node.sh" \
+        "ONCEFLOW_KAFKA_CLUSTER_FAULT_URL=kafka://$(joined node_fault_proxy_port)" \
+        "ONCEFLOW_KAFKA_CLUSTER_FAULT_UPSTREAMS=$(joined node_fault_port)"
+}
+
 if all_answer 2>/dev/null && [[ -s $RUN_DIR/kafka-cluster.env ]]; then
     log "kafka-cluster already running"
-    cat "$RUN_DIR/kafka-cluster.env"
+    # Written again, not replayed: the node script named must be this checkout's (a cluster
+    # started from another clone, since deleted, would name a script that no longer exists).
+    env_lines
     exit 0
 fi
 for n in "${NODES[@]}"; do stop_service "kafka-cluster-$n" 2>/dev/null || true; done
@@ -80,7 +89,4 @@ wait_until 90 tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$(boo
     fail "the Kafka cluster cannot create a topic with replication factor 3"
 tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$(bootstrap)" \
     --delete --topic "$probe_topic" >&2 || fail "the Kafka cluster cannot delete a topic"
-emit_env kafka-cluster "ONCEFLOW_KAFKA_CLUSTER_URL=kafka://$(bootstrap)" \
-    "ONCEFLOW_KAFKA_CLUSTER_NODE=$HERE/node.sh" \
-    "ONCEFLOW_KAFKA_CLUSTER_FAULT_URL=kafka://$(joined node_fault_proxy_port)" \
-    "ONCEFLOW_KAFKA_CLUSTER_FAULT_UPSTREAMS=$(joined node_fault_port)"
+env_lines

@@ -35,7 +35,9 @@ env_lines() {
 
 if all_running && [[ -s $RUN_DIR/nats-cluster.env ]] && probe; then
     log "nats-cluster already running"
-    cat "$RUN_DIR/nats-cluster.env"
+    # Written again, not replayed: the node script named must be this checkout's (a cluster
+    # started from another clone, since deleted, would name a script that no longer exists).
+    env_lines
     exit 0
 fi
 for n in "${NODES[@]}"; do stop_service "nats-cluster-$n" 2>/dev/null || true; done
