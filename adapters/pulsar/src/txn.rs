@@ -80,6 +80,24 @@ impl std::fmt::Debug for Coordinators {
     }
 }
 
+/// A coordinator's `TransactionNotFound` (`NotFound`) answer to registering a partition or a
+/// subscription: the transaction is no longer open there (the coordinator aborted it at
+/// `transaction_timeout_ms`, or it was ended), so the transaction is `Aborted`, as its commit
+/// then is; not `NotFound`, which names a missing topic or subscription. Other errors pass.
+fn no_longer_open(txn: TxnId, what: &str, e: Error) -> Error {
+    if e.kind() != ErrorKind::NotFound {
+        return e;
+    }
+    Error::new(
+        ErrorKind::Aborted,
+        format!(
+            "cannot {what} Pulsar transaction {txn}: its coordinator no longer has it open (it \
+             ran past transaction_timeout_ms and was aborted, or was ended): {}",
+            e.message()
+        ),
+    )
+}
+
 impl Coordinators {
     /// Finds the cluster's coordinators through the broker at `service`. `Unsupported` when
     /// the cluster has none (`transactionCoordinatorEnabled=false`).
@@ -175,6 +193,7 @@ impl Coordinators {
         })
         .await
         .map(drop)
+        .map_err(|e| no_longer_open(txn, "send in", e))
     }
 
     /// Registers subscriptions (`(full topic partition name, subscription)`) the transaction
@@ -202,6 +221,7 @@ impl Coordinators {
         })
         .await
         .map(drop)
+        .map_err(|e| no_longer_open(txn, "acknowledge in", e))
     }
 
     /// Commits or aborts. A transaction the coordinator no longer has open (it timed out and

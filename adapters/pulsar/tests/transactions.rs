@@ -496,6 +496,48 @@ async fn a_transaction_past_its_timeout_is_aborted() {
     );
 }
 
+/// A transaction used after its timeout: the first send to a topic (registered then at the
+/// coordinator) and an acknowledgement are refused as `Aborted`, naming the timeout, not
+/// `NotFound` (the coordinator's `TransactionNotFound`, which read as a missing topic; the
+/// transactional pipeline stopped on it as on any non-retriable send error). h1 break-it, #27.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_or_acknowledgement_after_the_timeout_is_aborted() {
+    let Some(url) = url() else { return };
+    let client = connect(&format!("{url}&transaction_timeout_ms=1000")).await;
+    let topic = name("txn-late");
+    let (input, group) = (name("txn-late-in"), name("txn-late-group"));
+    let plain = send_inputs(&client, &input, 1).await;
+    let c = member(&client, &group, &input).await;
+    let got = poll_n(&c, 1).await;
+    let producer = txn_producer(&client, "txn-late").await;
+
+    let mut t = producer.begin().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let e = t
+        .send(Record::new(&topic, "late"))
+        .await
+        .expect_err("timed out");
+    assert_eq!(e.kind(), ErrorKind::Aborted, "{e}");
+    assert!(e.to_string().contains("transaction_timeout_ms"), "{e}");
+    let e = t.commit().await.expect_err("timed out");
+    assert_eq!(e.kind(), ErrorKind::Aborted, "{e}");
+
+    let mut t = producer.begin().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let e = t
+        .commit_offsets(&c.group_metadata().unwrap(), &upto(&got[0]))
+        .await
+        .expect_err("timed out");
+    assert_eq!(e.kind(), ErrorKind::Aborted, "{e}");
+    assert!(e.to_string().contains("transaction_timeout_ms"), "{e}");
+    drop(t);
+    c.close().await.unwrap();
+    assert_eq!(
+        read_to_end(&client, &plain, &topic).await,
+        vec!["end".to_string()]
+    );
+}
+
 /// A member whose partition moved to another member cannot commit the positions it
 /// acknowledged there in a transaction: the commit is `Fenced`, the transaction aborted,
 /// nothing it wrote is read. (Failover on a partitioned topic: partition `i` goes to the
