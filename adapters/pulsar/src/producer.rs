@@ -63,6 +63,10 @@ pub struct PulsarProducer {
     /// With a transactional id on a `transactions=true` connection: a transaction is open
     /// (one at a time, as on Kafka).
     pub(crate) in_txn: Option<Arc<AtomicBool>>,
+    /// A transaction of this producer was dropped and is being aborted in the background:
+    /// `begin` waits for that abort instead of refusing (the caller can neither commit nor
+    /// abort a dropped transaction).
+    pub(crate) txn_dropped: Arc<AtomicBool>,
 }
 
 /// The pulsar crate's producer options for our options.
@@ -125,6 +129,7 @@ impl PulsarProducer {
             topics: Arc::new(tokio::sync::Mutex::new(HashMap::new())),
             closed: Arc::new(AtomicBool::new(false)),
             in_txn: transactional.then(|| Arc::new(AtomicBool::new(false))),
+            txn_dropped: Arc::new(AtomicBool::new(false)),
         })
     }
 

@@ -91,10 +91,28 @@ impl PulsarTransaction {
                 "this producer has no transactional id: create the producer with a transactional id to use transactions",
             ));
         };
-        if in_txn.swap(true, Ordering::AcqRel) {
-            return Err(Error::config(
-                "this producer has a transaction open already: commit or abort it first",
-            ));
+        // A transaction dropped just before is still being aborted in the background (at
+        // most its acknowledgements' answers, its batches and the coordinator's answer, each
+        // within the operation timeout): wait for that, as on Kafka a begin after a drop
+        // goes on. Only a transaction still open (not dropped) is refused.
+        let waited_for_drop = std::time::Instant::now()
+            + producer.options.operation_timeout * 3
+            + std::time::Duration::from_secs(1);
+        while in_txn.swap(true, Ordering::AcqRel) {
+            if !producer.txn_dropped.load(Ordering::Acquire) {
+                return Err(Error::config(
+                    "this producer has a transaction open already: commit or abort it first",
+                ));
+            }
+            if std::time::Instant::now() >= waited_for_drop {
+                return Err(Error::new(
+                    ErrorKind::Timeout,
+                    "this producer's transaction dropped before is still being aborted: \
+                     begin again later",
+                )
+                .retriable(true));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         // Until the transaction is made: a begin that fails, or is cancelled (dropped at an
         // await), leaves the producer free to begin again.
@@ -390,11 +408,14 @@ impl Drop for PulsarTransaction {
         match tokio::runtime::Handle::try_current() {
             // As `abort`, in the background; then the producer may begin again.
             Ok(rt) => {
+                let dropped = self.producer.txn_dropped.clone();
+                dropped.store(true, Ordering::Release);
                 rt.spawn(async move {
                     let id = abort.id;
                     if let Err(e) = abort.run().await {
                         tracing::debug!(txn = %id, error = %e, "aborting a dropped Pulsar transaction");
                     }
+                    dropped.store(false, Ordering::Release);
                 });
             }
             // No runtime to abort on: the coordinator aborts it at its timeout.

@@ -538,6 +538,43 @@ async fn a_send_or_acknowledgement_after_the_timeout_is_aborted() {
     );
 }
 
+/// `begin` right after a transaction was dropped (an error returned with `?` out of the block
+/// that held it) opens the next one once the dropped one's background abort ended, as on Kafka;
+/// it was refused at once with "a transaction open already: commit or abort it first", which the
+/// caller could do neither of. The dropped transaction's records are never read. h1 break-it,
+/// #27.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_right_after_a_drop_opens_the_next_transaction() {
+    let Some(url) = url() else { return };
+    let client = connect(&url).await;
+    let topic = name("txn-drop-begin");
+    let producer = client
+        .producer(
+            ProducerConfig::new()
+                .transactional_id(name("txn-drop-begin"))
+                .option("batch_size", "100")
+                .option("batch_timeout_ms", "200"),
+        )
+        .await
+        .unwrap();
+    for round in 0..3 {
+        let mut t = producer.begin().await.unwrap();
+        for i in 0..5 {
+            t.send(Record::new(&topic, format!("dropped{round}-{i}")))
+                .await
+                .unwrap();
+        }
+        drop(t);
+    }
+    let mut t = producer.begin().await.expect("begin right after a drop");
+    t.send(Record::new(&topic, "next")).await.unwrap();
+    t.commit().await.unwrap();
+    assert_eq!(
+        read_to_end(&client, &plain(&client).await, &topic).await,
+        vec!["next".to_string(), "end".to_string()]
+    );
+}
+
 /// A member whose partition moved to another member cannot commit the positions it
 /// acknowledged there in a transaction: the commit is `Fenced`, the transaction aborted,
 /// nothing it wrote is read. (Failover on a partitioned topic: partition `i` goes to the
