@@ -31,6 +31,10 @@ struct TopicProducers {
     /// life (`u64::MAX` before the first receipt with a message id), see
     /// [`PulsarProducer::complete`].
     stored_from: Vec<Arc<AtomicU64>>,
+    /// Per partition, with batching: about how many bytes of messages were handed to the crate
+    /// since this producer last sent the partition's batch itself (an upper bound: the crate
+    /// also sends batches on its own, by count or time). See [`PulsarProducer::hand_over`].
+    batched_bytes: Vec<AtomicUsize>,
     partitioned: bool,
     round_robin: AtomicUsize,
     /// The runtime the producers were made on: dropping a crate producer spawns its close on
@@ -87,6 +91,20 @@ pub fn producer_options(o: &PulsarOptions) -> ProducerOptions {
         block_queue_if_full: true,
         ..Default::default()
     }
+}
+
+/// About how many bytes `msg` takes in a batch: payload, properties, keys and each message's
+/// metadata (an upper bound of the uncompressed size; compression only makes it smaller).
+fn batched_size(msg: &PulsarMessage) -> usize {
+    msg.payload.len()
+        + msg
+            .properties
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 8)
+            .sum::<usize>()
+        + msg.partition_key.as_ref().map_or(0, |k| k.len())
+        + msg.ordering_key.as_ref().map_or(0, |k| k.len())
+        + 64
 }
 
 /// What a send was handed to: the topic and partition and the receipt to wait for.
@@ -170,6 +188,7 @@ impl PulsarProducer {
             stored_from: (0..parts.len())
                 .map(|_| Arc::new(AtomicU64::new(u64::MAX)))
                 .collect(),
+            batched_bytes: (0..parts.len()).map(|_| AtomicUsize::new(0)).collect(),
             parts,
             partitioned,
             round_robin: AtomicUsize::new(rand::random::<u32>() as usize),
@@ -262,6 +281,27 @@ impl PulsarProducer {
         msg: PulsarMessage,
     ) -> Result<InFlight> {
         let timestamp = record.timestamp.unwrap_or_else(now_ms);
+        if self.options.batching() {
+            // The crate sends a batch once it holds `batch_size` messages or `batch_bytes`
+            // bytes, checked after adding one, so one entry can grow past the broker's
+            // `maxMessageSize`: the broker then refuses it and every record of it failed after
+            // the operation timeout (600 records of 10 KiB with batch_size=1000: none
+            // delivered). The partition's batch goes first when this message would take it
+            // past the limit.
+            let size = batched_size(&msg);
+            let held = &t.batched_bytes[partition];
+            let limit = self
+                .options
+                .max_message_bytes
+                .saturating_sub(crate::PROPERTY_ROOM);
+            if held.load(Ordering::Relaxed) + size > limit {
+                // A failed send shows in the receipts of the records it held.
+                let _ = tokio::time::timeout(self.options.operation_timeout, producer.send_batch())
+                    .await;
+                held.store(0, Ordering::Relaxed);
+            }
+            held.fetch_add(size, Ordering::Relaxed);
+        }
         let future = producer.send_non_blocking(msg).await.map_err(|e| {
             pulsar_err(
                 format!("sending to '{}' partition {partition}", record.topic),

@@ -575,6 +575,71 @@ async fn a_begin_right_after_a_drop_opens_the_next_transaction() {
     );
 }
 
+/// A batching producer keeps each batch within the broker's `maxMessageSize`: 600 records of
+/// 10 KiB with `batch_size=1000` (about 6 MiB a batch), and, in a transaction, two records of
+/// 3 MiB and a small one. The crate checks its batch limits only after adding a record, so
+/// such batches went out whole, the broker refused them, and every record of them failed
+/// after the operation timeout with a retriable `Timeout` (none of the 600 delivered; a
+/// pipeline writing them would abort and retry for ever). h1 break-it, #27.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_stay_within_the_message_size_limit() {
+    let Some(url) = url() else { return };
+    let client = connect(&format!("{url}&operation_timeout_ms=10000")).await;
+    let topic = name("txn-big-batches");
+    let batching = ProducerConfig::new()
+        .option("batch_size", "1000")
+        .option("batch_timeout_ms", "200");
+    let records = (0..600)
+        .map(|i| {
+            let mut p = format!("r{i}-").into_bytes();
+            p.extend((0..10 * 1024).map(|_| rand::random::<u8>()));
+            Record::new(&topic, p)
+        })
+        .collect();
+    let sent = client
+        .producer(batching.clone())
+        .await
+        .unwrap()
+        .send_batch(records)
+        .await;
+    let failed: Vec<String> = sent
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+
+    let producer = client
+        .producer(batching.transactional_id(name("txn-big-batches")))
+        .await
+        .unwrap();
+    let big = |tag: &str| {
+        let mut p = format!("{tag}-").into_bytes();
+        p.resize(3 * 1024 * 1024, b'y');
+        Record::new(&topic, p)
+    };
+    let mut t = producer.begin().await.unwrap();
+    for r in t
+        .send_batch(vec![big("t1"), big("t2"), Record::new(&topic, "t3")])
+        .await
+    {
+        r.unwrap();
+    }
+    t.commit().await.unwrap();
+    let read: Vec<String> = read_to_end(&client, &plain(&client).await, &topic)
+        .await
+        .into_iter()
+        .map(|v| v.split('-').next().unwrap_or_default().to_string())
+        .collect();
+    let mut expected: Vec<String> = (0..600).map(|i| format!("r{i}")).collect();
+    expected.extend(["t1", "t2", "t3", "end"].map(String::from));
+    assert_eq!(read, expected);
+}
+
 /// A member whose partition moved to another member cannot commit the positions it
 /// acknowledged there in a transaction: the commit is `Fenced`, the transaction aborted,
 /// nothing it wrote is read. (Failover on a partitioned topic: partition `i` goes to the
