@@ -245,6 +245,10 @@ impl Coordinators {
                 c
             })
             .await;
+        let verb = match end {
+            TxnEnd::Commit => "commit",
+            TxnEnd::Abort => "abort",
+        };
         match result {
             Ok(_) => Ok(()),
             Err(e)
@@ -275,6 +279,18 @@ impl Coordinators {
                     e.message()
                 ),
             )),
+            // No answer in time (the request may have reached the coordinator): say which
+            // request, and that the transaction may still end so.
+            Err(e) if e.outcome_unknown() => Err(Error::new(
+                e.kind(),
+                format!(
+                    "the outcome of the {verb} of Pulsar transaction {txn} is unknown (it \
+                     may still {verb}): {}",
+                    e.message()
+                ),
+            )
+            .retriable(e.is_retriable())
+            .with_outcome_unknown()),
             Err(e) => Err(e),
         }
     }

@@ -489,6 +489,10 @@ async fn h1b_pipeline_whose_commits_land_late_writes_each_output_once() {
     use onceflow_conformance::fault_proxy::{pulsar_command_type, Action, Direction, FaultProxy};
     use onceflow_core::{EngineConfig, Pipeline, PipelineConfig};
     const END_TXN: i32 = 56;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let Some(url) = url() else { return };
     let Some(service) = require("ONCEFLOW_PULSAR_FAULT_URL") else {
         return;

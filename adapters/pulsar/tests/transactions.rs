@@ -1643,6 +1643,46 @@ async fn a_pipeline_whose_commit_answers_are_lost_writes_each_output_once() {
     }
 }
 
+/// A commit whose `END_TXN` is held past the operation timeout (then delivered: the commit lands
+/// late) fails with its outcome unknown, and its error says so and names the transaction: it
+/// said only "no answer from the Pulsar broker at … within 3000 ms" (h1 break-it, #27). The
+/// late commit's outputs are read once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_held_past_the_timeout_says_its_outcome_is_unknown() {
+    use onceflow_conformance::fault_proxy::{pulsar_command_type, Action, Direction};
+    const END_TXN: i32 = 56;
+    let Some(url) = url() else { return };
+    let _turn = PROXY_PORT.lock().await;
+    let Some((proxy, fault_url)) = fault_proxy().await else {
+        return;
+    };
+    let direct = connect(&url).await;
+    let behind = connect(&format!("{fault_url}&operation_timeout_ms=2000")).await;
+    let topic = name("txn-held-commit");
+    let producer = txn_producer(&behind, "txn-held-commit").await;
+    let mut t = producer.begin().await.unwrap();
+    t.send(Record::new(&topic, "late")).await.unwrap();
+    proxy.once(
+        Direction::ToBroker,
+        |f| pulsar_command_type(f) == Some(END_TXN),
+        Action::Delay(Duration::from_millis(3500)),
+    );
+    let e = t.commit().await.expect_err("no answer within the timeout");
+    assert_eq!(proxy.fired(), 1, "the commit was held");
+    assert!(e.outcome_unknown(), "{e}");
+    assert!(
+        e.to_string()
+            .contains("outcome of the commit of Pulsar transaction"),
+        "{e}"
+    );
+    producer.settle_transactions().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        read_to_end(&direct, &plain(&direct).await, &topic).await,
+        vec!["late".to_string(), "end".to_string()]
+    );
+}
+
 /// A `begin` cancelled while it waits for the coordinator (its future dropped by a timeout)
 /// leaves the producer free to begin again; before, the producer said "a transaction open
 /// already" for ever (h1 break-it).
