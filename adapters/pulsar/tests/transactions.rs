@@ -496,6 +496,80 @@ async fn a_transaction_past_its_timeout_is_aborted() {
     );
 }
 
+/// The transactional pipeline whose poll batch takes longer than `transaction_timeout_ms`
+/// (400 inputs of 10 ms against 2 s; each input well within it): the transaction commits
+/// part-way through the batch when it is due, and every input's output is read once. Before,
+/// the transaction lasted the whole batch, the coordinator aborted it under the batch, and the
+/// pipeline stopped with no output (h1 break-it, #27).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_batch_longer_than_the_transaction_timeout_commits_part_way() {
+    use onceflow_core::{EngineConfig, Pipeline, PipelineConfig, PipelineMode};
+    struct Slow(String);
+    #[async_trait::async_trait]
+    impl onceflow_core::Transform for Slow {
+        async fn transform(
+            &self,
+            m: &Message,
+        ) -> std::result::Result<Vec<Record>, onceflow_core::BoxError> {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Ok(vec![Record::new(&self.0, format!("out-{}", text(m)))])
+        }
+    }
+    let Some(url) = url() else { return };
+    let client = connect(&format!("{url}&transaction_timeout_ms=2000")).await;
+    let (input, output, group) = (name("slow-in"), name("slow-out"), name("slow-g"));
+    let n = 400;
+    send_inputs(&client, &input, n).await;
+    let consumer = client
+        .consumer(ConsumerConfig::new(&group, [&input]).start(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let config = PipelineConfig {
+        engine: EngineConfig {
+            batch_size: n,
+            ..EngineConfig::default()
+        },
+        mode: PipelineMode::Transactional,
+        ..PipelineConfig::default()
+    };
+    let pipeline = Pipeline::with_config(
+        consumer.clone(),
+        txn_producer(&client, "slow-tx").await,
+        None,
+        std::sync::Arc::new(Slow(output.clone())),
+        config,
+    )
+    .unwrap();
+    let watched = consumer.clone();
+    let summary = pipeline
+        .run_until(async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                if watched
+                    .lag()
+                    .await
+                    .is_ok_and(|lag| !lag.is_empty() && lag.iter().all(|l| l.messages == 0))
+                {
+                    return;
+                }
+            }
+        })
+        .await
+        .expect("the pipeline goes on past the transaction timeout");
+    assert!(
+        summary.metrics.transactions_committed > 1,
+        "committed part-way: {:?}",
+        summary.metrics
+    );
+    let mut got = read_to_end(&client, &plain(&client).await, &output).await;
+    assert_eq!(got.pop().as_deref(), Some("end"));
+    got.sort();
+    let mut expected: Vec<String> = (0..n).map(|i| format!("out-in{i}")).collect();
+    expected.sort();
+    assert_eq!(got, expected, "every input's output once");
+}
+
 /// A transaction used after its timeout: the first send to a topic (registered then at the
 /// coordinator) and an acknowledgement are refused as `Aborted`, naming the timeout, not
 /// `NotFound` (the coordinator's `TransactionNotFound`, which read as a missing topic; the

@@ -119,9 +119,14 @@ pub struct PipelineConfig {
     pub engine: EngineConfig,
     /// Mechanism choice.
     pub mode: PipelineMode,
-    /// Transactional mode: commit a transaction at least this often. Default 100 ms.
+    /// Transactional mode: commit a transaction at least this often. Default 100 ms. Checked
+    /// before each input, so a poll batch of slow transforms is split over several
+    /// transactions: keep it well below the platform's transaction timeout (Kafka
+    /// `transaction.timeout.ms`, Pulsar `transaction_timeout_ms`); one input's transform
+    /// longer than that timeout still aborts its transaction.
     pub transaction_interval: Duration,
-    /// Transactional mode: ... or after this many inputs. Default 10 000.
+    /// Transactional mode: ... or after this many inputs (also checked before each input).
+    /// Default 10 000.
     pub max_transaction_inputs: usize,
 }
 
@@ -680,6 +685,18 @@ impl TxLoop<'_> {
                     i,
                     run_start,
                 };
+                // A batch of slow transforms can outlast the transaction: commit what is done
+                // once it is due, and go on with the rest of the batch in the next one.
+                if i > 0 && self.due(&st) {
+                    let rest = &keys[i..];
+                    match self.commit_mid_batch(&mut st, at, rest).await {
+                        Ok(true) => {}
+                        other => {
+                            self.release_unreached(&taken, i - 1).await;
+                            return other.map(drop);
+                        }
+                    }
+                }
                 if redo {
                     // This very input was completed by a transaction that did not commit (a
                     // crash or an abort after the completion): not a duplicate.
@@ -815,15 +832,63 @@ impl TxLoop<'_> {
             // markers and aborted records after the last input), or lag never reaches 0.
             core.maybe_commit_skipped().await?;
         }
-        let due = st.tx.is_some()
-            && (st.inputs >= self.config.max_transaction_inputs
-                || st
-                    .started
-                    .is_some_and(|s| s.elapsed() >= self.config.transaction_interval));
-        if due {
+        if self.due(&st) {
             self.commit(&mut st).await?;
         }
         Ok(())
+    }
+
+    /// Whether the open transaction is due to commit: it holds
+    /// [`PipelineConfig::max_transaction_inputs`] inputs, or began
+    /// [`PipelineConfig::transaction_interval`] ago.
+    fn due(&self, st: &TxState) -> bool {
+        st.tx.is_some()
+            && (st.inputs >= self.config.max_transaction_inputs
+                || st
+                    .started
+                    .is_some_and(|s| s.elapsed() >= self.config.transaction_interval))
+    }
+
+    /// The open transaction is due part-way through a batch, before input `at.i`: commits the
+    /// inputs finished so far (their outputs and positions) and begins the next transaction
+    /// for the rest of the batch (`rest_keys`: their store keys). Checked only at the end of
+    /// a batch, a transaction lasted a whole batch (`batch_size` × the transform's time),
+    /// and one longer than the platform's transaction timeout was aborted by its coordinator
+    /// under it: the pipeline failed, every time, with no output (h1 break-it, #27: 500
+    /// inputs of 15 ms against Pulsar's `transaction_timeout_ms=5000`).
+    ///
+    /// Where the commit would acknowledge an input of the rest (see
+    /// [`TxLoop::commit_before`]), the batch goes on in the same transaction. `Ok(false)`:
+    /// the commit failed and the consumer was rewound; the rest of the batch is abandoned.
+    async fn commit_mid_batch(
+        &self,
+        st: &mut TxState,
+        at: At<'_>,
+        rest_keys: &[Option<String>],
+    ) -> Result<bool> {
+        raise_to_run_so_far(st, at);
+        let rest = &at.msgs[at.i..];
+        if !commits_none_of(st, rest) {
+            return Ok(true);
+        }
+        // The keys of the rest stay in flight: a redelivery of one in a later batch is a
+        // duplicate of the input still to come, not a claim to wait out.
+        let inflight: Vec<(String, Option<u128>)> = rest_keys
+            .iter()
+            .flatten()
+            .filter_map(|k| st.inflight.get(k).map(|fp| (k.clone(), *fp)))
+            .collect();
+        tracing::debug!(at = %at.msg().position, "transaction due part-way through a batch; committing the inputs before it");
+        if !self.commit_tx(st).await? {
+            return Ok(false);
+        }
+        // A rewind of the next transaction seeks back to the rest where nothing is committed.
+        st.note_first(rest);
+        st.inflight.extend(inflight);
+        st.tx = Some(self.producer.begin().await?);
+        st.tx_seq += 1;
+        st.started = Some(Instant::now());
+        Ok(true)
     }
 
     /// Waits for the poll running ahead, if any, and keeps its batch for the next step. After
@@ -1264,22 +1329,8 @@ impl TxLoop<'_> {
                 tracing::warn!(error = %e, "releasing a failed input's claim failed; it expires with its lease");
             }
         }
-        let done = &at.msgs[at.run_start..at.i];
-        if let Some(highest) = Position::highest(done.iter().map(|m| &m.position)) {
-            match st.positions.entry(msg.topic_partition()) {
-                Entry::Occupied(mut e) => e.get_mut().raise_to(highest),
-                Entry::Vacant(e) => {
-                    e.insert(highest.clone());
-                }
-            }
-        }
-        let safe = st.inputs > 0
-            && at.msgs[at.i..].iter().all(|m| {
-                st.positions
-                    .get(&m.topic_partition())
-                    .is_none_or(|p| p.partial_cmp(&m.position) == Some(std::cmp::Ordering::Less))
-            });
-        if !safe {
+        raise_to_run_so_far(st, at);
+        if !commits_none_of(st, &at.msgs[at.i..]) {
             return self.abort_and_rewind(st, "input failed").await;
         }
         // The rewind after the commit seeks back every partition this transaction read, the
@@ -1384,6 +1435,34 @@ impl TxLoop<'_> {
         st.started = None;
         Ok(())
     }
+}
+
+/// Raises the open transaction's position of `at.msg()`'s partition to the highest input of
+/// its run finished before it (`at.run_start..at.i`; a run's position is otherwise added at
+/// the run's end).
+fn raise_to_run_so_far(st: &mut TxState, at: At<'_>) {
+    let done = &at.msgs[at.run_start..at.i];
+    if let Some(highest) = Position::highest(done.iter().map(|m| &m.position)) {
+        match st.positions.entry(at.msg().topic_partition()) {
+            Entry::Occupied(mut e) => e.get_mut().raise_to(highest),
+            Entry::Vacant(e) => {
+                e.insert(highest.clone());
+            }
+        }
+    }
+}
+
+/// Whether committing the open transaction now acknowledges none of `rest` (inputs read and
+/// not finished): it acknowledges, per partition, every input given out up to the position it
+/// commits, and single redeliveries come behind newer inputs (Pulsar shared / key_shared).
+/// False when the transaction holds no input.
+fn commits_none_of(st: &TxState, rest: &[Message]) -> bool {
+    st.inputs > 0
+        && rest.iter().all(|m| {
+            st.positions
+                .get(&m.topic_partition())
+                .is_none_or(|p| p.partial_cmp(&m.position) == Some(std::cmp::Ordering::Less))
+        })
 }
 
 #[cfg(test)]
