@@ -66,6 +66,34 @@ impl ClusterNodes {
     pub async fn start(&self, node: u32) {
         self.run("start", node).await;
     }
+
+    /// What `node.sh state N` prints for each node 1..3 (running or not, health, the last
+    /// lines of its log about leaders), for the message of a test that fails waiting on the
+    /// cluster. A script without a `state` command gives its error instead.
+    pub async fn describe(&self) -> String {
+        let script = self.script.clone();
+        tokio::task::spawn_blocking(move || {
+            (1..=3)
+                .map(|n| {
+                    match std::process::Command::new("bash")
+                        .arg(&script)
+                        .arg("state")
+                        .arg(n.to_string())
+                        .output()
+                    {
+                        Ok(out) => format!(
+                            "{}{}",
+                            String::from_utf8_lossy(&out.stdout),
+                            String::from_utf8_lossy(&out.stderr)
+                        ),
+                        Err(e) => format!("node {n}: node.sh state failed: {e}\n"),
+                    }
+                })
+                .collect::<String>()
+        })
+        .await
+        .unwrap_or_else(|e| format!("node.sh state task: {e}"))
+    }
 }
 
 /// Inputs missing from an output and inputs in it more than once.
