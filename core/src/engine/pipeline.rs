@@ -635,9 +635,7 @@ impl TxLoop<'_> {
             }
             core.metrics.add(Metric::Consumed, msgs.len() as u64);
             if st.tx.is_none() {
-                st.tx = Some(self.producer.begin().await?);
-                st.tx_seq += 1;
-                st.started = Some(Instant::now());
+                self.begin_tx(&mut st).await?;
             }
             // Store keys are only needed with a store: without one, no key is claimed, and
             // formatting one per input was a sixth of the pipeline's own CPU time (K4).
@@ -810,15 +808,7 @@ impl TxLoop<'_> {
                     .get(i + 1)
                     .is_none_or(|next| next.partition != msg.partition || next.topic != msg.topic);
                 if run_ends {
-                    let highest =
-                        Position::highest(msgs[run_start..=i].iter().map(|m| &m.position))
-                            .expect("a run has its last input");
-                    match st.positions.entry(msg.topic_partition()) {
-                        Entry::Occupied(mut e) => e.get_mut().raise_to(highest),
-                        Entry::Vacant(e) => {
-                            e.insert(highest.clone());
-                        }
-                    }
+                    raise_position(&mut st, msg, &msgs[run_start..=i]);
                 }
                 st.inputs += 1;
             }
@@ -885,10 +875,16 @@ impl TxLoop<'_> {
         // A rewind of the next transaction seeks back to the rest where nothing is committed.
         st.note_first(rest);
         st.inflight.extend(inflight);
+        self.begin_tx(st).await?;
+        Ok(true)
+    }
+
+    /// Begins the next transaction of this run.
+    async fn begin_tx(&self, st: &mut TxState) -> Result<()> {
         st.tx = Some(self.producer.begin().await?);
         st.tx_seq += 1;
         st.started = Some(Instant::now());
-        Ok(true)
+        Ok(())
     }
 
     /// Waits for the poll running ahead, if any, and keeps its batch for the next step. After
@@ -1441,9 +1437,14 @@ impl TxLoop<'_> {
 /// its run finished before it (`at.run_start..at.i`; a run's position is otherwise added at
 /// the run's end).
 fn raise_to_run_so_far(st: &mut TxState, at: At<'_>) {
-    let done = &at.msgs[at.run_start..at.i];
+    raise_position(st, at.msg(), &at.msgs[at.run_start..at.i]);
+}
+
+/// Raises the open transaction's position of `of`'s partition to the highest of `done` (inputs
+/// of that partition's run, finished); nothing when `done` is empty.
+fn raise_position(st: &mut TxState, of: &Message, done: &[Message]) {
     if let Some(highest) = Position::highest(done.iter().map(|m| &m.position)) {
-        match st.positions.entry(at.msg().topic_partition()) {
+        match st.positions.entry(of.topic_partition()) {
             Entry::Occupied(mut e) => e.get_mut().raise_to(highest),
             Entry::Vacant(e) => {
                 e.insert(highest.clone());
