@@ -12,6 +12,7 @@
 //! `require_key_dead_letters_a_keyless_message`,
 //! `conflicting_payload_does_not_stop_consumer_or_pipeline`, `requeued_job_runs_once_more`,
 //! `requeued_input_is_transformed_once_more`,
+//! `a_transaction_due_mid_batch_commits_there`,
 //! `rewind_uncommitted_refuses_partitions_it_does_not_read`,
 //! `closed_producer_refuses_sends_and_transactions`.
 
@@ -61,6 +62,7 @@ macro_rules! engine_suite {
             requeued_input_is_transformed_once_more,
             a_failing_input_costs_only_its_own_redelivery,
             a_stopped_pipeline_leaves_no_claim_of_its_batch_behind,
+            a_transaction_due_mid_batch_commits_there,
             rewind_uncommitted_refuses_partitions_it_does_not_read,
             closed_producer_refuses_sends_and_transactions,
         );
@@ -751,7 +753,35 @@ async fn run_pipeline_with(
     config: PipelineConfig,
     expected_inputs: usize,
 ) -> Result<(Guarantee, Metrics)> {
-    let consumer = client.consumer(consumer_config(h, group, input)).await?;
+    let consumer = consumer_config(h, group, input);
+    run_pipeline_on(
+        h,
+        client,
+        consumer,
+        tx_id,
+        input,
+        store,
+        transform,
+        config,
+        expected_inputs,
+    )
+    .await
+}
+
+/// [`run_pipeline_with`] with the consumer's configuration given.
+#[allow(clippy::too_many_arguments)]
+async fn run_pipeline_on(
+    h: &dyn Harness,
+    client: &Client,
+    consumer: ConsumerConfig,
+    tx_id: &str,
+    input: &str,
+    store: Arc<dyn DedupStore>,
+    transform: Arc<dyn Transform>,
+    config: PipelineConfig,
+    expected_inputs: usize,
+) -> Result<(Guarantee, Metrics)> {
+    let consumer = client.consumer(consumer).await?;
     let producer = client
         .producer(ProducerConfig::new().transactional_id(tx_id.to_string()))
         .await?;
@@ -1541,6 +1571,82 @@ pub async fn a_failing_input_costs_only_its_own_redelivery(h: &dyn Harness) -> C
             N / EVERY,
             metrics.snapshot()
         ),
+    )?;
+    Ok(Outcome::Passed)
+}
+
+/// Echoes each input after `delay` (a slow transform).
+struct SlowEcho {
+    out: String,
+    delay: Duration,
+}
+
+#[async_trait]
+impl Transform for SlowEcho {
+    async fn transform(&self, m: &Message) -> std::result::Result<Vec<Record>, BoxError> {
+        tokio::time::sleep(self.delay).await;
+        Ok(vec![Record::new(self.out.clone(), m.payload.clone())])
+    }
+}
+
+/// A transaction that becomes due part-way through a poll batch (its `transaction_interval`
+/// passed) commits there, and the rest of the batch goes on in the next transaction: one batch
+/// of 60 inputs at 5 ms each, against an interval of 50 ms, commits several times, and every
+/// input's output is written once. (It was checked only at a batch's end, so a transaction
+/// lasted `batch_size` × the transform's time; past the platform's transaction timeout the
+/// coordinator aborted it under the batch and the pipeline stopped, h1 break-it of #27.)
+pub async fn a_transaction_due_mid_batch_commits_there(h: &dyn Harness) -> CaseResult {
+    const N: usize = 60;
+    let client = Client::new(h.platform());
+    if !client.capabilities().transactions {
+        return Ok(Outcome::Skipped(
+            "no transactions: the pipeline commits positions, not transactions".into(),
+        ));
+    }
+    let input = h.topic(1).await?;
+    let output = h.topic(1).await?;
+    produce(&client, keyed_v(&input, N)).await?;
+    let group = h.group();
+    let config = PipelineConfig {
+        engine: EngineConfig {
+            worker_id: format!("{group}-worker"),
+            batch_size: N,
+            ..fast_engine(h)
+        },
+        transaction_interval: Duration::from_millis(50),
+        ..PipelineConfig::default()
+    };
+    // The batch takes longer than the in-process backend's short session timeout of the
+    // suite (the member would be evicted mid-batch, as a Kafka member past
+    // max.poll.interval.ms is): this member gets at least 10 s.
+    let consumer = consumer_config(h, &group, &input)
+        .session_timeout(h.timings().session_timeout.max(Duration::from_secs(10)));
+    let (_, metrics) = run_pipeline_on(
+        h,
+        &client,
+        consumer,
+        &h.transactional_id(),
+        &input,
+        store(),
+        Arc::new(SlowEcho {
+            out: output.clone(),
+            delay: Duration::from_millis(5),
+        }),
+        config,
+        N,
+    )
+    .await?;
+    let (payloads, want) = outputs_of_v(h, &client, &output, N).await?;
+    let s = metrics.snapshot();
+    check(
+        payloads == want,
+        format!("{N} outputs once each, got {} ({s:?})", payloads.len()),
+    )?;
+    // N × 5 ms = 300 ms of transforms against 50 ms: about 6 commits; 1 (or 2 with the
+    // run's last) when only a batch's end commits.
+    check(
+        s.transactions_committed >= 3,
+        format!("committed part-way through the batch: {s:?}"),
     )?;
     Ok(Outcome::Passed)
 }
