@@ -33,6 +33,16 @@ impl SubscriptionType {
         )
     }
 
+    /// The name `subscription_type=` takes: `failover`, `exclusive`, `shared`, `key_shared`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SubscriptionType::Failover => "failover",
+            SubscriptionType::Exclusive => "exclusive",
+            SubscriptionType::Shared => "shared",
+            SubscriptionType::KeyShared => "key_shared",
+        }
+    }
+
     fn parse(key: &str, value: &str) -> Result<Self> {
         Ok(
             match value.to_ascii_lowercase().replace('-', "_").as_str() {

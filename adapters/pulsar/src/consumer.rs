@@ -278,25 +278,14 @@ impl Resubscribe {
         let this = self.clone();
         Box::pin(async move {
             tokio::time::sleep(delay).await;
-            let bound = this.options.operation_timeout;
-            match tokio::time::timeout(
-                bound,
-                subscribe(
-                    &this.shared,
-                    &this.options,
-                    &this.config,
-                    &this.member,
-                    &this.name,
-                ),
+            subscribe_within(
+                &this.shared,
+                &this.options,
+                &this.config,
+                &this.member,
+                &this.name,
             )
             .await
-            {
-                Ok(r) => r,
-                Err(_) => Err(Error::new(
-                    ErrorKind::Connect,
-                    format!("no answer within {} ms", bound.as_millis()),
-                )),
-            }
         })
     }
 
@@ -441,7 +430,7 @@ impl PulsarConsumer {
                     ),
                     _ => (full.clone(), path.clone(), -1),
                 };
-                let raw = subscribe(&shared, &options, &config, &member, &name).await?;
+                let raw = subscribe_within(&shared, &options, &config, &member, &name).await?;
                 let (cmd, cmd_rx) = mpsc::unbounded_channel();
                 let (tx, rx) = mpsc::channel(options.receiver_queue_size.max(1) as usize);
                 let tp = TopicPartition::new(topic.clone(), i as i32);
@@ -1143,6 +1132,40 @@ enum Admit {
     Skip,
     /// Not for the application: the broker is asked to rewind again, to this message.
     Rewind(MessageIdData),
+}
+
+/// [`subscribe`] within `operation_timeout_ms`. The broker answers a subscribe it cannot take
+/// now with `ConsumerBusy`: an exclusive subscription that has a consumer, or a subscription
+/// that exists with consumers of another type. The pulsar crate retries that every 5 s with no
+/// limit, so unbounded the caller waited for ever (the Java client fails it at once with
+/// `ConsumerBusyException`); bounded, it gets a retriable `Connect` error naming the
+/// subscription, its type and the likely cause. The bound leaves the broker time to let go of
+/// a consumer whose connection just died.
+async fn subscribe_within(
+    shared: &Shared,
+    options: &PulsarOptions,
+    config: &ConsumerConfig,
+    member: &str,
+    topic: &str,
+) -> Result<RawConsumer> {
+    let bound = options.operation_timeout;
+    match tokio::time::timeout(bound, subscribe(shared, options, config, member, topic)).await {
+        Ok(r) => r,
+        Err(_) => {
+            let (group, kind) = (&config.group, options.subscription_type.name());
+            Err(Error::new(
+                ErrorKind::Connect,
+                format!(
+                    "subscribing '{member}' to '{topic}' as '{group}' ({kind}): not subscribed \
+                     within {} ms (operation_timeout_ms): the broker did not answer, or kept \
+                     answering ConsumerBusy: subscription '{group}' already has a consumer and \
+                     is exclusive, or it has consumers of another type than {kind}",
+                    bound.as_millis()
+                ),
+            )
+            .retriable(true))
+        }
+    }
 }
 
 async fn subscribe(

@@ -586,3 +586,55 @@ async fn a_batching_producer_without_a_batch_timeout_answers_send_and_send_batch
     producer.close().await.unwrap();
     c.close().await.unwrap();
 }
+
+/// A second consumer of an exclusive subscription that already has one is refused within
+/// `operation_timeout_ms`, with an error naming the subscription, instead of waiting for ever:
+/// the broker answers `ConsumerBusy` and the pulsar crate retries that every 5 s with no limit
+/// (h1 break-it of #27). The Java client fails such a subscribe at once
+/// (`ConsumerBusyException`); here the broker gets the operation timeout to let go of a
+/// consumer whose connection just died.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_consumer_of_a_busy_exclusive_subscription_is_refused_in_time() {
+    let Some(url) = url() else { return };
+    let client = Client::new(
+        onceflow_pulsar::connect(&format!("{url}&operation_timeout_ms=3000"))
+            .await
+            .unwrap(),
+    );
+    let topic = name("busy");
+    let group = name("busy-g");
+    let producer = client.producer(ProducerConfig::new()).await.unwrap();
+    producer
+        .send(Record::new(topic.clone(), "x"))
+        .await
+        .unwrap();
+    let config = || {
+        ConsumerConfig::new(group.clone(), [topic.clone()])
+            .start(StartFrom::Earliest)
+            .option("subscription_type", "exclusive")
+    };
+    let first = client.consumer(config()).await.unwrap();
+    let got = drain(&first, 1, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 1);
+    let started = Instant::now();
+    let second = tokio::time::timeout(Duration::from_secs(30), async {
+        let c = client.consumer(config()).await?;
+        c.poll(10, Duration::from_millis(500)).await
+    })
+    .await
+    .expect("the second consumer is answered within 30 s, not left waiting");
+    let e = second.expect_err("an exclusive subscription with a consumer refuses another");
+    let msg = e.to_string();
+    assert!(msg.contains(&group), "names the subscription: {msg}");
+    assert!(
+        msg.contains("exclusive") || msg.contains("ConsumerBusy"),
+        "says why: {msg}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "refused after {:?}",
+        started.elapsed()
+    );
+    // The first consumer is not disturbed.
+    first.commit_message(&got[0]).await.unwrap();
+}
