@@ -166,5 +166,17 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// thread (PY1, benches/RESULTS.md). `local_dynamic_tls`: the module is `dlopen`ed by Python,
 /// where mimalloc's default initial-exec TLS fails ("cannot allocate memory in static TLS
 /// block").
+///
+/// `no_thp`: mimalloc (v3) otherwise asks for transparent huge pages on its own memory
+/// (`madvise(MADV_HUGEPAGE)`), so on Linux with THP in `madvise` mode (Debian's default)
+/// each first touch of fresh heap zeroes a whole 2 MiB page. Memory it freed and returned to
+/// the OS is faulted in again that way, and the extension's traffic keeps doing that: a
+/// PutRecords body (~700 KB for 500 Kinesis records) per call, the `pulsar` crate's
+/// multi-kilobyte command structs per frame in its channels. The kernel's `clear_page_erms`
+/// was 34-40 % of the process's CPU in PY5 produce and PY4 consume (perf, 2026-12-07);
+/// without the advice, 10 µs instead of 23-46 µs CPU per Kinesis record. The feature only
+/// drops mimalloc's own advice: a system with THP set to `always` still gets huge pages, and
+/// nothing process-wide is changed (mimalloc's `allow_thp=0` option would `prctl` THP off for
+/// the whole Python process).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
