@@ -1215,11 +1215,12 @@ async fn subscribe(
     })
 }
 
+/// Converts a message of the crate consumer, taking its payload over (no copy).
 fn convert_message(
     topic: &str,
     partition: i32,
     index: i32,
-    m: &pulsar::consumer::Message<Vec<u8>>,
+    m: pulsar::consumer::Message<Vec<u8>>,
 ) -> Fetched {
     let mut id = m.message_id().clone();
     let meta = m.metadata();
@@ -1229,14 +1230,17 @@ fn convert_message(
     }
     let position = convert::position(&id, index);
     let key = pos_key(&position).unwrap_or_default();
+    let record_key = convert::read_key(&m);
+    let headers = convert::read_headers(&meta.properties);
+    let timestamp = Some(convert::read_timestamp(meta));
     let message = Message {
         topic: topic.to_string(),
         partition,
         position,
-        key: convert::read_key(m),
-        payload: Bytes::from(m.payload.data.clone()),
-        headers: convert::read_headers(&meta.properties),
-        timestamp: Some(convert::read_timestamp(meta)),
+        key: record_key,
+        payload: Bytes::from(m.payload.data),
+        headers,
+        timestamp,
         delivery_count: 1,
     };
     Fetched { id, key, message }
@@ -1305,6 +1309,22 @@ struct Link {
     failure: Arc<Mutex<Option<Error>>>,
 }
 
+/// Hands what `held` has, in order, to the poller's queue, as much as it has room for;
+/// whether anything went (the caller notifies the poller once).
+fn hand_over(held: &mut VecDeque<Fetched>, tx: &mpsc::Sender<Fetched>) -> bool {
+    let mut sent = false;
+    while let Some(f) = held.pop_front() {
+        match tx.try_send(f) {
+            Ok(()) => sent = true,
+            Err(mpsc::error::TrySendError::Full(f) | mpsc::error::TrySendError::Closed(f)) => {
+                held.push_front(f);
+                break;
+            }
+        }
+    }
+    sent
+}
+
 /// The next message of the crate consumer; never, while there is none (resubscribing).
 async fn next_of(
     c: &mut Option<RawConsumer>,
@@ -1315,8 +1335,9 @@ async fn next_of(
     }
 }
 
-/// The task owning one partition's crate consumer: forwards messages (one held at a time, so
-/// the broker's flow control bounds what is fetched) and runs acks, nacks, seeks and close.
+/// The task owning one partition's crate consumer: forwards messages (held only up to the room
+/// in the poller's queue, so the broker's flow control bounds what is fetched) and runs acks,
+/// nacks, seeks and close.
 ///
 /// When the crate consumer's stream ends (the crate gave up reconnecting to the broker after
 /// `connection_max_retries`), the task subscribes again with the same subscription name, type,
@@ -1344,8 +1365,8 @@ async fn run_partition(
         failure,
     } = link;
     let mut c = Some(raw);
-    // Read from the crate consumer, not yet handed to `tx`: one at a time (so the broker's
-    // flow control bounds what is fetched), or more while `draining`.
+    // Read from the crate consumer, not yet handed to `tx`: at most what `tx` has room for
+    // (so the broker's flow control bounds what is fetched), or more while `draining`.
     let mut held: VecDeque<Fetched> = VecDeque::new();
     let mut draining: u32 = 0;
     let mut resubscribing: Option<Subscribing> = None;
@@ -1411,8 +1432,9 @@ async fn run_partition(
                 Ok(p) => {
                     if let Some(f) = held.pop_front() {
                         p.send(f);
-                        notify.notify_one();
                     }
+                    hand_over(&mut held, &tx);
+                    notify.notify_one();
                 }
                 Err(_) => break,
             },
@@ -1440,21 +1462,40 @@ async fn run_partition(
                     }
                 }
             },
-            m = next_of(&mut c), if (held.is_empty() || draining > 0) && c.is_some() => match m {
-                Some(Ok(m)) => held.push_back(convert_message(&topic, partition, index, &m)),
-                Some(Err(e)) => {
-                    tracing::debug!(error = %e, %topic, partition, "Pulsar consumer error");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+            m = next_of(&mut c), if (held.is_empty() || draining > 0) && c.is_some() => {
+                // With the message that woke the task, what the crate consumer has ready
+                // besides, up to the room in `tx` (so what the task holds stays within the
+                // queue's bound, as one message at a time did), is taken in this one round and
+                // handed over together with one notification: one select round and one
+                // wake-up of the poller per burst, not per message.
+                let mut next = Some(m);
+                while let Some(m) = next.take() {
+                    match m {
+                        Some(Ok(m)) => held.push_back(convert_message(&topic, partition, index, m)),
+                        Some(Err(e)) => {
+                            tracing::debug!(error = %e, %topic, partition, "Pulsar consumer error");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            break;
+                        }
+                        None => {
+                            tracing::warn!(
+                                %topic,
+                                partition,
+                                "the Pulsar consumer's connection to the broker is gone for good \
+                                 (the client stopped reconnecting); subscribing again"
+                            );
+                            c = None;
+                            resubscribing = Some(again.attempt(Duration::ZERO));
+                            break;
+                        }
+                    }
+                    if held.len() >= tx.capacity().max(1) {
+                        break;
+                    }
+                    next = c.as_mut().and_then(|c| c.next().now_or_never());
                 }
-                None => {
-                    tracing::warn!(
-                        %topic,
-                        partition,
-                        "the Pulsar consumer's connection to the broker is gone for good (the \
-                         client stopped reconnecting); subscribing again"
-                    );
-                    c = None;
-                    resubscribing = Some(again.attempt(Duration::ZERO));
+                if hand_over(&mut held, &tx) {
+                    notify.notify_one();
                 }
             },
         }
